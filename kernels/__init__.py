@@ -1,0 +1,1 @@
+"""Implementations under test, one module per kernel family and backend (installed as mhctool.kernels)."""

@@ -1,0 +1,1 @@
+"""cuTile (cuda.tile) kernels: forward and backward per kernel family (GPU only)."""

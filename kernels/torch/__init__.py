@@ -1,0 +1,1 @@
+"""Native PyTorch implementations: the baseline a fused kernel is judged against."""

@@ -1,0 +1,93 @@
+"""Native PyTorch mHC primitives, written the way a PyTorch user would write them.
+
+They compute at the input dtype (the mapping tensors ``h_pre``, ``h_post``, ``h_res`` are cast
+to the activation dtype), except ``proj_rms``, whose mapping path is fp32 whatever the activation
+dtype (DESIGN.md). These are the baseline of the verdict rule: a fused kernel may be at most
+``kappa`` times less accurate than these at the same dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
+             eps_mode: str = "add", order: str = "row_first"):
+    if stabilize == "rowmax":
+        p = (logits - logits.max(dim=-1, keepdim=True).values).exp()
+    elif stabilize == "none":
+        p = logits.exp()
+    elif stabilize == "softmax":
+        p = logits.softmax(dim=-1) + eps
+    else:
+        raise ValueError(f"unknown stabilize {stabilize!r}")
+
+    def norm(p, dim):
+        s = p.sum(dim=dim, keepdim=True)
+        return p / (s + eps) if eps_mode == "add" else p / s.clamp_min(eps)
+
+    first, second = (-1, -2) if order == "row_first" else (-2, -1)
+    for it in range(iters):
+        if not (it == 0 and stabilize == "softmax" and first == -1):
+            p = norm(p, first)
+        p = norm(p, second)
+    return p
+
+
+def h_aggregate(x, h_pre):
+    return torch.einsum("sbnc,sbn->sbc", x, h_pre.to(x.dtype))
+
+
+def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False):
+    h = h_res.to(x.dtype)
+    if transpose_res:
+        h = h.transpose(-1, -2)
+    branch = y if bias is None else y + bias
+    return torch.matmul(h, x) + h_post.to(x.dtype).unsqueeze(-1) * branch.unsqueeze(-2)
+
+
+def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to TF32 (10 explicit mantissa bits, round to nearest even)."""
+    bits = t.float().contiguous().view(torch.int32)
+    lsb = (bits >> 13) & 1
+    rounded = (bits + 0xFFF + lsb) & ~0x1FFF
+    finite = torch.isfinite(t.float())
+    return torch.where(finite, rounded.view(torch.float32), t.float())
+
+
+def proj_rms(x2d, weight, eps: float = 1e-6, matmul_precision: str = "ieee"):
+    """fp32 mapping path: ``proj = x W^T`` and ``r = 1 / (rms(x) + eps)``.
+
+    ``matmul_precision="tf32"`` gives the product at TF32, the precision the mHC paper specifies:
+    on CUDA through the hardware, elsewhere emulated by rounding both operands to TF32.
+    """
+    xf, wf = x2d.float(), weight.float()
+    if matmul_precision == "tf32":
+        if xf.is_cuda:
+            prev = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                proj = xf @ wf.t()
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = prev
+        else:
+            proj = round_to_tf32(xf) @ round_to_tf32(wf).t()
+    elif xf.is_cuda:
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            proj = xf @ wf.t()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+    else:
+        proj = xf @ wf.t()
+    r = 1.0 / (xf.norm(dim=-1) / math.sqrt(xf.shape[-1]) + eps)
+    return proj, r
+
+
+def compute_h(proj, r, alpha, bias, n: int):
+    """``H_pre, H_post, H_res_logits`` from ``proj``, ``r`` (fp32)."""
+    scale = torch.cat([alpha[0:1].expand(n), alpha[1:2].expand(n), alpha[2:3].expand(n * n)])
+    h = proj * r[:, None] * scale + bias
+    return h[:, :n].sigmoid(), 2 * h[:, n:2 * n].sigmoid(), h[:, 2 * n:].unflatten(-1, (n, n))

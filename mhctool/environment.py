@@ -1,0 +1,130 @@
+"""What is installed and usable here: backends for `doctor`, metadata for reports."""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import __version__
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    name: str
+    usable: bool
+    mode: str  # e.g. "native", "interpreter", "unavailable"
+    version: str | None
+    reason: str | None  # why unusable (None when usable)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def ensure_triton_mode() -> None:
+    """With no GPU, run Triton kernels through its interpreter (set before any kernel is defined)."""
+    if not cuda_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_status() -> BackendStatus:
+    v = _version("triton")
+    if v is None:
+        return BackendStatus("triton", False, "unavailable", None, "triton is not installed")
+    ensure_triton_mode()
+    if triton_interpreted():
+        return BackendStatus("triton", True, "interpreter", v, None)
+    return BackendStatus("triton", True, "native", v, None)
+
+
+def tileiras_path() -> str | None:
+    return shutil.which("tileiras")
+
+
+@functools.lru_cache(maxsize=None)
+def cutile_status() -> BackendStatus:
+    v = _version("cuda-tile")
+    if v is None:
+        return BackendStatus("cutile", False, "unavailable", None, "cuda-tile is not installed")
+    try:
+        import cuda.tile  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        return BackendStatus("cutile", False, "unavailable", v, f"import cuda.tile failed: {e}")
+    if not cuda_available():
+        return BackendStatus("cutile", False, "unavailable", v, "cuTile needs a CUDA GPU and none is visible")
+    if tileiras_path() is None:
+        return BackendStatus("cutile", False, "unavailable", v,
+                             "cuTile needs the tileiras compiler on PATH and none was found")
+    return BackendStatus("cutile", True, "native", v, None)
+
+
+def torch_status() -> BackendStatus:
+    mode = "cuda" if cuda_available() else "cpu"
+    return BackendStatus("torch", True, mode, torch.__version__, None)
+
+
+def compile_status() -> BackendStatus:
+    return BackendStatus("compile", True, "inductor", torch.__version__, None)
+
+
+def backends() -> list[BackendStatus]:
+    return [torch_status(), compile_status(), triton_status(), cutile_status()]
+
+
+def git_commit() -> str | None:
+    here = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def gpu_info() -> dict:
+    if not cuda_available():
+        return {"gpu": None}
+    p = torch.cuda.get_device_properties(0)
+    info = {"gpu": p.name, "sm": f"{p.major}{p.minor}", "gpu_memory_bytes": p.total_memory,
+            "cuda": torch.version.cuda}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        info["driver"] = None
+    return info
+
+
+def metadata() -> dict:
+    """Environment recorded in every report."""
+    return {
+        "mhctool": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "cuda_tile": _version("cuda-tile"),
+        "triton_mode": triton_status().mode,
+        "git_commit": git_commit(),
+        **gpu_info(),
+    }

@@ -1,0 +1,211 @@
+"""Seeded input families per kernel.
+
+Plain random inputs at unit scale hide most numerics defects, so each kernel family has input
+families chosen to amplify one knob of its contract (DESIGN.md, "Inputs that expose defects").
+A generator draws float32 values on the CPU from a seeded ``torch.Generator`` (the same inputs on
+every device), then the runner casts them: activations to the case dtype, mapping tensors
+(``h_pre``, ``h_post``, ``h_res``) to fp32, the mapping path's precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .errors import UsageError
+from .shapes import Shape
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class InputFamily:
+    name: str
+    doc: str
+    make: Callable[[Shape, torch.Generator, dict], Tensors]
+    reshape: Callable[[Shape], Shape] = field(default=lambda s: s)
+
+
+def _randn(g, *shape):
+    return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+
+def _rand(g, *shape):
+    return torch.rand(*shape, generator=g, dtype=torch.float32)
+
+
+def _log_uniform(g, lo, hi, *shape):
+    return 10.0 ** (lo + (hi - lo) * _rand(g, *shape))
+
+
+# --- sinkhorn -------------------------------------------------------------------------------
+
+def _sk_random(shape, g, knobs):
+    # per-matrix scale from 0.1 to 10: the easy regime and the moderately peaked one
+    scale = _log_uniform(g, -1, 1, shape.s, shape.b, 1, 1)
+    return {"logits": _randn(g, shape.s, shape.b, shape.n, shape.n) * scale}
+
+
+def _sk_large(shape, g, knobs):
+    # logits of 90 to 300 with a spread of a few units: exp overflows every float format without
+    # max subtraction, while the projected matrix is as well conditioned as for small logits
+    s, b, n = shape.s, shape.b, shape.n
+    level = 90 + 210 * _rand(g, s, b, 1, 1)
+    spread = 0.5 + 2.5 * _rand(g, s, b, 1, 1)
+    return {"logits": level + spread * _randn(g, s, b, n, n)}
+
+
+def _sk_dead(shape, g, knobs):
+    # one column per matrix (and one row on every other matrix) sits 20 to 80 below the rest:
+    # after exponentiation its sums are far below eps, so eps and its mode decide the result
+    s, b, n = shape.s, shape.b, shape.n
+    logits = _randn(g, s, b, n, n)
+    offset = 20 + 60 * _rand(g, s, b)
+    col = torch.randint(0, n, (s, b), generator=g)
+    row = torch.randint(0, n, (s, b), generator=g)
+    cols = torch.nn.functional.one_hot(col, n).float()[..., None, :]
+    rows = torch.nn.functional.one_hot(row, n).float()[..., :, None]
+    every_other = (torch.arange(s * b).reshape(s, b) % 2).float()[..., None, None]
+    logits = logits - offset[..., None, None] * (cols + every_other * rows).clamp(max=1)
+    return {"logits": logits}
+
+
+def _sk_near_perm(shape, g, knobs):
+    # a permutation plus noise: Sinkhorn converges slowly, so iteration count and order matter
+    s, b, n = shape.s, shape.b, shape.n
+    perm = torch.argsort(_rand(g, s, b, n), dim=-1)
+    p = torch.nn.functional.one_hot(perm, n).float()
+    return {"logits": 8.0 * p + 0.5 * _randn(g, s, b, n, n)}
+
+
+# --- h_aggregate / h_post_bda -------------------------------------------------------------------
+
+def _long_c(shape: Shape) -> Shape:
+    return shape.replace(c=max(shape.c, 4099))
+
+
+def _long_tokens(shape: Shape) -> Shape:
+    return shape.replace(s=max(shape.s, -(-4099 // shape.b)))
+
+
+def _mixing(g, s, b, n):
+    return torch.softmax(2.0 * _randn(g, s, b, n, n), dim=-1)
+
+
+def _agg(shape, g, knobs, x_scale=None):
+    s, b, n, c = shape.s, shape.b, shape.n, shape.c
+    x = _randn(g, s, b, n, c)
+    if x_scale is not None:
+        x = x * x_scale
+    return {"x": x, "h_pre": _rand(g, s, b, n)}
+
+
+def _agg_wide(shape, g, knobs):
+    # per token and stream magnitudes from 1e-3 to 1e3
+    return _agg(shape, g, knobs, _log_uniform(g, -3, 3, shape.s, shape.b, shape.n, 1))
+
+
+def _bda(shape, g, knobs, x_scale=None):
+    s, b, n, c = shape.s, shape.b, shape.n, shape.c
+    x = _randn(g, s, b, n, c)
+    y = _randn(g, s, b, c)
+    if x_scale is not None:
+        x = x * x_scale
+        y = y * x_scale[..., 0, :]
+    out = {"h_res": _mixing(g, s, b, n), "x": x, "h_post": 2 * _rand(g, s, b, n), "y": y}
+    out["bias"] = _randn(g, c) if knobs.get("bias", True) else None
+    return out
+
+
+def _bda_wide(shape, g, knobs):
+    return _bda(shape, g, knobs, _log_uniform(g, -3, 3, shape.s, shape.b, shape.n, 1))
+
+
+# --- proj_rms ---------------------------------------------------------------------------------
+
+def _proj(shape, g, knobs, row_scale=None):
+    m, k, nh = shape.tokens, shape.k, shape.n_h
+    x = _randn(g, m, k)
+    if row_scale is not None:
+        x = x * row_scale
+    return {"x2d": x, "weight": _randn(g, nh, k) / k ** 0.5}
+
+
+def _proj_tiny(shape, g, knobs):
+    # rms from 1e-8 to 1e-4: eps (1e-6) dominates r, and where it sits in the formula shows
+    return _proj(shape, g, knobs, _log_uniform(g, -8, -4, shape.tokens, 1))
+
+
+def _proj_huge(shape, g, knobs):
+    # rms from 1e2 to 1e4: the sum of squares overflows fp16 and is large for bf16 accumulation
+    return _proj(shape, g, knobs, _log_uniform(g, 2, 4, shape.tokens, 1))
+
+
+def _long_k(shape: Shape) -> Shape:
+    return shape.replace(c=max(shape.c, -(-8192 // shape.n) + 1))
+
+
+FAMILIES: dict[str, dict[str, InputFamily]] = {
+    "sinkhorn": {
+        f.name: f for f in [
+            InputFamily("random", "normal logits, per-matrix scale log-uniform in [0.1, 10]", _sk_random),
+            InputFamily("large_logits", "logits 90 to 300, spread of a few units: exp overflows without max subtraction", _sk_large),
+            InputFamily("dead_rows_cols", "a column (and a row on every other matrix) 20-80 below the rest: sums far below eps", _sk_dead),
+            InputFamily("near_perm", "permutation * 8 + noise: slow convergence, order and iterations matter", _sk_near_perm),
+        ]
+    },
+    "h_aggregate": {
+        f.name: f for f in [
+            InputFamily("random", "unit normal x, h_pre in (0, 1)", _agg),
+            InputFamily("wide_range", "stream magnitudes 1e-3 to 1e3", _agg_wide),
+            InputFamily("long_c", "C of at least 4099: long reductions, odd tiles", _agg, _long_c),
+        ]
+    },
+    "h_post_bda": {
+        f.name: f for f in [
+            InputFamily("random", "unit normal x, y, bias; row-stochastic h_res; h_post in (0, 2)", _bda),
+            InputFamily("wide_range", "stream magnitudes 1e-3 to 1e3", _bda_wide),
+            InputFamily("long_c", "C of at least 4099: odd tiles over C", _bda, _long_c),
+            InputFamily("long_tokens", "at least 4099 tokens: the bias gradient reduces over them", _bda, _long_tokens),
+        ]
+    },
+    "proj_rms": {
+        f.name: f for f in [
+            InputFamily("random", "unit normal x, weight scaled by 1/sqrt(K)", _proj),
+            InputFamily("tiny_norm", "row rms 1e-8 to 1e-4: eps dominates r", _proj_tiny),
+            InputFamily("huge_norm", "row rms 1e2 to 1e4: the sum of squares is huge", _proj_huge),
+            InputFamily("long_k", "K of at least 8192: long reductions", _proj, _long_k),
+        ]
+    },
+}
+
+
+def families_for(kernel: str) -> dict[str, InputFamily]:
+    return FAMILIES[kernel]
+
+
+def get_family(kernel: str, name: str) -> InputFamily:
+    fams = FAMILIES[kernel]
+    if name not in fams:
+        raise UsageError(
+            f"unknown input family {name!r} for kernel {kernel}; accepted: {', '.join(fams)}"
+        )
+    return fams[name]
+
+
+def generate(kernel: str, family: str, shape: Shape, seed: int, knobs: dict) -> tuple[Shape, Tensors]:
+    """The (possibly reshaped) shape and the fp32 CPU tensors of one case."""
+    fam = get_family(kernel, family)
+    g = torch.Generator().manual_seed(seed)
+    shape = fam.reshape(shape)
+    return shape, fam.make(shape, g, knobs)
+
+
+def upstream_grads(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """Seeded upstream gradients, one per output, at the output's dtype and device."""
+    g = torch.Generator().manual_seed(seed + 0x5EED)
+    return [
+        torch.randn(o.shape, generator=g, dtype=torch.float32).to(dtype=o.dtype, device=o.device)
+        for o in outputs
+    ]

@@ -1,0 +1,102 @@
+"""Error metrics: one pure function each, ``(out, ref) -> float``.
+
+``out`` is an implementation's tensor at its own dtype, ``ref`` the float64 reference. Errors are
+measured where the reference is finite; a non-finite output there makes the error infinite.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dtypes import fmt_of, is_poison
+
+
+def _pair(out: torch.Tensor, ref: torch.Tensor):
+    o = out.detach().to(torch.float64)
+    r = ref.detach().to(torch.float64)
+    keep = torch.isfinite(r)
+    return o[keep], r[keep]
+
+
+def _abs_err(out, ref):
+    o, r = _pair(out, ref)
+    d = (o - r).abs()
+    return torch.where(torch.isfinite(o), d, torch.full_like(d, math.inf)), r
+
+
+def max_abs(out, ref) -> float:
+    d, _ = _abs_err(out, ref)
+    return float(d.max()) if d.numel() else 0.0
+
+
+def max_rel(out, ref) -> float:
+    """Largest ``|out - ref| / |ref|`` over elements whose reference is not tiny."""
+    d, r = _abs_err(out, ref)
+    if not d.numel():
+        return 0.0
+    floor = r.abs().max() * 1e-6
+    big = r.abs() > floor
+    return float((d[big] / r[big].abs()).max()) if big.any() else 0.0
+
+
+def rel_l2(out, ref) -> float:
+    d, r = _abs_err(out, ref)
+    if not d.numel():
+        return 0.0
+    den = torch.linalg.vector_norm(r)
+    num = torch.linalg.vector_norm(d)
+    if den == 0:
+        return float(num)
+    return float(num / den)
+
+
+def ulp(out, ref) -> float:
+    """Largest error in units of the last place of ``out``'s dtype at the reference value."""
+    d, r = _abs_err(out, ref)
+    if not d.numel():
+        return 0.0
+    f = fmt_of(out.dtype)
+    exp = torch.floor(torch.log2(r.abs().clamp_min(2.0 ** f.min_exponent)))
+    return float((d / 2.0 ** (exp - f.mantissa_bits)).max())
+
+
+def nonfinite(out, ref) -> float:
+    """Non-finite output elements where the reference is finite (poisoned ones excluded)."""
+    r, o = ref.detach(), out.detach()
+    return float((~torch.isfinite(o) & torch.isfinite(r) & ~is_poison(o)).sum())
+
+
+def unwritten(out, ref) -> float:
+    """Output elements that still hold the poison NaN written before the kernel ran."""
+    return float(is_poison(out.detach()).sum())
+
+
+def extra_zeros(out, ref) -> float:
+    """Elements exactly zero in the output where the reference is not (underflow, skipped writes)."""
+    o, r = out.detach(), ref.detach()
+    return float(((o == 0) & (r != 0)).sum())
+
+
+def row_residual(out, ref=None) -> float:
+    """Sinkhorn: ``max |rowsum - 1|`` of the output itself."""
+    s = out.detach().to(torch.float64).sum(-1)
+    return float((s - 1).abs().max()) if s.numel() else 0.0
+
+
+def col_residual(out, ref=None) -> float:
+    """Sinkhorn: ``max |colsum - 1|`` of the output itself."""
+    s = out.detach().to(torch.float64).sum(-2)
+    return float((s - 1).abs().max()) if s.numel() else 0.0
+
+
+ERROR_METRICS = {"max_abs": max_abs, "rel_l2": rel_l2, "max_rel": max_rel, "ulp": ulp}
+COUNT_METRICS = {"nonfinite": nonfinite, "unwritten": unwritten, "extra_zeros": extra_zeros}
+SINKHORN_METRICS = {"row_residual": row_residual, "col_residual": col_residual}
+
+
+def measure(out: torch.Tensor, ref: torch.Tensor, sinkhorn_output: bool = False) -> dict[str, float]:
+    vals = {name: fn(out, ref) for name, fn in {**ERROR_METRICS, **COUNT_METRICS}.items()}
+    if sinkhorn_output:
+        vals.update({name: fn(out) for name, fn in SINKHORN_METRICS.items()})
+    return vals

@@ -1,0 +1,272 @@
+"""Kernel families -> implementations and their float64 reference.
+
+A family states its call signature (the one Megatron-LM's fused functions use, so those plug in
+unchanged), which inputs are differentiable, which inputs live on the fp32 mapping path, and its
+knobs. An implementation states its backend and what it supports; the runner asks it and skips an
+unsupported combination with the reason. External implementations come from
+``module.path:function`` or ``path/to/file.py:function``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .errors import UsageError
+from .references import mhc as ref
+
+
+@dataclass(frozen=True)
+class Knob:
+    default: Any
+    choices: tuple | None = None  # allowed values, or None for any number
+    kind: type = str
+    passed: bool = True  # passed to the implementation (False: it only shapes the inputs)
+
+    def check(self, kernel: str, name: str, value):
+        if self.choices is not None and value not in self.choices:
+            raise UsageError(
+                f"knob {name}={value!r} is not accepted by kernel {kernel}; accepted: "
+                + ", ".join(map(repr, self.choices))
+            )
+        if self.kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be a number")
+        if self.kind is int and (int(value) != value or value < 1):
+            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be a positive integer")
+        if self.kind is float and not value > 0:
+            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be positive")
+        return self.kind(value)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    inputs: tuple[str, ...]  # positional call order
+    differentiable: tuple[str, ...]
+    mapping: tuple[str, ...]  # inputs kept in fp32 whatever the case dtype
+    outputs: tuple[str, ...]
+    knobs: dict[str, Knob]
+    positional_knobs: tuple[str, ...]  # knobs that follow the inputs positionally (Megatron order)
+    reference: Callable
+
+    def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted) -> tuple:
+        """Call ``fn`` with the family's signature; knobs it does not accept are left out."""
+        pos = [args[k] for k in self.inputs]
+        kw = {k: v for k, v in knobs.items() if self.knobs[k].passed and accepted(k)}
+        out = fn(*pos, **kw)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _ref_sinkhorn(logits, iters=20, eps=1e-6, **kw):
+    return ref.sinkhorn(logits, iters, eps, **kw)
+
+
+FAMILIES: dict[str, Family] = {
+    "sinkhorn": Family(
+        "sinkhorn", ("logits",), ("logits",), (), ("out",),
+        {
+            "iters": Knob(20, kind=int),
+            "eps": Knob(1e-6, kind=float),
+            "stabilize": Knob("rowmax", ref.STABILIZE),
+            "eps_mode": Knob("add", ref.EPS_MODES),
+            "order": Knob("row_first", ref.ORDERS),
+        },
+        ("iters", "eps"),
+        _ref_sinkhorn,
+    ),
+    "h_aggregate": Family(
+        "h_aggregate", ("x", "h_pre"), ("x", "h_pre"), ("h_pre",), ("out",), {}, (), ref.h_aggregate,
+    ),
+    "h_post_bda": Family(
+        "h_post_bda", ("h_res", "x", "h_post", "y", "bias"), ("h_res", "x", "h_post", "y", "bias"),
+        ("h_res", "h_post"), ("out",),
+        {"transpose_res": Knob(False, (False, True), bool), "bias": Knob(True, (False, True), bool, passed=False)},
+        (),
+        ref.h_post_bda,
+    ),
+    "proj_rms": Family(
+        "proj_rms", ("x2d", "weight"), ("x2d", "weight"), (), ("proj", "r"),
+        {"eps": Knob(1e-6, kind=float)},
+        ("eps",),
+        ref.proj_rms,
+    ),
+}
+KERNELS = tuple(FAMILIES)
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise UsageError(f"unknown kernel {name!r}; accepted: {', '.join(KERNELS)}, all")
+    return FAMILIES[name]
+
+
+@dataclass
+class Impl:
+    """One implementation of a family."""
+
+    name: str
+    kernel: str
+    backend: str  # torch, compile, triton, cutile, external
+    target: str | Callable  # "module:function" (resolved lazily) or the function
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    precision: str = "ieee"  # matmul precision it computes at by design (ieee or tf32)
+    native: bool = False
+    default: bool = True  # run when no --impl is given
+    requires: Callable[[], str | None] = field(default=lambda: None)  # why unusable here, or None
+    _fn: Callable | None = None
+
+    @property
+    def fn(self) -> Callable:
+        if self._fn is None:
+            self._fn = self.target if callable(self.target) else _import_target(self.target)
+        return self._fn
+
+    def unavailable(self) -> str | None:
+        return self.requires()
+
+    def unsupported(self, device: str, dtype: str) -> str | None:
+        why = self.unavailable()
+        if why:
+            return why
+        if device not in self.devices:
+            return f"{self.name} runs on {', '.join(self.devices)}, not {device}"
+        if dtype not in self.dtypes:
+            return f"{self.name} takes {', '.join(self.dtypes)}, not {dtype}"
+        return None
+
+    @functools.cached_property
+    def _params(self):
+        try:
+            sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            return None
+        return set(sig.parameters)
+
+    def accepts(self, knob: str) -> bool:
+        params = self._params
+        return params is None or knob in params
+
+
+def _import_target(target: str) -> Callable:
+    mod_name, _, fn_name = target.partition(":")
+    return getattr(importlib.import_module(mod_name), fn_name)
+
+
+def _triton_requires() -> str | None:
+    from .environment import triton_status
+    return triton_status().reason
+
+
+def _cutile_requires() -> str | None:
+    from .environment import cutile_status
+    return cutile_status().reason
+
+
+def _compile_requires() -> str | None:
+    return None
+
+
+def _builtin_impls() -> dict[str, list[Impl]]:
+    out: dict[str, list[Impl]] = {}
+    for k in KERNELS:
+        native = f"mhctool.kernels.torch.mhc:{k}"
+        impls = [
+            Impl("torch", k, "torch", native, native=True),
+            # torch.compile on CPU costs tens of seconds per graph: asked for by name there
+            Impl("compile", k, "compile", _compiled(native), default=False),
+        ]
+        if k in TRITON_KERNELS:
+            impls.append(Impl("triton", k, "triton", TRITON_KERNELS[k], requires=_triton_requires))
+        if k in CUTILE_KERNELS:
+            impls.append(Impl("cutile", k, "cutile", CUTILE_KERNELS[k], devices=("cuda",),
+                              requires=_cutile_requires))
+        out[k] = impls
+    return out
+
+
+def _compiled(target: str) -> Callable:
+    cache: dict = {}
+
+    def run(*args, **kwargs):
+        if "fn" not in cache:
+            cache["fn"] = torch.compile(_import_target(target), dynamic=False)
+        return cache["fn"](*args, **kwargs)
+
+    run.__signature__ = inspect.signature(_import_target(target))  # type: ignore[attr-defined]
+    return run
+
+
+# Fused kernels shipped with mhctool: family -> "module:function" (autograd-aware entry points).
+TRITON_KERNELS: dict[str, str] = {}
+CUTILE_KERNELS: dict[str, str] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def builtin() -> dict[str, list[Impl]]:
+    return _builtin_impls()
+
+
+def impls_for(kernel: str) -> list[Impl]:
+    return builtin()[kernel]
+
+
+def native_impl(kernel: str) -> Impl:
+    return next(i for i in impls_for(kernel) if i.native)
+
+
+def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:
+    """The implementations to run for ``kernel``: builtin names or external ``module:function``."""
+    known = {i.name: i for i in impls_for(kernel)}
+    if not specs:
+        return [i for i in known.values() if i.default]
+    chosen = []
+    for spec in specs:
+        if spec in known:
+            chosen.append(known[spec])
+        elif ":" in spec:
+            chosen.append(load_external(spec, kernel))
+        else:
+            raise UsageError(
+                f"unknown implementation {spec!r} for kernel {kernel}; accepted: "
+                f"{', '.join(known)}, or module.path:function, or path/to/file.py:function"
+            )
+    return chosen
+
+
+def load_external(spec: str, kernel: str) -> Impl:
+    """``module.path:function`` or ``path/to/file.py:function`` -> an external Impl."""
+    target, _, fn_name = spec.rpartition(":")
+    if not target or not fn_name:
+        raise UsageError(f"malformed --impl {spec!r}; expected module.path:function or file.py:function")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise UsageError(f"--impl {spec!r}: no file {target}")
+        mod_name = f"mhctool_external_{abs(hash(str(path.resolve())))}"
+        spec_ = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(spec_)
+        sys.modules[mod_name] = module
+        try:
+            spec_.loader.exec_module(module)
+        except Exception as e:  # the user's file failed to import: that is bad input
+            raise UsageError(f"--impl {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise UsageError(f"--impl {spec!r}: cannot import module {target} ({e})") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None or not callable(fn):
+        raise UsageError(f"--impl {spec!r}: {target} has no function {fn_name}")
+    return Impl(spec, kernel, "external", fn)

@@ -1,0 +1,179 @@
+"""Rows <-> Parquet: the versioned long-format schema, environment metadata, atomic writes.
+
+Schema version 1 (one row per case x implementation x direction x tensor x metric):
+
+| column     | type    | meaning                                                             |
+|------------|---------|---------------------------------------------------------------------|
+| run_id     | string  | one id per mhctool invocation                                       |
+| scenario   | string  | scenario name (``cli`` when built from flags)                       |
+| case_id    | string  | hash of kernel, family, dtype, shape, knobs, seed                   |
+| kernel     | string  | kernel family (sinkhorn, h_aggregate, h_post_bda, proj_rms)         |
+| impl       | string  | implementation name (torch, compile, triton, cutile, module:fn)     |
+| backend    | string  | torch, compile, triton, cutile, external                            |
+| precision  | string  | matmul precision the implementation is judged at (ieee, tf32)       |
+| family     | string  | input family (random, large_logits, ...)                            |
+| dtype      | string  | case dtype of the activations (fp32, bf16, fp16)                    |
+| dtype_out  | string  | dtype of the tensor measured (null for error/unsupported rows)      |
+| shape      | string  | SxBxNxC actually run (after the family's reshape)                   |
+| knobs      | string  | JSON object of the knobs                                            |
+| seed       | int64   | input seed                                                          |
+| device     | string  | cpu or cuda                                                         |
+| direction  | string  | fwd or bwd                                                          |
+| tensor     | string  | output name, ``grad_<input>`` in bwd, ``*`` for whole-case rows     |
+| metric     | string  | max_abs, rel_l2, max_rel, ulp, nonfinite, unwritten, extra_zeros,   |
+|            |         | row_residual, col_residual, error, unsupported                      |
+| value      | float64 | the measurement                                                     |
+| threshold  | float64 | the bound it was judged against (null: informational)               |
+| passed     | bool    | verdict of this row (null: informational or unsupported)            |
+| rule       | string  | which rule decided (``kappa=2 x native``, ``dtype floor``, ...)     |
+| message    | string  | error or skip reason                                                |
+
+File metadata: ``mhctool.schema_version``, ``mhctool.kind`` (parity, ...), ``mhctool.environment``
+(JSON: GPU, driver, torch, triton, cuda.tile, mhctool version, git commit) and ``mhctool.run``
+(JSON: the command's settings). Readers accept any version up to their own; columns added by a
+later version are ignored by name, never by position.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import UsageError
+
+SCHEMA_VERSION = 1
+
+SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("scenario", pa.string()), ("case_id", pa.string()),
+    ("kernel", pa.string()), ("impl", pa.string()), ("backend", pa.string()),
+    ("precision", pa.string()), ("family", pa.string()), ("dtype", pa.string()),
+    ("dtype_out", pa.string()), ("shape", pa.string()), ("knobs", pa.string()),
+    ("seed", pa.int64()), ("device", pa.string()), ("direction", pa.string()),
+    ("tensor", pa.string()), ("metric", pa.string()), ("value", pa.float64()),
+    ("threshold", pa.float64()), ("passed", pa.bool_()), ("rule", pa.string()),
+    ("message", pa.string()),
+])
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def to_table(rows: list[dict], run_id: str, kind: str, environment: dict, run: dict | None = None,
+             schema: pa.Schema = SCHEMA) -> pa.Table:
+    cols = {f.name: [] for f in schema}
+    for r in rows:
+        for name in cols:
+            cols[name].append(run_id if name == "run_id" else r.get(name))
+    table = pa.table(cols, schema=schema)
+    meta = {
+        b"mhctool.schema_version": str(SCHEMA_VERSION).encode(),
+        b"mhctool.kind": kind.encode(),
+        b"mhctool.environment": json.dumps(environment, default=str).encode(),
+        b"mhctool.run": json.dumps(run or {}, default=str).encode(),
+    }
+    return table.replace_schema_metadata(meta)
+
+
+def write_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
+    """Write to a temp file in the same folder, then rename: never a half-written report."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read(path: str | os.PathLike) -> tuple[pa.Table, dict]:
+    """The table and its decoded metadata; a file that is not a readable mhctool report is a UsageError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no report file {path}")
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise UsageError(f"{path} is not a readable Parquet file ({type(e).__name__})") from e
+    raw = table.schema.metadata or {}
+    if b"mhctool.schema_version" not in raw:
+        raise UsageError(f"{path} is Parquet but not an mhctool report (no mhctool.schema_version)")
+    version = int(raw[b"mhctool.schema_version"])
+    if version > SCHEMA_VERSION:
+        raise UsageError(
+            f"{path} has report schema version {version}; this mhctool reads up to {SCHEMA_VERSION}")
+    meta = {
+        "schema_version": version,
+        "kind": raw.get(b"mhctool.kind", b"").decode(),
+        "environment": json.loads(raw.get(b"mhctool.environment", b"{}")),
+        "run": json.loads(raw.get(b"mhctool.run", b"{}")),
+    }
+    return table, meta
+
+
+def verdicts(table: pa.Table) -> list[dict]:
+    """One verdict per (case, impl, direction): failed when any gated row failed."""
+    out: dict[tuple, dict] = {}
+    keys = ("case_id", "kernel", "impl", "family", "dtype", "shape", "knobs", "direction")
+    for r in table.to_pylist():
+        k = tuple(r[c] for c in keys)
+        v = out.setdefault(k, {**{c: r[c] for c in keys}, "passed": None, "worst": None,
+                               "worst_margin": -1.0, "message": None})
+        if r["metric"] == "unsupported":
+            v["message"] = r["message"]
+            continue
+        if r["passed"] is None:
+            continue
+        v["passed"] = bool(r["passed"]) if v["passed"] is None else (v["passed"] and bool(r["passed"]))
+        margin = _margin(r)
+        if margin > v["worst_margin"]:
+            v["worst_margin"], v["worst"] = margin, r
+        if r["message"] and not r["passed"]:
+            v["message"] = r["message"]
+    return list(out.values())
+
+
+def _margin(r: dict) -> float:
+    """value / threshold, the share of the allowed error used (inf for a failed zero threshold)."""
+    if r["passed"] is False and r["metric"] == "error":
+        return float("inf")
+    t, v = r["threshold"], r["value"]
+    if t is None or v is None:
+        return 0.0
+    if t == 0:
+        return 0.0 if v == 0 else float("inf")
+    if t == float("inf"):
+        return 0.0
+    return v / t if v == v else float("inf")
+
+
+def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1) -> list[dict]:
+    """Rows of B that got worse than in A (same case, impl, direction, tensor, metric): the verdict
+    flipped to failed, or the value grew by more than ``tolerance`` (relative)."""
+    keys = ("kernel", "impl", "family", "dtype", "shape", "knobs", "seed", "direction", "tensor", "metric")
+    before = {tuple(r[k] for k in keys): r for r in a.to_pylist()}
+    out = []
+    for r in b.to_pylist():
+        k = tuple(r[c] for c in keys)
+        old = before.get(k)
+        if old is None or r["value"] is None or old["value"] is None:
+            continue
+        va, vb = old["value"], r["value"]
+        flipped = old["passed"] is True and r["passed"] is False
+        worse = (vb == vb and vb > va * (1 + tolerance) and vb > 0) or (va == va and vb != vb)
+        if not (flipped or worse):
+            continue
+        ratio = (vb / va) if (va and va == va and vb == vb and va != 0) else float("inf")
+        out.append({**{c: r[c] for c in keys}, "before": va, "after": vb, "ratio": ratio,
+                    "passed_before": old["passed"], "passed_after": r["passed"]})
+    out.sort(key=lambda d: (not (d["passed_before"] is True and d["passed_after"] is False), -d["ratio"]))
+    return out

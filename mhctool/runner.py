@@ -1,0 +1,260 @@
+"""Case -> run the implementations and the float64 reference, forward and backward -> rows."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import traceback
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from . import inputs as inputs_mod
+from .dtypes import FORMATS, fmt_of
+from .metrics import measure
+from .poison import poisoning
+from .registry import Family, Impl, get_family, native_impl
+from .shapes import Shape
+from .verdict import VerdictRule
+
+
+@dataclass(frozen=True)
+class Case:
+    kernel: str
+    family: str  # input family
+    dtype: str
+    shape: Shape
+    knobs: tuple  # sorted (name, value) pairs
+    seed: int
+    device: str = "cpu"
+    scenario: str = "cli"
+
+    @property
+    def knob_dict(self) -> dict:
+        return dict(self.knobs)
+
+    @property
+    def knobs_json(self) -> str:
+        return json.dumps(self.knob_dict, sort_keys=True)
+
+    @property
+    def case_id(self) -> str:
+        key = f"{self.kernel}|{self.family}|{self.dtype}|{self.shape}|{self.knobs_json}|{self.seed}"
+        return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+@dataclass
+class ImplResult:
+    outputs: list[torch.Tensor] | None = None
+    grads: dict[str, torch.Tensor] | None = None
+    fwd_error: str | None = None
+    bwd_error: str | None = None
+    bwd_unsupported: str | None = None
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    shape: Shape  # after the input family's reshape
+    rows: list[dict] = field(default_factory=list)
+
+
+def _short_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:500]
+
+
+def _cast_inputs(fam: Family, raw: dict, case: Case) -> dict:
+    act = FORMATS[case.dtype].torch_dtype
+    out = {}
+    for name in fam.inputs:
+        t = raw.get(name)
+        if t is None:
+            out[name] = None
+            continue
+        dtype = torch.float32 if name in fam.mapping else act
+        out[name] = t.to(dtype=dtype, device=case.device).contiguous()
+    return out
+
+
+def _leaf(fam: Family, base: dict, dtype=None) -> dict:
+    out = {}
+    for name, t in base.items():
+        if t is None:
+            out[name] = None
+            continue
+        t = t.detach().clone() if dtype is None else t.detach().to(dtype)
+        out[name] = t.requires_grad_(name in fam.differentiable)
+    return out
+
+
+def _grad_inputs(fam: Family, args: dict) -> list[str]:
+    return [k for k in fam.differentiable if args.get(k) is not None]
+
+
+def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Tensor]):
+    args = _leaf(fam, base, torch.float64)
+    outs = fam.call(fam.reference, args, knobs, lambda k: True)
+    names = _grad_inputs(fam, args)
+    grads = torch.autograd.grad(outs, [args[k] for k in names], [u.double() for u in upstream])
+    return [o.detach() for o in outs], dict(zip(names, grads))
+
+
+def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expect=None) -> ImplResult:
+    """Forward, then backward with the upstream gradients ``upstream_fn(outputs)``."""
+    res = ImplResult()
+    args = _leaf(fam, base)
+    try:
+        with poisoning(True):
+            outs = list(fam.call(impl.fn, args, knobs, impl.accepts))
+    except Exception as e:  # an implementation that raises is a failed case, not a crash
+        res.fwd_error = _short_error(e)
+        return res
+    if expect is not None:
+        problem = _check_outputs(fam, outs, expect)
+        if problem:
+            res.fwd_error = problem
+            return res
+    res.outputs = [o.detach() for o in outs]
+    names = _grad_inputs(fam, args)
+    if not any(o.requires_grad for o in outs):
+        res.bwd_unsupported = "no backward: its outputs carry no autograd graph"
+        return res
+    try:
+        with poisoning(True):
+            grads = torch.autograd.grad(
+                [o for o in outs if o.requires_grad],
+                [args[k] for k in names],
+                [u for o, u in zip(outs, upstream_fn(outs)) if o.requires_grad],
+                allow_unused=True,
+            )
+    except Exception as e:
+        res.bwd_error = _short_error(e)
+        return res
+    missing = [k for k, g in zip(names, grads) if g is None]
+    if missing:
+        res.bwd_error = f"no gradient for {', '.join(missing)}"
+        return res
+    res.grads = {k: g.detach() for k, g in zip(names, grads)}
+    return res
+
+
+def _check_outputs(fam: Family, outs, expect) -> str | None:
+    if len(outs) != len(expect):
+        return f"returned {len(outs)} outputs, expected {len(expect)} ({', '.join(fam.outputs)})"
+    for name, o, e in zip(fam.outputs, outs, expect):
+        if not isinstance(o, torch.Tensor):
+            return f"output {name} is {type(o).__name__}, not a tensor"
+        if tuple(o.shape) != tuple(e.shape):
+            return f"output {name} has shape {tuple(o.shape)}, expected {tuple(e.shape)}"
+        if o.dtype != e.dtype:
+            return f"output {name} has dtype {o.dtype}, expected {e.dtype}"
+        if o.device != e.device:
+            return f"output {name} is on {o.device}, expected {e.device}"
+    return None
+
+
+def _native_at(kernel: str, precision: str) -> Impl:
+    nat = native_impl(kernel)
+    if precision == "ieee" or kernel != "proj_rms":
+        return nat
+    fn = functools.partial(nat.fn, matmul_precision=precision)
+    return replace(nat, name=f"torch-{precision}", target=fn, _fn=fn, precision=precision)
+
+
+def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
+             matmul_precision: str = "ieee") -> CaseResult:
+    """Run every implementation of ``impls`` on one case; the native one always runs (baseline)."""
+    rule = rule or VerdictRule()
+    fam = get_family(case.kernel)
+    knobs = case.knob_dict
+    shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)
+    base = _cast_inputs(fam, raw, case)
+    result = CaseResult(case, shape)
+
+    precisions = {"ieee"} | {
+        (matmul_precision if i.backend == "external" else i.precision) for i in impls
+    }
+    natives = {p: run_impl(fam, _native_at(case.kernel, p), base, knobs,
+                           lambda outs: inputs_mod.upstream_grads(outs, case.seed))
+               for p in sorted(precisions)}
+    nat = natives["ieee"]
+    if nat.fwd_error or nat.outputs is None:
+        raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {nat.fwd_error}")
+    upstream = inputs_mod.upstream_grads(nat.outputs, case.seed)
+    ref_outs, ref_grads = run_reference(fam, base, knobs, upstream)
+
+    def measured(res: ImplResult):
+        fwd = {n: measure(o, r, fam.name == "sinkhorn")
+               for n, o, r in zip(fam.outputs, res.outputs or [], ref_outs)}
+        bwd = {f"grad_{k}": measure(g, ref_grads[k]) for k, g in (res.grads or {}).items()}
+        return fwd, bwd
+
+    native_metrics = {p: measured(r) for p, r in natives.items()}
+    ordered = [native_impl(case.kernel)] + [i for i in impls if not i.native]
+    for impl in ordered:
+        prec = matmul_precision if impl.backend == "external" else impl.precision
+        row_base = _row_base(case, shape, impl, prec)
+        why = impl.unsupported(case.device, case.dtype) or _knob_gap(fam, impl, knobs)
+        if why:
+            result.rows.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "unsupported",
+                                "value": math.nan, "threshold": None, "passed": None,
+                                "rule": "unsupported", "message": why})
+            continue
+        if impl.native:
+            res = nat
+        else:
+            res = run_impl(fam, impl, base, knobs, lambda outs: upstream, expect=nat.outputs)
+        if res.fwd_error:
+            for direction in ("fwd", "bwd"):
+                msg = res.fwd_error if direction == "fwd" else "not run: the forward failed"
+                result.rows.append({**row_base, "direction": direction, "tensor": "*",
+                                    "metric": "error", "value": math.nan, "threshold": None,
+                                    "passed": False, "rule": "raised", "message": msg})
+            continue
+        fwd, bwd = measured(res)
+        nat_fwd, nat_bwd = native_metrics.get(prec, native_metrics["ieee"])
+        refs = dict(zip(fam.outputs, ref_outs)) | {f"grad_{k}": g for k, g in ref_grads.items()}
+        outs = dict(zip(fam.outputs, res.outputs)) | {f"grad_{k}": g for k, g in (res.grads or {}).items()}
+        for direction, vals, nat_vals in (("fwd", fwd, nat_fwd), ("bwd", bwd, nat_bwd)):
+            for tensor, metrics in vals.items():
+                ref_t = refs[tensor]
+                finite = ref_t[torch.isfinite(ref_t)]
+                amax = float(finite.abs().max()) if finite.numel() else 0.0
+                fmt = fmt_of(outs[tensor].dtype)
+                for metric, value in metrics.items():
+                    j = rule.judge(metric, value, fmt, amax, None if impl.native else nat_vals[tensor],
+                                   FORMATS[case.dtype], outs[tensor].numel())
+                    result.rows.append({**row_base, "direction": direction, "tensor": tensor,
+                                        "dtype_out": fmt.name, "metric": metric, "value": value,
+                                        "threshold": j.threshold, "passed": j.passed,
+                                        "rule": j.rule, "message": None})
+        if res.bwd_unsupported or res.bwd_error:
+            result.rows.append({**row_base, "direction": "bwd", "tensor": "*",
+                                "metric": "unsupported" if res.bwd_unsupported else "error",
+                                "value": math.nan, "threshold": None,
+                                "passed": None if res.bwd_unsupported else False,
+                                "rule": "unsupported" if res.bwd_unsupported else "raised",
+                                "message": res.bwd_unsupported or res.bwd_error})
+    return result
+
+
+def _knob_gap(fam: Family, impl: Impl, knobs: dict) -> str | None:
+    for name, value in knobs.items():
+        knob = fam.knobs[name]
+        if knob.passed and not impl.accepts(name) and value != knob.default:
+            return f"{impl.name} does not take the knob {name}; it runs only at {name}={knob.default!r}"
+    return None
+
+
+def _row_base(case: Case, shape: Shape, impl: Impl, precision: str) -> dict:
+    return {
+        "scenario": case.scenario, "case_id": case.case_id, "kernel": case.kernel,
+        "impl": impl.name, "backend": impl.backend, "precision": precision,
+        "family": case.family, "dtype": case.dtype, "dtype_out": None, "shape": str(shape),
+        "knobs": case.knobs_json, "seed": case.seed, "device": case.device,
+    }
+
+
+def format_exception(e: BaseException) -> str:
+    return "".join(traceback.format_exception(e))

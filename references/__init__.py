@@ -1,0 +1,1 @@
+"""float64 references: the math of DESIGN.md, written for clarity, never for speed."""

@@ -1,0 +1,155 @@
+"""float64 references for the mHC primitives (the numerics contract of DESIGN.md).
+
+Every function here is plain PyTorch in whatever dtype it is given; the runner calls them on
+float64 inputs and differentiates them with autograd. Nothing here is fused or clever: each line
+is meant to be checked against the formula it implements.
+
+Shapes: ``x`` is ``[s, b, n, C]`` (n residual streams of width C), mapping tensors are
+``h_pre[s, b, n]``, ``h_post[s, b, n]``, ``h_res[s, b, n, n]``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+STABILIZE = ("rowmax", "none", "softmax")
+EPS_MODES = ("add", "clamp")
+ORDERS = ("row_first", "col_first")
+
+
+def _normalize(p: torch.Tensor, dim: int, eps: float, eps_mode: str) -> torch.Tensor:
+    s = p.sum(dim=dim, keepdim=True)
+    if eps_mode == "add":
+        return p / (s + eps)
+    if eps_mode == "clamp":
+        return p / s.clamp(min=eps)
+    raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+
+
+def sinkhorn(
+    logits: torch.Tensor,
+    iters: int = 20,
+    eps: float = 1e-6,
+    *,
+    stabilize: str = "rowmax",
+    eps_mode: str = "add",
+    order: str = "row_first",
+) -> torch.Tensor:
+    """Sinkhorn-Knopp projection of ``exp(logits[..., n, n])`` towards a doubly stochastic matrix.
+
+    ``stabilize`` picks the starting matrix:
+      * ``rowmax``: ``exp(L - max_j L[i, j])`` (max subtraction, per row);
+      * ``none``: ``exp(L)`` (overflows for large logits: the bug this knob exists to show);
+      * ``softmax``: ``softmax(L, -1) + eps``. The softmax *is* the first row normalisation, so
+        with ``row_first`` the sequence is softmax, col, then ``iters - 1`` (row, col) pairs
+        (DeepSeek's order); with ``col_first`` it is softmax then ``iters`` (col, row) pairs.
+
+    Each iteration normalises rows then columns (``row_first``) or columns then rows
+    (``col_first``); a normalisation divides by ``sum + eps`` (``add``) or ``max(sum, eps)``
+    (``clamp``).
+    """
+    if stabilize not in STABILIZE:
+        raise ValueError(f"stabilize must be one of {STABILIZE}, got {stabilize!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    row, col = -1, -2
+    if stabilize == "rowmax":
+        p = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    elif stabilize == "none":
+        p = torch.exp(logits)
+    else:
+        p = torch.softmax(logits, dim=-1) + eps
+    steps = [row, col] * iters if order == "row_first" else [col, row] * iters
+    if stabilize == "softmax" and order == "row_first":
+        steps = steps[1:]  # the softmax was the first row step
+    for dim in steps:
+        p = _normalize(p, dim, eps, eps_mode)
+    return p
+
+
+def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+    """``out[s, b, C] = sum_j h_pre[s, b, j] * x[s, b, j, C]``."""
+    return torch.einsum("sbj,sbjc->sbc", h_pre, x)
+
+
+def h_post_bda(
+    h_res: torch.Tensor,
+    x: torch.Tensor,
+    h_post: torch.Tensor,
+    y: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    transpose_res: bool = False,
+) -> torch.Tensor:
+    """``out[i] = sum_j H[i, j] x[j] + h_post[i] * (y + bias)``; ``H = h_res^T`` with ``transpose_res``."""
+    h = h_res.transpose(-1, -2) if transpose_res else h_res
+    mixed = torch.einsum("sbij,sbjc->sbic", h, x)
+    branch = y if bias is None else y + bias
+    return mixed + h_post.unsqueeze(-1) * branch.unsqueeze(-2)
+
+
+def proj_rms(x2d: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    """``proj = x2d @ weight^T`` and ``r = 1 / (||x||_2 / sqrt(K) + eps)`` (eps outside the root)."""
+    k = x2d.shape[-1]
+    proj = x2d @ weight.transpose(0, 1)
+    rms = torch.sqrt((x2d * x2d).sum(dim=-1) / k)
+    return proj, 1.0 / (rms + eps)
+
+
+def compute_h(
+    proj: torch.Tensor,
+    r: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor,
+    n: int,
+):
+    """Mapping coefficients from the projection.
+
+    ``alpha = [a_pre, a_post, a_res]``; ``h = r * proj * ([a_pre]*n ++ [a_post]*n ++ [a_res]*n^2) + bias``
+    ordered ``[pre(n) | post(n) | res(n^2)]``. Returns ``H_pre = sigmoid(h_pre)``,
+    ``H_post = 2 sigmoid(h_post)`` and the Sinkhorn logits ``H_res_logits[..., i, j] = h[2n + i n + j]``.
+    """
+    scale = torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])
+    h = r.unsqueeze(-1) * proj * scale + bias
+    h_pre = torch.sigmoid(h[..., :n])
+    h_post = 2.0 * torch.sigmoid(h[..., n : 2 * n])
+    logits = h[..., 2 * n :].reshape(*h.shape[:-1], n, n)
+    return h_pre, h_post, logits
+
+
+def expand(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[s, b, C] -> [s, b, n, C]``: every stream starts as a copy of the input."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).clone()
+
+
+def contract(x: torch.Tensor) -> torch.Tensor:
+    """``[s, b, n, C] -> [s, b, C]``: the mean of the streams."""
+    return x.mean(dim=-2)
+
+
+def mhc_layer(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    alpha: torch.Tensor,
+    h_bias: torch.Tensor,
+    layer_fn: Callable[[torch.Tensor], torch.Tensor],
+    bias: torch.Tensor | None = None,
+    *,
+    rms_eps: float = 1e-6,
+    sinkhorn_iters: int = 20,
+    sinkhorn_eps: float = 1e-6,
+    transpose_res: bool = False,
+    **sinkhorn_knobs,
+) -> torch.Tensor:
+    """One mHC layer: ``x' = h_post_bda(H_res, x, H_post, F(h_aggregate(x, H_pre)), bias)``."""
+    s, b, n, c = x.shape
+    proj, r = proj_rms(x.reshape(s * b, n * c), weight, rms_eps)
+    h_pre, h_post, logits = compute_h(proj, r, alpha, h_bias, n)
+    h_res = sinkhorn(logits, sinkhorn_iters, sinkhorn_eps, **sinkhorn_knobs)
+    shape3 = (s, b, n)
+    layer_out = layer_fn(h_aggregate(x, h_pre.reshape(shape3)))
+    return h_post_bda(
+        h_res.reshape(s, b, n, n), x, h_post.reshape(shape3), layer_out, bias,
+        transpose_res=transpose_res,
+    )

@@ -1,0 +1,1 @@
+"""Scenario TOML files shipped with mhctool (installed as mhctool.scenarios)."""

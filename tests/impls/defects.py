@@ -1,0 +1,77 @@
+"""Implementations with real defects, each of which parity must flag."""
+import torch
+
+from mhctool.kernels.torch import mhc as native
+
+
+def sinkhorn_eps_1e8(logits, iters=20, eps=1e-6):
+    """Uses eps=1e-8 whatever it is asked for (the silent eps change)."""
+    return native.sinkhorn(logits, iters, 1e-8)
+
+
+def sinkhorn_col_first(logits, iters=20, eps=1e-6):
+    """Normalises columns before rows."""
+    return native.sinkhorn(logits, iters, eps, order="col_first")
+
+
+def sinkhorn_no_max(logits, iters=20, eps=1e-6):
+    """Skips the max subtraction (the bare-exp fallback)."""
+    return native.sinkhorn(logits, iters, eps, stabilize="none")
+
+
+def proj_rms_eps_in_sqrt(x2d, weight, eps=1e-6):
+    """``1 / sqrt(mean(x^2) + eps)`` instead of ``1 / (sqrt(mean(x^2)) + eps)``."""
+    xf = x2d.float()
+    return xf @ weight.float().t(), torch.rsqrt((xf * xf).mean(-1) + eps)
+
+
+def h_post_bda_transposed(h_res, x, h_post, y, bias=None):
+    """Mixes the streams with H^T when H is asked for."""
+    return native.h_post_bda(h_res.transpose(-1, -2), x, h_post, y, bias)
+
+
+class _BdaBf16BiasGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_res, x, h_post, y, bias):
+        ctx.save_for_backward(h_res, x, h_post, y, bias)
+        return native.h_post_bda(h_res, x, h_post, y, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        h_res, x, h_post, y, bias = ctx.saved_tensors
+        gf = g.float()
+        grad_y = torch.einsum("sbic,sbi->sbc", gf, h_post.float())
+        grad_h_post = torch.einsum("sbic,sbc->sbi", gf, (y + bias).float())
+        grad_h_res = torch.einsum("sbic,sbjc->sbij", gf, x.float())
+        grad_x = torch.einsum("sbij,sbic->sbjc", h_res.float(), gf).to(x.dtype)
+        # the defect: the bias gradient is a running sum over tokens kept in bf16
+        rows = grad_y.reshape(-1, grad_y.shape[-1]).to(torch.bfloat16)
+        acc = torch.zeros(rows.shape[-1], dtype=torch.bfloat16, device=g.device)
+        for t in range(rows.shape[0]):
+            acc = acc + rows[t]
+        return grad_h_res, grad_x, grad_h_post, grad_y.to(y.dtype), acc.to(bias.dtype)
+
+
+def h_post_bda_bf16_bias_grad(h_res, x, h_post, y, bias=None):
+    """Forward right; backward accumulates the bias gradient over tokens in bf16."""
+    if bias is None:
+        return native.h_post_bda(h_res, x, h_post, y, None)
+    return _BdaBf16BiasGrad.apply(h_res, x, h_post, y, bias)
+
+
+def sinkhorn_no_backward(logits, iters=20, eps=1e-6):
+    """Correct forward, computed without autograd: backward rows must say unsupported."""
+    with torch.no_grad():
+        return native.sinkhorn(logits, iters, eps)
+
+
+def sinkhorn_raises(logits, iters=20, eps=1e-6):
+    raise RuntimeError("kernel launch failed")
+
+
+def sinkhorn_wrong_shape(logits, iters=20, eps=1e-6):
+    return native.sinkhorn(logits, iters, eps)[..., :-1]
+
+
+def sinkhorn_wrong_dtype(logits, iters=20, eps=1e-6):
+    return native.sinkhorn(logits, iters, eps).double()
