@@ -75,3 +75,9 @@ def sinkhorn_wrong_shape(logits, iters=20, eps=1e-6):
 
 def sinkhorn_wrong_dtype(logits, iters=20, eps=1e-6):
     return native.sinkhorn(logits, iters, eps).double()
+
+
+def proj_rms_tf32(x2d, weight, eps=1e-6):
+    """A correct kernel that multiplies at TF32 by design (as the mHC paper specifies)."""
+    proj, r = native.proj_rms(x2d, weight, eps, matmul_precision="tf32")
+    return proj, r

@@ -1,0 +1,258 @@
+"""The mhctool command line: one function per command, parsing and printing only.
+
+Exit codes: 0 all checks passed, 1 a numerics or verdict failure, 2 bad usage or input.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import environment, registry, report, runner
+from . import scenario as scenario_mod
+from .dtypes import parse_dtype
+from .errors import UsageError
+from .shapes import parse_shape
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Numerics validation for fused mHC and grouped-MLP kernels.")
+report_app = typer.Typer(no_args_is_help=True, help="Read Parquet reports: show one, compare two.")
+app.add_typer(report_app, name="report")
+
+out = Console(highlight=False, soft_wrap=False, width=160)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+_state = {"debug": False}
+
+
+def main() -> None:
+    try:
+        app()
+    except UsageError as e:
+        err.print(f"error: {e}")
+        sys.exit(2)
+
+
+def _guard(fn):
+    """Turn UsageError into one sentence and exit 2 (a traceback only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UsageError as e:
+            if _state["debug"]:
+                raise
+            err.print(f"error: {e}", markup=False)
+            raise typer.Exit(2)
+
+    return wrapper
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")):
+    _state["debug"] = debug
+
+
+def _split(values: Optional[list[str]]) -> list[str]:
+    return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
+
+
+def _device(name: Optional[str]) -> str:
+    if name is None:
+        return "cuda" if environment.cuda_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"unknown device {name!r}; accepted: cpu, cuda")
+    if name == "cuda" and not environment.cuda_available():
+        raise UsageError("--device cuda was asked for but no CUDA GPU is visible here; use --device cpu")
+    return name
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "inf"
+        return f"{v:.3g}" if v != int(v) or abs(v) >= 1e6 else f"{int(v)}"
+    return str(v)
+
+
+def _verdict_table(vs: list[dict], top: int, title: str) -> Table:
+    t = Table(title=title, show_lines=False)
+    for c in ("kernel", "impl", "family", "dtype", "shape", "knobs", "dir", "verdict", "worst",
+              "value", "threshold", "rule / reason"):
+        t.add_column(c, overflow="fold")
+    for v in vs[:top]:
+        w = v["worst"] or {}
+        verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[yellow]skip[/]"}[v["passed"]]
+        worst = f"{w.get('tensor')}.{w.get('metric')}" if w else "-"
+        reason = v["message"] if (v["passed"] is not True and v["message"]) else w.get("rule", "-")
+        t.add_row(v["kernel"], _short_impl(v["impl"]), v["family"], v["dtype"], v["shape"],
+                  v["knobs"].strip("{}").replace('"', ""), v["direction"], verdict, worst,
+                  _fmt(w.get("value")), _fmt(w.get("threshold")), str(reason))
+    return t
+
+
+def _short_impl(name: str) -> str:
+    """``path/to/file.py:fn`` -> ``file.py:fn`` for tables (the report keeps the full spec)."""
+    target, sep, fn = name.rpartition(":")
+    return f"{Path(target).name}:{fn}" if sep else name
+
+
+def _ordered(vs: list[dict]) -> list[dict]:
+    rank = {False: 0, None: 2, True: 1}
+    return sorted(vs, key=lambda v: (rank[v["passed"]], -(v["worst_margin"] if v["worst_margin"] == v["worst_margin"] else math.inf)))
+
+
+def _summary(vs: list[dict]) -> tuple[int, int, int]:
+    p = sum(v["passed"] is True for v in vs)
+    f = sum(v["passed"] is False for v in vs)
+    return p, f, len(vs) - p - f
+
+
+@app.command()
+@_guard
+def parity(
+    kernel: str = typer.Option("all", "--kernel", "-k", help="sinkhorn, h_aggregate, h_post_bda, proj_rms or all."),
+    impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementation(s): torch, compile, triton, cutile, module.path:function or file.py:function. Repeat or comma-separate. Default: every available built-in one."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Comma-separated dtypes (fp32, bf16, fp16); default: the scenario's."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC, e.g. 8192x4x4x7168; default: the scenario's."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    scenario: Optional[str] = typer.Option(None, "--scenario", help="Scenario TOML file or built-in name (parity-default, paper)."),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Input seed (default: the scenario's)."),
+    out_path: Path = typer.Option(Path("mhctool-parity.parquet"), "--out", "-o", help="Parquet report to write."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots made from the report."),
+    matmul_precision: str = typer.Option("ieee", "--matmul-precision", help="ieee or tf32: the precision external kernels multiply at by design; they are judged against the native implementation at it."),
+    kappa: Optional[float] = typer.Option(None, "--kappa", min=1.0, help="Error may be kappa x the native error (default: scenario's, 2)."),
+    top: int = typer.Option(20, "--top", min=1, help="Rows of the worst-cases table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
+):
+    """Run implementations and the float64 reference side by side, forward and backward."""
+    dev = _device(device)
+    if matmul_precision not in ("ieee", "tf32"):
+        raise UsageError(f"unknown --matmul-precision {matmul_precision!r}; accepted: ieee, tf32")
+    kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(kernel).name]
+    specs = _split(impl)
+    if any(":" in s for s in specs) and len(kernels) != 1:
+        raise UsageError("an external --impl module:function needs one --kernel, not all")
+    sc = scenario_mod.resolve(scenario)
+    dtypes = [parse_dtype(d).name for d in _split([dtype])] if dtype else None
+    shapes = [parse_shape(shape)] if shape else None
+    cases = sc.cases(dev, kernels, dtypes, shapes, [seed] if seed is not None else None)
+    if not cases:
+        raise UsageError(f"scenario {sc.name} has no case for kernel {kernel}")
+    impls = {k: registry.resolve_impls(k, specs) for k in kernels}
+    if specs:  # asked for by name: unusable here is an input error, not a skipped row
+        for k, lst in impls.items():
+            for i in lst:
+                for c in cases:
+                    if c.kernel == k and (why := i.unsupported(c.device, c.dtype)):
+                        raise UsageError(f"--impl {i.name} cannot run {k} here: {why}")
+    if kappa is not None:
+        from dataclasses import replace
+        sc.rule = replace(sc.rule, kappa=kappa)
+
+    rows: list[dict] = []
+    show = not quiet and out.is_terminal
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
+        task = bar.add_task("parity", total=len(cases))
+        for c in cases:
+            bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}")
+            rows.extend(runner.run_case(c, impls[c.kernel], sc.rule, matmul_precision).rows)
+            bar.advance(task)
+
+    run_id = report.new_run_id()
+    settings = {"command": "parity", "kernel": kernel, "impl": specs, "device": dev,
+                "scenario": sc.name, "scenario_source": sc.source, "kappa": sc.rule.kappa,
+                "floor_roundoffs": sc.rule.floor_roundoffs, "matmul_precision": matmul_precision}
+    table = report.to_table(rows, run_id, "parity", environment.metadata(), settings)
+    path = report.write_atomic(table, out_path)
+    vs = _ordered(report.verdicts(table))
+    p, f, s = _summary(vs)
+    if not quiet:
+        out.print(_verdict_table(vs, top, f"parity: worst of {len(vs)} (case x impl x direction)"))
+    if plot is not None:
+        from .plots import parity_figures
+        for png in parity_figures(table, plot):
+            if not quiet:
+                out.print(f"plot: {png}")
+    status = "[red]FAILED[/]" if f else "[green]PASSED[/]"
+    out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(cases)} cases on {dev}; report {path})")
+    raise typer.Exit(1 if f else 0)
+
+
+@report_app.command("show")
+@_guard
+def report_show(
+    path: Path = typer.Argument(..., help="A Parquet report written by mhctool."),
+    top: int = typer.Option(30, "--top", min=1, help="Rows of the verdict table."),
+):
+    """Summarise a report: its environment, settings and worst verdicts."""
+    table, meta = report.read(path)
+    env = meta["environment"]
+    out.print(f"{path}: {meta['kind']} report, schema v{meta['schema_version']}, {table.num_rows} rows")
+    out.print("environment: " + ", ".join(f"{k}={env.get(k)}" for k in
+                                          ("mhctool", "torch", "triton", "cuda_tile", "gpu", "git_commit")))
+    out.print("run: " + ", ".join(f"{k}={v}" for k, v in meta["run"].items()))
+    if meta["kind"] == "parity":
+        vs = _ordered(report.verdicts(table))
+        out.print(_verdict_table(vs, top, "verdicts (worst first)"))
+        p, f, s = _summary(vs)
+        out.print(f"{p} passed, {f} failed, {s} skipped")
+
+
+@report_app.command("compare")
+@_guard
+def report_compare(
+    before: Path = typer.Argument(..., help="The earlier report."),
+    after: Path = typer.Argument(..., help="The later report."),
+    tolerance: float = typer.Option(0.1, "--tolerance", min=0.0, help="Relative growth below which a value is not 'worse'."),
+    top: int = typer.Option(30, "--top", min=1),
+):
+    """What got worse from BEFORE to AFTER, and by how much (exit 1 if a verdict flipped to fail)."""
+    a, _ = report.read(before)
+    b, _ = report.read(after)
+    worse = report.compare(a, b, tolerance)
+    flipped = [w for w in worse if w["passed_before"] is True and w["passed_after"] is False]
+    if not worse:
+        out.print(f"nothing got worse (tolerance {tolerance:g}) across {b.num_rows} rows")
+        raise typer.Exit(0)
+    t = Table(title=f"{len(worse)} rows worse, {len(flipped)} now failing")
+    for c in ("kernel", "impl", "family", "dtype", "dir", "tensor", "metric", "before", "after", "x", "verdict"):
+        t.add_column(c)
+    for w in worse[:top]:
+        verdict = "[red]pass->FAIL[/]" if w in flipped else str(w["passed_after"])
+        t.add_row(w["kernel"], w["impl"], w["family"], w["dtype"], w["direction"], w["tensor"], w["metric"],
+                  _fmt(w["before"]), _fmt(w["after"]), _fmt(w["ratio"]), verdict)
+    out.print(t)
+    raise typer.Exit(1 if flipped else 0)
+
+
+@app.command()
+@_guard
+def doctor():
+    """Which backends work here, and why not."""
+    t = Table(title="backends")
+    for c in ("backend", "usable", "mode", "version", "why not"):
+        t.add_column(c)
+    for b in environment.backends():
+        t.add_row(b.name, "[green]yes[/]" if b.usable else "[red]no[/]", b.mode, b.version or "-", b.reason or "")
+    out.print(t)
+    gpu = environment.gpu_info()
+    out.print(f"GPU: {gpu.get('gpu') or 'none visible'}" + (f" (sm_{gpu['sm']}, driver {gpu.get('driver')}, CUDA {gpu.get('cuda')})" if gpu.get("gpu") else ""))
+    out.print(f"tileiras: {environment.tileiras_path() or 'not on PATH'}")
+    for k in registry.KERNELS:
+        names = ", ".join(f"{i.name}{'' if not i.unavailable() else ' (unavailable)'}" for i in registry.impls_for(k))
+        out.print(f"{k}: {names}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,144 @@
+"""The float64 references against hand-computed values and torch.autograd.gradcheck."""
+import math
+
+import pytest
+import torch
+
+from mhctool.references import mhc as ref
+
+D = torch.float64
+
+
+def test_sinkhorn_one_iteration_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0)], [math.log(2.0), 0.0]], dtype=D)
+    # rowmax: rows [1/3, 1], [1, 1/2]; the max cancels in the row step: rows [1/4, 3/4], [2/3, 1/3]
+    # columns then: col sums 11/12 and 13/12
+    out = ref.sinkhorn(logits, iters=1, eps=0.0)
+    expect = torch.tensor([[0.25 / (11 / 12), 0.75 / (13 / 12)], [(2 / 3) / (11 / 12), (1 / 3) / (13 / 12)]], dtype=D)
+    torch.testing.assert_close(out, expect, rtol=1e-12, atol=1e-12)
+
+
+def test_sinkhorn_col_first_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0)], [math.log(2.0), 0.0]], dtype=D)
+    out = ref.sinkhorn(logits, iters=1, eps=0.0, order="col_first", stabilize="none")
+    m = torch.tensor([[1.0, 3.0], [2.0, 1.0]], dtype=D)
+    m = m / m.sum(0, keepdim=True)
+    m = m / m.sum(1, keepdim=True)
+    torch.testing.assert_close(out, m, rtol=1e-12, atol=1e-12)
+
+
+def test_sinkhorn_eps_modes_differ_only_on_small_sums():
+    m = torch.tensor([[[0.0, -40.0], [-40.0, -40.0]]], dtype=D)
+    add = ref.sinkhorn(m, iters=1, eps=1e-6, eps_mode="add", stabilize="none")
+    clamp = ref.sinkhorn(m, iters=1, eps=1e-6, eps_mode="clamp", stabilize="none")
+    # the second row sums to 2e^-40 << eps: add divides by eps, clamp by eps too; the first row
+    # sums to ~1: add gives 1/(1+eps), clamp gives exactly 1
+    assert add[0, 0, 0] != clamp[0, 0, 0]
+    big = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=D)
+    torch.testing.assert_close(ref.sinkhorn(big, 3, 1e-9, eps_mode="add"),
+                               ref.sinkhorn(big, 3, 1e-9, eps_mode="clamp"), rtol=1e-8, atol=1e-8)
+
+
+def test_sinkhorn_converges_to_doubly_stochastic():
+    g = torch.Generator().manual_seed(0)
+    p = ref.sinkhorn(torch.randn(16, 4, 4, generator=g, dtype=D), iters=200, eps=0.0)
+    torch.testing.assert_close(p.sum(-1), torch.ones(16, 4, dtype=D))
+    torch.testing.assert_close(p.sum(-2), torch.ones(16, 4, dtype=D))
+
+
+def test_sinkhorn_stabilize_variants():
+    g = torch.Generator().manual_seed(1)
+    L = torch.randn(8, 4, 4, generator=g, dtype=D)
+    # rowmax and none agree where nothing overflows (eps=0 makes the row scale cancel exactly)
+    torch.testing.assert_close(ref.sinkhorn(L, 5, 0.0, stabilize="rowmax"), ref.sinkhorn(L, 5, 0.0, stabilize="none"))
+    # none overflows past about 709 in float64, rowmax does not
+    assert not torch.isfinite(ref.sinkhorn(L + 800, 5, 1e-6, stabilize="none")).all()
+    assert torch.isfinite(ref.sinkhorn(L + 800, 5, 1e-6, stabilize="rowmax")).all()
+    # softmax: softmax + eps, then the column step first (DeepSeek's order)
+    sm = torch.softmax(L, -1) + 1e-6
+    sm = sm / (sm.sum(-2, keepdim=True) + 1e-6)
+    torch.testing.assert_close(ref.sinkhorn(L, 1, 1e-6, stabilize="softmax"), sm)
+
+
+def test_sinkhorn_rejects_unknown_knob_values():
+    with pytest.raises(ValueError):
+        ref.sinkhorn(torch.zeros(2, 2, dtype=D), stabilize="log")
+    with pytest.raises(ValueError):
+        ref.sinkhorn(torch.zeros(2, 2, dtype=D), order="diagonal")
+
+
+def test_h_aggregate_and_h_post_bda_by_hand():
+    x = torch.arange(1.0, 9.0, dtype=D).reshape(1, 1, 2, 4)  # streams [1..4], [5..8]
+    h_pre = torch.tensor([[[0.5, 2.0]]], dtype=D)
+    torch.testing.assert_close(ref.h_aggregate(x, h_pre), torch.tensor([[[10.5, 13.0, 15.5, 18.0]]], dtype=D))
+    h_res = torch.tensor([[[[0.0, 1.0], [2.0, 0.0]]]], dtype=D)
+    h_post = torch.tensor([[[1.0, 0.5]]], dtype=D)
+    y = torch.ones(1, 1, 4, dtype=D)
+    bias = torch.tensor([0.0, 1.0, 2.0, 3.0], dtype=D)
+    out = ref.h_post_bda(h_res, x, h_post, y, bias)
+    expect = torch.stack([x[0, 0, 1] + (y + bias)[0, 0], 2 * x[0, 0, 0] + 0.5 * (y + bias)[0, 0]])
+    torch.testing.assert_close(out[0, 0], expect)
+    out_t = ref.h_post_bda(h_res, x, h_post, y, None, transpose_res=True)
+    expect_t = torch.stack([2 * x[0, 0, 1] + y[0, 0], x[0, 0, 0] + 0.5 * y[0, 0]])
+    torch.testing.assert_close(out_t[0, 0], expect_t)
+
+
+def test_proj_rms_by_hand():
+    x = torch.tensor([[3.0, 4.0]], dtype=D)
+    w = torch.tensor([[1.0, 0.0], [1.0, 1.0]], dtype=D)
+    proj, r = ref.proj_rms(x, w, eps=0.5)
+    torch.testing.assert_close(proj, torch.tensor([[3.0, 7.0]], dtype=D))
+    # ||x|| / sqrt(K) = 5 / sqrt(2); eps outside the root
+    torch.testing.assert_close(r, torch.tensor([1.0 / (5 / math.sqrt(2) + 0.5)], dtype=D))
+
+
+def test_compute_h_layout_and_activations():
+    n = 2
+    proj = torch.arange(8.0, dtype=D).reshape(1, 8) / 10
+    r = torch.tensor([2.0], dtype=D)
+    alpha = torch.tensor([1.0, 0.5, 0.25], dtype=D)
+    bias = torch.full((8,), 0.1, dtype=D)
+    h_pre, h_post, logits = ref.compute_h(proj, r, alpha, bias, n)
+    h = 2.0 * proj[0] * torch.tensor([1, 1, 0.5, 0.5, 0.25, 0.25, 0.25, 0.25], dtype=D) + 0.1
+    torch.testing.assert_close(h_pre[0], torch.sigmoid(h[:2]))
+    torch.testing.assert_close(h_post[0], 2 * torch.sigmoid(h[2:4]))
+    torch.testing.assert_close(logits[0], h[4:].reshape(2, 2))
+
+
+def test_expand_contract_roundtrip():
+    x = torch.randn(3, 2, 5, dtype=D)
+    e = ref.expand(x, 4)
+    assert e.shape == (3, 2, 4, 5)
+    torch.testing.assert_close(ref.contract(e), x)
+
+
+def test_mhc_layer_identity_branch_preserves_mean_stream():
+    """With a doubly-stochastic H_res and F = 0, contract(x') = contract(H_res x) keeps the mean."""
+    g = torch.Generator().manual_seed(3)
+    s, b, n, c = 2, 3, 4, 8
+    x = torch.randn(s, b, n, c, generator=g, dtype=D)
+    w = torch.randn(n * n + 2 * n, n * c, generator=g, dtype=D) * 0.1
+    out = ref.mhc_layer(x, w, torch.tensor([1.0, 1.0, 1.0], dtype=D), torch.zeros(n * n + 2 * n, dtype=D),
+                        lambda a: torch.zeros_like(a), sinkhorn_iters=200, sinkhorn_eps=0.0)
+    torch.testing.assert_close(ref.contract(out), ref.contract(x), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("stabilize", ["rowmax", "none", "softmax"])
+@pytest.mark.parametrize("eps_mode", ["add", "clamp"])
+@pytest.mark.parametrize("order", ["row_first", "col_first"])
+def test_sinkhorn_gradcheck(stabilize, eps_mode, order):
+    g = torch.Generator().manual_seed(4)
+    L = torch.randn(3, 4, 4, generator=g, dtype=D, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda t: ref.sinkhorn(t, 4, 1e-3, stabilize=stabilize, eps_mode=eps_mode, order=order), (L,))
+
+
+def test_primitives_gradcheck():
+    g = torch.Generator().manual_seed(5)
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=D, requires_grad=True)
+    assert torch.autograd.gradcheck(ref.h_aggregate, (r(2, 1, 3, 5), r(2, 1, 3)))
+    assert torch.autograd.gradcheck(lambda *a: ref.h_post_bda(*a), (r(2, 1, 3, 3), r(2, 1, 3, 5), r(2, 1, 3), r(2, 1, 5), r(5)))
+    assert torch.autograd.gradcheck(lambda *a: ref.h_post_bda(*a, transpose_res=True), (r(2, 1, 3, 3), r(2, 1, 3, 5), r(2, 1, 3), r(2, 1, 5), r(5)))
+    assert torch.autograd.gradcheck(lambda x, w: ref.proj_rms(x, w, 1e-3), (r(4, 6), r(5, 6)))
+    assert torch.autograd.gradcheck(lambda p, rr, a, bb: ref.compute_h(p, rr, a, bb, 2), (r(3, 8), r(3), r(3), r(8)))

@@ -1,0 +1,56 @@
+"""Scenario TOML: shipped files, expansion, and rejection of malformed files."""
+import pytest
+
+from mhctool import scenario
+from mhctool.errors import UsageError
+from mhctool.registry import KERNELS
+
+
+def test_builtin_default_covers_every_kernel_and_family():
+    sc = scenario.builtin("parity-default")
+    cases = sc.cases("cpu")
+    assert {c.kernel for c in cases} == set(KERNELS)
+    from mhctool.inputs import FAMILIES
+    for k in KERNELS:
+        assert {c.family for c in cases if c.kernel == k} == set(FAMILIES[k])
+
+
+def test_paper_scenario_is_the_paper_shape():
+    sc = scenario.builtin("paper")
+    assert {str(c.shape) for c in sc.cases("cuda")} == {"8192x4x4x7168"}
+
+
+def test_knob_lists_expand_to_their_product(tmp_path):
+    p = tmp_path / "s.toml"
+    p.write_text('name = "x"\n[verdict]\nkappa = 3\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["4x1x4x1"]\n'
+                 'families = ["random"]\nseeds = [1, 2]\n[cases.knobs]\niters = [1, 5]\norder = "col_first"\n')
+    sc = scenario.load(p)
+    assert sc.rule.kappa == 3
+    cases = sc.cases("cpu")
+    assert len(cases) == 4
+    assert {c.knob_dict["iters"] for c in cases} == {1, 5}
+    assert {c.knob_dict["order"] for c in cases} == {"col_first"}
+    assert len({c.case_id for c in cases}) == 4
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('name = "x"\nbogus = 1\n[[cases]]\nkernel = "sinkhorn"\n', "bogus: unknown key"),
+    ('[[cases]]\nkernel = "sinkhorn"\n', "name: required"),
+    ('name = "x"\n', "cases: required"),
+    ('name = "x"\n[[cases]]\nkernel = "nope"\n', "unknown kernel 'nope'"),
+    ('name = "x"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["4x4"]\n', "malformed shape"),
+    ('name = "x"\n[[cases]]\nkernel = "sinkhorn"\nfamilies = ["gauss"]\n', "unknown input family 'gauss'"),
+    ('name = "x"\n[[cases]]\nkernel = "sinkhorn"\n[cases.knobs]\ncolor = 1\n', "unknown knob 'color'"),
+    ('name = "x"\n[[cases]]\nkernel = "sinkhorn"\n[cases.knobs]\norder = "diag"\n', "knob order='diag'"),
+    ('name = "x"\n[[cases]]\nkernel = "sinkhorn"\n[cases.knobs]\niters = 0\n', "positive integer"),
+    ('name = "x"\n[[cases]]\nkernel = "sinkhorn"\nseeds = [-1]\n', "seeds"),
+    ('name = "x"\n[verdict]\nkappa = "two"\n[[cases]]\nkernel = "sinkhorn"\n', "verdict.kappa"),
+    ('name = "x"\n[[cases]\n', "not valid TOML"),
+])
+def test_malformed_scenarios_name_file_and_key(tmp_path, text, needle):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(UsageError) as e:
+        scenario.load(p)
+    assert needle in str(e.value)
+    assert str(p) in str(e.value)
