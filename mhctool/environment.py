@@ -52,6 +52,12 @@ def triton_status() -> BackendStatus:
         return BackendStatus("triton", False, "unavailable", None, "triton is not installed")
     ensure_triton_mode()
     if triton_interpreted():
+        import numpy
+        major, minor = (int(p) for p in numpy.__version__.split(".")[:2])
+        if (major, minor) >= (2, 4):
+            return BackendStatus("triton", False, "interpreter", v,
+                                 f"Triton's CPU interpreter needs numpy<2.4 (numpy {numpy.__version__} refuses "
+                                 "its int() of 1-element arrays); pip install 'numpy<2.4'")
         return BackendStatus("triton", True, "interpreter", v, None)
     return BackendStatus("triton", True, "native", v, None)
 

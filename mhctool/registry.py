@@ -139,6 +139,12 @@ class Impl:
             return why
         if device not in self.devices:
             return f"{self.name} runs on {', '.join(self.devices)}, not {device}"
+        if self.backend == "triton":
+            from .environment import triton_interpreted
+            if device == "cpu" and not triton_interpreted():
+                return "Triton runs on the CPU only through its interpreter (set TRITON_INTERPRET=1)"
+            if device == "cuda" and triton_interpreted():
+                return "TRITON_INTERPRET=1 is set: Triton kernels run on the CPU only"
         if dtype not in self.dtypes:
             return f"{self.name} takes {', '.join(self.dtypes)}, not {dtype}"
         return None
@@ -208,7 +214,12 @@ def _compiled(target: str) -> Callable:
 
 
 # Fused kernels shipped with mhctool: family -> "module:function" (autograd-aware entry points).
-TRITON_KERNELS: dict[str, str] = {}
+TRITON_KERNELS: dict[str, str] = {
+    "sinkhorn": "mhctool.kernels.triton.sinkhorn:sinkhorn",
+    "h_aggregate": "mhctool.kernels.triton.h_aggregate:h_aggregate",
+    "h_post_bda": "mhctool.kernels.triton.h_post_bda:h_post_bda",
+    "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms",
+}
 CUTILE_KERNELS: dict[str, str] = {}
 
 

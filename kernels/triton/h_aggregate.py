@@ -1,0 +1,113 @@
+"""H-aggregate in Triton: ``out[t, c] = sum_j h_pre[t, j] x[t, j, c]``, forward and backward.
+
+Memory-bound: the forward reads x once and writes out; the backward reads x and the upstream
+gradient once and writes grad_x, with grad_h_pre (a reduction over C) kept in fp32 registers by a
+program that walks the whole C of its token.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mhctool.poison import empty
+
+from ._common import check_device, interpreted, next_pow2, require_contiguous
+
+
+def _configs():
+    return [triton.Config({"BLOCK_C": bc}, num_warps=w) for bc in (512, 1024, 2048) for w in (4, 8)]
+
+
+@triton.jit
+def _h_aggregate_fwd(x_ptr, h_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    j = tl.arange(0, NP)
+    h = tl.load(h_ptr + t * N + j, mask=j < N, other=0.0).to(tl.float32)
+    mask = (j[:, None] < N) & (c[None, :] < C)
+    x = tl.load(x_ptr + t * N * C + j[:, None] * C + c[None, :], mask=mask, other=0.0)
+    out = tl.sum(x.to(tl.float32) * h[:, None], axis=0)
+    tl.store(out_ptr + t * C + c, out.to(out_ptr.dtype.element_ty), mask=c < C)
+
+
+@triton.jit
+def _h_aggregate_bwd(x_ptr, h_ptr, g_ptr, dx_ptr, dh_ptr, C, N: tl.constexpr, NP: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, NP)
+    h = tl.load(h_ptr + t * N + j, mask=j < N, other=0.0).to(tl.float32)
+    acc = tl.zeros([NP], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        mask = (j[:, None] < N) & (c[None, :] < C)
+        g = tl.load(g_ptr + t * C + c, mask=c < C, other=0.0).to(tl.float32)
+        offs = t * N * C + j[:, None] * C + c[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offs, (h[:, None] * g[None, :]).to(dx_ptr.dtype.element_ty), mask=mask)
+        acc += tl.sum(x * g[None, :], axis=1)
+    tl.store(dh_ptr + t * N + j, acc.to(dh_ptr.dtype.element_ty), mask=j < N)
+
+
+_fwd_tuned = triton.autotune(_configs(), key=["C", "N"])(_h_aggregate_fwd)
+_bwd_tuned = triton.autotune(_configs(), key=["C", "N"], reset_to_zero=[])(_h_aggregate_bwd)
+
+
+def _block(C: int) -> dict:
+    """Under the interpreter autotune cannot run: one fixed configuration."""
+    return {"BLOCK_C": min(1024, next_pow2(C))}
+
+
+def _check(x, h_pre):
+    if x.dim() != 4 or h_pre.shape != x.shape[:3]:
+        raise ValueError(f"h_aggregate takes x[s,b,n,C] and h_pre[s,b,n]; got {tuple(x.shape)} and {tuple(h_pre.shape)}")
+    check_device(x, h_pre)
+    require_contiguous("x", x)
+    return x, h_pre.contiguous()
+
+
+def h_aggregate_forward(x, h_pre):
+    x, h_pre = _check(x, h_pre)
+    s, b, n, C = x.shape
+    T = s * b
+    out = empty((s, b, C), x.dtype, x.device)
+    if T and C:
+        if interpreted():
+            cfg = _block(C)
+            _h_aggregate_fwd[(T, triton.cdiv(C, cfg["BLOCK_C"]))](x, h_pre, out, C, N=n, NP=next_pow2(n), **cfg)
+        else:
+            _fwd_tuned[lambda m: (T, triton.cdiv(C, m["BLOCK_C"]))](x, h_pre, out, C, N=n, NP=next_pow2(n))
+    return out
+
+
+def h_aggregate_backward(x, h_pre, grad_out):
+    x, h_pre = _check(x, h_pre)
+    grad_out = grad_out.contiguous()
+    s, b, n, C = x.shape
+    T = s * b
+    dx = empty(x.shape, x.dtype, x.device)
+    dh = empty(h_pre.shape, h_pre.dtype, x.device)
+    if T:
+        if interpreted():
+            _h_aggregate_bwd[(T,)](x, h_pre, grad_out, dx, dh, C, N=n, NP=next_pow2(n), **_block(C))
+        else:
+            _bwd_tuned[(T,)](x, h_pre, grad_out, dx, dh, C, N=n, NP=next_pow2(n))
+    return dx, dh
+
+
+class HAggregateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h_pre):
+        ctx.save_for_backward(x, h_pre)
+        return h_aggregate_forward(x, h_pre)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h_pre = ctx.saved_tensors
+        return h_aggregate_backward(x, h_pre, grad_out)
+
+
+def h_aggregate(x, h_pre):
+    """``h_aggregate(x[s,b,n,C], h_pre[s,b,n]) -> [s,b,C]`` (Megatron's signature)."""
+    return HAggregateFunction.apply(x, h_pre)

@@ -1,0 +1,176 @@
+"""H_post * bias-dropout-add in Triton, forward and backward.
+
+``out[t, i, c] = sum_j H[t, i, j] x[t, j, c] + h_post[t, i] (y[t, c] + bias[c])`` (``H = h_res``,
+or ``h_res^T`` with ``transpose_res``). One program owns a ``[tokens, streams, C]`` tile. The backward reads grad_out, x and y once and writes grad_x and
+grad_y; the small gradients (h_res and h_post: reductions over C; bias: a reduction over tokens)
+are accumulated in fp32 on chip, written as per-block partials to a small workspace, and summed by
+a deterministic second kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mhctool.poison import empty
+
+from ._common import check_device, interpreted, next_pow2, require_contiguous
+from .reduce import sum_rows
+
+
+@triton.jit
+def _tile(t0, c0, T, C, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+          BLOCK_C: tl.constexpr):
+    """Token, stream and channel indices of a ``[BLOCK_T, NP, BLOCK_C]`` tile, and its masks."""
+    t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+    n = tl.arange(0, NP)
+    c = c0 + tl.arange(0, BLOCK_C)
+    tmask = t < T
+    cmask = c < C
+    mask3 = tmask[:, None, None] & (n[None, :, None] < N) & cmask[None, None, :]
+    offs3 = t[:, None, None] * N * C + n[None, :, None] * C + c[None, None, :]
+    offs2 = t[:, None] * C + c[None, :]
+    mask2 = tmask[:, None] & cmask[None, :]
+    return t, n, c, tmask, cmask, offs3, mask3, offs2, mask2
+
+
+@triton.jit
+def _h_col(h_ptr, t, n, tmask, j, N: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """``Hm[:, i, j]`` for all i of a token block: h_res[t, i, j], or h_res[t, j, i] transposed."""
+    if TRANSPOSE:
+        offs = t[:, None] * N * N + j * N + n[None, :]
+    else:
+        offs = t[:, None] * N * N + n[None, :] * N + j
+    return tl.load(h_ptr + offs, mask=tmask[:, None] & (n[None, :] < N), other=0.0).to(tl.float32), offs
+
+
+@triton.jit
+def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, N: tl.constexpr,
+                    NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr):
+    t, n, c, tmask, cmask, offs3, mask3, offs2, mask2 = _tile(
+        tl.program_id(0) * BLOCK_T, tl.program_id(1) * BLOCK_C, T, C, N, NP, BLOCK_T, BLOCK_C)
+    hp = tl.load(hp_ptr + t[:, None] * N + n[None, :], mask=tmask[:, None] & (n[None, :] < N), other=0.0).to(tl.float32)
+    z = tl.load(y_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    out = hp[:, :, None] * z[:, None, :]
+    for j in tl.static_range(N):
+        hj, _ = _h_col(h_ptr, t, n, tmask, j, N, TRANSPOSE)
+        xj = tl.load(x_ptr + t[:, None] * N * C + j * C + c[None, :], mask=mask2, other=0.0).to(tl.float32)
+        out += hj[:, :, None] * xj[:, None, :]
+    tl.store(out_ptr + offs3, out.to(out_ptr.dtype.element_ty), mask=mask3)
+
+
+@triton.jit
+def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
+                    ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, N: tl.constexpr, NP: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    TRANSPOSE: tl.constexpr):
+    tb = tl.program_id(0)
+    cb = tl.program_id(1)
+    t, n, c, tmask, cmask, offs3, mask3, offs2, mask2 = _tile(
+        tb * BLOCK_T, cb * BLOCK_C, T, C, N, NP, BLOCK_T, BLOCK_C)
+    nmask = tmask[:, None] & (n[None, :] < N)
+    g = tl.load(g_ptr + offs3, mask=mask3, other=0.0).to(tl.float32)
+    hp = tl.load(hp_ptr + t[:, None] * N + n[None, :], mask=nmask, other=0.0).to(tl.float32)
+    z = tl.load(y_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    dy = tl.sum(hp[:, :, None] * g, axis=1)
+    tl.store(dy_ptr + offs2, dy.to(dy_ptr.dtype.element_ty), mask=mask2)
+    ws_row = cb.to(tl.int64) * T + t  # partials of this C block
+    tl.store(ws_hp_ptr + ws_row[:, None] * N + n[None, :], tl.sum(g * z[:, None, :], axis=2), mask=nmask)
+    for j in tl.static_range(N):
+        hj, hoffs = _h_col(h_ptr, t, n, tmask, j, N, TRANSPOSE)
+        xoffs = t[:, None] * N * C + j * C + c[None, :]
+        xj = tl.load(x_ptr + xoffs, mask=mask2, other=0.0).to(tl.float32)
+        dxj = tl.sum(hj[:, :, None] * g, axis=1)  # sum_i Hm[i, j] g[i, c]
+        tl.store(dx_ptr + xoffs, dxj.to(dx_ptr.dtype.element_ty), mask=mask2)
+        dhj = tl.sum(g * xj[:, None, :], axis=2)  # dHm[i, j] over this C block
+        tl.store(ws_h_ptr + cb.to(tl.int64) * T * N * N + hoffs, dhj, mask=nmask)
+    if HAS_BIAS:
+        tl.store(ws_b_ptr + tb.to(tl.int64) * C + c, tl.sum(dy, axis=0), mask=cmask)
+
+
+def _blocks(C: int, n: int):
+    """(BLOCK_T, BLOCK_C, num_warps): a [BLOCK_T, NP, BLOCK_C] tile of about 8K elements."""
+    np_ = next_pow2(n)
+    if interpreted():
+        return 64, min(256, next_pow2(C)), 4
+    bc = max(32, min(256, next_pow2(C)))
+    bt = max(1, 8192 // (np_ * bc))
+    return bt, bc, 8
+
+
+def _check(h_res, x, h_post, y, bias):
+    if x.dim() != 4:
+        raise ValueError(f"h_post_bda takes x[s,b,n,C]; got {tuple(x.shape)}")
+    s, b, n, C = x.shape
+    want = {"h_res": (s, b, n, n), "h_post": (s, b, n), "y": (s, b, C)}
+    for name, t in (("h_res", h_res), ("h_post", h_post), ("y", y)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"h_post_bda: {name} has shape {tuple(t.shape)}, expected {want[name]}")
+    if bias is not None and tuple(bias.shape) != (C,):
+        raise ValueError(f"h_post_bda: bias has shape {tuple(bias.shape)}, expected ({C},)")
+    check_device(h_res, x, h_post, y, bias)
+    require_contiguous("x", x)
+    require_contiguous("y", y)
+    return h_res.contiguous(), h_post.contiguous()
+
+
+def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False):
+    h_res, h_post = _check(h_res, x, h_post, y, bias)
+    s, b, n, C = x.shape
+    T = s * b
+    out = empty(x.shape, x.dtype, x.device)
+    bt, bc, warps = _blocks(C, n)
+    if T and C:
+        _h_post_bda_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
+            h_res, x, h_post, y, bias if bias is not None else y, out, T, C, N=n, NP=next_pow2(n),
+            BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res),
+            num_warps=warps)
+    return out
+
+
+def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False):
+    h_res, h_post = _check(h_res, x, h_post, y, bias)
+    grad_out = grad_out.contiguous()
+    s, b, n, C = x.shape
+    T = s * b
+    bt, bc, warps = _blocks(C, n)
+    n_cb, n_tb = triton.cdiv(C, bc), triton.cdiv(T, bt)
+    dx = empty(x.shape, x.dtype, x.device)
+    dy = empty(y.shape, y.dtype, y.device)
+    ws_h = torch.empty((n_cb, T * n * n), dtype=torch.float32, device=x.device)
+    ws_hp = torch.empty((n_cb, T * n), dtype=torch.float32, device=x.device)
+    ws_b = torch.empty((n_tb, C) if bias is not None else (1, 1), dtype=torch.float32, device=x.device)
+    if T and C:
+        _h_post_bda_bwd[(n_tb, n_cb)](
+            h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b,
+            T, C, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
+            TRANSPOSE=bool(transpose_res), num_warps=warps)
+    else:
+        ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()
+    d_h = sum_rows(ws_h, h_res.dtype, h_res.shape)
+    d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape)
+    d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
+    return d_h, dx, d_hp, dy, d_b
+
+
+class HPostBdaFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_res, x, h_post, y, bias, transpose_res):
+        ctx.save_for_backward(h_res, x, h_post, y, bias)
+        ctx.transpose_res = transpose_res
+        return h_post_bda_forward(h_res, x, h_post, y, bias, transpose_res)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h_res, x, h_post, y, bias = ctx.saved_tensors
+        return (*h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, ctx.transpose_res), None)
+
+
+def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False):
+    """Megatron's signature ``h_post_bda(h_res, x, h_post, y, bias)``; ``transpose_res`` by keyword."""
+    return HPostBdaFunction.apply(h_res, x, h_post, y, bias, transpose_res)

@@ -1,0 +1,148 @@
+"""Projection + RMS in Triton: ``proj = x W^T`` (fp32 accumulation) and
+``r = 1 / (||x||_2 / sqrt(K) + eps)`` in one pass over x; backward dx and dW.
+
+The mapping path is fp32 whatever the activation dtype. With bf16 (or fp16) x and W the product
+runs on tensor cores in that dtype: the products are exact in fp32 and accumulate in fp32, so the
+result is an fp32 product of the upcast inputs. Operands that are fp32 (x, W of fp32, and the
+fp32 upstream gradient in the backward) multiply at ``tf32x3`` on the GPU (three TF32 products,
+about fp32 accuracy) and in fp32 under the interpreter, whose bf16 ``tl.dot`` is unreliable.
+
+The backward reads x once and writes dx; dW (a reduction over all tokens) is accumulated in fp32
+per split of the tokens, and the splits are summed by a deterministic second kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mhctool.poison import empty
+
+from ._common import check_device, interpreted, next_pow2, require_contiguous
+from .reduce import sum_rows
+
+
+@triton.jit
+def _dot(a, b, acc, LOWP: tl.constexpr, PREC: tl.constexpr):
+    if LOWP:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PREC)
+
+
+@triton.jit
+def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOWP: tl.constexpr,
+                  PREC: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, NP)
+    rmask = rows < M
+    acc = tl.zeros([BLOCK_M, NP], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    x_row = x_ptr + rows.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(x_row + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        acc = _dot(x, tl.trans(w), acc, LOWP, PREC)
+    rms = tl.sqrt(ss / K)
+    tl.store(proj_ptr + rows[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & (cols[None, :] < N))
+    tl.store(r_ptr + rows, 1.0 / (rms + eps), mask=rmask)
+    tl.store(rms_ptr + rows, rms, mask=rmask)
+
+
+@triton.jit
+def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
+                  NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT: tl.constexpr, PREC: tl.constexpr):
+    kb = tl.program_id(0)
+    sp = tl.program_id(1)
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    cols = tl.arange(0, NP)
+    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0).to(tl.float32)
+    dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
+    for mb in range(sp, tl.cdiv(M, BLOCK_M), SPLIT):
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & kmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * K + k[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
+        gr = tl.load(gr_ptr + rows, mask=rmask, other=0.0)
+        r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
+        rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
+        # d r / d x = -r^2 * x / (K * rms)
+        coef = tl.where(rmask, -gr * r * r / (K * rms), 0.0)
+        dx = tl.dot(gp, w, input_precision=PREC) + coef[:, None] * x
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw = tl.dot(tl.trans(gp), x, dw, input_precision=PREC)
+    tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
+
+
+def _precision() -> str:
+    return "ieee" if interpreted() else "tf32x3"
+
+
+def _check(x2d, weight):
+    if x2d.dim() != 2 or weight.dim() != 2 or x2d.shape[1] != weight.shape[1]:
+        raise ValueError(f"proj_rms takes x2d[M,K] and weight[N,K]; got {tuple(x2d.shape)} and {tuple(weight.shape)}")
+    check_device(x2d, weight)
+    require_contiguous("x2d", x2d)
+    return weight.contiguous()
+
+
+def proj_rms_forward(x2d, weight, eps=1e-6):
+    """Returns ``proj, r, rms`` (rms is kept for the backward: ``1/r - eps`` would cancel)."""
+    weight = _check(x2d, weight)
+    M, K = x2d.shape
+    N = weight.shape[0]
+    proj = empty((M, N), torch.float32, x2d.device)
+    r = empty((M,), torch.float32, x2d.device)
+    rms = torch.empty((M,), dtype=torch.float32, device=x2d.device)
+    lowp = (x2d.dtype == weight.dtype and x2d.dtype in (torch.bfloat16, torch.float16) and not interpreted())
+    bm, bk = (64, 128)
+    if M:
+        _proj_rms_fwd[(triton.cdiv(M, bm),)](x2d, weight, proj, r, rms, M, K, N, float(eps),
+                                             NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
+                                             LOWP=lowp, PREC=_precision(), num_warps=4)
+    return proj, r, rms
+
+
+def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r):
+    weight = _check(x2d, weight)
+    M, K = x2d.shape
+    N = weight.shape[0]
+    grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
+    grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
+    bm, bk = (64, 128)
+    n_mb = triton.cdiv(M, bm)
+    split = 1 if interpreted() else max(1, min(8, n_mb))
+    dx = empty(x2d.shape, x2d.dtype, x2d.device)
+    ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
+    _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
+                                               NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
+                                               SPLIT=split, PREC=_precision(), num_warps=4)
+    dw = sum_rows(ws, weight.dtype, weight.shape)
+    return dx, dw
+
+
+class ProjRmsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, eps):
+        proj, r, rms = proj_rms_forward(x2d, weight, eps)
+        ctx.save_for_backward(x2d, weight, r, rms)
+        return proj, r
+
+    @staticmethod
+    def backward(ctx, grad_proj, grad_r):
+        x2d, weight, r, rms = ctx.saved_tensors
+        dx, dw = proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r)
+        return dx, dw, None
+
+
+def proj_rms(x2d, weight, eps: float = 1e-6):
+    """Megatron's signature ``proj_rms(x2d[M,K], weight[N,K], eps) -> (proj, r)``, both fp32."""
+    return ProjRmsFunction.apply(x2d, weight, eps)

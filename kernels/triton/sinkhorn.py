@@ -1,0 +1,183 @@
+"""Sinkhorn-Knopp projection in Triton: forward and backward, one kernel each.
+
+Every ``n x n`` matrix of a block of tokens lives in registers as a ``[BT, NP, NP]`` tile
+(``NP`` = n rounded up to a power of two, padded entries masked to zero); the math is fp32
+whatever the input dtype. The knobs (``stabilize``, ``eps_mode``, ``order``, ``iters``) are
+compile-time constants. The backward keeps no per-iteration state in global memory: for each
+normalisation step, from last to first, it recomputes the step's input from the tile of logits on
+chip and applies that step's vector-Jacobian product.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mhctool.poison import empty_like
+
+from ._common import check_device, next_pow2
+
+ROW, COL = 2, 1  # tile axes: a row normalisation sums over j (axis 2), a column one over i (axis 1)
+_STABILIZE = {"rowmax": 0, "none": 1, "softmax": 2}
+
+
+@triton.jit
+def _load_tile(ptr, t0, T, N: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr):
+    t = t0 + tl.arange(0, BT)[:, None, None]
+    i = tl.arange(0, NP)[None, :, None]
+    j = tl.arange(0, NP)[None, None, :]
+    mask = (t < T) & (i < N) & (j < N)
+    offs = t * (N * N) + i * N + j
+    return offs, mask
+
+
+@triton.jit
+def _init(x, mask, eps, STAB: tl.constexpr):
+    """The starting matrix p0, and the row softmax (for its backward) when STAB is softmax."""
+    if STAB == 1:  # none: bare exp
+        p = tl.where(mask, tl.exp(x), 0.0)
+        sm = p
+    else:
+        xm = tl.where(mask, x, float("-inf"))
+        m = tl.max(xm, axis=2, keep_dims=True)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.where(mask, tl.exp(x - m), 0.0)
+        sm = p
+        if STAB == 2:  # softmax + eps
+            sm = p / tl.maximum(tl.sum(p, axis=2, keep_dims=True), 1e-38)
+            p = tl.where(mask, sm + eps, 0.0)
+    return p, sm
+
+
+@triton.jit
+def _denom(p, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
+    s = tl.sum(p, axis=AXIS, keep_dims=True)
+    if CLAMP:
+        return tl.maximum(s, eps), s
+    return s + eps, s
+
+
+@triton.jit
+def _step(p, eps, k, FIRST: tl.constexpr, CLAMP: tl.constexpr):
+    """Normalisation step k: even steps along FIRST, odd steps along the other axis."""
+    if k % 2 == 0:
+        d, _ = _denom(p, eps, FIRST, CLAMP)
+    else:
+        d, _ = _denom(p, eps, 3 - FIRST, CLAMP)
+    return p / d
+
+
+@triton.jit
+def _step_bwd(q, g, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
+    """VJP of ``y = q / d(q)`` along AXIS: ``(g - sum(g * y)) / d`` (no sum term where clamped)."""
+    d, s = _denom(q, eps, AXIS, CLAMP)
+    y = q / d
+    gy = tl.sum(g * y, axis=AXIS, keep_dims=True)
+    if CLAMP:
+        gy = tl.where(s >= eps, gy, 0.0)
+    return (g - gy) / d
+
+
+@triton.jit
+def _sinkhorn_fwd(x_ptr, out_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
+                  STEPS: tl.constexpr, FIRST: tl.constexpr, STAB: tl.constexpr,
+                  CLAMP: tl.constexpr):
+    t0 = tl.program_id(0) * BT
+    offs, mask = _load_tile(x_ptr, t0, T, N, BT, NP)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p, _ = _init(x, mask, eps, STAB)
+    for k in range(STEPS):
+        p = _step(p, eps, k, FIRST, CLAMP)
+    tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sinkhorn_bwd(x_ptr, g_ptr, dx_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr,
+                  BT: tl.constexpr, STEPS: tl.constexpr, FIRST: tl.constexpr,
+                  STAB: tl.constexpr, CLAMP: tl.constexpr):
+    t0 = tl.program_id(0) * BT
+    offs, mask = _load_tile(x_ptr, t0, T, N, BT, NP)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p0, sm = _init(x, mask, eps, STAB)
+    for k in range(STEPS - 1, -1, -1):
+        q = p0
+        for i in range(k):  # the input of step k, recomputed on chip
+            q = _step(q, eps, i, FIRST, CLAMP)
+        if k % 2 == 0:
+            g = _step_bwd(q, g, eps, FIRST, CLAMP)
+        else:
+            g = _step_bwd(q, g, eps, 3 - FIRST, CLAMP)
+    if STAB == 1:
+        dx = g * p0
+    elif STAB == 0:
+        # p0 = exp(x - max): the max receives minus the row sum of g * p0, split over ties
+        gp = g * p0
+        xm = tl.where(mask, x, float("-inf"))
+        m = tl.max(xm, axis=2, keep_dims=True)
+        is_max = (xm == m) & mask
+        ties = tl.maximum(tl.sum(is_max.to(tl.float32), axis=2, keep_dims=True), 1.0)
+        dx = gp - tl.where(is_max, tl.sum(gp, axis=2, keep_dims=True) / ties, 0.0)
+    else:
+        dx = sm * (g - tl.sum(g * sm, axis=2, keep_dims=True))
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _config(n: int, stabilize: str, order: str, iters: int):
+    np_ = next_pow2(n)
+    first = ROW if order == "row_first" else COL
+    steps = 2 * iters
+    if stabilize == "softmax" and order == "row_first":
+        first, steps = COL, steps - 1  # the softmax was the first row step
+    bt = max(1, min(64, 1024 // (np_ * np_)))
+    return np_, first, steps, bt
+
+
+def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order):
+    n = x.shape[-1]
+    if x.shape[-2] != n:
+        raise ValueError(f"sinkhorn needs square matrices in the last two dims, got {tuple(x.shape)}")
+    if stabilize not in _STABILIZE or eps_mode not in ("add", "clamp") or order not in ("row_first", "col_first"):
+        raise ValueError(f"unknown knob value: stabilize={stabilize!r}, eps_mode={eps_mode!r}, order={order!r}")
+    if int(iters) < 1:
+        raise ValueError(f"iters must be at least 1, got {iters}")
+    check_device(x, *extra)
+    x = x.contiguous()
+    T = x.numel() // (n * n)
+    np_, first, steps, bt = _config(n, stabilize, order, int(iters))
+    out = empty_like(x)
+    args = [x, *[e.contiguous() for e in extra], out]
+    if T:
+        kernel[(triton.cdiv(T, bt),)](*args, T, float(eps), N=n, NP=np_, BT=bt, STEPS=steps,
+                                     FIRST=first, STAB=_STABILIZE[stabilize],
+                                     CLAMP=eps_mode == "clamp", num_warps=4)
+    return out
+
+
+def sinkhorn_forward(logits, iters=20, eps=1e-6, stabilize="rowmax", eps_mode="add", order="row_first"):
+    return _launch(_sinkhorn_fwd, logits, [], iters, eps, stabilize, eps_mode, order)
+
+
+def sinkhorn_backward(logits, grad_out, iters=20, eps=1e-6, stabilize="rowmax", eps_mode="add",
+                      order="row_first"):
+    return _launch(_sinkhorn_bwd, logits, [grad_out.to(logits.dtype) if grad_out.dtype != logits.dtype else grad_out],
+                   iters, eps, stabilize, eps_mode, order)
+
+
+class SinkhornFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, iters, eps, stabilize, eps_mode, order):
+        ctx.save_for_backward(logits)
+        ctx.knobs = (iters, eps, stabilize, eps_mode, order)
+        return sinkhorn_forward(logits, iters, eps, stabilize, eps_mode, order)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (logits,) = ctx.saved_tensors
+        return (sinkhorn_backward(logits, grad_out, *ctx.knobs),) + (None,) * 5
+
+
+def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
+             eps_mode: str = "add", order: str = "row_first"):
+    """Megatron's signature: ``sinkhorn(logits[..., n, n], iters, eps)``, other knobs by keyword."""
+    return SinkhornFunction.apply(logits, iters, eps, stabilize, eps_mode, order)

@@ -1,0 +1,141 @@
+"""Triton kernels on the CPU through the interpreter (TRITON_INTERPRET=1, set in conftest)."""
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mhctool.cli import app
+from mhctool.kernels.triton import h_aggregate as tha
+from mhctool.kernels.triton import h_post_bda as thp
+from mhctool.kernels.triton import proj_rms as tpr
+from mhctool.kernels.triton import sinkhorn as tsk
+from mhctool.poison import poisoning
+from mhctool.references import mhc as ref
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; the GPU runs test_gpu.py")
+runner = CliRunner()
+
+
+@pytest.mark.slow
+def test_parity_all_triton_passes_under_the_interpreter(tmp_path):
+    out = tmp_path / "r.parquet"
+    res = runner.invoke(app, ["parity", "--kernel", "all", "--impl", "triton", "--device", "cpu", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = [r for r in pq.read_table(out).to_pylist() if r["impl"] == "triton"]
+    assert {r["kernel"] for r in rows} == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms"}
+    unwritten = [r for r in rows if r["metric"] == "unwritten"]
+    assert unwritten and all(r["value"] == 0 and r["passed"] for r in unwritten)
+    assert {r["direction"] for r in unwritten} == {"fwd", "bwd"}
+
+
+def _grads(fn, inputs, seed=0):
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    g = torch.Generator().manual_seed(seed)
+    ups = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    diff = [i for i in inputs if isinstance(i, torch.Tensor) and i.requires_grad]
+    return outs, torch.autograd.grad(outs, diff, ups), ups
+
+
+def _leaf(*shape, dtype=torch.float32, scale=1.0, positive=False):
+    t = torch.rand(*shape) if positive else torch.randn(*shape) * scale
+    return t.to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("knobs", [{}, {"stabilize": "none"}, {"stabilize": "softmax"}, {"eps_mode": "clamp"},
+                                   {"order": "col_first"}, {"stabilize": "softmax", "order": "col_first"}])
+def test_sinkhorn_every_knob_and_n_matches_float64(n, knobs):
+    L = _leaf(37, n, n, scale=2.0)  # 37 tokens: not a multiple of the token tile
+    with poisoning():
+        (out,), (g,), (up,) = _grads(lambda t: tsk.sinkhorn(t, 6, 1e-4, **knobs), [L])
+    Ld = L.detach().double().requires_grad_()
+    r = ref.sinkhorn(Ld, 6, 1e-4, **knobs)
+    (rg,) = torch.autograd.grad(r, Ld, up.double())
+    assert torch.isfinite(out).all() and torch.isfinite(g).all()  # poison would be NaN
+    torch.testing.assert_close(out.double(), r, rtol=0, atol=2e-6)
+    torch.testing.assert_close(g.double(), rg, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 4, 67), (2, 1, 3, 1030), (1, 3, 8, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_h_aggregate_matches_float64(shape, dtype):
+    s, b, n, c = shape
+    x, h = _leaf(s, b, n, c, dtype=dtype), _leaf(s, b, n, positive=True)
+    with poisoning():
+        (out,), (gx, gh), (up,) = _grads(tha.h_aggregate, [x, h])
+    xd, hd = x.detach().double().requires_grad_(), h.detach().double().requires_grad_()
+    r = ref.h_aggregate(xd, hd)
+    rx, rh = torch.autograd.grad(r, (xd, hd), up.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b_ in ((out, r), (gx, rx), (gh, rh)):
+        assert torch.isfinite(a).all()
+        assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol
+    assert gh.dtype == torch.float32 and ((gh.double() - rh).abs().max() / rh.abs().max()) < 1e-5  # fp32 accumulation
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 4, 67), (70, 1, 4, 33), (1, 3, 8, 5), (2, 2, 3, 300)])
+@pytest.mark.parametrize("transpose_res", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_h_post_bda_matches_float64(shape, transpose_res, with_bias):
+    s, b, n, c = shape
+    ins = [_leaf(s, b, n, n, positive=True), _leaf(s, b, n, c), _leaf(s, b, n, positive=True), _leaf(s, b, c)]
+    bias = _leaf(c) if with_bias else None
+    with poisoning():
+        outs, grads, (up,) = _grads(
+            lambda *a: thp.h_post_bda(*a[:4], a[4] if with_bias else None, transpose_res=transpose_res),
+            ins + ([bias] if with_bias else []))
+    dd = [i.detach().double().requires_grad_() for i in ins + ([bias] if with_bias else [])]
+    r = ref.h_post_bda(*dd[:4], dd[4] if with_bias else None, transpose_res=transpose_res)
+    rgrads = torch.autograd.grad(r, dd, up.double())
+    for a, b_ in zip((outs[0], *grads), (r, *rgrads)):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b_, rtol=0, atol=5e-6 * max(1.0, b_.abs().max().item()))
+
+
+@pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 130, 8), (5, 40, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_proj_rms_matches_float64(mkn, dtype):
+    m, k, n = mkn
+    x, w = _leaf(m, k, dtype=dtype), (torch.randn(n, k) / k ** 0.5).to(dtype).requires_grad_()
+    with poisoning():
+        (p, r), (gx, gw), ups = _grads(tpr.proj_rms, [x, w])
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rp, rr = ref.proj_rms(xd, wd)
+    rx, rw = torch.autograd.grad((rp, rr), (xd, wd), [u.double() for u in ups])
+    assert p.dtype == r.dtype == torch.float32  # the fp32 mapping path
+    for a, b_, tol in ((p, rp, 1e-6), (r, rr, 1e-6), (gx, rx, 1e-5 if dtype == torch.float32 else 1e-2),
+                       (gw, rw, 1e-5 if dtype == torch.float32 else 1e-2)):
+        assert torch.isfinite(a).all()
+        assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol
+
+
+def test_layouts_the_kernels_do_not_take_are_refused():
+    x = torch.randn(3, 2, 8, 4).transpose(-1, -2)  # [3, 2, 4, 8] but not contiguous
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        tha.h_aggregate(x, torch.rand(3, 2, 4))
+    with pytest.raises(ValueError, match="x2d must be contiguous"):
+        tpr.proj_rms(torch.randn(24, 16).t(), torch.randn(8, 24))
+    with pytest.raises(ValueError, match="square matrices"):
+        tsk.sinkhorn(torch.randn(5, 4, 3))
+    with pytest.raises(ValueError, match="h_res has shape"):
+        thp.h_post_bda(torch.rand(2, 1, 3, 3), torch.randn(2, 1, 4, 8), torch.rand(2, 1, 4), torch.randn(2, 1, 8))
+
+
+def test_the_megatron_view_layout_is_taken():
+    """x as the [s, b, n*C] activation viewed as [s, b, n, C] (what Megatron passes)."""
+    flat = torch.randn(6, 2, 4 * 33)
+    x = flat.view(6, 2, 4, 33)
+    h = torch.rand(6, 2, 4)
+    torch.testing.assert_close(tha.h_aggregate(x, h), ref.h_aggregate(x, h))
+
+
+def test_unwritten_elements_are_caught(tmp_path):
+    """A kernel that allocates its output poisoned and skips the last token fails `unwritten`."""
+    out = tmp_path / "r.parquet"
+    res = runner.invoke(app, ["parity", "--kernel", "sinkhorn", "--device", "cpu", "--dtype", "fp32",
+                              "--impl", "tests.impls.defects:sinkhorn_skips_last_token", "-o", str(out)])
+    assert res.exit_code == 1
+    rows = pq.read_table(out).to_pylist()
+    bad = [r for r in rows if r["metric"] == "unwritten" and r["passed"] is False]
+    assert bad and all(r["value"] == 16 for r in bad if r["shape"] == "33x2x4x1" and r["direction"] == "fwd")
