@@ -189,6 +189,121 @@ def parity(
     raise typer.Exit(1 if f else 0)
 
 
+@app.command()
+@_guard
+def bench(
+    shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC (default: 8192x4x4x7168 on a GPU, 64x2x4x512 on the CPU)."),
+    kernel: str = typer.Option("all", "--kernel", "-k", help="sinkhorn, h_aggregate, h_post_bda, proj_rms or all."),
+    impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementations (default: every available one: torch, compile, triton, cutile), or module:function."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype (sinkhorn always runs on the fp32 mapping path)."),
+    direction: str = typer.Option("fwd,bwd", "--direction", help="fwd, bwd or both (comma-separated)."),
+    repeats: int = typer.Option(50, "--repeats", min=3, help="Timed repeats (median and p10/p90 reported)."),
+    graph: bool = typer.Option(False, "--graph", help="Time the forward as a CUDA-graph replay (launch overhead removed)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    out_path: Path = typer.Option(Path("mhctool-bench.parquet"), "--out", "-o", help="Parquet report to write."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG to write (bars per kernel and direction, roofline line)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+):
+    """Time kernels against the memory roofline measured in the same run."""
+    from . import bench as bench_mod
+    from .shapes import PAPER_SHAPE
+
+    dev = _device(device)
+    shp = parse_shape(shape or (PAPER_SHAPE if dev == "cuda" else "64x2x4x512"))
+    fmt = parse_dtype(dtype)
+    kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(kernel).name]
+    dirs = _split([direction])
+    bad = [d for d in dirs if d not in ("fwd", "bwd")]
+    if bad or not dirs:
+        raise UsageError(f"unknown --direction {direction!r}; accepted: fwd, bwd, fwd,bwd")
+    specs = _split(impl)
+    if any(":" in s for s in specs) and len(kernels) != 1:
+        raise UsageError("an external --impl module:function needs one --kernel, not all")
+    plan = []
+    for k in kernels:
+        for i in registry.resolve_impls(k, specs or ["torch", "compile", "triton", "cutile"]):
+            why = i.unsupported(dev, bench_mod.bench_dtype(k, fmt.name))
+            if why and specs and i.name in specs:
+                raise UsageError(f"--impl {i.name} cannot run {k} here: {why}")
+            plan.append((k, i, why))
+    # refuse up front what cannot fit, with the estimate
+    worst = max(bench_mod.footprint(k, shp, fmt.name) for k in kernels)
+    if dev == "cuda":
+        free, _ = environment.cuda_mem_info()
+        if worst > 0.9 * free:
+            raise UsageError(f"--shape {shp} needs about {worst / 2**30:.1f} GiB on the GPU for one kernel; "
+                             f"{free / 2**30:.1f} GiB are free")
+        l2 = environment.l2_bytes()
+    else:
+        if worst > 2 * 2**30:
+            raise UsageError(f"--shape {shp} needs about {worst / 2**30:.1f} GiB; CPU benchmarks take shapes under 2 GiB "
+                             "(GPU figures need a GPU)")
+        l2 = 0
+        err.print("note: no GPU here: CPU timer on a small shape; GPU figures need a GPU")
+
+    copy_bw = bench_mod.copy_bandwidth(dev, (1 << 30) if dev == "cuda" else (1 << 26))
+    mm_bf16 = bench_mod.matmul_rate(dev, torch_dtype("bf16"))
+    mm_tf32 = bench_mod.matmul_rate(dev, torch_dtype("fp32"))
+    results = []
+    show = not quiet and out.is_terminal
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not show) as bar:
+        task = bar.add_task("bench", total=len(plan) * len(dirs))
+        for k, i, why in plan:
+            for d in dirs:
+                bar.update(task, description=f"{k} {i.name} {d}")
+                if why:
+                    results.append(("skip", k, i, d, why))
+                else:
+                    try:
+                        results.append(("ok", k, i, d, bench_mod.measure(k, i, shp, fmt.name, dev, repeats, d,
+                                                                       graph and d == "fwd", l2)))
+                    except Exception as e:  # a kernel that fails to run is reported, the rest still run
+                        results.append(("skip", k, i, d, f"failed: {type(e).__name__}: {e}".splitlines()[0][:300]))
+                bar.advance(task)
+    rows = bench_mod.rows(results, dev, shp, copy_bw, mm_bf16, mm_tf32)
+    settings = {"command": "bench", "shape": str(shp), "dtype": fmt.name, "device": dev, "repeats": repeats,
+                "graph": graph, "copy_bandwidth_Bps": copy_bw, "matmul_bf16_flops": mm_bf16,
+                "matmul_tf32_flops": mm_tf32}
+    table = report.to_table(rows, report.new_run_id(), "bench", environment.metadata(), settings,
+                            schema=report.BENCH_SCHEMA)
+    path = report.write_atomic(table, out_path)
+    if not quiet:
+        out.print(_bench_table(rows, f"bench {shp} {fmt.name} on {dev}: copy {copy_bw / 1e9:.0f} GB/s, "
+                                     f"bf16 matmul {mm_bf16 / 1e12:.0f} TFLOP/s, tf32 {mm_tf32 / 1e12:.0f} TFLOP/s"))
+    if plot is not None:
+        from .plots import bench_figure
+        out.print(f"plot: {bench_figure(table, plot, copy_bw)}")
+    out.print(f"report {path}")
+
+
+def torch_dtype(name: str):
+    return parse_dtype(name).torch_dtype
+
+
+def _bench_table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for c in ("kernel", "dir", "impl", "ms", "p10-p90", "GB/s", "% copy", "TFLOP/s", "bound", "host us",
+              "vs eager", "vs compile", "peak MiB", "note"):
+        t.add_column(c)
+    by = {}
+    for r in rows:
+        by.setdefault((r["kernel"], r["direction"], r["impl"]), {})[r["metric"]] = r
+    for (k, d, i), m in by.items():
+        g = lambda name: m.get(name, {}).get("value")  # noqa: E731
+        note = next((r["message"] for r in m.values() if r.get("message")), "") or ""
+        host = g("host_us")
+        flag = " [yellow](host-bound)[/]" if note and "host-bound" in note else ""
+        t.add_row(k, d, _short_impl(i), _fmt(g("time_ms")),
+                  f"{_fmt(g('time_ms_p10'))}-{_fmt(g('time_ms_p90'))}" if g("time_ms") is not None else "-",
+                  _fmt(g("gbps")), _fmt(g("pct_copy_bw")), _fmt(g("tflops")),
+                  next((r["bound"] for r in m.values() if r.get("bound")), "-"), _fmt(host) + flag,
+                  _fmt(g("speedup_vs_torch")), _fmt(g("speedup_vs_compile")),
+                  _fmt(g("peak_bytes") / 2**20 if g("peak_bytes") is not None and g("peak_bytes") == g("peak_bytes") else None),
+                  note)
+    return t
+
+
 @report_app.command("show")
 @_guard
 def report_show(

@@ -134,3 +134,13 @@ def metadata() -> dict:
         "git_commit": git_commit(),
         **gpu_info(),
     }
+
+
+def cuda_mem_info() -> tuple[int, int]:
+    """(free, total) bytes on the current GPU."""
+    return torch.cuda.mem_get_info()
+
+
+def l2_bytes() -> int:
+    p = torch.cuda.get_device_properties(0)
+    return int(getattr(p, "L2_cache_size", 50 * 2**20))

@@ -28,11 +28,11 @@ class InputFamily:
 
 
 def _randn(g, *shape):
-    return torch.randn(*shape, generator=g, dtype=torch.float32)
+    return torch.randn(*shape, generator=g, dtype=torch.float32, device=g.device)
 
 
 def _rand(g, *shape):
-    return torch.rand(*shape, generator=g, dtype=torch.float32)
+    return torch.rand(*shape, generator=g, dtype=torch.float32, device=g.device)
 
 
 def _log_uniform(g, lo, hi, *shape):
@@ -62,11 +62,11 @@ def _sk_dead(shape, g, knobs):
     s, b, n = shape.s, shape.b, shape.n
     logits = _randn(g, s, b, n, n)
     offset = 20 + 60 * _rand(g, s, b)
-    col = torch.randint(0, n, (s, b), generator=g)
-    row = torch.randint(0, n, (s, b), generator=g)
+    col = torch.randint(0, n, (s, b), generator=g, device=g.device)
+    row = torch.randint(0, n, (s, b), generator=g, device=g.device)
     cols = torch.nn.functional.one_hot(col, n).float()[..., None, :]
     rows = torch.nn.functional.one_hot(row, n).float()[..., :, None]
-    every_other = (torch.arange(s * b).reshape(s, b) % 2).float()[..., None, None]
+    every_other = (torch.arange(s * b, device=g.device).reshape(s, b) % 2).float()[..., None, None]
     logits = logits - offset[..., None, None] * (cols + every_other * rows).clamp(max=1)
     return {"logits": logits}
 
@@ -194,10 +194,13 @@ def get_family(kernel: str, name: str) -> InputFamily:
     return fams[name]
 
 
-def generate(kernel: str, family: str, shape: Shape, seed: int, knobs: dict) -> tuple[Shape, Tensors]:
-    """The (possibly reshaped) shape and the fp32 CPU tensors of one case."""
+def generate(kernel: str, family: str, shape: Shape, seed: int, knobs: dict,
+             device: str = "cpu") -> tuple[Shape, Tensors]:
+    """The (possibly reshaped) shape and the fp32 tensors of one case. Parity draws on the CPU
+    (the same inputs whatever the device); bench draws on the device (paper-shape inputs are
+    gigabytes)."""
     fam = get_family(kernel, family)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     shape = fam.reshape(shape)
     return shape, fam.make(shape, g, knobs)
 

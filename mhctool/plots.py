@@ -56,3 +56,38 @@ def parity_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def bench_figure(table: pa.Table, path: str | Path, copy_bw: float) -> Path:
+    """Bars of achieved bandwidth as a share of the measured copy bandwidth, per kernel and
+    direction, one bar per implementation; the line at 100% is the memory roofline."""
+    rows = [r for r in table.to_pylist() if r["metric"] == "pct_copy_bw" and r["value"] == r["value"]]
+    times = {(r["kernel"], r["direction"], r["impl"]): r["value"] for r in table.to_pylist() if r["metric"] == "time_ms"}
+    groups = sorted({(r["kernel"], r["direction"]) for r in rows})
+    impls = sorted({r["impl"] for r in rows})
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(groups) + 3), 4.8))
+    width = 0.8 / max(1, len(impls))
+    for k, impl in enumerate(impls):
+        xs, ys, labels = [], [], []
+        for g, (kernel, direction) in enumerate(groups):
+            v = next((r["value"] for r in rows if (r["kernel"], r["direction"], r["impl"]) == (kernel, direction, impl)), None)
+            if v is None:
+                continue
+            xs.append(g + (k - (len(impls) - 1) / 2) * width)
+            ys.append(v)
+            labels.append(f"{times.get((kernel, direction, impl), float('nan')):.3g}ms")
+        bars = ax.bar(xs, ys, width, label=impl)
+        for b, lab in zip(bars, labels):
+            ax.annotate(lab, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=6, rotation=90)
+    ax.axhline(100, color="k", ls="--", lw=1, label=f"copy {copy_bw / 1e12:.2f} TB/s")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{k}\n{d}" for k, d in groups], fontsize=8)
+    ax.set_ylabel("% of measured copy bandwidth")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

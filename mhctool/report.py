@@ -60,6 +60,19 @@ SCHEMA = pa.schema([
 ])
 
 
+# `mhctool bench` reports: one row per (kernel, impl, direction, metric). Metrics: time_ms (median),
+# time_ms_p10, time_ms_p90, gbps (model bytes / median time), pct_copy_bw (of the copy bandwidth
+# measured in the same run), tflops, host_us (CPU time per call, no sync), peak_bytes, saved_bytes
+# (what autograd keeps for backward), speedup_vs_torch, speedup_vs_compile. ``bound`` says which
+# ceiling applies (memory or compute); the ceilings are in the ``mhctool.run`` metadata.
+BENCH_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("kernel", pa.string()), ("impl", pa.string()), ("backend", pa.string()),
+    ("direction", pa.string()), ("dtype", pa.string()), ("shape", pa.string()), ("device", pa.string()),
+    ("graph", pa.bool_()), ("metric", pa.string()), ("value", pa.float64()), ("bound", pa.string()),
+    ("message", pa.string()),
+])
+
+
 def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 

@@ -61,7 +61,9 @@ class CaseResult:
 
 
 def _short_error(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:500]
+    """The error in one line; compiler errors put the cause after the first line, so keep it."""
+    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
+    return " | ".join(lines)[:1500]
 
 
 def _cast_inputs(fam: Family, raw: dict, case: Case) -> dict:
@@ -229,6 +231,7 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                         "dtype_out": fmt.name, "metric": metric, "value": value,
                                         "threshold": j.threshold, "passed": j.passed,
                                         "rule": j.rule, "message": None})
+        del outs, refs
         if res.bwd_unsupported or res.bwd_error:
             result.rows.append({**row_base, "direction": "bwd", "tensor": "*",
                                 "metric": "unsupported" if res.bwd_unsupported else "error",
@@ -236,6 +239,8 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                 "passed": None if res.bwd_unsupported else False,
                                 "rule": "unsupported" if res.bwd_unsupported else "raised",
                                 "message": res.bwd_unsupported or res.bwd_error})
+    if case.device == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 

@@ -23,10 +23,13 @@ from .reduce import sum_rows
 
 
 @triton.jit
-def _dot(a, b, acc, LOWP: tl.constexpr, PREC: tl.constexpr):
+def _dot(a, b, LOWP: tl.constexpr, PREC: tl.constexpr):
+    """One chunk's product into a fresh accumulator. Tensor cores accumulate with truncation, so
+    a long K kept inside one MMA accumulator drifts (measured 3e-5 relative at K = 28672 on an
+    H100); the caller adds the chunks in fp32 with round-to-nearest instead."""
     if LOWP:
-        return tl.dot(a, b, acc)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PREC)
+        return tl.dot(a, b)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
 @triton.jit
@@ -46,7 +49,7 @@ def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.c
         w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
-        acc = _dot(x, tl.trans(w), acc, LOWP, PREC)
+        acc += _dot(x, tl.trans(w), LOWP, PREC)
     rms = tl.sqrt(ss / K)
     tl.store(proj_ptr + rows[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & (cols[None, :] < N))
     tl.store(r_ptr + rows, 1.0 / (rms + eps), mask=rmask)
@@ -78,7 +81,7 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         coef = tl.where(rmask, -gr * r * r / (K * rms), 0.0)
         dx = tl.dot(gp, w, input_precision=PREC) + coef[:, None] * x
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw = tl.dot(tl.trans(gp), x, dw, input_precision=PREC)
+        dw += tl.dot(tl.trans(gp), x, input_precision=PREC)
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
 
 

@@ -58,17 +58,13 @@ def _denom(p, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
-def _step(p, eps, k, FIRST: tl.constexpr, CLAMP: tl.constexpr):
-    """Normalisation step k: even steps along FIRST, odd steps along the other axis."""
-    if k % 2 == 0:
-        d, _ = _denom(p, eps, FIRST, CLAMP)
-    else:
-        d, _ = _denom(p, eps, 3 - FIRST, CLAMP)
+def _norm(p, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
+    d, _ = _denom(p, eps, AXIS, CLAMP)
     return p / d
 
 
 @triton.jit
-def _step_bwd(q, g, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
+def _norm_bwd(q, g, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
     """VJP of ``y = q / d(q)`` along AXIS: ``(g - sum(g * y)) / d`` (no sum term where clamped)."""
     d, s = _denom(q, eps, AXIS, CLAMP)
     y = q / d
@@ -79,35 +75,51 @@ def _step_bwd(q, g, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
+def _pairs(p, eps, count, A: tl.constexpr, B: tl.constexpr, CLAMP: tl.constexpr):
+    """``count`` normalisation pairs: along A, then along B."""
+    for _ in range(count):
+        p = _norm(p, eps, A, CLAMP)
+        p = _norm(p, eps, B, CLAMP)
+    return p
+
+
+# The step sequence alternates axes for STEPS steps starting with FIRST. It runs as an optional
+# lone first step (ODD: along FIRST) followed by STEPS // 2 pairs (A, B), so that every axis is a
+# compile-time constant.
+
+@triton.jit
 def _sinkhorn_fwd(x_ptr, out_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
-                  STEPS: tl.constexpr, FIRST: tl.constexpr, STAB: tl.constexpr,
-                  CLAMP: tl.constexpr):
+                  PAIRS: tl.constexpr, ODD: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
+                  STAB: tl.constexpr, CLAMP: tl.constexpr):
     t0 = tl.program_id(0) * BT
     offs, mask = _load_tile(x_ptr, t0, T, N, BT, NP)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p, _ = _init(x, mask, eps, STAB)
-    for k in range(STEPS):
-        p = _step(p, eps, k, FIRST, CLAMP)
+    if ODD:
+        p = _norm(p, eps, B, CLAMP)
+    p = _pairs(p, eps, PAIRS, A, B, CLAMP)
     tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _sinkhorn_bwd(x_ptr, g_ptr, dx_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr,
-                  BT: tl.constexpr, STEPS: tl.constexpr, FIRST: tl.constexpr,
-                  STAB: tl.constexpr, CLAMP: tl.constexpr):
+                  BT: tl.constexpr, PAIRS: tl.constexpr, ODD: tl.constexpr, A: tl.constexpr,
+                  B: tl.constexpr, STAB: tl.constexpr, CLAMP: tl.constexpr):
     t0 = tl.program_id(0) * BT
     offs, mask = _load_tile(x_ptr, t0, T, N, BT, NP)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p0, sm = _init(x, mask, eps, STAB)
-    for k in range(STEPS - 1, -1, -1):
-        q = p0
-        for i in range(k):  # the input of step k, recomputed on chip
-            q = _step(q, eps, i, FIRST, CLAMP)
-        if k % 2 == 0:
-            g = _step_bwd(q, g, eps, FIRST, CLAMP)
-        else:
-            g = _step_bwd(q, g, eps, 3 - FIRST, CLAMP)
+    start = p0
+    if ODD:
+        start = _norm(p0, eps, B, CLAMP)
+    for k in range(PAIRS - 1, -1, -1):
+        q = _pairs(start, eps, k, A, B, CLAMP)  # input of pair k, recomputed on chip
+        q2 = _norm(q, eps, A, CLAMP)
+        g = _norm_bwd(q2, g, eps, B, CLAMP)
+        g = _norm_bwd(q, g, eps, A, CLAMP)
+    if ODD:
+        g = _norm_bwd(p0, g, eps, B, CLAMP)
     if STAB == 1:
         dx = g * p0
     elif STAB == 0:
@@ -123,14 +135,18 @@ def _sinkhorn_bwd(x_ptr, g_ptr, dx_ptr, T, eps, N: tl.constexpr, NP: tl.constexp
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(n: int, stabilize: str, order: str, iters: int):
+def _config(n: int, stabilize: str, order: str, iters: int) -> dict:
     np_ = next_pow2(n)
     first = ROW if order == "row_first" else COL
     steps = 2 * iters
     if stabilize == "softmax" and order == "row_first":
         first, steps = COL, steps - 1  # the softmax was the first row step
+    other = ROW + COL - first
+    odd = steps % 2 == 1
+    # an odd sequence is FIRST, then (OTHER, FIRST) pairs; an even one (FIRST, OTHER) pairs
+    a, b = (other, first) if odd else (first, other)
     bt = max(1, min(64, 1024 // (np_ * np_)))
-    return np_, first, steps, bt
+    return dict(NP=np_, BT=bt, PAIRS=steps // 2, ODD=odd, A=a, B=b)
 
 
 def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order):
@@ -144,13 +160,12 @@ def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order):
     check_device(x, *extra)
     x = x.contiguous()
     T = x.numel() // (n * n)
-    np_, first, steps, bt = _config(n, stabilize, order, int(iters))
+    cfg = _config(n, stabilize, order, int(iters))
     out = empty_like(x)
     args = [x, *[e.contiguous() for e in extra], out]
     if T:
-        kernel[(triton.cdiv(T, bt),)](*args, T, float(eps), N=n, NP=np_, BT=bt, STEPS=steps,
-                                     FIRST=first, STAB=_STABILIZE[stabilize],
-                                     CLAMP=eps_mode == "clamp", num_warps=4)
+        kernel[(triton.cdiv(T, cfg["BT"]),)](*args, T, float(eps), N=n, STAB=_STABILIZE[stabilize],
+                                            CLAMP=eps_mode == "clamp", num_warps=4, **cfg)
     return out
 
 

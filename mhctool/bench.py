@@ -1,0 +1,317 @@
+"""Timing against the memory roofline: bytes/flops models, measured ceilings, timers.
+
+Each kernel declares the bytes it must move and the flops it must do for a shape (``model``);
+``bench`` reports achieved GB/s (model bytes / median time), its share of the device-to-device
+copy bandwidth measured in the same run, and which limit applies (memory or matrix math, from
+the measured copy bandwidth and bf16/tf32 matmul rate).
+
+The byte models count each tensor a kernel must read or write once, at its dtype (e = bytes per
+activation element, f = 4 for the fp32 mapping path), with T = s*b tokens, K = n*C, N = n^2 + 2n:
+
+| kernel      | fwd bytes                                   | bwd bytes                                              | flops fwd / bwd  |
+|-------------|---------------------------------------------|--------------------------------------------------------|------------------|
+| sinkhorn    | read logits, write out: 2 T n^2 f           | read logits, grad_out; write grad: 3 T n^2 f           | ~0 (latency)     |
+| h_aggregate | read x, h_pre; write out: T n C e + T C e + T n f | read x, grad_out, h_pre; write grad_x, grad_h: 2 T n C e + T C e + 2 T n f | 2TnC / 4TnC |
+| h_post_bda  | read x, y, h; write out: 2 T n C e + T C e + T (n^2+n) f + C e | read grad_out, x, y; write grad_x, grad_y (small grads reduced on chip): 3 T n C e + 2 T C e + ... | 2Tn(n+1)C / 4Tn(n+1)C |
+| proj_rms    | read x, W; write proj, r: T K e + N K e + T (N+1) f | read x, W, grad_proj, grad_r; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import inputs as inputs_mod
+from .dtypes import FORMATS
+from .errors import UsageError
+from .registry import Family, Impl, get_family
+from .runner import _cast_inputs, _leaf, Case
+from .shapes import Shape
+
+
+@dataclass(frozen=True)
+class Model:
+    bytes_fwd: float
+    bytes_bwd: float
+    flops_fwd: float
+    flops_bwd: float
+
+
+def model(kernel: str, shape: Shape, dtype: str) -> Model:
+    e = FORMATS[dtype].torch_dtype.itemsize
+    f = 4
+    T, n, C = shape.tokens, shape.n, shape.c
+    K, N = shape.k, shape.n_h
+    if kernel == "sinkhorn":
+        # the mapping path: logits are fp32 in the model whatever the activation dtype
+        return Model(2 * T * n * n * f, 3 * T * n * n * f, 0.0, 0.0)
+    if kernel == "h_aggregate":
+        return Model(T * n * C * e + T * C * e + T * n * f,
+                     2 * T * n * C * e + T * C * e + 2 * T * n * f,
+                     2.0 * T * n * C, 4.0 * T * n * C)
+    if kernel == "h_post_bda":
+        small = T * (n * n + n) * f
+        return Model(2 * T * n * C * e + T * C * e + small + C * e,
+                     3 * T * n * C * e + 2 * T * C * e + 2 * small + 2 * C * e,
+                     2.0 * T * n * (n + 1) * C, 4.0 * T * n * (n + 1) * C)
+    if kernel == "proj_rms":
+        return Model(T * K * e + N * K * e + T * (N + 1) * f,
+                     2 * T * K * e + N * K * e + N * K * f + T * (N + 1) * f,
+                     2.0 * T * N * K, 4.0 * T * N * K)
+    raise UsageError(f"no bytes/flops model for kernel {kernel}")
+
+
+def bench_dtype(kernel: str, dtype: str) -> str:
+    """Sinkhorn runs on the fp32 mapping path whatever the activation dtype."""
+    return "fp32" if kernel == "sinkhorn" else dtype
+
+
+def footprint(kernel: str, shape: Shape, dtype: str, copies: int = 1) -> float:
+    """Bytes a bench case holds at its peak: inputs (x copies), outputs, gradients, upstream."""
+    m = model(kernel, shape, bench_dtype(kernel, dtype))
+    return (copies + 3) * max(m.bytes_fwd, m.bytes_bwd)
+
+
+# --- timers -------------------------------------------------------------------------------------
+
+class Timer:
+    """CUDA events on the GPU; perf_counter with a synchronize-free body on the CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def time(self, fn: Callable[[], object], repeats: int, warmup: int = 3,
+             before: Callable[[int], None] | None = None) -> list[float]:
+        for i in range(warmup):
+            if before:
+                before(i)
+            fn()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+            for i in range(repeats):
+                if before:
+                    before(i)
+                starts[i].record()
+                fn()
+                ends[i].record()
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        out = []
+        for i in range(repeats):
+            if before:
+                before(i)
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+def host_time_us(fn: Callable[[], object], calls: int = 20) -> float:
+    """CPU time per call of launch and Python dispatch, without synchronising."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = (time.perf_counter() - t0) / calls * 1e6
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return dt
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second."""
+    n = nbytes // 4
+    a = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    b = torch.empty_like(a)
+    times = Timer(device).time(lambda: b.copy_(a), repeats)
+    del a, b
+    return 2 * nbytes / (statistics.median(times) / 1e3)
+
+
+def matmul_rate(device: str, dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
+    """Dense matmul flop/s at ``dtype`` (bf16; fp32 runs at TF32)."""
+    if device != "cuda":
+        size = 1024
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        times = Timer(device).time(lambda: a @ b, repeats)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    return 2 * size ** 3 / (statistics.median(times) / 1e3)
+
+
+# --- one kernel x impl ----------------------------------------------------------------------------
+
+@dataclass
+class Measurement:
+    kernel: str
+    impl: str
+    backend: str
+    direction: str
+    dtype: str
+    shape: str
+    times_ms: list[float]
+    host_us: float
+    peak_bytes: float
+    saved_bytes: float
+    model_bytes: float
+    model_flops: float
+    graph: bool
+    message: str | None = None
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms) if self.times_ms else math.nan
+
+
+def _inputs(kernel: str, shape: Shape, dtype: str, device: str, seed: int, copies: int):
+    fam = get_family(kernel)
+    case = Case(kernel, "random", dtype, shape, (), seed, device)
+    out = []
+    for i in range(copies):
+        _, raw = inputs_mod.generate(kernel, "random", shape, seed + i, {}, device=device)
+        out.append(_cast_inputs(fam, raw, case))
+    return fam, out
+
+
+def _call(fam: Family, impl: Impl, args: dict):
+    return fam.call(impl.fn, args, {}, impl.accepts)
+
+
+def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repeats: int,
+            direction: str, graph: bool, l2_bytes: int, seed: int = 0) -> Measurement:
+    dtype = bench_dtype(kernel, dtype)
+    m = model(kernel, shape, dtype)
+    nbytes = m.bytes_fwd if direction == "fwd" else m.bytes_bwd
+    # rotate among enough input copies that their bytes exceed 4x the L2 cache
+    copies = max(1, min(8, math.ceil(4 * l2_bytes / max(nbytes, 1)))) if device == "cuda" else 1
+    fam, sets = _inputs(kernel, shape, dtype, device, seed, copies)
+    base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction, dtype=dtype,
+                shape=str(shape), model_bytes=nbytes,
+                model_flops=m.flops_fwd if direction == "fwd" else m.flops_bwd, graph=graph)
+    timer = Timer(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
+    state = {"i": 0}
+    pick = lambda i: state.__setitem__("i", i)  # noqa: E731
+    if direction == "fwd":
+        if graph and device == "cuda":
+            with torch.no_grad():
+                replay = _graphed(lambda: _call(fam, impl, dict(sets[0])))
+                times = timer.time(replay, repeats)
+                host = host_time_us(replay)
+        else:
+            leaves = [_leaf(fam, s) for s in sets]  # with autograd on: what training pays
+            times = timer.time(lambda: _call(fam, impl, leaves[state["i"] % len(leaves)]), repeats,
+                               before=pick)
+            host = host_time_us(lambda: _call(fam, impl, leaves[0]))
+        sync()
+        peak = (torch.cuda.max_memory_allocated() - base_mem) if device == "cuda" else math.nan
+        saved = _saved_bytes(fam, impl, sets[0])
+        return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=saved)
+    # backward: one forward per input copy builds its graph; the backward alone is timed, replayed
+    graphs = []
+    for s in sets:
+        leaves = _leaf(fam, s)
+        outs = _call(fam, impl, leaves)
+        if not any(o.requires_grad for o in outs):
+            return Measurement(**base, times_ms=[], host_us=math.nan, peak_bytes=math.nan,
+                               saved_bytes=math.nan, message="no backward")
+        ups = inputs_mod.upstream_grads(list(outs), seed)
+        diff = [leaves[k] for k in fam.differentiable if leaves.get(k) is not None]
+        graphs.append((outs, diff, ups))
+
+    def bwd(i):
+        outs, diff, ups = graphs[i % len(graphs)]
+        torch.autograd.grad(outs, diff, ups, retain_graph=True)
+
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    before_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
+    times = timer.time(lambda: bwd(state["i"]), repeats, before=pick)
+    host = host_time_us(lambda: bwd(0), calls=5)
+    peak = (torch.cuda.max_memory_allocated() - before_mem) if device == "cuda" else math.nan
+    return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=math.nan)
+
+
+def _graphed(fn):
+    """Capture ``fn`` into a CUDA graph; returns its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _saved_bytes(fam: Family, impl: Impl, args: dict) -> float:
+    """Bytes an implementation's autograd graph saves for backward (beyond its inputs' storage)."""
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return t
+
+    leaves = _leaf(fam, args)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _call(fam, impl, leaves)
+    return float(total)
+
+
+def rows(results, device: str, shape: Shape, copy_bw: float, mm_bf16: float, mm_tf32: float) -> list[dict]:
+    """Long-format bench rows from measurements (and skips), with speedups against the baselines."""
+    medians = {(r[1], r[3], r[2].name): r[4].median_ms for r in results if r[0] == "ok" and r[4].times_ms}
+    out = []
+    for status, kernel, impl, direction, payload in results:
+        base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction,
+                    shape=str(shape), device=device)
+        if status == "skip" or not payload.times_ms:
+            msg = payload if status == "skip" else payload.message
+            out.append({**base, "dtype": bench_dtype(kernel, "bf16"), "graph": False, "metric": "skipped",
+                        "value": math.nan, "bound": None, "message": msg})
+            continue
+        m: Measurement = payload
+        t = statistics.median(m.times_ms)
+        q = statistics.quantiles(m.times_ms, n=10) if len(m.times_ms) >= 2 else [t] * 9
+        secs = t / 1e3
+        rate = mm_bf16 if m.dtype in ("bf16", "fp16") else mm_tf32
+        t_mem, t_math = m.model_bytes / copy_bw, m.model_flops / rate
+        bound = "compute" if t_math > t_mem else "memory"
+        host_bound = m.host_us > 1e3 * t and device == "cuda"
+        msg = "host-bound: CPU time per call exceeds GPU time" if host_bound else None
+        vals = {"time_ms": t, "time_ms_p10": q[0], "time_ms_p90": q[-1], "gbps": m.model_bytes / secs / 1e9,
+                "pct_copy_bw": 100 * m.model_bytes / secs / copy_bw,
+                "tflops": m.model_flops / secs / 1e12, "host_us": m.host_us, "peak_bytes": m.peak_bytes,
+                "saved_bytes": m.saved_bytes}
+        for ref_impl in ("torch", "compile"):
+            ref_t = medians.get((kernel, direction, ref_impl))
+            if ref_t:
+                vals[f"speedup_vs_{ref_impl}"] = ref_t / t
+        for metric, v in vals.items():
+            out.append({**base, "dtype": m.dtype, "graph": m.graph, "metric": metric,
+                        "value": float(v) if v is not None else math.nan, "bound": bound, "message": msg})
+    return out
