@@ -221,7 +221,7 @@ def bench(
         raise UsageError("an external --impl module:function needs one --kernel, not all")
     plan = []
     for k in kernels:
-        for i in registry.resolve_impls(k, specs or ["torch", "compile", "triton", "cutile"]):
+        for i in (registry.resolve_impls(k, specs) if specs else registry.impls_for(k)):
             why = i.unsupported(dev, bench_mod.bench_dtype(k, fmt.name))
             if why and specs and i.name in specs:
                 raise UsageError(f"--impl {i.name} cannot run {k} here: {why}")

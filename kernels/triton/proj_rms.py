@@ -23,23 +23,25 @@ from .reduce import sum_rows
 
 
 @triton.jit
-def _dot(a, b, LOWP: tl.constexpr, PREC: tl.constexpr):
-    """One chunk's product into a fresh accumulator. Tensor cores accumulate with truncation, so
-    a long K kept inside one MMA accumulator drifts (measured 3e-5 relative at K = 28672 on an
-    H100); the caller adds the chunks in fp32 with round-to-nearest instead."""
+def _dot(a, b, zero, LOWP: tl.constexpr, PREC: tl.constexpr):
+    """One K chunk's product. With SPLIT_ACC the chunk gets its own accumulator (``zero``: a
+    runtime zero tile, so the compiler cannot fold the caller's add into the MMA) and the caller
+    adds the chunks in fp32 with round-to-nearest: tensor cores accumulate by truncation, and a
+    long K kept inside one MMA accumulator drifts."""
     if LOWP:
-        return tl.dot(a, b)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+        return tl.dot(a, b, zero)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), zero, input_precision=PREC)
 
 
 @triton.jit
 def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOWP: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, SPLIT_ACC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, NP)
     rmask = rows < M
     acc = tl.zeros([BLOCK_M, NP], dtype=tl.float32)
+    zero = tl.zeros([BLOCK_M, NP], dtype=tl.float32) + eps * 0.0  # not a compile-time constant
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     x_row = x_ptr + rows.to(tl.int64)[:, None] * K
     for k0 in range(0, K, BLOCK_K):
@@ -49,7 +51,10 @@ def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.c
         w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
-        acc += _dot(x, tl.trans(w), LOWP, PREC)
+        if SPLIT_ACC:
+            acc += _dot(x, tl.trans(w), zero, LOWP, PREC)
+        else:
+            acc = _dot(x, tl.trans(w), acc, LOWP, PREC)
     rms = tl.sqrt(ss / K)
     tl.store(proj_ptr + rows[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & (cols[None, :] < N))
     tl.store(r_ptr + rows, 1.0 / (rms + eps), mask=rmask)
@@ -59,7 +64,7 @@ def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.c
 @triton.jit
 def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, SPLIT_ACC: tl.constexpr):
     kb = tl.program_id(0)
     sp = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -67,6 +72,7 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
     cols = tl.arange(0, NP)
     w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0).to(tl.float32)
     dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
+    zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
     for mb in range(sp, tl.cdiv(M, BLOCK_M), SPLIT):
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -81,7 +87,10 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         coef = tl.where(rmask, -gr * r * r / (K * rms), 0.0)
         dx = tl.dot(gp, w, input_precision=PREC) + coef[:, None] * x
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += tl.dot(tl.trans(gp), x, input_precision=PREC)
+        if SPLIT_ACC:
+            dw += tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
+        else:
+            dw = tl.dot(tl.trans(gp), x, dw, input_precision=PREC)
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
 
 
@@ -97,7 +106,10 @@ def _check(x2d, weight):
     return weight.contiguous()
 
 
-def proj_rms_forward(x2d, weight, eps=1e-6):
+SPLIT_ACC = True  # see _dot
+
+
+def proj_rms_forward(x2d, weight, eps=1e-6, lowp=None, prec=None, split_acc=None):
     """Returns ``proj, r, rms`` (rms is kept for the backward: ``1/r - eps`` would cancel)."""
     weight = _check(x2d, weight)
     M, K = x2d.shape
@@ -105,12 +117,15 @@ def proj_rms_forward(x2d, weight, eps=1e-6):
     proj = empty((M, N), torch.float32, x2d.device)
     r = empty((M,), torch.float32, x2d.device)
     rms = torch.empty((M,), dtype=torch.float32, device=x2d.device)
-    lowp = (x2d.dtype == weight.dtype and x2d.dtype in (torch.bfloat16, torch.float16) and not interpreted())
+    if lowp is None:
+        lowp = x2d.dtype == weight.dtype and x2d.dtype in (torch.bfloat16, torch.float16) and not interpreted()
     bm, bk = (64, 128)
     if M:
         _proj_rms_fwd[(triton.cdiv(M, bm),)](x2d, weight, proj, r, rms, M, K, N, float(eps),
                                              NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
-                                             LOWP=lowp, PREC=_precision(), num_warps=4)
+                                             LOWP=lowp, PREC=prec or _precision(),
+                                             SPLIT_ACC=SPLIT_ACC if split_acc is None else split_acc,
+                                             num_warps=4)
     return proj, r, rms
 
 
@@ -127,7 +142,8 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r):
     ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
     _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
                                                NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
-                                               SPLIT=split, PREC=_precision(), num_warps=4)
+                                               SPLIT=split, PREC=_precision(), SPLIT_ACC=SPLIT_ACC,
+                                               num_warps=4)
     dw = sum_rows(ws, weight.dtype, weight.shape)
     return dx, dw
 
