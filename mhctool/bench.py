@@ -242,8 +242,13 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     before_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
-    times = timer.time(lambda: bwd(state["i"]), repeats, before=pick)
-    host = host_time_us(lambda: bwd(0), calls=5)
+    if graph and device == "cuda":
+        replay = _graphed(lambda: bwd(0))
+        times = timer.time(replay, repeats)
+        host = host_time_us(replay, calls=5)
+    else:
+        times = timer.time(lambda: bwd(state["i"]), repeats, before=pick)
+        host = host_time_us(lambda: bwd(0), calls=5)
     peak = (torch.cuda.max_memory_allocated() - before_mem) if device == "cuda" else math.nan
     return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=math.nan)
 

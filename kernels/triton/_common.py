@@ -34,3 +34,33 @@ def require_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+_BEST: dict = {}
+
+
+def pick_config(key, configs: list[dict], run) -> dict:
+    """The fastest of ``configs`` for ``key`` (timed once per process on the GPU with CUDA events,
+    then cached); the first one under the interpreter, where nothing can be timed. ``run(cfg)``
+    launches the kernel(s) with that configuration and may be called several times."""
+    if interpreted() or len(configs) == 1:
+        return configs[0]
+    if key in _BEST:
+        return _BEST[key]
+    best, best_t = configs[0], float("inf")
+    for cfg in configs:
+        try:
+            run(cfg)  # compile and warm up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                run(cfg)
+            end.record()
+            torch.cuda.synchronize()
+            t = start.elapsed_time(end)
+        except Exception:  # a configuration that does not compile (resources) is skipped
+            continue
+        if t < best_t:
+            best, best_t = cfg, t
+    _BEST[key] = best
+    return best

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import check_device, interpreted, next_pow2, require_contiguous
+from ._common import check_device, interpreted, next_pow2, pick_config, require_contiguous
 from .reduce import sum_rows
 
 
@@ -93,14 +93,26 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         tl.store(ws_b_ptr + tb.to(tl.int64) * C + c, tl.sum(dy, axis=0), mask=cmask)
 
 
-def _blocks(C: int, n: int):
-    """(BLOCK_T, BLOCK_C, num_warps): a [BLOCK_T, NP, BLOCK_C] tile of about 8K elements."""
+def _blocks(C: int, n: int, elems: int = 8192, max_c: int = 256, warps: int = 8):
+    """(BLOCK_T, BLOCK_C, num_warps): a [BLOCK_T, NP, BLOCK_C] tile of about ``elems`` elements."""
     np_ = next_pow2(n)
     if interpreted():
         return 64, min(256, next_pow2(C)), 4
-    bc = max(32, min(256, next_pow2(C)))
-    bt = max(1, 8192 // (np_ * bc))
-    return bt, bc, 8
+    bc = max(32, min(max_c, next_pow2(C)))
+    bt = max(1, elems // (np_ * bc))
+    return bt, bc, warps
+
+
+def _candidates(C: int, n: int) -> list[tuple]:
+    if interpreted():
+        return [_blocks(C, n)]
+    out = []
+    for elems, max_c, warps in ((8192, 256, 8), (4096, 512, 4), (8192, 1024, 8), (4096, 128, 4),
+                                (16384, 512, 8), (2048, 256, 4)):
+        cfg = _blocks(C, n, elems, max_c, warps)
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
 def _check(h_res, x, h_post, y, bias):
@@ -124,12 +136,16 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False):
     s, b, n, C = x.shape
     T = s * b
     out = empty(x.shape, x.dtype, x.device)
-    bt, bc, warps = _blocks(C, n)
-    if T and C:
+
+    def run(cfg):
+        bt, bc, warps = cfg
         _h_post_bda_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
             h_res, x, h_post, y, bias if bias is not None else y, out, T, C, N=n, NP=next_pow2(n),
             BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res),
             num_warps=warps)
+
+    if T and C:
+        run(pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run))
     return out
 
 
@@ -138,20 +154,26 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
     grad_out = grad_out.contiguous()
     s, b, n, C = x.shape
     T = s * b
-    bt, bc, warps = _blocks(C, n)
-    n_cb, n_tb = triton.cdiv(C, bc), triton.cdiv(T, bt)
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
-    ws_h = torch.empty((n_cb, T * n * n), dtype=torch.float32, device=x.device)
-    ws_hp = torch.empty((n_cb, T * n), dtype=torch.float32, device=x.device)
-    ws_b = torch.empty((n_tb, C) if bias is not None else (1, 1), dtype=torch.float32, device=x.device)
-    if T and C:
-        _h_post_bda_bwd[(n_tb, n_cb)](
-            h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b,
-            T, C, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
-            TRANSPOSE=bool(transpose_res), num_warps=warps)
-    else:
-        ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()
+
+    def run(cfg):
+        bt, bc, warps = cfg
+        n_cb, n_tb = triton.cdiv(C, bc), triton.cdiv(T, bt)
+        ws_h = torch.empty((n_cb, T * n * n), dtype=torch.float32, device=x.device)
+        ws_hp = torch.empty((n_cb, T * n), dtype=torch.float32, device=x.device)
+        ws_b = torch.empty((n_tb, C) if bias is not None else (1, 1), dtype=torch.float32, device=x.device)
+        if T and C:
+            _h_post_bda_bwd[(n_tb, n_cb)](
+                h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b,
+                T, C, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
+                TRANSPOSE=bool(transpose_res), num_warps=warps)
+        else:
+            ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()
+        return ws_h, ws_hp, ws_b
+
+    best = pick_config(("h_post_bda_bwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run)
+    ws_h, ws_hp, ws_b = run(best)
     d_h = sum_rows(ws_h, h_res.dtype, h_res.shape)
     d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape)
     d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None

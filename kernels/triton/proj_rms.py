@@ -18,7 +18,7 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import check_device, interpreted, next_pow2, require_contiguous
+from ._common import check_device, interpreted, next_pow2, pick_config, require_contiguous
 from .reduce import sum_rows
 
 
@@ -64,13 +64,16 @@ def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.c
 @triton.jit
 def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, SPLIT_ACC: tl.constexpr):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, SPLIT_ACC: tl.constexpr,
+                  LOWP: tl.constexpr):
     kb = tl.program_id(0)
     sp = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NP)
-    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
+    if not LOWP:
+        w = w.to(tl.float32)
     dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
     zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
     for mb in range(sp, tl.cdiv(M, BLOCK_M), SPLIT):
@@ -78,19 +81,33 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         rmask = rows < M
         mask = rmask[:, None] & kmask[None, :]
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        x = xl.to(tl.float32)
         gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
         gr = tl.load(gr_ptr + rows, mask=rmask, other=0.0)
         r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
         rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
         # d r / d x = -r^2 * x / (K * rms)
         coef = tl.where(rmask, -gr * r * r / (K * rms), 0.0)
-        dx = tl.dot(gp, w, input_precision=PREC) + coef[:, None] * x
+        if LOWP:
+            # bf16 (fp16) x and W are exact in their dtype; the fp32 upstream gradient is split
+            # into three bf16 pieces (24 significant bits), so three low-precision products on
+            # tensor cores give an fp32-accurate result
+            g_hi = gp.to(xl.dtype)
+            r1 = gp - g_hi.to(tl.float32)
+            g_mid = r1.to(xl.dtype)
+            g_lo = (r1 - g_mid.to(tl.float32)).to(xl.dtype)
+            prod = tl.dot(g_hi, w, tl.dot(g_mid, w, tl.dot(g_lo, w)))
+            part = tl.dot(tl.trans(g_hi), xl, tl.dot(tl.trans(g_mid), xl, tl.dot(tl.trans(g_lo), xl, zero)))
+        else:
+            prod = tl.dot(gp, w, input_precision=PREC)
+            part = tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
+        dx = prod + coef[:, None] * x
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if SPLIT_ACC:
-            dw += tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
+            dw += part
         else:
-            dw = tl.dot(tl.trans(gp), x, dw, input_precision=PREC)
+            dw = dw + part
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
 
 
@@ -135,16 +152,23 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r):
     N = weight.shape[0]
     grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
     grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
-    bm, bk = (64, 128)
-    n_mb = triton.cdiv(M, bm)
-    split = 1 if interpreted() else max(1, min(8, n_mb))
+    lowp = x2d.dtype == weight.dtype and x2d.dtype in (torch.bfloat16, torch.float16) and not interpreted()
     dx = empty(x2d.shape, x2d.dtype, x2d.device)
-    ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
-    _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
-                                               NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
-                                               SPLIT=split, PREC=_precision(), SPLIT_ACC=SPLIT_ACC,
-                                               num_warps=4)
-    dw = sum_rows(ws, weight.dtype, weight.shape)
+
+    def run(cfg):
+        bm, bk, split, warps = cfg
+        split = max(1, min(split, triton.cdiv(M, bm)))
+        ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
+        _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
+                                                   NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
+                                                   SPLIT=split, PREC=_precision(), SPLIT_ACC=SPLIT_ACC,
+                                                   LOWP=lowp, num_warps=warps)
+        return ws
+
+    configs = [(64, 128, 1, 4)] if interpreted() else [
+        (64, 128, 8, 4), (128, 128, 4, 8), (64, 256, 8, 8), (128, 64, 8, 4), (64, 64, 16, 4), (128, 256, 4, 8)]
+    best = pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype), configs, run)
+    dw = sum_rows(run(best), weight.dtype, weight.shape)
     return dx, dw
 
 
