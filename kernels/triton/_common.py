@@ -39,11 +39,12 @@ def next_pow2(n: int) -> int:
 _BEST: dict = {}
 
 
-def pick_config(key, configs: list[dict], run) -> dict:
+def pick_config(key, configs: list, run, work: int = 1 << 30):
     """The fastest of ``configs`` for ``key`` (timed once per process on the GPU with CUDA events,
-    then cached); the first one under the interpreter, where nothing can be timed. ``run(cfg)``
-    launches the kernel(s) with that configuration and may be called several times."""
-    if interpreted() or len(configs) == 1:
+    then cached). The first one under the interpreter, where nothing can be timed, and for small
+    problems (``work`` elements under 2^24), where the choice does not matter and compiling every
+    candidate would. ``run(cfg)`` launches the kernel(s) and may be called several times."""
+    if interpreted() or len(configs) == 1 or work < (1 << 24):
         return configs[0]
     if key in _BEST:
         return _BEST[key]

@@ -108,7 +108,7 @@ def _candidates(C: int, n: int) -> list[tuple]:
         return [_blocks(C, n)]
     out = []
     for elems, max_c, warps in ((8192, 256, 8), (4096, 512, 4), (8192, 1024, 8), (4096, 128, 4),
-                                (16384, 512, 8), (2048, 256, 4)):
+                                (16384, 512, 8), (2048, 256, 4), (16384, 256, 8), (32768, 1024, 16)):
         cfg = _blocks(C, n, elems, max_c, warps)
         if cfg not in out:
             out.append(cfg)
@@ -145,7 +145,8 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False):
             num_warps=warps)
 
     if T and C:
-        run(pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run))
+        run(pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run,
+                        work=T * n * C))
     return out
 
 
@@ -172,7 +173,8 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
             ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()
         return ws_h, ws_hp, ws_b
 
-    best = pick_config(("h_post_bda_bwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run)
+    best = pick_config(("h_post_bda_bwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run,
+                       work=T * n * C)
     ws_h, ws_hp, ws_b = run(best)
     d_h = sum_rows(ws_h, h_res.dtype, h_res.shape)
     d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape)

@@ -167,7 +167,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r):
 
     configs = [(64, 128, 1, 4)] if interpreted() else [
         (64, 128, 8, 4), (128, 128, 4, 8), (64, 256, 8, 8), (128, 64, 8, 4), (64, 64, 16, 4), (128, 256, 4, 8)]
-    best = pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype), configs, run)
+    best = pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype), configs, run, work=M * K)
     dw = sum_rows(run(best), weight.dtype, weight.shape)
     return dx, dw
 
