@@ -15,7 +15,7 @@ import triton.language as tl
 
 from mhctool.poison import empty_like
 
-from ._common import check_device, next_pow2
+from ._common import check_device, next_pow2, pick_config
 
 ROW, COL = 2, 1  # tile axes: a row normalisation sums over j (axis 2), a column one over i (axis 1)
 _STABILIZE = {"rowmax": 0, "none": 1, "softmax": 2}
@@ -59,19 +59,22 @@ def _denom(p, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
 
 @triton.jit
 def _norm(p, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
+    # one reciprocal per row (column) and a multiply per element: a precise fp32 division per
+    # element costs several times more, and the extra rounding is one ulp per step
     d, _ = _denom(p, eps, AXIS, CLAMP)
-    return p / d
+    return p * (1.0 / d)
 
 
 @triton.jit
 def _norm_bwd(q, g, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
     """VJP of ``y = q / d(q)`` along AXIS: ``(g - sum(g * y)) / d`` (no sum term where clamped)."""
     d, s = _denom(q, eps, AXIS, CLAMP)
-    y = q / d
+    inv = 1.0 / d
+    y = q * inv
     gy = tl.sum(g * y, axis=AXIS, keep_dims=True)
     if CLAMP:
         gy = tl.where(s >= eps, gy, 0.0)
-    return (g - gy) / d
+    return (g - gy) * inv
 
 
 @triton.jit
@@ -163,9 +166,17 @@ def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order):
     cfg = _config(n, stabilize, order, int(iters))
     out = empty_like(x)
     args = [x, *[e.contiguous() for e in extra], out]
+
+    def run(tile):
+        bt, warps = tile
+        kernel[(triton.cdiv(T, bt),)](*args, T, float(eps), N=n, STAB=_STABILIZE[stabilize],
+                                     CLAMP=eps_mode == "clamp", num_warps=warps, **{**cfg, "BT": bt})
+
     if T:
-        kernel[(triton.cdiv(T, cfg["BT"]),)](*args, T, float(eps), N=n, STAB=_STABILIZE[stabilize],
-                                            CLAMP=eps_mode == "clamp", num_warps=4, **cfg)
+        tiles = [(cfg["BT"], 4)] + [(bt, w) for bt in (16, 32, 64, 128, 256) for w in (1, 2, 4, 8)
+                                    if (bt, w) != (cfg["BT"], 4) and bt * cfg["NP"] ** 2 >= 32 * w]
+        key = (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), T, n, x.dtype, tuple(cfg.items()))
+        run(pick_config(key, tiles, run, work=(1 << 30) if T >= 8192 else 0))
     return out
 
 
