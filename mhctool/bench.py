@@ -14,6 +14,7 @@ activation element, f = 4 for the fp32 mapping path), with T = s*b tokens, K = n
 | h_aggregate | read x, h_pre; write out: T n C e + T C e + T n f | read x, grad_out, h_pre; write grad_x, grad_h: 2 T n C e + T C e + 2 T n f | 2TnC / 4TnC |
 | h_post_bda  | read x, y, h; write out: 2 T n C e + T C e + T (n^2+n) f + C e | read grad_out, x, y; write grad_x, grad_y (small grads reduced on chip): 3 T n C e + 2 T C e + ... | 2Tn(n+1)C / 4Tn(n+1)C |
 | proj_rms    | read x, W; write proj, r: T K e + N K e + T (N+1) f | read x, W, grad_proj, grad_r; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
+| mapping     | read x, W; write H_pre, H_post, logits: T K e + N K e + T N f | read x, W, the 3 grads; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def model(kernel: str, shape: Shape, dtype: str) -> Model:
         return Model(2 * T * n * C * e + T * C * e + small + C * e,
                      3 * T * n * C * e + 2 * T * C * e + 2 * small + 2 * C * e,
                      2.0 * T * n * (n + 1) * C, 4.0 * T * n * (n + 1) * C)
+    if kernel == "mapping":  # proj_rms + compute_h: the same x traffic, 2n + n^2 fp32 outputs
+        return Model(T * K * e + N * K * e + T * N * f,
+                     2 * T * K * e + N * K * e + N * K * f + 2 * T * N * f,
+                     2.0 * T * N * K, 4.0 * T * N * K)
     if kernel == "proj_rms":
         return Model(T * K * e + N * K * e + T * (N + 1) * f,
                      2 * T * K * e + N * K * e + N * K * f + T * (N + 1) * f,

@@ -146,6 +146,16 @@ def _long_k(shape: Shape) -> Shape:
     return shape.replace(c=max(shape.c, -(-8192 // shape.n) + 1))
 
 
+def _with_h(make):
+    """A proj_rms family plus the compute_h parameters: alpha in [0.5, 1.5], h_bias ~ N(0, 1)."""
+    def gen(shape, g, knobs):
+        out = make(shape, g, knobs)
+        out["alpha"] = 0.5 + _rand(g, 3)
+        out["h_bias"] = _randn(g, shape.n_h)
+        return out
+    return gen
+
+
 FAMILIES: dict[str, dict[str, InputFamily]] = {
     "sinkhorn": {
         f.name: f for f in [
@@ -178,6 +188,10 @@ FAMILIES: dict[str, dict[str, InputFamily]] = {
             InputFamily("long_k", "K of at least 8192: long reductions", _proj, _long_k),
         ]
     },
+}
+# the fused mapping path (proj_rms + compute_h) takes the proj_rms families
+FAMILIES["mapping"] = {
+    name: InputFamily(name, f.doc, _with_h(f.make), f.reshape) for name, f in FAMILIES["proj_rms"].items()
 }
 
 

@@ -98,8 +98,17 @@ FAMILIES: dict[str, Family] = {
         ("eps",),
         ref.proj_rms,
     ),
+    "mapping": Family(
+        "mapping", ("x2d", "weight", "alpha", "h_bias"), ("x2d", "weight", "alpha", "h_bias"),
+        ("alpha", "h_bias"), ("h_pre", "h_post", "h_res_logits"),
+        {"eps": Knob(1e-6, kind=float)},
+        ("eps",),
+        ref.mapping,
+    ),
 }
 KERNELS = tuple(FAMILIES)
+# kernels whose products may run at TF32 by design (DESIGN.md: the projection)
+MATMUL_KERNELS = ("proj_rms", "mapping")
 
 
 def get_family(name: str) -> Family:
@@ -179,10 +188,6 @@ def _cutile_requires() -> str | None:
     return cutile_status().reason
 
 
-def _compile_requires() -> str | None:
-    return None
-
-
 def _builtin_impls() -> dict[str, list[Impl]]:
     out: dict[str, list[Impl]] = {}
     for k in KERNELS:
@@ -219,6 +224,7 @@ TRITON_KERNELS: dict[str, str] = {
     "h_aggregate": "mhctool.kernels.triton.h_aggregate:h_aggregate",
     "h_post_bda": "mhctool.kernels.triton.h_post_bda:h_post_bda",
     "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms",
+    "mapping": "mhctool.kernels.triton.mapping:mapping",
 }
 CUTILE_KERNELS: dict[str, str] = {}
 

@@ -5,7 +5,6 @@ import functools
 import hashlib
 import json
 import math
-import traceback
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -14,7 +13,7 @@ from . import inputs as inputs_mod
 from .dtypes import FORMATS, fmt_of
 from .metrics import measure
 from .poison import poisoning
-from .registry import Family, Impl, get_family, native_impl
+from .registry import MATMUL_KERNELS, Family, Impl, get_family, native_impl
 from .shapes import Shape
 from .verdict import VerdictRule
 
@@ -158,7 +157,7 @@ def _check_outputs(fam: Family, outs, expect) -> str | None:
 
 def _native_at(kernel: str, precision: str) -> Impl:
     nat = native_impl(kernel)
-    if precision == "ieee" or kernel != "proj_rms":
+    if precision == "ieee" or kernel not in MATMUL_KERNELS:
         return nat
     fn = functools.partial(nat.fn, matmul_precision=precision)
     return replace(nat, name=f"torch-{precision}", target=fn, _fn=fn, precision=precision)
@@ -259,7 +258,3 @@ def _row_base(case: Case, shape: Shape, impl: Impl, precision: str) -> dict:
         "family": case.family, "dtype": case.dtype, "dtype_out": None, "shape": str(shape),
         "knobs": case.knobs_json, "seed": case.seed, "device": case.device,
     }
-
-
-def format_exception(e: BaseException) -> str:
-    return "".join(traceback.format_exception(e))

@@ -118,6 +118,14 @@ def compute_h(
     return h_pre, h_post, logits
 
 
+def mapping(x2d: torch.Tensor, weight: torch.Tensor, alpha: torch.Tensor, h_bias: torch.Tensor,
+            eps: float = 1e-6):
+    """``compute_h(proj_rms(x2d, weight, eps), alpha, h_bias)`` with n from ``weight``'s n^2 + 2n rows."""
+    n = round((weight.shape[0] + 1) ** 0.5 - 1)
+    proj, r = proj_rms(x2d, weight, eps)
+    return compute_h(proj, r, alpha, h_bias, n)
+
+
 def expand(x: torch.Tensor, n: int) -> torch.Tensor:
     """``[s, b, C] -> [s, b, n, C]``: every stream starts as a copy of the input."""
     return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).clone()

@@ -37,7 +37,7 @@ def test_parity_all_native_passes_writes_report_and_plots(all_report):
     assert meta["kind"] == "parity" and meta["run"]["device"] == "cpu"
     assert "torch" in meta["environment"] and "git_commit" in meta["environment"]
     kernels = set(table.column("kernel").to_pylist())
-    assert kernels == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms"}
+    assert kernels == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping"}
     assert set(table.column("direction").to_pylist()) == {"fwd", "bwd"}
     for k in kernels:
         assert (d / "plots" / f"parity-{k}.png").stat().st_size > 10_000

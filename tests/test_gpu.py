@@ -20,7 +20,7 @@ def test_triton_parity_default_scenario_on_gpu(tmp_path):
     res, rows = _parity(tmp_path, "--kernel", "all", "--impl", "triton")
     assert res.exit_code == 0, res.output
     tri = [r for r in rows if r["impl"] == "triton"]
-    assert {r["kernel"] for r in tri} == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms"}
+    assert {r["kernel"] for r in tri} == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping"}
     assert all(r["value"] == 0 for r in tri if r["metric"] == "unwritten")
 
 

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from mhctool.cli import app
 from mhctool.kernels.triton import h_aggregate as tha
 from mhctool.kernels.triton import h_post_bda as thp
+from mhctool.kernels.triton import mapping as tmap
 from mhctool.kernels.triton import proj_rms as tpr
 from mhctool.kernels.triton import sinkhorn as tsk
 from mhctool.poison import poisoning
@@ -22,7 +23,7 @@ def test_parity_all_triton_passes_under_the_interpreter(tmp_path):
     res = runner.invoke(app, ["parity", "--kernel", "all", "--impl", "triton", "--device", "cpu", "-o", str(out)])
     assert res.exit_code == 0, res.output
     rows = [r for r in pq.read_table(out).to_pylist() if r["impl"] == "triton"]
-    assert {r["kernel"] for r in rows} == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms"}
+    assert {r["kernel"] for r in rows} == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping"}
     unwritten = [r for r in rows if r["metric"] == "unwritten"]
     assert unwritten and all(r["value"] == 0 and r["passed"] for r in unwritten)
     assert {r["direction"] for r in unwritten} == {"fwd", "bwd"}
@@ -108,6 +109,28 @@ def test_proj_rms_matches_float64(mkn, dtype):
                        (gw, rw, 1e-5 if dtype == torch.float32 else 1e-2)):
         assert torch.isfinite(a).all()
         assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol
+
+
+@pytest.mark.parametrize("mkn", [(39, 268, 4), (70, 130, 2), (5, 40, 8)])
+def test_mapping_path_matches_float64(mkn):
+    """proj_rms with compute_h fused after it: H_pre, H_post and the Sinkhorn logits."""
+    m, k, n = mkn
+    nh = n * n + 2 * n
+    ins = [_leaf(m, k), (torch.randn(nh, k) / k ** 0.5).requires_grad_(), (0.5 + torch.rand(3)).requires_grad_(), _leaf(nh)]
+    with poisoning():
+        outs, grads, ups = _grads(tmap.mapping, ins)
+    dd = [t.detach().double().requires_grad_() for t in ins]
+    refs = ref.mapping(*dd)
+    rgrads = torch.autograd.grad(refs, dd, [u.double() for u in ups])
+    assert [tuple(o.shape) for o in outs] == [(m, n), (m, n), (m, n, n)]
+    for a, b_ in zip((*outs, *grads), (*refs, *rgrads)):
+        assert torch.isfinite(a).all()
+        assert ((a.double() - b_).abs().max() / b_.abs().max()) < 2e-6
+
+
+def test_mapping_refuses_a_weight_that_is_not_n2_plus_2n_rows():
+    with pytest.raises(ValueError, match="n\\^2 \\+ 2n"):
+        tmap.mapping(torch.randn(4, 8), torch.randn(7, 8), torch.ones(3), torch.zeros(7))
 
 
 def test_layouts_the_kernels_do_not_take_are_refused():

@@ -91,3 +91,10 @@ def compute_h(proj, r, alpha, bias, n: int):
     scale = torch.cat([alpha[0:1].expand(n), alpha[1:2].expand(n), alpha[2:3].expand(n * n)])
     h = proj * r[:, None] * scale + bias
     return h[:, :n].sigmoid(), 2 * h[:, n:2 * n].sigmoid(), h[:, 2 * n:].unflatten(-1, (n, n))
+
+
+def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6, matmul_precision: str = "ieee"):
+    """The mapping path ``proj_rms`` then ``compute_h``: ``(H_pre, H_post, H_res_logits)``, fp32."""
+    n = int(round((weight.shape[0] + 1) ** 0.5 - 1))
+    proj, r = proj_rms(x2d, weight, eps, matmul_precision)
+    return compute_h(proj, r, alpha.float(), h_bias.float(), n)

@@ -34,12 +34,10 @@ def _dot(a, b, zero, LOWP: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOWP: tl.constexpr,
-                  PREC: tl.constexpr, SPLIT_ACC: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, NP)
-    rmask = rows < M
+def _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOWP: tl.constexpr,
+               PREC: tl.constexpr, SPLIT_ACC: tl.constexpr):
+    """``x W^T`` for a block of rows (fp32, ``[BLOCK_M, NP]``) and the rows' sums of squares."""
     acc = tl.zeros([BLOCK_M, NP], dtype=tl.float32)
     zero = tl.zeros([BLOCK_M, NP], dtype=tl.float32) + eps * 0.0  # not a compile-time constant
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -55,6 +53,17 @@ def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.c
             acc += _dot(x, tl.trans(w), zero, LOWP, PREC)
         else:
             acc = _dot(x, tl.trans(w), acc, LOWP, PREC)
+    return acc, ss
+
+
+@triton.jit
+def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOWP: tl.constexpr,
+                  PREC: tl.constexpr, SPLIT_ACC: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, NP)
+    rmask = rows < M
+    acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC, SPLIT_ACC)
     rms = tl.sqrt(ss / K)
     tl.store(proj_ptr + rows[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & (cols[None, :] < N))
     tl.store(r_ptr + rows, 1.0 / (rms + eps), mask=rmask)

@@ -1,0 +1,169 @@
+"""The mapping path in two launches: projection + RMS with compute_h fused after it, then Sinkhorn.
+
+``mapping(x2d, weight, alpha, h_bias, eps) -> (H_pre[M, n], H_post[M, n], H_res_logits[M, n, n])``
+with ``h = r * proj * ([a_pre]*n ++ [a_post]*n ++ [a_res]*n^2) + h_bias``, ``H_pre = sigmoid``,
+``H_post = 2 sigmoid`` (DESIGN.md). The forward is one kernel: the projection tile of a block of
+rows stays in registers and leaves as the three mapping tensors (plus proj, r and rms, 100 bytes a
+token, kept for the backward). The backward runs compute_h's vector-Jacobian product in one kernel
+(grad of alpha and h_bias as deterministic per-block partials), then the proj_rms backward.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mhctool.poison import empty
+
+from ._common import check_device, interpreted, next_pow2, require_contiguous
+from .proj_rms import _proj_tile, _precision, proj_rms_backward, SPLIT_ACC
+from .reduce import sum_rows
+
+
+def streams_of(n_h: int) -> int:
+    """n from the number of mapping coefficients ``n^2 + 2n``."""
+    n = int(round(math.sqrt(n_h + 1) - 1))
+    if n * n + 2 * n != n_h:
+        raise ValueError(f"the weight has {n_h} rows; the mapping needs n^2 + 2n for some n")
+    return n
+
+
+@triton.jit
+def _scale(alpha_ptr, cols, n: tl.constexpr):
+    a_pre = tl.load(alpha_ptr + 0).to(tl.float32)
+    a_post = tl.load(alpha_ptr + 1).to(tl.float32)
+    a_res = tl.load(alpha_ptr + 2).to(tl.float32)
+    return tl.where(cols < n, a_pre, tl.where(cols < 2 * n, a_post, a_res))
+
+
+@triton.jit
+def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, proj_ptr, r_ptr,
+                 rms_ptr, M, K, N, eps, n: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
+                 SPLIT_ACC: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, NP)
+    rmask = rows < M
+    acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC, SPLIT_ACC)
+    rms = tl.sqrt(ss / K)
+    r = 1.0 / (rms + eps)
+    cmask = cols < N
+    tl.store(proj_ptr + rows[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
+    tl.store(r_ptr + rows, r, mask=rmask)
+    tl.store(rms_ptr + rows, rms, mask=rmask)
+    hb = tl.load(hb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    h = r[:, None] * acc * _scale(alpha_ptr, cols, n)[None, :] + hb[None, :]
+    sig = tl.sigmoid(h)
+    row2 = rows[:, None]
+    col2 = cols[None, :]
+    m2 = rmask[:, None]
+    tl.store(pre_ptr + row2 * n + col2, sig, mask=m2 & (col2 < n))
+    tl.store(post_ptr + row2 * n + (col2 - n), 2.0 * sig, mask=m2 & (col2 >= n) & (col2 < 2 * n))
+    tl.store(logit_ptr + row2 * (n * n) + (col2 - 2 * n), h, mask=m2 & (col2 >= 2 * n) & (col2 < N))
+
+
+@triton.jit
+def _compute_h_bwd(proj_ptr, r_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glogit_ptr, dproj_ptr,
+                   dr_ptr, ws_a_ptr, ws_b_ptr, M, N, n: tl.constexpr, NP: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, NP)
+    rmask = rows < M
+    cmask = cols < N
+    row2 = rows[:, None]
+    col2 = cols[None, :]
+    m2 = rmask[:, None] & cmask[None, :]
+    proj = tl.load(proj_ptr + row2 * N + col2, mask=m2, other=0.0)
+    r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
+    scale = _scale(alpha_ptr, cols, n)
+    hb = tl.load(hb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    h = r[:, None] * proj * scale[None, :] + hb[None, :]
+    s = tl.sigmoid(h)
+    g_pre = tl.load(gpre_ptr + row2 * n + col2, mask=m2 & (col2 < n), other=0.0)
+    g_post = tl.load(gpost_ptr + row2 * n + (col2 - n), mask=m2 & (col2 >= n) & (col2 < 2 * n), other=0.0)
+    g_log = tl.load(glogit_ptr + row2 * (n * n) + (col2 - 2 * n), mask=m2 & (col2 >= 2 * n), other=0.0)
+    ds = s * (1.0 - s)
+    dh = tl.where(col2 < n, g_pre * ds, tl.where(col2 < 2 * n, 2.0 * g_post * ds, g_log))
+    dh = tl.where(m2, dh, 0.0)
+    tl.store(dproj_ptr + row2 * N + col2, dh * r[:, None] * scale[None, :], mask=m2)
+    tl.store(dr_ptr + rows, tl.sum(dh * proj * scale[None, :], axis=1), mask=rmask)
+    dscale = tl.sum(dh * r[:, None] * proj, axis=0)  # [NP]: d/d(scale column), this block
+    a = tl.arange(0, 4)
+    grp = tl.where(cols < n, 0, tl.where(cols < 2 * n, 1, 2))
+    da = tl.sum(tl.where(grp[None, :] == a[:, None], dscale[None, :], 0.0), axis=1)  # [4]
+    tl.store(ws_a_ptr + pid * 3 + a, da, mask=a < 3)
+    tl.store(ws_b_ptr + pid * N + cols, tl.sum(dh, axis=0), mask=cmask)
+
+
+def _check(x2d, weight, alpha, h_bias):
+    if x2d.dim() != 2 or weight.dim() != 2 or x2d.shape[1] != weight.shape[1]:
+        raise ValueError(f"mapping takes x2d[M,K] and weight[N,K]; got {tuple(x2d.shape)} and {tuple(weight.shape)}")
+    n = streams_of(weight.shape[0])
+    if tuple(alpha.shape) != (3,) or tuple(h_bias.shape) != (weight.shape[0],):
+        raise ValueError(f"mapping takes alpha[3] and h_bias[{weight.shape[0]}]; got {tuple(alpha.shape)} and {tuple(h_bias.shape)}")
+    check_device(x2d, weight, alpha, h_bias)
+    require_contiguous("x2d", x2d)
+    return n, weight.contiguous(), alpha.contiguous(), h_bias.contiguous()
+
+
+def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6):
+    n, weight, alpha, h_bias = _check(x2d, weight, alpha, h_bias)
+    M, K = x2d.shape
+    N = weight.shape[0]
+    dev = x2d.device
+    pre, post = empty((M, n), torch.float32, dev), empty((M, n), torch.float32, dev)
+    logits = empty((M, n, n), torch.float32, dev)
+    proj = torch.empty((M, N), dtype=torch.float32, device=dev)
+    r = torch.empty((M,), dtype=torch.float32, device=dev)
+    rms = torch.empty((M,), dtype=torch.float32, device=dev)
+    lowp = x2d.dtype == weight.dtype and x2d.dtype in (torch.bfloat16, torch.float16) and not interpreted()
+    if M:
+        bm, bk = 64, 128
+        _mapping_fwd[(triton.cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
+                                            M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
+                                            BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(),
+                                            SPLIT_ACC=SPLIT_ACC, num_warps=4)
+    return (pre, post, logits), (proj, r, rms)
+
+
+def mapping_backward(x2d, weight, alpha, h_bias, saved, grads):
+    n, weight, alpha, h_bias = _check(x2d, weight, alpha, h_bias)
+    proj, r, rms = saved
+    M, N = proj.shape
+    dev = x2d.device
+    g_pre, g_post, g_log = (torch.zeros(shape, dtype=torch.float32, device=dev) if g is None else g.float().contiguous()
+                            for g, shape in zip(grads, ((M, n), (M, n), (M, n, n))))
+    bm = 64
+    nb = triton.cdiv(M, bm)
+    dproj = torch.empty((M, N), dtype=torch.float32, device=dev)
+    dr = torch.empty((M,), dtype=torch.float32, device=dev)
+    ws_a = torch.zeros((max(nb, 1), 3), dtype=torch.float32, device=dev)
+    ws_b = torch.zeros((max(nb, 1), N), dtype=torch.float32, device=dev)
+    if M:
+        _compute_h_bwd[(nb,)](proj, r, alpha, h_bias, g_pre, g_post, g_log, dproj, dr, ws_a, ws_b, M, N,
+                              n=n, NP=max(16, next_pow2(N)), BLOCK_M=bm, num_warps=4)
+    d_alpha = sum_rows(ws_a, alpha.dtype, alpha.shape)
+    d_bias = sum_rows(ws_b, h_bias.dtype, h_bias.shape)
+    dx, dw = proj_rms_backward(x2d, weight, r, rms, dproj, dr)
+    return dx, dw, d_alpha, d_bias
+
+
+class MappingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, alpha, h_bias, eps):
+        outs, saved = mapping_forward(x2d, weight, alpha, h_bias, eps)
+        ctx.save_for_backward(x2d, weight, alpha, h_bias, *saved)
+        return outs
+
+    @staticmethod
+    def backward(ctx, g_pre, g_post, g_log):
+        x2d, weight, alpha, h_bias, *saved = ctx.saved_tensors
+        return (*mapping_backward(x2d, weight, alpha, h_bias, saved, (g_pre, g_post, g_log)), None)
+
+
+def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6):
+    """``(H_pre, H_post, H_res_logits)`` from ``x2d[M, K]``, ``weight[n^2+2n, K]``, ``alpha[3]``, ``h_bias``."""
+    return MappingFunction.apply(x2d, weight, alpha, h_bias, eps)
