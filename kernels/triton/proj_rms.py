@@ -2,10 +2,11 @@
 ``r = 1 / (||x||_2 / sqrt(K) + eps)`` in one pass over x; backward dx and dW.
 
 The mapping path is fp32 whatever the activation dtype. With bf16 (or fp16) x and W the product
-runs on tensor cores in that dtype: the products are exact in fp32 and accumulate in fp32, so the
-result is an fp32 product of the upcast inputs. Operands that are fp32 (x, W of fp32, and the
-fp32 upstream gradient in the backward) multiply at ``tf32x3`` on the GPU (three TF32 products,
-about fp32 accuracy) and in fp32 under the interpreter, whose bf16 ``tl.dot`` is unreliable.
+runs on tensor cores in that dtype: the products are exact in fp32 and accumulate in fp32 (one
+fresh accumulator per K chunk), so the result is an fp32 product of the upcast inputs; in the
+backward the fp32 upstream gradient is split into three bf16 pieces for the same tensor cores.
+Operands that are fp32 multiply as IEEE fp32 (see ``_precision``); so does everything under the
+interpreter, whose bf16 ``tl.dot`` is unreliable.
 
 The backward reads x once and writes dx; dW (a reduction over all tokens) is accumulated in fp32
 per split of the tokens, and the splits are summed by a deterministic second kernel.
@@ -121,7 +122,11 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
 
 
 def _precision() -> str:
-    return "ieee" if interpreted() else "tf32x3"
+    """Products of fp32 operands run as IEEE fp32 FMAs. tf32x3 (three TF32 tensor-core products)
+    is 5x faster at the paper shape but was measured on an H100 at up to 1.9x the error of cuBLAS's
+    fp32 product in the gradient of compute_h's alphas: outside the parity rule. bf16 and fp16
+    operands always take the tensor cores (exact products)."""
+    return "ieee"
 
 
 def _check(x2d, weight):
