@@ -54,7 +54,7 @@ def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, 
     tl.store(r_ptr + rows, r, mask=rmask)
     tl.store(rms_ptr + rows, rms, mask=rmask)
     hb = tl.load(hb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    h = r[:, None] * acc * _scale(alpha_ptr, cols, n)[None, :] + hb[None, :]
+    h = acc * r[:, None] * _scale(alpha_ptr, cols, n)[None, :] + hb[None, :]
     sig = tl.sigmoid(h)
     row2 = rows[:, None]
     col2 = cols[None, :]
@@ -80,7 +80,7 @@ def _compute_h_bwd(proj_ptr, r_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glog
     r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
     scale = _scale(alpha_ptr, cols, n)
     hb = tl.load(hb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    h = r[:, None] * proj * scale[None, :] + hb[None, :]
+    h = proj * r[:, None] * scale[None, :] + hb[None, :]
     s = tl.sigmoid(h)
     g_pre = tl.load(gpre_ptr + row2 * n + col2, mask=m2 & (col2 < n), other=0.0)
     g_post = tl.load(gpost_ptr + row2 * n + (col2 - n), mask=m2 & (col2 >= n) & (col2 < 2 * n), other=0.0)
@@ -88,9 +88,12 @@ def _compute_h_bwd(proj_ptr, r_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glog
     ds = s * (1.0 - s)
     dh = tl.where(col2 < n, g_pre * ds, tl.where(col2 < 2 * n, 2.0 * g_post * ds, g_log))
     dh = tl.where(m2, dh, 0.0)
-    tl.store(dproj_ptr + row2 * N + col2, dh * r[:, None] * scale[None, :], mask=m2)
-    tl.store(dr_ptr + rows, tl.sum(dh * proj * scale[None, :], axis=1), mask=rmask)
-    dscale = tl.sum(dh * r[:, None] * proj, axis=0)  # [NP]: d/d(scale column), this block
+    # products in the order of h = (proj * r) * scale: the alpha gradient is a sum with heavy
+    # cancellation, where one extra rounding per term shows
+    pr = proj * r[:, None]
+    tl.store(dproj_ptr + row2 * N + col2, dh * scale[None, :] * r[:, None], mask=m2)
+    tl.store(dr_ptr + rows, tl.sum(dh * scale[None, :] * proj, axis=1), mask=rmask)
+    dscale = tl.sum(dh * pr, axis=0)  # [NP]: d/d(scale column), this block
     a = tl.arange(0, 4)
     grp = tl.where(cols < n, 0, tl.where(cols < 2 * n, 1, 2))
     da = tl.sum(tl.where(grp[None, :] == a[:, None], dscale[None, :], 0.0), axis=1)  # [4]
