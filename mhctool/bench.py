@@ -75,10 +75,11 @@ def bench_dtype(kernel: str, dtype: str) -> str:
     return "fp32" if kernel == "sinkhorn" else dtype
 
 
-def footprint(kernel: str, shape: Shape, dtype: str, copies: int = 1) -> float:
-    """Bytes a bench case holds at its peak: inputs (x copies), outputs, gradients, upstream."""
+def footprint(kernel: str, shape: Shape, dtype: str) -> float:
+    """Bytes a bench case holds at its peak, about: inputs, outputs, gradients, upstream gradients
+    (input copies for L2 rotation are only made for shapes far smaller than the GPU)."""
     m = model(kernel, shape, bench_dtype(kernel, dtype))
-    return (copies + 3) * max(m.bytes_fwd, m.bytes_bwd)
+    return 4 * max(m.bytes_fwd, m.bytes_bwd)
 
 
 # --- timers -------------------------------------------------------------------------------------
@@ -136,7 +137,6 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 20) -> flo
     a = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
     b = torch.empty_like(a)
     times = Timer(device).time(lambda: b.copy_(a), repeats)
-    del a, b
     return 2 * nbytes / (statistics.median(times) / 1e3)
 
 

@@ -1,0 +1,67 @@
+"""`mhctool bench` on the CPU: bytes/flops models, the report schema, refusals."""
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from mhctool import bench, report
+from mhctool.cli import app
+from mhctool.registry import KERNELS
+from mhctool.shapes import Shape
+
+runner = CliRunner()
+
+
+def test_byte_models_by_hand():
+    s = Shape(2, 3, 4, 10)  # T = 6 tokens, n = 4, C = 10, K = 40, N = 24
+    T, n, C, K, N = 6, 4, 10, 40, 24
+    m = bench.model("h_aggregate", s, "bf16")
+    assert m.bytes_fwd == T * n * C * 2 + T * C * 2 + T * n * 4
+    assert m.bytes_bwd == 2 * T * n * C * 2 + T * C * 2 + 2 * T * n * 4
+    assert m.flops_fwd == 2 * T * n * C
+    m = bench.model("h_post_bda", s, "bf16")
+    # the issue's count for the backward: read grad_out, x, y; write grad_x, grad_y (+ small grads)
+    small = T * (n * n + n) * 4
+    assert m.bytes_bwd == 3 * T * n * C * 2 + 2 * T * C * 2 + 2 * small + 2 * C * 2
+    m = bench.model("proj_rms", s, "fp32")
+    assert m.bytes_fwd == T * K * 4 + N * K * 4 + T * (N + 1) * 4
+    assert m.flops_fwd == 2 * T * N * K and m.flops_bwd == 2 * m.flops_fwd
+    m = bench.model("sinkhorn", s, "bf16")
+    assert m.bytes_fwd == 2 * T * n * n * 4  # fp32 mapping path whatever the activation dtype
+    for k in KERNELS:
+        assert bench.model(k, s, "bf16").bytes_fwd > 0
+
+
+def test_bench_on_cpu_writes_the_bench_schema(tmp_path):
+    out = tmp_path / "b.parquet"
+    png = tmp_path / "b.png"
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "h_aggregate",
+                              "--impl", "torch", "--repeats", "3", "-o", str(out), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    assert "GPU figures need a GPU" in res.output
+    table, meta = report.read(out)
+    assert meta["kind"] == "bench"
+    assert table.schema.equals(report.BENCH_SCHEMA, check_metadata=False)
+    metrics = {r["metric"] for r in table.to_pylist()}
+    assert {"time_ms", "gbps", "pct_copy_bw", "host_us", "speedup_vs_torch"} <= metrics
+    assert {r["direction"] for r in table.to_pylist()} == {"fwd", "bwd"}
+    assert meta["run"]["copy_bandwidth_Bps"] > 0
+    assert png.stat().st_size > 5_000
+
+
+def test_too_large_shape_is_refused_with_the_estimate(tmp_path):
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "8192x4x4x7168", "-o", str(tmp_path / "b.parquet")])
+    assert res.exit_code == 2
+    assert "needs about" in res.output and "GiB" in res.output
+    assert not (tmp_path / "b.parquet").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--shape", "8192x4x4"], "malformed shape"),
+    (["--shape", "64x2x4x512", "--direction", "sideways"], "unknown --direction"),
+    (["--shape", "64x2x4x512", "--kernel", "nope"], "unknown kernel"),
+    (["--shape", "64x2x4x512", "--impl", "tests.impls.defects:sinkhorn_raises"], "needs one --kernel"),
+])
+def test_bench_bad_input_exit_2(tmp_path, args, needle):
+    res = runner.invoke(app, ["bench", "--device", "cpu", *args, "-o", str(tmp_path / "b.parquet")])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
