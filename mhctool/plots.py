@@ -91,3 +91,32 @@ def bench_figure(table: pa.Table, path: str | Path, copy_bw: float) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def golden_figures(golden, actual, metrics: list[str], out_dir: str | Path, labels=("golden", "actual")) -> list[Path]:
+    """Per metric: both curves, and their relative difference per step."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for m in metrics:
+        if m not in golden or m not in actual:
+            continue
+        g, a = golden[m], actual[m]
+        steps = sorted(set(g.values) | set(a.values))
+        fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True, height_ratios=[2, 1])
+        ax.plot(g.steps(), [g.values[k] for k in g.steps()], "o-", ms=3, label=labels[0])
+        ax.plot(a.steps(), [a.values[k] for k in a.steps()], "s-", ms=3, label=labels[1])
+        ax.set_title(m)
+        ax.legend(fontsize=8)
+        rel = [(k, (a.values[k] - g.values[k]) / abs(g.values[k])) for k in steps
+               if k in g.values and k in a.values and g.values[k] not in (0.0,) and math.isfinite(g.values[k]) and math.isfinite(a.values[k])]
+        bx.bar([k for k, _ in rel], [100 * v for _, v in rel], color="tab:purple")
+        bx.set_ylabel("(actual-golden)/golden %")
+        bx.set_xlabel("step")
+        bx.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"golden-{m.replace(' ', '_')}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -73,6 +73,20 @@ BENCH_SCHEMA = pa.schema([
 ])
 
 
+# `mhctool goldens diff/check` reports: per metric and step (diff) or per anomaly (check).
+GOLDENS_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("command", pa.string()), ("metric", pa.string()), ("check", pa.string()),
+    ("step", pa.int64()), ("golden", pa.float64()), ("actual", pa.float64()), ("abs_diff", pa.float64()),
+    ("rel_diff", pa.float64()), ("close", pa.bool_()), ("passed", pa.bool_()), ("message", pa.string()),
+])
+
+# `mhctool gate` reports: one row per JUnit case.
+GATE_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("suite", pa.string()), ("entry", pa.string()), ("kind", pa.string()),
+    ("name", pa.string()), ("passed", pa.bool_()), ("message", pa.string()),
+])
+
+
 def new_run_id() -> str:
     return uuid.uuid4().hex[:12]
 

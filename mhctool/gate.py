@@ -1,0 +1,218 @@
+"""Suites -> verdicts, JUnit XML, Markdown summary: mhctool's checks as one CI gate.
+
+A suite (TOML)::
+
+    name = "my-gate"
+
+    [[parity]]                      # any number: a parity run, one JUnit case per verdict
+    name = "fused-sinkhorn"         # optional
+    kernel = "sinkhorn"             # a kernel or "all"
+    impls = ["triton"]              # default: every built-in one available here
+    scenario = "parity-default"     # built-in name or TOML path (relative to the suite file)
+    dtypes = ["fp32"]               # optional override
+    device = "cpu"                  # optional (default: cuda when present)
+    kappa = 2.0                     # optional
+
+    [[goldens]]                     # any number: Megatron's golden-value checks, one case per metric
+    golden = "golden.json"          # paths relative to the suite file
+    actual = "run.json"             # a golden-format file, or a training log (.log / .txt)
+    metrics = ["lm loss", "num-zeros"]   # optional
+    deterministic = false           # optional: add the exact check
+    rtol = { "num-zeros" = 0.2 }    # optional per-metric overrides
+
+    [[goldens_check]]               # any number: anomalies inside one run (fails on any)
+    file = "run.json"
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import goldens as G
+from . import registry, runner
+from . import scenario as scenario_mod
+from .dtypes import parse_dtype
+from .errors import UsageError
+from .report import verdicts, to_table
+
+SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check"}
+PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa"}
+GOLDEN_KEYS = {"name", "golden", "actual", "metrics", "deterministic", "rtol"}
+CHECK_KEYS = {"name", "file", "factor"}
+
+
+@dataclass
+class Case:
+    suite_item: str  # the suite entry's name
+    kind: str  # parity, goldens, goldens_check
+    name: str
+    passed: bool | None  # None: skipped
+    message: str = ""
+
+
+@dataclass
+class Suite:
+    name: str
+    path: Path
+    parity: list[dict] = field(default_factory=list)
+    goldens: list[dict] = field(default_factory=list)
+    checks: list[dict] = field(default_factory=list)
+
+
+def _err(src, key, msg):
+    return UsageError(f"{src}: {key}: {msg}")
+
+
+def _resolve(base: Path, p: str, src: str, key: str) -> Path:
+    path = (base / p) if not Path(p).is_absolute() else Path(p)
+    if not path.is_file():
+        raise _err(src, key, f"no file {path}")
+    return path
+
+
+def load_suite(path: str | os.PathLike) -> Suite:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no suite file {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: not valid TOML ({e})") from None
+    src, base = str(path), path.parent
+    unknown = set(data) - SUITE_KEYS
+    if unknown:
+        raise _err(src, sorted(unknown)[0], f"unknown key; accepted: {', '.join(sorted(SUITE_KEYS))}")
+    suite = Suite(str(data.get("name", path.stem)), path)
+    for i, item in enumerate(data.get("parity", [])):
+        where = f"parity[{i}]"
+        bad = set(item) - PARITY_KEYS
+        if bad:
+            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(PARITY_KEYS))}")
+        kernel = item.get("kernel", "all")
+        if kernel != "all":
+            try:
+                registry.get_family(kernel)
+            except UsageError as e:
+                raise _err(src, f"{where}.kernel", str(e)) from None
+        sc = item.get("scenario")
+        if sc and (sc.endswith(".toml") or "/" in sc):
+            item = {**item, "scenario": str(_resolve(base, sc, src, f"{where}.scenario"))}
+        for d in item.get("dtypes", []):
+            try:
+                parse_dtype(d)
+            except UsageError as e:
+                raise _err(src, f"{where}.dtypes", str(e)) from None
+        suite.parity.append({"name": item.get("name", f"parity-{kernel}"), **item})
+    for i, item in enumerate(data.get("goldens", [])):
+        where = f"goldens[{i}]"
+        bad = set(item) - GOLDEN_KEYS
+        if bad:
+            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(GOLDEN_KEYS))}")
+        for k in ("golden", "actual"):
+            if k not in item:
+                raise _err(src, f"{where}.{k}", "required")
+        g, a = _resolve(base, item["golden"], src, f"{where}.golden"), _resolve(base, item["actual"], src, f"{where}.actual")
+        suite.goldens.append({"name": item.get("name", f"{g.name} vs {a.name}"), **item, "golden": g, "actual": a})
+    for i, item in enumerate(data.get("goldens_check", [])):
+        where = f"goldens_check[{i}]"
+        bad = set(item) - CHECK_KEYS
+        if bad:
+            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(CHECK_KEYS))}")
+        if "file" not in item:
+            raise _err(src, f"{where}.file", "required")
+        f = _resolve(base, item["file"], src, f"{where}.file")
+        suite.checks.append({"name": item.get("name", f"check {f.name}"), **item, "file": f})
+    if not (suite.parity or suite.goldens or suite.checks):
+        raise _err(src, "parity", "the suite has no [[parity]], [[goldens]] or [[goldens_check]] entry")
+    return suite
+
+
+def read_run(path: Path) -> G.Golden:
+    """A golden-format JSON file, or a training log."""
+    if path.suffix in (".log", ".txt"):
+        return G.extract_log(path)
+    return G.load(path)
+
+
+def run_suite(suite: Suite, device_default: str, progress=None) -> tuple[list[Case], list[dict]]:
+    """Run every entry; returns the JUnit cases and the parity report rows."""
+    cases: list[Case] = []
+    rows: list[dict] = []
+    for item in suite.parity:
+        kernels = list(registry.KERNELS) if item.get("kernel", "all") == "all" else [item["kernel"]]
+        sc = scenario_mod.resolve(item.get("scenario"))
+        rule = sc.rule
+        if "kappa" in item:
+            from dataclasses import replace
+            rule = replace(rule, kappa=float(item["kappa"]))
+        device = item.get("device", device_default)
+        dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
+        item_rows = []
+        for k in kernels:
+            impls = registry.resolve_impls(k, item.get("impls"))
+            for c in sc.cases(device, [k], dtypes):
+                if progress:
+                    progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")
+                item_rows.extend(runner.run_case(c, impls, rule).rows)
+        rows.extend(item_rows)
+        table = to_table(item_rows, "gate", "parity", {})
+        for v in verdicts(table):
+            if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
+                continue  # the baseline ran, but the entry did not ask for it
+            w = v["worst"] or {}
+            label = (f"{v['kernel']}/{v['impl']}/{v['family']}/{v['dtype']}/{v['shape']}"
+                     f"{'/' + v['knobs'] if v['knobs'] != '{}' else ''}/{v['direction']}")
+            msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
+                                   f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
+            cases.append(Case(item["name"], "parity", label, v["passed"], msg))
+    for item in suite.goldens:
+        metrics = item.get("metrics")
+        for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),
+                        bool(item.get("deterministic", False))):
+            cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message))
+    for item in suite.checks:
+        found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
+        cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
+                          "; ".join(a.message for a in found) or "no anomaly"))
+    return cases, rows
+
+
+def junit_xml(suite: Suite, cases: list[Case]) -> bytes:
+    root = ET.Element("testsuites", name=suite.name)
+    by_item: dict[str, list[Case]] = {}
+    for c in cases:
+        by_item.setdefault(c.suite_item, []).append(c)
+    for item, cs in by_item.items():
+        ts = ET.SubElement(root, "testsuite", name=item, tests=str(len(cs)),
+                           failures=str(sum(c.passed is False for c in cs)),
+                           skipped=str(sum(c.passed is None for c in cs)))
+        for c in cs:
+            tc = ET.SubElement(ts, "testcase", classname=f"mhctool.{c.kind}.{item}", name=c.name)
+            if c.passed is False:
+                ET.SubElement(tc, "failure", message=c.message[:500]).text = c.message
+            elif c.passed is None:
+                ET.SubElement(tc, "skipped", message=c.message[:500])
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True)
+
+
+def markdown(suite: Suite, cases: list[Case]) -> str:
+    failed = [c for c in cases if c.passed is False]
+    passed = sum(c.passed is True for c in cases)
+    skipped = sum(c.passed is None for c in cases)
+    head = "passed" if not failed else "FAILED"
+    lines = [f"## mhctool gate `{suite.name}`: {head}", "",
+             f"{passed} passed, {len(failed)} failed, {skipped} skipped", "",
+             "| entry | kind | checks | failed |", "|---|---|---|---|"]
+    by_item: dict[str, list[Case]] = {}
+    for c in cases:
+        by_item.setdefault(c.suite_item, []).append(c)
+    for item, cs in by_item.items():
+        nf = sum(c.passed is False for c in cs)
+        lines.append(f"| {item} | {cs[0].kind} | {len(cs)} | {'❌ ' + str(nf) if nf else '✅ 0'} |")
+    if failed:
+        lines += ["", "### Failures", ""]
+        lines += [f"- **{c.suite_item}** `{c.name}`: {c.message}" for c in failed[:50]]
+    return "\n".join(lines) + "\n"
