@@ -1,5 +1,4 @@
 """`mhctool bench` on the CPU: bytes/flops models, the report schema, refusals."""
-import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -65,3 +64,15 @@ def test_bench_bad_input_exit_2(tmp_path, args, needle):
     res = runner.invoke(app, ["bench", "--device", "cpu", *args, "-o", str(tmp_path / "b.parquet")])
     assert res.exit_code == 2, res.output
     assert needle in res.output
+
+
+def test_external_implementation_benchmarks_beside_ours(tmp_path):
+    """Megatron's fused kernels take the same signatures: they bench as module:function."""
+    out = tmp_path / "b.parquet"
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "h_aggregate",
+                              "--impl", "torch", "--impl", "tests/impls/correct.py:h_aggregate", "--repeats", "3",
+                              "--direction", "fwd", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = report.read(out)[0].to_pylist()
+    ext = [r for r in rows if r["backend"] == "external"]
+    assert ext and {r["metric"] for r in ext} >= {"time_ms", "speedup_vs_torch"}

@@ -1,5 +1,4 @@
 """Golden values (`mhctool goldens`) on Megatron's real files, and the CI gate (`mhctool gate`)."""
-import json
 import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
