@@ -25,6 +25,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Numerics validation for fused mHC and grouped-MLP kernels.")
 report_app = typer.Typer(no_args_is_help=True, help="Read Parquet reports: show one, compare two.")
 app.add_typer(report_app, name="report")
+stability_app = typer.Typer(no_args_is_help=True, help="Where and why a computation breaks: sweeps and analyses.")
+app.add_typer(stability_app, name="stability")
 goldens_app = typer.Typer(no_args_is_help=True, help="Megatron golden-value files and training logs: show, diff, check, extract.")
 app.add_typer(goldens_app, name="goldens")
 
@@ -304,6 +306,57 @@ def _bench_table(rows: list[dict], title: str) -> Table:
                   _fmt(g("peak_bytes") / 2**20 if g("peak_bytes") is not None and g("peak_bytes") == g("peak_bytes") else None),
                   note)
     return t
+
+
+@stability_app.command("sinkhorn")
+@_guard
+def stability_sinkhorn(
+    impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementations (default: every available built-in one) or module:function."),
+    quick: bool = typer.Option(False, "--quick", help="A CPU-sized sweep (under a minute)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    out_path: Path = typer.Option(Path("mhctool-stability.parquet"), "--out", "-o", help="Parquet report to write."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+):
+    """Sweep logit amplitude, family, dtype, stabilize, eps, eps_mode, order and iterations."""
+    from . import stability as st
+    dev = _device(device)
+    spec = st.quick_spec() if quick else st.full_spec()
+    specs = _split(impl)
+    impls = registry.resolve_impls("sinkhorn", specs) if specs else [
+        i for i in registry.impls_for("sinkhorn") if i.default and not i.unavailable()]
+    if quick and not specs:
+        impls = [i for i in impls if i.native]  # the interpreter is too slow for a one-minute sweep
+    for i in impls:
+        if specs and (why := i.unavailable()):
+            raise UsageError(f"--impl {i.name} cannot run here: {why}")
+    show = not quiet and out.is_terminal
+    with Progress(TextColumn("{task.description}"), console=err, transient=True, disable=not show) as bar:
+        task = bar.add_task("stability")
+        rows = st.sinkhorn_sweep(impls, spec, dev, lambda d: bar.update(task, description=d))
+    table = report.to_table(rows, report.new_run_id(), "stability", environment.metadata(),
+                            {"command": "stability sinkhorn", "quick": quick, "device": dev,
+                             "impls": [i.name for i in impls], "converged_iters": st.CONVERGED_ITERS},
+                            schema=report.STABILITY_SCHEMA)
+    path = report.write_atomic(table, out_path)
+    firsts = st.first_nonfinite(rows)
+    t = Table(title="first logit amplitude with a non-finite output (at the most iterations swept)")
+    for c in ("impl", "family", "dtype", "stabilize", "eps", "first non-finite", "dtype exp overflow"):
+        t.add_column(c)
+    top = max(spec.iters)
+    for f in firsts:
+        if f["iters"] != top or f["eps_mode"] != "add" or f["order"] != "row_first":
+            continue
+        t.add_row(f["impl"], f["family"], f["dtype"], f["stabilize"], f"{f['eps']:g}",
+                  _fmt(f["first_nonfinite_scale"]) if f["first_nonfinite_scale"] else "[green]finite[/]",
+                  f"{st.OVERFLOW_LOGIT[f['dtype']]:.4g}")
+    if not quiet:
+        out.print(t)
+    if plot:
+        from .plots import stability_figures
+        for png in stability_figures(table, plot, {d: st.OVERFLOW_LOGIT[d] for d in spec.dtypes}):
+            out.print(f"plot: {png}")
+    out.print(f"report {path} ({len(rows)} rows)")
 
 
 _SPARK = "▁▂▃▄▅▆▇█"

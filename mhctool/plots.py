@@ -120,3 +120,63 @@ def golden_figures(golden, actual, metrics: list[str], out_dir: str | Path, labe
         plt.close(fig)
         written.append(path)
     return written
+
+
+def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, float]) -> list[Path]:
+    """Non-finite rate and error vs logit amplitude (dtype overflow points marked), and the
+    convergence of the residuals with the iteration count."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = table.to_pylist()
+    written = []
+    max_iters = max(r["iters"] for r in rows)
+    for metric, fname, ylabel in (("nonfinite_rate", "stability-nonfinite.png", "non-finite share of outputs"),
+                                  ("err_same_config", "stability-error.png", "max |out - float64| (same config)")):
+        fams = sorted({r["family"] for r in rows})
+        fig, axes = plt.subplots(1, len(fams), figsize=(5 * len(fams), 4.2), sharey=True, squeeze=False)
+        for ax, fam in zip(axes[0], fams):
+            sel = [r for r in rows if r["metric"] == metric and r["family"] == fam and r["iters"] == max_iters
+                   and r["eps_mode"] == "add" and r["order"] == "row_first"]
+            for key in sorted({(r["impl"], r["dtype"], r["stabilize"], r["eps"]) for r in sel}):
+                pts = sorted((r["scale"], r["value"]) for r in sel if (r["impl"], r["dtype"], r["stabilize"], r["eps"]) == key)
+                ys = [min(v, 1e3) if v == v else 1e3 for _, v in pts]
+                ax.plot([p[0] for p in pts], ys, marker=".", label=f"{key[0]} {key[1]} {key[2]} eps={key[3]:g}")
+            for dt, x in overflow.items():
+                if dt in {r["dtype"] for r in sel}:
+                    ax.axvline(x, ls=":", color="gray")
+                    ax.annotate(f"{dt} exp overflow", (x, 0.5), rotation=90, fontsize=7, color="gray")
+            ax.set_xscale("log")
+            if metric != "nonfinite_rate":
+                ax.set_yscale("log")
+            ax.set_title(f"{fam} ({max_iters} iterations)")
+            ax.set_xlabel("logit amplitude (max |logit|)")
+        axes[0][0].set_ylabel(ylabel)
+        axes[0][-1].legend(fontsize=6)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    # convergence: residual vs iterations at amplitude ~ 10 in fp32
+    sel = [r for r in rows if r["metric"] in ("row_residual", "col_residual") and r["dtype"] == "fp32"]
+    if sel:
+        target = min({r["scale"] for r in sel}, key=lambda s: abs(math.log10(s) - 1))
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for key in sorted({(r["impl"], r["family"], r["stabilize"], r["eps"], r["metric"]) for r in sel}):
+            pts = sorted((r["iters"], r["value"]) for r in sel if r["scale"] == target and
+                         (r["impl"], r["family"], r["stabilize"], r["eps"], r["metric"]) == key)
+            if pts and all(v == v and v < float("inf") for _, v in pts):
+                ax.plot([p[0] for p in pts], [max(p[1], 1e-17) for p in pts], marker="o", ms=3,
+                        label=f"{key[0]} {key[1]} {key[2]} eps={key[3]:g} {key[4].split('_')[0]}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("iterations")
+        ax.set_ylabel("max |sum - 1|")
+        ax.set_title(f"convergence at amplitude {target:g} (fp32)")
+        ax.legend(fontsize=5)
+        fig.tight_layout()
+        path = out_dir / "stability-convergence.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

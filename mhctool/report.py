@@ -80,6 +80,14 @@ GOLDENS_SCHEMA = pa.schema([
     ("rel_diff", pa.float64()), ("close", pa.bool_()), ("passed", pa.bool_()), ("message", pa.string()),
 ])
 
+# `mhctool stability sinkhorn` reports: one row per (impl, family, dtype, amplitude, knobs, metric).
+STABILITY_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("impl", pa.string()), ("family", pa.string()), ("dtype", pa.string()),
+    ("scale", pa.float64()), ("stabilize", pa.string()), ("eps", pa.float64()), ("eps_mode", pa.string()),
+    ("order", pa.string()), ("iters", pa.int64()), ("metric", pa.string()), ("value", pa.float64()),
+    ("message", pa.string()),
+])
+
 # `mhctool gate` reports: one row per JUnit case.
 GATE_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("suite", pa.string()), ("entry", pa.string()), ("kind", pa.string()),

@@ -1,0 +1,141 @@
+"""Sweeps and analyses: where and why a computation breaks (``mhctool stability``).
+
+``sinkhorn_sweep`` runs Sinkhorn implementations over logit amplitude (the largest |logit| of
+each matrix), input family, dtype and the knobs, and measures per point: the non-finite rate, the
+doubly-stochastic residuals (max |row sum - 1|, max |col sum - 1|, max |log col sum|, which shows
+an attenuated lane that a max-abs sum hides), the error against the same-configuration float64
+reference, and the error against a converged float64 reference (``CONVERGED_ITERS`` iterations).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import inputs as inputs_mod
+from .dtypes import FORMATS
+from .references import mhc as ref
+from .registry import Impl
+from .shapes import Shape
+
+CONVERGED_ITERS = 500
+# the largest logit whose exp is finite, per dtype: ln(max finite)
+OVERFLOW_LOGIT = {name: math.log(f.max_finite) for name, f in FORMATS.items()}
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    scales: tuple[float, ...]
+    families: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    stabilize: tuple[str, ...]
+    eps: tuple[float, ...]
+    eps_mode: tuple[str, ...]
+    order: tuple[str, ...]
+    iters: tuple[int, ...]
+    tokens: int = 256
+    n: int = 4
+    seed: int = 0
+
+
+# amplitudes around the exp overflow of fp16 (ln 65504 = 11.09) and of fp32/bf16 (88.72)
+_NEAR_OVERFLOW = (10.5, 11.0, 11.25, 11.5, 12.0, 86.0, 88.0, 88.5, 89.0, 90.0)
+
+
+def _grid(points: int) -> tuple[float, ...]:
+    logs = {float(f"{10 ** (-1 + 4 * i / (points - 1)):.4g}") for i in range(points)}  # 0.1 .. 1000
+    return tuple(sorted(logs | set(_NEAR_OVERFLOW)))
+
+
+def quick_spec() -> SweepSpec:
+    scales = _grid(17)
+    return SweepSpec(scales, ("random", "near_perm", "dead_rows_cols"), ("fp32", "bf16", "fp16"),
+                     ("rowmax", "none"), (1e-6, 1e-8), ("add",), ("row_first",), (1, 5, 20, 100), tokens=128)
+
+
+def full_spec() -> SweepSpec:
+    scales = _grid(41)
+    return SweepSpec(scales, ("random", "near_perm", "dead_rows_cols"), ("fp32", "bf16", "fp16"),
+                     ("rowmax", "none", "softmax"), (1e-6, 1e-8), ("add", "clamp"), ("row_first", "col_first"),
+                     (1, 2, 5, 10, 20, 50, 100), tokens=1024)
+
+
+def _base_logits(family: str, spec: SweepSpec) -> torch.Tensor:
+    """Unit-amplitude logits of the family: each matrix divided by its largest |entry|."""
+    shape = Shape(spec.tokens, 1, spec.n, 1)
+    _, raw = inputs_mod.generate("sinkhorn", family, shape, spec.seed, {})
+    L = raw["logits"].double()
+    return L / L.abs().amax(dim=(-1, -2), keepdim=True)
+
+
+def _call(impl: Impl, logits: torch.Tensor, knobs: dict) -> torch.Tensor:
+    kw = {k: v for k, v in knobs.items() if impl.accepts(k)}
+    with torch.no_grad():
+        return impl.fn(logits, knobs["iters"], knobs["eps"], **{k: v for k, v in kw.items() if k not in ("iters", "eps")})
+
+
+def sinkhorn_sweep(impls: list[Impl], spec: SweepSpec, device: str, progress=None) -> list[dict]:
+    rows = []
+    knob_grid = list(itertools.product(spec.stabilize, spec.eps, spec.eps_mode, spec.order, spec.iters))
+    for family in spec.families:
+        base = _base_logits(family, spec)
+        for scale in spec.scales:
+            L64 = base * scale
+            for stab, eps, mode, order, iters in knob_grid:
+                knobs = dict(iters=iters, eps=eps, stabilize=stab, eps_mode=mode, order=order)
+                same = ref.sinkhorn(L64, iters, eps, stabilize=stab, eps_mode=mode, order=order)
+                conv = ref.sinkhorn(L64, CONVERGED_ITERS, eps, stabilize="rowmax", eps_mode=mode, order=order)
+                for dtype in spec.dtypes:
+                    Lq = L64.to(FORMATS[dtype].torch_dtype).to(device)
+                    for impl in impls:
+                        if progress:
+                            progress(f"{family} x{scale:g} {dtype} {impl.name}")
+                        why = impl.unsupported(device, dtype)
+                        if not why and any(not impl.accepts(k) and v != d for k, v, d in (
+                                ("stabilize", stab, "rowmax"), ("eps_mode", mode, "add"), ("order", order, "row_first"))):
+                            why = f"{impl.name} does not take these knobs"
+                        base_row = dict(impl=impl.name, family=family, dtype=dtype, scale=scale, stabilize=stab,
+                                        eps=eps, eps_mode=mode, order=order, iters=iters)
+                        if why:
+                            continue
+                        try:
+                            out = _call(impl, Lq, knobs).double().cpu()
+                        except Exception as e:  # an implementation that raises is a data point
+                            rows.append({**base_row, "metric": "error", "value": math.nan, "message": str(e)[:200]})
+                            continue
+                        for metric, value in _measure(out, same, conv).items():
+                            rows.append({**base_row, "metric": metric, "value": value, "message": None})
+    return rows
+
+
+def _measure(out: torch.Tensor, same: torch.Tensor, conv: torch.Tensor) -> dict[str, float]:
+    finite = torch.isfinite(out)
+    rate = 1.0 - finite.double().mean().item()
+    vals = {"nonfinite_rate": rate}
+    if finite.all():
+        rs, cs = out.sum(-1), out.sum(-2)
+        vals["row_residual"] = (rs - 1).abs().max().item()
+        vals["col_residual"] = (cs - 1).abs().max().item()
+        vals["max_abs_log_colsum"] = cs.clamp_min(1e-300).log().abs().max().item()
+        vals["err_same_config"] = (out - same).abs().max().item()
+        vals["err_converged"] = (out - conv).abs().max().item()
+    else:
+        for m in ("row_residual", "col_residual", "max_abs_log_colsum", "err_same_config", "err_converged"):
+            vals[m] = math.inf
+    return vals
+
+
+def first_nonfinite(rows: list[dict]) -> list[dict]:
+    """Per configuration, the smallest amplitude with a non-finite output (None: finite throughout)."""
+    keys = ("impl", "family", "dtype", "stabilize", "eps", "eps_mode", "order", "iters")
+    best: dict[tuple, float | None] = {}
+    for r in rows:
+        if r["metric"] != "nonfinite_rate":
+            continue
+        k = tuple(r[c] for c in keys)
+        best.setdefault(k, None)
+        if r["value"] > 0 and (best[k] is None or r["scale"] < best[k]):
+            best[k] = r["scale"]
+    return [dict(zip(keys, k), first_nonfinite_scale=v) for k, v in best.items()]
