@@ -22,23 +22,32 @@ A suite (TOML)::
 
     [[goldens_check]]               # any number: anomalies inside one run (fails on any)
     file = "run.json"
+
+    [[stability]]                   # any number: a Sinkhorn stability sweep, one case per configuration
+    kernel = "sinkhorn"             # the only kernel with a sweep so far
+    impls = ["torch"]               # default: the native implementation
+    quick = true                    # the CPU-sized sweep (default true)
+    finite = ["rowmax"]             # stabilize settings that must stay finite at every amplitude
+    dtypes = ["fp32", "bf16"]       # ... in these dtypes
 """
 from __future__ import annotations
 
 import os
 import tomllib
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import goldens as G
 from . import registry, runner
+from . import stability as st
 from . import scenario as scenario_mod
 from .dtypes import parse_dtype
 from .errors import UsageError
 from .report import verdicts, to_table
 
-SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check"}
+SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability"}
+STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}
 PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa"}
 GOLDEN_KEYS = {"name", "golden", "actual", "metrics", "deterministic", "rtol"}
 CHECK_KEYS = {"name", "file", "factor"}
@@ -60,6 +69,7 @@ class Suite:
     parity: list[dict] = field(default_factory=list)
     goldens: list[dict] = field(default_factory=list)
     checks: list[dict] = field(default_factory=list)
+    stability: list[dict] = field(default_factory=list)
 
 
 def _err(src, key, msg):
@@ -125,8 +135,24 @@ def load_suite(path: str | os.PathLike) -> Suite:
             raise _err(src, f"{where}.file", "required")
         f = _resolve(base, item["file"], src, f"{where}.file")
         suite.checks.append({"name": item.get("name", f"check {f.name}"), **item, "file": f})
-    if not (suite.parity or suite.goldens or suite.checks):
-        raise _err(src, "parity", "the suite has no [[parity]], [[goldens]] or [[goldens_check]] entry")
+    for i, item in enumerate(data.get("stability", [])):
+        where = f"stability[{i}]"
+        bad = set(item) - STABILITY_KEYS
+        if bad:
+            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(STABILITY_KEYS))}")
+        if item.get("kernel", "sinkhorn") != "sinkhorn":
+            raise _err(src, f"{where}.kernel", f"{item['kernel']!r} has no stability sweep; accepted: sinkhorn")
+        for d in item.get("dtypes", []):
+            try:
+                parse_dtype(d)
+            except UsageError as e:
+                raise _err(src, f"{where}.dtypes", str(e)) from None
+        for f in item.get("finite", []):
+            if f not in ("rowmax", "none", "softmax"):
+                raise _err(src, f"{where}.finite", f"unknown stabilize {f!r}; accepted: rowmax, none, softmax")
+        suite.stability.append({"name": item.get("name", f"stability-{i}"), **item})
+    if not (suite.parity or suite.goldens or suite.checks or suite.stability):
+        raise _err(src, "parity", "the suite has no [[parity]], [[goldens]], [[goldens_check]] or [[stability]] entry")
     return suite
 
 
@@ -146,7 +172,6 @@ def run_suite(suite: Suite, device_default: str, progress=None) -> tuple[list[Ca
         sc = scenario_mod.resolve(item.get("scenario"))
         rule = sc.rule
         if "kappa" in item:
-            from dataclasses import replace
             rule = replace(rule, kappa=float(item["kappa"]))
         device = item.get("device", device_default)
         dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
@@ -173,6 +198,21 @@ def run_suite(suite: Suite, device_default: str, progress=None) -> tuple[list[Ca
         for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),
                         bool(item.get("deterministic", False))):
             cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message))
+    for item in suite.stability:
+        spec = st.quick_spec() if item.get("quick", True) else st.full_spec()
+        dtypes = tuple(parse_dtype(d).name for d in item.get("dtypes", [])) or spec.dtypes
+        spec = replace(spec, dtypes=dtypes)
+        impls = registry.resolve_impls("sinkhorn", item.get("impls") or ["torch"])
+        rows_ = st.sinkhorn_sweep(impls, spec, item.get("device", device_default), progress)
+        finite = set(item.get("finite", ["rowmax"]))
+        for f in st.first_nonfinite(rows_):
+            if f["stabilize"] not in finite:
+                continue
+            label = f"{f['impl']}/{f['family']}/{f['dtype']}/{f['stabilize']}/eps={f['eps']:g}/{f['eps_mode']}/{f['order']}/iters={f['iters']}"
+            ok = f["first_nonfinite_scale"] is None
+            cases.append(Case(item["name"], "stability", label, ok,
+                              "finite at every amplitude" if ok else
+                              f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}"))
     for item in suite.checks:
         found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
         cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,

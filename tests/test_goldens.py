@@ -236,9 +236,23 @@ def test_gate_passing_suite_exit_0(tmp_path):
     ('name = "x"\n[[parity]]\nkernel = "nope"\n', "unknown kernel"),
     ('name = "x"\n[[parity]]\nkernl = "sinkhorn"\n', "parity[0].kernl: unknown key"),
     ('name = "x"\n', "has no [[parity]]"),
+    ('name = "x"\n[[stability]]\nkernel = "h_aggregate"\n', "has no stability sweep"),
+    ('name = "x"\n[[stability]]\nfinite = ["log"]\n', "unknown stabilize"),
 ])
 def test_gate_bad_suite_exit_2(tmp_path, body, needle):
     res = run("gate", "--suite", _suite(tmp_path, body), "--junit", tmp_path / "j.xml")
     assert res.exit_code == 2, res.output
     assert needle in res.output
     assert not (tmp_path / "j.xml").exists()
+
+
+def test_gate_stability_entry_turns_a_sweep_into_cases(tmp_path):
+    s = _suite(tmp_path, 'name = "st"\n[[stability]]\nname = "sk"\nfinite = ["rowmax", "none"]\ndtypes = ["fp32"]\n')
+    res = run("gate", "--suite", s, "--device", "cpu", "--junit", tmp_path / "j.xml", "--summary", tmp_path / "s.md",
+              "-o", tmp_path / "g.parquet")
+    assert res.exit_code == 1  # bare exp overflows past 88 in fp32: those cases fail
+    root = ET.parse(tmp_path / "j.xml").getroot()
+    cases = list(root.iter("testcase"))
+    failed = [c for c in cases if c.find("failure") is not None]
+    assert failed and all("/none/" in c.get("name") for c in failed)
+    assert any("/rowmax/" in c.get("name") for c in cases)

@@ -17,6 +17,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter t
 runner = CliRunner()
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Fresh random inputs in every test, but the same ones on every run (no flaky tolerances)."""
+    torch.manual_seed(20261122)
+
+
 @pytest.mark.slow
 def test_parity_all_triton_passes_under_the_interpreter(tmp_path):
     out = tmp_path / "r.parquet"
@@ -123,9 +129,13 @@ def test_mapping_path_matches_float64(mkn):
     refs = ref.mapping(*dd)
     rgrads = torch.autograd.grad(refs, dd, [u.double() for u in ups])
     assert [tuple(o.shape) for o in outs] == [(m, n), (m, n), (m, n, n)]
-    for a, b_ in zip((*outs, *grads), (*refs, *rgrads)):
+    names = ("h_pre", "h_post", "h_res_logits", "grad_x2d", "grad_weight", "grad_alpha", "grad_h_bias")
+    for name, a, b_ in zip(names, (*outs, *grads), (*refs, *rgrads)):
         assert torch.isfinite(a).all()
-        assert ((a.double() - b_).abs().max() / b_.abs().max()) < 2e-6
+        # grad_alpha: 3 sums of M * (n^2 + 2n) products that cancel; fp32 rounding of the terms
+        # shows relative to the (smaller) result, by up to about 3e-6 here
+        tol = 2e-5 if name == "grad_alpha" else 2e-6
+        assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol, name
 
 
 def test_mapping_refuses_a_weight_that_is_not_n2_plus_2n_rows():
