@@ -263,7 +263,7 @@ def bench(
                         results.append(("ok", k, i, d, bench_mod.measure(k, i, shp, fmt.name, dev, repeats, d,
                                                                        graph, l2)))
                     except Exception as e:  # a kernel that fails to run is reported, the rest still run
-                        results.append(("skip", k, i, d, f"failed: {type(e).__name__}: {e}".splitlines()[0][:300]))
+                        results.append(("skip", k, i, d, f"failed: {runner.short_error(e)}"))
                 bar.advance(task)
     rows = bench_mod.rows(results, dev, shp, copy_bw, mm_bf16, mm_tf32)
     settings = {"command": "bench", "shape": str(shp), "dtype": fmt.name, "device": dev, "repeats": repeats,
@@ -506,15 +506,16 @@ def gate(
     from . import gate as gate_mod
     s = gate_mod.load_suite(suite)
     dev = _device(device)
-    cases, _rows = gate_mod.run_suite(s, dev, None)
+    cases = gate_mod.run_suite(s, dev)
     run_id = report.new_run_id()
     rows = [{"suite": s.name, "entry": c.suite_item, "kind": c.kind, "name": c.name, "passed": c.passed,
              "message": c.message} for c in cases]
     report.write_atomic(report.to_table(rows, run_id, "gate", environment.metadata(),
                                         {"command": "gate", "suite": str(suite)}, schema=report.GATE_SCHEMA), out_path)
-    _write_text_atomic(junit, gate_mod.junit_xml(s, cases))
+    xml = gate_mod.junit_xml(s, cases)
+    report.atomic(junit, lambda tmp: Path(tmp).write_bytes(xml))
     md = gate_mod.markdown(s, cases)
-    _write_text_atomic(summary, md.encode())
+    report.atomic(summary, lambda tmp: Path(tmp).write_text(md))
     if _os.environ.get("GITHUB_STEP_SUMMARY"):
         with open(_os.environ["GITHUB_STEP_SUMMARY"], "a") as f:
             f.write(md)
@@ -527,20 +528,6 @@ def gate(
               f"{ok} passed, {len(failed)} failed, {len(cases) - ok - len(failed)} skipped "
               f"(suite {s.name}; {junit}, {summary}, {out_path})")
     raise typer.Exit(1 if failed else 0)
-
-
-def _write_text_atomic(path: Path, data: bytes) -> None:
-    import os as _os
-    import tempfile as _tf
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _tf.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with _os.fdopen(fd, "wb") as f:
-            f.write(data)
-        _os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @report_app.command("show")

@@ -44,20 +44,19 @@ def fmt_of(dtype: torch.dtype) -> FloatFormat:
     return _BY_TORCH[dtype]
 
 
+def _poison_int(t: torch.Tensor) -> int:
+    """The poison pattern as the signed integer of the same width (what an int view holds)."""
+    bits, width = fmt_of(t.dtype).poison_bits, 8 * t.element_size()
+    return bits - 2 ** width if bits >= 2 ** (width - 1) else bits
+
+
 def poison(t: torch.Tensor) -> torch.Tensor:
     """Fill ``t`` in place with the format's poison NaN (bit pattern, not a computed NaN)."""
-    view = t.view(_INT_VIEW[t.element_size()])
-    bits = fmt_of(t.dtype).poison_bits
-    if bits >= 2 ** (8 * t.element_size() - 1):
-        bits -= 2 ** (8 * t.element_size())
-    return view.fill_(bits)
+    return t.view(_INT_VIEW[t.element_size()]).fill_(_poison_int(t))
 
 
 def is_poison(t: torch.Tensor) -> torch.Tensor:
     """Boolean mask of the elements that still hold the poison pattern."""
     if t.dtype not in _BY_TORCH:
         return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-    bits = fmt_of(t.dtype).poison_bits
-    if bits >= 2 ** (8 * t.element_size() - 1):
-        bits -= 2 ** (8 * t.element_size())
-    return t.contiguous().view(_INT_VIEW[t.element_size()]) == bits
+    return t.contiguous().view(_INT_VIEW[t.element_size()]) == _poison_int(t)

@@ -33,7 +33,6 @@ A suite (TOML)::
 from __future__ import annotations
 
 import os
-import tomllib
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -85,12 +84,7 @@ def _resolve(base: Path, p: str, src: str, key: str) -> Path:
 
 def load_suite(path: str | os.PathLike) -> Suite:
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"no suite file {path}")
-    try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: not valid TOML ({e})") from None
+    data = scenario_mod.read_toml(path, "suite")
     src, base = str(path), path.parent
     unknown = set(data) - SUITE_KEYS
     if unknown:
@@ -163,10 +157,9 @@ def read_run(path: Path) -> G.Golden:
     return G.load(path)
 
 
-def run_suite(suite: Suite, device_default: str, progress=None) -> tuple[list[Case], list[dict]]:
-    """Run every entry; returns the JUnit cases and the parity report rows."""
+def run_suite(suite: Suite, device_default: str, progress=None) -> list[Case]:
+    """Run every entry; returns one JUnit case per verdict, metric check or configuration."""
     cases: list[Case] = []
-    rows: list[dict] = []
     for item in suite.parity:
         kernels = list(registry.KERNELS) if item.get("kernel", "all") == "all" else [item["kernel"]]
         sc = scenario_mod.resolve(item.get("scenario"))
@@ -182,7 +175,6 @@ def run_suite(suite: Suite, device_default: str, progress=None) -> tuple[list[Ca
                 if progress:
                     progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")
                 item_rows.extend(runner.run_case(c, impls, rule).rows)
-        rows.extend(item_rows)
         table = to_table(item_rows, "gate", "parity", {})
         for v in verdicts(table):
             if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
@@ -217,7 +209,7 @@ def run_suite(suite: Suite, device_default: str, progress=None) -> tuple[list[Ca
         found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
         cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
                           "; ".join(a.message for a in found) or "no anomaly"))
-    return cases, rows
+    return cases
 
 
 def junit_xml(suite: Suite, cases: list[Case]) -> bytes:

@@ -19,7 +19,6 @@ import math
 import os
 import re
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,17 +110,8 @@ def to_json(golden: Golden) -> dict:
 
 def dump(golden: Golden, path: str | os.PathLike) -> Path:
     """Write Megatron's format atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(to_json(golden), f, indent=4)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from .report import atomic
+    return atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(to_json(golden), indent=4)))
 
 
 # --- training logs ----------------------------------------------------------------------------

@@ -115,19 +115,25 @@ def to_table(rows: list[dict], run_id: str, kind: str, environment: dict, run: d
     return table.replace_schema_metadata(meta)
 
 
-def write_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
-    """Write to a temp file in the same folder, then rename: never a half-written report."""
+def atomic(path: str | os.PathLike, write) -> Path:
+    """``write(tmp_path)`` into a temp file in the same folder, then rename: an interrupted write
+    never leaves a half-written file (nor replaces a good one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(table, tmp)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
+    """A Parquet report, written atomically."""
+    return atomic(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def read(path: str | os.PathLike) -> tuple[pa.Table, dict]:

@@ -59,7 +59,7 @@ class CaseResult:
     rows: list[dict] = field(default_factory=list)
 
 
-def _short_error(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     """The error in one line; compiler errors put the cause after the first line, so keep it."""
     lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
     return " | ".join(lines)[:1500]
@@ -109,7 +109,7 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
         with poisoning(True):
             outs = list(fam.call(impl.fn, args, knobs, impl.accepts))
     except Exception as e:  # an implementation that raises is a failed case, not a crash
-        res.fwd_error = _short_error(e)
+        res.fwd_error = short_error(e)
         return res
     if expect is not None:
         problem = _check_outputs(fam, outs, expect)
@@ -130,7 +130,7 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
                 allow_unused=True,
             )
     except Exception as e:
-        res.bwd_error = _short_error(e)
+        res.bwd_error = short_error(e)
         return res
     missing = [k for k, g in zip(names, grads) if g is None]
     if missing:

@@ -145,15 +145,19 @@ def _parse_case(c: dict, where: str, src: str) -> CaseSpec:
     return CaseSpec(fam.name, shapes, dtypes, fams, seeds, knobs)
 
 
-def load(path: str | Path) -> Scenario:
+def read_toml(path: str | Path, what: str) -> dict:
+    """A TOML file as a dict; a missing or malformed file is a UsageError naming it."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"no scenario file {path}")
+        raise UsageError(f"no {what} file {path}")
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"{path}: not valid TOML ({e})") from None
-    return parse(data, str(path))
+
+
+def load(path: str | Path) -> Scenario:
+    return parse(read_toml(path, "scenario"), str(path))
 
 
 def builtin(name: str) -> Scenario:

@@ -71,9 +71,10 @@ def _base_logits(family: str, spec: SweepSpec) -> torch.Tensor:
 
 
 def _call(impl: Impl, logits: torch.Tensor, knobs: dict) -> torch.Tensor:
-    kw = {k: v for k, v in knobs.items() if impl.accepts(k)}
+    """Megatron's call order (logits, iters, eps), the other knobs by keyword where taken."""
+    kw = {k: v for k, v in knobs.items() if k not in ("iters", "eps") and impl.accepts(k)}
     with torch.no_grad():
-        return impl.fn(logits, knobs["iters"], knobs["eps"], **{k: v for k, v in kw.items() if k not in ("iters", "eps")})
+        return impl.fn(logits, knobs["iters"], knobs["eps"], **kw)
 
 
 def sinkhorn_sweep(impls: list[Impl], spec: SweepSpec, device: str, progress=None) -> list[dict]:

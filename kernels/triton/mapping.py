@@ -17,8 +17,8 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import check_device, interpreted, next_pow2, require_contiguous
-from .proj_rms import _proj_tile, _precision, proj_rms_backward, SPLIT_ACC
+from ._common import check_device, next_pow2, require_contiguous
+from .proj_rms import _precision, _proj_tile, low_precision_operands, proj_rms_backward
 from .reduce import sum_rows
 
 
@@ -41,12 +41,11 @@ def _scale(alpha_ptr, cols, n: tl.constexpr):
 @triton.jit
 def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, proj_ptr, r_ptr,
                  rms_ptr, M, K, N, eps, n: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr,
-                 SPLIT_ACC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, NP)
     rmask = rows < M
-    acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC, SPLIT_ACC)
+    acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC)
     rms = tl.sqrt(ss / K)
     r = 1.0 / (rms + eps)
     cmask = cols < N
@@ -122,13 +121,13 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6):
     proj = torch.empty((M, N), dtype=torch.float32, device=dev)
     r = torch.empty((M,), dtype=torch.float32, device=dev)
     rms = torch.empty((M,), dtype=torch.float32, device=dev)
-    lowp = x2d.dtype == weight.dtype and x2d.dtype in (torch.bfloat16, torch.float16) and not interpreted()
+    lowp = low_precision_operands(x2d, weight)
     if M:
         bm, bk = 64, 128
         _mapping_fwd[(triton.cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
                                             M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
                                             BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(),
-                                            SPLIT_ACC=SPLIT_ACC, num_warps=4)
+                                            num_warps=4)
     return (pre, post, logits), (proj, r, rms)
 
 
