@@ -56,6 +56,10 @@ class Family:
     knobs: dict[str, Knob]
     positional_knobs: tuple[str, ...]  # knobs that follow the inputs positionally (Megatron order)
     reference: Callable
+    # optional: (float64 inputs, float64 upstream grads, knobs) -> {tensor: sum of |terms|}, for
+    # outputs that are long cancelling sums; the verdict floor then scales with the terms, not
+    # with the (smaller) result (see verdict.py)
+    term_scale: Callable | None = None
 
     def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted) -> tuple:
         """Call ``fn`` with the family's signature; knobs it does not accept are left out."""
@@ -63,6 +67,21 @@ class Family:
         kw = {k: v for k, v in knobs.items() if self.knobs[k].passed and accepted(k)}
         out = fn(*pos, **kw)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _mapping_term_scale(args: dict, upstream: list, knobs: dict) -> dict[str, float]:
+    """grad_alpha[k] sums g_h * r * proj over every token and the k-th group of columns: its
+    terms are far larger than the result when they cancel."""
+    w = args["weight"]
+    n = round((w.shape[0] + 1) ** 0.5 - 1)
+    x = args["x2d"].detach()
+    proj, r = ref.proj_rms(x, w.detach(), knobs.get("eps", 1e-6))
+    h = (r.unsqueeze(-1) * proj * ref.alpha_columns(args["alpha"].detach(), n) + args["h_bias"].detach()).requires_grad_()
+    outs = (torch.sigmoid(h[..., :n]), 2.0 * torch.sigmoid(h[..., n:2 * n]), h[..., 2 * n:].reshape(-1, n, n))
+    (gh,) = torch.autograd.grad(outs, [h], list(upstream))
+    terms = (gh * r.unsqueeze(-1) * proj).abs()
+    groups = (terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum())
+    return {"grad_alpha": float(max(groups))}
 
 
 def _ref_sinkhorn(logits, iters=20, eps=1e-6, **kw):
@@ -104,6 +123,7 @@ FAMILIES: dict[str, Family] = {
         {"eps": Knob(1e-6, kind=float)},
         ("eps",),
         ref.mapping,
+        _mapping_term_scale,
     ),
 }
 KERNELS = tuple(FAMILIES)

@@ -184,6 +184,9 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
         raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {nat.fwd_error}")
     upstream = inputs_mod.upstream_grads(nat.outputs, case.seed)
     ref_outs, ref_grads = run_reference(fam, base, knobs, upstream)
+    term_scale = {}
+    if fam.term_scale is not None:
+        term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
 
     def measured(res: ImplResult):
         fwd = {n: measure(o, r, fam.name == "sinkhorn")
@@ -225,7 +228,7 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                 fmt = fmt_of(outs[tensor].dtype)
                 for metric, value in metrics.items():
                     j = rule.judge(metric, value, fmt, amax, None if impl.native else nat_vals[tensor],
-                                   FORMATS[case.dtype], outs[tensor].numel())
+                                   FORMATS[case.dtype], outs[tensor].numel(), term_scale.get(tensor))
                     result.rows.append({**row_base, "direction": direction, "tensor": tensor,
                                         "dtype_out": fmt.name, "metric": metric, "value": value,
                                         "threshold": j.threshold, "passed": j.passed,

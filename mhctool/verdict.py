@@ -4,7 +4,10 @@ A fused implementation is judged against the native PyTorch implementation at th
 (the rule FlashAttention's tests use): its error may be at most ``kappa`` times the native error,
 plus a small floor of ``floor_roundoffs`` unit roundoffs of the output dtype (relative to the
 reference's largest magnitude for ``max_abs``), so that a kernel that merely rounds in another
-order is not flagged. It may not produce non-finite values where the native one does not, leave
+order is not flagged. For outputs that are long cancelling sums (a family names them through its
+``term_scale``), the floor is relative to the sum of the terms' magnitudes instead: there two
+correct summation orders differ by a few roundoffs of the terms, which the ratio to the native
+error, itself a noisy maximum over a handful of elements, does not bound. It may not produce non-finite values where the native one does not, leave
 elements unwritten, or produce many more exact zeros than the native one.
 
 The native implementation itself is checked against a loose per-dtype tolerance: a sanity bound
@@ -36,13 +39,19 @@ class VerdictRule:
     floor_roundoffs: float = 2.0
     baseline_tol: dict = field(default_factory=lambda: dict(BASELINE_TOL))
 
-    def floor(self, metric: str, fmt: FloatFormat, ref_amax: float) -> float:
+    def floor(self, metric: str, fmt: FloatFormat, ref_amax: float, term_scale: float | None = None) -> float:
+        """``term_scale``: the sum of |terms| of a cancelling reduction (the family says which
+        tensors are ones); rounding each term costs up to a unit roundoff of *it*, so the floor
+        scales with the terms rather than with the result."""
         f = self.floor_roundoffs * fmt.unit_roundoff
-        return f * ref_amax if metric == "max_abs" else f
+        scale = max(ref_amax, term_scale or 0.0)
+        if metric == "max_abs":
+            return f * scale
+        return f * (scale / ref_amax if ref_amax > 0 else 1.0)
 
     def judge(self, metric: str, value: float, fmt: FloatFormat, ref_amax: float,
               native: dict[str, float] | None, case_fmt: FloatFormat | None = None,
-              numel: int = 0) -> Judgement:
+              numel: int = 0, term_scale: float | None = None) -> Judgement:
         """``fmt`` is the measured tensor's format, ``case_fmt`` the case's activation format;
         ``native`` is the native implementation's metrics on the same case, or None when the row
         *is* the native implementation (judged by the tolerance of the coarser of the two)."""
@@ -51,9 +60,12 @@ class VerdictRule:
             return self._judge_baseline(metric, value, coarse, ref_amax)
         if metric in GATED_ERRORS:
             ratio_part = self.kappa * native[metric]
-            floor = self.floor(metric, fmt, ref_amax)
+            floor = self.floor(metric, fmt, ref_amax, term_scale)
             thr = ratio_part + floor
-            rule = f"kappa={self.kappa:g} x native" if ratio_part >= floor else "dtype floor"
+            if ratio_part >= floor:
+                rule = f"kappa={self.kappa:g} x native"
+            else:
+                rule = "reduction floor" if (term_scale or 0.0) > ref_amax else "dtype floor"
             if math.isnan(value):
                 return Judgement(thr, False, rule)
             return Judgement(thr, value <= thr, rule)

@@ -66,6 +66,7 @@ def test_correct_external_written_differently_passes(tmp_path, kernel, fn):
     ("proj_rms", "proj_rms_eps_in_sqrt", "tiny_norm", "fp32"),
     ("h_post_bda", "h_post_bda_transposed", "random", "fp32"),
     ("h_post_bda", "h_post_bda_bf16_bias_grad", "long_tokens", "bf16"),
+    ("mapping", "mapping_alpha_grad_bf16", "random", "fp32"),
 ])
 def test_defect_is_flagged_with_the_family_that_exposes_it(tmp_path, kernel, fn, exposing, dtype):
     impl = f"tests.impls.defects:{fn}"

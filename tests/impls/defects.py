@@ -92,3 +92,28 @@ def sinkhorn_skips_last_token(logits, iters=20, eps=1e-6):
     with torch.no_grad():
         flat_out[:-1] = native.sinkhorn(flat_in[:-1], iters, eps)
     return out
+
+
+class _PerTokenAlphaBf16Sum(torch.autograd.Function):
+    """Broadcasts alpha to every token; the backward sums the per-token gradients in bf16."""
+
+    @staticmethod
+    def forward(ctx, alpha, m):
+        return alpha.unsqueeze(0).expand(m, alpha.shape[0]).clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        acc = torch.zeros(g.shape[-1], dtype=torch.bfloat16, device=g.device)
+        for row in g.to(torch.bfloat16):
+            acc = acc + row
+        return acc.to(g.dtype), None
+
+
+def mapping_alpha_grad_bf16(x2d, weight, alpha, h_bias, eps=1e-6):
+    """Forward right; the alpha gradient is a running sum over tokens kept in bf16."""
+    n = round((weight.shape[0] + 1) ** 0.5 - 1)
+    proj, r = native.proj_rms(x2d, weight, eps)
+    a = _PerTokenAlphaBf16Sum.apply(alpha, x2d.shape[0])
+    cols = torch.cat([a[:, :1].expand(-1, n), a[:, 1:2].expand(-1, n), a[:, 2:].expand(-1, n * n)], dim=1)
+    h = r.float().unsqueeze(-1) * proj.float() * cols + h_bias
+    return torch.sigmoid(h[:, :n]), 2.0 * torch.sigmoid(h[:, n:2 * n]), h[:, 2 * n:].reshape(-1, n, n)

@@ -1,0 +1,42 @@
+"""The verdict rule on its own: which part decides, and the reduction-aware floor."""
+import math
+
+from mhctool.dtypes import FORMATS
+from mhctool.verdict import VerdictRule
+
+FP32 = FORMATS["fp32"]
+NATIVE = {"max_abs": 1e-7, "rel_l2": 1e-7, "nonfinite": 0, "unwritten": 0, "extra_zeros": 0}
+
+
+def test_kappa_times_native_decides_when_above_the_floor():
+    j = VerdictRule().judge("max_abs", 1.9e-7, FP32, 1e-3, NATIVE)
+    assert j.passed and j.rule == "kappa=2 x native"
+    assert not VerdictRule().judge("max_abs", 2.1e-7 + 2 * FP32.unit_roundoff * 1e-3, FP32, 1e-3, NATIVE).passed
+
+
+def test_floor_of_a_cancelling_sum_scales_with_its_terms():
+    """A result of 1 summed from terms of total magnitude 1e4: two correct orders may differ by
+    about u * 1e4, which a floor relative to the result (u * 1) would call a defect."""
+    nat = dict(NATIVE, max_abs=1e-8)
+    err = 50 * FP32.unit_roundoff
+    plain = VerdictRule().judge("max_abs", err, FP32, 1.0, nat)
+    assert not plain.passed and plain.rule == "dtype floor"
+    reduced = VerdictRule().judge("max_abs", err, FP32, 1.0, nat, term_scale=1e4)
+    assert reduced.passed and reduced.rule == "reduction floor"
+    assert math.isclose(reduced.threshold, 2e-8 + 2 * FP32.unit_roundoff * 1e4)
+    # and it still fails what is rounding at the result's own bf16 precision
+    assert not VerdictRule().judge("max_abs", 2 ** -9, FP32, 1.0, nat, term_scale=1e4).passed
+
+
+def test_a_term_scale_below_the_result_changes_nothing():
+    a = VerdictRule().judge("rel_l2", 3e-7, FP32, 2.0, NATIVE)
+    b = VerdictRule().judge("rel_l2", 3e-7, FP32, 2.0, NATIVE, term_scale=0.5)
+    assert a == b
+
+
+def test_nan_error_fails_and_counts_are_gated():
+    r = VerdictRule()
+    assert not r.judge("max_abs", math.nan, FP32, 1.0, NATIVE).passed
+    assert not r.judge("unwritten", 1, FP32, 1.0, NATIVE).passed
+    assert r.judge("nonfinite", 3, FP32, 1.0, dict(NATIVE, nonfinite=3)).passed
+    assert r.judge("max_rel", 1.0, FP32, 1.0, NATIVE).passed is None
