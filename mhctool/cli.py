@@ -4,19 +4,29 @@ Exit codes: 0 all checks passed, 1 a numerics or verdict failure, 2 bad usage or
 """
 from __future__ import annotations
 
-import functools
 import math
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from . import environment, registry, report, runner
+from . import clikit, environment, registry, report, runner
 from . import scenario as scenario_mod
+from .cli_stability import stability_app
+from .clikit import device as _device
+from .clikit import err, out
+from .clikit import fmt as _fmt
+from .clikit import guard as _guard
+from .clikit import split as _split
 from .dtypes import parse_dtype
 from .errors import UsageError
 from .shapes import parse_shape
@@ -25,14 +35,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Numerics validation for fused mHC and grouped-MLP kernels.")
 report_app = typer.Typer(no_args_is_help=True, help="Read Parquet reports: show one, compare two.")
 app.add_typer(report_app, name="report")
-stability_app = typer.Typer(no_args_is_help=True, help="Where and why a computation breaks: sweeps and analyses.")
 app.add_typer(stability_app, name="stability")
 goldens_app = typer.Typer(no_args_is_help=True, help="Megatron golden-value files and training logs: show, diff, check, extract.")
 app.add_typer(goldens_app, name="goldens")
 
-out = Console(highlight=False, soft_wrap=False, width=160)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-_state = {"debug": False}
 
 
 def main() -> None:
@@ -43,49 +49,9 @@ def main() -> None:
         sys.exit(2)
 
 
-def _guard(fn):
-    """Turn UsageError into one sentence and exit 2 (a traceback only with --debug)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except UsageError as e:
-            if _state["debug"]:
-                raise
-            err.print(f"error: {e}", markup=False)
-            raise typer.Exit(2)
-
-    return wrapper
-
-
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")):
-    _state["debug"] = debug
-
-
-def _split(values: Optional[list[str]]) -> list[str]:
-    return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
-
-
-def _device(name: Optional[str]) -> str:
-    if name is None:
-        return "cuda" if environment.cuda_available() else "cpu"
-    if name not in ("cpu", "cuda"):
-        raise UsageError(f"unknown device {name!r}; accepted: cpu, cuda")
-    if name == "cuda" and not environment.cuda_available():
-        raise UsageError("--device cuda was asked for but no CUDA GPU is visible here; use --device cpu")
-    return name
-
-
-def _fmt(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, float):
-        if math.isinf(v):
-            return "inf"
-        return f"{v:.3g}" if v != int(v) or abs(v) >= 1e6 else f"{int(v)}"
-    return str(v)
+    clikit.state["debug"] = debug
 
 
 def _verdict_table(vs: list[dict], top: int, title: str) -> Table:
@@ -308,57 +274,6 @@ def _bench_table(rows: list[dict], title: str) -> Table:
     return t
 
 
-@stability_app.command("sinkhorn")
-@_guard
-def stability_sinkhorn(
-    impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementations (default: every available built-in one) or module:function."),
-    quick: bool = typer.Option(False, "--quick", help="A CPU-sized sweep (under a minute)."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
-    out_path: Path = typer.Option(Path("mhctool-stability.parquet"), "--out", "-o", help="Parquet report to write."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
-):
-    """Sweep logit amplitude, family, dtype, stabilize, eps, eps_mode, order and iterations."""
-    from . import stability as st
-    dev = _device(device)
-    spec = st.quick_spec() if quick else st.full_spec()
-    specs = _split(impl)
-    impls = registry.resolve_impls("sinkhorn", specs) if specs else [
-        i for i in registry.impls_for("sinkhorn") if i.default and not i.unavailable()]
-    if quick and not specs:
-        impls = [i for i in impls if i.native]  # the interpreter is too slow for a one-minute sweep
-    for i in impls:
-        if specs and (why := i.unavailable()):
-            raise UsageError(f"--impl {i.name} cannot run here: {why}")
-    show = not quiet and out.is_terminal
-    with Progress(TextColumn("{task.description}"), console=err, transient=True, disable=not show) as bar:
-        task = bar.add_task("stability")
-        rows = st.sinkhorn_sweep(impls, spec, dev, lambda d: bar.update(task, description=d))
-    table = report.to_table(rows, report.new_run_id(), "stability", environment.metadata(),
-                            {"command": "stability sinkhorn", "quick": quick, "device": dev,
-                             "impls": [i.name for i in impls], "converged_iters": st.CONVERGED_ITERS},
-                            schema=report.STABILITY_SCHEMA)
-    path = report.write_atomic(table, out_path)
-    firsts = st.first_nonfinite(rows)
-    t = Table(title="first logit amplitude with a non-finite output (at the most iterations swept)")
-    for c in ("impl", "family", "dtype", "stabilize", "eps", "first non-finite", "dtype exp overflow"):
-        t.add_column(c)
-    top = max(spec.iters)
-    for f in firsts:
-        if f["iters"] != top or f["eps_mode"] != "add" or f["order"] != "row_first":
-            continue
-        t.add_row(f["impl"], f["family"], f["dtype"], f["stabilize"], f"{f['eps']:g}",
-                  _fmt(f["first_nonfinite_scale"]) if f["first_nonfinite_scale"] else "[green]finite[/]",
-                  f"{st.OVERFLOW_LOGIT[f['dtype']]:.4g}")
-    if not quiet:
-        out.print(t)
-    if plot:
-        from .plots import stability_figures
-        for png in stability_figures(table, plot, {d: st.OVERFLOW_LOGIT[d] for d in spec.dtypes}):
-            out.print(f"plot: {png}")
-    out.print(f"report {path} ({len(rows)} rows)")
-
-
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -503,6 +418,7 @@ def gate(
 ):
     """Run a suite of checks as one CI verdict: exit 0 pass, 1 a failure, 2 bad input."""
     import os as _os
+
     from . import gate as gate_mod
     s = gate_mod.load_suite(suite)
     dev = _device(device)

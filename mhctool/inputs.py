@@ -47,6 +47,12 @@ def _sk_random(shape, g, knobs):
     return {"logits": _randn(g, shape.s, shape.b, shape.n, shape.n) * scale}
 
 
+def _sk_unit(shape, g, knobs):
+    # unit normal logits: the benign regime (an mHC layer near initialisation); every row and
+    # column sum stays far above eps, so eps changes the result by about eps relative
+    return {"logits": _randn(g, shape.s, shape.b, shape.n, shape.n)}
+
+
 def _sk_large(shape, g, knobs):
     # logits of 90 to 300 with a spread of a few units: exp overflows every float format without
     # max subtraction, while the projected matrix is as well conditioned as for small logits
@@ -160,6 +166,7 @@ FAMILIES: dict[str, dict[str, InputFamily]] = {
     "sinkhorn": {
         f.name: f for f in [
             InputFamily("random", "normal logits, per-matrix scale log-uniform in [0.1, 10]", _sk_random),
+            InputFamily("unit_random", "unit normal logits: the benign regime, eps only nudges the sums", _sk_unit),
             InputFamily("large_logits", "logits 90 to 300, spread of a few units: exp overflows without max subtraction", _sk_large),
             InputFamily("dead_rows_cols", "a column (and a row on every other matrix) 20-80 below the rest: sums far below eps", _sk_dead),
             InputFamily("near_perm", "permutation * 8 + noise: slow convergence, order and iterations matter", _sk_near_perm),

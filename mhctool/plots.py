@@ -180,3 +180,86 @@ def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, 
         plt.close(fig)
         written.append(path)
     return written
+
+
+def knob_shift_figure(table: pa.Table, out_dir: str | Path) -> Path:
+    """The knob change through the mHC stack: relative shift of the residual stream vs depth per
+    input family (solid), beside the shift that storing activations in the dtype causes (dashed)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in table.to_pylist() if r["level"] == "stack"]
+    dtypes = sorted({r["dtype"] for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(5.5 * max(1, len(dtypes)), 4.2), sharey=True, squeeze=False)
+    first = rows[0] if rows else {"kernel": "?", "knob": "?", "setting_a": "?", "setting_b": "?"}
+    for ax, dt in zip(axes[0], dtypes):
+        for k, fam in enumerate(sorted({r["family"] for r in rows})):
+            color = f"C{k}"
+            for metric, ls in (("shift_rel_l2", "-"), ("noise_rel_l2", "--")):
+                pts = sorted((r["depth"], r["value"]) for r in rows
+                             if r["dtype"] == dt and r["family"] == fam and r["metric"] == metric)
+                ax.plot([p[0] for p in pts], [max(p[1], 1e-18) for p in pts], ls=ls, color=color, marker=".",
+                        label=f"{fam} {'knob shift' if metric == 'shift_rel_l2' else f'{dt} storage'}")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_title(f"activations stored in {dt}")
+    axes[0][0].set_ylabel("||x_B - x_A|| / ||x_A||")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(f"{first['kernel']} {first['knob']}: {first['setting_a']} -> {first['setting_b']}")
+    fig.tight_layout()
+    path = out_dir / "stability-eps.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def overflow_figure(table: pa.Table, out_dir: str | Path) -> Path:
+    """Headroom (log2 of max finite / amax) of every intermediate vs input scale, one panel per
+    dtype; zero is the overflow line."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in table.to_pylist() if r["metric"] == "headroom_log2"]
+    dtypes = sorted({r["dtype"] for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(5.5 * max(1, len(dtypes)), 4.2), sharey=True, squeeze=False)
+    for ax, dt in zip(axes[0], dtypes):
+        for name in dict.fromkeys(r["intermediate"] for r in rows):
+            pts = sorted((r["scale"], r["value"]) for r in rows if r["dtype"] == dt and r["intermediate"] == name)
+            ax.plot([p[0] for p in pts], [p[1] if math.isfinite(p[1]) else float("nan") for p in pts],
+                    marker=".", ls=":" if name.startswith("input:") else "-", label=name)
+        ax.axhline(0, color="red", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("input scale")
+        ax.set_title(dt)
+    axes[0][0].set_ylabel("headroom, log2(max finite / amax)")
+    axes[0][-1].legend(fontsize=6)
+    kernel = rows[0]["kernel"] if rows else "?"
+    fig.suptitle(f"{kernel}: headroom of each intermediate")
+    fig.tight_layout()
+    path = out_dir / f"stability-overflow-{kernel}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def gain_figure(table: pa.Table, out_dir: str | Path) -> Path:
+    """Composite Amax gain vs depth, forward and backward, per H_res configuration."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = table.to_pylist()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, metric, title in zip(axes, ("fwd_gain", "bwd_gain"), ("forward (max |row sum|)", "backward (max |col sum|)")):
+        for cfg, impl in dict.fromkeys((r["config"], r["impl"]) for r in rows):
+            for suffix, ls in (("", "-"), ("_max", ":")):
+                pts = sorted((r["depth"], r["value"]) for r in rows
+                             if r["config"] == cfg and r["impl"] == impl and r["metric"] == metric + suffix)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls,
+                        label=f"{cfg} ({impl}){' max' if suffix else ''}")
+        ax.set_yscale("log")
+        ax.set_xlabel("depth (layers composed)")
+        ax.set_title(title)
+    axes[0].set_ylabel("Amax gain of prod H_res (mean over tokens; dotted: max)")
+    axes[1].legend(fontsize=6)
+    fig.tight_layout()
+    path = out_dir / "stability-gain.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

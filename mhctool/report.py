@@ -25,7 +25,7 @@ Schema version 1 (one row per case x implementation x direction x tensor x metri
 | value      | float64 | the measurement                                                     |
 | threshold  | float64 | the bound it was judged against (null: informational)               |
 | passed     | bool    | verdict of this row (null: informational or unsupported)            |
-| rule       | string  | which rule decided (``kappa=2 x native``, ``dtype floor``, ...)     |
+| rule       | string  | which rule decided (``kappa=2 x native``, ``dtype floor``, ``reduction floor``, ...) |
 | message    | string  | error or skip reason                                                |
 
 File metadata: ``mhctool.schema_version``, ``mhctool.kind`` (parity, ...), ``mhctool.environment``
@@ -86,6 +86,34 @@ STABILITY_SCHEMA = pa.schema([
     ("scale", pa.float64()), ("stabilize", pa.string()), ("eps", pa.float64()), ("eps_mode", pa.string()),
     ("order", pa.string()), ("iters", pa.int64()), ("metric", pa.string()), ("value", pa.float64()),
     ("message", pa.string()),
+])
+
+# `mhctool stability eps` reports: level ``kernel`` (per family, dtype, impl and output tensor:
+# ref_shift_max_abs, shift_max_abs, shift_rel_l2, shift_ulps, token_shift_ulps_median,
+# tokens_shifted_share, noise_max_abs, shift_over_noise) and level ``stack`` (per family, dtype and
+# depth: shift_rel_l2, noise_rel_l2, shift_over_noise, shift_ulps_median, shift_ulps_max).
+KNOB_SHIFT_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("kernel", pa.string()), ("knob", pa.string()), ("setting_a", pa.string()),
+    ("setting_b", pa.string()), ("level", pa.string()), ("family", pa.string()), ("dtype", pa.string()),
+    ("impl", pa.string()), ("tensor", pa.string()), ("depth", pa.int64()), ("metric", pa.string()),
+    ("value", pa.float64()),
+])
+
+# `mhctool stability overflow` reports: per scale and intermediate, ``amax`` (dtype fp64) and
+# ``headroom_log2`` per dtype (impl ``reference``); per scale and dtype, the implementation's
+# ``output_nonfinite_share`` (intermediate ``output``).
+OVERFLOW_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("kernel", pa.string()), ("impl", pa.string()), ("family", pa.string()),
+    ("scale", pa.float64()), ("dtype", pa.string()), ("intermediate", pa.string()), ("metric", pa.string()),
+    ("value", pa.float64()),
+])
+
+# `mhctool stability gain` reports: per H_res configuration, implementation and depth: fwd_gain,
+# bwd_gain (means over tokens), fwd_gain_max, bwd_gain_max.
+GAIN_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("config", pa.string()), ("kind", pa.string()), ("impl", pa.string()),
+    ("dtype", pa.string()), ("iters", pa.int64()), ("depth", pa.int64()), ("metric", pa.string()),
+    ("value", pa.float64()),
 ])
 
 # `mhctool gate` reports: one row per JUnit case.

@@ -4,7 +4,9 @@
 each matrix), input family, dtype and the knobs, and measures per point: the non-finite rate, the
 doubly-stochastic residuals (max |row sum - 1|, max |col sum - 1|, max |log col sum|, which shows
 an attenuated lane that a max-abs sum hides), the error against the same-configuration float64
-reference, and the error against a converged float64 reference (``CONVERGED_ITERS`` iterations).
+reference, the error against a converged float64 reference (``CONVERGED_ITERS`` iterations), and
+the shift from the sweep's first eps setting (``shift_vs_first_eps``: what the eps change alone
+does at that point).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from . import inputs as inputs_mod
 from .dtypes import FORMATS
+from .errors import UsageError
 from .references import mhc as ref
 from .registry import Impl
 from .shapes import Shape
@@ -41,12 +44,12 @@ class SweepSpec:
 
 
 # amplitudes around the exp overflow of fp16 (ln 65504 = 11.09) and of fp32/bf16 (88.72)
-_NEAR_OVERFLOW = (10.5, 11.0, 11.25, 11.5, 12.0, 86.0, 88.0, 88.5, 89.0, 90.0)
+NEAR_OVERFLOW = (10.5, 11.0, 11.25, 11.5, 12.0, 86.0, 88.0, 88.5, 89.0, 90.0)
 
 
 def _grid(points: int) -> tuple[float, ...]:
     logs = {float(f"{10 ** (-1 + 4 * i / (points - 1)):.4g}") for i in range(points)}  # 0.1 .. 1000
-    return tuple(sorted(logs | set(_NEAR_OVERFLOW)))
+    return tuple(sorted(logs | set(NEAR_OVERFLOW)))
 
 
 def quick_spec() -> SweepSpec:
@@ -60,6 +63,43 @@ def full_spec() -> SweepSpec:
     return SweepSpec(scales, ("random", "near_perm", "dead_rows_cols"), ("fp32", "bf16", "fp16"),
                      ("rowmax", "none", "softmax"), (1e-6, 1e-8), ("add", "clamp"), ("row_first", "col_first"),
                      (1, 2, 5, 10, 20, 50, 100), tokens=1024)
+
+
+MAX_ITERS = 10_000
+
+
+def parse_range(text: str, option: str, max_points: int = 1000) -> tuple[float, ...]:
+    """``LO:HI`` or ``LO:HI:POINTS``: POINTS log-spaced values from LO to HI (default 25)."""
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        lo, hi = float(parts[0]), float(parts[1])
+        points = int(parts[2]) if len(parts) == 3 else 25
+    except ValueError:
+        raise UsageError(f"{option} {text!r} is not LO:HI or LO:HI:POINTS (e.g. 0.1:1000:41)") from None
+    if not (lo > 0 and math.isfinite(hi)):
+        raise UsageError(f"{option} {text!r}: the range must be positive and finite (log-spaced)")
+    if lo >= hi:
+        raise UsageError(f"{option} {text!r} goes from {lo:g} down to {hi:g}; give LO:HI with LO < HI")
+    if not 2 <= points <= max_points:
+        raise UsageError(f"{option} {text!r}: POINTS must be between 2 and {max_points}")
+    step = (math.log10(hi) - math.log10(lo)) / (points - 1)
+    return tuple(float(f"{10 ** (math.log10(lo) + i * step):.4g}") for i in range(points))
+
+
+def parse_iters(values: list[str], option: str = "--iters") -> tuple[int, ...]:
+    """Iteration counts, each a whole number from 1 to MAX_ITERS."""
+    out = []
+    for v in values:
+        try:
+            f = float(v)
+        except ValueError:
+            raise UsageError(f"{option} {v!r} is not a number of iterations") from None
+        if f != int(f) or not 1 <= f <= MAX_ITERS:
+            raise UsageError(f"{option} {v!r} is not a possible iteration count; give a whole number from 1 to {MAX_ITERS}")
+        out.append(int(f))
+    return tuple(sorted(set(out)))
 
 
 def _base_logits(family: str, spec: SweepSpec) -> torch.Tensor:
@@ -80,6 +120,7 @@ def _call(impl: Impl, logits: torch.Tensor, knobs: dict) -> torch.Tensor:
 def sinkhorn_sweep(impls: list[Impl], spec: SweepSpec, device: str, progress=None) -> list[dict]:
     rows = []
     knob_grid = list(itertools.product(spec.stabilize, spec.eps, spec.eps_mode, spec.order, spec.iters))
+    first_eps: dict[tuple, torch.Tensor] = {}
     for family in spec.families:
         base = _base_logits(family, spec)
         for scale in spec.scales:
@@ -106,7 +147,14 @@ def sinkhorn_sweep(impls: list[Impl], spec: SweepSpec, device: str, progress=Non
                         except Exception as e:  # an implementation that raises is a data point
                             rows.append({**base_row, "metric": "error", "value": math.nan, "message": str(e)[:200]})
                             continue
-                        for metric, value in _measure(out, same, conv).items():
+                        vals = _measure(out, same, conv)
+                        # the shift that changing eps from the sweep's first setting causes
+                        key = (family, scale, stab, mode, order, iters, dtype, impl.name)
+                        if eps == spec.eps[0]:
+                            first_eps[key] = out
+                        if key in first_eps:
+                            vals["shift_vs_first_eps"] = _shift(out, first_eps[key])
+                        for metric, value in vals.items():
                             rows.append({**base_row, "metric": metric, "value": value, "message": None})
     return rows
 
@@ -126,6 +174,13 @@ def _measure(out: torch.Tensor, same: torch.Tensor, conv: torch.Tensor) -> dict[
         for m in ("row_residual", "col_residual", "max_abs_log_colsum", "err_same_config", "err_converged"):
             vals[m] = math.inf
     return vals
+
+
+def _shift(out: torch.Tensor, base: torch.Tensor) -> float:
+    both = torch.isfinite(out) & torch.isfinite(base)
+    if not both.all():
+        return math.inf
+    return float((out - base).abs().max())
 
 
 def first_nonfinite(rows: list[dict]) -> list[dict]:

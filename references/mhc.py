@@ -6,6 +6,9 @@ is meant to be checked against the formula it implements.
 
 Shapes: ``x`` is ``[s, b, n, C]`` (n residual streams of width C), mapping tensors are
 ``h_pre[s, b, n]``, ``h_post[s, b, n]``, ``h_res[s, b, n, n]``.
+
+``trace``, where a function takes it, is called as ``trace(name, tensor)`` with each named
+intermediate (``mhctool stability overflow`` records their magnitudes); it changes nothing.
 """
 from __future__ import annotations
 
@@ -13,18 +16,25 @@ from typing import Callable
 
 import torch
 
+Trace = Callable[[str, torch.Tensor], None] | None
+
 STABILIZE = ("rowmax", "none", "softmax")
 EPS_MODES = ("add", "clamp")
 ORDERS = ("row_first", "col_first")
 
 
-def _normalize(p: torch.Tensor, dim: int, eps: float, eps_mode: str) -> torch.Tensor:
+def _normalize(p: torch.Tensor, dim: int, eps: float, eps_mode: str, trace: Trace = None) -> torch.Tensor:
     s = p.sum(dim=dim, keepdim=True)
     if eps_mode == "add":
-        return p / (s + eps)
-    if eps_mode == "clamp":
-        return p / s.clamp(min=eps)
-    raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+        den = s + eps
+    elif eps_mode == "clamp":
+        den = s.clamp(min=eps)
+    else:
+        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+    if trace:
+        trace("row_sum" if dim == -1 else "col_sum", s)
+        trace("reciprocal", 1.0 / den)  # what a reciprocal-multiply kernel holds
+    return p / den
 
 
 def sinkhorn(
@@ -35,6 +45,7 @@ def sinkhorn(
     stabilize: str = "rowmax",
     eps_mode: str = "add",
     order: str = "row_first",
+    trace: Trace = None,
 ) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits[..., n, n])`` towards a doubly stochastic matrix.
 
@@ -60,16 +71,20 @@ def sinkhorn(
         p = torch.exp(logits)
     else:
         p = torch.softmax(logits, dim=-1) + eps
+    if trace:
+        trace("exp", p)
     steps = [row, col] * iters if order == "row_first" else [col, row] * iters
     if stabilize == "softmax" and order == "row_first":
         steps = steps[1:]  # the softmax was the first row step
     for dim in steps:
-        p = _normalize(p, dim, eps, eps_mode)
+        p = _normalize(p, dim, eps, eps_mode, trace)
     return p
 
 
-def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor, *, trace: Trace = None) -> torch.Tensor:
     """``out[s, b, C] = sum_j h_pre[s, b, j] * x[s, b, j, C]``."""
+    if trace:
+        trace("products", h_pre.unsqueeze(-1) * x)
     return torch.einsum("sbj,sbjc->sbc", h_pre, x)
 
 
@@ -81,20 +96,38 @@ def h_post_bda(
     bias: torch.Tensor | None = None,
     *,
     transpose_res: bool = False,
+    trace: Trace = None,
 ) -> torch.Tensor:
     """``out[i] = sum_j H[i, j] x[j] + h_post[i] * (y + bias)``; ``H = h_res^T`` with ``transpose_res``."""
     h = h_res.transpose(-1, -2) if transpose_res else h_res
     mixed = torch.einsum("sbij,sbjc->sbic", h, x)
     branch = y if bias is None else y + bias
-    return mixed + h_post.unsqueeze(-1) * branch.unsqueeze(-2)
+    post = h_post.unsqueeze(-1) * branch.unsqueeze(-2)
+    if trace:
+        trace("mix_products", h.unsqueeze(-1) * x.unsqueeze(-3))
+        trace("mixed", mixed)
+        trace("branch", branch)
+        trace("post_products", post)
+    return mixed + post
 
 
-def proj_rms(x2d: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+def proj_rms(x2d: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, trace: Trace = None):
     """``proj = x2d @ weight^T`` and ``r = 1 / (||x||_2 / sqrt(K) + eps)`` (eps outside the root)."""
     k = x2d.shape[-1]
     proj = x2d @ weight.transpose(0, 1)
-    rms = torch.sqrt((x2d * x2d).sum(dim=-1) / k)
+    sum_sq = (x2d * x2d).sum(dim=-1)
+    rms = torch.sqrt(sum_sq / k)
+    if trace:
+        trace("squares", x2d * x2d)
+        trace("sum_sq", sum_sq)
+        trace("proj", proj)
+        trace("rms", rms)
     return proj, 1.0 / (rms + eps)
+
+
+def alpha_columns(alpha: torch.Tensor, n: int) -> torch.Tensor:
+    """The per-column scale of ``h``: ``[a_pre]*n ++ [a_post]*n ++ [a_res]*n^2``."""
+    return torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])
 
 
 def compute_h(
@@ -103,6 +136,8 @@ def compute_h(
     alpha: torch.Tensor,
     bias: torch.Tensor,
     n: int,
+    *,
+    trace: Trace = None,
 ):
     """Mapping coefficients from the projection.
 
@@ -110,8 +145,10 @@ def compute_h(
     ordered ``[pre(n) | post(n) | res(n^2)]``. Returns ``H_pre = sigmoid(h_pre)``,
     ``H_post = 2 sigmoid(h_post)`` and the Sinkhorn logits ``H_res_logits[..., i, j] = h[2n + i n + j]``.
     """
-    scale = torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])
-    h = r.unsqueeze(-1) * proj * scale + bias
+    h = r.unsqueeze(-1) * proj * alpha_columns(alpha, n) + bias
+    if trace:
+        trace("r_proj", r.unsqueeze(-1) * proj)
+        trace("h", h)
     h_pre = torch.sigmoid(h[..., :n])
     h_post = 2.0 * torch.sigmoid(h[..., n : 2 * n])
     logits = h[..., 2 * n :].reshape(*h.shape[:-1], n, n)
@@ -119,11 +156,11 @@ def compute_h(
 
 
 def mapping(x2d: torch.Tensor, weight: torch.Tensor, alpha: torch.Tensor, h_bias: torch.Tensor,
-            eps: float = 1e-6):
+            eps: float = 1e-6, *, trace: Trace = None):
     """``compute_h(proj_rms(x2d, weight, eps), alpha, h_bias)`` with n from ``weight``'s n^2 + 2n rows."""
     n = round((weight.shape[0] + 1) ** 0.5 - 1)
-    proj, r = proj_rms(x2d, weight, eps)
-    return compute_h(proj, r, alpha, h_bias, n)
+    proj, r = proj_rms(x2d, weight, eps, trace=trace)
+    return compute_h(proj, r, alpha, h_bias, n, trace=trace)
 
 
 def expand(x: torch.Tensor, n: int) -> torch.Tensor:

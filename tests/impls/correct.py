@@ -4,13 +4,15 @@ import torch
 
 
 def sinkhorn(logits, iters=20, eps=1e-6, stabilize="rowmax", eps_mode="add", order="row_first"):
-    m = torch.exp(logits - torch.amax(logits, dim=-1, keepdim=True)) if stabilize == "rowmax" else None
+    """fp32 math whatever the input dtype (the contract), reciprocal-multiply, rounded once."""
+    lf = logits.float()
+    m = torch.exp(lf - torch.amax(lf, dim=-1, keepdim=True)) if stabilize == "rowmax" else None
     assert m is not None, "this test implementation covers rowmax only"
     for _ in range(iters):
         for axis in ((-1, -2) if order == "row_first" else (-2, -1)):
             total = torch.sum(m, dim=axis, keepdim=True)
             m = m * (1.0 / (total + eps)) if eps_mode == "add" else m * torch.reciprocal(total.clamp_min(eps))
-    return m
+    return m.to(logits.dtype)
 
 
 def h_aggregate(x, h_pre):

@@ -1,0 +1,162 @@
+"""Headroom of every intermediate as the input scale grows (``mhctool stability overflow``).
+
+The float64 reference of a kernel reports its named intermediates through its ``trace`` hook
+(exp and the row/column sums of Sinkhorn, the squares and their sum in proj_rms, the products of
+the mixing kernels, ...). For each input scale this records each intermediate's largest magnitude
+and, per dtype, its headroom ``log2(max_finite / amax)``: how many doublings of the input are left
+before a kernel that holds that intermediate in the dtype overflows. It also runs an
+implementation at each dtype on the same scaled inputs: an intermediate whose headroom is gone
+while that output is still finite is a silent overflow (``r = 1 / inf = 0`` looks like a number).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import inputs as inputs_mod
+from .dtypes import FORMATS
+from .registry import Impl, get_family
+from .shapes import Shape
+from .stability import NEAR_OVERFLOW
+
+SHAPES = {
+    "sinkhorn": Shape(128, 1, 4, 1),
+    "h_aggregate": Shape(16, 2, 4, 96),
+    "h_post_bda": Shape(16, 2, 4, 96),
+    "proj_rms": Shape(32, 1, 4, 64),
+    "mapping": Shape(32, 1, 4, 64),
+}
+# which inputs the scale multiplies (mixing coefficients and weights keep their range)
+SCALED = {
+    "sinkhorn": ("logits",),
+    "h_aggregate": ("x",),
+    "h_post_bda": ("x", "y", "bias"),
+    "proj_rms": ("x2d",),
+    "mapping": ("x2d",),
+}
+KERNELS = tuple(SHAPES)
+
+
+def default_scales(kernel: str, points: int) -> tuple[float, ...]:
+    """Logit amplitude 0.1 to 1000 for Sinkhorn; input scale 0.1 to 1e21 (past fp32's sum of
+    squares) for the others."""
+    lo, hi = (-1.0, 3.0) if kernel == "sinkhorn" else (-1.0, 21.0)
+    grid = {float(f"{10 ** (lo + (hi - lo) * i / (points - 1)):.4g}") for i in range(points)}
+    if kernel == "sinkhorn":  # dense around the exp overflow of fp16 and of fp32/bf16
+        grid |= set(NEAR_OVERFLOW)
+    return tuple(sorted(grid))
+
+
+def _base_inputs(kernel: str, family: str, seed: int) -> dict[str, torch.Tensor | None]:
+    fam = get_family(kernel)
+    knobs = {k: v.default for k, v in fam.knobs.items() if not v.passed}
+    _, raw = inputs_mod.generate(kernel, family, SHAPES[kernel], seed, knobs)
+    raw = {k: (None if v is None else v.double()) for k, v in raw.items()}
+    if kernel == "sinkhorn":  # unit amplitude per matrix, so the scale is the largest |logit|
+        L = raw["logits"]
+        raw["logits"] = L / L.abs().amax(dim=(-1, -2), keepdim=True)
+    return raw
+
+
+def intermediates(kernel: str, args64: dict, knobs: dict) -> dict[str, float]:
+    """Largest |value| of each traced intermediate (over every call, e.g. every iteration), the
+    scaled inputs and the outputs included."""
+    fam = get_family(kernel)
+    amax: dict[str, float] = {}
+
+    def trace(name: str, t: torch.Tensor):
+        v = float(t.abs().max()) if t.numel() else 0.0
+        amax[name] = max(amax.get(name, 0.0), v)
+
+    for name in SCALED[kernel]:
+        if args64.get(name) is not None:
+            trace(f"input:{name}", args64[name])
+    with torch.no_grad():
+        outs = _call_traced(fam, args64, knobs, trace)
+    for name, o in zip(fam.outputs, outs):
+        trace(f"output:{name}", o)
+    return amax
+
+
+def _call_traced(fam, args64, knobs, trace):
+    pos = [args64[k] for k in fam.inputs]
+    kw = {k: v for k, v in knobs.items() if fam.knobs[k].passed}
+    out = fam.reference(*pos, **kw, trace=trace)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def headroom_log2(amax: float, dtype: str) -> float:
+    if amax == 0:
+        return math.inf
+    return math.log2(FORMATS[dtype].max_finite) - math.log2(amax)
+
+
+def sweep(kernel: str, impl: Impl | None, family: str, dtypes: tuple[str, ...], scales: tuple[float, ...],
+          knobs: dict, device: str, seed: int = 0, progress=None) -> list[dict]:
+    """Rows: per scale, intermediate amax (dtype "fp64") and per-dtype headroom; per scale and
+    dtype, the share of non-finite outputs of ``impl`` (when given)."""
+    fam = get_family(kernel)
+    base = _base_inputs(kernel, family, seed)
+    rows = []
+    for scale in scales:
+        if progress:
+            progress(f"{kernel} x{scale:g}")
+        args64 = {k: (v * scale if k in SCALED[kernel] and v is not None else v) for k, v in base.items()}
+        args64 = {k: args64.get(k) for k in fam.inputs}
+        common = dict(kernel=kernel, family=family, scale=scale)
+        for name, a in intermediates(kernel, args64, knobs).items():
+            rows.append({**common, "impl": "reference", "dtype": "fp64", "intermediate": name, "metric": "amax", "value": a})
+            for dt in dtypes:
+                rows.append({**common, "impl": "reference", "dtype": dt, "intermediate": name,
+                             "metric": "headroom_log2", "value": headroom_log2(a, dt)})
+        if impl is None:
+            continue
+        for dt in dtypes:
+            if impl.unsupported(device, dt):
+                continue
+            rows.append({**common, "impl": impl.name, "dtype": dt, "intermediate": "output",
+                         "metric": "output_nonfinite_share", "value": _run_impl(fam, impl, args64, knobs, dt, device)})
+    return rows
+
+
+def _run_impl(fam, impl: Impl, args64: dict, knobs: dict, dtype: str, device: str) -> float:
+    act = FORMATS[dtype].torch_dtype
+    args = {k: (None if v is None else v.to(dtype=torch.float32 if k in fam.mapping else act, device=device))
+            for k, v in args64.items()}
+    kw = {k: v for k, v in knobs.items() if fam.knobs[k].passed}
+    try:
+        with torch.no_grad():
+            outs = fam.call(impl.fn, args, kw, impl.accepts)
+    except Exception:  # an implementation that refuses non-finite input: the output is lost
+        return 1.0
+    bad = sum(int((~torch.isfinite(o)).sum()) for o in outs)
+    return bad / max(1, sum(o.numel() for o in outs))
+
+
+def summary(rows: list[dict], dtypes: tuple[str, ...]) -> list[dict]:
+    """Per intermediate and dtype: the first scale with no headroom left, the first scale at which
+    the implementation's output has a non-finite value, and whether the overflow is silent (the
+    intermediate overflows at a scale where the output is still finite)."""
+    first_out: dict[str, float | None] = {}
+    for r in rows:
+        if r["metric"] == "output_nonfinite_share":
+            first_out.setdefault(r["dtype"], None)
+            if r["value"] > 0 and (first_out[r["dtype"]] is None or r["scale"] < first_out[r["dtype"]]):
+                first_out[r["dtype"]] = r["scale"]
+    first: dict[tuple, float | None] = {}
+    for r in rows:
+        if r["metric"] != "headroom_log2":
+            continue
+        k = (r["intermediate"], r["dtype"])
+        first.setdefault(k, None)
+        if r["value"] <= 0 and (first[k] is None or r["scale"] < first[k]):
+            first[k] = r["scale"]
+    out = []
+    for (name, dt), s in first.items():
+        o = first_out.get(dt, "not run")
+        silent = (s is not None and o != "not run" and not name.startswith("input:")
+                  and (o is None or o > s))
+        out.append(dict(intermediate=name, dtype=dt, first_overflow_scale=s,
+                        output_first_nonfinite=None if o == "not run" else o, ran=o != "not run", silent=silent))
+    return out
