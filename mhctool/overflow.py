@@ -5,8 +5,11 @@ The float64 reference of a kernel reports its named intermediates through its ``
 the mixing kernels, ...). For each input scale this records each intermediate's largest magnitude
 and, per dtype, its headroom ``log2(max_finite / amax)``: how many doublings of the input are left
 before a kernel that holds that intermediate in the dtype overflows. It also runs an
-implementation at each dtype on the same scaled inputs: an intermediate whose headroom is gone
-while that output is still finite is a silent overflow (``r = 1 / inf = 0`` looks like a number).
+implementation at each dtype on the same scaled inputs and measures its output: an intermediate
+whose headroom is gone at a scale where that output is still finite but wrong (off the float64
+reference by more than ``WRONG_ROUNDOFFS`` unit roundoffs of the dtype) is a silent overflow
+(``r = 1 / inf = 0`` looks like a number). An implementation that holds the intermediate wider
+than the dtype (fp32 math for fp16 inputs) stays right there, and is not flagged.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ SCALED = {
     "mapping": ("x2d",),
 }
 KERNELS = tuple(SHAPES)
+WRONG_ROUNDOFFS = 64
 
 
 def default_scales(kernel: str, points: int) -> tuple[float, ...]:
@@ -59,9 +63,9 @@ def _base_inputs(kernel: str, family: str, seed: int) -> dict[str, torch.Tensor 
     return raw
 
 
-def intermediates(kernel: str, args64: dict, knobs: dict) -> dict[str, float]:
+def intermediates(kernel: str, args64: dict, knobs: dict) -> tuple[dict[str, float], tuple]:
     """Largest |value| of each traced intermediate (over every call, e.g. every iteration), the
-    scaled inputs and the outputs included."""
+    scaled inputs and the outputs included; and the reference outputs."""
     fam = get_family(kernel)
     amax: dict[str, float] = {}
 
@@ -76,7 +80,7 @@ def intermediates(kernel: str, args64: dict, knobs: dict) -> dict[str, float]:
         outs = _call_traced(fam, args64, knobs, trace)
     for name, o in zip(fam.outputs, outs):
         trace(f"output:{name}", o)
-    return amax
+    return amax, outs
 
 
 def _call_traced(fam, args64, knobs, trace):
@@ -105,7 +109,8 @@ def sweep(kernel: str, impl: Impl | None, family: str, dtypes: tuple[str, ...], 
         args64 = {k: (v * scale if k in SCALED[kernel] and v is not None else v) for k, v in base.items()}
         args64 = {k: args64.get(k) for k in fam.inputs}
         common = dict(kernel=kernel, family=family, scale=scale)
-        for name, a in intermediates(kernel, args64, knobs).items():
+        amax, ref_outs = intermediates(kernel, args64, knobs)
+        for name, a in amax.items():
             rows.append({**common, "impl": "reference", "dtype": "fp64", "intermediate": name, "metric": "amax", "value": a})
             for dt in dtypes:
                 rows.append({**common, "impl": "reference", "dtype": dt, "intermediate": name,
@@ -115,12 +120,17 @@ def sweep(kernel: str, impl: Impl | None, family: str, dtypes: tuple[str, ...], 
         for dt in dtypes:
             if impl.unsupported(device, dt):
                 continue
+            share, err = _run_impl(fam, impl, args64, knobs, dt, device, ref_outs)
             rows.append({**common, "impl": impl.name, "dtype": dt, "intermediate": "output",
-                         "metric": "output_nonfinite_share", "value": _run_impl(fam, impl, args64, knobs, dt, device)})
+                         "metric": "output_nonfinite_share", "value": share})
+            rows.append({**common, "impl": impl.name, "dtype": dt, "intermediate": "output",
+                         "metric": "output_rel_error", "value": err})
     return rows
 
 
-def _run_impl(fam, impl: Impl, args64: dict, knobs: dict, dtype: str, device: str) -> float:
+def _run_impl(fam, impl: Impl, args64: dict, knobs: dict, dtype: str, device: str, ref_outs) -> tuple[float, float]:
+    """The share of non-finite output elements, and the largest error of the finite ones relative
+    to each reference output's largest magnitude (where the reference is finite)."""
     act = FORMATS[dtype].torch_dtype
     args = {k: (None if v is None else v.to(dtype=torch.float32 if k in fam.mapping else act, device=device))
             for k, v in args64.items()}
@@ -129,21 +139,33 @@ def _run_impl(fam, impl: Impl, args64: dict, knobs: dict, dtype: str, device: st
         with torch.no_grad():
             outs = fam.call(impl.fn, args, kw, impl.accepts)
     except Exception:  # an implementation that refuses non-finite input: the output is lost
-        return 1.0
+        return 1.0, math.inf
     bad = sum(int((~torch.isfinite(o)).sum()) for o in outs)
-    return bad / max(1, sum(o.numel() for o in outs))
+    err = 0.0
+    for o, r in zip(outs, ref_outs):
+        o = o.double().cpu()
+        keep = torch.isfinite(r) & torch.isfinite(o)
+        if keep.any():
+            scale = float(r[torch.isfinite(r)].abs().max()) or 1.0
+            err = max(err, float((o[keep] - r[keep]).abs().max()) / scale)
+    return bad / max(1, sum(o.numel() for o in outs)), err
 
 
 def summary(rows: list[dict], dtypes: tuple[str, ...]) -> list[dict]:
     """Per intermediate and dtype: the first scale with no headroom left, the first scale at which
-    the implementation's output has a non-finite value, and whether the overflow is silent (the
-    intermediate overflows at a scale where the output is still finite)."""
+    the implementation's output has a non-finite value, and whether the overflow is silent: at
+    some scale from the overflow on, the output is all finite but wrong."""
     first_out: dict[str, float | None] = {}
+    quiet_wrong: dict[str, list[float]] = {}  # scales where the output is finite but wrong
+    nonfinite = {(r["dtype"], r["scale"]): r["value"] for r in rows if r["metric"] == "output_nonfinite_share"}
     for r in rows:
         if r["metric"] == "output_nonfinite_share":
             first_out.setdefault(r["dtype"], None)
             if r["value"] > 0 and (first_out[r["dtype"]] is None or r["scale"] < first_out[r["dtype"]]):
                 first_out[r["dtype"]] = r["scale"]
+        if r["metric"] == "output_rel_error" and nonfinite.get((r["dtype"], r["scale"])) == 0:
+            if r["value"] > WRONG_ROUNDOFFS * FORMATS[r["dtype"]].unit_roundoff:
+                quiet_wrong.setdefault(r["dtype"], []).append(r["scale"])
     first: dict[tuple, float | None] = {}
     for r in rows:
         if r["metric"] != "headroom_log2":
@@ -155,8 +177,8 @@ def summary(rows: list[dict], dtypes: tuple[str, ...]) -> list[dict]:
     out = []
     for (name, dt), s in first.items():
         o = first_out.get(dt, "not run")
-        silent = (s is not None and o != "not run" and not name.startswith("input:")
-                  and (o is None or o > s))
+        silent = (s is not None and not name.startswith("input:")
+                  and any(q >= s for q in quiet_wrong.get(dt, [])))
         out.append(dict(intermediate=name, dtype=dt, first_overflow_scale=s,
                         output_first_nonfinite=None if o == "not run" else o, ran=o != "not run", silent=silent))
     return out

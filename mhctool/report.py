@@ -101,7 +101,8 @@ KNOB_SHIFT_SCHEMA = pa.schema([
 
 # `mhctool stability overflow` reports: per scale and intermediate, ``amax`` (dtype fp64) and
 # ``headroom_log2`` per dtype (impl ``reference``); per scale and dtype, the implementation's
-# ``output_nonfinite_share`` (intermediate ``output``).
+# ``output_nonfinite_share`` and ``output_rel_error`` (largest error of its finite outputs over the
+# reference's largest magnitude; intermediate ``output``).
 OVERFLOW_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("kernel", pa.string()), ("impl", pa.string()), ("family", pa.string()),
     ("scale", pa.float64()), ("dtype", pa.string()), ("intermediate", pa.string()), ("metric", pa.string()),

@@ -161,26 +161,40 @@ def _firsts_overflow(tmp_path, *args):
 
 
 def test_proj_rms_sum_of_squares_overflows_silently(tmp_path):
-    """fp16: the sum of squares overflows at an input scale near 30 (sqrt(65504 / K)), while the
-    projection stays finite until the input itself overflows (~1e4): r would silently read 0."""
+    """fp32: the sum of squares overflows from an input scale near 3e18 while proj stays finite;
+    r = 1 / inf = 0 is a number, and wrong. In fp16 the sum overflows near 30, but the native
+    implementation accumulates fp16 inputs in fp32, so that one is not flagged."""
     s, _ = _firsts_overflow(tmp_path, "--kernel", "proj_rms", "--plot", str(tmp_path))
-    sq = s[("sum_sq", "fp16")]
-    assert 10 <= sq["first_overflow_scale"] <= 100 and sq["silent"]
+    sq32 = s[("sum_sq", "fp32")]
+    assert 1e17 < sq32["first_overflow_scale"] < 1e19 and sq32["silent"]
+    assert sq32["output_first_nonfinite"] is None
+    sq16 = s[("sum_sq", "fp16")]
+    assert 10 <= sq16["first_overflow_scale"] <= 100 and not sq16["silent"]
     assert s[("proj", "fp16")]["first_overflow_scale"] > 1e3
-    assert s[("sum_sq", "fp32")]["first_overflow_scale"] > 1e17 and s[("sum_sq", "fp32")]["silent"]
     assert (tmp_path / "stability-overflow-proj_rms.png").stat().st_size > 10_000
 
 
 def test_sinkhorn_exp_headroom_with_and_without_max_subtraction(tmp_path):
-    bare, _ = _firsts_overflow(tmp_path, "--kernel", "sinkhorn", "--knob", "stabilize=none", "--scales", "1:200:60")
+    bare, _ = _firsts_overflow(tmp_path, "--kernel", "sinkhorn", "--knob", "stabilize=none")  # dense near 11 and 88
     for dt in ("fp16", "fp32"):
         first = bare[("exp", dt)]["first_overflow_scale"]
         assert OVERFLOW_LOGIT[dt] <= first <= 1.1 * OVERFLOW_LOGIT[dt], (dt, first)
-        # with bare exp the output goes non-finite with the exp: not silent
-        assert not bare[("exp", dt)]["silent"]
+    # the native fp16 row sum of four large exps overflows just before a single exp does: the row
+    # becomes 0 / inf = 0, a finite and wrong output
+    assert bare[("row_sum", "fp16")]["silent"]
     safe, rows = _firsts_overflow(tmp_path, "--kernel", "sinkhorn", "--scales", "1:1000:20")
     assert all(safe[("exp", dt)]["first_overflow_scale"] is None for dt in ("fp16", "bf16", "fp32"))
     assert max(r["value"] for r in rows if r["metric"] == "amax" and r["intermediate"] == "exp") <= 1.0
+
+
+def test_a_kernel_that_holds_intermediates_in_fp32_is_not_flagged(tmp_path):
+    """The Triton Sinkhorn computes in fp32 whatever the input dtype: past fp16's exp overflow
+    its fp16 output stays finite and right."""
+    s, rows = _firsts_overflow(tmp_path, "--kernel", "sinkhorn", "--knob", "stabilize=none", "--impl", "triton",
+                               "--dtype", "fp16", "--scales", "8:40:4")
+    assert s[("exp", "fp16")]["first_overflow_scale"] is not None
+    assert not s[("exp", "fp16")]["silent"] and not s[("row_sum", "fp16")]["silent"]
+    assert s[("exp", "fp16")]["output_first_nonfinite"] is None
 
 
 # --- stability gain ---------------------------------------------------------------------------
