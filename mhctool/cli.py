@@ -90,10 +90,10 @@ def _summary(vs: list[dict]) -> tuple[int, int, int]:
 @app.command()
 @_guard
 def parity(
-    kernel: str = typer.Option("all", "--kernel", "-k", help="sinkhorn, h_aggregate, h_post_bda, proj_rms or all."),
+    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or all: " + ", ".join(registry.KERNELS) + "."),
     impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementation(s): torch, compile, triton, cutile, module.path:function or file.py:function. Repeat or comma-separate. Default: every available built-in one."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Comma-separated dtypes (fp32, bf16, fp16); default: the scenario's."),
-    shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC, e.g. 8192x4x4x7168; default: the scenario's."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC for mHC kernels (e.g. 8192x4x4x7168), TxHxFxE for grouped-MLP ones (e.g. 4096x2048x1024x8); default: the scenario's."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     scenario: Optional[str] = typer.Option(None, "--scenario", help="Scenario TOML file or built-in name (parity-default, paper)."),
     seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Input seed (default: the scenario's)."),
@@ -108,13 +108,16 @@ def parity(
     dev = _device(device)
     if matmul_precision not in ("ieee", "tf32"):
         raise UsageError(f"unknown --matmul-precision {matmul_precision!r}; accepted: ieee, tf32")
-    kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(kernel).name]
+    kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(k).name for k in _split([kernel])]
     specs = _split(impl)
     if any(":" in s for s in specs) and len(kernels) != 1:
         raise UsageError("an external --impl module:function needs one --kernel, not all")
     sc = scenario_mod.resolve(scenario)
     dtypes = [parse_dtype(d).name for d in _split([dtype])] if dtype else None
-    shapes = [parse_shape(shape)] if shape else None
+    if shape and len({registry.get_family(k).shape_kind for k in kernels}) > 1:
+        raise UsageError("--shape takes one form per kind of kernel (SxBxNxC for mHC, TxHxFxE for the grouped MLP); "
+                         "pick the kernels with --kernel")
+    shapes = [shape] if shape else None
     cases = sc.cases(dev, kernels, dtypes, shapes, [seed] if seed is not None else None)
     if not cases:
         raise UsageError(f"scenario {sc.name} has no case for kernel {kernel}")
@@ -163,7 +166,7 @@ def parity(
 @_guard
 def bench(
     shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC (default: 8192x4x4x7168 on a GPU, 64x2x4x512 on the CPU)."),
-    kernel: str = typer.Option("all", "--kernel", "-k", help="sinkhorn, h_aggregate, h_post_bda, proj_rms or all."),
+    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or all: " + ", ".join(registry.KERNELS) + "."),
     impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementations (default: every available one: torch, compile, triton, cutile), or module:function."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype (sinkhorn always runs on the fp32 mapping path)."),
     direction: str = typer.Option("fwd,bwd", "--direction", help="fwd, bwd or both (comma-separated)."),
@@ -181,7 +184,7 @@ def bench(
     dev = _device(device)
     shp = parse_shape(shape or (PAPER_SHAPE if dev == "cuda" else "64x2x4x512"))
     fmt = parse_dtype(dtype)
-    kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(kernel).name]
+    kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(k).name for k in _split([kernel])]
     dirs = _split([direction])
     bad = [d for d in dirs if d not in ("fwd", "bwd")]
     if bad or not dirs:

@@ -162,6 +162,112 @@ def _with_h(make):
     return gen
 
 
+# --- grouped MLP -------------------------------------------------------------------------------
+
+ODD_COUNTS = (1, 15, 17, 31, 33, 63, 65, 127, 129)  # around every power-of-two block size
+
+
+def _splits(g, tokens: int, experts: int, kind: str) -> torch.Tensor:
+    """Token counts per expert summing to ``tokens`` (int64)."""
+    if kind == "one_expert":
+        counts = torch.zeros(experts, dtype=torch.int64)
+        counts[int(torch.randint(0, experts, (1,), generator=g, device=g.device))] = tokens
+        return counts
+    if kind == "odd_splits":
+        counts = torch.tensor([ODD_COUNTS[i % len(ODD_COUNTS)] for i in range(experts)], dtype=torch.int64)
+        while counts.sum() > tokens:  # few tokens: drop counts from the end
+            counts[int((counts > 0).nonzero().max())] = 0
+        counts[-1] += tokens - counts.sum()
+        return counts
+    weights = 0.1 + _rand(g, experts).cpu()
+    if kind == "zero_experts":  # every other expert (and a random one more) gets no token
+        weights[::2] = 0.0
+        weights[int(torch.randint(0, experts, (1,), generator=g, device=g.device))] = 0.0
+        if weights.sum() == 0:
+            weights[-1] = 1.0
+    counts = torch.floor(weights / weights.sum() * tokens).to(torch.int64)
+    counts[int(weights.argmax())] += tokens - counts.sum()
+    return counts
+
+
+def _act_width(kernel: str, shape) -> int:
+    return shape.ffn if kernel == "srelu" else 2 * shape.ffn
+
+
+def _check_interleave(shape, knobs):
+    k = knobs.get("interleave", 0)
+    if k and shape.ffn % k:
+        raise UsageError(f"interleave {k} needs ffn to be a multiple of {k}; shape {shape} has ffn={shape.ffn}")
+
+
+def _act(kernel: str, x_scale: float = 3.0, scale_range=None):
+    def gen(shape, g, knobs):
+        _check_interleave(shape, knobs)
+        x = _randn(g, shape.tokens, _act_width(kernel, shape)) * x_scale
+        if not knobs.get("scaled", True):
+            return {"x": x, "scale": None}
+        if scale_range is None:
+            scale = _rand(g, shape.tokens)  # router probabilities
+        else:
+            scale = _log_uniform(g, *scale_range, shape.tokens)
+        return {"x": x, "scale": scale}
+    return gen
+
+
+def _act_families(kernel: str) -> dict[str, InputFamily]:
+    fams = [
+        InputFamily("random", "normal x (std 3), scale in (0, 1)", _act(kernel)),
+        InputFamily("scale_extremes", "per-token scales from 1e-4 to 1e4: scale before or after the activation shows",
+                    _act(kernel, 2.0, (-4, 4))),
+    ]
+    if kernel != "srelu":
+        fams.insert(1, InputFamily("past_clamp", "x with std 12: both halves far past the clamp limit on both sides",
+                                   _act(kernel, 12.0)))
+    return {f.name: f for f in fams}
+
+
+def _grouped(kernel: str, kind: str, w_scale: float = 1.0):
+    def gen(shape, g, knobs):
+        t, h, f, e = shape.tokens, shape.hidden, shape.ffn, shape.experts
+        splits = _splits(g, t, e, kind)
+        x = _randn(g, t, h)
+        if kernel == "grouped_gemm":
+            out = {"x": x, "weight": _randn(g, e, f, h) / h ** 0.5, "m_splits": splits}
+            out["bias"] = _randn(g, e, f) if knobs.get("bias", False) else None
+            return out
+        if kernel == "grouped_wgrad":
+            out = {"x": x, "grad_out": _randn(g, t, f), "m_splits": splits, "main_grad": None, "accumulate": None}
+            if knobs.get("accumulate", "mask") == "mask":
+                out["main_grad"] = _randn(g, e, f, h)
+                out["accumulate"] = _rand(g, e).cpu() < 0.5
+            return out
+        _check_interleave(shape, knobs)
+        width = f if knobs.get("activation", "swiglu") == "srelu" else 2 * f
+        out = {"x": x, "fc1_weight": _randn(g, e, width, h) * (w_scale / h ** 0.5),
+               "fc2_weight": _randn(g, e, h, f) / f ** 0.5, "m_splits": splits}
+        with_bias = knobs.get("bias", True)
+        out["fc1_bias"] = _randn(g, e, width) if with_bias else None
+        out["fc2_bias"] = _randn(g, e, h) if with_bias else None
+        out["scale"] = _rand(g, t) if knobs.get("scaled", True) else None
+        return out
+    return gen
+
+
+def _grouped_families(kernel: str) -> dict[str, InputFamily]:
+    fams = [
+        InputFamily("random", "tokens spread over every expert, uneven counts", _grouped(kernel, "random")),
+        InputFamily("zero_experts", "about half of the experts get no token: zero wgrad, untouched buffers",
+                    _grouped(kernel, "zero_experts")),
+        InputFamily("one_expert", "one expert takes every token", _grouped(kernel, "one_expert")),
+        InputFamily("odd_splits", "counts 1, 15, 17, 31, 33, 63, 65, ...: no count a multiple of a block size",
+                    _grouped(kernel, "odd_splits")),
+    ]
+    if kernel == "grouped_mlp":
+        fams.append(InputFamily("past_clamp", "FC1 weights x8: the FC1 output runs far past the clamp limit",
+                                _grouped(kernel, "random", 8.0)))
+    return {f.name: f for f in fams}
+
+
 FAMILIES: dict[str, dict[str, InputFamily]] = {
     "sinkhorn": {
         f.name: f for f in [
@@ -196,6 +302,10 @@ FAMILIES: dict[str, dict[str, InputFamily]] = {
         ]
     },
 }
+for _k in ("swiglu", "clamped_swiglu", "srelu"):
+    FAMILIES[_k] = _act_families(_k)
+for _k in ("grouped_gemm", "grouped_wgrad", "grouped_mlp"):
+    FAMILIES[_k] = _grouped_families(_k)
 # the fused mapping path (proj_rms + compute_h) takes the proj_rms families
 FAMILIES["mapping"] = {
     name: InputFamily(name, f.doc, _with_h(f.make), f.reshape) for name, f in FAMILIES["proj_rms"].items()

@@ -12,6 +12,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import torch
 
 from .errors import UsageError
 from .references import mhc as ref
+from .references import moe as moe_ref
 
 
 @dataclass(frozen=True)
@@ -30,18 +32,23 @@ class Knob:
     choices: tuple | None = None  # allowed values, or None for any number
     kind: type = str
     passed: bool = True  # passed to the implementation (False: it only shapes the inputs)
+    signed: bool = False  # a float knob that may be zero or negative
 
     def check(self, kernel: str, name: str, value):
-        if self.choices is not None and value not in self.choices:
-            raise UsageError(
-                f"knob {name}={value!r} is not accepted by kernel {kernel}; accepted: "
-                + ", ".join(map(repr, self.choices))
-            )
+        if self.choices is not None:
+            if value not in self.choices or (isinstance(value, bool) and self.kind is not bool):
+                raise UsageError(
+                    f"knob {name}={value!r} is not accepted by kernel {kernel}; accepted: "
+                    + ", ".join(map(repr, self.choices))
+                )
+            return self.kind(value)
         if self.kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be a number")
         if self.kind is int and (int(value) != value or value < 1):
             raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be a positive integer")
-        if self.kind is float and not value > 0:
+        if self.kind is float and not math.isfinite(value):
+            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be finite")
+        if self.kind is float and not self.signed and not value > 0:
             raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be positive")
         return self.kind(value)
 
@@ -60,6 +67,8 @@ class Family:
     # outputs that are long cancelling sums; the verdict floor then scales with the terms, not
     # with the (smaller) result (see verdict.py)
     term_scale: Callable | None = None
+    shape_kind: str = "mhc"  # mhc: SxBxNxC; moe: TxHxFxE (shapes.parse_shape_for)
+    forward_only: bool = False  # the operation is itself a gradient (grouped_wgrad): no backward
 
     def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted) -> tuple:
         """Call ``fn`` with the family's signature; knobs it does not accept are left out."""
@@ -126,7 +135,40 @@ FAMILIES: dict[str, Family] = {
         _mapping_term_scale,
     ),
 }
+_INTERLEAVE = Knob(0, (0, 32), int)
+_SCALED = Knob(True, (False, True), bool, passed=False)
+
+
+def _moe(name, inputs, differentiable, mapping, outputs, knobs, reference, forward_only=False):
+    return Family(name, inputs, differentiable, mapping, outputs, knobs, (), reference,
+                  shape_kind="moe", forward_only=forward_only)
+
+
+FAMILIES.update({
+    "swiglu": _moe("swiglu", ("x", "scale"), ("x", "scale"), ("scale",), ("out",),
+                   {"interleave": _INTERLEAVE, "scaled": _SCALED}, moe_ref.swiglu),
+    "clamped_swiglu": _moe(
+        "clamped_swiglu", ("x", "scale"), ("x", "scale"), ("scale",), ("out",),
+        {"interleave": _INTERLEAVE, "scaled": _SCALED, "limit": Knob(7.0, kind=float),
+         "alpha": Knob(1.702, kind=float), "offset": Knob(1.0, kind=float, signed=True)},
+        moe_ref.clamped_swiglu),
+    "srelu": _moe("srelu", ("x", "scale"), ("x", "scale"), ("scale",), ("out",), {"scaled": _SCALED}, moe_ref.srelu),
+    "grouped_gemm": _moe("grouped_gemm", ("x", "weight", "m_splits", "bias"), ("x", "weight", "bias"), (),
+                         ("out",), {"bias": Knob(False, (False, True), bool, passed=False)}, moe_ref.grouped_gemm),
+    "grouped_wgrad": _moe("grouped_wgrad", ("x", "grad_out", "m_splits", "main_grad", "accumulate"), (),
+                          ("main_grad",), ("wgrad",),
+                          {"accumulate": Knob("mask", ("mask", "none"), passed=False)}, moe_ref.grouped_wgrad,
+                          forward_only=True),
+    "grouped_mlp": _moe(
+        "grouped_mlp", ("x", "fc1_weight", "fc2_weight", "m_splits", "fc1_bias", "fc2_bias", "scale"),
+        ("x", "fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias", "scale"), ("scale",), ("out",),
+        {"activation": Knob("swiglu", moe_ref.ACTIVATIONS), "interleave": _INTERLEAVE,
+         "bias": Knob(True, (False, True), bool, passed=False), "scaled": _SCALED},
+        moe_ref.grouped_mlp),
+})
 KERNELS = tuple(FAMILIES)
+MHC_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "mhc")
+MOE_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "moe")
 # kernels whose products may run at TF32 by design (DESIGN.md: the projection)
 MATMUL_KERNELS = ("proj_rms", "mapping")
 
@@ -211,7 +253,7 @@ def _cutile_requires() -> str | None:
 def _builtin_impls() -> dict[str, list[Impl]]:
     out: dict[str, list[Impl]] = {}
     for k in KERNELS:
-        native = f"mhctool.kernels.torch.mhc:{k}"
+        native = f"mhctool.kernels.torch.{'moe' if k in MOE_KERNELS else 'mhc'}:{k}"
         impls = [
             Impl("torch", k, "torch", native, native=True),
             # torch.compile on CPU costs tens of seconds per graph: asked for by name there
@@ -245,6 +287,12 @@ TRITON_KERNELS: dict[str, str] = {
     "h_post_bda": "mhctool.kernels.triton.h_post_bda:h_post_bda",
     "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms",
     "mapping": "mhctool.kernels.triton.mapping:mapping",
+    "swiglu": "mhctool.kernels.triton.glu:swiglu",
+    "clamped_swiglu": "mhctool.kernels.triton.glu:clamped_swiglu",
+    "srelu": "mhctool.kernels.triton.glu:srelu",
+    "grouped_gemm": "mhctool.kernels.triton.grouped_gemm:grouped_gemm",
+    "grouped_wgrad": "mhctool.kernels.triton.grouped_gemm:grouped_wgrad",
+    "grouped_mlp": "mhctool.kernels.triton.grouped_mlp:grouped_mlp",
 }
 CUTILE_KERNELS: dict[str, str] = {}
 

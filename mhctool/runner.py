@@ -73,6 +73,9 @@ def _cast_inputs(fam: Family, raw: dict, case: Case) -> dict:
         if t is None:
             out[name] = None
             continue
+        if not t.is_floating_point():  # token counts, masks: as generated
+            out[name] = t.to(device=case.device).contiguous()
+            continue
         dtype = torch.float32 if name in fam.mapping else act
         out[name] = t.to(dtype=dtype, device=case.device).contiguous()
     return out
@@ -83,6 +86,9 @@ def _leaf(fam: Family, base: dict, dtype=None) -> dict:
     for name, t in base.items():
         if t is None:
             out[name] = None
+            continue
+        if not t.is_floating_point():
+            out[name] = t.detach().clone()
             continue
         t = t.detach().clone() if dtype is None else t.detach().to(dtype)
         out[name] = t.requires_grad_(name in fam.differentiable)
@@ -97,6 +103,8 @@ def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Ten
     args = _leaf(fam, base, torch.float64)
     outs = fam.call(fam.reference, args, knobs, lambda k: True)
     names = _grad_inputs(fam, args)
+    if fam.forward_only or not names:
+        return [o.detach() for o in outs], {}
     grads = torch.autograd.grad(outs, [args[k] for k in names], [u.double() for u in upstream])
     return [o.detach() for o in outs], dict(zip(names, grads))
 
@@ -117,6 +125,8 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
             res.fwd_error = problem
             return res
     res.outputs = [o.detach() for o in outs]
+    if fam.forward_only:
+        return res
     names = _grad_inputs(fam, args)
     if not any(o.requires_grad for o in outs):
         res.bwd_unsupported = "no backward: its outputs carry no autograd graph"

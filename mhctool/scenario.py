@@ -34,7 +34,7 @@ from .dtypes import parse_dtype
 from .errors import UsageError
 from .registry import get_family
 from .runner import Case
-from .shapes import Shape, parse_shape
+from .shapes import Shape, parse_shape_for
 from .verdict import VerdictRule
 
 TOP_KEYS = {"name", "description", "verdict", "cases"}
@@ -61,17 +61,20 @@ class Scenario:
     source: str = "<built-in>"
 
     def cases(self, device: str, kernels: list[str] | None = None, dtypes: list[str] | None = None,
-              shapes: list[Shape] | None = None, seeds: list[int] | None = None) -> list[Case]:
-        """Expand to cases; command-line overrides replace the file's lists."""
+              shapes: list[str] | None = None, seeds: list[int] | None = None) -> list[Case]:
+        """Expand to cases; command-line overrides replace the file's lists (shape strings are
+        read in the form of each kernel's kind)."""
         out = []
         for spec in self.specs:
             if kernels and spec.kernel not in kernels:
                 continue
+            kind = get_family(spec.kernel).shape_kind
+            override = [parse_shape_for(kind, t) for t in shapes] if shapes else None
             names = list(spec.knobs)
             for values in itertools.product(*(spec.knobs[k] for k in names)):
                 knobs = tuple(sorted(zip(names, values)))
                 for shape, dtype, fam, seed in itertools.product(
-                        shapes or spec.shapes, dtypes or spec.dtypes, spec.families, seeds or spec.seeds):
+                        override or spec.shapes, dtypes or spec.dtypes, spec.families, seeds or spec.seeds):
                     out.append(Case(spec.kernel, fam, dtype, shape, knobs, seed, device, self.name))
         return out
 
@@ -123,7 +126,8 @@ def _parse_case(c: dict, where: str, src: str) -> CaseSpec:
     except UsageError as e:
         raise _err(src, f"{where}.kernel", str(e)) from None
     try:
-        shapes = [parse_shape(s) for s in _as_list(c.get("shapes", ["33x2x4x67"]))]
+        default_shape = "37x64x96x5" if fam.shape_kind == "moe" else "33x2x4x67"
+        shapes = [parse_shape_for(fam.shape_kind, s) for s in _as_list(c.get("shapes", [default_shape]))]
         dtypes = [parse_dtype(d).name for d in _as_list(c.get("dtypes", ["fp32"]))]
         fams = _as_list(c.get("families", list(inputs.families_for(fam.name))))
         for f in fams:

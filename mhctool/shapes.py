@@ -1,4 +1,5 @@
-"""Problem shapes: ``SxBxNxC`` (tokens s*b, n streams of width C)."""
+"""Problem shapes: ``SxBxNxC`` for the mHC kernels (tokens s*b, n streams of width C) and
+``TxHxFxE`` for the grouped-MLP kernels (tokens, hidden, ffn, experts)."""
 from __future__ import annotations
 
 import re
@@ -52,3 +53,44 @@ def parse_shape(text: str) -> Shape:
     if min(s, b, n, c) < 1:
         raise UsageError(f"shape {text!r} has a zero dimension; every dimension must be at least 1")
     return Shape(s, b, n, c)
+
+
+MOE_PAPER_SHAPE = "4096x2048x1024x8"
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """Grouped MLP problem: ``tokens`` rows of width ``hidden``, FC1 to ``ffn`` (2 * ffn rows for
+    GLU activations), ``experts`` groups. The activation kernels use ``tokens`` and ``ffn``; the
+    grouped GEMM multiplies ``[tokens, hidden]`` by per-expert ``[ffn, hidden]`` weights."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+
+    def replace(self, **kw) -> "MoeShape":
+        d = dict(tokens=self.tokens, hidden=self.hidden, ffn=self.ffn, experts=self.experts)
+        d.update(kw)
+        return MoeShape(**d)
+
+    def __str__(self) -> str:
+        return f"{self.tokens}x{self.hidden}x{self.ffn}x{self.experts}"
+
+
+def parse_moe_shape(text: str) -> MoeShape:
+    m = _SHAPE_RE.match(str(text))
+    if not m:
+        raise UsageError(
+            f"malformed shape {text!r}; the grouped-MLP kernels take TxHxFxE (tokens x hidden x ffn x "
+            f"experts), e.g. {MOE_PAPER_SHAPE}"
+        )
+    t, h, f, e = (int(g) for g in m.groups())
+    if min(t, h, f, e) < 1:
+        raise UsageError(f"shape {text!r} has a zero dimension; every dimension must be at least 1")
+    return MoeShape(t, h, f, e)
+
+
+def parse_shape_for(kind: str, text: str):
+    """A shape string in the form the kernel kind takes (``mhc``: SxBxNxC, ``moe``: TxHxFxE)."""
+    return parse_moe_shape(text) if kind == "moe" else parse_shape(text)

@@ -5,11 +5,29 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 
 def interpreted() -> bool:
     """True when Triton runs through its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# fixed at import: the kernels branch on it at compile time
+INTERPRETED = tl.constexpr(interpreted())
+
+
+@triton.jit
+def cast(x, DTYPE: tl.constexpr):
+    """``x.to(DTYPE)`` with round-to-nearest-even everywhere. Triton's CPU interpreter (3.6)
+    converts fp32 to bf16 by truncating the low 16 bits, which doubles the rounding error of every
+    bf16 store; there the rounding is done on the bits first. Compiled code converts directly."""
+    if INTERPRETED:
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
 
 
 def check_device(*tensors: torch.Tensor) -> None:

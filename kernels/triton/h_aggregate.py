@@ -12,7 +12,7 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import check_device, interpreted, next_pow2, require_contiguous
+from ._common import cast, check_device, interpreted, next_pow2, require_contiguous
 
 
 def _configs():
@@ -29,7 +29,7 @@ def _h_aggregate_fwd(x_ptr, h_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr
     mask = (j[:, None] < N) & (c[None, :] < C)
     x = tl.load(x_ptr + t * N * C + j[:, None] * C + c[None, :], mask=mask, other=0.0)
     out = tl.sum(x.to(tl.float32) * h[:, None], axis=0)
-    tl.store(out_ptr + t * C + c, out.to(out_ptr.dtype.element_ty), mask=c < C)
+    tl.store(out_ptr + t * C + c, cast(out, out_ptr.dtype.element_ty), mask=c < C)
 
 
 @triton.jit
@@ -45,9 +45,9 @@ def _h_aggregate_bwd(x_ptr, h_ptr, g_ptr, dx_ptr, dh_ptr, C, N: tl.constexpr, NP
         g = tl.load(g_ptr + t * C + c, mask=c < C, other=0.0).to(tl.float32)
         offs = t * N * C + j[:, None] * C + c[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + offs, (h[:, None] * g[None, :]).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offs, cast(h[:, None] * g[None, :], dx_ptr.dtype.element_ty), mask=mask)
         acc += tl.sum(x * g[None, :], axis=1)
-    tl.store(dh_ptr + t * N + j, acc.to(dh_ptr.dtype.element_ty), mask=j < N)
+    tl.store(dh_ptr + t * N + j, cast(acc, dh_ptr.dtype.element_ty), mask=j < N)
 
 
 _fwd_tuned = triton.autotune(_configs(), key=["C", "N"])(_h_aggregate_fwd)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import check_device, interpreted, next_pow2, pick_config, require_contiguous
+from ._common import cast, check_device, interpreted, next_pow2, pick_config, require_contiguous
 from .reduce import sum_rows
 
 
@@ -59,7 +59,7 @@ def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, N: tl.con
         hj, _ = _h_col(h_ptr, t, n, tmask, j, N, TRANSPOSE)
         xj = tl.load(x_ptr + t[:, None] * N * C + j * C + c[None, :], mask=mask2, other=0.0).to(tl.float32)
         out += hj[:, :, None] * xj[:, None, :]
-    tl.store(out_ptr + offs3, out.to(out_ptr.dtype.element_ty), mask=mask3)
+    tl.store(out_ptr + offs3, cast(out, out_ptr.dtype.element_ty), mask=mask3)
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
     if HAS_BIAS:
         z += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     dy = tl.sum(hp[:, :, None] * g, axis=1)
-    tl.store(dy_ptr + offs2, dy.to(dy_ptr.dtype.element_ty), mask=mask2)
+    tl.store(dy_ptr + offs2, cast(dy, dy_ptr.dtype.element_ty), mask=mask2)
     ws_row = cb.to(tl.int64) * T + t  # partials of this C block
     tl.store(ws_hp_ptr + ws_row[:, None] * N + n[None, :], tl.sum(g * z[:, None, :], axis=2), mask=nmask)
     for j in tl.static_range(N):
@@ -86,7 +86,7 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         xoffs = t[:, None] * N * C + j * C + c[None, :]
         xj = tl.load(x_ptr + xoffs, mask=mask2, other=0.0).to(tl.float32)
         dxj = tl.sum(hj[:, :, None] * g, axis=1)  # sum_i Hm[i, j] g[i, c]
-        tl.store(dx_ptr + xoffs, dxj.to(dx_ptr.dtype.element_ty), mask=mask2)
+        tl.store(dx_ptr + xoffs, cast(dxj, dx_ptr.dtype.element_ty), mask=mask2)
         dhj = tl.sum(g * xj[:, None, :], axis=2)  # dHm[i, j] over this C block
         tl.store(ws_h_ptr + cb.to(tl.int64) * T * N * N + hoffs, dhj, mask=nmask)
     if HAS_BIAS:

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import check_device, interpreted, next_pow2, pick_config, require_contiguous
+from ._common import cast, check_device, interpreted, next_pow2, pick_config, require_contiguous
 from .reduce import sum_rows
 
 
@@ -109,7 +109,7 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
             prod = tl.dot(gp, w, input_precision=PREC)
             part = tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
         dx = prod + coef[:, None] * x
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += part
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
 

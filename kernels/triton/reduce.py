@@ -12,6 +12,8 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
+from ._common import cast
+
 
 @triton.jit
 def _sum_rows(ws_ptr, out_ptr, R, L, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -24,7 +26,7 @@ def _sum_rows(ws_ptr, out_ptr, R, L, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr)
         tile = tl.load(ws_ptr + r.to(tl.int64)[:, None] * L + cols[None, :],
                        mask=(r[:, None] < R) & mask[None, :], other=0.0)
         acc += tl.sum(tile, axis=0)
-    tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + cols, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 def sum_rows(ws: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from mhctool.poison import empty_like
 
-from ._common import check_device, next_pow2, pick_config
+from ._common import cast, check_device, next_pow2, pick_config
 
 ROW, COL = 2, 1  # tile axes: a row normalisation sums over j (axis 2), a column one over i (axis 1)
 _STABILIZE = {"rowmax": 0, "none": 1, "softmax": 2}
@@ -101,7 +101,7 @@ def _sinkhorn_fwd(x_ptr, out_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr, BT:
     if ODD:
         p = _norm(p, eps, B, CLAMP)
     p = _pairs(p, eps, PAIRS, A, B, CLAMP)
-    tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, cast(p, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def _sinkhorn_bwd(x_ptr, g_ptr, dx_ptr, T, eps, N: tl.constexpr, NP: tl.constexp
         dx = gp - tl.where(is_max, tl.sum(gp, axis=2, keep_dims=True) / ties, 0.0)
     else:
         dx = sm * (g - tl.sum(g * sm, axis=2, keep_dims=True))
-    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _config(n: int, stabilize: str, order: str, iters: int) -> dict:
