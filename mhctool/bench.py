@@ -15,6 +15,15 @@ activation element, f = 4 for the fp32 mapping path), with T = s*b tokens, K = n
 | h_post_bda  | read x, y, h; write out: 2 T n C e + T C e + T (n^2+n) f + C e | read grad_out, x, y; write grad_x, grad_y (small grads reduced on chip): 3 T n C e + 2 T C e + ... | 2Tn(n+1)C / 4Tn(n+1)C |
 | proj_rms    | read x, W; write proj, r: T K e + N K e + T (N+1) f | read x, W, grad_proj, grad_r; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
 | mapping     | read x, W; write H_pre, H_post, logits: T K e + N K e + T N f | read x, W, the 3 grads; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
+
+Grouped MLP kernels (shape TxHxFxE: T tokens, hidden H, ffn F, G = E experts; W = 2F for GLU):
+
+| kernel      | fwd bytes                                   | bwd bytes                                              | flops fwd / bwd  |
+|-------------|---------------------------------------------|--------------------------------------------------------|------------------|
+| activations | read x, scale; write out: T W e + T f + T F e | read x, grad_out, scale; write dx, dscale: 2 T W e + T F e + 2 T f | ~0 |
+| grouped_gemm| read x, W; write y: T H e + G F H e + T F e | read x, W, dy; write dx, dW: 2 T H e + 2 G F H e + T F e | 2THF / 4THF |
+| grouped_wgrad| read x, dy, main_grad; write it: T H e + T F e + 2 G F H f | -                                             | 2THF / -     |
+| grouped_mlp | x, FC1, FC2, the FC1 output and activation (written and read), out | about twice the forward | 2TH(W+F) / 4TH(W+F) |
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ from .dtypes import FORMATS
 from .errors import UsageError
 from .registry import Family, Impl, get_family
 from .runner import _cast_inputs, _leaf, Case
-from .shapes import Shape
+from .shapes import MoeShape, Shape
 
 
 @dataclass(frozen=True)
@@ -42,9 +51,26 @@ class Model:
     flops_bwd: float
 
 
-def model(kernel: str, shape: Shape, dtype: str) -> Model:
+def _moe_model(kernel: str, shape: MoeShape, e: int, f: int) -> Model:
+    T, H, F, G = shape.tokens, shape.hidden, shape.ffn, shape.experts
+    if kernel in ("swiglu", "clamped_swiglu", "srelu"):
+        W = F if kernel == "srelu" else 2 * F
+        return Model(T * W * e + T * f + T * F * e, 2 * T * W * e + T * F * e + 2 * T * f, 0.0, 0.0)
+    if kernel == "grouped_gemm":
+        return Model(T * H * e + G * F * H * e + T * F * e, 2 * T * H * e + 2 * G * F * H * e + T * F * e,
+                     2.0 * T * H * F, 4.0 * T * H * F)
+    if kernel == "grouped_wgrad":
+        return Model(T * H * e + T * F * e + 2 * G * F * H * f, 0.0, 2.0 * T * H * F, 0.0)
+    W = 2 * F  # grouped_mlp with its default SwiGLU
+    fwd = T * H * e + G * W * H * e + G * H * F * e + 2 * T * W * e + 2 * T * F * e + T * H * e + T * f
+    return Model(fwd, 2 * fwd, 2.0 * T * H * (W + F), 4.0 * T * H * (W + F))
+
+
+def model(kernel: str, shape, dtype: str) -> Model:
     e = FORMATS[dtype].torch_dtype.itemsize
     f = 4
+    if isinstance(shape, MoeShape):
+        return _moe_model(kernel, shape, e, f)
     T, n, C = shape.tokens, shape.n, shape.c
     K, N = shape.k, shape.n_h
     if kernel == "sinkhorn":
@@ -75,7 +101,7 @@ def bench_dtype(kernel: str, dtype: str) -> str:
     return "fp32" if kernel == "sinkhorn" else dtype
 
 
-def footprint(kernel: str, shape: Shape, dtype: str) -> float:
+def footprint(kernel: str, shape, dtype: str) -> float:
     """Bytes a bench case holds at its peak, about: inputs, outputs, gradients, upstream gradients
     (input copies for L2 rotation are only made for shapes far smaller than the GPU)."""
     m = model(kernel, shape, bench_dtype(kernel, dtype))
@@ -212,6 +238,9 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     base_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
     state = {"i": 0}
     pick = lambda i: state.__setitem__("i", i)  # noqa: E731
+    if graph and device == "cuda" and not graph_capturable(kernel, impl):
+        return Measurement(**base, times_ms=[], host_us=math.nan, peak_bytes=math.nan, saved_bytes=math.nan,
+                           message="not graph-capturable: reads m_splits on the host (a synchronisation)")
     if direction == "fwd":
         if graph and device == "cuda":
             with torch.no_grad():
@@ -258,6 +287,11 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=math.nan)
 
 
+def graph_capturable(kernel: str, impl: Impl) -> bool:
+    """The native grouped-MLP kernels loop over experts with counts read on the host."""
+    return not (impl.native and get_family(kernel).shape_kind == "moe")
+
+
 def _graphed(fn):
     """Capture ``fn`` into a CUDA graph; returns its replay."""
     s = torch.cuda.Stream()
@@ -292,16 +326,18 @@ def _saved_bytes(fam: Family, impl: Impl, args: dict) -> float:
     return float(total)
 
 
-def rows(results, device: str, shape: Shape, copy_bw: float, mm_bf16: float, mm_tf32: float) -> list[dict]:
-    """Long-format bench rows from measurements (and skips), with speedups against the baselines."""
-    medians = {(r[1], r[3], r[2].name): r[4].median_ms for r in results if r[0] == "ok" and r[4].times_ms}
+def rows(results, device: str, copy_bw: float, mm_bf16: float, mm_tf32: float) -> list[dict]:
+    """Long-format bench rows from measurements (and skips), with speedups against the baselines
+    (the same kernel, shape and direction; the baselines' times without graphs)."""
+    medians = {(r[1], str(r[5]), r[3], r[2].name): r[4].median_ms for r in results
+               if r[0] == "ok" and r[4].times_ms and not r[4].graph}
     out = []
-    for status, kernel, impl, direction, payload in results:
+    for status, kernel, impl, direction, payload, shape, graph in results:
         base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction,
                     shape=str(shape), device=device)
         if status == "skip" or not payload.times_ms:
             msg = payload if status == "skip" else payload.message
-            out.append({**base, "dtype": bench_dtype(kernel, "bf16"), "graph": False, "metric": "skipped",
+            out.append({**base, "dtype": bench_dtype(kernel, "bf16"), "graph": graph, "metric": "skipped",
                         "value": math.nan, "bound": None, "message": msg})
             continue
         m: Measurement = payload
@@ -318,7 +354,7 @@ def rows(results, device: str, shape: Shape, copy_bw: float, mm_bf16: float, mm_
                 "tflops": m.model_flops / secs / 1e12, "host_us": m.host_us, "peak_bytes": m.peak_bytes,
                 "saved_bytes": m.saved_bytes}
         for ref_impl in ("torch", "compile"):
-            ref_t = medians.get((kernel, direction, ref_impl))
+            ref_t = medians.get((kernel, str(shape), direction, ref_impl))
             if ref_t:
                 vals[f"speedup_vs_{ref_impl}"] = ref_t / t
         for metric, v in vals.items():

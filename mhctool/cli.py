@@ -29,7 +29,6 @@ from .clikit import guard as _guard
 from .clikit import split as _split
 from .dtypes import parse_dtype
 from .errors import UsageError
-from .shapes import parse_shape
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Numerics validation for fused mHC and grouped-MLP kernels.")
@@ -165,13 +164,17 @@ def parity(
 @app.command()
 @_guard
 def bench(
-    shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC (default: 8192x4x4x7168 on a GPU, 64x2x4x512 on the CPU)."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC for mHC kernels (default 8192x4x4x7168 on a GPU, 64x2x4x512 on the CPU), TxHxFxE for grouped-MLP ones (default 4096x2048x1024x8, 64x64x96x4 on the CPU)."),
     kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or all: " + ", ".join(registry.KERNELS) + "."),
     impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementations (default: every available one: torch, compile, triton, cutile), or module:function."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype (sinkhorn always runs on the fp32 mapping path)."),
     direction: str = typer.Option("fwd,bwd", "--direction", help="fwd, bwd or both (comma-separated)."),
     repeats: int = typer.Option(50, "--repeats", min=3, help="Timed repeats (median and p10/p90 reported)."),
     graph: bool = typer.Option(False, "--graph", help="Time CUDA-graph replays (launch and Python overhead removed)."),
+    experts: Optional[str] = typer.Option(None, "--experts", help="Grouped-MLP sweep over expert counts, e.g. 8,32,128: each implementation timed with and without CUDA graphs."),
+    tokens: int = typer.Option(4096, "--tokens", min=1, help="Tokens of the --experts sweep."),
+    hidden: int = typer.Option(2048, "--hidden", min=1, help="Hidden size of the --experts sweep."),
+    ffn: int = typer.Option(1024, "--ffn", min=1, help="FFN size per expert of the --experts sweep."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     out_path: Path = typer.Option(Path("mhctool-bench.parquet"), "--out", "-o", help="Parquet report to write."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG to write (bars per kernel and direction, roofline line)."),
@@ -179,12 +182,31 @@ def bench(
 ):
     """Time kernels against the memory roofline measured in the same run."""
     from . import bench as bench_mod
-    from .shapes import PAPER_SHAPE
+    from .shapes import MOE_PAPER_SHAPE, PAPER_SHAPE, MoeShape, parse_shape_for
 
     dev = _device(device)
-    shp = parse_shape(shape or (PAPER_SHAPE if dev == "cuda" else "64x2x4x512"))
     fmt = parse_dtype(dtype)
     kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(k).name for k in _split([kernel])]
+    kinds = {registry.get_family(k).shape_kind for k in kernels}
+    if experts is not None:
+        if kinds != {"moe"}:
+            raise UsageError("--experts sweeps the grouped-MLP kernels; pick them with --kernel (e.g. grouped_mlp)")
+        try:
+            counts = [int(v) for v in _split([experts])]
+        except ValueError:
+            raise UsageError(f"--experts {experts!r} is not a comma-separated list of expert counts") from None
+        if not counts or min(counts) < 1:
+            raise UsageError(f"--experts {experts!r}: every expert count must be at least 1")
+        moe_shapes = [MoeShape(tokens, hidden, ffn, e) for e in counts]
+        graphs = [False, True] if dev == "cuda" else [False]
+    else:
+        if shape and len(kinds) > 1:
+            raise UsageError("--shape takes one form per kind of kernel (SxBxNxC for mHC, TxHxFxE for the grouped "
+                             "MLP); pick the kernels with --kernel")
+        moe_shapes = [parse_shape_for("moe", shape or (MOE_PAPER_SHAPE if dev == "cuda" else "64x64x96x4"))] \
+            if "moe" in kinds else []
+        graphs = [graph]
+    mhc_shape = parse_shape_for("mhc", shape or (PAPER_SHAPE if dev == "cuda" else "64x2x4x512")) if "mhc" in kinds else None
     dirs = _split([direction])
     bad = [d for d in dirs if d not in ("fwd", "bwd")]
     if bad or not dirs:
@@ -194,23 +216,26 @@ def bench(
         raise UsageError("an external --impl module:function needs one --kernel, not all")
     plan = []
     for k in kernels:
+        shapes = moe_shapes if registry.get_family(k).shape_kind == "moe" else [mhc_shape]
         for i in (registry.resolve_impls(k, specs) if specs else registry.impls_for(k)):
             why = i.unsupported(dev, bench_mod.bench_dtype(k, fmt.name))
             if why and specs and i.name in specs:
                 raise UsageError(f"--impl {i.name} cannot run {k} here: {why}")
-            plan.append((k, i, why))
+            for shp in shapes:
+                for g in graphs:
+                    plan.append((k, i, shp, g, why))
     # refuse up front what cannot fit, with the estimate
-    worst = max(bench_mod.footprint(k, shp, fmt.name) for k in kernels)
+    worst, worst_shape = max((bench_mod.footprint(k, shp, fmt.name), shp) for k, _, shp, _, _ in plan)
     if dev == "cuda":
         free, _ = environment.cuda_mem_info()
         if worst > 0.9 * free:
-            raise UsageError(f"--shape {shp} needs about {worst / 2**30:.1f} GiB on the GPU for one kernel; "
+            raise UsageError(f"--shape {worst_shape} needs about {worst / 2**30:.1f} GiB on the GPU for one kernel; "
                              f"{free / 2**30:.1f} GiB are free")
         l2 = environment.l2_bytes()
     else:
         if worst > 2 * 2**30:
-            raise UsageError(f"--shape {shp} needs about {worst / 2**30:.1f} GiB; CPU benchmarks take shapes under 2 GiB "
-                             "(GPU figures need a GPU)")
+            raise UsageError(f"--shape {worst_shape} needs about {worst / 2**30:.1f} GiB; CPU benchmarks take shapes "
+                             "under 2 GiB (GPU figures need a GPU)")
         l2 = 0
         err.print("note: no GPU here: CPU timer on a small shape; GPU figures need a GPU")
 
@@ -222,27 +247,28 @@ def bench(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not show) as bar:
         task = bar.add_task("bench", total=len(plan) * len(dirs))
-        for k, i, why in plan:
+        for k, i, shp, g, why in plan:
             for d in dirs:
-                bar.update(task, description=f"{k} {i.name} {d}")
+                bar.update(task, description=f"{k} {shp} {i.name} {d}{' graph' if g else ''}")
                 if why:
-                    results.append(("skip", k, i, d, why))
+                    results.append(("skip", k, i, d, why, shp, g))
                 else:
                     try:
                         results.append(("ok", k, i, d, bench_mod.measure(k, i, shp, fmt.name, dev, repeats, d,
-                                                                       graph, l2)))
+                                                                       g, l2), shp, g))
                     except Exception as e:  # a kernel that fails to run is reported, the rest still run
-                        results.append(("skip", k, i, d, f"failed: {runner.short_error(e)}"))
+                        results.append(("skip", k, i, d, f"failed: {runner.short_error(e)}", shp, g))
                 bar.advance(task)
-    rows = bench_mod.rows(results, dev, shp, copy_bw, mm_bf16, mm_tf32)
-    settings = {"command": "bench", "shape": str(shp), "dtype": fmt.name, "device": dev, "repeats": repeats,
-                "graph": graph, "copy_bandwidth_Bps": copy_bw, "matmul_bf16_flops": mm_bf16,
+    rows = bench_mod.rows(results, dev, copy_bw, mm_bf16, mm_tf32)
+    shape_text = ", ".join(dict.fromkeys(str(p[2]) for p in plan))
+    settings = {"command": "bench", "shape": shape_text, "dtype": fmt.name, "device": dev, "repeats": repeats,
+                "graph": graphs, "copy_bandwidth_Bps": copy_bw, "matmul_bf16_flops": mm_bf16,
                 "matmul_tf32_flops": mm_tf32}
     table = report.to_table(rows, report.new_run_id(), "bench", environment.metadata(), settings,
                             schema=report.BENCH_SCHEMA)
     path = report.write_atomic(table, out_path)
     if not quiet:
-        out.print(_bench_table(rows, f"bench {shp} {fmt.name} on {dev}: copy {copy_bw / 1e9:.0f} GB/s, "
+        out.print(_bench_table(rows, f"bench {shape_text} {fmt.name} on {dev}: copy {copy_bw / 1e9:.0f} GB/s, "
                                      f"bf16 matmul {mm_bf16 / 1e12:.0f} TFLOP/s, tf32 {mm_tf32 / 1e12:.0f} TFLOP/s"))
     if plot is not None:
         from .plots import bench_figure
@@ -256,18 +282,19 @@ def torch_dtype(name: str):
 
 def _bench_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title)
-    for c in ("kernel", "dir", "impl", "ms", "p10-p90", "GB/s", "% copy", "TFLOP/s", "bound", "host us",
-              "vs eager", "vs compile", "peak MiB", "note"):
+    shapes = len({r["shape"] for r in rows}) > 1
+    for c in ("kernel", *(("shape",) if shapes else ()), "dir", "impl", "ms", "p10-p90", "GB/s", "% copy", "TFLOP/s",
+              "bound", "host us", "vs eager", "vs compile", "peak MiB", "note"):
         t.add_column(c)
     by = {}
     for r in rows:
-        by.setdefault((r["kernel"], r["direction"], r["impl"]), {})[r["metric"]] = r
-    for (k, d, i), m in by.items():
+        by.setdefault((r["kernel"], r["shape"], r["direction"], r["impl"], r["graph"]), {})[r["metric"]] = r
+    for (k, shp, d, i, graphed), m in by.items():
         g = lambda name: m.get(name, {}).get("value")  # noqa: E731
         note = next((r["message"] for r in m.values() if r.get("message")), "") or ""
         host = g("host_us")
         flag = " [yellow](host-bound)[/]" if note and "host-bound" in note else ""
-        t.add_row(k, d, _short_impl(i), _fmt(g("time_ms")),
+        t.add_row(k, *((shp,) if shapes else ()), d, _short_impl(i) + (" (graph)" if graphed else ""), _fmt(g("time_ms")),
                   f"{_fmt(g('time_ms_p10'))}-{_fmt(g('time_ms_p90'))}" if g("time_ms") is not None else "-",
                   _fmt(g("gbps")), _fmt(g("pct_copy_bw")), _fmt(g("tflops")),
                   next((r["bound"] for r in m.values() if r.get("bound")), "-"), _fmt(host) + flag,

@@ -4,8 +4,8 @@ from typer.testing import CliRunner
 
 from mhctool import bench, report
 from mhctool.cli import app
-from mhctool.registry import KERNELS
-from mhctool.shapes import Shape
+from mhctool.registry import MHC_KERNELS, MOE_KERNELS
+from mhctool.shapes import MoeShape, Shape
 
 runner = CliRunner()
 
@@ -26,8 +26,34 @@ def test_byte_models_by_hand():
     assert m.flops_fwd == 2 * T * N * K and m.flops_bwd == 2 * m.flops_fwd
     m = bench.model("sinkhorn", s, "bf16")
     assert m.bytes_fwd == 2 * T * n * n * 4  # fp32 mapping path whatever the activation dtype
-    for k in KERNELS:
+    for k in MHC_KERNELS:
         assert bench.model(k, s, "bf16").bytes_fwd > 0
+
+
+def test_grouped_mlp_models_by_hand():
+    s = MoeShape(100, 16, 8, 4)  # T, H, F, G
+    T, H, F, G = 100, 16, 8, 4
+    m = bench.model("grouped_gemm", s, "bf16")
+    assert m.bytes_fwd == T * H * 2 + G * F * H * 2 + T * F * 2 and m.flops_fwd == 2 * T * H * F
+    m = bench.model("swiglu", s, "bf16")
+    assert m.bytes_fwd == T * 2 * F * 2 + T * 4 + T * F * 2
+    assert bench.model("srelu", s, "bf16").bytes_fwd == T * F * 2 + T * 4 + T * F * 2
+    m = bench.model("grouped_mlp", s, "bf16")
+    assert m.flops_fwd == 2 * T * H * (2 * F + F) and m.flops_bwd == 2 * m.flops_fwd
+    for k in MOE_KERNELS:
+        assert bench.model(k, s, "bf16").bytes_fwd > 0
+
+
+def test_expert_sweep_on_cpu(tmp_path):
+    """`--experts` makes one shape per expert count; the per-expert loop and the fused path both run."""
+    out = tmp_path / "b.parquet"
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--kernel", "grouped_gemm", "--impl", "torch",
+                              "--experts", "2,5", "--tokens", "40", "--hidden", "32", "--ffn", "16",
+                              "--repeats", "3", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = report.read(out)[0].to_pylist()
+    assert {r["shape"] for r in rows} == {"40x32x16x2", "40x32x16x5"}
+    assert {r["metric"] for r in rows} >= {"time_ms", "host_us"}
 
 
 def test_bench_on_cpu_writes_the_bench_schema(tmp_path):
@@ -48,17 +74,22 @@ def test_bench_on_cpu_writes_the_bench_schema(tmp_path):
 
 
 def test_too_large_shape_is_refused_with_the_estimate(tmp_path):
-    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "8192x4x4x7168", "-o", str(tmp_path / "b.parquet")])
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "8192x4x4x7168", "--kernel", "h_post_bda",
+                              "-o", str(tmp_path / "b.parquet")])
     assert res.exit_code == 2
     assert "needs about" in res.output and "GiB" in res.output
     assert not (tmp_path / "b.parquet").exists()
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--shape", "8192x4x4"], "malformed shape"),
-    (["--shape", "64x2x4x512", "--direction", "sideways"], "unknown --direction"),
+    (["--shape", "8192x4x4", "--kernel", "h_aggregate"], "malformed shape"),
+    (["--shape", "64x2x4x512"], "one form per kind of kernel"),
+    (["--kernel", "grouped_mlp", "--experts", "8,0"], "at least 1"),
+    (["--kernel", "grouped_mlp", "--experts", "eight"], "not a comma-separated list"),
+    (["--kernel", "h_aggregate", "--experts", "8"], "sweeps the grouped-MLP kernels"),
+    (["--shape", "64x2x4x512", "--kernel", "sinkhorn", "--direction", "sideways"], "unknown --direction"),
     (["--shape", "64x2x4x512", "--kernel", "nope"], "unknown kernel"),
-    (["--shape", "64x2x4x512", "--impl", "tests.impls.defects:sinkhorn_raises"], "needs one --kernel"),
+    (["--kernel", "sinkhorn,h_aggregate", "--impl", "tests.impls.defects:sinkhorn_raises"], "needs one --kernel"),
 ])
 def test_bench_bad_input_exit_2(tmp_path, args, needle):
     res = runner.invoke(app, ["bench", "--device", "cpu", *args, "-o", str(tmp_path / "b.parquet")])

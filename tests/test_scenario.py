@@ -20,6 +20,14 @@ def test_paper_scenario_is_the_paper_shape():
     assert {str(c.shape) for c in sc.cases("cuda")} == {"8192x4x4x7168"}
 
 
+def test_moe_scenario_is_the_issue_size():
+    sc = scenario.builtin("moe")
+    cases = sc.cases("cuda")
+    assert {str(c.shape) for c in cases if c.kernel.startswith("grouped")} == {"4096x2048x1024x8"}
+    assert {c.dtype for c in cases} == {"bf16"}
+    assert {"zero_experts", "one_expert", "odd_splits"} <= {c.family for c in cases if c.kernel == "grouped_mlp"}
+
+
 def test_knob_lists_expand_to_their_product(tmp_path):
     p = tmp_path / "s.toml"
     p.write_text('name = "x"\n[verdict]\nkappa = 3\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["4x1x4x1"]\n'

@@ -117,3 +117,36 @@ def mapping_alpha_grad_bf16(x2d, weight, alpha, h_bias, eps=1e-6):
     cols = torch.cat([a[:, :1].expand(-1, n), a[:, 1:2].expand(-1, n), a[:, 2:].expand(-1, n * n)], dim=1)
     h = r.float().unsqueeze(-1) * proj.float() * cols + h_bias
     return torch.sigmoid(h[:, :n]), 2.0 * torch.sigmoid(h[:, n:2 * n]), h[:, 2 * n:].reshape(-1, n, n)
+
+
+# --- grouped MLP ---------------------------------------------------------------------------------
+
+from mhctool.kernels.torch import moe as native_moe  # noqa: E402
+
+
+def swiglu_scale_before(x, scale=None, interleave=0):
+    """Multiplies the input by the per-token scale, then activates: silu(s a) * (s b)."""
+    if scale is None:
+        return native_moe.swiglu(x, None, interleave)
+    return native_moe.swiglu((x.float() * scale[:, None]).to(x.dtype), None, interleave)
+
+
+def swiglu_halves_swapped(x, scale=None, interleave=0):
+    """Activates the linear half: silu(b) * a."""
+    a, b = native_moe._halves(x, interleave)
+    swapped = torch.cat([b, a], dim=-1) if interleave == 0 else torch.stack(
+        [b.unflatten(-1, (-1, interleave)), a.unflatten(-1, (-1, interleave))], dim=-2).flatten(-3)
+    return native_moe.swiglu(swapped.contiguous(), scale, interleave)
+
+
+def swiglu_ignores_interleave(x, scale=None, interleave=0):
+    """Reads an interleaved input as if it were [a | b]."""
+    return native_moe.swiglu(x, scale, 0)
+
+
+def grouped_wgrad_overwrites_idle_experts(x, grad_out, m_splits, main_grad=None, accumulate=None):
+    """Writes a zero gradient over an accumulating expert's buffer when the expert has no token."""
+    out = native_moe.grouped_wgrad(x, grad_out, m_splits, main_grad, accumulate)
+    if main_grad is not None:
+        out[(m_splits == 0).to(out.device)] = 0
+    return out
