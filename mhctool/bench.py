@@ -258,9 +258,18 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
         return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=saved)
     # backward: one forward per input copy builds its graph; the backward alone is timed, replayed
     graphs = []
+    # for a captured backward, the forwards run on a side stream: autograd runs each backward op on
+    # its forward's stream, and the legacy default stream cannot join a capture
+    fwd_stream = torch.cuda.Stream() if graph and device == "cuda" else None
     for s in sets:
         leaves = _leaf(fam, s)
-        outs = _call(fam, impl, leaves)
+        if fwd_stream is not None:
+            fwd_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(fwd_stream):
+                outs = _call(fam, impl, leaves)
+            torch.cuda.current_stream().wait_stream(fwd_stream)
+        else:
+            outs = _call(fam, impl, leaves)
         if not any(o.requires_grad for o in outs):
             return Measurement(**base, times_ms=[], host_us=math.nan, peak_bytes=math.nan,
                                saved_bytes=math.nan, message="no backward")
@@ -292,18 +301,29 @@ def graph_capturable(kernel: str, impl: Impl) -> bool:
     return not (impl.native and get_family(kernel).shape_kind == "moe")
 
 
-def _graphed(fn):
-    """Capture ``fn`` into a CUDA graph; returns its replay."""
+def _graphed(fn, attempts: int = 2):
+    """Capture ``fn`` into a CUDA graph; returns its replay. A backward runs on autograd's own
+    thread, which may query events or allocate while this thread captures: the capture is
+    thread-local. Seen on an H100 (torch 2.11): the first backward captured in a process failed
+    with cudaErrorStreamCaptureInvalidated, whatever the kernel, and later ones succeeded; so a
+    failed capture is retried once before it is reported."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    for attempt in range(attempts):
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                fn()
+            return g.replay
+        except RuntimeError:  # torch.AcceleratorError is a RuntimeError
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _saved_bytes(fam: Family, impl: Impl, args: dict) -> float:

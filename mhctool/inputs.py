@@ -226,7 +226,7 @@ def _act_families(kernel: str) -> dict[str, InputFamily]:
     return {f.name: f for f in fams}
 
 
-def _grouped(kernel: str, kind: str, w_scale: float = 1.0):
+def _grouped(kernel: str, kind: str):
     def gen(shape, g, knobs):
         t, h, f, e = shape.tokens, shape.hidden, shape.ffn, shape.experts
         splits = _splits(g, t, e, kind)
@@ -243,7 +243,7 @@ def _grouped(kernel: str, kind: str, w_scale: float = 1.0):
             return out
         _check_interleave(shape, knobs)
         width = f if knobs.get("activation", "swiglu") == "srelu" else 2 * f
-        out = {"x": x, "fc1_weight": _randn(g, e, width, h) * (w_scale / h ** 0.5),
+        out = {"x": x, "fc1_weight": _randn(g, e, width, h) / h ** 0.5,
                "fc2_weight": _randn(g, e, h, f) / f ** 0.5, "m_splits": splits}
         with_bias = knobs.get("bias", True)
         out["fc1_bias"] = _randn(g, e, width) if with_bias else None
@@ -262,9 +262,10 @@ def _grouped_families(kernel: str) -> dict[str, InputFamily]:
         InputFamily("odd_splits", "counts 1, 15, 17, 31, 33, 63, 65, ...: no count a multiple of a block size",
                     _grouped(kernel, "odd_splits")),
     ]
-    if kernel == "grouped_mlp":
-        fams.append(InputFamily("past_clamp", "FC1 weights x8: the FC1 output runs far past the clamp limit",
-                                _grouped(kernel, "random", 8.0)))
+    # no past-the-clamp family for the whole MLP: there the clamp acts on the FC1 output, which a
+    # bf16 implementation rounds (flipping elements across the limit, where the gradient jumps)
+    # and the float64 reference does not; the clamp is checked at the activation kernels, whose
+    # reference sees the same rounded input (family past_clamp of clamped_swiglu and swiglu)
     return {f.name: f for f in fams}
 
 

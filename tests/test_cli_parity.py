@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from mhctool import report
 from mhctool.cli import app
+from mhctool.registry import KERNELS
 
 IMPLS = Path(__file__).parent / "impls"
 runner = CliRunner()
@@ -37,7 +38,7 @@ def test_parity_all_native_passes_writes_report_and_plots(all_report):
     assert meta["kind"] == "parity" and meta["run"]["device"] == "cpu"
     assert "torch" in meta["environment"] and "git_commit" in meta["environment"]
     kernels = set(table.column("kernel").to_pylist())
-    assert kernels == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping"}
+    assert kernels == set(KERNELS)
     assert set(table.column("direction").to_pylist()) == {"fwd", "bwd"}
     for k in kernels:
         assert (d / "plots" / f"parity-{k}.png").stat().st_size > 10_000
@@ -144,9 +145,10 @@ def test_tf32_external_is_judged_against_native_at_tf32(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--kernel", "softmax"], "unknown kernel 'softmax'"),
-    (["--shape", "8192x4x4"], "malformed shape '8192x4x4'"),
-    (["--shape", "8192xfoo"], "malformed shape '8192xfoo'"),
-    (["--shape", "0x4x4x8"], "zero dimension"),
+    (["--kernel", "sinkhorn", "--shape", "8192x4x4"], "malformed shape '8192x4x4'"),
+    (["--kernel", "h_aggregate", "--shape", "8192xfoo"], "malformed shape '8192xfoo'"),
+    (["--kernel", "proj_rms", "--shape", "0x4x4x8"], "zero dimension"),
+    (["--shape", "64x2x4x512"], "one form per kind of kernel"),
     (["--dtype", "fp8"], "unknown dtype 'fp8'"),
     (["--kernel", "sinkhorn", "--impl", "no_such_module_xyz:fn"], "cannot import module no_such_module_xyz"),
     (["--kernel", "sinkhorn", "--impl", "tests/impls/nope.py:fn"], "no file tests/impls/nope.py"),
