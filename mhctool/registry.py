@@ -294,7 +294,11 @@ TRITON_KERNELS: dict[str, str] = {
     "grouped_wgrad": "mhctool.kernels.triton.grouped_gemm:grouped_wgrad",
     "grouped_mlp": "mhctool.kernels.triton.grouped_mlp:grouped_mlp",
 }
-CUTILE_KERNELS: dict[str, str] = {}
+CUTILE_KERNELS: dict[str, str] = {
+    "sinkhorn": "mhctool.kernels.cutile.sinkhorn:sinkhorn",
+    "h_aggregate": "mhctool.kernels.cutile.h_aggregate:h_aggregate",
+    "h_post_bda": "mhctool.kernels.cutile.h_post_bda:h_post_bda",
+}
 
 
 @functools.lru_cache(maxsize=None)

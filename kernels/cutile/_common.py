@@ -1,0 +1,50 @@
+"""Helpers shared by the cuTile kernels: launching on the current torch stream, layout checks,
+and compiling a kernel to Tile IR without a GPU (what the CPU tests do)."""
+from __future__ import annotations
+
+import io
+
+import cuda.tile as ct
+import torch
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple) -> None:
+    ct.launch(torch.cuda.current_stream(), grid, kernel, args)
+
+
+def check_cuda(*tensors) -> None:
+    for t in tensors:
+        if t is not None and not t.is_cuda:
+            raise ValueError(f"the cuTile kernels take CUDA tensors; got a tensor on {t.device}")
+
+
+def require_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous for the cuTile kernels (shape {tuple(t.shape)}, "
+                         f"strides {t.stride()}); call .contiguous() first")
+    return t
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_CT_DTYPES = {torch.float32: ct.float32, torch.bfloat16: ct.bfloat16, torch.float16: ct.float16,
+              torch.int64: ct.int64, torch.int32: ct.int32}
+
+
+def array(dtype: torch.dtype, ndim: int):
+    """The compile-time description of a contiguous torch tensor argument (for ``tile_ir``)."""
+    from cuda.tile.compilation import ArrayConstraint
+    return ArrayConstraint(_CT_DTYPES[dtype], ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=False)
+
+
+def tile_ir(kernel, params: list) -> bytes:
+    """Compile ``kernel`` for one signature to Tile IR bytecode on the host (no GPU, no tileiras):
+    the front end's type checking runs, so a kernel that would not compile fails here."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature, export_kernel
+    buf = io.BytesIO()
+    sig = KernelSignature(params, CallingConvention.cutile_python_v1())
+    export_kernel(kernel, [sig], buf, output_format="tileir_bytecode", bytecode_version="13.3")
+    return buf.getvalue()

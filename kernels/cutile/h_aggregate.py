@@ -1,0 +1,94 @@
+"""H-aggregate in cuTile: ``out[t, c] = sum_j h_pre[t, j] x[t, j, c]``, forward and backward.
+
+Tiles: x as ``(BT, NP, BC)`` (streams padded to a power of two with zeros), h_pre ``(BT, NP)``
+(fp32), the output ``(BT, BC)``. The forward is one program per (token block, C block). The
+backward is one program per token block walking C: it writes grad_x chunk by chunk and reduces
+grad_h_pre over C in fp32 on chip.
+"""
+from __future__ import annotations
+
+import cuda.tile as ct
+import torch
+
+from mhctool.poison import empty
+
+from ..schedule import next_pow2
+from ._common import array, cdiv, check_cuda, launch, require_contiguous, tile_ir
+
+ConstInt = ct.Constant[int]
+ZERO = ct.PaddingMode.ZERO
+BT, BC = 16, 256
+
+
+@ct.kernel
+def _h_aggregate_fwd(x, h, out, NP: ConstInt, BT: ConstInt, BC: ConstInt):
+    i, c = ct.bid(0), ct.bid(1)
+    xt = ct.load(x, index=(i, 0, c), shape=(BT, NP, BC), padding_mode=ZERO).astype(ct.float32)
+    ht = ct.load(h, index=(i, 0), shape=(BT, NP), padding_mode=ZERO).astype(ct.float32)
+    acc = ct.sum(xt * ct.reshape(ht, (BT, NP, 1)), axis=1)
+    ct.store(out, index=(i, c), tile=acc.astype(out.dtype))
+
+
+@ct.kernel
+def _h_aggregate_bwd(x, h, g, dx, dh, NP: ConstInt, BT: ConstInt, BC: ConstInt):
+    i = ct.bid(0)
+    ht = ct.reshape(ct.load(h, index=(i, 0), shape=(BT, NP), padding_mode=ZERO).astype(ct.float32), (BT, NP, 1))
+    acc = ct.zeros((BT, NP), dtype=ct.float32)
+    for c in range(ct.num_tiles(g, axis=1, shape=(BT, BC))):
+        gt = ct.reshape(ct.load(g, index=(i, c), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32), (BT, 1, BC))
+        xt = ct.load(x, index=(i, 0, c), shape=(BT, NP, BC), padding_mode=ZERO).astype(ct.float32)
+        ct.store(dx, index=(i, 0, c), tile=(ht * gt).astype(dx.dtype))
+        acc = acc + ct.sum(xt * gt, axis=2)
+    ct.store(dh, index=(i, 0), tile=acc.astype(dh.dtype))
+
+
+def _views(x: torch.Tensor):
+    s, b, n, c = x.shape
+    return x.view(s * b, n, c), s * b, n, c
+
+
+class _HAggregate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h_pre):
+        check_cuda(x, h_pre)
+        require_contiguous("x", x)
+        if x.dim() != 4 or h_pre.shape != x.shape[:3]:
+            raise ValueError(f"x must be [s, b, n, C] and h_pre [s, b, n]; got {tuple(x.shape)}, {tuple(h_pre.shape)}")
+        h = h_pre.contiguous()
+        x3, t, n, c = _views(x)
+        out = empty((x.shape[0], x.shape[1], c), x.dtype, x.device)
+        if t and c:
+            launch(_h_aggregate_fwd, (cdiv(t, BT), cdiv(c, BC)),
+                   (x3, h.view(t, n), out.view(t, c), next_pow2(n), BT, BC))
+        ctx.save_for_backward(x, h)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, h = ctx.saved_tensors
+        x3, t, n, c = _views(x)
+        g = g.contiguous()
+        dx = empty(x.shape, x.dtype, x.device)
+        dh = empty(h.shape, h.dtype, h.device)
+        if t:
+            launch(_h_aggregate_bwd, (cdiv(t, BT),),
+                   (x3, h.view(t, n), g.view(t, c), dx.view(t, n, c), dh.view(t, n), next_pow2(n), BT, BC))
+        return dx, dh
+
+
+def h_aggregate(x, h_pre):
+    """``[s, b, n, C] x [s, b, n] -> [s, b, C]`` (h_pre fp32; its gradient accumulated in fp32)."""
+    return _HAggregate.apply(x, h_pre)
+
+
+def compile_checks() -> dict[str, bytes]:
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (4, 3):
+            np_ = next_pow2(n)
+            out[f"fwd-{dtype}-{n}"] = tile_ir(_h_aggregate_fwd, [array(dtype, 3), array(torch.float32, 2),
+                                                                   array(dtype, 2), np_, BT, BC])
+            out[f"bwd-{dtype}-{n}"] = tile_ir(_h_aggregate_bwd, [array(dtype, 3), array(torch.float32, 2),
+                                                                   array(dtype, 2), array(dtype, 3),
+                                                                   array(torch.float32, 2), np_, BT, BC])
+    return out

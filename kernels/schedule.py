@@ -1,0 +1,41 @@
+"""The Sinkhorn step schedule, shared by the fused backends (Triton and cuTile).
+
+A sequence of ``2 * iters`` normalisations alternates rows and columns from its first axis. The
+kernels run it as an optional lone first step (``ODD``, along ``B``) followed by ``PAIRS`` pairs
+(``A`` then ``B``), so that every axis is a compile-time constant. Tile axes: a row normalisation
+sums over j (axis 2), a column one over i (axis 1).
+"""
+from __future__ import annotations
+
+ROW, COL = 2, 1
+STABILIZE = {"rowmax": 0, "none": 1, "softmax": 2}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def sinkhorn_steps(n: int, stabilize: str, order: str, iters: int) -> dict:
+    first = ROW if order == "row_first" else COL
+    steps = 2 * iters
+    if stabilize == "softmax" and order == "row_first":
+        first, steps = COL, steps - 1  # the softmax was the first row step
+    other = ROW + COL - first
+    odd = steps % 2 == 1
+    # an odd sequence is FIRST, then (OTHER, FIRST) pairs; an even one (FIRST, OTHER) pairs
+    a, b = (other, first) if odd else (first, other)
+    return dict(NP=next_pow2(n), PAIRS=steps // 2, ODD=odd, A=a, B=b)
+
+
+def recompute_segment(pairs: int) -> int:
+    """Pairs per recomputation segment of the backward: about sqrt(pairs) (4 for 20 iterations).
+    Each segment's starting state is recomputed from the logits once and each step's input from
+    that state: sum over segments of (start + steps within) instead of pairs^2 / 2."""
+    return max(1, int(pairs ** 0.5))
+
+
+def check_knobs(stabilize: str, eps_mode: str, order: str, iters) -> None:
+    if stabilize not in STABILIZE or eps_mode not in ("add", "clamp") or order not in ("row_first", "col_first"):
+        raise ValueError(f"unknown knob value: stabilize={stabilize!r}, eps_mode={eps_mode!r}, order={order!r}")
+    if int(iters) < 1:
+        raise ValueError(f"iters must be at least 1, got {iters}")

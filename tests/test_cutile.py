@@ -1,0 +1,49 @@
+"""The cuTile backend on a machine without a GPU: every kernel module imports, every kernel
+compiles to Tile IR (cuTile's front end: types, shapes, control flow), and asking for the backend
+explicitly is a clear exit 2. Running the kernels needs the GPU (tests/test_gpu.py)."""
+import importlib
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mhctool.cli import app
+from mhctool.registry import CUTILE_KERNELS, impls_for
+
+ct = pytest.importorskip("cuda.tile")
+runner = CliRunner()
+MODULES = sorted({target.split(":")[0] for target in CUTILE_KERNELS.values()})
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_cutile_kernel_compiles_to_tile_ir(module):
+    mod = importlib.import_module(module)
+    ir = mod.compile_checks()
+    assert ir and all(len(b) > 500 for b in ir.values())
+    assert any(k.startswith("fwd") for k in ir) and any(k.startswith("bwd") for k in ir)
+
+
+def test_registered_entry_points_exist_and_are_gpu_only():
+    for kernel, target in CUTILE_KERNELS.items():
+        mod, fn = target.split(":")
+        assert callable(getattr(importlib.import_module(mod), fn))
+        (impl,) = [i for i in impls_for(kernel) if i.name == "cutile"]
+        assert impl.devices == ("cuda",)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_asking_for_cutile_without_a_gpu_is_exit_2(tmp_path):
+    res = runner.invoke(app, ["parity", "--kernel", "sinkhorn", "--impl", "cutile", "--device", "cpu",
+                              "-o", str(tmp_path / "r.parquet")])
+    assert res.exit_code == 2, res.output
+    assert "cutile cannot run sinkhorn here" in res.output and "GPU" in res.output
+    res = runner.invoke(app, ["doctor"])
+    assert "cutile" in res.output and "GPU" in res.output
+
+
+def test_kernels_refuse_cpu_tensors():
+    from mhctool.kernels.cutile import h_aggregate, sinkhorn
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        sinkhorn.sinkhorn(torch.randn(3, 4, 4))
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        h_aggregate.h_aggregate(torch.randn(2, 1, 4, 8), torch.rand(2, 1, 4))
