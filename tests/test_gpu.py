@@ -48,9 +48,16 @@ def test_compile_variant_on_gpu(tmp_path):
 def test_sinkhorn_triton_tail_and_n(tmp_path):
     from mhctool.kernels.triton.sinkhorn import sinkhorn
     from mhctool.references.mhc import sinkhorn as ref
-    for n in (2, 4, 8):
-        L = torch.randn(32768 + 7, n, n, device="cuda")
-        torch.testing.assert_close(sinkhorn(L).double(), ref(L.double()), rtol=0, atol=2e-6)
+    for n in (2, 3, 4, 8):
+        L = torch.randn(32768 + 7, n, n, device="cuda", requires_grad=True)
+        y = sinkhorn(L)
+        g = torch.randn_like(y)
+        (gx,) = torch.autograd.grad(y, [L], g)
+        Ld = L.detach().double().requires_grad_()
+        yr = ref(Ld)
+        (gr,) = torch.autograd.grad(yr, [Ld], g.double())
+        torch.testing.assert_close(y.double(), yr, rtol=0, atol=2e-6)
+        torch.testing.assert_close(gx.double(), gr, rtol=0, atol=5e-5)
 
 
 def test_defect_flagged_on_gpu(tmp_path):

@@ -109,9 +109,11 @@ def _sinkhorn_bwd(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, NP: C
             q = _pairs(c, eps, count - 1 - kk, A, B, CLAMP)  # input of pair base + k
             q2 = _norm(q, eps, A, CLAMP)
             g = _norm_bwd(q2, g, eps, B, CLAMP)
-            g = _norm_bwd(q, g, eps, A, CLAMP)
+            # padded entries (n not a power of two) get (0 - sum) / eps per step: keep them zero
+            # before they overflow and turn the next step's sums into inf * 0 = NaN
+            g = ct.where(valid, _norm_bwd(q, g, eps, A, CLAMP), 0.0)
     if ODD:
-        g = _norm_bwd(p0, g, eps, B, CLAMP)
+        g = ct.where(valid, _norm_bwd(p0, g, eps, B, CLAMP), 0.0)
     if STAB == 1:
         dx = g * p0
     elif STAB == 0:

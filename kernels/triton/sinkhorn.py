@@ -124,9 +124,11 @@ def _sinkhorn_bwd(x_ptr, g_ptr, dx_ptr, T, eps, N: tl.constexpr, NP: tl.constexp
             q = _pairs(c, eps, k, A, B, CLAMP)  # input of pair base + k: the same operations as
             q2 = _norm(q, eps, A, CLAMP)        # the forward's, so the same fp32 values
             g = _norm_bwd(q2, g, eps, B, CLAMP)
-            g = _norm_bwd(q, g, eps, A, CLAMP)
+            # padded entries (n not a power of two) get (0 - sum) / eps per step: keep them zero
+            # before they overflow and turn the next step's sums into inf * 0 = NaN
+            g = tl.where(mask, _norm_bwd(q, g, eps, A, CLAMP), 0.0)
     if ODD:
-        g = _norm_bwd(p0, g, eps, B, CLAMP)
+        g = tl.where(mask, _norm_bwd(p0, g, eps, B, CLAMP), 0.0)
     if STAB == 1:
         dx = g * p0
     elif STAB == 0:
