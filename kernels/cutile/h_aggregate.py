@@ -1,7 +1,9 @@
 """H-aggregate in cuTile: ``out[t, c] = sum_j h_pre[t, j] x[t, j, c]``, forward and backward.
 
 Tiles: x as ``(BT, NP, BC)`` (streams padded to a power of two with zeros), h_pre ``(BT, NP)``
-(fp32), the output ``(BT, BC)``. The forward is one program per (token block, C block). The
+(fp32), the output ``(BT, BC)``. The forward is one program per (token block, C block), adding
+the streams one ``(BT, BC)`` slice at a time (v1 summed a ``(BT, NP, BC)`` tile over its middle
+axis: 13% of copy bandwidth on an H100, against 95% for the backward). The
 backward is one program per token block walking C: it writes grad_x chunk by chunk and reduces
 grad_h_pre over C in fp32 on chip.
 """
@@ -21,11 +23,13 @@ BT, BC = 16, 256
 
 
 @ct.kernel
-def _h_aggregate_fwd(x, h, out, NP: ConstInt, BT: ConstInt, BC: ConstInt):
+def _h_aggregate_fwd(x, h, out, N: ConstInt, NP: ConstInt, BT: ConstInt, BC: ConstInt):
     i, c = ct.bid(0), ct.bid(1)
-    xt = ct.load(x, index=(i, 0, c), shape=(BT, NP, BC), padding_mode=ZERO).astype(ct.float32)
     ht = ct.load(h, index=(i, 0), shape=(BT, NP), padding_mode=ZERO).astype(ct.float32)
-    acc = ct.sum(xt * ct.reshape(ht, (BT, NP, 1)), axis=1)
+    acc = ct.zeros((BT, BC), dtype=ct.float32)
+    for j in ct.static_iter(range(N)):  # one stream at a time: no reduction across tile rows
+        xj = ct.reshape(ct.load(x, index=(i, j, c), shape=(BT, 1, BC), padding_mode=ZERO), (BT, BC))
+        acc = acc + xj.astype(ct.float32) * ct.extract(ht, (0, j), shape=(BT, 1))
     ct.store(out, index=(i, c), tile=acc.astype(out.dtype))
 
 
@@ -59,7 +63,7 @@ class _HAggregate(torch.autograd.Function):
         out = empty((x.shape[0], x.shape[1], c), x.dtype, x.device)
         if t and c:
             launch(_h_aggregate_fwd, (cdiv(t, BT), cdiv(c, BC)),
-                   (x3, h.view(t, n), out.view(t, c), next_pow2(n), BT, BC))
+                   (x3, h.view(t, n), out.view(t, c), n, next_pow2(n), BT, BC))
         ctx.save_for_backward(x, h)
         return out
 
@@ -87,7 +91,7 @@ def compile_checks() -> dict[str, bytes]:
         for n in (4, 3):
             np_ = next_pow2(n)
             out[f"fwd-{dtype}-{n}"] = tile_ir(_h_aggregate_fwd, [array(dtype, 3), array(torch.float32, 2),
-                                                                   array(dtype, 2), np_, BT, BC])
+                                                                   array(dtype, 2), n, np_, BT, BC])
             out[f"bwd-{dtype}-{n}"] = tile_ir(_h_aggregate_bwd, [array(dtype, 3), array(torch.float32, 2),
                                                                    array(dtype, 2), array(dtype, 3),
                                                                    array(torch.float32, 2), np_, BT, BC])
