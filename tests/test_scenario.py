@@ -20,6 +20,14 @@ def test_paper_scenario_is_the_paper_shape():
     assert {str(c.shape) for c in sc.cases("cuda")} == {"8192x4x4x7168"}
 
 
+def test_sanitize_scenario_is_small_with_partial_tiles():
+    cases = scenario.builtin("sanitize").cases("cuda")
+    assert {c.kernel for c in cases} >= {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping"}
+    for k in {c.kernel for c in cases}:  # one input family per kernel: memcheck is slow
+        assert len({c.family for c in cases if c.kernel == k}) == 1
+    assert any(c.kernel == "sinkhorn" and c.shape.n == 3 for c in cases)
+
+
 def test_moe_scenario_is_the_issue_size():
     sc = scenario.builtin("moe")
     cases = sc.cases("cuda")
