@@ -1,4 +1,4 @@
-"""The Sinkhorn step schedule, shared by the fused backends (Triton and cuTile).
+"""The Sinkhorn step schedule and autograd wrapper, shared by the fused backends (Triton, cuTile).
 
 A sequence of ``2 * iters`` normalisations alternates rows and columns from its first axis. The
 kernels run it as an optional lone first step (``ODD``, along ``B``) followed by ``PAIRS`` pairs
@@ -6,6 +6,10 @@ kernels run it as an optional lone first step (``ODD``, along ``B``) followed by
 sums over j (axis 2), a column one over i (axis 1).
 """
 from __future__ import annotations
+
+from typing import Callable
+
+import torch
 
 ROW, COL = 2, 1
 STABILIZE = {"rowmax": 0, "none": 1, "softmax": 2}
@@ -39,3 +43,28 @@ def check_knobs(stabilize: str, eps_mode: str, order: str, iters) -> None:
         raise ValueError(f"unknown knob value: stabilize={stabilize!r}, eps_mode={eps_mode!r}, order={order!r}")
     if int(iters) < 1:
         raise ValueError(f"iters must be at least 1, got {iters}")
+
+
+def sinkhorn_autograd(forward: Callable, backward: Callable) -> Callable:
+    """Megatron's ``sinkhorn(logits[..., n, n], iters, eps, *, stabilize, eps_mode, order)`` over a
+    backend's ``forward(logits, *knobs)`` and ``backward(logits, grad_out, *knobs)`` launchers: the
+    backward recomputes from the saved logits."""
+
+    class SinkhornFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, iters, eps, stabilize, eps_mode, order):
+            ctx.save_for_backward(logits)
+            ctx.knobs = (iters, eps, stabilize, eps_mode, order)
+            return forward(logits, iters, eps, stabilize, eps_mode, order)
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            (logits,) = ctx.saved_tensors
+            return (backward(logits, grad_out, *ctx.knobs),) + (None,) * 5
+
+    def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
+                 eps_mode: str = "add", order: str = "row_first"):
+        """Megatron's signature: ``sinkhorn(logits[..., n, n], iters, eps)``, other knobs by keyword."""
+        return SinkhornFunction.apply(logits, iters, eps, stabilize, eps_mode, order)
+
+    return sinkhorn

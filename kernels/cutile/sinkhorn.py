@@ -14,7 +14,7 @@ import torch
 
 from mhctool.poison import empty_like
 
-from ..schedule import STABILIZE, check_knobs, recompute_segment, sinkhorn_steps
+from ..schedule import STABILIZE, check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps
 from ._common import array, cdiv, check_cuda, launch, tile_ir
 
 ConstInt = ct.Constant[int]
@@ -174,23 +174,7 @@ def sinkhorn_backward(logits, grad_out, iters=20, eps=1e-6, stabilize="rowmax", 
     return dx
 
 
-class SinkhornFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, iters, eps, stabilize, eps_mode, order):
-        ctx.save_for_backward(logits)
-        ctx.knobs = (iters, eps, stabilize, eps_mode, order)
-        return sinkhorn_forward(logits, iters, eps, stabilize, eps_mode, order)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (logits,) = ctx.saved_tensors
-        return (sinkhorn_backward(logits, grad_out, *ctx.knobs),) + (None,) * 5
-
-
-def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
-             eps_mode: str = "add", order: str = "row_first"):
-    """Megatron's signature: ``sinkhorn(logits[..., n, n], iters, eps)``, other knobs by keyword."""
-    return SinkhornFunction.apply(logits, iters, eps, stabilize, eps_mode, order)
+sinkhorn = sinkhorn_autograd(sinkhorn_forward, sinkhorn_backward)
 
 
 def compile_checks() -> dict[str, bytes]:

@@ -11,14 +11,13 @@ step's input from that state, so 20 iterations recompute 70 pairs instead of 190
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from mhctool.poison import empty_like
 
 from ..schedule import STABILIZE as _STABILIZE
-from ..schedule import check_knobs, recompute_segment, sinkhorn_steps
+from ..schedule import check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps
 from ._common import cast, check_device, pick_config
 
 
@@ -187,20 +186,4 @@ def sinkhorn_backward(logits, grad_out, iters=20, eps=1e-6, stabilize="rowmax", 
                    iters, eps, stabilize, eps_mode, order)
 
 
-class SinkhornFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, iters, eps, stabilize, eps_mode, order):
-        ctx.save_for_backward(logits)
-        ctx.knobs = (iters, eps, stabilize, eps_mode, order)
-        return sinkhorn_forward(logits, iters, eps, stabilize, eps_mode, order)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (logits,) = ctx.saved_tensors
-        return (sinkhorn_backward(logits, grad_out, *ctx.knobs),) + (None,) * 5
-
-
-def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
-             eps_mode: str = "add", order: str = "row_first"):
-    """Megatron's signature: ``sinkhorn(logits[..., n, n], iters, eps)``, other knobs by keyword."""
-    return SinkhornFunction.apply(logits, iters, eps, stabilize, eps_mode, order)
+sinkhorn = sinkhorn_autograd(sinkhorn_forward, sinkhorn_backward)
