@@ -1,0 +1,168 @@
+"""Projection + RMS in cuTile: ``proj = x W^T`` (fp32) and ``r = 1 / (||x||_2 / sqrt(K) + eps)``
+in one pass over x; backward dx and dW.
+
+Products: bf16/fp16 operands on tensor cores (``ct.mma``, fp32 accumulation, a fresh accumulator
+per K chunk added in fp32: tensor cores accumulate by truncation); fp32 operands as IEEE fp32
+multiply-adds. In the backward the fp32 upstream gradient is split into three bf16 pieces (24
+significant bits) so that its products with the bf16 x and W are exact on tensor cores too.
+The N = n^2 + 2n outputs are padded to a power of two (zeros). dW reduces over every token: one
+program per K block walks the tokens.
+"""
+from __future__ import annotations
+
+import cuda.tile as ct
+import torch
+
+from mhctool.poison import empty
+
+from ..schedule import next_pow2
+from ._common import array, cdiv, check_cuda, launch, require_contiguous, tile_ir
+
+ConstInt = ct.Constant[int]
+ConstFloat = ct.Constant[float]
+ConstBool = ct.Constant[bool]
+ZERO = ct.PaddingMode.ZERO
+
+
+def _tiles(lowp: bool) -> tuple[int, int]:
+    """(BM, BK): tensor-core tiles for bf16; smaller ones for the fp32 multiply-add path, whose
+    products are a (BM, BK, N) tile."""
+    return (64, 64) if lowp else (16, 32)
+
+
+def _np(n: int) -> int:
+    return max(16, next_pow2(n))  # the MMA's smallest N
+
+
+def _product(a, b, lowp, M_, N_, K_):
+    """``a (M_, K_) @ b (K_, N_)`` in fp32: one tensor-core product, or IEEE multiply-adds."""
+    if lowp:
+        return ct.mma(a, b, ct.zeros((M_, N_), dtype=ct.float32))
+    return ct.sum(ct.reshape(a.astype(ct.float32), (M_, K_, 1)) * ct.reshape(b.astype(ct.float32), (1, K_, N_)), axis=1)
+
+
+def _split3(v):
+    """fp32 -> three bf16 tiles whose sum is v to 24 bits."""
+    p1 = v.astype(ct.bfloat16)
+    r1 = v - p1.astype(ct.float32)
+    p2 = r1.astype(ct.bfloat16)
+    p3 = (r1 - p2.astype(ct.float32)).astype(ct.bfloat16)
+    return p1, p2, p3
+
+
+@ct.kernel
+def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool):
+    i = ct.bid(0)
+    acc = ct.zeros((BM, NP), dtype=ct.float32)
+    ss = ct.zeros((BM,), dtype=ct.float32)
+    for k in range(ct.num_tiles(x, axis=1, shape=(BM, BK))):
+        xt = ct.load(x, index=(i, k), shape=(BM, BK), padding_mode=ZERO)
+        wt = ct.load(w, index=(0, k), shape=(NP, BK), padding_mode=ZERO)
+        acc = acc + _product(xt, ct.transpose(wt), LOWP, BM, NP, BK)
+        xf = xt.astype(ct.float32)
+        ss = ss + ct.sum(xf * xf, axis=1)
+    kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0  # K, as a float
+    m = ct.sqrt(ss / kk)
+    ct.store(proj, index=(i, 0), tile=acc)
+    ct.store(r, index=(i,), tile=1.0 / (m + eps))
+    ct.store(rms, index=(i,), tile=m)
+
+
+def _grad_product(gp, b, lowp, M_, N_, K_):
+    """``gp (M_, K_, fp32) @ b (K_, N_)`` with fp32 precision: three bf16 pieces on tensor cores."""
+    if not lowp:
+        return _product(gp, b, False, M_, N_, K_)
+    p1, p2, p3 = _split3(gp)
+    bb = b.astype(ct.bfloat16)
+    zero = ct.zeros((M_, N_), dtype=ct.float32)
+    return ct.mma(p1, bb, zero) + ct.mma(p2, bb, zero) + ct.mma(p3, bb, zero)
+
+
+@ct.kernel
+def _proj_rms_dx(x, w, gp, gr, r, rms, dx, NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool):
+    """``dx = gP W + gR * dr/dx`` with ``dr/dx = -r^2 x / (K rms)``, per (token block, K block)."""
+    i, k = ct.bid(0), ct.bid(1)
+    g = ct.load(gp, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
+    wt = ct.load(w, index=(0, k), shape=(NP, BK), padding_mode=ZERO)
+    xt = ct.load(x, index=(i, k), shape=(BM, BK), padding_mode=ZERO).astype(ct.float32)
+    rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
+    mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
+    grt = ct.load(gr, index=(i,), shape=(BM,), padding_mode=ZERO)
+    kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0
+    coef = ct.where(mt > 0.0, -grt * rt * rt / (kk * ct.maximum(mt, 1e-38)), 0.0)
+    d = _grad_product(g, wt, LOWP, BM, BK, NP) + ct.reshape(coef, (BM, 1)) * xt
+    ct.store(dx, index=(i, k), tile=d.astype(dx.dtype))
+
+
+@ct.kernel
+def _proj_rms_dw(x, gp, dw, NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool):
+    """``dW[:, k block] = gP^T x`` over every token, fp32 (a fresh product per token chunk)."""
+    k = ct.bid(0)
+    acc = ct.zeros((NP, BK), dtype=ct.float32)
+    for i in range(ct.num_tiles(x, axis=0, shape=(BM, BK))):
+        g = ct.load(gp, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
+        xt = ct.load(x, index=(i, k), shape=(BM, BK), padding_mode=ZERO)
+        acc = acc + _grad_product(ct.transpose(g), xt, LOWP, NP, BK, BM)
+    ct.store(dw, index=(0, k), tile=acc.astype(dw.dtype))
+
+
+def _lowp(x, w) -> bool:
+    """Tensor cores for bf16 (the gradient pieces are bf16, so fp16 takes the fp32 path)."""
+    return x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+
+
+class _ProjRms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, eps):
+        check_cuda(x2d, weight)
+        require_contiguous("x2d", x2d)
+        require_contiguous("weight", weight)
+        if x2d.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x2d.shape[1]:
+            raise ValueError(f"x2d must be [M, K] and weight [N, K]; got {tuple(x2d.shape)}, {tuple(weight.shape)}")
+        m, k = x2d.shape
+        n = weight.shape[0]
+        np_ = _np(n)
+        bm, bk = _tiles(_lowp(x2d, weight))
+        proj = empty((m, n), torch.float32, x2d.device)
+        r = empty((m,), torch.float32, x2d.device)
+        rms = empty((m,), torch.float32, x2d.device)
+        if m:
+            launch(_proj_rms_fwd, (cdiv(m, bm),), (x2d, weight, proj, r, rms, float(eps), np_, bm, bk, _lowp(x2d, weight)))
+        ctx.save_for_backward(x2d, weight, r, rms)
+        return proj, r
+
+    @staticmethod
+    def backward(ctx, g_proj, g_r):
+        x2d, weight, r, rms = ctx.saved_tensors
+        m, k = x2d.shape
+        n = weight.shape[0]
+        np_ = _np(n)
+        g_proj = (g_proj if g_proj is not None else torch.zeros((m, n), device=x2d.device)).float().contiguous()
+        g_r = (g_r if g_r is not None else torch.zeros((m,), device=x2d.device)).float().contiguous()
+        lowp = _lowp(x2d, weight)
+        bm, bk = _tiles(lowp)
+        dx = empty(x2d.shape, x2d.dtype, x2d.device)
+        dw = empty(weight.shape, weight.dtype, x2d.device)
+        if m:
+            launch(_proj_rms_dx, (cdiv(m, bm), cdiv(k, bk)), (x2d, weight, g_proj, g_r, r, rms, dx, np_, bm, bk, lowp))
+            launch(_proj_rms_dw, (cdiv(k, bk),), (x2d, g_proj, dw, np_, bm, bk, lowp))
+        return dx, dw, None
+
+
+def proj_rms(x2d, weight, eps: float = 1e-6):
+    """``(x2d @ weight^T, 1 / (||x||_2 / sqrt(K) + eps))`` in fp32 whatever the input dtype."""
+    return _ProjRms.apply(x2d, weight, eps)
+
+
+def compile_checks() -> dict[str, bytes]:
+    out = {}
+    f32 = torch.float32
+    for dtype, lowp in ((torch.bfloat16, True), (torch.float32, False)):
+        a2 = array(dtype, 2)
+        bm, bk = _tiles(lowp)
+        out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
+                                                      1e-6, 32, bm, bk, lowp])
+        out[f"bwd-dx-{dtype}"] = tile_ir(_proj_rms_dx, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
+                                                        array(f32, 1), a2, 32, bm, bk, lowp])
+        out[f"bwd-dw-{dtype}"] = tile_ir(_proj_rms_dw, [a2, array(f32, 2), a2, 32, bm, bk, lowp])
+    return out
