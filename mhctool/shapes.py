@@ -2,6 +2,7 @@
 ``TxHxFxE`` for the grouped-MLP kernels (tokens, hidden, ffn, experts)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -32,9 +33,7 @@ class Shape:
         return self.n * self.n + 2 * self.n
 
     def replace(self, **kw) -> "Shape":
-        d = dict(s=self.s, b=self.b, n=self.n, c=self.c)
-        d.update(kw)
-        return Shape(**d)
+        return dataclasses.replace(self, **kw)
 
     def __str__(self) -> str:
         return f"{self.s}x{self.b}x{self.n}x{self.c}"
@@ -43,16 +42,18 @@ class Shape:
 _SHAPE_RE = re.compile(r"^\s*(\d+)x(\d+)x(\d+)x(\d+)\s*$")
 
 
-def parse_shape(text: str) -> Shape:
+def _four_ints(text: str, expected: str) -> tuple[int, int, int, int]:
     m = _SHAPE_RE.match(str(text))
     if not m:
-        raise UsageError(
-            f"malformed shape {text!r}; expected SxBxNxC with four positive integers, e.g. 8192x4x4x7168"
-        )
-    s, b, n, c = (int(g) for g in m.groups())
-    if min(s, b, n, c) < 1:
+        raise UsageError(f"malformed shape {text!r}; {expected}")
+    dims = tuple(int(g) for g in m.groups())
+    if min(dims) < 1:
         raise UsageError(f"shape {text!r} has a zero dimension; every dimension must be at least 1")
-    return Shape(s, b, n, c)
+    return dims
+
+
+def parse_shape(text: str) -> Shape:
+    return Shape(*_four_ints(text, "expected SxBxNxC with four positive integers, e.g. 8192x4x4x7168"))
 
 
 MOE_PAPER_SHAPE = "4096x2048x1024x8"
@@ -70,25 +71,15 @@ class MoeShape:
     experts: int
 
     def replace(self, **kw) -> "MoeShape":
-        d = dict(tokens=self.tokens, hidden=self.hidden, ffn=self.ffn, experts=self.experts)
-        d.update(kw)
-        return MoeShape(**d)
+        return dataclasses.replace(self, **kw)
 
     def __str__(self) -> str:
         return f"{self.tokens}x{self.hidden}x{self.ffn}x{self.experts}"
 
 
 def parse_moe_shape(text: str) -> MoeShape:
-    m = _SHAPE_RE.match(str(text))
-    if not m:
-        raise UsageError(
-            f"malformed shape {text!r}; the grouped-MLP kernels take TxHxFxE (tokens x hidden x ffn x "
-            f"experts), e.g. {MOE_PAPER_SHAPE}"
-        )
-    t, h, f, e = (int(g) for g in m.groups())
-    if min(t, h, f, e) < 1:
-        raise UsageError(f"shape {text!r} has a zero dimension; every dimension must be at least 1")
-    return MoeShape(t, h, f, e)
+    return MoeShape(*_four_ints(text, "the grouped-MLP kernels take TxHxFxE (tokens x hidden x ffn x "
+                                      f"experts), e.g. {MOE_PAPER_SHAPE}"))
 
 
 def parse_shape_for(kind: str, text: str):
