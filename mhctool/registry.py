@@ -299,6 +299,7 @@ CUTILE_KERNELS: dict[str, str] = {
     "h_aggregate": "mhctool.kernels.cutile.h_aggregate:h_aggregate",
     "h_post_bda": "mhctool.kernels.cutile.h_post_bda:h_post_bda",
     "proj_rms": "mhctool.kernels.cutile.proj_rms:proj_rms",
+    "mapping": "mhctool.kernels.cutile.mapping:mapping",
 }
 
 

@@ -132,7 +132,7 @@ def test_fused_grouped_mlp_replays_from_a_cuda_graph():
     assert torch.equal(out, fresh) and not torch.equal(out, eager)
 
 
-CUTILE_FAMILIES = "sinkhorn,h_aggregate,h_post_bda,proj_rms"
+CUTILE_FAMILIES = "sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping"
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

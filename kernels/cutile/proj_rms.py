@@ -53,9 +53,8 @@ def _split3(v):
     return p1, p2, p3
 
 
-@ct.kernel
-def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool):
-    i = ct.bid(0)
+def _proj_tile(x, w, i, NP, BM, BK, LOWP):
+    """``x W^T`` for token block i (fp32 ``(BM, NP)``) and the rows' sums of squares."""
     acc = ct.zeros((BM, NP), dtype=ct.float32)
     ss = ct.zeros((BM,), dtype=ct.float32)
     comp = ct.zeros((BM,), dtype=ct.float32)  # Kahan: hundreds of chunk sums at K = 28672
@@ -68,6 +67,13 @@ def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstIn
         t = ss + y
         comp = (t - ss) - y
         ss = t
+    return acc, ss
+
+
+@ct.kernel
+def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool):
+    i = ct.bid(0)
+    acc, ss = _proj_tile(x, w, i, NP, BM, BK, LOWP)
     kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0  # K, as a float
     m = ct.sqrt(ss / kk)
     ct.store(proj, index=(i, 0), tile=acc)

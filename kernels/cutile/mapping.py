@@ -1,0 +1,189 @@
+"""The mHC mapping path in cuTile: proj_rms with compute_h fused after it, forward and backward.
+
+Forward, one launch: the projection and sum of squares of ``kernels/cutile/proj_rms.py`` for a
+block of tokens, then ``h = r * proj * alpha_col + h_bias`` on the ``(BM, NP)`` tile and the three
+outputs scattered to their own arrays: ``H_pre = sigmoid(h[:, :n])``, ``H_post = 2 sigmoid(h[:, n:2n])``,
+``logits = h[:, 2n:]``. The raw projection, r and the rms are kept for the backward.
+
+Backward: one kernel per token block gathers the three upstream gradients into one ``(BM, NP)``
+tile, applies the activations' derivatives (recomputed from the kept projection), and writes
+``d proj = dh * r * alpha_col`` and ``d r = sum_j dh * alpha_col * proj`` plus fp32 per-block
+partials of the alpha and bias gradients; then proj_rms's dx and dW kernels, and fixed-order sums
+of the partials.
+"""
+from __future__ import annotations
+
+import cuda.tile as ct
+import torch
+
+from mhctool.poison import empty
+
+from ._common import array, cdiv, check_cuda, launch, require_contiguous, tile_ir
+from .h_post_bda import _sum_rows
+from .proj_rms import _lowp, _np, _proj_rms_dw, _proj_rms_dx, _proj_tile, _tiles
+
+ConstInt = ct.Constant[int]
+ConstFloat = ct.Constant[float]
+ConstBool = ct.Constant[bool]
+ZERO = ct.PaddingMode.ZERO
+BR = 32
+
+
+def _alpha_cols(alpha, cols, n):
+    """``[a_pre]*n ++ [a_post]*n ++ [a_res]*n^2`` as a ``(1, NP)`` tile."""
+    a = ct.load(alpha, index=(0,), shape=(4,), padding_mode=ZERO).astype(ct.float32)  # [3] padded
+    a0 = ct.extract(a, (0,), shape=(1,))
+    a1 = ct.extract(a, (1,), shape=(1,))
+    a2 = ct.extract(a, (2,), shape=(1,))
+    return ct.where(cols < n, ct.reshape(a0, (1, 1)), ct.where(cols < 2 * n, ct.reshape(a1, (1, 1)), ct.reshape(a2, (1, 1))))
+
+
+def _h(proj_t, r_t, alpha, bias, cols, n, N, NP, BM):
+    b = ct.reshape(ct.load(bias, index=(0,), shape=(NP,), padding_mode=ZERO).astype(ct.float32), (1, NP))
+    ac = _alpha_cols(alpha, cols, n)
+    h = ct.reshape(r_t, (BM, 1)) * proj_t * ac + b
+    return ct.where(cols < N, h, 0.0), ac
+
+
+@ct.kernel
+def _mapping_fwd(x, w, alpha, bias, pre, post, logits, proj, r, rms, eps: ConstFloat, n: ConstInt, N: ConstInt,
+                 NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool):
+    i = ct.bid(0)
+    acc, ss = _proj_tile(x, w, i, NP, BM, BK, LOWP)
+    kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0
+    m = ct.sqrt(ss / kk)
+    rt = 1.0 / (m + eps)
+    ct.store(proj, index=(i, 0), tile=acc)
+    ct.store(r, index=(i,), tile=rt)
+    ct.store(rms, index=(i,), tile=m)
+    cols = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, NP))
+    rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
+    h, _ = _h(acc, rt, alpha, bias, cols, n, N, NP, BM)
+    s = 1.0 / (1.0 + ct.exp(-h))
+    ct.scatter(pre, (rows, cols), s, mask=cols < n)
+    ct.scatter(post, (rows, cols - n), 2.0 * s, mask=(cols >= n) & (cols < 2 * n))
+    ct.scatter(logits, (rows, cols - 2 * n), h, mask=(cols >= 2 * n) & (cols < N))
+
+
+@ct.kernel
+def _mapping_bwd_h(proj, r, alpha, bias, g_pre, g_post, g_logits, dproj, dr, ws_a, ws_b, n: ConstInt, N: ConstInt,
+                   NP: ConstInt, BM: ConstInt):
+    i = ct.bid(0)
+    cols = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, NP))
+    rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
+    p = ct.load(proj, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
+    rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
+    h, ac = _h(p, rt, alpha, bias, cols, n, N, NP, BM)
+    s = 1.0 / (1.0 + ct.exp(-h))
+    g = (ct.gather(g_pre, (rows, cols), mask=cols < n)
+         + ct.gather(g_post, (rows, cols - n), mask=(cols >= n) & (cols < 2 * n))
+         + ct.gather(g_logits, (rows, cols - 2 * n), mask=(cols >= 2 * n) & (cols < N)))
+    dh = ct.where(cols < n, g * s * (1.0 - s), ct.where(cols < 2 * n, 2.0 * g * s * (1.0 - s), g))
+    r2 = ct.reshape(rt, (BM, 1))
+    ct.store(dproj, index=(i, 0), tile=dh * r2 * ac)
+    ct.store(dr, index=(i,), tile=ct.sum(dh * ac * p, axis=1))
+    terms = ct.sum(dh * r2 * p, axis=0, keepdims=True)  # (1, NP): per column, this block's alpha terms
+    da = ct.zeros((1, 4), dtype=ct.float32)
+    lanes = ct.reshape(ct.arange(4, dtype=ct.int32), (1, 4))
+    da = da + ct.where(lanes == 0, ct.sum(ct.where(cols < n, terms, 0.0), axis=1, keepdims=True), 0.0)
+    da = da + ct.where(lanes == 1, ct.sum(ct.where((cols >= n) & (cols < 2 * n), terms, 0.0), axis=1, keepdims=True), 0.0)
+    da = da + ct.where(lanes == 2, ct.sum(ct.where(cols >= 2 * n, terms, 0.0), axis=1, keepdims=True), 0.0)
+    ct.store(ws_a, index=(i, 0), tile=da)
+    ct.store(ws_b, index=(i, 0), tile=ct.sum(dh, axis=0, keepdims=True))
+
+
+def _check(x2d, weight, alpha, h_bias):
+    check_cuda(x2d, weight, alpha, h_bias)
+    require_contiguous("x2d", x2d)
+    require_contiguous("weight", weight)
+    n_rows = weight.shape[0]
+    n = round((n_rows + 1) ** 0.5 - 1)
+    if n * n + 2 * n != n_rows:
+        raise ValueError(f"weight must have n^2 + 2n rows, got {n_rows}")
+    if x2d.dim() != 2 or weight.shape[1] != x2d.shape[1] or alpha.shape != (3,) or h_bias.shape != (n_rows,):
+        raise ValueError(f"x2d [M, K], weight [n^2+2n, K], alpha [3], h_bias [n^2+2n] expected; got "
+                         f"{tuple(x2d.shape)}, {tuple(weight.shape)}, {tuple(alpha.shape)}, {tuple(h_bias.shape)}")
+    return n
+
+
+class _Mapping(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, alpha, h_bias, eps):
+        n = _check(x2d, weight, alpha, h_bias)
+        m, k = x2d.shape
+        nr = weight.shape[0]
+        np_ = _np(nr)
+        lowp = _lowp(x2d, weight)
+        bm, bk = _tiles(lowp)
+        dev = x2d.device
+        a3, bias = alpha.contiguous(), h_bias.contiguous()
+        pre, post = empty((m, n), torch.float32, dev), empty((m, n), torch.float32, dev)
+        logits = empty((m, n, n), torch.float32, dev)
+        proj = empty((m, np_), torch.float32, dev)
+        r, rms = empty((m,), torch.float32, dev), empty((m,), torch.float32, dev)
+        if m:
+            launch(_mapping_fwd, (cdiv(m, bm),), (x2d, weight, a3, bias, pre, post, logits.view(m, n * n), proj, r, rms,
+                                                 float(eps), n, nr, np_, bm, bk, lowp))
+        ctx.save_for_backward(x2d, weight, a3, bias, proj, r, rms)
+        ctx.n = n
+        return pre, post, logits
+
+    @staticmethod
+    def backward(ctx, g_pre, g_post, g_logits):
+        x2d, weight, a3, bias, proj, r, rms = ctx.saved_tensors
+        n = ctx.n
+        m, k = x2d.shape
+        nr = weight.shape[0]
+        np_ = proj.shape[1]
+        lowp = _lowp(x2d, weight)
+        bm, bk = _tiles(lowp)
+        dev = x2d.device
+        zeros = {}
+
+        def grad(g, shape):
+            if g is None:
+                zeros[shape] = zeros.get(shape, torch.zeros(shape, dtype=torch.float32, device=dev))
+                return zeros[shape]
+            return g.float().contiguous()
+
+        gp, gq, gl = grad(g_pre, (m, n)), grad(g_post, (m, n)), grad(g_logits, (m, n, n))
+        nb = cdiv(m, bm)
+        dproj = empty((m, np_), torch.float32, dev)
+        dr = empty((m,), torch.float32, dev)
+        ws_a = empty((nb, 4), torch.float32, dev)
+        ws_b = empty((nb, np_), torch.float32, dev)
+        dx = empty(x2d.shape, x2d.dtype, dev)
+        dw = empty(weight.shape, weight.dtype, dev)
+        da = empty((3,), a3.dtype, dev)
+        db = empty((nr,), bias.dtype, dev)
+        if not m:
+            return dx, dw, torch.zeros_like(a3), torch.zeros_like(bias), None
+        if m:
+            launch(_mapping_bwd_h, (nb,), (proj, r, a3, bias, gp, gq, gl.view(m, n * n), dproj, dr, ws_a, ws_b,
+                                          n, nr, np_, bm))
+            launch(_proj_rms_dx, (nb, cdiv(k, bk)), (x2d, weight, dproj, dr, r, rms, dx, np_, bm, bk, lowp))
+            launch(_proj_rms_dw, (cdiv(k, bk),), (x2d, dproj, dw, np_, bm, bk, lowp))
+            launch(_sum_rows, (1,), (ws_a, da, BR, 4))
+            launch(_sum_rows, (cdiv(np_, 64),), (ws_b, db, BR, 64))
+        return dx, dw, da, db, None
+
+
+def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6):
+    """``(H_pre, H_post, H_res_logits)`` of ``compute_h(proj_rms(x2d, weight, eps), alpha, h_bias)``."""
+    return _Mapping.apply(x2d, weight, alpha, h_bias, eps)
+
+
+def compile_checks() -> dict[str, bytes]:
+    out = {}
+    f32 = torch.float32
+    for dtype, lowp in ((torch.bfloat16, True), (torch.float32, False)):
+        bm, bk = _tiles(lowp)
+        a2 = array(dtype, 2)
+        out[f"fwd-{dtype}"] = tile_ir(_mapping_fwd, [a2, a2, array(f32, 1), array(f32, 1), array(f32, 2), array(f32, 2),
+                                                     array(f32, 2), array(f32, 2), array(f32, 1), array(f32, 1),
+                                                     1e-6, 4, 24, 32, bm, bk, lowp])
+        out[f"bwd-{dtype}"] = tile_ir(_mapping_bwd_h, [array(f32, 2), array(f32, 1), array(f32, 1), array(f32, 1),
+                                                       array(f32, 2), array(f32, 2), array(f32, 2), array(f32, 2),
+                                                       array(f32, 1), array(f32, 2), array(f32, 2), 4, 24, 32, bm])
+    out["sum-alpha"] = tile_ir(_sum_rows, [array(f32, 2), array(f32, 1), BR, 4])
+    return out
