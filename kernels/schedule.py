@@ -16,7 +16,8 @@ STABILIZE = {"rowmax": 0, "none": 1, "softmax": 2}
 
 
 def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+    """The smallest power of two >= n (1 for n <= 1): tile extents are powers of two."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def sinkhorn_steps(n: int, stabilize: str, order: str, iters: int) -> dict:

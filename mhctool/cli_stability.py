@@ -199,6 +199,7 @@ def stability_overflow(
     from . import inputs as inputs_mod
     from . import overflow as ov
     from . import stability as st
+    ov.check_kernel(kernel)
     fam = registry.get_family(kernel)
     inputs_mod.get_family(kernel, family)
     knobs = {k: v.default for k, v in fam.knobs.items() if v.passed}
@@ -221,7 +222,7 @@ def stability_overflow(
     table, path = _write(rows, "stability-overflow", {"command": "stability overflow", "device": dev, "impl": im.name,
                                                       "knobs": knobs, "family": family},
                          report.OVERFLOW_SCHEMA, out_path)
-    summ = ov.summary(rows, dtypes)
+    summ = ov.summary(rows)
     t = Table(title=f"{kernel} ({family}, {', '.join(f'{k}={v}' for k, v in knobs.items()) or 'no knobs'}): "
                     f"first input scale with no headroom left; output checked with {im.name}")
     for c in ("intermediate", *dtypes):

@@ -27,6 +27,7 @@ from .dtypes import FORMATS, fmt_of
 from .errors import UsageError
 from .references import mhc as ref
 from .registry import Family, Impl, get_family
+from .runner import cast_inputs
 from .shapes import Shape
 
 # kernel knob -> keyword of references.mhc.mhc_layer
@@ -112,10 +113,7 @@ def kernel_shift(change: KnobChange, impl: Impl, family: str, dtype: str, device
     ka, kb = dict(base_knobs, **{change.knob: change.a}), dict(base_knobs, **{change.knob: change.b})
     shape_knobs = {k: v.default for k, v in fam.knobs.items() if not v.passed}
     _, raw = inputs_mod.generate(change.kernel, family, KERNEL_SHAPES[change.kernel], seed, shape_knobs)
-    act = FORMATS[dtype].torch_dtype
-    args = {n: (None if raw.get(n) is None else
-                raw[n].to(dtype=torch.float32 if n in fam.mapping else act, device=device))
-            for n in fam.inputs}
+    args = cast_inputs(fam, raw, dtype, device)
     args64 = {n: None if t is None else t.double().cpu() for n, t in args.items()}
     with torch.no_grad():
         ref_a = fam.call(fam.reference, args64, ka, lambda k: True)
@@ -147,7 +145,7 @@ def _per_token(oa: torch.Tensor, ob: torch.Tensor) -> dict[str, float]:
     f = fmt_of(oa.dtype)
     a = oa.double().reshape(oa.shape[0], -1)
     d = (ob.double().reshape(ob.shape[0], -1) - a).abs()
-    per = (d / _ulp(a, f.name)).amax(dim=1)
+    per = (d / metrics.ulp_size(a, f)).amax(dim=1)
     return {"token_shift_ulps_median": float(per.median()), "tokens_shifted_share": float((per > 1).double().mean())}
 
 
@@ -209,7 +207,7 @@ def stack_shift(change: KnobChange, family: str, dtype: str, depth: int, seed: i
     for d, (xa, xb, xd) in enumerate(zip(sa, sb, sd), start=1):
         shift = _rel(xb, xa)
         noise = _rel(xd, xa)
-        ulps = (xb - xa).abs() / _ulp(xa, dtype)
+        ulps = (xb - xa).abs() / metrics.ulp_size(xa, FORMATS[dtype])
         vals = {"shift_rel_l2": shift, "noise_rel_l2": noise, "shift_over_noise": _ratio(shift, noise),
                 "shift_ulps_median": float(ulps.median()), "shift_ulps_max": float(ulps.max())}
         rows += [dict(level="stack", family=family, dtype=dtype, impl="reference", tensor="x", depth=d,
@@ -221,12 +219,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     den = float(torch.linalg.vector_norm(b))
     num = float(torch.linalg.vector_norm(a - b))
     return num / den if den > 0 else num
-
-
-def _ulp(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    f = FORMATS[dtype]
-    e = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** f.min_exponent)))
-    return torch.exp2(e - f.mantissa_bits)
 
 
 STACK_FAMILIES = {

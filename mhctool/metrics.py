@@ -53,14 +53,18 @@ def rel_l2(out, ref) -> float:
     return float(num / den)
 
 
+def ulp_size(values: torch.Tensor, f) -> torch.Tensor:
+    """The unit in the last place of format ``f`` at each of ``values`` (float64)."""
+    exp = torch.floor(torch.log2(values.abs().clamp_min(2.0 ** f.min_exponent)))
+    return 2.0 ** (exp - f.mantissa_bits)
+
+
 def ulp(out, ref) -> float:
     """Largest error in units of the last place of ``out``'s dtype at the reference value."""
     d, r = _abs_err(out, ref)
     if not d.numel():
         return 0.0
-    f = fmt_of(out.dtype)
-    exp = torch.floor(torch.log2(r.abs().clamp_min(2.0 ** f.min_exponent)))
-    return float((d / 2.0 ** (exp - f.mantissa_bits)).max())
+    return float((d / ulp_size(r, fmt_of(out.dtype))).max())
 
 
 def nonfinite(out, ref) -> float:

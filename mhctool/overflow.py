@@ -13,15 +13,18 @@ than the dtype (fp32 math for fp16 inputs) stays right there, and is not flagged
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from . import inputs as inputs_mod
 from .dtypes import FORMATS
+from .errors import UsageError
 from .registry import Impl, get_family
+from .runner import cast_inputs
 from .shapes import Shape
-from .stability import NEAR_OVERFLOW
+from .stability import NEAR_OVERFLOW, first_scale
 
 SHAPES = {
     "sinkhorn": Shape(128, 1, 4, 1),
@@ -52,6 +55,12 @@ def default_scales(kernel: str, points: int) -> tuple[float, ...]:
     return tuple(sorted(grid))
 
 
+def check_kernel(kernel: str) -> None:
+    get_family(kernel)
+    if kernel not in SHAPES:
+        raise UsageError(f"kernel {kernel} has no overflow analysis; accepted: {', '.join(KERNELS)}")
+
+
 def _base_inputs(kernel: str, family: str, seed: int) -> dict[str, torch.Tensor | None]:
     fam = get_family(kernel)
     knobs = {k: v.default for k, v in fam.knobs.items() if not v.passed}
@@ -77,17 +86,10 @@ def intermediates(kernel: str, args64: dict, knobs: dict) -> tuple[dict[str, flo
         if args64.get(name) is not None:
             trace(f"input:{name}", args64[name])
     with torch.no_grad():
-        outs = _call_traced(fam, args64, knobs, trace)
+        outs = fam.call(functools.partial(fam.reference, trace=trace), args64, knobs, lambda k: True)
     for name, o in zip(fam.outputs, outs):
         trace(f"output:{name}", o)
     return amax, outs
-
-
-def _call_traced(fam, args64, knobs, trace):
-    pos = [args64[k] for k in fam.inputs]
-    kw = {k: v for k, v in knobs.items() if fam.knobs[k].passed}
-    out = fam.reference(*pos, **kw, trace=trace)
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def headroom_log2(amax: float, dtype: str) -> float:
@@ -131,13 +133,10 @@ def sweep(kernel: str, impl: Impl | None, family: str, dtypes: tuple[str, ...], 
 def _run_impl(fam, impl: Impl, args64: dict, knobs: dict, dtype: str, device: str, ref_outs) -> tuple[float, float]:
     """The share of non-finite output elements, and the largest error of the finite ones relative
     to each reference output's largest magnitude (where the reference is finite)."""
-    act = FORMATS[dtype].torch_dtype
-    args = {k: (None if v is None else v.to(dtype=torch.float32 if k in fam.mapping else act, device=device))
-            for k, v in args64.items()}
-    kw = {k: v for k, v in knobs.items() if fam.knobs[k].passed}
+    args = cast_inputs(fam, args64, dtype, device)
     try:
         with torch.no_grad():
-            outs = fam.call(impl.fn, args, kw, impl.accepts)
+            outs = fam.call(impl.fn, args, knobs, impl.accepts)
     except Exception:  # an implementation that refuses non-finite input: the output is lost
         return 1.0, math.inf
     bad = sum(int((~torch.isfinite(o)).sum()) for o in outs)
@@ -151,34 +150,21 @@ def _run_impl(fam, impl: Impl, args64: dict, knobs: dict, dtype: str, device: st
     return bad / max(1, sum(o.numel() for o in outs)), err
 
 
-def summary(rows: list[dict], dtypes: tuple[str, ...]) -> list[dict]:
+def summary(rows: list[dict]) -> list[dict]:
     """Per intermediate and dtype: the first scale with no headroom left, the first scale at which
     the implementation's output has a non-finite value, and whether the overflow is silent: at
     some scale from the overflow on, the output is all finite but wrong."""
-    first_out: dict[str, float | None] = {}
-    quiet_wrong: dict[str, list[float]] = {}  # scales where the output is finite but wrong
+    first_out = {k[0]: v for k, v in first_scale(rows, "output_nonfinite_share", ("dtype",), lambda v: v > 0).items()}
     nonfinite = {(r["dtype"], r["scale"]): r["value"] for r in rows if r["metric"] == "output_nonfinite_share"}
+    quiet_wrong: dict[str, list[float]] = {}  # scales where the output is finite but wrong
     for r in rows:
-        if r["metric"] == "output_nonfinite_share":
-            first_out.setdefault(r["dtype"], None)
-            if r["value"] > 0 and (first_out[r["dtype"]] is None or r["scale"] < first_out[r["dtype"]]):
-                first_out[r["dtype"]] = r["scale"]
-        if r["metric"] == "output_rel_error" and nonfinite.get((r["dtype"], r["scale"])) == 0:
-            if r["value"] > WRONG_ROUNDOFFS * FORMATS[r["dtype"]].unit_roundoff:
-                quiet_wrong.setdefault(r["dtype"], []).append(r["scale"])
-    first: dict[tuple, float | None] = {}
-    for r in rows:
-        if r["metric"] != "headroom_log2":
-            continue
-        k = (r["intermediate"], r["dtype"])
-        first.setdefault(k, None)
-        if r["value"] <= 0 and (first[k] is None or r["scale"] < first[k]):
-            first[k] = r["scale"]
+        if (r["metric"] == "output_rel_error" and nonfinite.get((r["dtype"], r["scale"])) == 0
+                and r["value"] > WRONG_ROUNDOFFS * FORMATS[r["dtype"]].unit_roundoff):
+            quiet_wrong.setdefault(r["dtype"], []).append(r["scale"])
     out = []
-    for (name, dt), s in first.items():
-        o = first_out.get(dt, "not run")
+    for (name, dt), s in first_scale(rows, "headroom_log2", ("intermediate", "dtype"), lambda v: v <= 0).items():
         silent = (s is not None and not name.startswith("input:")
                   and any(q >= s for q in quiet_wrong.get(dt, [])))
         out.append(dict(intermediate=name, dtype=dt, first_overflow_scale=s,
-                        output_first_nonfinite=None if o == "not run" else o, ran=o != "not run", silent=silent))
+                        output_first_nonfinite=first_out.get(dt), silent=silent))
     return out

@@ -13,6 +13,19 @@ import pyarrow as pa  # noqa: E402
 from .report import verdicts  # noqa: E402
 
 
+def _folder(out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def _save(fig, path: Path, dpi: int) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def _label(v: dict) -> str:
     knobs = v["knobs"].strip("{}").replace('"', "")
     return f"{v['family']} {v['dtype']} {v['shape']}" + (f" {knobs}" if knobs else "")
@@ -21,8 +34,7 @@ def _label(v: dict) -> str:
 def parity_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
     """One PNG per kernel: for each case and implementation, the worst gated error as a share of
     its threshold (1 = the verdict boundary), forward and backward side by side."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _folder(out_dir)
     vs = [v for v in verdicts(table) if v["passed"] is not None]
     written = []
     for kernel in sorted({v["kernel"] for v in vs}):
@@ -50,10 +62,7 @@ def parity_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
             ax.grid(axis="y", alpha=0.3)
         axes[0].set_ylabel("worst error / threshold  (>1 fails; red = failed)")
         axes[0].legend(fontsize=8, title="impl (marker)")
-        fig.tight_layout()
-        path = out_dir / f"parity-{kernel}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        path = _save(fig, out_dir / f"parity-{kernel}.png", 110)
         written.append(path)
     return written
 
@@ -85,18 +94,12 @@ def bench_figure(table: pa.Table, path: str | Path, copy_bw: float) -> Path:
     ax.set_ylabel("% of measured copy bandwidth")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, _folder(Path(path).parent) / Path(path).name, 110)
 
 
 def golden_figures(golden, actual, metrics: list[str], out_dir: str | Path, labels=("golden", "actual")) -> list[Path]:
     """Per metric: both curves, and their relative difference per step."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _folder(out_dir)
     written = []
     for m in metrics:
         if m not in golden or m not in actual:
@@ -114,10 +117,7 @@ def golden_figures(golden, actual, metrics: list[str], out_dir: str | Path, labe
         bx.set_ylabel("(actual-golden)/golden %")
         bx.set_xlabel("step")
         bx.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out_dir / f"golden-{m.replace(' ', '_')}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        path = _save(fig, out_dir / f"golden-{m.replace(' ', '_')}.png", 100)
         written.append(path)
     return written
 
@@ -125,8 +125,7 @@ def golden_figures(golden, actual, metrics: list[str], out_dir: str | Path, labe
 def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, float]) -> list[Path]:
     """Non-finite rate and error vs logit amplitude (dtype overflow points marked), and the
     convergence of the residuals with the iteration count."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _folder(out_dir)
     rows = table.to_pylist()
     written = []
     max_iters = max(r["iters"] for r in rows)
@@ -152,10 +151,7 @@ def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, 
             ax.set_xlabel("logit amplitude (max |logit|)")
         axes[0][0].set_ylabel(ylabel)
         axes[0][-1].legend(fontsize=6)
-        fig.tight_layout()
-        path = out_dir / fname
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        path = _save(fig, out_dir / fname, 100)
         written.append(path)
     # convergence: residual vs iterations at amplitude ~ 10 in fp32
     sel = [r for r in rows if r["metric"] in ("row_residual", "col_residual") and r["dtype"] == "fp32"]
@@ -174,10 +170,7 @@ def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, 
         ax.set_ylabel("max |sum - 1|")
         ax.set_title(f"convergence at amplitude {target:g} (fp32)")
         ax.legend(fontsize=5)
-        fig.tight_layout()
-        path = out_dir / "stability-convergence.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        path = _save(fig, out_dir / "stability-convergence.png", 100)
         written.append(path)
     return written
 
@@ -185,8 +178,7 @@ def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, 
 def knob_shift_figure(table: pa.Table, out_dir: str | Path) -> Path:
     """The knob change through the mHC stack: relative shift of the residual stream vs depth per
     input family (solid), beside the shift that storing activations in the dtype causes (dashed)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _folder(out_dir)
     rows = [r for r in table.to_pylist() if r["level"] == "stack"]
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(5.5 * max(1, len(dtypes)), 4.2), sharey=True, squeeze=False)
@@ -205,18 +197,13 @@ def knob_shift_figure(table: pa.Table, out_dir: str | Path) -> Path:
     axes[0][0].set_ylabel("||x_B - x_A|| / ||x_A||")
     axes[0][-1].legend(fontsize=6)
     fig.suptitle(f"{first['kernel']} {first['knob']}: {first['setting_a']} -> {first['setting_b']}")
-    fig.tight_layout()
-    path = out_dir / "stability-eps.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir / "stability-eps.png", 100)
 
 
 def overflow_figure(table: pa.Table, out_dir: str | Path) -> Path:
     """Headroom (log2 of max finite / amax) of every intermediate vs input scale, one panel per
     dtype; zero is the overflow line."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _folder(out_dir)
     rows = [r for r in table.to_pylist() if r["metric"] == "headroom_log2"]
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(5.5 * max(1, len(dtypes)), 4.2), sharey=True, squeeze=False)
@@ -233,17 +220,12 @@ def overflow_figure(table: pa.Table, out_dir: str | Path) -> Path:
     axes[0][-1].legend(fontsize=6)
     kernel = rows[0]["kernel"] if rows else "?"
     fig.suptitle(f"{kernel}: headroom of each intermediate")
-    fig.tight_layout()
-    path = out_dir / f"stability-overflow-{kernel}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir / f"stability-overflow-{kernel}.png", 100)
 
 
 def gain_figure(table: pa.Table, out_dir: str | Path) -> Path:
     """Composite Amax gain vs depth, forward and backward, per H_res configuration."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _folder(out_dir)
     rows = table.to_pylist()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, metric, title in zip(axes, ("fwd_gain", "bwd_gain"), ("forward (max |row sum|)", "backward (max |col sum|)")):
@@ -258,8 +240,4 @@ def gain_figure(table: pa.Table, out_dir: str | Path) -> Path:
         ax.set_title(title)
     axes[0].set_ylabel("Amax gain of prod H_res (mean over tokens; dotted: max)")
     axes[1].legend(fontsize=6)
-    fig.tight_layout()
-    path = out_dir / "stability-gain.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir / "stability-gain.png", 100)

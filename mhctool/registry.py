@@ -79,18 +79,17 @@ class Family:
 
 
 def _mapping_term_scale(args: dict, upstream: list, knobs: dict) -> dict[str, float]:
-    """grad_alpha[k] sums g_h * r * proj over every token and the k-th group of columns: its
-    terms are far larger than the result when they cancel."""
-    w = args["weight"]
-    n = round((w.shape[0] + 1) ** 0.5 - 1)
-    x = args["x2d"].detach()
-    proj, r = ref.proj_rms(x, w.detach(), knobs.get("eps", 1e-6))
-    h = (r.unsqueeze(-1) * proj * ref.alpha_columns(args["alpha"].detach(), n) + args["h_bias"].detach()).requires_grad_()
-    outs = (torch.sigmoid(h[..., :n]), 2.0 * torch.sigmoid(h[..., n:2 * n]), h[..., 2 * n:].reshape(-1, n, n))
-    (gh,) = torch.autograd.grad(outs, [h], list(upstream))
-    terms = (gh * r.unsqueeze(-1) * proj).abs()
-    groups = (terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum())
-    return {"grad_alpha": float(max(groups))}
+    """grad_alpha[k] sums g_h * (r * proj) over every token and the k-th group of columns: its
+    terms are far larger than the result when they cancel. The reference's trace gives h (for
+    g_h) and r * proj."""
+    seen: dict[str, torch.Tensor] = {}
+    with torch.enable_grad():
+        outs = ref.mapping(args["x2d"], args["weight"], args["alpha"], args["h_bias"], knobs.get("eps", 1e-6),
+                           trace=lambda name, t: seen.setdefault(name, t))
+        (gh,) = torch.autograd.grad(outs, [seen["h"]], list(upstream))
+    n = outs[0].shape[-1]
+    terms = (gh * seen["r_proj"]).abs().detach()
+    return {"grad_alpha": float(max(terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum()))}
 
 
 def _ref_sinkhorn(logits, iters=20, eps=1e-6, **kw):

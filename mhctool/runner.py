@@ -66,7 +66,13 @@ def short_error(e: BaseException) -> str:
 
 
 def _cast_inputs(fam: Family, raw: dict, case: Case) -> dict:
-    act = FORMATS[case.dtype].torch_dtype
+    return cast_inputs(fam, raw, case.dtype, case.device)
+
+
+def cast_inputs(fam: Family, raw: dict, dtype: str, device: str) -> dict:
+    """The family's inputs in call order: activations at ``dtype``, mapping tensors in fp32,
+    integer tensors (token counts, masks) as generated; absent ones None."""
+    act = FORMATS[dtype].torch_dtype
     out = {}
     for name in fam.inputs:
         t = raw.get(name)
@@ -74,10 +80,9 @@ def _cast_inputs(fam: Family, raw: dict, case: Case) -> dict:
             out[name] = None
             continue
         if not t.is_floating_point():  # token counts, masks: as generated
-            out[name] = t.to(device=case.device).contiguous()
+            out[name] = t.to(device=device).contiguous()
             continue
-        dtype = torch.float32 if name in fam.mapping else act
-        out[name] = t.to(dtype=dtype, device=case.device).contiguous()
+        out[name] = t.to(dtype=torch.float32 if name in fam.mapping else act, device=device).contiguous()
     return out
 
 

@@ -183,15 +183,22 @@ def _shift(out: torch.Tensor, base: torch.Tensor) -> float:
     return float((out - base).abs().max())
 
 
-def first_nonfinite(rows: list[dict]) -> list[dict]:
-    """Per configuration, the smallest amplitude with a non-finite output (None: finite throughout)."""
-    keys = ("impl", "family", "dtype", "stabilize", "eps", "eps_mode", "order", "iters")
+def first_scale(rows: list[dict], metric: str, keys: tuple[str, ...], hit) -> dict[tuple, float | None]:
+    """Per value of ``keys``, the smallest ``scale`` among the rows of ``metric`` whose value
+    satisfies ``hit`` (None where none does)."""
     best: dict[tuple, float | None] = {}
     for r in rows:
-        if r["metric"] != "nonfinite_rate":
+        if r["metric"] != metric:
             continue
         k = tuple(r[c] for c in keys)
         best.setdefault(k, None)
-        if r["value"] > 0 and (best[k] is None or r["scale"] < best[k]):
+        if hit(r["value"]) and (best[k] is None or r["scale"] < best[k]):
             best[k] = r["scale"]
+    return best
+
+
+def first_nonfinite(rows: list[dict]) -> list[dict]:
+    """Per configuration, the smallest amplitude with a non-finite output (None: finite throughout)."""
+    keys = ("impl", "family", "dtype", "stabilize", "eps", "eps_mode", "order", "iters")
+    best = first_scale(rows, "nonfinite_rate", keys, lambda v: v > 0)
     return [dict(zip(keys, k), first_nonfinite_scale=v) for k, v in best.items()]

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..schedule import next_pow2  # noqa: F401  (the kernels import it from here)
+
 
 def interpreted() -> bool:
     """True when Triton runs through its CPU interpreter (TRITON_INTERPRET=1)."""
@@ -48,10 +50,6 @@ def require_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
             f"strides {t.stride()}); call .contiguous() first"
         )
     return t
-
-
-def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
 
 
 _BEST: dict = {}

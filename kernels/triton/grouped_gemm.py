@@ -187,7 +187,8 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, m_splits: torch.Tensor, offs: torch
             ACCUMULATE=flags is not None, LOWP=lowp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             num_warps=warps, num_stages=stages)
 
-    # accumulating runs change ``out``: time on a scratch copy
+    # an accumulating run changes ``out``, so it cannot be timed by repeating it: it takes a fixed
+    # mid-size tile (the interpreter, the smallest)
     if flags is None:
         cfg = pick_config(("wgrad", x.shape[0], n, k, g, x.dtype), _WGRAD_CONFIGS, run, x.shape[0] * n * k // 64)
     else:
