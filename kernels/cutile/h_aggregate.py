@@ -19,18 +19,22 @@ from ._common import array, cdiv, check_cuda, launch, require_contiguous, tile_i
 
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
-BT, BC = 16, 256
+# tiles picked on an H200 at 8192x4x4x7168 bf16 (docs/perf-notes.md has the sweep)
+BT, BC, CB = 32, 256, 2  # forward tile, C chunks per program
+BT_BWD, BC_BWD = 8, 256
 
 
 @ct.kernel
-def _h_aggregate_fwd(x, h, out, N: ConstInt, NP: ConstInt, BT: ConstInt, BC: ConstInt):
-    i, c = ct.bid(0), ct.bid(1)
+def _h_aggregate_fwd(x, h, out, N: ConstInt, NP: ConstInt, BT: ConstInt, BC: ConstInt, CB: ConstInt):
+    i, cb = ct.bid(0), ct.bid(1)
     ht = ct.load(h, index=(i, 0), shape=(BT, NP), padding_mode=ZERO).astype(ct.float32)
-    acc = ct.zeros((BT, BC), dtype=ct.float32)
-    for j in ct.static_iter(range(N)):  # one stream at a time: no reduction across tile rows
-        xj = ct.reshape(ct.load(x, index=(i, j, c), shape=(BT, 1, BC), padding_mode=ZERO), (BT, BC))
-        acc = acc + xj.astype(ct.float32) * ct.extract(ht, (0, j), shape=(BT, 1))
-    ct.store(out, index=(i, c), tile=acc.astype(out.dtype))
+    for k in range(CB):  # chunks past the end of C load zeros and store nothing
+        c = cb * CB + k
+        acc = ct.zeros((BT, BC), dtype=ct.float32)
+        for j in ct.static_iter(range(N)):  # one stream at a time: no reduction across tile rows
+            xj = ct.reshape(ct.load(x, index=(i, j, c), shape=(BT, 1, BC), padding_mode=ZERO), (BT, BC))
+            acc = acc + xj.astype(ct.float32) * ct.extract(ht, (0, j), shape=(BT, 1))
+        ct.store(out, index=(i, c), tile=acc.astype(out.dtype))
 
 
 @ct.kernel
@@ -62,8 +66,8 @@ class _HAggregate(torch.autograd.Function):
         x3, t, n, c = _views(x)
         out = empty((x.shape[0], x.shape[1], c), x.dtype, x.device)
         if t and c:
-            launch(_h_aggregate_fwd, (cdiv(t, BT), cdiv(c, BC)),
-                   (x3, h.view(t, n), out.view(t, c), n, next_pow2(n), BT, BC))
+            launch(_h_aggregate_fwd, (cdiv(t, BT), cdiv(cdiv(c, BC), CB)),
+                   (x3, h.view(t, n), out.view(t, c), n, next_pow2(n), BT, BC, CB))
         ctx.save_for_backward(x, h)
         return out
 
@@ -75,8 +79,8 @@ class _HAggregate(torch.autograd.Function):
         dx = empty(x.shape, x.dtype, x.device)
         dh = empty(h.shape, h.dtype, h.device)
         if t:
-            launch(_h_aggregate_bwd, (cdiv(t, BT),),
-                   (x3, h.view(t, n), g.view(t, c), dx.view(t, n, c), dh.view(t, n), next_pow2(n), BT, BC))
+            launch(_h_aggregate_bwd, (cdiv(t, BT_BWD),),
+                   (x3, h.view(t, n), g.view(t, c), dx.view(t, n, c), dh.view(t, n), next_pow2(n), BT_BWD, BC_BWD))
         return dx, dh
 
 
@@ -91,8 +95,8 @@ def compile_checks() -> dict[str, bytes]:
         for n in (4, 3):
             np_ = next_pow2(n)
             out[f"fwd-{dtype}-{n}"] = tile_ir(_h_aggregate_fwd, [array(dtype, 3), array(torch.float32, 2),
-                                                                   array(dtype, 2), n, np_, BT, BC])
+                                                                   array(dtype, 2), n, np_, BT, BC, CB])
             out[f"bwd-{dtype}-{n}"] = tile_ir(_h_aggregate_bwd, [array(dtype, 3), array(torch.float32, 2),
                                                                    array(dtype, 2), array(dtype, 3),
-                                                                   array(torch.float32, 2), np_, BT, BC])
+                                                                   array(torch.float32, 2), np_, BT_BWD, BC_BWD])
     return out

@@ -2,12 +2,14 @@
 ``out[t, i, c] = sum_j H[t, i, j] x[t, j, c] + h_post[t, i] (y[t, c] + bias[c])``, with
 ``H = h_res`` or ``h_res^T`` (``transpose_res``).
 
-Tiles: x and the output ``(BT, NP, BC)``, h_res ``(BT, NP, NP)`` and h_post ``(BT, NP)`` in fp32,
-y ``(BT, BC)``; the mixing adds one stream at a time (v1 broadcast a ``(BT, NP, NP, BC)`` product
-and summed it: 6% of copy bandwidth on an H100). The backward is one program per token block walking C: grad_x and grad_y chunk by
-chunk, grad_h_res and grad_h_post reduced over C in fp32 on chip; the bias gradient (a reduction
-over tokens) is written as fp32 partials per token block and summed by a second kernel, in a
-fixed order (no atomics).
+Every tile is two-dimensional, ``(BT, BC)``: one stream of a block of tokens over a chunk of C.
+The n x n mixing weights are loaded once per program as a ``(BT, NN)`` tile of h_res viewed as
+``[t, n * n]`` and split into ``(BT, 1)`` columns, so the mixing is n^2 broadcast multiply-adds of
+whole tiles (v1 mixed a ``(BT, NP, BC)`` tile through its middle axis: 35% / 56% of copy
+bandwidth on an H100). The forward walks CB chunks of C per program; the backward walks all of
+C per token block, accumulating grad_h_res and grad_h_post elementwise in fp32 and reducing over
+C once at the end. The bias gradient (a reduction over tokens) is written as fp32 partials per
+token block and summed by a second kernel, in a fixed order (no atomics).
 """
 from __future__ import annotations
 
@@ -22,70 +24,120 @@ from ._common import array, cdiv, check_cuda, launch, require_contiguous, tile_i
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
-BT, BC = 8, 256
+# tiles and occupancy picked on an H200 at 8192x4x4x7168 bf16 (docs/perf-notes.md has the sweep)
+BT, BC, CB = 8, 256, 1  # forward tile and C chunks per program
+BT_BWD, BC_BWD = 16, 64  # backward tile
 BR = 32  # rows per step of the partial-sum reduction
 
 
-def _mix(h, xt, N, NP, BT, BC):
-    """``sum_j h[t, i, j] xt[t, j, c]`` -> ``(BT, NP, BC)``, one stream j at a time."""
-    acc = ct.zeros((BT, NP, BC), dtype=ct.float32)
-    for j in ct.static_iter(range(N)):
-        acc = acc + ct.extract(h, (0, 0, j), shape=(BT, NP, 1)) * ct.extract(xt, (0, j, 0), shape=(BT, 1, BC))
-    return acc
+def _columns(t, count, BT):
+    """The first ``count`` columns of a ``(BT, K)`` tile as a tuple of ``(BT, 1)`` tiles."""
+    out = ()
+    for e in ct.static_iter(range(count)):
+        out = out + (ct.extract(t, (0, e), shape=(BT, 1)),)
+    return out
 
 
-def _load_h(h_res, i, NP, BT, TRANSPOSE):
-    h = ct.load(h_res, index=(i, 0, 0), shape=(BT, NP, NP), padding_mode=ZERO).astype(ct.float32)
+def _weights(h_res, h_post, i, N, NN, NP, BT):
+    h = ct.load(h_res, index=(i, 0), shape=(BT, NN), padding_mode=ZERO).astype(ct.float32)
+    p = ct.load(h_post, index=(i, 0), shape=(BT, NP), padding_mode=ZERO).astype(ct.float32)
+    return _columns(h, N * N, BT), _columns(p, N, BT)
+
+
+def _hidx(r, j, N, TRANSPOSE):
+    """Where H[r, j] sits in h_res viewed as [t, n * n]."""
     if TRANSPOSE:
-        h = ct.permute(h, (0, 2, 1))
-    return h
+        return j * N + r
+    return r * N + j
 
 
-@ct.kernel
-def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, N: ConstInt, NP: ConstInt, BT: ConstInt, BC: ConstInt,
-                    HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
-    i, c = ct.bid(0), ct.bid(1)
-    h = _load_h(h_res, i, NP, BT, TRANSPOSE)
-    xt = ct.load(x, index=(i, 0, c), shape=(BT, NP, BC), padding_mode=ZERO).astype(ct.float32)
-    hp = ct.load(h_post, index=(i, 0), shape=(BT, NP), padding_mode=ZERO).astype(ct.float32)
+def _streams(a, i, c, N, BT, BC):
+    """Streams 0..N-1 of a ``[t, n, C]`` array at token block i, C chunk c: ``(BT, BC)`` fp32 tiles."""
+    out = ()
+    for j in ct.static_iter(range(N)):
+        t = ct.load(a, index=(i, j, c), shape=(BT, 1, BC), padding_mode=ZERO)
+        out = out + (ct.reshape(t, (BT, BC)).astype(ct.float32),)
+    return out
+
+
+def _branch(y, bias, i, c, BT, BC, HAS_BIAS):
     z = ct.load(y, index=(i, c), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
     if HAS_BIAS:
         z = z + ct.reshape(ct.load(bias, index=(c,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
-    o = _mix(h, xt, N, NP, BT, BC) + ct.reshape(hp, (BT, NP, 1)) * ct.reshape(z, (BT, 1, BC))
-    ct.store(out, index=(i, 0, c), tile=o.astype(out.dtype))
+    return z
 
 
-@ct.kernel
-def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dh_res, dx, dh_post, dy, ws, N: ConstInt, NP: ConstInt,
-                    BT: ConstInt, BC: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
+def _store_stream(a, i, j, c, t, BT, BC):
+    ct.store(a, index=(i, j, c), tile=ct.reshape(t.astype(a.dtype), (BT, 1, BC)))
+
+
+@ct.kernel(occupancy=4)
+def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt,
+                    BC: ConstInt, CB: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
+    i, cb = ct.bid(0), ct.bid(1)
+    hc, pc = _weights(h_res, h_post, i, N, NN, NP, BT)
+    for k in range(CB):  # chunks past the end of C load zeros and store nothing
+        c = cb * CB + k
+        z = _branch(y, bias, i, c, BT, BC, HAS_BIAS)
+        xs = _streams(x, i, c, N, BT, BC)
+        for r in ct.static_iter(range(N)):
+            acc = pc[r] * z
+            for j in ct.static_iter(range(N)):
+                acc = acc + hc[_hidx(r, j, N, TRANSPOSE)] * xs[j]
+            _store_stream(out, i, r, c, acc, BT, BC)
+
+
+def _assemble(vals, width, BT):
+    """``(BT, 1)`` tiles -> one ``(BT, width)`` tile (column e = vals[e], the rest zero)."""
+    lanes = ct.reshape(ct.arange(width, dtype=ct.int32), (1, width))
+    out = ct.zeros((BT, width), dtype=ct.float32)
+    for e in ct.static_iter(range(len(vals))):
+        out = ct.where(lanes == e, vals[e], out)
+    return out
+
+
+@ct.kernel(occupancy=2)
+def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dh_res, dx, dh_post, dy, ws, N: ConstInt, NN: ConstInt,
+                    NP: ConstInt, BT: ConstInt, BC: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
     i = ct.bid(0)
-    h = _load_h(h_res, i, NP, BT, TRANSPOSE)
-    ht = ct.permute(h, (0, 2, 1))
-    hp = ct.reshape(ct.load(h_post, index=(i, 0), shape=(BT, NP), padding_mode=ZERO).astype(ct.float32), (BT, NP, 1))
-    lanes = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, 1, NP))  # grad_h_res is built column by column
-    acc_h = ct.zeros((BT, NP, NP), dtype=ct.float32)
-    acc_p = ct.zeros((BT, NP), dtype=ct.float32)
+    hc, pc = _weights(h_res, h_post, i, N, NN, NP, BT)
+    acc_h = ()  # acc_h[r * N + j] = sum over C of g_r * x_j, elementwise until the end
+    for e in ct.static_iter(range(N * N)):
+        acc_h = acc_h + (ct.zeros((BT, BC), dtype=ct.float32),)
+    acc_p = ()
+    for r in ct.static_iter(range(N)):
+        acc_p = acc_p + (ct.zeros((BT, BC), dtype=ct.float32),)
     for c in range(ct.num_tiles(y, axis=1, shape=(BT, BC))):
-        gt = ct.load(g, index=(i, 0, c), shape=(BT, NP, BC), padding_mode=ZERO).astype(ct.float32)
-        xt = ct.load(x, index=(i, 0, c), shape=(BT, NP, BC), padding_mode=ZERO).astype(ct.float32)
-        z = ct.load(y, index=(i, c), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
+        gs = _streams(g, i, c, N, BT, BC)
+        xs = _streams(x, i, c, N, BT, BC)
+        z = _branch(y, bias, i, c, BT, BC, HAS_BIAS)
+        for j in ct.static_iter(range(N)):
+            d = hc[_hidx(0, j, N, TRANSPOSE)] * gs[0]
+            for r in ct.static_iter(range(1, N)):
+                d = d + hc[_hidx(r, j, N, TRANSPOSE)] * gs[r]
+            _store_stream(dx, i, j, c, d, BT, BC)
+        gy = pc[0] * gs[0]
+        for r in ct.static_iter(range(1, N)):
+            gy = gy + pc[r] * gs[r]
+        ct.store(dy, index=(i, c), tile=gy.astype(dy.dtype))
         if HAS_BIAS:
-            z = z + ct.reshape(ct.load(bias, index=(c,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
-        ct.store(dx, index=(i, 0, c), tile=_mix(ht, gt, N, NP, BT, BC).astype(dx.dtype))
-        gy = ct.zeros((BT, 1, BC), dtype=ct.float32)
-        for s in ct.static_iter(range(N)):
-            gy = gy + ct.extract(hp, (0, s, 0), shape=(BT, 1, 1)) * ct.extract(gt, (0, s, 0), shape=(BT, 1, BC))
-            col = ct.sum(gt * ct.extract(xt, (0, s, 0), shape=(BT, 1, BC)), axis=2, keepdims=True)  # (BT, NP, 1)
-            acc_h = acc_h + ct.where(lanes == s, col, 0.0)
-        gy2 = ct.reshape(gy, (BT, BC))
-        ct.store(dy, index=(i, c), tile=gy2.astype(dy.dtype))
-        if HAS_BIAS:
-            ct.store(ws, index=(i, c), tile=ct.reshape(ct.sum(gy2, axis=0), (1, BC)))
-        acc_p = acc_p + ct.sum(gt * ct.reshape(z, (BT, 1, BC)), axis=2)
-    if TRANSPOSE:
-        acc_h = ct.permute(acc_h, (0, 2, 1))
-    ct.store(dh_res, index=(i, 0, 0), tile=acc_h.astype(dh_res.dtype))
-    ct.store(dh_post, index=(i, 0), tile=acc_p.astype(dh_post.dtype))
+            ct.store(ws, index=(i, c), tile=ct.reshape(ct.sum(gy, axis=0), (1, BC)))
+        new_h = ()
+        for e in ct.static_iter(range(N * N)):
+            new_h = new_h + (acc_h[e] + gs[e // N] * xs[e % N],)
+        acc_h = new_h
+        new_p = ()
+        for r in ct.static_iter(range(N)):
+            new_p = new_p + (acc_p[r] + gs[r] * z,)
+        acc_p = new_p
+    dh = ()  # column _hidx(r, j) of dh_res holds sum_c g_r x_j
+    for e in ct.static_iter(range(N * N)):
+        dh = dh + (ct.sum(acc_h[_hidx(e // N, e % N, N, TRANSPOSE)], axis=1, keepdims=True),)
+    ct.store(dh_res, index=(i, 0), tile=_assemble(dh, NN, BT).astype(dh_res.dtype))
+    dp = ()
+    for r in ct.static_iter(range(N)):
+        dp = dp + (ct.sum(acc_p[r], axis=1, keepdims=True),)
+    ct.store(dh_post, index=(i, 0), tile=_assemble(dp, NP, BT).astype(dh_post.dtype))
 
 
 @ct.kernel
@@ -112,20 +164,25 @@ def _check(h_res, x, h_post, y, bias):
         raise ValueError(f"bias must be [C] = ({c},), got {tuple(bias.shape)}")
 
 
+def _fwd_args(h_res, x, h_post, y, bias, out, transpose):
+    s, b, n, c = x.shape
+    t = s * b
+    grid = (cdiv(t, BT), cdiv(cdiv(c, BC), CB))
+    args = (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
+            bias if bias is not None else y.view(-1), out.view(t, n, c), n, next_pow2(n * n), next_pow2(n),
+            BT, BC, CB, bias is not None, transpose)
+    return grid, args
+
+
 class _HPostBda(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_res, x, h_post, y, bias, transpose_res):
         _check(h_res, x, h_post, y, bias)
-        s, b, n, c = x.shape
-        t = s * b
         h_res, h_post = h_res.contiguous(), h_post.contiguous()
         bias_c = bias.contiguous() if bias is not None else None
         out = empty(x.shape, x.dtype, x.device)
-        if t and c:
-            launch(_h_post_bda_fwd, (cdiv(t, BT), cdiv(c, BC)),
-                   (h_res.view(t, n, n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
-                    bias_c if bias_c is not None else y.view(-1), out.view(t, n, c), n, next_pow2(n), BT, BC,
-                    bias is not None, bool(transpose_res)))
+        if out.numel():
+            launch(_h_post_bda_fwd, *_fwd_args(h_res, x, h_post, y, bias_c, out, bool(transpose_res)))
         ctx.save_for_backward(h_res, x, h_post, y, bias_c)
         ctx.transpose = bool(transpose_res)
         return out
@@ -140,13 +197,14 @@ class _HPostBda(torch.autograd.Function):
         dx = empty(x.shape, x.dtype, x.device)
         dp = empty(h_post.shape, h_post.dtype, x.device)
         dy = empty(y.shape, y.dtype, x.device)
-        nb = cdiv(t, BT)
+        nb = cdiv(t, BT_BWD)
         ws = empty((nb, c), torch.float32, x.device) if bias is not None else dy.view(t, c)
         if t:
             launch(_h_post_bda_bwd, (nb,),
-                   (h_res.view(t, n, n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
-                    bias if bias is not None else y.view(-1), g.view(t, n, c), dh.view(t, n, n), dx.view(t, n, c),
-                    dp.view(t, n), dy.view(t, c), ws, n, next_pow2(n), BT, BC, bias is not None, ctx.transpose))
+                   (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
+                    bias if bias is not None else y.view(-1), g.view(t, n, c), dh.view(t, n * n), dx.view(t, n, c),
+                    dp.view(t, n), dy.view(t, c), ws, n, next_pow2(n * n), next_pow2(n), BT_BWD, BC_BWD,
+                    bias is not None, ctx.transpose))
         db = None
         if bias is not None:
             db = empty(bias.shape, bias.dtype, x.device)
@@ -164,13 +222,14 @@ def compile_checks() -> dict[str, bytes]:
     f32 = torch.float32
     for dtype in (torch.float32, torch.bfloat16):
         for n, has_bias, tr in ((4, True, False), (3, False, True)):
-            np_ = next_pow2(n)
+            nn, np_ = next_pow2(n * n), next_pow2(n)
             key = f"{dtype}-{n}-{has_bias}-{tr}"
-            out[f"fwd-{key}"] = tile_ir(_h_post_bda_fwd, [array(f32, 3), array(dtype, 3), array(f32, 2), array(dtype, 2),
-                                                            array(dtype, 1), array(dtype, 3), n, np_, BT, BC, has_bias, tr])
-            out[f"bwd-{key}"] = tile_ir(_h_post_bda_bwd, [array(f32, 3), array(dtype, 3), array(f32, 2), array(dtype, 2),
-                                                            array(dtype, 1), array(dtype, 3), array(f32, 3), array(dtype, 3),
-                                                            array(f32, 2), array(dtype, 2), array(f32, 2), n, np_, BT, BC,
+            out[f"fwd-{key}"] = tile_ir(_h_post_bda_fwd, [array(f32, 2), array(dtype, 3), array(f32, 2), array(dtype, 2),
+                                                            array(dtype, 1), array(dtype, 3), n, nn, np_, BT, BC, CB,
                                                             has_bias, tr])
+            out[f"bwd-{key}"] = tile_ir(_h_post_bda_bwd, [array(f32, 2), array(dtype, 3), array(f32, 2), array(dtype, 2),
+                                                            array(dtype, 1), array(dtype, 3), array(f32, 2), array(dtype, 3),
+                                                            array(f32, 2), array(dtype, 2), array(f32, 2), n, nn, np_,
+                                                            BT_BWD, BC_BWD, has_bias, tr])
         out[f"sum-{dtype}"] = tile_ir(_sum_rows, [array(f32, 2), array(dtype, 1), BR, BC])
     return out

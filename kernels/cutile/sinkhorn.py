@@ -127,17 +127,209 @@ def _sinkhorn_bwd(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, NP: C
     ct.store(grad_in, index=(i, 0, 0), tile=dx.astype(grad_in.dtype))
 
 
-def _config(n: int, stabilize: str, order: str, iters: int) -> dict:
-    cfg = sinkhorn_steps(n, stabilize, order, iters)
-    cfg["BT"] = max(1, 2048 // (cfg["NP"] ** 2))
-    return cfg
+# ---- the per-token path (n <= EL_MAX_N): every matrix entry is a (BT,) tile of one entry across
+# BT tokens, held in a tuple of n * n tiles (index r * n + c). Row and column sums are then plain
+# adds of whole tiles: no reduction across lanes, no padding. The tile path above pays for
+# reductions over the small middle axes of a (BT, NP, NP) tile (52 us forward on an H100).
+
+EL_MAX_N = 4
 
 
-def _constants(x, iters, eps, stabilize, eps_mode, order) -> tuple:
-    n = x.shape[-1]
-    cfg = _config(n, stabilize, order, int(iters))
-    return (float(eps), n, cfg["NP"], cfg["BT"], cfg["PAIRS"], cfg["ODD"], cfg["A"], cfg["B"],
-            STABILIZE[stabilize], eps_mode == "clamp")
+def _line(e, axis, N):
+    """The row (axis 2) or column (axis 1) that entry e belongs to."""
+    if axis == 2:
+        return e // N
+    return e % N
+
+
+def _entry(k, m, axis, N):
+    """The m-th entry of row/column k."""
+    if axis == 2:
+        return k * N + m
+    return m * N + k
+
+
+def _el_sums(p, axis, N):
+    s = ()
+    for k in ct.static_iter(range(N)):
+        acc = p[_entry(k, 0, axis, N)]
+        for m in ct.static_iter(range(1, N)):
+            acc = acc + p[_entry(k, m, axis, N)]
+        s = s + (acc,)
+    return s
+
+
+def _el_inv(s, eps, clamp, N):
+    inv = ()
+    for k in ct.static_iter(range(N)):
+        if clamp:
+            inv = inv + (1.0 / ct.maximum(s[k], eps),)
+        else:
+            inv = inv + (1.0 / (s[k] + eps),)
+    return inv
+
+
+def _el_scale(p, f, axis, N):
+    out = ()
+    for e in ct.static_iter(range(N * N)):
+        out = out + (p[e] * f[_line(e, axis, N)],)
+    return out
+
+
+def _el_norm(p, eps, axis, clamp, N):
+    return _el_scale(p, _el_inv(_el_sums(p, axis, N), eps, clamp, N), axis, N)
+
+
+def _el_norm_bwd(q, g, eps, axis, clamp, N):
+    """VJP of a normalisation step, as ``_norm_bwd``."""
+    s = _el_sums(q, axis, N)
+    inv = _el_inv(s, eps, clamp, N)
+    gq = ()
+    for e in ct.static_iter(range(N * N)):
+        gq = gq + (g[e] * q[e],)
+    gy = _el_sums(gq, axis, N)
+    out = ()
+    for e in ct.static_iter(range(N * N)):
+        k = _line(e, axis, N)
+        t = gy[k] * inv[k]
+        if clamp:
+            t = ct.where(s[k] >= eps, t, 0.0)
+        out = out + ((g[e] - t) * inv[k],)
+    return out
+
+
+def _el_pairs(p, eps, count, a, b, clamp, N):
+    for _ in range(count):
+        p = _el_norm(p, eps, a, clamp, N)
+        p = _el_norm(p, eps, b, clamp, N)
+    return p
+
+
+def _el_load(arr, tok, N):
+    out = ()
+    for e in ct.static_iter(range(N * N)):
+        out = out + (ct.gather(arr, (tok, e // N, e % N)).astype(ct.float32),)
+    return out
+
+
+def _el_store(arr, tok, p, N):
+    for e in ct.static_iter(range(N * N)):
+        ct.scatter(arr, (tok, e // N, e % N), p[e].astype(arr.dtype))
+
+
+def _el_rowmax(x, N):
+    m = ()
+    for r in ct.static_iter(range(N)):
+        acc = x[r * N]
+        for c in ct.static_iter(range(1, N)):
+            acc = ct.maximum(acc, x[r * N + c])
+        m = m + (ct.where(acc == float("-inf"), 0.0, acc),)
+    return m
+
+
+def _el_init(x, eps, stab, N):
+    """p0 and the row softmax (for its backward), as ``_init``."""
+    p = ()
+    if stab == 1:
+        for e in ct.static_iter(range(N * N)):
+            p = p + (ct.exp(x[e]),)
+        return p, p
+    m = _el_rowmax(x, N)
+    for e in ct.static_iter(range(N * N)):
+        p = p + (ct.exp(x[e] - m[e // N]),)
+    if stab == 2:
+        s = _el_sums(p, 2, N)
+        sm = ()
+        p0 = ()
+        for e in ct.static_iter(range(N * N)):
+            v = p[e] / ct.maximum(s[e // N], 1e-38)
+            sm = sm + (v,)
+            p0 = p0 + (v + eps,)
+        return p0, sm
+    return p, p
+
+
+@ct.kernel
+def _sinkhorn_fwd_el(logits, out, eps: ConstFloat, N: ConstInt, BT: ConstInt, PAIRS: ConstInt, ODD: ConstBool,
+                     A: ConstInt, B: ConstInt, STAB: ConstInt, CLAMP: ConstBool):
+    tok = ct.bid(0) * BT + ct.arange(BT, dtype=ct.int32)
+    p, _ = _el_init(_el_load(logits, tok, N), eps, STAB, N)
+    if ODD:
+        p = _el_norm(p, eps, B, CLAMP, N)
+    p = _el_pairs(p, eps, PAIRS, A, B, CLAMP, N)
+    _el_store(out, tok, p, N)
+
+
+@ct.kernel
+def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT: ConstInt, PAIRS: ConstInt,
+                     ODD: ConstBool, A: ConstInt, B: ConstInt, STAB: ConstInt, CLAMP: ConstBool, SEG: ConstInt):
+    tok = ct.bid(0) * BT + ct.arange(BT, dtype=ct.int32)
+    x = _el_load(logits, tok, N)
+    g = _el_load(grad_out, tok, N)
+    p0, sm = _el_init(x, eps, STAB, N)
+    start = p0
+    if ODD:
+        start = _el_norm(p0, eps, B, CLAMP, N)
+    # two-level recomputation, unrolled at compile time: for each segment of SEG pairs, last first,
+    # its starting state comes from the logits (a loop of constant length), its states are kept
+    # in registers, and its steps are undone from the last. (cuTile 1.7 fails to compile a loop
+    # whose length is another loop's induction variable, which the tile kernel's form needs.)
+    nseg = (PAIRS + SEG - 1) // SEG
+    for rs in ct.static_iter(range(nseg)):
+        base = (nseg - 1 - rs) * SEG
+        count = min(base + SEG, PAIRS) - base
+        q = _el_pairs(start, eps, base, A, B, CLAMP, N)
+        states = ()
+        for k in ct.static_iter(range(count)):
+            states = states + (q,)
+            if k + 1 < count:
+                q = _el_norm(_el_norm(q, eps, A, CLAMP, N), eps, B, CLAMP, N)
+        for k in ct.static_iter(range(count)):
+            q = states[count - 1 - k]
+            g = _el_norm_bwd(_el_norm(q, eps, A, CLAMP, N), g, eps, B, CLAMP, N)
+            g = _el_norm_bwd(q, g, eps, A, CLAMP, N)
+    if ODD:
+        g = _el_norm_bwd(p0, g, eps, B, CLAMP, N)
+    dx = ()
+    if STAB == 1:
+        for e in ct.static_iter(range(N * N)):
+            dx = dx + (g[e] * p0[e],)
+    elif STAB == 0:
+        # the row max receives minus the row sum of g * p0, split over ties
+        m = _el_rowmax(x, N)
+        for r in ct.static_iter(range(N)):
+            tot = g[r * N] * p0[r * N]
+            ties = ct.where(x[r * N] == m[r], 1.0, 0.0)
+            for c in ct.static_iter(range(1, N)):
+                tot = tot + g[r * N + c] * p0[r * N + c]
+                ties = ties + ct.where(x[r * N + c] == m[r], 1.0, 0.0)
+            share = tot / ct.maximum(ties, 1.0)
+            for c in ct.static_iter(range(N)):
+                e = r * N + c
+                dx = dx + (g[e] * p0[e] - ct.where(x[e] == m[r], share, 0.0),)
+    else:
+        for r in ct.static_iter(range(N)):
+            tot = g[r * N] * sm[r * N]
+            for c in ct.static_iter(range(1, N)):
+                tot = tot + g[r * N + c] * sm[r * N + c]
+            for c in ct.static_iter(range(N)):
+                e = r * N + c
+                dx = dx + (sm[e] * (g[e] - tot),)
+    _el_store(grad_in, tok, dx, N)
+
+
+EL_BT = 128  # tokens per program of the per-token path
+
+
+def _plan(n: int, t: int, iters, eps, stabilize, eps_mode, order):
+    """(forward kernel, backward kernel, grid, constants): the per-token path for n <= EL_MAX_N,
+    the (BT, NP, NP) tile path above it."""
+    cfg = sinkhorn_steps(n, stabilize, order, int(iters))
+    knobs = (cfg["PAIRS"], cfg["ODD"], cfg["A"], cfg["B"], STABILIZE[stabilize], eps_mode == "clamp")
+    if n <= EL_MAX_N:
+        return _sinkhorn_fwd_el, _sinkhorn_bwd_el, (cdiv(t, EL_BT),), (float(eps), n, EL_BT, *knobs)
+    bt = max(1, 2048 // (cfg["NP"] ** 2))
+    return _sinkhorn_fwd, _sinkhorn_bwd, (cdiv(t, bt),), (float(eps), n, cfg["NP"], bt, *knobs)
 
 
 def _check(x, iters, stabilize, eps_mode, order):
@@ -154,9 +346,9 @@ def sinkhorn_forward(logits, iters=20, eps=1e-6, stabilize="rowmax", eps_mode="a
     x = logits.contiguous()
     out = empty_like(x)
     t = x.numel() // (n * n)
-    consts = _constants(x, iters, eps, stabilize, eps_mode, order)
     if t:
-        launch(_sinkhorn_fwd, (cdiv(t, consts[3]),), (x.view(t, n, n), out.view(t, n, n), *consts))
+        fwd, _, grid, consts = _plan(n, t, iters, eps, stabilize, eps_mode, order)
+        launch(fwd, grid, (x.view(t, n, n), out.view(t, n, n), *consts))
     return out
 
 
@@ -167,10 +359,10 @@ def sinkhorn_backward(logits, grad_out, iters=20, eps=1e-6, stabilize="rowmax", 
     g = grad_out.to(x.dtype).contiguous()
     dx = empty_like(x)
     t = x.numel() // (n * n)
-    consts = _constants(x, iters, eps, stabilize, eps_mode, order)
     if t:
-        launch(_sinkhorn_bwd, (cdiv(t, consts[3]),),
-               (x.view(t, n, n), g.view(t, n, n), dx.view(t, n, n), *consts, recompute_segment(consts[4])))
+        _, bwd, grid, consts = _plan(n, t, iters, eps, stabilize, eps_mode, order)
+        pairs = consts[-6]
+        launch(bwd, grid, (x.view(t, n, n), g.view(t, n, n), dx.view(t, n, n), *consts, recompute_segment(pairs)))
     return dx
 
 
@@ -178,14 +370,20 @@ sinkhorn = sinkhorn_autograd(sinkhorn_forward, sinkhorn_backward)
 
 
 def compile_checks() -> dict[str, bytes]:
-    """Tile IR for representative signatures (n = 4 and 3, every knob), compiled on the host."""
+    """Tile IR for representative signatures, compiled on the host: the per-token path (n = 4, 3,
+    2) and the tile path (n = 8, and n = 4 launched on it directly), every knob."""
     out = {}
+    cases = ((4, "rowmax", "add", "row_first", 20), (3, "softmax", "clamp", "row_first", 3),
+             (2, "none", "clamp", "col_first", 2), (8, "none", "add", "col_first", 2))
     for dtype in (torch.float32, torch.bfloat16):
         a = array(dtype, 3)
-        for n, stab, mode, order, iters in ((4, "rowmax", "add", "row_first", 20), (3, "softmax", "clamp", "row_first", 3),
-                                            (8, "none", "add", "col_first", 2)):
-            c = list(_constants(torch.empty(1, n, n), iters, 1e-6, stab, mode, order))
+        for n, stab, mode, order, iters in cases:
+            fwd, bwd, _, c = _plan(n, 1, iters, 1e-6, stab, mode, order)
             key = f"{dtype}-{n}-{stab}-{mode}-{order}"
-            out[f"fwd-{key}"] = tile_ir(_sinkhorn_fwd, [a, a, *c])
-            out[f"bwd-{key}"] = tile_ir(_sinkhorn_bwd, [a, a, a, *c, recompute_segment(c[4])])
+            out[f"fwd-{key}"] = tile_ir(fwd, [a, a, *c])
+            out[f"bwd-{key}"] = tile_ir(bwd, [a, a, a, *c, recompute_segment(c[-6])])
+        cfg = sinkhorn_steps(4, "softmax", "row_first", 5)
+        c = [1e-6, 4, 4, 128, cfg["PAIRS"], cfg["ODD"], cfg["A"], cfg["B"], STABILIZE["softmax"], False]
+        out[f"fwd-{dtype}-tile4"] = tile_ir(_sinkhorn_fwd, [a, a, *c])
+        out[f"bwd-{dtype}-tile4"] = tile_ir(_sinkhorn_bwd, [a, a, a, *c, recompute_segment(c[4])])
     return out
