@@ -20,7 +20,7 @@ from ._common import array, cdiv, check_cuda, launch, require_contiguous, tile_i
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
 # tiles picked on an H200 at 8192x4x4x7168 bf16 (docs/perf-notes.md has the sweep)
-BT, BC, CB = 32, 256, 2  # forward tile, C chunks per program
+BT, BC, CB = 2, 512, 4  # forward tile, C chunks per program
 BT_BWD, BC_BWD = 8, 256
 
 

@@ -25,7 +25,7 @@ ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
 # tiles and occupancy picked on an H200 at 8192x4x4x7168 bf16 (docs/perf-notes.md has the sweep)
-BT, BC, CB = 8, 256, 1  # forward tile and C chunks per program
+BT, BC, CB = 1, 1024, 1  # forward tile and C chunks per program
 BT_BWD, BC_BWD = 16, 64  # backward tile
 BR = 32  # rows per step of the partial-sum reduction
 
@@ -71,7 +71,7 @@ def _store_stream(a, i, j, c, t, BT, BC):
     ct.store(a, index=(i, j, c), tile=ct.reshape(t.astype(a.dtype), (BT, 1, BC)))
 
 
-@ct.kernel(occupancy=4)
+@ct.kernel(occupancy=8)
 def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt,
                     BC: ConstInt, CB: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
     i, cb = ct.bid(0), ct.bid(1)
