@@ -40,6 +40,20 @@ def array(dtype: torch.dtype, ndim: int):
                            alias_groups=(), may_alias_internally=False)
 
 
+BR = 32  # rows per step of sum_rows
+
+
+@ct.kernel
+def sum_rows(ws, out, BR: ct.Constant[int], BC: ct.Constant[int]):
+    """``out[c] = sum_r ws[r, c]`` in a fixed order: fp32 partials (per token block or split)
+    -> out's dtype. Deterministic, unlike atomics."""
+    c = ct.bid(0)
+    acc = ct.zeros((BC,), dtype=ct.float32)
+    for r in range(ct.num_tiles(ws, axis=0, shape=(BR, BC))):
+        acc = acc + ct.sum(ct.load(ws, index=(r, c), shape=(BR, BC), padding_mode=ct.PaddingMode.ZERO), axis=0)
+    ct.store(out, index=(c,), tile=acc.astype(out.dtype))
+
+
 def tile_ir(kernel, params: list) -> bytes:
     """Compile ``kernel`` for one signature to Tile IR bytecode on the host (no GPU, no tileiras):
     the front end's type checking runs, so a kernel that would not compile fails here."""

@@ -19,7 +19,7 @@ import torch
 from mhctool.poison import empty
 
 from ..schedule import next_pow2
-from ._common import array, cdiv, check_cuda, launch, require_contiguous, tile_ir
+from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_rows, tile_ir
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -27,7 +27,6 @@ ZERO = ct.PaddingMode.ZERO
 # tiles and occupancy picked on an H200 at 8192x4x4x7168 bf16 (docs/perf-notes.md has the sweep)
 BT, BC, CB = 1, 1024, 1  # forward tile and C chunks per program
 BT_BWD, BC_BWD = 16, 64  # backward tile
-BR = 32  # rows per step of the partial-sum reduction
 
 
 def _columns(t, count, BT):
@@ -140,16 +139,6 @@ def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dh_res, dx, dh_post, dy, ws, N
     ct.store(dh_post, index=(i, 0), tile=_assemble(dp, NP, BT).astype(dh_post.dtype))
 
 
-@ct.kernel
-def _sum_rows(ws, out, BR: ConstInt, BC: ConstInt):
-    """``out[c] = sum_r ws[r, c]`` in a fixed order (fp32 partials -> out dtype)."""
-    c = ct.bid(0)
-    acc = ct.zeros((BC,), dtype=ct.float32)
-    for r in range(ct.num_tiles(ws, axis=0, shape=(BR, BC))):
-        acc = acc + ct.sum(ct.load(ws, index=(r, c), shape=(BR, BC), padding_mode=ZERO), axis=0)
-    ct.store(out, index=(c,), tile=acc.astype(out.dtype))
-
-
 def _check(h_res, x, h_post, y, bias):
     check_cuda(h_res, x, h_post, y, bias)
     for name, t in (("x", x), ("y", y)):
@@ -208,7 +197,7 @@ class _HPostBda(torch.autograd.Function):
         db = None
         if bias is not None:
             db = empty(bias.shape, bias.dtype, x.device)
-            launch(_sum_rows, (cdiv(c, BC),), (ws, db, BR, BC))
+            launch(sum_rows, (cdiv(c, BC),), (ws, db, BR, BC))
         return dh, dx, dp, dy, db, None
 
 
@@ -231,5 +220,5 @@ def compile_checks() -> dict[str, bytes]:
                                                             array(dtype, 1), array(dtype, 3), array(f32, 2), array(dtype, 3),
                                                             array(f32, 2), array(dtype, 2), array(f32, 2), n, nn, np_,
                                                             BT_BWD, BC_BWD, has_bias, tr])
-        out[f"sum-{dtype}"] = tile_ir(_sum_rows, [array(f32, 2), array(dtype, 1), BR, BC])
+        out[f"sum-{dtype}"] = tile_ir(sum_rows, [array(f32, 2), array(dtype, 1), BR, BC])
     return out

@@ -8,8 +8,8 @@ outputs scattered to their own arrays: ``H_pre = sigmoid(h[:, :n])``, ``H_post =
 Backward: one kernel per token block gathers the three upstream gradients into one ``(BM, NP)``
 tile, applies the activations' derivatives (recomputed from the kept projection), and writes
 ``d proj = dh * r * alpha_col`` and ``d r = sum_j dh * alpha_col * proj`` plus fp32 per-block
-partials of the alpha and bias gradients; then proj_rms's dx and dW kernels, and fixed-order sums
-of the partials.
+partials of the alpha and bias gradients; then proj_rms's backward (dx and dW in one pass over x),
+and fixed-order sums of the partials.
 """
 from __future__ import annotations
 
@@ -18,15 +18,13 @@ import torch
 
 from mhctool.poison import empty
 
-from ._common import array, cdiv, check_cuda, launch, require_contiguous, tile_ir
-from .h_post_bda import _sum_rows
-from .proj_rms import _lowp, _np, _proj_rms_dw, _proj_rms_dx, _proj_tile, _tiles
+from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_rows, tile_ir
+from .proj_rms import _lowp, _np, _proj_tile, _tiles, backward_into
 
 ConstInt = ct.Constant[int]
 ConstFloat = ct.Constant[float]
 ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
-BR = 32
 
 
 def _alpha_cols(alpha, cols, n):
@@ -132,11 +130,10 @@ class _Mapping(torch.autograd.Function):
     def backward(ctx, g_pre, g_post, g_logits):
         x2d, weight, a3, bias, proj, r, rms = ctx.saved_tensors
         n = ctx.n
-        m, k = x2d.shape
+        m = x2d.shape[0]
         nr = weight.shape[0]
         np_ = proj.shape[1]
-        lowp = _lowp(x2d, weight)
-        bm, bk = _tiles(lowp)
+        bm, _ = _tiles(_lowp(x2d, weight))
         dev = x2d.device
         zeros = {}
 
@@ -161,10 +158,9 @@ class _Mapping(torch.autograd.Function):
         if m:
             launch(_mapping_bwd_h, (nb,), (proj, r, a3, bias, gp, gq, gl.view(m, n * n), dproj, dr, ws_a, ws_b,
                                           n, nr, np_, bm))
-            launch(_proj_rms_dx, (nb, cdiv(k, bk)), (x2d, weight, dproj, dr, r, rms, dx, np_, bm, bk, lowp))
-            launch(_proj_rms_dw, (cdiv(k, bk),), (x2d, dproj, dw, np_, bm, bk, lowp))
-            launch(_sum_rows, (1,), (ws_a, da, BR, 4))
-            launch(_sum_rows, (cdiv(np_, 64),), (ws_b, db, BR, 64))
+            backward_into(x2d, weight, dproj, dr, r, rms, dx, dw)
+            launch(sum_rows, (1,), (ws_a, da, BR, 4))
+            launch(sum_rows, (cdiv(np_, 64),), (ws_b, db, BR, 64))
         return dx, dw, da, db, None
 
 
@@ -185,5 +181,5 @@ def compile_checks() -> dict[str, bytes]:
         out[f"bwd-{dtype}"] = tile_ir(_mapping_bwd_h, [array(f32, 2), array(f32, 1), array(f32, 1), array(f32, 1),
                                                        array(f32, 2), array(f32, 2), array(f32, 2), array(f32, 2),
                                                        array(f32, 1), array(f32, 2), array(f32, 2), 4, 24, 32, bm])
-    out["sum-alpha"] = tile_ir(_sum_rows, [array(f32, 2), array(f32, 1), BR, 4])
+    out["sum-alpha"] = tile_ir(sum_rows, [array(f32, 2), array(f32, 1), BR, 4])
     return out
