@@ -52,8 +52,8 @@ def test_kernels_refuse_cpu_tensors():
 def test_sinkhorn_takes_the_per_token_path_up_to_n_4():
     from mhctool.kernels.cutile import sinkhorn as sk
     for n in (1, 2, 3, 4):
-        fwd, bwd, grid, consts = sk._plan(n, 1000, 20, 1e-6, "rowmax", "add", "row_first")
+        fwd, bwd, grid, consts, _ = sk._plan(n, 1000, 20, 1e-6, "rowmax", "add", "row_first")
         assert (fwd, bwd) == (sk._sinkhorn_fwd_el, sk._sinkhorn_bwd_el)
         assert grid == (-(-1000 // sk.EL_BT),) and consts[1] == n
-    fwd, bwd, grid, consts = sk._plan(5, 1000, 20, 1e-6, "rowmax", "add", "row_first")
+    fwd, bwd, grid, consts, _ = sk._plan(5, 1000, 20, 1e-6, "rowmax", "add", "row_first")
     assert (fwd, bwd) == (sk._sinkhorn_fwd, sk._sinkhorn_bwd) and consts[2] == 8  # NP

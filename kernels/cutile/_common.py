@@ -54,6 +54,12 @@ def sum_rows(ws, out, BR: ct.Constant[int], BC: ct.Constant[int]):
     ct.store(out, index=(c,), tile=acc.astype(out.dtype))
 
 
+def sum_partials(ws: torch.Tensor, out: torch.Tensor, bc: int) -> None:
+    """``out[c] = sum_r ws[r, c]`` (``ws`` fp32 ``[rows, cols]``) with ``sum_rows``, ``bc`` columns per
+    program; columns of ``out`` past its end are not stored."""
+    launch(sum_rows, (cdiv(ws.shape[1], bc),), (ws, out, BR, bc))
+
+
 def tile_ir(kernel, params: list) -> bytes:
     """Compile ``kernel`` for one signature to Tile IR bytecode on the host (no GPU, no tileiras):
     the front end's type checking runs, so a kernel that would not compile fails here."""

@@ -19,7 +19,7 @@ import torch
 from mhctool.poison import empty
 
 from ..schedule import next_pow2
-from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_rows, tile_ir
+from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, tile_ir
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -27,6 +27,7 @@ ZERO = ct.PaddingMode.ZERO
 # tiles and occupancy picked on an H200 at 8192x4x4x7168 bf16 (docs/perf-notes.md has the sweep)
 BT, BC, CB = 1, 1024, 1  # forward tile and C chunks per program
 BT_BWD, BC_BWD = 16, 64  # backward tile
+BC_SUM = 1024  # columns per program of the bias-gradient sum
 
 
 def _columns(t, count, BT):
@@ -153,25 +154,20 @@ def _check(h_res, x, h_post, y, bias):
         raise ValueError(f"bias must be [C] = ({c},), got {tuple(bias.shape)}")
 
 
-def _fwd_args(h_res, x, h_post, y, bias, out, transpose):
-    s, b, n, c = x.shape
-    t = s * b
-    grid = (cdiv(t, BT), cdiv(cdiv(c, BC), CB))
-    args = (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
-            bias if bias is not None else y.view(-1), out.view(t, n, c), n, next_pow2(n * n), next_pow2(n),
-            BT, BC, CB, bias is not None, transpose)
-    return grid, args
-
-
 class _HPostBda(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_res, x, h_post, y, bias, transpose_res):
         _check(h_res, x, h_post, y, bias)
+        s, b, n, c = x.shape
+        t = s * b
         h_res, h_post = h_res.contiguous(), h_post.contiguous()
         bias_c = bias.contiguous() if bias is not None else None
         out = empty(x.shape, x.dtype, x.device)
         if out.numel():
-            launch(_h_post_bda_fwd, *_fwd_args(h_res, x, h_post, y, bias_c, out, bool(transpose_res)))
+            launch(_h_post_bda_fwd, (cdiv(t, BT), cdiv(cdiv(c, BC), CB)),
+                   (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
+                    bias_c if bias_c is not None else y.view(-1), out.view(t, n, c), n, next_pow2(n * n),
+                    next_pow2(n), BT, BC, CB, bias is not None, bool(transpose_res)))
         ctx.save_for_backward(h_res, x, h_post, y, bias_c)
         ctx.transpose = bool(transpose_res)
         return out
@@ -197,7 +193,7 @@ class _HPostBda(torch.autograd.Function):
         db = None
         if bias is not None:
             db = empty(bias.shape, bias.dtype, x.device)
-            launch(sum_rows, (cdiv(c, BC),), (ws, db, BR, BC))
+            sum_partials(ws, db, BC_SUM)
         return dh, dx, dp, dy, db, None
 
 
@@ -220,5 +216,5 @@ def compile_checks() -> dict[str, bytes]:
                                                             array(dtype, 1), array(dtype, 3), array(f32, 2), array(dtype, 3),
                                                             array(f32, 2), array(dtype, 2), array(f32, 2), n, nn, np_,
                                                             BT_BWD, BC_BWD, has_bias, tr])
-        out[f"sum-{dtype}"] = tile_ir(sum_rows, [array(f32, 2), array(dtype, 1), BR, BC])
+        out[f"sum-{dtype}"] = tile_ir(sum_rows, [array(f32, 2), array(dtype, 1), BR, BC_SUM])
     return out

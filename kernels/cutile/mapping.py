@@ -18,7 +18,7 @@ import torch
 
 from mhctool.poison import empty
 
-from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_rows, tile_ir
+from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, tile_ir
 from .proj_rms import _lowp, _np, _proj_tile, _tiles, backward_into
 
 ConstInt = ct.Constant[int]
@@ -139,7 +139,8 @@ class _Mapping(torch.autograd.Function):
 
         def grad(g, shape):
             if g is None:
-                zeros[shape] = zeros.get(shape, torch.zeros(shape, dtype=torch.float32, device=dev))
+                if shape not in zeros:
+                    zeros[shape] = torch.zeros(shape, dtype=torch.float32, device=dev)
                 return zeros[shape]
             return g.float().contiguous()
 
@@ -153,14 +154,14 @@ class _Mapping(torch.autograd.Function):
         dw = empty(weight.shape, weight.dtype, dev)
         da = empty((3,), a3.dtype, dev)
         db = empty((nr,), bias.dtype, dev)
-        if not m:
-            return dx, dw, torch.zeros_like(a3), torch.zeros_like(bias), None
         if m:
             launch(_mapping_bwd_h, (nb,), (proj, r, a3, bias, gp, gq, gl.view(m, n * n), dproj, dr, ws_a, ws_b,
                                           n, nr, np_, bm))
-            backward_into(x2d, weight, dproj, dr, r, rms, dx, dw)
-            launch(sum_rows, (1,), (ws_a, da, BR, 4))
-            launch(sum_rows, (cdiv(np_, 64),), (ws_b, db, BR, 64))
+        backward_into(x2d, weight, dproj, dr, r, rms, dx, dw)  # dW = 0 without tokens
+        if not m:
+            return dx, dw, torch.zeros_like(a3), torch.zeros_like(bias), None
+        sum_partials(ws_a, da, 4)
+        sum_partials(ws_b, db, 64)
         return dx, dw, da, db, None
 
 

@@ -23,7 +23,7 @@ import torch
 from mhctool.poison import empty
 
 from ..schedule import next_pow2
-from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_rows, tile_ir
+from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, tile_ir
 
 ConstInt = ct.Constant[int]
 ConstFloat = ct.Constant[float]
@@ -96,6 +96,7 @@ def _grad_product(gp, b, lowp, M_, N_, K_):
 
 
 SPLITS = 8  # token splits of the backward (dW partials)
+BC_SUM = 512  # columns per program of the partials' sum
 
 
 @ct.kernel
@@ -123,8 +124,11 @@ def _proj_rms_bwd(x, w, gp, gr, r, rms, dx, ws, NP: ConstInt, BM: ConstInt, BK: 
 
 def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw) -> None:
     """dx and dW of proj_rms (also the mapping path's): ``g_proj`` fp32 ``[M, >= N]`` (columns
-    past N ignored), ``g_r`` fp32 ``[M]``, into the preallocated ``dx`` and ``dw``."""
+    past N ignored), ``g_r`` fp32 ``[M]``, into the preallocated ``dx`` and ``dw`` (zero without tokens)."""
     m, k = x2d.shape
+    if not m:
+        dw.zero_()
+        return
     n = weight.shape[0]
     lowp = _lowp(x2d, weight)
     bm, bk = _tiles(lowp)
@@ -134,7 +138,7 @@ def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw) -> None:
     ws = empty((splits, n, k), torch.float32, x2d.device)  # rows past N of each partial are not stored
     launch(_proj_rms_bwd, (cdiv(k, bk), splits),
            (x2d, weight, g_proj, g_r, r, rms, dx, ws, _np(n), bm, bk, blocks, lowp))
-    launch(sum_rows, (cdiv(n * k, 512),), (ws.view(splits, n * k), dw.view(n * k), BR, 512))
+    sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM)
 
 
 def _lowp(x, w) -> bool:
@@ -153,12 +157,13 @@ class _ProjRms(torch.autograd.Function):
         m, k = x2d.shape
         n = weight.shape[0]
         np_ = _np(n)
-        bm, bk = _tiles(_lowp(x2d, weight))
+        lowp = _lowp(x2d, weight)
+        bm, bk = _tiles(lowp)
         proj = empty((m, n), torch.float32, x2d.device)
         r = empty((m,), torch.float32, x2d.device)
         rms = empty((m,), torch.float32, x2d.device)
         if m:
-            launch(_proj_rms_fwd, (cdiv(m, bm),), (x2d, weight, proj, r, rms, float(eps), np_, bm, bk, _lowp(x2d, weight)))
+            launch(_proj_rms_fwd, (cdiv(m, bm),), (x2d, weight, proj, r, rms, float(eps), np_, bm, bk, lowp))
         ctx.save_for_backward(x2d, weight, r, rms)
         return proj, r
 
@@ -171,10 +176,7 @@ class _ProjRms(torch.autograd.Function):
         g_r = (g_r if g_r is not None else torch.zeros((m,), device=x2d.device)).float().contiguous()
         dx = empty(x2d.shape, x2d.dtype, x2d.device)
         dw = empty(weight.shape, weight.dtype, x2d.device)
-        if m:
-            backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw)
-        else:
-            dw.zero_()
+        backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw)
         return dx, dw, None
 
 
@@ -193,5 +195,5 @@ def compile_checks() -> dict[str, bytes]:
                                                       1e-6, 32, bm, bk, lowp])
         out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
                                                      array(f32, 1), a2, array(f32, 3), 32, bm, bk, 8, lowp])
-    out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, 512])
+    out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
     return out

@@ -277,7 +277,8 @@ def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT
     # two-level recomputation, unrolled at compile time: for each segment of SEG pairs, last first,
     # its starting state comes from the logits (a loop of constant length), its states are kept
     # in registers, and its steps are undone from the last. (cuTile 1.7 fails to compile a loop
-    # whose length is another loop's induction variable, which the tile kernel's form needs.)
+    # whose length is an outer loop's induction variable when the loops carry 1-D tiles or tuples;
+    # the tile kernel's nested form over (BT, NP, NP) tiles compiles.)
     nseg = (PAIRS + SEG - 1) // SEG
     for rs in ct.static_iter(range(nseg)):
         base = (nseg - 1 - rs) * SEG
@@ -325,15 +326,18 @@ def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT
 EL_BT = 128  # tokens per program of the per-token path (64: 18.6 / 69.5 us; 256 did not finish compiling)
 
 
-def _plan(n: int, t: int, iters, eps, stabilize, eps_mode, order):
-    """(forward kernel, backward kernel, grid, constants): the per-token path for n <= EL_MAX_N,
-    the (BT, NP, NP) tile path above it."""
+def _plan(n: int, t: int, iters, eps, stabilize, eps_mode, order, per_token: bool | None = None):
+    """(forward kernel, backward kernel, grid, forward constants, backward constants): the
+    per-token path for n <= EL_MAX_N, the (BT, NP, NP) tile path above it (``per_token`` forces one)."""
     cfg = sinkhorn_steps(n, stabilize, order, int(iters))
     knobs = (cfg["PAIRS"], cfg["ODD"], cfg["A"], cfg["B"], STABILIZE[stabilize], eps_mode == "clamp")
-    if n <= EL_MAX_N:
-        return _sinkhorn_fwd_el, _sinkhorn_bwd_el, (cdiv(t, EL_BT),), (float(eps), n, EL_BT, *knobs)
+    seg = recompute_segment(cfg["PAIRS"])
+    if (n <= EL_MAX_N) if per_token is None else per_token:
+        consts = (float(eps), n, EL_BT, *knobs)
+        return _sinkhorn_fwd_el, _sinkhorn_bwd_el, (cdiv(t, EL_BT),), consts, (*consts, seg)
     bt = max(1, 2048 // (cfg["NP"] ** 2))
-    return _sinkhorn_fwd, _sinkhorn_bwd, (cdiv(t, bt),), (float(eps), n, cfg["NP"], bt, *knobs)
+    consts = (float(eps), n, cfg["NP"], bt, *knobs)
+    return _sinkhorn_fwd, _sinkhorn_bwd, (cdiv(t, bt),), consts, (*consts, seg)
 
 
 def _check(x, iters, stabilize, eps_mode, order):
@@ -351,7 +355,7 @@ def sinkhorn_forward(logits, iters=20, eps=1e-6, stabilize="rowmax", eps_mode="a
     out = empty_like(x)
     t = x.numel() // (n * n)
     if t:
-        fwd, _, grid, consts = _plan(n, t, iters, eps, stabilize, eps_mode, order)
+        fwd, _, grid, consts, _ = _plan(n, t, iters, eps, stabilize, eps_mode, order)
         launch(fwd, grid, (x.view(t, n, n), out.view(t, n, n), *consts))
     return out
 
@@ -364,9 +368,8 @@ def sinkhorn_backward(logits, grad_out, iters=20, eps=1e-6, stabilize="rowmax", 
     dx = empty_like(x)
     t = x.numel() // (n * n)
     if t:
-        _, bwd, grid, consts = _plan(n, t, iters, eps, stabilize, eps_mode, order)
-        pairs = consts[-6]
-        launch(bwd, grid, (x.view(t, n, n), g.view(t, n, n), dx.view(t, n, n), *consts, recompute_segment(pairs)))
+        _, bwd, grid, _, consts = _plan(n, t, iters, eps, stabilize, eps_mode, order)
+        launch(bwd, grid, (x.view(t, n, n), g.view(t, n, n), dx.view(t, n, n), *consts))
     return dx
 
 
@@ -382,12 +385,11 @@ def compile_checks() -> dict[str, bytes]:
     for dtype in (torch.float32, torch.bfloat16):
         a = array(dtype, 3)
         for n, stab, mode, order, iters in cases:
-            fwd, bwd, _, c = _plan(n, 1, iters, 1e-6, stab, mode, order)
+            fwd, bwd, _, cf, cb = _plan(n, 1, iters, 1e-6, stab, mode, order)
             key = f"{dtype}-{n}-{stab}-{mode}-{order}"
-            out[f"fwd-{key}"] = tile_ir(fwd, [a, a, *c])
-            out[f"bwd-{key}"] = tile_ir(bwd, [a, a, a, *c, recompute_segment(c[-6])])
-        cfg = sinkhorn_steps(4, "softmax", "row_first", 5)
-        c = [1e-6, 4, 4, 128, cfg["PAIRS"], cfg["ODD"], cfg["A"], cfg["B"], STABILIZE["softmax"], False]
-        out[f"fwd-{dtype}-tile4"] = tile_ir(_sinkhorn_fwd, [a, a, *c])
-        out[f"bwd-{dtype}-tile4"] = tile_ir(_sinkhorn_bwd, [a, a, a, *c, recompute_segment(c[4])])
+            out[f"fwd-{key}"] = tile_ir(fwd, [a, a, *cf])
+            out[f"bwd-{key}"] = tile_ir(bwd, [a, a, a, *cb])
+        fwd, bwd, _, cf, cb = _plan(4, 1, 5, 1e-6, "softmax", "add", "row_first", per_token=False)
+        out[f"fwd-{dtype}-tile4"] = tile_ir(fwd, [a, a, *cf])
+        out[f"bwd-{dtype}-tile4"] = tile_ir(bwd, [a, a, a, *cb])
     return out
