@@ -45,6 +45,23 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _release(version: str) -> tuple[int, int]:
+    parts = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in version.split(".")[:2]]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def interpreter_incompatibility(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's CPU interpreter cannot run with these versions, or None.
+
+    Triton 3.6 and older turn scalar kernel arguments (1-element arrays in the interpreter) into
+    loop bounds with ``int(array)``, which numpy 2.4 refuses; Triton 3.7 squeezes them first.
+    """
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s CPU interpreter does not run with numpy {numpy_version} (it calls "
+                "int() on 1-element arrays, which numpy 2.4 refuses); pip install 'triton>=3.7' or 'numpy<2.4'")
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def triton_status() -> BackendStatus:
     v = _version("triton")
@@ -52,13 +69,8 @@ def triton_status() -> BackendStatus:
         return BackendStatus("triton", False, "unavailable", None, "triton is not installed")
     ensure_triton_mode()
     if triton_interpreted():
-        import numpy
-        major, minor = (int(p) for p in numpy.__version__.split(".")[:2])
-        if (major, minor) >= (2, 4):
-            return BackendStatus("triton", False, "interpreter", v,
-                                 f"Triton's CPU interpreter needs numpy<2.4 (numpy {numpy.__version__} refuses "
-                                 "its int() of 1-element arrays); pip install 'numpy<2.4'")
-        return BackendStatus("triton", True, "interpreter", v, None)
+        why = interpreter_incompatibility(v, _version("numpy") or "0")
+        return BackendStatus("triton", why is None, "interpreter", v, why)
     return BackendStatus("triton", True, "native", v, None)
 
 

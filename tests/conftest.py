@@ -11,10 +11,16 @@ if not torch.cuda.is_available():
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow (long sweeps; CI and `pytest -m gpu` leave them out)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    slow = pytest.mark.skip(reason="slow: run with --slow")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(no_gpu)
+        if "slow" in item.keywords and not config.getoption("--slow"):
+            item.add_marker(slow)

@@ -1,4 +1,6 @@
 """`mhctool bench` on the CPU: bytes/flops models, the report schema, refusals."""
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -6,6 +8,9 @@ from mhctool import bench, report
 from mhctool.cli import app
 from mhctool.registry import MHC_KERNELS, MOE_KERNELS
 from mhctool.shapes import MoeShape, Shape
+
+IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
+DEFECTS = IMPLS / "defects.py"
 
 runner = CliRunner()
 
@@ -89,7 +94,7 @@ def test_too_large_shape_is_refused_with_the_estimate(tmp_path):
     (["--kernel", "h_aggregate", "--experts", "8"], "sweeps the grouped-MLP kernels"),
     (["--shape", "64x2x4x512", "--kernel", "sinkhorn", "--direction", "sideways"], "unknown --direction"),
     (["--shape", "64x2x4x512", "--kernel", "nope"], "unknown kernel"),
-    (["--kernel", "sinkhorn,h_aggregate", "--impl", "tests.impls.defects:sinkhorn_raises"], "needs one --kernel"),
+    (["--kernel", "sinkhorn,h_aggregate", "--impl", f"{DEFECTS}:sinkhorn_raises"], "needs one --kernel"),
 ])
 def test_bench_bad_input_exit_2(tmp_path, args, needle):
     res = runner.invoke(app, ["bench", "--device", "cpu", *args, "-o", str(tmp_path / "b.parquet")])
@@ -101,7 +106,7 @@ def test_external_implementation_benchmarks_beside_ours(tmp_path):
     """Megatron's fused kernels take the same signatures: they bench as module:function."""
     out = tmp_path / "b.parquet"
     res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "h_aggregate",
-                              "--impl", "torch", "--impl", "tests/impls/correct.py:h_aggregate", "--repeats", "3",
+                              "--impl", "torch", "--impl", f"{IMPLS / 'correct.py'}:h_aggregate", "--repeats", "3",
                               "--direction", "fwd", "-o", str(out)])
     assert res.exit_code == 0, res.output
     rows = report.read(out)[0].to_pylist()

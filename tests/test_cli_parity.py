@@ -10,7 +10,8 @@ from mhctool import report
 from mhctool.cli import app
 from mhctool.registry import KERNELS
 
-IMPLS = Path(__file__).parent / "impls"
+IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
+DEFECTS = IMPLS / "defects.py"
 runner = CliRunner()
 
 
@@ -74,7 +75,7 @@ def test_correct_external_written_differently_passes(tmp_path, kernel, fn):
     ("grouped_wgrad", "grouped_wgrad_overwrites_idle_experts", "zero_experts", "fp32"),
 ])
 def test_defect_is_flagged_with_the_family_that_exposes_it(tmp_path, kernel, fn, exposing, dtype):
-    impl = f"tests.impls.defects:{fn}"
+    impl = f"{DEFECTS}:{fn}"
     out = tmp_path / "r.parquet"
     res = run("parity", "--kernel", kernel, "--device", "cpu", "--impl", impl, "--dtype", dtype, "-o", out)
     assert res.exit_code == 1, res.output
@@ -88,7 +89,7 @@ def test_defect_details_name_the_tensor():
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "r.parquet"
         run("parity", "--kernel", "h_post_bda", "--device", "cpu", "--dtype", "bf16",
-            "--impl", "tests.impls.defects:h_post_bda_bf16_bias_grad", "-o", out)
+            "--impl", f"{DEFECTS}:h_post_bda_bf16_bias_grad", "-o", out)
         rows = pq.read_table(out).to_pylist()
     failed = {(r["direction"], r["tensor"]) for r in rows if r["passed"] is False}
     assert failed == {("bwd", "grad_bias")}
@@ -96,8 +97,8 @@ def test_defect_details_name_the_tensor():
 
 def test_external_errors_are_failed_cases_and_others_still_run(tmp_path):
     out = tmp_path / "r.parquet"
-    res = run("parity", "--kernel", "sinkhorn", "--device", "cpu", "--impl", "tests.impls.defects:sinkhorn_raises",
-              "--impl", "tests.impls.defects:sinkhorn_wrong_shape,tests.impls.defects:sinkhorn_wrong_dtype",
+    res = run("parity", "--kernel", "sinkhorn", "--device", "cpu", "--impl", f"{DEFECTS}:sinkhorn_raises",
+              "--impl", f"{DEFECTS}:sinkhorn_wrong_shape,{DEFECTS}:sinkhorn_wrong_dtype",
               "--impl", "torch", "-o", out)
     assert res.exit_code == 1
     rows = pq.read_table(out).to_pylist()
@@ -111,7 +112,7 @@ def test_external_errors_are_failed_cases_and_others_still_run(tmp_path):
 def test_external_without_backward_is_unsupported_not_failed(tmp_path):
     out = tmp_path / "r.parquet"
     res = run("parity", "--kernel", "sinkhorn", "--device", "cpu", "--dtype", "fp32",
-              "--impl", "tests.impls.defects:sinkhorn_no_backward", "-o", out)
+              "--impl", f"{DEFECTS}:sinkhorn_no_backward", "-o", out)
     assert res.exit_code == 0, res.output
     rows = [r for r in pq.read_table(out).to_pylist() if r["impl"].endswith("no_backward")]
     bwd = [r for r in rows if r["direction"] == "bwd"]
@@ -125,7 +126,7 @@ def test_external_missing_a_knob_runs_only_at_its_default(tmp_path):
                   '[cases.knobs]\norder = ["row_first", "col_first"]\n')
     out = tmp_path / "r.parquet"
     res = run("parity", "--kernel", "sinkhorn", "--device", "cpu", "--scenario", sc,
-              "--impl", "tests.impls.defects:sinkhorn_no_backward", "-o", out)
+              "--impl", f"{DEFECTS}:sinkhorn_no_backward", "-o", out)
     assert res.exit_code == 0, res.output
     rows = [r for r in pq.read_table(out).to_pylist() if r["impl"].endswith("no_backward")]
     skipped = [r for r in rows if r["metric"] == "unsupported" and json.loads(r["knobs"])["order"] == "col_first"]
@@ -133,7 +134,7 @@ def test_external_missing_a_knob_runs_only_at_its_default(tmp_path):
 
 
 def test_tf32_external_is_judged_against_native_at_tf32(tmp_path):
-    impl = "tests.impls.defects:proj_rms_tf32"
+    impl = f"{DEFECTS}:proj_rms_tf32"
     ieee = run("parity", "--kernel", "proj_rms", "--device", "cpu", "--impl", impl, "-o", tmp_path / "a.parquet")
     tf32 = run("parity", "--kernel", "proj_rms", "--device", "cpu", "--impl", impl, "--matmul-precision", "tf32",
                "-o", tmp_path / "b.parquet")
@@ -152,9 +153,9 @@ def test_tf32_external_is_judged_against_native_at_tf32(tmp_path):
     (["--dtype", "fp8"], "unknown dtype 'fp8'"),
     (["--kernel", "sinkhorn", "--impl", "no_such_module_xyz:fn"], "cannot import module no_such_module_xyz"),
     (["--kernel", "sinkhorn", "--impl", "tests/impls/nope.py:fn"], "no file tests/impls/nope.py"),
-    (["--kernel", "sinkhorn", "--impl", "tests.impls.defects:no_such_fn"], "has no function no_such_fn"),
+    (["--kernel", "sinkhorn", "--impl", f"{DEFECTS}:no_such_fn"], "has no function no_such_fn"),
     (["--kernel", "sinkhorn", "--impl", "bogus"], "unknown implementation 'bogus'"),
-    (["--impl", "tests.impls.defects:sinkhorn_raises"], "needs one --kernel"),
+    (["--impl", f"{DEFECTS}:sinkhorn_raises"], "needs one --kernel"),
     (["--scenario", "no_such_builtin"], "no built-in scenario"),
     (["--matmul-precision", "fp8"], "unknown --matmul-precision"),
     (["--device", "tpu"], "unknown device 'tpu'"),

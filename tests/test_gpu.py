@@ -1,10 +1,15 @@
 """GPU tests (``pytest -m gpu`` on a CUDA machine); they skip cleanly without one."""
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from mhctool.cli import app
+
+IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
+DEFECTS = IMPLS / "defects.py"
 
 pytestmark = pytest.mark.gpu
 runner = CliRunner()
@@ -25,6 +30,7 @@ def test_triton_parity_default_scenario_on_gpu(tmp_path):
     assert all(r["value"] == 0 for r in tri if r["metric"] == "unwritten")
 
 
+@pytest.mark.slow  # the default-scenario test above runs fp32 and bf16 already
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_triton_parity_every_dtype_on_gpu(tmp_path, dtype):
     res, _ = _parity(tmp_path, "--kernel", "all", "--impl", "triton", "--dtype", dtype)
@@ -39,6 +45,7 @@ def test_triton_fp16_activations_on_gpu(tmp_path, kernel):
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.slow  # inductor compiles for tens of seconds
 def test_compile_variant_on_gpu(tmp_path):
     res, rows = _parity(tmp_path, "--kernel", "h_aggregate", "--impl", "compile", "--dtype", "bf16")
     assert res.exit_code == 0, res.output
@@ -65,7 +72,7 @@ def test_sinkhorn_tail_and_n(backend):
 
 def test_defect_flagged_on_gpu(tmp_path):
     res, _ = _parity(tmp_path, "--kernel", "sinkhorn", "--dtype", "fp32",
-                     "--impl", "tests.impls.defects:sinkhorn_no_max")
+                     "--impl", f"{DEFECTS}:sinkhorn_no_max")
     assert res.exit_code == 1
 
 

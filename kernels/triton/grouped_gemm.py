@@ -107,9 +107,13 @@ def _wgrad(x_ptr, dy_ptr, splits_ptr, offs_ptr, out_ptr, flags_ptr, N, K, zero_f
     ptrs = out_ptr + e.to(tl.int64) * N * K + n[:, None] * K + k[None, :]
     mask = nmask[:, None] & kmask[None, :]
     if ACCUMULATE:
-        flag = tl.load(flags_ptr + e) != 0
+        # the per-expert predicates are compared on whole blocks: Triton 3.9's interpreter rejects a
+        # mask combined from a scalar comparison ("mask has unsupported dtype")
+        ones = tl.full([BLOCK_N, BLOCK_K], 1, tl.int32)
+        flag = (ones * tl.load(flags_ptr + e).to(tl.int32)) != 0
+        has_tokens = (ones * count) > 0
         old = tl.load(ptrs, mask=mask & flag, other=0.0).to(tl.float32)
-        tl.store(ptrs, cast(acc + old, out_ptr.dtype.element_ty), mask=mask & ((count > 0) | (flag == 0)))
+        tl.store(ptrs, cast(acc + old, out_ptr.dtype.element_ty), mask=mask & (has_tokens | (flag == 0)))
     else:
         tl.store(ptrs, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
