@@ -104,6 +104,7 @@ def parity(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
+    report.check_writable(out_path)
     dev = _device(device)
     if matmul_precision not in ("ieee", "tf32"):
         raise UsageError(f"unknown --matmul-precision {matmul_precision!r}; accepted: ieee, tf32")
@@ -120,13 +121,10 @@ def parity(
     cases = sc.cases(dev, kernels, dtypes, shapes, [seed] if seed is not None else None)
     if not cases:
         raise UsageError(f"scenario {sc.name} has no case for kernel {kernel}")
+    runner.check_fits(cases)
     impls = {k: registry.resolve_impls(k, specs) for k in kernels}
-    if specs:  # asked for by name: unusable here is an input error, not a skipped row
-        for k, lst in impls.items():
-            for i in lst:
-                for c in cases:
-                    if c.kernel == k and (why := i.unsupported(c.device, c.dtype)):
-                        raise UsageError(f"--impl {i.name} cannot run {k} here: {why}")
+    if specs:  # asked for by name: unusable for every case is an input error, not skipped rows
+        runner.check_runnable(impls, cases)
     if kappa is not None:
         from dataclasses import replace
         sc.rule = replace(sc.rule, kappa=kappa)
@@ -158,6 +156,9 @@ def parity(
                 out.print(f"plot: {png}")
     status = "[red]FAILED[/]" if f else "[green]PASSED[/]"
     out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(cases)} cases on {dev}; report {path})")
+    if not specs:  # a default run that judged no kernel of a built-in backend says so
+        for name, why in report.skipped_everywhere(table).items():
+            out.print(f"note: {name} skipped for every case: {why}", markup=False)
     raise typer.Exit(1 if f else 0)
 
 
@@ -184,6 +185,7 @@ def bench(
     from . import bench as bench_mod
     from .shapes import MOE_PAPER_SHAPE, PAPER_SHAPE, MoeShape, parse_shape_for
 
+    report.check_writable(out_path)
     dev = _device(device)
     fmt = parse_dtype(dtype)
     kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(k).name for k in _split([kernel])]
@@ -366,6 +368,8 @@ def goldens_diff(
 ):
     """Megatron's CI checks of ACTUAL against GOLDEN, per metric and step."""
     from . import goldens as G
+    if out_path:
+        report.check_writable(out_path)
     g, a = G.load(golden), _read_run(actual)
     chosen = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else (
         G.metrics_from_config(config) if config else None)
@@ -409,6 +413,8 @@ def goldens_check(
 ):
     """Anomalies inside one run: zero-count jumps or two levels, non-finite values, loss spikes."""
     from . import goldens as G
+    if out_path:
+        report.check_writable(out_path)
     found = G.check(_read_run(path), factor)
     for a in found:
         out.print(f"[red]{a.kind}[/] {a.message}")
@@ -431,6 +437,7 @@ def goldens_extract(
 ):
     """Read a training log's iteration lines into Megatron's golden-value format."""
     from . import goldens as G
+    report.check_writable(out_path)
     g = G.extract_log(log)
     G.dump(g, out_path)
     out.print(f"{out_path}: " + ", ".join(f"{m} ({len(s.values)} steps)" for m, s in g.items()))
@@ -450,6 +457,8 @@ def gate(
     import os as _os
 
     from . import gate as gate_mod
+    for path_, what in ((junit, "--junit"), (summary, "--summary"), (out_path, "--out")):
+        report.check_writable(path_, what)
     s = gate_mod.load_suite(suite)
     dev = _device(device)
     cases = gate_mod.run_suite(s, dev)

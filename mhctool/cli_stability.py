@@ -64,6 +64,7 @@ def stability_sinkhorn(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ):
     """Sweep logit amplitude, family, dtype, stabilize, eps, eps_mode, order and iterations."""
+    report.check_writable(out_path)
     from . import inputs as inputs_mod
     from . import stability as st
     dev = parse_device(device)
@@ -125,6 +126,7 @@ def stability_eps(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ):
     """What changing one knob (eps by default) does: per input family at the kernel, and through a stack of L layers."""
+    report.check_writable(out_path)
     from . import knob_shift as ks
     registry.get_family(kernel)
     change = ks.parse_change(kernel, knob, frm, to)
@@ -196,6 +198,7 @@ def stability_overflow(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ):
     """Headroom to the dtype's largest finite value of every intermediate as the input scale grows."""
+    report.check_writable(out_path)
     from . import inputs as inputs_mod
     from . import overflow as ov
     from . import stability as st
@@ -267,6 +270,7 @@ def stability_gain(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ):
     """Amax gain of the composite H_res over depth: Sinkhorn configurations against unconstrained HC."""
+    report.check_writable(out_path)
     from . import gain as gn
     from . import inputs as inputs_mod
     from . import stability as st

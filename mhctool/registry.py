@@ -315,8 +315,15 @@ def native_impl(kernel: str) -> Impl:
     return next(i for i in impls_for(kernel) if i.native)
 
 
+BACKEND_NAMES = {"torch": "PyTorch", "compile": "torch.compile", "triton": "Triton", "cutile": "cuTile"}
+
+
 def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:
-    """The implementations to run for ``kernel``: builtin names or external ``module:function``."""
+    """The implementations to run for ``kernel``: builtin names or external ``module:function``.
+
+    A built-in name that another kernel has but ``kernel`` lacks (``cutile`` for ``swiglu``)
+    resolves to an implementation that is never runnable and says why, so a multi-kernel run
+    reports it as skipped for that kernel; a name that no kernel has is a UsageError."""
     known = {i.name: i for i in impls_for(kernel)}
     if not specs:
         return [i for i in known.values() if i.default]
@@ -326,12 +333,20 @@ def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:
             chosen.append(known[spec])
         elif ":" in spec:
             chosen.append(load_external(spec, kernel))
+        elif any(spec == i.name for k in KERNELS for i in impls_for(k)):
+            why = f"mhctool has no {BACKEND_NAMES.get(spec, spec)} implementation of {kernel}"
+            chosen.append(Impl(spec, kernel, spec, _absent, requires=lambda why=why: why, default=False))
         else:
+            names = sorted({i.name for k in KERNELS for i in impls_for(k)})
             raise UsageError(
-                f"unknown implementation {spec!r} for kernel {kernel}; accepted: "
-                f"{', '.join(known)}, or module.path:function, or path/to/file.py:function"
+                f"unknown implementation {spec!r}; accepted: {', '.join(names)}, "
+                "or module.path:function, or path/to/file.py:function"
             )
     return chosen
+
+
+def _absent(*args, **kwargs):  # the target of an implementation that does not exist for a kernel
+    raise RuntimeError("no such implementation")
 
 
 def load_external(spec: str, kernel: str) -> Impl:

@@ -144,15 +144,40 @@ def to_table(rows: list[dict], run_id: str, kind: str, environment: dict, run: d
     return table.replace_schema_metadata(meta)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_writable(path: str | os.PathLike, what: str = "--out") -> Path:
+    """Refuse, before a run starts, an output path that cannot be written (a directory, a folder
+    that cannot be created or written): the run's results would be lost at the end."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a directory; name a file in it, e.g. {path / 'report.parquet'}")
+    parent = path.parent
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UsageError(f"{what} {path}: {existing} is a file, not a folder")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: the folder {existing} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{what} {path} exists and is not writable")
+    return path
+
+
 def atomic(path: str | os.PathLike, write) -> Path:
     """``write(tmp_path)`` into a temp file in the same folder, then rename: an interrupted write
-    never leaves a half-written file (nor replaces a good one)."""
+    never leaves a half-written file (nor replaces a good one). The file gets the mode a plain
+    ``open()`` would give it (0666 less the umask), not the temp file's private 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -210,6 +235,19 @@ def verdicts(table: pa.Table) -> list[dict]:
         if r["message"] and not r["passed"]:
             v["message"] = r["message"]
     return list(out.values())
+
+
+def skipped_everywhere(table: pa.Table) -> dict[str, str]:
+    """Implementations that were skipped on every case of a parity report, with the first
+    reason given (a backend unusable here: no GPU, an interpreter that cannot run, ...)."""
+    reasons: dict[str, str] = {}
+    ran: set[str] = set()
+    for r in table.select(["impl", "metric", "message"]).to_pylist():
+        if r["metric"] == "unsupported" and r["message"]:
+            reasons.setdefault(r["impl"], r["message"])
+        elif r["metric"] != "unsupported":
+            ran.add(r["impl"])
+    return {k: v for k, v in reasons.items() if k not in ran}
 
 
 def _margin(r: dict) -> float:

@@ -11,6 +11,7 @@ import torch
 
 from . import inputs as inputs_mod
 from .dtypes import FORMATS, fmt_of
+from .errors import UsageError
 from .metrics import measure
 from .poison import poisoning
 from .registry import MATMUL_KERNELS, Family, Impl, get_family, native_impl
@@ -259,6 +260,53 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     if case.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def check_runnable(impls: dict[str, list[Impl]], cases: list[Case]) -> None:
+    """Implementations asked for by name: one that can run none of the cases is a UsageError
+    naming the reason; one that runs some of them is skipped, with the reason, on the others."""
+    reasons: dict[str, str] = {}
+    runnable: set[str] = set()
+    for c in cases:
+        for i in impls.get(c.kernel, []):
+            why = i.unsupported(c.device, c.dtype)
+            if why is None:
+                runnable.add(i.name)
+            else:
+                reasons.setdefault(i.name, why)
+    for name, why in reasons.items():
+        if name not in runnable:
+            kernels = sorted({c.kernel for c in cases})
+            raise UsageError(f"--impl {name} cannot run {', '.join(kernels)} here: {why}")
+
+
+def footprint(case: Case) -> float:
+    """Bytes a parity case needs at the least: the float64 reference's inputs, outputs, upstream
+    gradients and gradients (the bench bytes model at 8 bytes an element). The native and fused
+    runs, autograd's saved tensors and the metrics need more on top."""
+    from .bench import model
+    m = model(case.kernel, case.shape, "fp64")
+    return m.bytes_fwd + m.bytes_bwd
+
+
+def device_memory(device: str) -> float:
+    """Bytes the device has: the GPU's total memory, or the machine's physical memory."""
+    if device == "cuda":
+        return float(torch.cuda.mem_get_info()[1])
+    import os
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_fits(cases: list[Case]) -> None:
+    """Refuse, before anything runs, a case that cannot fit in the device's memory."""
+    if not cases:
+        return
+    need, case = max(((footprint(c), c) for c in cases), key=lambda t: t[0])
+    have = device_memory(case.device)
+    if need > have:
+        raise UsageError(
+            f"shape {case.shape} of {case.kernel} needs at least {need / 2**30:,.1f} GiB for the float64 reference "
+            f"alone; the {'GPU' if case.device == 'cuda' else 'machine'} has {have / 2**30:,.1f} GiB")
 
 
 def _knob_gap(fam: Family, impl: Impl, knobs: dict) -> str | None:
