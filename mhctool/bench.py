@@ -219,6 +219,13 @@ def _call(fam: Family, impl: Impl, args: dict):
     return fam.call(impl.fn, args, {}, impl.accepts)
 
 
+def isolated_measure(kernel: str, spec: str, *args) -> Measurement:
+    """The job an isolation worker runs for ``mhctool bench``: resolve ``spec`` there, measure."""
+    from .registry import resolve_impls
+    (impl,) = resolve_impls(kernel, [spec])
+    return measure(kernel, impl, *args)
+
+
 def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repeats: int,
             direction: str, graph: bool, l2_bytes: int, seed: int = 0) -> Measurement:
     dtype = bench_dtype(kernel, dtype)

@@ -19,7 +19,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import clikit, environment, registry, report, runner
+from . import clikit, environment, isolation, registry, report, runner
 from . import scenario as scenario_mod
 from .cli_stability import stability_app
 from .clikit import device as _device
@@ -46,6 +46,9 @@ def main() -> None:
     except UsageError as e:
         err.print(f"error: {e}")
         sys.exit(2)
+    except clikit.Interrupted:
+        err.print("interrupted: stopped at once; no report written")
+        sys.exit(130)
 
 
 @app.callback()
@@ -102,6 +105,9 @@ def parity(
     kappa: Optional[float] = typer.Option(None, "--kappa", min=1.0, help="Error may be kappa x the native error (default: scenario's, 2)."),
     top: int = typer.Option(20, "--top", min=1, help="Rows of the worst-cases table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
+    isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run each implementation under test in a child process, so exits, crashes, hangs and CUDA faults become failed rows. Default: on for an external --impl on a GPU or with --case-timeout, off otherwise."),
+    case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: 120 s plus 30 s per GiB the case needs, 4x that on the CPU)."),
+    isolate_transport: str = typer.Option("shm", "--isolate-transport", help="How tensors reach the child: shm (host shared memory) or file (torch.save in /dev/shm)."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
     report.check_writable(out_path)
@@ -130,19 +136,34 @@ def parity(
         sc.rule = replace(sc.rule, kappa=kappa)
 
     rows: list[dict] = []
+    done = 0
     show = not quiet and out.is_terminal
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
+    interrupts = clikit.Interrupts()
+    iso = clikit.isolation_for(isolate, specs, dev, case_timeout, isolate_transport, interrupts)
+    with interrupts, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
         task = bar.add_task("parity", total=len(cases))
-        for c in cases:
-            bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}")
-            rows.extend(runner.run_case(c, impls[c.kernel], sc.rule, matmul_precision).rows)
-            bar.advance(task)
+        try:
+            for c in cases:
+                if interrupts.requested:
+                    break
+                bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}")
+                res = runner.run_case(c, impls[c.kernel], sc.rule, matmul_precision, iso)
+                if res.abandoned:  # cut short by the interrupt: not a finished case
+                    break
+                rows.extend(res.rows)
+                done += 1
+                bar.advance(task)
+        finally:
+            if iso is not None:
+                iso.close()
 
     run_id = report.new_run_id()
     settings = {"command": "parity", "kernel": kernel, "impl": specs, "device": dev,
                 "scenario": sc.name, "scenario_source": sc.source, "kappa": sc.rule.kappa,
-                "floor_roundoffs": sc.rule.floor_roundoffs, "matmul_precision": matmul_precision}
+                "floor_roundoffs": sc.rule.floor_roundoffs, "matmul_precision": matmul_precision,
+                "isolate": iso is not None, "case_timeout": case_timeout,
+                "interrupted": interrupts.requested, "cases_run": done, "cases_planned": len(cases)}
     table = report.to_table(rows, run_id, "parity", environment.metadata(), settings)
     path = report.write_atomic(table, out_path)
     vs = _ordered(report.verdicts(table))
@@ -154,6 +175,10 @@ def parity(
         for png in parity_figures(table, plot):
             if not quiet:
                 out.print(f"plot: {png}")
+    if interrupts.requested:
+        out.print(f"[yellow]INTERRUPTED[/] after {done} of {len(cases)} cases: {p} passed, {f} failed, {s} skipped "
+                  f"(report {path}, marked interrupted)")
+        raise typer.Exit(130)
     status = "[red]FAILED[/]" if f else "[green]PASSED[/]"
     out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(cases)} cases on {dev}; report {path})")
     if not specs:  # a default run that judged no kernel of a built-in backend says so
@@ -180,6 +205,8 @@ def bench(
     out_path: Path = typer.Option(Path("mhctool-bench.parquet"), "--out", "-o", help="Parquet report to write."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG to write (bars per kernel and direction, roofline line)."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
+    isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Time each implementation in a child process, so a crash or a hang is reported and the others are still timed. Default: on for an external --impl on a GPU or with --case-timeout."),
+    case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated measurement may take (default: scaled with the shape)."),
 ):
     """Time kernels against the memory roofline measured in the same run."""
     from . import bench as bench_mod
@@ -246,26 +273,30 @@ def bench(
     mm_tf32 = bench_mod.matmul_rate(dev, torch_dtype("fp32"))
     results = []
     show = not quiet and out.is_terminal
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not show) as bar:
+    interrupts = clikit.Interrupts()
+    iso = clikit.isolation_for(isolate, specs, dev, case_timeout, "shm", interrupts)
+    with interrupts, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
         task = bar.add_task("bench", total=len(plan) * len(dirs))
-        for k, i, shp, g, why in plan:
-            for d in dirs:
-                bar.update(task, description=f"{k} {shp} {i.name} {d}{' graph' if g else ''}")
-                if why:
-                    results.append(("skip", k, i, d, why, shp, g))
-                else:
-                    try:
-                        results.append(("ok", k, i, d, bench_mod.measure(k, i, shp, fmt.name, dev, repeats, d,
-                                                                       g, l2), shp, g))
-                    except Exception as e:  # a kernel that fails to run is reported, the rest still run
-                        results.append(("skip", k, i, d, f"failed: {runner.short_error(e)}", shp, g))
-                bar.advance(task)
+        try:
+            for k, i, shp, g, why in plan:
+                for d in dirs:
+                    if interrupts.requested:
+                        break
+                    bar.update(task, description=f"{k} {shp} {i.name} {d}{' graph' if g else ''}")
+                    if why:
+                        results.append(("skip", k, i, d, why, shp, g))
+                    else:
+                        results.append(_bench_one(bench_mod, iso, k, i, shp, fmt.name, dev, repeats, d, g, l2))
+                    bar.advance(task)
+        finally:
+            if iso is not None:
+                iso.close()
     rows = bench_mod.rows(results, dev, copy_bw, mm_bf16, mm_tf32)
     shape_text = ", ".join(dict.fromkeys(str(p[2]) for p in plan))
     settings = {"command": "bench", "shape": shape_text, "dtype": fmt.name, "device": dev, "repeats": repeats,
                 "graph": graphs, "copy_bandwidth_Bps": copy_bw, "matmul_bf16_flops": mm_bf16,
-                "matmul_tf32_flops": mm_tf32}
+                "matmul_tf32_flops": mm_tf32, "isolate": iso is not None, "interrupted": interrupts.requested}
     table = report.to_table(rows, report.new_run_id(), "bench", environment.metadata(), settings,
                             schema=report.BENCH_SCHEMA)
     path = report.write_atomic(table, out_path)
@@ -276,6 +307,28 @@ def bench(
         from .plots import bench_figure
         out.print(f"plot: {bench_figure(table, plot, copy_bw)}")
     out.print(f"report {path}")
+    if interrupts.requested:
+        out.print("[yellow]INTERRUPTED[/]: the report holds what was timed before the stop")
+        raise typer.Exit(130)
+
+
+def _bench_one(bench_mod, iso, k, i, shp, dtype, dev, repeats, d, g, l2) -> tuple:
+    """One timed (kernel, implementation, direction): in-process, or in an isolation worker; a
+    kernel that fails, crashes or hangs is reported and the others are still timed."""
+    if iso is None or i.native:
+        try:
+            return ("ok", k, i, d, bench_mod.measure(k, i, shp, dtype, dev, repeats, d, g, l2), shp, g)
+        except SystemExit as e:
+            return ("skip", k, i, d, f"failed: {isolation.system_exit_message(e)}", shp, g)
+        except Exception as e:  # a kernel that fails to run is reported, the rest still run
+            return ("skip", k, i, d, f"failed: {runner.short_error(e)}", shp, g)
+    worker = iso.workers.get(i.name) or iso.workers.setdefault(i.name, isolation.Worker(iso.transport))
+    timeout = iso.case_timeout or isolation.default_timeout(bench_mod.footprint(k, shp, dtype), dev)
+    value, failure = worker.call("mhctool.bench:isolated_measure", (k, i.name, shp, dtype, dev, repeats, d, g, l2),
+                                 timeout=timeout, interrupted=iso.interrupted)
+    if failure is not None:
+        return ("skip", k, i, d, f"failed: {failure.message}", shp, g)
+    return ("ok", k, i, d, value, shp, g)
 
 
 def torch_dtype(name: str):
@@ -452,6 +505,8 @@ def gate(
     out_path: Path = typer.Option(Path("mhctool-gate.parquet"), "--out", "-o", help="Parquet report to write."),
     device: Optional[str] = typer.Option(None, "--device", help="Default device of parity entries."),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
+    isolate: bool = typer.Option(True, "--isolate/--no-isolate", help="Run the implementations under test in child processes (default on: a crash, an exit or a hang fails its check and the suite goes on)."),
+    case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: scaled with the case)."),
 ):
     """Run a suite of checks as one CI verdict: exit 0 pass, 1 a failure, 2 bad input."""
     import os as _os
@@ -461,12 +516,21 @@ def gate(
         report.check_writable(path_, what)
     s = gate_mod.load_suite(suite)
     dev = _device(device)
-    cases = gate_mod.run_suite(s, dev)
+    interrupts = clikit.Interrupts()
+    iso = clikit.isolation_for(isolate, [], dev, case_timeout, "shm", interrupts, default_on=isolate)
+    try:
+        with interrupts:
+            cases = gate_mod.run_suite(s, dev, isolation=iso, interrupted=interrupts)
+    finally:
+        if iso is not None:
+            iso.close()
     run_id = report.new_run_id()
     rows = [{"suite": s.name, "entry": c.suite_item, "kind": c.kind, "name": c.name, "passed": c.passed,
              "message": c.message} for c in cases]
     report.write_atomic(report.to_table(rows, run_id, "gate", environment.metadata(),
-                                        {"command": "gate", "suite": str(suite)}, schema=report.GATE_SCHEMA), out_path)
+                                        {"command": "gate", "suite": str(suite), "isolate": iso is not None,
+                                         "interrupted": interrupts.requested},
+                                        schema=report.GATE_SCHEMA), out_path)
     xml = gate_mod.junit_xml(s, cases)
     report.atomic(junit, lambda tmp: Path(tmp).write_bytes(xml))
     md = gate_mod.markdown(s, cases)
@@ -479,6 +543,10 @@ def gate(
         for c in failed[:30]:
             out.print(f"[red]FAIL[/] {c.suite_item}: {c.name}: {c.message}")
     ok = sum(c.passed is True for c in cases)
+    if interrupts.requested:
+        out.print(f"[yellow]INTERRUPTED[/] {ok} passed, {len(failed)} failed before the stop "
+                  f"(suite {s.name}; {junit}, {summary}, {out_path})")
+        raise typer.Exit(130)
     out.print(("[red]FAILED[/] " if failed else "[green]PASSED[/] ") +
               f"{ok} passed, {len(failed)} failed, {len(cases) - ok - len(failed)} skipped "
               f"(suite {s.name}; {junit}, {summary}, {out_path})")
@@ -498,6 +566,9 @@ def report_show(
     out.print("environment: " + ", ".join(f"{k}={env.get(k)}" for k in
                                           ("mhctool", "torch", "triton", "cuda_tile", "gpu", "git_commit")))
     out.print("run: " + ", ".join(f"{k}={v}" for k, v in meta["run"].items()))
+    if meta["run"].get("interrupted"):
+        out.print(f"[yellow]interrupted[/]: {meta['run'].get('cases_run')} of {meta['run'].get('cases_planned')} "
+                  "cases were run before the run was stopped")
     if meta["kind"] == "parity":
         vs = _ordered(report.verdicts(table))
         out.print(_verdict_table(vs, top, "verdicts (worst first)"))

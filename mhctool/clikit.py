@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 import math
+import signal
+import threading
 from typing import Optional
 
 import typer
@@ -55,3 +57,55 @@ def fmt(v) -> str:
             return "inf"
         return f"{v:.3g}" if v != int(v) or abs(v) >= 1e6 else f"{int(v)}"
     return str(v)
+
+
+class Interrupted(BaseException):
+    """A second Ctrl-C (or SIGTERM): leave at once; ``main`` turns it into exit code 130. A
+    BaseException, so that nothing on the way swallows it and atomic writers still clean up."""
+
+
+class Interrupts:
+    """SIGINT and SIGTERM during a long run: the first one asks the run to stop starting new cases
+    (``requested``), so what was measured is written; the second one raises :class:`Interrupted`."""
+
+    def __init__(self):
+        self.requested = False
+        self._old: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise Interrupted()
+        self.requested = True
+        err.print(f"{signal.Signals(signum).name}: finishing the case in hand, then writing what was measured "
+                  "(again to stop at once)", markup=False)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_timeout: Optional[float],
+                  transport: str, interrupts: Interrupts, default_on: bool = False):
+    """The runner's Isolation, or None. Default: on where ``default_on`` (the gate), when an
+    external implementation runs on a GPU, or when a case time limit is asked for."""
+    from .runner import Isolation
+    external = any(":" in s for s in specs)
+    if isolate is None:
+        isolate = default_on or (external and device == "cuda") or case_timeout is not None
+    if not isolate:
+        if case_timeout is not None:
+            raise UsageError("--case-timeout needs --isolate (a time limit needs a child process to stop)")
+        return None
+    if transport not in ("shm", "file"):
+        raise UsageError(f"unknown --isolate-transport {transport!r}; accepted: shm, file")
+    return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts)

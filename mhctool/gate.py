@@ -7,7 +7,8 @@ A suite (TOML)::
     [[parity]]                      # any number: a parity run, one JUnit case per verdict
     name = "fused-sinkhorn"         # optional
     kernel = "sinkhorn"             # a kernel or "all"
-    impls = ["triton"]              # default: every built-in one available here
+    impls = ["triton"]              # default: every built-in one available here; file.py:fn
+                                    # paths are relative to the suite file
     scenario = "parity-default"     # built-in name or TOML path (relative to the suite file)
     dtypes = ["fp32"]               # optional override
     device = "cpu"                  # optional (default: cuda when present)
@@ -101,6 +102,9 @@ def load_suite(path: str | os.PathLike) -> Suite:
                 registry.get_family(kernel)
             except UsageError as e:
                 raise _err(src, f"{where}.kernel", str(e)) from None
+        impls = [_impl_spec(base, spec) for spec in item.get("impls", [])]
+        if impls:
+            item = {**item, "impls": impls}
         sc = item.get("scenario")
         if sc and (sc.endswith(".toml") or "/" in sc):
             item = {**item, "scenario": str(_resolve(base, sc, src, f"{where}.scenario"))}
@@ -157,10 +161,23 @@ def read_run(path: Path) -> G.Golden:
     return G.load(path)
 
 
-def run_suite(suite: Suite, device_default: str, progress=None) -> list[Case]:
-    """Run every entry; returns one JUnit case per verdict, metric check or configuration."""
+def _impl_spec(base: Path, spec: str) -> str:
+    """``file.py:function`` in a suite is relative to the suite file, like its other paths."""
+    target, sep, fn = spec.rpartition(":")
+    if sep and (target.endswith(".py") or "/" in target) and not Path(target).is_absolute():
+        return f"{(base / target).resolve()}:{fn}"
+    return spec
+
+
+def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
+              interrupted=lambda: False) -> list[Case]:
+    """Run every entry; returns one JUnit case per verdict, metric check or configuration.
+    ``isolation``: the runner's Isolation for the implementations under test (a crash fails its
+    entry's case and the suite goes on); ``interrupted()`` true: no new case or entry starts."""
     cases: list[Case] = []
     for item in suite.parity:
+        if interrupted():
+            break
         kernels = list(registry.KERNELS) if item.get("kernel", "all") == "all" else [item["kernel"]]
         sc = scenario_mod.resolve(item.get("scenario"))
         rule = sc.rule
@@ -172,9 +189,13 @@ def run_suite(suite: Suite, device_default: str, progress=None) -> list[Case]:
         for k in kernels:
             impls = registry.resolve_impls(k, item.get("impls"))
             for c in sc.cases(device, [k], dtypes):
+                if interrupted():
+                    break
                 if progress:
                     progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")
-                item_rows.extend(runner.run_case(c, impls, rule).rows)
+                res = runner.run_case(c, impls, rule, isolation=isolation)
+                if not res.abandoned:
+                    item_rows.extend(res.rows)
         table = to_table(item_rows, "gate", "parity", {})
         for v in verdicts(table):
             if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
@@ -186,11 +207,15 @@ def run_suite(suite: Suite, device_default: str, progress=None) -> list[Case]:
                                    f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
             cases.append(Case(item["name"], "parity", label, v["passed"], msg))
     for item in suite.goldens:
+        if interrupted():
+            break
         metrics = item.get("metrics")
         for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),
                         bool(item.get("deterministic", False))):
             cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message))
     for item in suite.stability:
+        if interrupted():
+            break
         spec = st.quick_spec() if item.get("quick", True) else st.full_spec()
         dtypes = tuple(parse_dtype(d).name for d in item.get("dtypes", [])) or spec.dtypes
         spec = replace(spec, dtypes=dtypes)
@@ -206,6 +231,8 @@ def run_suite(suite: Suite, device_default: str, progress=None) -> list[Case]:
                               "finite at every amplitude" if ok else
                               f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}"))
     for item in suite.checks:
+        if interrupted():
+            break
         found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
         cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
                           "; ".join(a.message for a in found) or "no anomaly"))

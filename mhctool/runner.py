@@ -12,6 +12,7 @@ import torch
 from . import inputs as inputs_mod
 from .dtypes import FORMATS, fmt_of
 from .errors import UsageError
+from .isolation import system_exit_message
 from .metrics import measure
 from .poison import poisoning
 from .registry import MATMUL_KERNELS, Family, Impl, get_family, native_impl
@@ -51,6 +52,11 @@ class ImplResult:
     fwd_error: str | None = None
     bwd_error: str | None = None
     bwd_unsupported: str | None = None
+    returned: dict[str, str] = field(default_factory=dict)  # output -> dtype it came back in, where converted
+    failure: str | None = None  # what the code under test did to its process (isolation: crash, timeout, ...)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 @dataclass
@@ -58,6 +64,7 @@ class CaseResult:
     case: Case
     shape: Shape  # after the input family's reshape
     rows: list[dict] = field(default_factory=list)
+    abandoned: bool = False  # an isolated implementation was stopped because the run was interrupted
 
 
 def short_error(e: BaseException) -> str:
@@ -116,17 +123,21 @@ def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Ten
 
 
 def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expect=None) -> ImplResult:
-    """Forward, then backward with the upstream gradients ``upstream_fn(outputs)``."""
+    """Forward, then backward with the upstream gradients ``upstream_fn(outputs)``. ``expect``:
+    the contract's (shape, dtype, device) per output; outputs are conformed to it by value."""
     res = ImplResult()
     args = _leaf(fam, base)
     try:
         with poisoning(True):
             outs = list(fam.call(impl.fn, args, knobs, impl.accepts))
+    except SystemExit as e:  # code under test never decides mhctool's exit code
+        res.fwd_error = system_exit_message(e)
+        return res
     except Exception as e:  # an implementation that raises is a failed case, not a crash
         res.fwd_error = short_error(e)
         return res
     if expect is not None:
-        problem = _check_outputs(fam, outs, expect)
+        outs, problem = conform_outputs(fam, outs, expect, res.returned)
         if problem:
             res.fwd_error = problem
             return res
@@ -145,6 +156,9 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
                 [u for o, u in zip(outs, upstream_fn(outs)) if o.requires_grad],
                 allow_unused=True,
             )
+    except SystemExit as e:
+        res.bwd_error = system_exit_message(e)
+        return res
     except Exception as e:
         res.bwd_error = short_error(e)
         return res
@@ -156,19 +170,43 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     return res
 
 
-def _check_outputs(fam: Family, outs, expect) -> str | None:
+def output_specs(outs: list[torch.Tensor]) -> list[tuple]:
+    """What the contract expects of each output: (shape, dtype, device), from the native outputs."""
+    return [(tuple(o.shape), o.dtype, str(o.device)) for o in outs]
+
+
+def conform_outputs(fam: Family, outs, expect: list[tuple], returned: dict) -> tuple[list, str | None]:
+    """Outputs judged by value: a shape that differs from the contract's only by size-1 dimensions
+    is reshaped, another floating dtype is converted to the contract's (its error is then judged
+    by the contract's threshold: a lower precision is not excused) and named in ``returned``.
+    What cannot be judged (count, non-tensor, element count, device, a non-float) is the problem."""
     if len(outs) != len(expect):
-        return f"returned {len(outs)} outputs, expected {len(expect)} ({', '.join(fam.outputs)})"
-    for name, o, e in zip(fam.outputs, outs, expect):
+        return outs, f"returned {len(outs)} outputs, expected {len(expect)} ({', '.join(fam.outputs)})"
+    conformed = []
+    for name, o, (shape, dtype, device) in zip(fam.outputs, outs, expect):
         if not isinstance(o, torch.Tensor):
-            return f"output {name} is {type(o).__name__}, not a tensor"
-        if tuple(o.shape) != tuple(e.shape):
-            return f"output {name} has shape {tuple(o.shape)}, expected {tuple(e.shape)}"
-        if o.dtype != e.dtype:
-            return f"output {name} has dtype {o.dtype}, expected {e.dtype}"
-        if o.device != e.device:
-            return f"output {name} is on {o.device}, expected {e.device}"
-    return None
+            return outs, f"output {name} is {type(o).__name__}, not a tensor"
+        if str(o.device) != device:
+            return outs, f"output {name} is on {o.device}, expected {device}"
+        if tuple(o.shape) != shape:
+            if [d for d in o.shape if d != 1] != [d for d in shape if d != 1]:
+                return outs, f"output {name} has shape {tuple(o.shape)}, expected {shape}"
+            o = o.reshape(shape)
+        if o.dtype != dtype:
+            if not (o.is_floating_point() and dtype.is_floating_point):
+                return outs, f"output {name} has dtype {o.dtype}, expected {dtype}"
+            returned[name] = fmt_of(o.dtype).name
+            o = o.to(dtype)
+        conformed.append(o)
+    return conformed, None
+
+
+def isolated_impl(kernel: str, spec: str, base: dict, knobs: dict, upstream: list, expect: list) -> dict:
+    """The job an isolation worker runs: resolve ``spec`` for ``kernel`` there, and run it."""
+    from .registry import resolve_impls
+    fam = get_family(kernel)
+    (impl,) = resolve_impls(kernel, [spec])
+    return run_impl(fam, impl, base, knobs, lambda outs: upstream, expect).to_dict()
 
 
 def _native_at(kernel: str, precision: str) -> Impl:
@@ -180,8 +218,9 @@ def _native_at(kernel: str, precision: str) -> Impl:
 
 
 def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
-             matmul_precision: str = "ieee") -> CaseResult:
-    """Run every implementation of ``impls`` on one case; the native one always runs (baseline)."""
+             matmul_precision: str = "ieee", isolation: "Isolation | None" = None) -> CaseResult:
+    """Run every implementation of ``impls`` on one case; the native one always runs (baseline).
+    With ``isolation``, every implementation but the native one runs in a worker process."""
     rule = rule or VerdictRule()
     fam = get_family(case.kernel)
     knobs = case.knob_dict
@@ -223,14 +262,19 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             continue
         if impl.native:
             res = nat
+        elif isolation is not None:
+            res = isolation.run(case, impl, base, knobs, upstream, output_specs(nat.outputs))
         else:
-            res = run_impl(fam, impl, base, knobs, lambda outs: upstream, expect=nat.outputs)
+            res = run_impl(fam, impl, base, knobs, lambda outs: upstream, expect=output_specs(nat.outputs))
+        if res.failure == "lost" and isolation is not None and isolation.interrupted():
+            result.abandoned = True
+            return result
         if res.fwd_error:
             for direction in ("fwd", "bwd"):
                 msg = res.fwd_error if direction == "fwd" else "not run: the forward failed"
                 result.rows.append({**row_base, "direction": direction, "tensor": "*",
                                     "metric": "error", "value": math.nan, "threshold": None,
-                                    "passed": False, "rule": "raised", "message": msg})
+                                    "passed": False, "rule": res.failure or "raised", "message": msg})
             continue
         fwd, bwd = measured(res)
         nat_fwd, nat_bwd = native_metrics.get(prec, native_metrics["ieee"])
@@ -246,7 +290,8 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                     j = rule.judge(metric, value, fmt, amax, None if impl.native else nat_vals[tensor],
                                    FORMATS[case.dtype], outs[tensor].numel(), term_scale.get(tensor))
                     result.rows.append({**row_base, "direction": direction, "tensor": tensor,
-                                        "dtype_out": fmt.name, "metric": metric, "value": value,
+                                        "dtype_out": res.returned.get(tensor, fmt.name),
+                                        "metric": metric, "value": value,
                                         "threshold": j.threshold, "passed": j.passed,
                                         "rule": j.rule, "message": None})
         del outs, refs
@@ -260,6 +305,36 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     if case.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+@dataclass
+class Isolation:
+    """Implementations under test run in worker processes (one per implementation, replaced after
+    a crash, a fatal CUDA error or a time-out), so what they do to a process becomes a failed row.
+    ``case_timeout`` None: :func:`isolation.default_timeout` of each case's footprint."""
+
+    transport: str = "shm"
+    case_timeout: float | None = None
+    interrupted: object = staticmethod(lambda: False)
+    workers: dict = field(default_factory=dict)
+
+    def run(self, case: Case, impl: Impl, base: dict, knobs: dict, upstream: list, expect: list) -> ImplResult:
+        from . import isolation as iso
+        worker = self.workers.get(impl.name)
+        if worker is None:
+            worker = self.workers[impl.name] = iso.Worker(self.transport)
+        timeout = self.case_timeout or iso.default_timeout(footprint(case), case.device)
+        value, failure = worker.call("mhctool.runner:isolated_impl",
+                                     (case.kernel, impl.name, base, knobs, upstream, expect),
+                                     timeout=timeout, interrupted=self.interrupted)
+        if failure is not None:
+            return ImplResult(fwd_error=failure.message, failure=failure.kind)
+        return ImplResult(**value)
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.stop()
+        self.workers.clear()
 
 
 def check_runnable(impls: dict[str, list[Impl]], cases: list[Case]) -> None:

@@ -150,3 +150,18 @@ def test_cutile_parity_default_scenario_on_gpu(tmp_path, dtype):
     assert {r["kernel"] for r in ct_rows} == set(CUTILE_FAMILIES.split(","))
     assert all(r["value"] == 0 for r in ct_rows if r["metric"] == "unwritten")
     assert {r["direction"] for r in ct_rows} == {"fwd", "bwd"}
+
+
+def test_a_cuda_fault_fails_its_row_and_the_next_cases_pass(tmp_path):
+    """An illegal memory access poisons its process's CUDA context: under --isolate it is one
+    failed row, and the cases after it run in a fresh worker and pass."""
+    sc = tmp_path / "sc.toml"
+    sc.write_text('name = "fault"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["8x2x4x1", "101x1x4x1", "9x1x4x1"]\n'
+                  'families = ["random"]\n')
+    res, rows = _parity(tmp_path, "--kernel", "sinkhorn", "--scenario", str(sc), "--isolate",
+                        "--impl", f"{IMPLS / 'gpu_faults.py'}:sinkhorn_faults_on_large_inputs")
+    assert res.exit_code == 1, res.output
+    fwd = {r["shape"]: r for r in rows if r["impl"].endswith("large_inputs") and r["direction"] == "fwd"
+           and r["passed"] is not None and r["metric"] in ("error", "max_abs")}
+    assert fwd["8x2x4x1"]["passed"] and fwd["9x1x4x1"]["passed"], fwd
+    assert not fwd["101x1x4x1"]["passed"] and "illegal memory access" in fwd["101x1x4x1"]["message"], fwd

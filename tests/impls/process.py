@@ -1,0 +1,47 @@
+"""Implementations that misbehave as processes rather than numerically: each must end in a
+failed row with the reason, a written report and exit code 1 (or 130 when interrupted)."""
+import ctypes
+import os
+import sys
+import time
+from pathlib import Path
+
+from mhctool.kernels.torch import mhc as native
+
+
+def sinkhorn_sys_exit(logits, iters=20, eps=1e-6):
+    """Calls sys.exit(0): a gate built on mhctool must not pass because of it."""
+    sys.exit(0)
+
+
+def sinkhorn_os_exit(logits, iters=20, eps=1e-6):
+    """Ends the process at once, past every handler."""
+    os._exit(0)
+
+
+def sinkhorn_segfault(logits, iters=20, eps=1e-6):
+    """Reads address 0, as a bad pointer in an extension does."""
+    ctypes.string_at(0)
+
+
+def sinkhorn_hangs(logits, iters=20, eps=1e-6):
+    """Never returns (a deadlock, a spin on a flag)."""
+    while True:
+        time.sleep(1)
+
+
+def sinkhorn_crashes_on_large_inputs(logits, iters=20, eps=1e-6):
+    """Correct, except that it crashes on inputs with more than 100 tokens: the cases after the
+    crash must still be judged (and pass)."""
+    if logits.numel() // (logits.shape[-1] ** 2) > 100:
+        ctypes.string_at(0)
+    return native.sinkhorn(logits, iters, eps)
+
+
+def sinkhorn_slow(logits, iters=20, eps=1e-6):
+    """Correct but slow (0.5 s a call); tells a test it started through $MHCTOOL_TEST_MARKER."""
+    marker = os.environ.get("MHCTOOL_TEST_MARKER")
+    if marker:
+        Path(marker).touch()
+    time.sleep(0.5)
+    return native.sinkhorn(logits, iters, eps)
