@@ -216,14 +216,13 @@ def _inputs(kernel: str, shape: Shape, dtype: str, device: str, seed: int, copie
 
 
 def _call(fam: Family, impl: Impl, args: dict):
-    return fam.call(impl.fn, args, {}, impl.accepts)
+    return fam.call(impl.fn, args, {}, impl.accepts, impl.bind)
 
 
-def isolated_measure(kernel: str, spec: str, *args) -> Measurement:
-    """The job an isolation worker runs for ``mhctool bench``: resolve ``spec`` there, measure."""
-    from .registry import resolve_impls
-    (impl,) = resolve_impls(kernel, [spec])
-    return measure(kernel, impl, *args)
+def isolated_measure(kernel: str, spec: str, name: str, *args) -> Measurement:
+    """The job an isolation worker runs for ``mhctool bench``: resolve ``spec`` there, measure ``name``."""
+    from .registry import resolve_one
+    return measure(kernel, resolve_one(kernel, spec, name), *args)
 
 
 def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repeats: int,

@@ -83,6 +83,14 @@ def _ordered(vs: list[dict]) -> list[dict]:
     return sorted(vs, key=lambda v: (rank[v["passed"]], -(v["worst_margin"] if v["worst_margin"] == v["worst_margin"] else math.inf)))
 
 
+def _failed_externals(vs: list[dict]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for v in vs:
+        if v["passed"] is False and ":" in v["impl"] and _short_impl(v["impl"]) not in out.get(v["kernel"], []):
+            out.setdefault(v["kernel"], []).append(_short_impl(v["impl"]))
+    return out
+
+
 def _summary(vs: list[dict]) -> tuple[int, int, int]:
     p = sum(v["passed"] is True for v in vs)
     f = sum(v["passed"] is False for v in vs)
@@ -108,6 +116,7 @@ def parity(
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run each implementation under test in a child process, so exits, crashes, hangs and CUDA faults become failed rows. Default: on for an external --impl on a GPU or with --case-timeout, off otherwise."),
     case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: 120 s plus 30 s per GiB the case needs, 4x that on the CPU)."),
     isolate_transport: str = typer.Option("shm", "--isolate-transport", help="How tensors reach the child: shm (host shared memory) or file (torch.save in /dev/shm)."),
+    convention: Optional[list[str]] = typer.Option(None, "--convention", help="KNOB=VALUE (repeat): the convention the external implementation computes (stabilize=softmax, transpose_res=true, eps_mode=clamp, eps=0, rms_eps=inside, compute_h_eps=1e-6); the reference and the native baseline compute it too."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
     report.check_writable(out_path)
@@ -116,8 +125,12 @@ def parity(
         raise UsageError(f"unknown --matmul-precision {matmul_precision!r}; accepted: ieee, tf32")
     kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(k).name for k in _split([kernel])]
     specs = _split(impl)
-    if any(":" in s for s in specs) and len(kernels) != 1:
-        raise UsageError("an external --impl module:function needs one --kernel, not all")
+    if any(registry.is_function_spec(s) for s in specs) and len(kernels) != 1:
+        raise UsageError("an external --impl module:function needs one --kernel, not all "
+                         "(a whole library takes NAME:PATH, e.g. megatron:fused_mhc_kernels.py)")
+    declared = clikit.conventions(convention, kernels)
+    if declared and not any(":" in s for s in specs):
+        raise UsageError("--convention declares what an external implementation computes; name one with --impl")
     sc = scenario_mod.resolve(scenario)
     dtypes = [parse_dtype(d).name for d in _split([dtype])] if dtype else None
     if shape and len({registry.get_family(k).shape_kind for k in kernels}) > 1:
@@ -148,7 +161,8 @@ def parity(
                 if interrupts.requested:
                     break
                 bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}")
-                res = runner.run_case(c, impls[c.kernel], sc.rule, matmul_precision, iso)
+                res = runner.run_case(c, impls[c.kernel], sc.rule, matmul_precision, iso,
+                                      declared.get(c.kernel))
                 if res.abandoned:  # cut short by the interrupt: not a finished case
                     break
                 rows.extend(res.rows)
@@ -162,7 +176,8 @@ def parity(
     settings = {"command": "parity", "kernel": kernel, "impl": specs, "device": dev,
                 "scenario": sc.name, "scenario_source": sc.source, "kappa": sc.rule.kappa,
                 "floor_roundoffs": sc.rule.floor_roundoffs, "matmul_precision": matmul_precision,
-                "isolate": iso is not None, "case_timeout": case_timeout,
+                "isolate": iso is not None, "case_timeout": case_timeout, "conventions": declared,
+                "adapters": sorted({i.adapter for lst in impls.values() for i in lst if i.adapter}),
                 "interrupted": interrupts.requested, "cases_run": done, "cases_planned": len(cases)}
     table = report.to_table(rows, run_id, "parity", environment.metadata(), settings)
     path = report.write_atomic(table, out_path)
@@ -184,6 +199,11 @@ def parity(
     if not specs:  # a default run that judged no kernel of a built-in backend says so
         for name, why in report.skipped_everywhere(table).items():
             out.print(f"note: {name} skipped for every case: {why}", markup=False)
+    for k, names in _failed_externals(vs).items():
+        knobs = registry.get_family(k).conventions
+        if knobs and not declared.get(k):
+            out.print(f"hint: {', '.join(names)} failed on {k}; if it computes another legitimate variant, declare it "
+                      f"with --convention KNOB=VALUE ({k}'s conventions: {', '.join(knobs)})", markup=False)
     raise typer.Exit(1 if f else 0)
 
 
@@ -241,7 +261,7 @@ def bench(
     if bad or not dirs:
         raise UsageError(f"unknown --direction {direction!r}; accepted: fwd, bwd, fwd,bwd")
     specs = _split(impl)
-    if any(":" in s for s in specs) and len(kernels) != 1:
+    if any(registry.is_function_spec(s) for s in specs) and len(kernels) != 1:
         raise UsageError("an external --impl module:function needs one --kernel, not all")
     plan = []
     for k in kernels:
@@ -324,7 +344,8 @@ def _bench_one(bench_mod, iso, k, i, shp, dtype, dev, repeats, d, g, l2) -> tupl
             return ("skip", k, i, d, f"failed: {runner.short_error(e)}", shp, g)
     worker = iso.workers.get(i.name) or iso.workers.setdefault(i.name, isolation.Worker(iso.transport))
     timeout = iso.case_timeout or isolation.default_timeout(bench_mod.footprint(k, shp, dtype), dev)
-    value, failure = worker.call("mhctool.bench:isolated_measure", (k, i.name, shp, dtype, dev, repeats, d, g, l2),
+    value, failure = worker.call("mhctool.bench:isolated_measure", (k, i.spec or i.name, i.name, shp, dtype, dev, repeats,
+                                                                    d, g, l2),
                                  timeout=timeout, interrupted=iso.interrupted)
     if failure is not None:
         return ("skip", k, i, d, f"failed: {failure.message}", shp, g)

@@ -109,3 +109,36 @@ def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_t
     if transport not in ("shm", "file"):
         raise UsageError(f"unknown --isolate-transport {transport!r}; accepted: shm, file")
     return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts)
+
+
+def conventions(items: Optional[list[str]], kernels: list[str]) -> dict[str, dict]:
+    """``--convention KNOB=VALUE`` items -> {kernel: {knob: value}} for the kernels that have the
+    knob as a convention (values checked like scenario knobs); a knob none of them has is an error."""
+    from .registry import get_family
+    out: dict[str, dict] = {}
+    for item in split(items):
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not raw.strip():
+            raise UsageError(f"malformed --convention {item!r}; expected KNOB=VALUE, e.g. stabilize=softmax")
+        value = _value(raw.strip())
+        takers = [k for k in kernels if name in get_family(k).conventions]
+        if not takers:
+            known = sorted({c for k in kernels for c in get_family(k).conventions})
+            raise UsageError(f"--convention {name} is no convention of {', '.join(kernels)}; accepted: "
+                             + (", ".join(known) or "none"))
+        for k in takers:
+            out.setdefault(k, {})[name] = get_family(k).knobs[name].check(k, name, value)
+    return out
+
+
+def _value(raw: str):
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw

@@ -33,6 +33,7 @@ class Knob:
     kind: type = str
     passed: bool = True  # passed to the implementation (False: it only shapes the inputs)
     signed: bool = False  # a float knob that may be zero or negative
+    zero_ok: bool = False  # a float knob that may be zero (Sinkhorn without eps, as TransformerEngine's)
 
     def check(self, kernel: str, name: str, value):
         if self.choices is not None:
@@ -48,8 +49,9 @@ class Knob:
             raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be a positive integer")
         if self.kind is float and not math.isfinite(value):
             raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be finite")
-        if self.kind is float and not self.signed and not value > 0:
-            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be positive")
+        if self.kind is float and not self.signed and not (value > 0 or (self.zero_ok and value == 0)):
+            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be "
+                             + ("zero or positive" if self.zero_ok else "positive"))
         return self.kind(value)
 
 
@@ -69,11 +71,30 @@ class Family:
     term_scale: Callable | None = None
     shape_kind: str = "mhc"  # mhc: SxBxNxC; moe: TxHxFxE (shapes.parse_shape_for)
     forward_only: bool = False  # the operation is itself a gradient (grouped_wgrad): no backward
+    # trailing outputs an implementation may leave out (judged where returned; their upstream
+    # gradient is zero, so the other gradients do not depend on whether they are returned)
+    optional_outputs: tuple[str, ...] = ()
+    # knobs that a legitimate implementation may choose (DESIGN.md, "conventions"): declared with
+    # --convention or by an adapter, applied to the reference and the native baseline
+    conventions: tuple[str, ...] = ()
 
-    def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted) -> tuple:
-        """Call ``fn`` with the family's signature; knobs it does not accept are left out."""
+    def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted,
+             bind: Callable[[str], str | int | None] = lambda k: k) -> tuple:
+        """Call ``fn`` with the family's signature; knobs it does not accept are left out. ``bind``
+        names the parameter a knob goes to (an alias), or its position for positional-only ones."""
         pos = [args[k] for k in self.inputs]
-        kw = {k: v for k, v in knobs.items() if self.knobs[k].passed and accepted(k)}
+        kw, at = {}, {}
+        for k, knob in self.knobs.items():  # every knob it takes, at the case's value or the default
+            v = knobs.get(k, knob.default)
+            if not (knob.passed and accepted(k)):
+                continue
+            target = bind(k)
+            if isinstance(target, int):
+                at[target] = v
+            elif target is not None:
+                kw[target] = v
+        for i in sorted(at):  # positional-only knobs, contiguous after the inputs (Impl.bind checks)
+            pos.append(at[i])
         out = fn(*pos, **kw)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -85,8 +106,9 @@ def _mapping_term_scale(args: dict, upstream: list, knobs: dict) -> dict[str, fl
     seen: dict[str, torch.Tensor] = {}
     with torch.enable_grad():
         outs = ref.mapping(args["x2d"], args["weight"], args["alpha"], args["h_bias"], knobs.get("eps", 1e-6),
+                           rms_eps=knobs.get("rms_eps", "outside"), compute_h_eps=knobs.get("compute_h_eps", 0.0),
                            trace=lambda name, t: seen.setdefault(name, t))
-        (gh,) = torch.autograd.grad(outs, [seen["h"]], list(upstream))
+        (gh,) = torch.autograd.grad(outs, [seen["h"]], list(upstream)[:len(outs)])
     n = outs[0].shape[-1]
     terms = (gh * seen["r_proj"]).abs().detach()
     return {"grad_alpha": float(max(terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum()))}
@@ -96,18 +118,27 @@ def _ref_sinkhorn(logits, iters=20, eps=1e-6, **kw):
     return ref.sinkhorn(logits, iters, eps, **kw)
 
 
+def _ref_mapping(x2d, weight, alpha, h_bias, eps=1e-6, **kw):
+    return (*ref.mapping(x2d, weight, alpha, h_bias, eps, **kw), ref.rms(x2d))
+
+
+_RMS_EPS = Knob("outside", ref.RMS_EPS)
+
+
 FAMILIES: dict[str, Family] = {
     "sinkhorn": Family(
         "sinkhorn", ("logits",), ("logits",), (), ("out",),
         {
             "iters": Knob(20, kind=int),
-            "eps": Knob(1e-6, kind=float),
+            "eps": Knob(1e-6, kind=float, zero_ok=True),
             "stabilize": Knob("rowmax", ref.STABILIZE),
             "eps_mode": Knob("add", ref.EPS_MODES),
             "order": Knob("row_first", ref.ORDERS),
+            "domain": Knob("linear", ref.DOMAINS),
         },
         ("iters", "eps"),
         _ref_sinkhorn,
+        conventions=("stabilize", "eps_mode", "eps", "order", "domain"),
     ),
     "h_aggregate": Family(
         "h_aggregate", ("x", "h_pre"), ("x", "h_pre"), ("h_pre",), ("out",), {}, (), ref.h_aggregate,
@@ -118,20 +149,25 @@ FAMILIES: dict[str, Family] = {
         {"transpose_res": Knob(False, (False, True), bool), "bias": Knob(True, (False, True), bool, passed=False)},
         (),
         ref.h_post_bda,
+        conventions=("transpose_res",),
     ),
     "proj_rms": Family(
         "proj_rms", ("x2d", "weight"), ("x2d", "weight"), (), ("proj", "r"),
-        {"eps": Knob(1e-6, kind=float)},
+        {"eps": Knob(1e-6, kind=float, zero_ok=True), "rms_eps": _RMS_EPS},
         ("eps",),
         ref.proj_rms,
+        conventions=("eps", "rms_eps"),
     ),
     "mapping": Family(
         "mapping", ("x2d", "weight", "alpha", "h_bias"), ("x2d", "weight", "alpha", "h_bias"),
-        ("alpha", "h_bias"), ("h_pre", "h_post", "h_res_logits"),
-        {"eps": Knob(1e-6, kind=float)},
+        ("alpha", "h_bias"), ("h_pre", "h_post", "h_res_logits", "rms"),
+        {"eps": Knob(1e-6, kind=float, zero_ok=True), "rms_eps": _RMS_EPS,
+         "compute_h_eps": Knob(0.0, kind=float, zero_ok=True)},
         ("eps",),
-        ref.mapping,
+        _ref_mapping,
         _mapping_term_scale,
+        optional_outputs=("rms",),
+        conventions=("eps", "rms_eps", "compute_h_eps"),
     ),
 }
 _INTERLEAVE = Knob(0, (0, 32), int)
@@ -168,8 +204,9 @@ FAMILIES.update({
 KERNELS = tuple(FAMILIES)
 MHC_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "mhc")
 MOE_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "moe")
-# kernels whose products may run at TF32 by design (DESIGN.md: the projection)
-MATMUL_KERNELS = ("proj_rms", "mapping")
+# kernels whose products may run at TF32 by design (DESIGN.md: the projection; TransformerEngine's
+# mixing kernels multiply with TF32 by default too)
+MATMUL_KERNELS = ("proj_rms", "mapping", "h_aggregate", "h_post_bda")
 
 
 def get_family(name: str) -> Family:
@@ -192,6 +229,10 @@ class Impl:
     native: bool = False
     default: bool = True  # run when no --impl is given
     requires: Callable[[], str | None] = field(default=lambda: None)  # why unusable here, or None
+    conventions: dict = field(default_factory=dict)  # convention knobs it computes (declared by an adapter)
+    spec: str | None = None  # the --impl spec that resolves to it (None: its name)
+    adapter: str | None = None  # the library adapter that maps it (mhctool/libraries/<name>.py)
+    limit: Callable | None = None  # limit(shape) -> why it cannot run that shape (n = 4 only, ...), or None
     _fn: Callable | None = None
 
     @property
@@ -227,11 +268,35 @@ class Impl:
             return None
         if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
             return None
-        return set(sig.parameters)
+        return list(sig.parameters.values())
+
+    def bind(self, knob: str) -> str | int | None:
+        """Where ``knob`` goes in a call, the way Python binds it: its own name or a known alias
+        (``iters`` <-> ``num_iterations``), or, for a positional-only parameter, its position
+        (only right after the family's inputs, in the family's positional-knob order)."""
+        params = self._params
+        if params is None:
+            return knob
+        names = (knob, *KNOB_ALIASES.get(knob, ()))
+        for i, p in enumerate(params):
+            if p.name in names:
+                if p.kind is not p.POSITIONAL_ONLY:
+                    return p.name
+                fam = FAMILIES[self.kernel]
+                expected = len(fam.inputs) + (fam.positional_knobs.index(knob) if knob in fam.positional_knobs else -99)
+                return i if i == expected else None
+        return None
 
     def accepts(self, knob: str) -> bool:
-        params = self._params
-        return params is None or knob in params
+        return self.bind(knob) is not None
+
+
+# other names public kernels give a knob (Megatron's fused_sinkhorn takes ``num_iterations``)
+KNOB_ALIASES: dict[str, tuple[str, ...]] = {
+    "iters": ("num_iterations", "num_iters", "iterations", "n_iters", "sinkhorn_iters"),
+    "eps": ("epsilon",),
+    "transpose_res": ("transpose", "h_res_transposed"),
+}
 
 
 def _import_target(target: str) -> Callable:
@@ -331,6 +396,9 @@ def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:
     for spec in specs:
         if spec in known:
             chosen.append(known[spec])
+        elif is_library_spec(spec):
+            from . import libraries
+            chosen.extend(libraries.impls(spec, kernel))
         elif ":" in spec:
             chosen.append(load_external(spec, kernel))
         elif any(spec == i.name for k in KERNELS for i in impls_for(k)):
@@ -347,6 +415,25 @@ def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:
 
 def _absent(*args, **kwargs):  # the target of an implementation that does not exist for a kernel
     raise RuntimeError("no such implementation")
+
+
+def is_library_spec(spec: str) -> bool:
+    """``NAME:FILE_OR_MODULE`` where NAME is a library adapter (``megatron:``, ``te:``)."""
+    from .libraries import NAMES
+    return spec.partition(":")[0] in NAMES
+
+
+def is_function_spec(spec: str) -> bool:
+    """``module:function`` or ``file.py:function``: one function, so one kernel."""
+    return ":" in spec and not is_library_spec(spec)
+
+
+def resolve_one(kernel: str, spec: str, name: str) -> Impl:
+    """The implementation named ``name`` among those ``spec`` resolves to (isolation workers)."""
+    for impl in resolve_impls(kernel, [spec]):
+        if impl.name == name:
+            return impl
+    raise UsageError(f"--impl {spec!r} has no implementation {name!r} for kernel {kernel}")
 
 
 def load_external(spec: str, kernel: str) -> Impl:

@@ -129,7 +129,7 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     args = _leaf(fam, base)
     try:
         with poisoning(True):
-            outs = list(fam.call(impl.fn, args, knobs, impl.accepts))
+            outs = list(fam.call(impl.fn, args, knobs, impl.accepts, impl.bind))
     except SystemExit as e:  # code under test never decides mhctool's exit code
         res.fwd_error = system_exit_message(e)
         return res
@@ -180,8 +180,10 @@ def conform_outputs(fam: Family, outs, expect: list[tuple], returned: dict) -> t
     is reshaped, another floating dtype is converted to the contract's (its error is then judged
     by the contract's threshold: a lower precision is not excused) and named in ``returned``.
     What cannot be judged (count, non-tensor, element count, device, a non-float) is the problem."""
-    if len(outs) != len(expect):
-        return outs, f"returned {len(outs)} outputs, expected {len(expect)} ({', '.join(fam.outputs)})"
+    required = len(expect) - len(fam.optional_outputs)
+    if not required <= len(outs) <= len(expect):
+        counted = f"{required} to {len(expect)}" if required < len(expect) else str(len(expect))
+        return outs, f"returned {len(outs)} outputs, expected {counted} ({', '.join(fam.outputs)})"
     conformed = []
     for name, o, (shape, dtype, device) in zip(fam.outputs, outs, expect):
         if not isinstance(o, torch.Tensor):
@@ -201,12 +203,11 @@ def conform_outputs(fam: Family, outs, expect: list[tuple], returned: dict) -> t
     return conformed, None
 
 
-def isolated_impl(kernel: str, spec: str, base: dict, knobs: dict, upstream: list, expect: list) -> dict:
-    """The job an isolation worker runs: resolve ``spec`` for ``kernel`` there, and run it."""
-    from .registry import resolve_impls
-    fam = get_family(kernel)
-    (impl,) = resolve_impls(kernel, [spec])
-    return run_impl(fam, impl, base, knobs, lambda outs: upstream, expect).to_dict()
+def isolated_impl(kernel: str, spec: str, name: str, base: dict, knobs: dict, upstream: list, expect: list) -> dict:
+    """The job an isolation worker runs: resolve ``spec`` for ``kernel`` there, and run ``name``."""
+    from .registry import resolve_one
+    impl = resolve_one(kernel, spec, name)
+    return run_impl(get_family(kernel), impl, base, knobs, lambda outs: upstream, expect).to_dict()
 
 
 def _native_at(kernel: str, precision: str) -> Impl:
@@ -218,54 +219,50 @@ def _native_at(kernel: str, precision: str) -> Impl:
 
 
 def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
-             matmul_precision: str = "ieee", isolation: "Isolation | None" = None) -> CaseResult:
+             matmul_precision: str = "ieee", isolation: "Isolation | None" = None,
+             conventions: dict | None = None) -> CaseResult:
     """Run every implementation of ``impls`` on one case; the native one always runs (baseline).
-    With ``isolation``, every implementation but the native one runs in a worker process."""
+
+    With ``isolation``, every implementation but the native one runs in a worker process. An
+    external implementation computes its declared convention (an adapter's, overridden by
+    ``conventions`` from ``--convention``): the float64 reference and the native baseline it is
+    judged against compute the same convention."""
     rule = rule or VerdictRule()
     fam = get_family(case.kernel)
     knobs = case.knob_dict
     shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)
     base = _cast_inputs(fam, raw, case)
     result = CaseResult(case, shape)
+    baselines: dict[tuple, _Baseline] = {}
 
-    precisions = {"ieee"} | {
-        (matmul_precision if i.backend == "external" else i.precision) for i in impls
-    }
-    natives = {p: run_impl(fam, _native_at(case.kernel, p), base, knobs,
-                           lambda outs: inputs_mod.upstream_grads(outs, case.seed))
-               for p in sorted(precisions)}
-    nat = natives["ieee"]
-    if nat.fwd_error or nat.outputs is None:
-        raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {nat.fwd_error}")
-    upstream = inputs_mod.upstream_grads(nat.outputs, case.seed)
-    ref_outs, ref_grads = run_reference(fam, base, knobs, upstream)
-    term_scale = {}
-    if fam.term_scale is not None:
-        term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
+    def baseline(precision: str, eff: dict) -> "_Baseline":
+        key = (precision, json.dumps(eff, sort_keys=True, default=str))
+        if key not in baselines:
+            baselines[key] = _baseline(fam, case, base, eff, precision)
+        return baselines[key]
 
-    def measured(res: ImplResult):
-        fwd = {n: measure(o, r, fam.name == "sinkhorn")
-               for n, o, r in zip(fam.outputs, res.outputs or [], ref_outs)}
-        bwd = {f"grad_{k}": measure(g, ref_grads[k]) for k, g in (res.grads or {}).items()}
-        return fwd, bwd
-
-    native_metrics = {p: measured(r) for p, r in natives.items()}
+    nat_base = baseline("ieee", knobs)
+    nat = nat_base.native
     ordered = [native_impl(case.kernel)] + [i for i in impls if not i.native]
     for impl in ordered:
-        prec = matmul_precision if impl.backend == "external" else impl.precision
-        row_base = _row_base(case, shape, impl, prec)
-        why = impl.unsupported(case.device, case.dtype) or _knob_gap(fam, impl, knobs)
+        external = impl.backend == "external"
+        prec = matmul_precision if external and impl.precision == "ieee" else impl.precision
+        eff = {**knobs, **impl.conventions, **(conventions or {})} if external else knobs
+        row_base = _row_base(case, shape, impl, prec, eff)
+        why = (impl.unsupported(case.device, case.dtype) or (impl.limit and impl.limit(shape))
+               or _knob_gap(fam, impl, eff, set(impl.conventions) | set(conventions or {}) if external else set()))
         if why:
             result.rows.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "unsupported",
                                 "value": math.nan, "threshold": None, "passed": None,
                                 "rule": "unsupported", "message": why})
             continue
+        judged = baseline(prec, eff)
         if impl.native:
             res = nat
         elif isolation is not None:
-            res = isolation.run(case, impl, base, knobs, upstream, output_specs(nat.outputs))
+            res = isolation.run(case, impl, base, eff, judged.upstream, output_specs(nat.outputs))
         else:
-            res = run_impl(fam, impl, base, knobs, lambda outs: upstream, expect=output_specs(nat.outputs))
+            res = run_impl(fam, impl, base, eff, lambda outs: judged.upstream, expect=output_specs(nat.outputs))
         if res.failure == "lost" and isolation is not None and isolation.interrupted():
             result.abandoned = True
             return result
@@ -276,9 +273,9 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                     "metric": "error", "value": math.nan, "threshold": None,
                                     "passed": False, "rule": res.failure or "raised", "message": msg})
             continue
-        fwd, bwd = measured(res)
-        nat_fwd, nat_bwd = native_metrics.get(prec, native_metrics["ieee"])
-        refs = dict(zip(fam.outputs, ref_outs)) | {f"grad_{k}": g for k, g in ref_grads.items()}
+        fwd, bwd = judged.measured(res)
+        nat_fwd, nat_bwd = judged.native_metrics
+        refs = dict(zip(fam.outputs, judged.ref_outs)) | {f"grad_{k}": g for k, g in judged.ref_grads.items()}
         outs = dict(zip(fam.outputs, res.outputs)) | {f"grad_{k}": g for k, g in (res.grads or {}).items()}
         for direction, vals, nat_vals in (("fwd", fwd, nat_fwd), ("bwd", bwd, nat_bwd)):
             for tensor, metrics in vals.items():
@@ -288,7 +285,7 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                 fmt = fmt_of(outs[tensor].dtype)
                 for metric, value in metrics.items():
                     j = rule.judge(metric, value, fmt, amax, None if impl.native else nat_vals[tensor],
-                                   FORMATS[case.dtype], outs[tensor].numel(), term_scale.get(tensor))
+                                   FORMATS[case.dtype], outs[tensor].numel(), judged.term_scale.get(tensor))
                     result.rows.append({**row_base, "direction": direction, "tensor": tensor,
                                         "dtype_out": res.returned.get(tensor, fmt.name),
                                         "metric": metric, "value": value,
@@ -305,6 +302,48 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     if case.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+@dataclass
+class _Baseline:
+    """What an implementation is judged against for one (matmul precision, knobs): the native
+    implementation's run and metrics, the float64 reference's outputs and gradients."""
+
+    fam: Family
+    native: ImplResult
+    upstream: list
+    ref_outs: list
+    ref_grads: dict
+    term_scale: dict
+    native_metrics: tuple = ()
+
+    def measured(self, res: ImplResult):
+        fwd = {n: measure(o, r, self.fam.name == "sinkhorn")
+               for n, o, r in zip(self.fam.outputs, res.outputs or [], self.ref_outs)}
+        bwd = {f"grad_{k}": measure(g, self.ref_grads[k]) for k, g in (res.grads or {}).items()}
+        return fwd, bwd
+
+
+def upstream_for(fam: Family, outputs: list, seed: int) -> list:
+    """Seeded upstream gradients; zero for the family's optional outputs."""
+    ups = inputs_mod.upstream_grads(outputs, seed)
+    first_optional = len(fam.outputs) - len(fam.optional_outputs)
+    return [u if i < first_optional else torch.zeros_like(u) for i, u in enumerate(ups)]
+
+
+def _baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str) -> _Baseline:
+    native = run_impl(fam, _native_at(case.kernel, precision), base, knobs,
+                      lambda outs: upstream_for(fam, outs, case.seed))
+    if native.fwd_error or native.outputs is None:
+        raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
+    upstream = upstream_for(fam, native.outputs, case.seed)
+    ref_outs, ref_grads = run_reference(fam, base, knobs, upstream)
+    term_scale = {}
+    if fam.term_scale is not None:
+        term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
+    b = _Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
+    b.native_metrics = b.measured(native)
+    return b
 
 
 @dataclass
@@ -325,7 +364,7 @@ class Isolation:
             worker = self.workers[impl.name] = iso.Worker(self.transport)
         timeout = self.case_timeout or iso.default_timeout(footprint(case), case.device)
         value, failure = worker.call("mhctool.runner:isolated_impl",
-                                     (case.kernel, impl.name, base, knobs, upstream, expect),
+                                     (case.kernel, impl.spec or impl.name, impl.name, base, knobs, upstream, expect),
                                      timeout=timeout, interrupted=self.interrupted)
         if failure is not None:
             return ImplResult(fwd_error=failure.message, failure=failure.kind)
@@ -344,11 +383,12 @@ def check_runnable(impls: dict[str, list[Impl]], cases: list[Case]) -> None:
     runnable: set[str] = set()
     for c in cases:
         for i in impls.get(c.kernel, []):
+            key = i.spec or i.name  # what was asked for: a library spec stands for all it offers
             why = i.unsupported(c.device, c.dtype)
             if why is None:
-                runnable.add(i.name)
+                runnable.add(key)
             else:
-                reasons.setdefault(i.name, why)
+                reasons.setdefault(key, why)
     for name, why in reasons.items():
         if name not in runnable:
             kernels = sorted({c.kernel for c in cases})
@@ -384,18 +424,22 @@ def check_fits(cases: list[Case]) -> None:
             f"alone; the {'GPU' if case.device == 'cuda' else 'machine'} has {have / 2**30:,.1f} GiB")
 
 
-def _knob_gap(fam: Family, impl: Impl, knobs: dict) -> str | None:
+def _knob_gap(fam: Family, impl: Impl, knobs: dict, declared: set = frozenset()) -> str | None:
+    """A knob the implementation cannot take, set to a value other than its default; knobs its
+    declared convention fixes are what it computes by construction."""
     for name, value in knobs.items():
+        if name in declared:
+            continue
         knob = fam.knobs[name]
         if knob.passed and not impl.accepts(name) and value != knob.default:
             return f"{impl.name} does not take the knob {name}; it runs only at {name}={knob.default!r}"
     return None
 
 
-def _row_base(case: Case, shape: Shape, impl: Impl, precision: str) -> dict:
+def _row_base(case: Case, shape: Shape, impl: Impl, precision: str, knobs: dict) -> dict:
     return {
         "scenario": case.scenario, "case_id": case.case_id, "kernel": case.kernel,
         "impl": impl.name, "backend": impl.backend, "precision": precision,
         "family": case.family, "dtype": case.dtype, "dtype_out": None, "shape": str(shape),
-        "knobs": case.knobs_json, "seed": case.seed, "device": case.device,
+        "knobs": json.dumps(knobs, sort_keys=True), "seed": case.seed, "device": case.device,
     }

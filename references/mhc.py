@@ -19,7 +19,9 @@ import torch
 Trace = Callable[[str, torch.Tensor], None] | None
 
 STABILIZE = ("rowmax", "none", "softmax")
+RMS_EPS = ("outside", "inside")
 EPS_MODES = ("add", "clamp")
+DOMAINS = ("linear", "log")
 ORDERS = ("row_first", "col_first")
 
 
@@ -45,9 +47,14 @@ def sinkhorn(
     stabilize: str = "rowmax",
     eps_mode: str = "add",
     order: str = "row_first",
+    domain: str = "linear",
     trace: Trace = None,
 ) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits[..., n, n])`` towards a doubly stochastic matrix.
+
+    ``domain`` (``linear`` or ``log``) says how an implementation iterates; in exact arithmetic
+    (and so in this float64 reference) both give the same matrix, so it changes nothing here: it
+    picks the native baseline that a log-domain kernel is compared with.
 
     ``stabilize`` picks the starting matrix:
       * ``rowmax``: ``exp(L - max_j L[i, j])`` (max subtraction, per row);
@@ -64,6 +71,8 @@ def sinkhorn(
         raise ValueError(f"stabilize must be one of {STABILIZE}, got {stabilize!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if domain not in DOMAINS:
+        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
     row, col = -1, -2
     if stabilize == "rowmax":
         p = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
@@ -111,8 +120,12 @@ def h_post_bda(
     return mixed + post
 
 
-def proj_rms(x2d: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, trace: Trace = None):
-    """``proj = x2d @ weight^T`` and ``r = 1 / (||x||_2 / sqrt(K) + eps)`` (eps outside the root)."""
+def proj_rms(x2d: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, rms_eps: str = "outside",
+             trace: Trace = None):
+    """``proj = x2d @ weight^T`` and ``r = 1 / (||x||_2 / sqrt(K) + eps)`` (``rms_eps="outside"``,
+    Megatron's), or ``r = 1 / sqrt(||x||^2 / K + eps)`` (``"inside"``, RMSNorm's and TransformerEngine's)."""
+    if rms_eps not in RMS_EPS:
+        raise ValueError(f"rms_eps must be one of {RMS_EPS}, got {rms_eps!r}")
     k = x2d.shape[-1]
     proj = x2d @ weight.transpose(0, 1)
     sum_sq = (x2d * x2d).sum(dim=-1)
@@ -122,6 +135,8 @@ def proj_rms(x2d: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, trac
         trace("sum_sq", sum_sq)
         trace("proj", proj)
         trace("rms", rms)
+    if rms_eps == "inside":
+        return proj, 1.0 / torch.sqrt(sum_sq / k + eps)
     return proj, 1.0 / (rms + eps)
 
 
@@ -137,30 +152,37 @@ def compute_h(
     bias: torch.Tensor,
     n: int,
     *,
+    compute_h_eps: float = 0.0,
     trace: Trace = None,
 ):
     """Mapping coefficients from the projection.
 
     ``alpha = [a_pre, a_post, a_res]``; ``h = r * proj * ([a_pre]*n ++ [a_post]*n ++ [a_res]*n^2) + bias``
-    ordered ``[pre(n) | post(n) | res(n^2)]``. Returns ``H_pre = sigmoid(h_pre)``,
-    ``H_post = 2 sigmoid(h_post)`` and the Sinkhorn logits ``H_res_logits[..., i, j] = h[2n + i n + j]``.
+    ordered ``[pre(n) | post(n) | res(n^2)]``. Returns ``H_pre = sigmoid(h_pre) + compute_h_eps``
+    (0 in the contract; Megatron's later generation adds 1e-6), ``H_post = 2 sigmoid(h_post)`` and
+    the Sinkhorn logits ``H_res_logits[..., i, j] = h[2n + i n + j]``.
     """
     h = r.unsqueeze(-1) * proj * alpha_columns(alpha, n) + bias
     if trace:
         trace("r_proj", r.unsqueeze(-1) * proj)
         trace("h", h)
-    h_pre = torch.sigmoid(h[..., :n])
+    h_pre = torch.sigmoid(h[..., :n]) + compute_h_eps
     h_post = 2.0 * torch.sigmoid(h[..., n : 2 * n])
     logits = h[..., 2 * n :].reshape(*h.shape[:-1], n, n)
     return h_pre, h_post, logits
 
 
 def mapping(x2d: torch.Tensor, weight: torch.Tensor, alpha: torch.Tensor, h_bias: torch.Tensor,
-            eps: float = 1e-6, *, trace: Trace = None):
+            eps: float = 1e-6, *, rms_eps: str = "outside", compute_h_eps: float = 0.0, trace: Trace = None):
     """``compute_h(proj_rms(x2d, weight, eps), alpha, h_bias)`` with n from ``weight``'s n^2 + 2n rows."""
     n = round((weight.shape[0] + 1) ** 0.5 - 1)
-    proj, r = proj_rms(x2d, weight, eps, trace=trace)
-    return compute_h(proj, r, alpha, h_bias, n, trace=trace)
+    proj, r = proj_rms(x2d, weight, eps, rms_eps=rms_eps, trace=trace)
+    return compute_h(proj, r, alpha, h_bias, n, compute_h_eps=compute_h_eps, trace=trace)
+
+
+def rms(x2d: torch.Tensor) -> torch.Tensor:
+    """``||x||_2 / sqrt(K)`` per row: the fourth output of Megatron's later fused mapping kernel."""
+    return torch.sqrt((x2d * x2d).sum(dim=-1) / x2d.shape[-1])
 
 
 def expand(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -235,7 +235,7 @@ def test_conversions_that_cannot_be_clean_leave_the_state_dict_unchanged():
     (["--kernel", "swiglu", "--shape", "37x96x1"], "TxHxFxE"),
     (["--kernel", "swiglu", "--shape", "37x1x67x1", "--scenario", "tests/data/interleave-odd.toml"], "needs ffn to be a multiple of 32"),
     (["--kernel", "swiglu,sinkhorn", "--shape", "37x1x96x1"], "one form per kind"),
-    (["--kernel", "grouped_mlp", "--impl", "cutile"], "unknown implementation"),
+    (["--kernel", "grouped_mlp", "--impl", "cutile"], "mhctool has no cuTile implementation of grouped_mlp"),
 ])
 def test_moe_bad_input_exit_2(tmp_path, args, needle):
     res = runner.invoke(app, ["parity", "--device", "cpu", *args, "-o", str(tmp_path / "r.parquet")])

@@ -13,7 +13,9 @@ import torch
 
 
 def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
-             eps_mode: str = "add", order: str = "row_first"):
+             eps_mode: str = "add", order: str = "row_first", domain: str = "linear"):
+    if domain == "log":
+        return _sinkhorn_log(logits, iters, order)
     if stabilize == "rowmax":
         p = (logits - logits.max(dim=-1, keepdim=True).values).exp()
     elif stabilize == "none":
@@ -35,16 +37,60 @@ def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowma
     return p
 
 
-def h_aggregate(x, h_pre):
+def _sinkhorn_log(logits, iters: int, order: str):
+    """Log-domain Sinkhorn (no eps; ``stabilize`` and ``eps_mode`` have no meaning there): row and
+    column potentials ``f``, ``g`` updated by logsumexp, ``exp(L + f + g)`` at the end, at the
+    input dtype, the way TransformerEngine's kernel computes it."""
+    f = torch.zeros_like(logits[..., :, 0])
+    g = torch.zeros_like(logits[..., 0, :])
+
+    def rows(f, g):
+        return -torch.logsumexp(logits + g.unsqueeze(-2), dim=-1), g
+
+    def cols(f, g):
+        return f, -torch.logsumexp(logits + f.unsqueeze(-1), dim=-2)
+
+    steps = (rows, cols) if order == "row_first" else (cols, rows)
+    for _ in range(iters):
+        for step in steps:
+            f, g = step(f, g)
+    return torch.exp(logits + f.unsqueeze(-1) + g.unsqueeze(-2))
+
+
+def h_aggregate(x, h_pre, matmul_precision: str = "ieee"):
+    """``matmul_precision="tf32"``: both operands rounded to TF32 first (a kernel that multiplies
+    with TF32 tensor cores, as TransformerEngine's do by default), then summed at the input dtype."""
+    if matmul_precision == "tf32":
+        x, h_pre = _tf32_operands(x, h_pre)
     return torch.einsum("sbnc,sbn->sbc", x, h_pre.to(x.dtype))
 
 
-def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False):
+def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, matmul_precision: str = "ieee"):
+    if matmul_precision == "tf32":
+        x, h_res = _tf32_operands(x, h_res)
     h = h_res.to(x.dtype)
     if transpose_res:
         h = h.transpose(-1, -2)
     branch = y if bias is None else y + bias
     return torch.matmul(h, x) + h_post.to(x.dtype).unsqueeze(-1) * branch.unsqueeze(-2)
+
+
+class _Tf32(torch.autograd.Function):
+    """An fp32 operand rounded to TF32 in the forward, its gradient rounded to TF32 in the
+    backward: the products a TF32 kernel computes, forward and backward, emulated."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return round_to_tf32(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return round_to_tf32(g) if g.dtype == torch.float32 else g
+
+
+def _tf32_operands(*ts):
+    """fp32 operands rounded to TF32; lower-precision ones are TF32 values already."""
+    return tuple(_Tf32.apply(t) if t.dtype == torch.float32 else t for t in ts)
 
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +102,7 @@ def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, rounded.view(torch.float32), t.float())
 
 
-def proj_rms(x2d, weight, eps: float = 1e-6, matmul_precision: str = "ieee"):
+def proj_rms(x2d, weight, eps: float = 1e-6, matmul_precision: str = "ieee", rms_eps: str = "outside"):
     """fp32 mapping path: ``proj = x W^T`` and ``r = 1 / (rms(x) + eps)``.
 
     ``matmul_precision="tf32"`` gives the product at TF32, the precision the mHC paper specifies:
@@ -82,19 +128,28 @@ def proj_rms(x2d, weight, eps: float = 1e-6, matmul_precision: str = "ieee"):
             torch.backends.cuda.matmul.allow_tf32 = prev
     else:
         proj = xf @ wf.t()
-    r = 1.0 / (xf.norm(dim=-1) / math.sqrt(xf.shape[-1]) + eps)
+    if rms_eps == "inside":  # RMSNorm's placement: 1 / sqrt(mean(x^2) + eps)
+        r = torch.rsqrt(xf.pow(2).mean(dim=-1) + eps)
+    else:
+        r = 1.0 / (xf.norm(dim=-1) / math.sqrt(xf.shape[-1]) + eps)
     return proj, r
 
 
-def compute_h(proj, r, alpha, bias, n: int):
+def compute_h(proj, r, alpha, bias, n: int, compute_h_eps: float = 0.0):
     """``H_pre, H_post, H_res_logits`` from ``proj``, ``r`` (fp32)."""
     scale = torch.cat([alpha[0:1].expand(n), alpha[1:2].expand(n), alpha[2:3].expand(n * n)])
     h = proj * r[:, None] * scale + bias
-    return h[:, :n].sigmoid(), 2 * h[:, n:2 * n].sigmoid(), h[:, 2 * n:].unflatten(-1, (n, n))
+    h_pre = h[:, :n].sigmoid() + compute_h_eps if compute_h_eps else h[:, :n].sigmoid()
+    return h_pre, 2 * h[:, n:2 * n].sigmoid(), h[:, 2 * n:].unflatten(-1, (n, n))
 
 
-def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6, matmul_precision: str = "ieee"):
-    """The mapping path ``proj_rms`` then ``compute_h``: ``(H_pre, H_post, H_res_logits)``, fp32."""
+def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6, matmul_precision: str = "ieee",
+            rms_eps: str = "outside", compute_h_eps: float = 0.0):
+    """The mapping path ``proj_rms`` then ``compute_h``: ``(H_pre, H_post, H_res_logits, rms)``,
+    fp32; ``rms = ||x|| / sqrt(K)`` is the optional fourth output (Megatron's later generation
+    returns it)."""
     n = int(round((weight.shape[0] + 1) ** 0.5 - 1))
-    proj, r = proj_rms(x2d, weight, eps, matmul_precision)
-    return compute_h(proj, r, alpha.float(), h_bias.float(), n)
+    proj, r = proj_rms(x2d, weight, eps, matmul_precision, rms_eps)
+    xf = x2d.float()
+    return (*compute_h(proj, r, alpha.float(), h_bias.float(), n, compute_h_eps),
+            xf.norm(dim=-1) / math.sqrt(xf.shape[-1]))

@@ -1,0 +1,176 @@
+"""Foreign kernel libraries, judged as they ship: one small adapter file per library.
+
+An adapter module (``megatron.py``, ``te.py``, ...) defines:
+
+- ``NAME``: the prefix of its ``--impl NAME:FILE_OR_MODULE`` spec;
+- ``load(target) -> module``: the library's module from a file, a folder or an import path;
+- ``recognise(module) -> (generation, [Binding, ...])``: which public functions it found and how
+  each maps onto an mhctool family.
+
+A :class:`Binding` states, for one public function, the family it implements, how mhctool's
+inputs (in the family's call order) become its arguments and how its outputs come back (``call``:
+permutes, pads, split scalars happen there, outside the library's own code), the family knobs it
+takes, the conventions it computes and the matmul precision it computes at. The library's code is
+called unchanged. Adding a library is one new file here and its name in ``NAMES``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UsageError
+
+NAMES = ("megatron", "te")
+
+
+@dataclass(frozen=True)
+class Binding:
+    family: str
+    function: str  # the library's public name (or names joined by '+', for a composed path)
+    call: Callable  # call(module, *family inputs, **knobs) -> outputs in the family's order
+    knobs: tuple[str, ...] = ()  # family knobs the function takes
+    conventions: dict = field(default_factory=dict)  # convention knobs it computes
+    precision: str = "ieee"  # matmul precision it computes at by design
+    variant: str = ""  # told apart in the implementation's name, e.g. "tf32"
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    limit: Callable | None = None  # limit(shape) -> why it cannot run that shape, or None
+
+
+def adapter(name: str):
+    if name not in NAMES:
+        raise UsageError(f"unknown kernel library {name!r}; accepted: {', '.join(NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(name: str, target: str):
+    from ..environment import ensure_triton_mode
+    ensure_triton_mode()  # before the library defines its Triton kernels
+    return adapter(name).load(target)
+
+
+def recognised(spec: str) -> tuple[str, list[Binding]]:
+    """``NAME:TARGET`` -> (generation, bindings); a target that is not such a library is a UsageError."""
+    name, _, target = spec.partition(":")
+    if not target:
+        raise UsageError(f"--impl {spec!r}: name the library's file, folder or module after '{name}:'")
+    lib = adapter(name)
+    module = _load(name, target)
+    generation, bindings = lib.recognise(module)
+    if not bindings:
+        raise UsageError(f"--impl {spec!r}: {target} has none of the public functions mhctool knows for {name}")
+    return generation, bindings
+
+
+def impls(spec: str, kernel: str) -> list:
+    """The implementations ``spec`` offers for ``kernel`` (one per variant), or one that is never
+    runnable and says why, when the library has no such kernel."""
+    from ..registry import Impl
+    name = spec.partition(":")[0]
+    generation, bindings = recognised(spec)
+    module = _load(name, spec.partition(":")[2])
+    found = [b for b in bindings if b.family == kernel]
+    if not found:
+        why = f"{name} ({generation}) has no {kernel} kernel"
+        return [Impl(f"{name}:{kernel}", kernel, "external", _absent, requires=lambda why=why: why,
+                     default=False, spec=spec, adapter=name)]
+    out = []
+    for b in found:
+        label = f"{name}[{generation}]:{b.function}" + (f"[{b.variant}]" if b.variant else "")
+        out.append(Impl(label, kernel, "external", _bound(module, b, kernel), devices=b.devices,
+                        precision=b.precision, default=False, conventions=dict(b.conventions), spec=spec,
+                        adapter=name, limit=b.limit))
+    return out
+
+
+def _absent(*args, **kwargs):
+    raise RuntimeError("the library has no such kernel")
+
+
+def _bound(module, binding: Binding, kernel: str) -> Callable:
+    """A function with the family's signature (its inputs, then the knobs the binding takes)."""
+    from ..registry import get_family
+    fam = get_family(kernel)
+
+    def run(*args, **knobs):
+        return binding.call(module, *args, **knobs)
+
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in fam.inputs]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=fam.knobs[k].default)
+               for k in binding.knobs]
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    run.__name__ = binding.function
+    return run
+
+
+def load_path_or_module(target: str, module_name: str, file_name: str):
+    """The common loader: ``target`` is a ``.py`` file, a folder that holds ``module_name`` (put on
+    ``sys.path``) or ``file_name``, or an importable module path."""
+    path = Path(target)
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise UsageError(f"no file {target}")
+        return _load_file(path)
+    if path.is_dir():
+        direct = path / file_name
+        if direct.is_file():
+            return _load_file(direct)
+        top = module_name.split(".")[0]
+        if (path / top).is_dir():
+            _forget_other_copies(top, path / top)
+            here = str(path.resolve())
+            if here in sys.path:  # first on the path, so that this copy is the one found
+                sys.path.remove(here)
+            sys.path.insert(0, here)
+            return _import(module_name, target)
+        raise UsageError(f"{target} holds neither {file_name} nor a {top}/ package")
+    if "/" in target or target.endswith(".py"):
+        raise UsageError(f"no file or folder {target}")
+    return _import(target, target)
+
+
+def _forget_other_copies(top: str, folder: Path) -> None:
+    """A package of the same name imported from another folder (another copy of the library) is
+    dropped from ``sys.modules``, so that this folder's copy is the one imported; modules already
+    loaded keep working through their own references."""
+    loaded = sys.modules.get(top)
+    where = getattr(loaded, "__file__", None) or next(iter(getattr(loaded, "__path__", []) or []), None)
+    if loaded is None or (where and Path(where).resolve().is_relative_to(folder.resolve())):
+        return
+    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        del sys.modules[name]
+
+
+def _import(module_name: str, target: str):
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import {module_name} from {target} ({e})") from e
+    except Exception as e:  # noqa: BLE001 - the library's import itself failed
+        raise UsageError(f"importing {module_name} from {target} failed: {type(e).__name__}: {e}") from e
+
+
+def _load_file(path: Path):
+    mod_name = f"mhctool_library_{abs(hash(str(path.resolve())))}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001
+        del sys.modules[mod_name]
+        raise UsageError(f"importing {path} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def n_of(weight) -> int:
+    """n from a mapping weight of n^2 + 2n rows."""
+    return int(round((weight.shape[0] + 1) ** 0.5 - 1))

@@ -1,0 +1,65 @@
+"""Megatron-LM's fused mHC kernels (``megatron/core/fusions/fused_mhc_kernels.py``).
+
+Two generations are recognised by their public functions:
+
+- ``pr3828`` (cuTile, PR 3828): ``fused_sinkhorn(input_logits, num_iterations, eps)``,
+  ``fused_h_aggregate(x, h_pre)``, ``fused_h_post_bda(h_res, original_residual, h_post, x, bias)``
+  and ``fused_proj_rms(x, weight, eps) -> (proj, r [M, 1])``; the contract's conventions.
+- ``dev`` (Triton and cuTile, the later generation, recognised by ``fused_proj_rms_compute_h``):
+  its Sinkhorn starts from a row softmax plus eps (``stabilize=softmax``), its h_post_bda mixes
+  with ``H_res^T`` (``transpose_res=true``), and ``fused_proj_rms_compute_h(x, weight, alpha_pre,
+  alpha_post, alpha_res, bias, n, eps, compute_h_eps) -> (h_pre + compute_h_eps, h_post, h_res
+  [M, n*n], r = ||x|| / sqrt(K) [M, 1])`` is the mapping family with ``compute_h_eps=1e-6``.
+"""
+from __future__ import annotations
+
+from . import Binding, load_path_or_module, n_of
+
+NAME = "megatron"
+MODULE = "megatron.core.fusions.fused_mhc_kernels"
+
+
+def load(target: str):
+    return load_path_or_module(target, MODULE, "fused_mhc_kernels.py")
+
+
+def _sinkhorn(m, logits, iters=20, eps=1e-6):
+    return m.fused_sinkhorn(logits, iters, eps)
+
+
+def _h_aggregate(m, x, h_pre):
+    return m.fused_h_aggregate(x, h_pre)
+
+
+def _h_post_bda(m, h_res, x, h_post, y, bias):
+    return m.fused_h_post_bda(h_res, x, h_post, y, bias)
+
+
+def _proj_rms(m, x2d, weight, eps=1e-6):
+    return m.fused_proj_rms(x2d, weight, eps)
+
+
+def _mapping(m, x2d, weight, alpha, h_bias, eps=1e-6, compute_h_eps=1e-6):
+    n = n_of(weight)
+    h_pre, h_post, h_res, r = m.fused_proj_rms_compute_h(
+        x2d, weight, alpha[0:1], alpha[1:2], alpha[2:3], h_bias, n, eps, compute_h_eps)
+    return h_pre, h_post, h_res.reshape(h_res.shape[0], n, n), r
+
+
+def recognise(m) -> tuple[str, list[Binding]]:
+    dev = hasattr(m, "fused_proj_rms_compute_h")
+    generation = "dev" if dev else "pr3828"
+    found = []
+    if hasattr(m, "fused_sinkhorn"):
+        found.append(Binding("sinkhorn", "fused_sinkhorn", _sinkhorn, ("iters", "eps"),
+                             {"stabilize": "softmax"} if dev else {}))
+    if hasattr(m, "fused_h_aggregate"):
+        found.append(Binding("h_aggregate", "fused_h_aggregate", _h_aggregate))
+    if hasattr(m, "fused_h_post_bda"):
+        found.append(Binding("h_post_bda", "fused_h_post_bda", _h_post_bda, (), {"transpose_res": dev}))
+    if hasattr(m, "fused_proj_rms"):
+        found.append(Binding("proj_rms", "fused_proj_rms", _proj_rms, ("eps",)))
+    if dev:
+        found.append(Binding("mapping", "fused_proj_rms_compute_h", _mapping, ("eps", "compute_h_eps"),
+                             {"compute_h_eps": 1e-6}))
+    return generation, found
