@@ -40,6 +40,7 @@ class Binding:
     variant: str = ""  # told apart in the implementation's name, e.g. "tf32"
     devices: tuple[str, ...] = ("cpu", "cuda")
     limit: Callable | None = None  # limit(shape) -> why it cannot run that shape, or None
+    unavailable: str | None = None  # why the library says it cannot run here (its own availability check)
 
 
 def adapter(name: str):
@@ -85,7 +86,7 @@ def impls(spec: str, kernel: str) -> list:
         label = f"{name}[{generation}]:{b.function}" + (f"[{b.variant}]" if b.variant else "")
         out.append(Impl(label, kernel, "external", _bound(module, b, kernel), devices=b.devices,
                         precision=b.precision, default=False, conventions=dict(b.conventions), spec=spec,
-                        adapter=name, limit=b.limit))
+                        adapter=name, limit=b.limit, requires=lambda why=b.unavailable: why))
     return out
 
 
@@ -160,6 +161,10 @@ def _load_file(path: Path):
     mod_name = f"mhctool_library_{abs(hash(str(path.resolve())))}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
+    folder = str(path.parent.resolve())  # what a script's own imports see: its folder first
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module

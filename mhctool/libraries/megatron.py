@@ -13,6 +13,8 @@ Two generations are recognised by their public functions:
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import Binding, load_path_or_module, n_of
 
 NAME = "megatron"
@@ -46,9 +48,22 @@ def _mapping(m, x2d, weight, alpha, h_bias, eps=1e-6, compute_h_eps=1e-6):
     return h_pre, h_post, h_res.reshape(h_res.shape[0], n, n), r
 
 
+def _unavailable(m, dev: bool) -> str | None:
+    """PR 3828's kernels are cuTile only: where the module's own check says no, they cannot run."""
+    check = getattr(m, "is_cutile_available", None)
+    if dev or check is None:
+        return None
+    try:
+        ok = bool(check())
+    except Exception as e:  # noqa: BLE001 - the library's own check failed
+        return f"its is_cutile_available() raised {type(e).__name__}: {e}"
+    return None if ok else "Megatron's PR 3828 kernels are cuTile only and its is_cutile_available() is False here"
+
+
 def recognise(m) -> tuple[str, list[Binding]]:
     dev = hasattr(m, "fused_proj_rms_compute_h")
     generation = "dev" if dev else "pr3828"
+    why = _unavailable(m, dev)
     found = []
     if hasattr(m, "fused_sinkhorn"):
         found.append(Binding("sinkhorn", "fused_sinkhorn", _sinkhorn, ("iters", "eps"),
@@ -62,4 +77,7 @@ def recognise(m) -> tuple[str, list[Binding]]:
     if dev:
         found.append(Binding("mapping", "fused_proj_rms_compute_h", _mapping, ("eps", "compute_h_eps"),
                              {"compute_h_eps": 1e-6}))
-    return generation, found
+    # Megatron's own module launches CUDA kernels (cuTile, Triton) whatever the inputs' device; a
+    # plain-PyTorch module with its signatures runs anywhere
+    devices = ("cuda",) if hasattr(m, "is_cutile_available") else ("cpu", "cuda")
+    return generation, [replace(b, unavailable=why, devices=devices) for b in found]
