@@ -105,8 +105,30 @@ def test_external_errors_are_failed_cases_and_others_still_run(tmp_path):
     msgs = {r["impl"].split(":")[1]: r["message"] for r in rows if r["metric"] == "error" and r["direction"] == "fwd"}
     assert "kernel launch failed" in msgs["sinkhorn_raises"]
     assert "shape" in msgs["sinkhorn_wrong_shape"]
-    assert "dtype" in msgs["sinkhorn_wrong_dtype"]
+    # another floating dtype is judged by value (float64 here: more precise, so it passes), and the
+    # report names the dtype it came back in
+    wrong_dtype = [r for r in rows if r["impl"].endswith("sinkhorn_wrong_dtype") and r["tensor"] == "out"]
+    assert wrong_dtype and {r["dtype_out"] for r in wrong_dtype} == {"fp64"}
+    assert all(r["passed"] is not False for r in wrong_dtype)
     assert any(r["impl"] == "torch" and r["passed"] is True for r in rows)
+
+
+def test_outputs_are_conformed_by_value():
+    import torch
+    from mhctool import runner
+    from mhctool.registry import get_family
+    fam = get_family("proj_rms")
+    expect = [((5, 24), torch.float32, "cpu"), ((5,), torch.float32, "cpu")]
+    returned = {}
+    outs, problem = runner.conform_outputs(fam, [torch.zeros(5, 24, dtype=torch.bfloat16), torch.zeros(5, 1)],
+                                           expect, returned)
+    assert problem is None and outs[1].shape == (5,) and outs[0].dtype == torch.float32
+    assert returned == {"proj": "bf16"}  # judged at fp32's threshold: a lower precision is not excused
+    for bad, needle in (([torch.zeros(5, 23), torch.zeros(5)], "shape"),
+                        ([torch.zeros(5, 24), torch.zeros(5, dtype=torch.int32)], "dtype"),
+                        ([torch.zeros(5, 24)], "returned 1 outputs"),
+                        ([torch.zeros(5, 24), 3.0], "not a tensor")):
+        assert needle in runner.conform_outputs(fam, bad, expect, {})[1]
 
 
 def test_external_without_backward_is_unsupported_not_failed(tmp_path):

@@ -74,6 +74,7 @@ def sinkhorn_wrong_shape(logits, iters=20, eps=1e-6):
 
 
 def sinkhorn_wrong_dtype(logits, iters=20, eps=1e-6):
+    """Returns float64: judged by value (a higher precision is fine), the report names the dtype."""
     return native.sinkhorn(logits, iters, eps).double()
 
 
