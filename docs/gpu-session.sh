@@ -15,51 +15,32 @@ checks)
   {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     step "pytest -m gpu"
-    /usr/bin/time -f "pytest -m gpu wall %e s" python3 -m pytest -m gpu -q -p no:cacheprovider --durations=12
+    t0=$SECONDS; python3 -m pytest -m gpu -q -p no:cacheprovider --durations=12; echo "pytest -m gpu wall $((SECONDS - t0)) s"
     step "parity --scenario paper --impl triton,cutile (bf16; cuTile rows skipped only where no kernel exists)"
-    /usr/bin/time -f "paper parity wall %e s" m parity --scenario paper --impl triton,cutile -o "$out/paper.parquet" --top 8
-    step "parity --scenario moe --impl triton,cutile --kernel grouped_mlp (cuTile has none: skipped with the reason)"
-    m parity --scenario moe --kernel grouped_mlp,swiglu --impl triton,cutile -o /tmp/moe.parquet --top 3 --quiet
-    python3 -c "import pyarrow.parquet as pq; rows = pq.read_table('/tmp/moe.parquet').to_pylist(); print(sorted({(r['impl'], r['message']) for r in rows if r['metric'] == 'unsupported'}))"
+    t0=$SECONDS; m parity --scenario paper --impl triton,cutile -o "$out/paper.parquet" --top 8; echo "paper parity wall $((SECONDS - t0)) s"
+    step "parity --kernel sinkhorn,swiglu --impl triton,cutile (swiglu has no cuTile kernel: skipped with the reason)"
+    m parity --kernel sinkhorn,swiglu --impl triton,cutile -o /tmp/mixed.parquet --quiet
+    python3 -c "import pyarrow.parquet as pq; rows = pq.read_table('/tmp/mixed.parquet').to_pylist(); print(sorted({(r['kernel'], r['impl'], r['message']) for r in rows if r['metric'] == 'unsupported'}))"
   } 2>&1 | tee "$out/checks.log"
   ;;
 anchors)
   {
-    for gen in m3828 dev; do
-      for dt in fp32 bf16; do
-        step "megatron $gen $dt"
-        m parity --kernel all --impl "megatron:.anchors/megatron/$gen" --dtype "$dt" -o "$out/megatron-$gen-$dt.parquet" --top 12
-      done
-    done
+    K=sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping
     for dt in fp32 bf16; do
       step "te $dt"
-      m parity --kernel all --impl te:.anchors/te --dtype "$dt" -o "/tmp/te-$dt.parquet" --top 12
+      m parity --kernel "$K" --impl te:.anchors/te --dtype "$dt" -o "$out/te-$dt.parquet" --top 6
     done
     step "isolation cost at the paper shape (h_post_bda bf16 inputs and output through a worker)"
-    python3 - <<'PY'
-import time, torch
-from mhctool.isolation import Worker
-s, b, n, c = 8192, 4, 4, 7168
-args = (torch.randn(s, b, n, n, device="cuda"), torch.randn(s, b, n, c, device="cuda", dtype=torch.bfloat16),
-        torch.randn(s, b, n, device="cuda"), torch.randn(s, b, c, device="cuda", dtype=torch.bfloat16))
-gb = sum(t.numel() * t.element_size() for t in args) / 1e9
-for transport in ("shm", "file"):
-    with Worker(transport) as w:
-        t0 = time.perf_counter(); w.call("torch:cat", ([args[1].flatten()[:1]],)); start = time.perf_counter() - t0
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            value, failure = w.call("mhctool.kernels.torch.mhc:h_post_bda", args)
-            torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
-            assert failure is None, failure
-    t0 = time.perf_counter(); from mhctool.kernels.torch.mhc import h_post_bda; h_post_bda(*args); torch.cuda.synchronize()
-    direct = time.perf_counter() - t0
-    print(f"{transport}: worker start {start:.1f} s; per call {min(times):.2f} s (in-process {direct:.3f} s) "
-          f"for {gb:.2f} GB of inputs and {args[1].numel() * 2 / 1e9:.2f} GB of output")
-PY
-    step "bench: ours and the anchors in one run"
-    m bench --shape 8192x4x4x7168 --kernel sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping \
-      --impl triton,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828 --graph --repeats 20 -o "$out/bench.parquet"
+    python3 docs/isolation_cost.py
+    step "megatron m3828 proj_rms (TF32 by design)"
+    m parity --kernel proj_rms --impl megatron:.anchors/megatron/m3828 -o "$out/megatron-m3828-proj.parquet" --top 6
+    step "megatron dev bf16"
+    m parity --kernel "$K" --impl megatron:.anchors/megatron/dev --dtype bf16 -o "$out/megatron-dev-bf16.parquet" --top 6
   } 2>&1 | tee "$out/anchors.log"
+  ;;
+bench)
+  m bench --shape 8192x4x4x7168 --kernel sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping \
+    --impl triton,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828 --graph --repeats 20 -o "$out/bench.parquet" \
+    2>&1 | tee "$out/bench.log"
   ;;
 esac

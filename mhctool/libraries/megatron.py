@@ -73,7 +73,9 @@ def recognise(m) -> tuple[str, list[Binding]]:
     if hasattr(m, "fused_h_post_bda"):
         found.append(Binding("h_post_bda", "fused_h_post_bda", _h_post_bda, (), {"transpose_res": dev}))
     if hasattr(m, "fused_proj_rms"):
-        found.append(Binding("proj_rms", "fused_proj_rms", _proj_rms, ("eps",)))
+        # PR 3828's cuTile projection multiplies in TF32 by design (DESIGN.md): judged under TF32
+        found.append(Binding("proj_rms", "fused_proj_rms", _proj_rms, ("eps",),
+                             precision="tf32" if hasattr(m, "is_cutile_available") else "ieee"))
     if dev:
         found.append(Binding("mapping", "fused_proj_rms_compute_h", _mapping, ("eps", "compute_h_eps"),
                              {"compute_h_eps": 1e-6}))
