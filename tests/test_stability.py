@@ -219,7 +219,7 @@ def test_composite_gain_stays_near_one_for_sinkhorn_and_grows_for_hc(tmp_path):
     (["eps", "--kernel", "sinkhorn", "--knob", "order=row_first,diagonal"], "accepted: 'row_first', 'col_first'"),
     (["eps", "--kernel", "sinkhorn", "--from", "1e-6"], "give --from and --to"),
     (["eps", "--kernel", "sinkhorn", "--from", "1e-6", "--to", "1e-6"], "two different values"),
-    (["eps", "--kernel", "sinkhorn", "--from", "-1", "--to", "1e-8"], "must be positive"),
+    (["eps", "--kernel", "sinkhorn", "--from", "-1", "--to", "1e-8"], "must be zero or positive"),
     (["eps", "--kernel", "h_aggregate", "--from", "1e-6", "--to", "1e-8"], "has no knob to change"),
     (["eps", "--kernel", "sinkhorn", "--from", "1e-6", "--to", "1e-8", "--depth", "0"], "not a possible stack depth"),
     (["eps", "--kernel", "sinkhorn", "--from", "1e-6", "--to", "1e-8", "--family", "tiny_norm"], "unknown input family"),
