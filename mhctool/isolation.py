@@ -175,10 +175,14 @@ class Worker:
         proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder), daemon=True)
         proc.start()
         child.close()
-        if not parent.poll(self.start_timeout):
+        try:
+            if not parent.poll(self.start_timeout):
+                raise EOFError
+            parent.recv()
+        except (EOFError, OSError):
             proc.kill()
-            raise RuntimeError("the isolation worker did not start")
-        parent.recv()
+            proc.join(10)
+            raise RuntimeError(f"the isolation worker did not start (exit code {proc.exitcode})") from None
         self._proc, self._conn = proc, parent
 
     def stop(self) -> None:
@@ -207,7 +211,10 @@ class Worker:
         """``(value, None)`` or ``(None, failure)``. ``interrupted()`` is polled while waiting: when
         it turns true the job is abandoned (the worker killed) as a ``lost`` failure."""
         if self._proc is None:
-            self._start()
+            try:
+                self._start()
+            except RuntimeError as e:
+                return None, Failure("lost", str(e))
         packed = _Packed((tuple(args), dict(kwargs or {})), self.transport, self.folder)
         try:
             self._conn.send((target, packed))
