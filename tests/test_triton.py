@@ -28,6 +28,7 @@ def _seeded():
     torch.manual_seed(20261122)
 
 
+@pytest.mark.slow  # about 220 s on 2 cores: CI keeps to 15 minutes; per-kernel tests, the gate and the quick start cover the kernels
 def test_parity_all_triton_passes_under_the_interpreter(tmp_path):
     out = tmp_path / "r.parquet"
     res = runner.invoke(app, ["parity", "--kernel", "all", "--impl", "triton", "--device", "cpu", "-o", str(out)])
