@@ -342,11 +342,9 @@ def _bench_one(bench_mod, iso, k, i, shp, dtype, dev, repeats, d, g, l2) -> tupl
             return ("skip", k, i, d, f"failed: {isolation.system_exit_message(e)}", shp, g)
         except Exception as e:  # a kernel that fails to run is reported, the rest still run
             return ("skip", k, i, d, f"failed: {runner.short_error(e)}", shp, g)
-    worker = iso.workers.get(i.name) or iso.workers.setdefault(i.name, isolation.Worker(iso.transport))
-    timeout = iso.case_timeout or isolation.default_timeout(bench_mod.footprint(k, shp, dtype), dev)
-    value, failure = worker.call("mhctool.bench:isolated_measure", (k, i.spec or i.name, i.name, shp, dtype, dev, repeats,
-                                                                    d, g, l2),
-                                 timeout=timeout, interrupted=iso.interrupted)
+    value, failure = iso.call(i, "mhctool.bench:isolated_measure",
+                              (k, i.spec or i.name, i.name, shp, dtype, dev, repeats, d, g, l2),
+                              bench_mod.footprint(k, shp, dtype), dev)
     if failure is not None:
         return ("skip", k, i, d, f"failed: {failure.message}", shp, g)
     return ("ok", k, i, d, value, shp, g)

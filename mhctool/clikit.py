@@ -114,6 +114,7 @@ def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_t
 def conventions(items: Optional[list[str]], kernels: list[str]) -> dict[str, dict]:
     """``--convention KNOB=VALUE`` items -> {kernel: {knob: value}} for the kernels that have the
     knob as a convention (values checked like scenario knobs); a knob none of them has is an error."""
+    from .knob_shift import typed_value
     from .registry import get_family
     out: dict[str, dict] = {}
     for item in split(items):
@@ -121,24 +122,12 @@ def conventions(items: Optional[list[str]], kernels: list[str]) -> dict[str, dic
         name = name.strip()
         if not sep or not name or not raw.strip():
             raise UsageError(f"malformed --convention {item!r}; expected KNOB=VALUE, e.g. stabilize=softmax")
-        value = _value(raw.strip())
         takers = [k for k in kernels if name in get_family(k).conventions]
         if not takers:
             known = sorted({c for k in kernels for c in get_family(k).conventions})
             raise UsageError(f"--convention {name} is no convention of {', '.join(kernels)}; accepted: "
                              + (", ".join(known) or "none"))
         for k in takers:
-            out.setdefault(k, {})[name] = get_family(k).knobs[name].check(k, name, value)
+            knob = get_family(k).knobs[name]
+            out.setdefault(k, {})[name] = knob.check(k, name, typed_value(knob.kind, name, raw.strip()))
     return out
-
-
-def _value(raw: str):
-    low = raw.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    return raw

@@ -234,12 +234,13 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     base = _cast_inputs(fam, raw, case)
     result = CaseResult(case, shape)
     baselines: dict[tuple, _Baseline] = {}
+    references: dict[str, tuple] = {}  # the float64 reference depends on the knobs, not the precision
 
     def baseline(precision: str, eff: dict) -> "_Baseline":
-        key = (precision, json.dumps(eff, sort_keys=True, default=str))
-        if key not in baselines:
-            baselines[key] = _baseline(fam, case, base, eff, precision)
-        return baselines[key]
+        knobs_key = json.dumps(eff, sort_keys=True, default=str)
+        if (precision, knobs_key) not in baselines:
+            baselines[precision, knobs_key] = _baseline(fam, case, base, eff, precision, references, knobs_key)
+        return baselines[precision, knobs_key]
 
     nat_base = baseline("ieee", knobs)
     nat = nat_base.native
@@ -331,16 +332,20 @@ def upstream_for(fam: Family, outputs: list, seed: int) -> list:
     return [u if i < first_optional else torch.zeros_like(u) for i, u in enumerate(ups)]
 
 
-def _baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str) -> _Baseline:
+def _baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str, references: dict,
+              knobs_key: str) -> _Baseline:
     native = run_impl(fam, _native_at(case.kernel, precision), base, knobs,
                       lambda outs: upstream_for(fam, outs, case.seed))
     if native.fwd_error or native.outputs is None:
         raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
-    upstream = upstream_for(fam, native.outputs, case.seed)
-    ref_outs, ref_grads = run_reference(fam, base, knobs, upstream)
-    term_scale = {}
-    if fam.term_scale is not None:
-        term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
+    upstream = upstream_for(fam, native.outputs, case.seed)  # seeded from shapes: the same at every precision
+    if knobs_key not in references:
+        ref_outs, ref_grads = run_reference(fam, base, knobs, upstream)
+        term_scale = {}
+        if fam.term_scale is not None:
+            term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
+        references[knobs_key] = (ref_outs, ref_grads, term_scale)
+    ref_outs, ref_grads, term_scale = references[knobs_key]
     b = _Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
     b.native_metrics = b.measured(native)
     return b
@@ -357,15 +362,19 @@ class Isolation:
     interrupted: object = staticmethod(lambda: False)
     workers: dict = field(default_factory=dict)
 
-    def run(self, case: Case, impl: Impl, base: dict, knobs: dict, upstream: list, expect: list) -> ImplResult:
+    def call(self, impl: Impl, target: str, args: tuple, footprint_bytes: float, device: str):
+        """Run ``target(*args)`` in ``impl``'s worker (started on first use) under the case time limit."""
         from . import isolation as iso
         worker = self.workers.get(impl.name)
         if worker is None:
             worker = self.workers[impl.name] = iso.Worker(self.transport)
-        timeout = self.case_timeout or iso.default_timeout(footprint(case), case.device)
-        value, failure = worker.call("mhctool.runner:isolated_impl",
-                                     (case.kernel, impl.spec or impl.name, impl.name, base, knobs, upstream, expect),
-                                     timeout=timeout, interrupted=self.interrupted)
+        timeout = self.case_timeout or iso.default_timeout(footprint_bytes, device)
+        return worker.call(target, args, timeout=timeout, interrupted=self.interrupted)
+
+    def run(self, case: Case, impl: Impl, base: dict, knobs: dict, upstream: list, expect: list) -> ImplResult:
+        value, failure = self.call(impl, "mhctool.runner:isolated_impl",
+                                   (case.kernel, impl.spec or impl.name, impl.name, base, knobs, upstream, expect),
+                                   footprint(case), case.device)
         if failure is not None:
             return ImplResult(fwd_error=failure.message, failure=failure.kind)
         return ImplResult(**value)
