@@ -94,11 +94,21 @@ def test_activation_kernels_match_float64(name, fn, rf, _, f, interleave, scaled
         assert _rel(a, b) < 2e-6
 
 
-def test_activation_kernels_round_bf16_like_torch():
+def test_activation_kernels_round_bf16_once():
+    """The kernel works in fp32 and rounds to bf16 once, at the store.
+
+    Its fp32 result is a few fp32 ulps from the exact value, so where the exact value sits
+    within that of a bf16 rounding midpoint either neighbour is right; everywhere else the
+    output is the correctly rounded bf16 of the exact value. A kernel that rounded an
+    intermediate to bf16 (silu(a) before the product) misses by whole bf16 ulps.
+    """
     x = torch.randn(29, 2 * 67).to(torch.bfloat16)
-    y = glu.swiglu(x)
+    y = glu.swiglu(x).double()
     exact = ref.swiglu(x.double())
-    assert torch.equal(y, exact.to(torch.bfloat16))
+    nearest = exact.to(torch.bfloat16).double()
+    slack = 1e-6 * exact.abs()  # ~8 fp32 ulps: the kernel's own fp32 error
+    assert ((y - exact).abs() <= (nearest - exact).abs() + slack).all()
+    assert (y != nearest).float().mean() < 0.01  # ties are rare; a second rounding is not
 
 
 @pytest.mark.parametrize("splits", [[5, 0, 17, 1, 14], [37, 0, 0, 0, 0], [0, 0, 0, 0, 37], [1, 15, 17, 3, 1]])
