@@ -20,7 +20,7 @@ from rich.progress import (
 from rich.table import Table
 
 from . import clikit, environment, isolation, registry, report, runner
-from . import scenario as scenario_mod
+from . import parity as parity_mod
 from .cli_stability import stability_app
 from .clikit import device as _device
 from .clikit import err, out
@@ -121,65 +121,34 @@ def parity(
     """Run implementations and the float64 reference side by side, forward and backward."""
     report.check_writable(out_path)
     dev = _device(device)
-    if matmul_precision not in ("ieee", "tf32"):
-        raise UsageError(f"unknown --matmul-precision {matmul_precision!r}; accepted: ieee, tf32")
-    kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(k).name for k in _split([kernel])]
+    kernels = parity_mod.kernels_of(kernel)
     specs = _split(impl)
-    if any(registry.is_function_spec(s) for s in specs) and len(kernels) != 1:
-        raise UsageError("an external --impl module:function needs one --kernel, not all "
-                         "(a whole library takes NAME:PATH, e.g. megatron:fused_mhc_kernels.py)")
     declared = clikit.conventions(convention, kernels)
-    if declared and not any(":" in s for s in specs):
-        raise UsageError("--convention declares what an external implementation computes; name one with --impl")
-    sc = scenario_mod.resolve(scenario)
-    dtypes = [parse_dtype(d).name for d in _split([dtype])] if dtype else None
-    if shape and len({registry.get_family(k).shape_kind for k in kernels}) > 1:
-        raise UsageError("--shape takes one form per kind of kernel (SxBxNxC for mHC, TxHxFxE for the grouped MLP); "
-                         "pick the kernels with --kernel")
-    shapes = [shape] if shape else None
-    cases = sc.cases(dev, kernels, dtypes, shapes, [seed] if seed is not None else None)
-    if not cases:
-        raise UsageError(f"scenario {sc.name} has no case for kernel {kernel}")
-    runner.check_fits(cases)
-    impls = {k: registry.resolve_impls(k, specs) for k in kernels}
-    if specs:  # asked for by name: unusable for every case is an input error, not skipped rows
-        runner.check_runnable(impls, cases)
-    if kappa is not None:
-        from dataclasses import replace
-        sc.rule = replace(sc.rule, kappa=kappa)
+    pl = parity_mod.plan(kernels, specs, device=dev, scenario=scenario,
+                         dtypes=_split([dtype]) if dtype else None, shapes=[shape] if shape else None,
+                         seeds=[seed] if seed is not None else None, conventions=declared, kappa=kappa,
+                         matmul_precision=matmul_precision)
+    cases = pl.cases
 
-    rows: list[dict] = []
-    done = 0
     show = not quiet and out.is_terminal
     interrupts = clikit.Interrupts()
     iso = clikit.isolation_for(isolate, specs, dev, case_timeout, isolate_transport, interrupts)
     with interrupts, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
         task = bar.add_task("parity", total=len(cases))
-        try:
-            for c in cases:
-                if interrupts.requested:
-                    break
-                bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}")
-                res = runner.run_case(c, impls[c.kernel], sc.rule, matmul_precision, iso,
-                                      declared.get(c.kernel))
-                if res.abandoned:  # cut short by the interrupt: not a finished case
-                    break
-                rows.extend(res.rows)
-                done += 1
+
+        def progress(c):
+            if c is not cases[0]:
                 bar.advance(task)
+            bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}")
+        try:
+            o = parity_mod.execute(pl, iso, interrupts, progress)
         finally:
             if iso is not None:
                 iso.close()
-
-    run_id = report.new_run_id()
-    settings = {"command": "parity", "kernel": kernel, "impl": specs, "device": dev,
-                "scenario": sc.name, "scenario_source": sc.source, "kappa": sc.rule.kappa,
-                "floor_roundoffs": sc.rule.floor_roundoffs, "matmul_precision": matmul_precision,
-                "isolate": iso is not None, "case_timeout": case_timeout, "conventions": declared,
-                "adapters": sorted({i.adapter for lst in impls.values() for i in lst if i.adapter}),
-                "interrupted": interrupts.requested, "cases_run": done, "cases_planned": len(cases)}
-    table = report.to_table(rows, run_id, "parity", environment.metadata(), settings)
+    done = o.cases_run
+    table = parity_mod.table(pl, o, kernel=kernel, device=dev, isolate=iso is not None,
+                             case_timeout=case_timeout)
     path = report.write_atomic(table, out_path)
     vs = _ordered(report.verdicts(table))
     p, f, s = _summary(vs)

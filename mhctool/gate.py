@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import goldens as G
-from . import registry, runner
+from . import parity, registry
 from . import stability as st
 from . import scenario as scenario_mod
 from .dtypes import parse_dtype
@@ -178,24 +178,12 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
     for item in suite.parity:
         if interrupted():
             break
-        kernels = list(registry.KERNELS) if item.get("kernel", "all") == "all" else [item["kernel"]]
-        sc = scenario_mod.resolve(item.get("scenario"))
-        rule = sc.rule
-        if "kappa" in item:
-            rule = replace(rule, kappa=float(item["kappa"]))
-        device = item.get("device", device_default)
         dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
-        item_rows = []
-        for k in kernels:
-            impls = registry.resolve_impls(k, item.get("impls"))
-            for c in sc.cases(device, [k], dtypes):
-                if interrupted():
-                    break
-                if progress:
-                    progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")
-                res = runner.run_case(c, impls, rule, isolation=isolation)
-                if not res.abandoned:
-                    item_rows.extend(res.rows)
+        plan = parity.plan(parity.kernels_of(item.get("kernel", "all")), item.get("impls"),
+                           device=item.get("device", device_default), scenario=item.get("scenario"),
+                           dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None, strict=False)
+        item_rows = parity.execute(plan, isolation, interrupted,
+                                   progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}"))).rows
         table = to_table(item_rows, "gate", "parity", {})
         for v in verdicts(table):
             if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:

@@ -61,10 +61,16 @@ class Scenario:
     source: str = "<built-in>"
 
     def cases(self, device: str, kernels: list[str] | None = None, dtypes: list[str] | None = None,
-              shapes: list[str] | None = None, seeds: list[int] | None = None) -> list[Case]:
+              shapes: list[str] | None = None, seeds: list[int] | None = None,
+              families: list[str] | None = None) -> list[Case]:
         """Expand to cases; command-line overrides replace the file's lists (shape strings are
-        read in the form of each kernel's kind)."""
+        read in the form of each kernel's kind); ``families`` keeps those input families only."""
         out = []
+        for k in kernels or []:
+            for f in families or []:
+                if f not in inputs.families_for(k):
+                    raise UsageError(f"unknown input family {f!r} for kernel {k}; accepted: "
+                                     + ", ".join(inputs.families_for(k)))
         for spec in self.specs:
             if kernels and spec.kernel not in kernels:
                 continue
@@ -74,7 +80,8 @@ class Scenario:
             for values in itertools.product(*(spec.knobs[k] for k in names)):
                 knobs = tuple(sorted(zip(names, values)))
                 for shape, dtype, fam, seed in itertools.product(
-                        override or spec.shapes, dtypes or spec.dtypes, spec.families, seeds or spec.seeds):
+                        override or spec.shapes, dtypes or spec.dtypes,
+                        [f for f in spec.families if not families or f in families], seeds or spec.seeds):
                     out.append(Case(spec.kernel, fam, dtype, shape, knobs, seed, device, self.name))
         return out
 

@@ -1,0 +1,143 @@
+"""The parity engine: plan the cases, run them, make the report table.
+
+One engine for ``mhctool parity``, ``mhctool gate`` and :mod:`mhctool.testing`: nothing about
+cases, inputs or verdicts is written twice. The command line parses its options into
+:func:`plan`'s arguments and prints; the API calls the same three functions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import pyarrow as pa
+
+from . import environment, registry, report, runner
+from . import scenario as scenario_mod
+from .dtypes import parse_dtype
+from .errors import UsageError
+from .registry import Impl
+from .runner import Case
+from .scenario import Scenario
+
+
+@dataclass
+class Plan:
+    """What a parity run will do: its cases and, per kernel, the implementations under test."""
+
+    scenario: Scenario
+    cases: list[Case]
+    impls: dict[str, list[Impl]]
+    specs: list[str]  # the implementations as asked for (empty: every default built-in)
+    conventions: dict[str, dict]  # kernel -> {knob: value} the external implementations compute
+    matmul_precision: str = "ieee"
+
+
+@dataclass
+class Outcome:
+    rows: list[dict]
+    cases_run: int
+    interrupted: bool
+
+
+def kernels_of(kernel: str | list[str]) -> list[str]:
+    """``all``, a name, a comma-separated list or a list of names -> kernel names (checked)."""
+    names = kernel if isinstance(kernel, list) else [k.strip() for k in kernel.split(",") if k.strip()]
+    if names == ["all"]:
+        return list(registry.KERNELS)
+    if not names:
+        raise UsageError("no kernel named; accepted: " + ", ".join(registry.KERNELS) + ", all")
+    return [registry.get_family(k).name for k in names]
+
+
+def check_conventions(kernel: str, conventions: dict | None) -> dict:
+    """``{knob: value}`` declared for ``kernel``'s external implementation, each value checked."""
+    fam = registry.get_family(kernel)
+    out = {}
+    for name, value in (conventions or {}).items():
+        if name not in fam.conventions:
+            raise UsageError(f"convention {name} is no convention of {kernel}; accepted: "
+                             + (", ".join(fam.conventions) or "none"))
+        out[name] = fam.knobs[name].check(kernel, name, value)
+    return out
+
+
+def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
+         scenario: str | Scenario | None = None, dtypes: list[str] | None = None,
+         shapes: list[str] | None = None, seeds: list[int] | None = None,
+         families: list[str] | None = None, conventions: dict[str, dict] | None = None,
+         kappa: float | None = None, matmul_precision: str = "ieee", strict: bool = True) -> Plan:
+    """The cases of ``scenario`` (default: parity-default) for ``kernels``, narrowed by the
+    dtypes, shapes, seeds and input families given, and the implementations to judge.
+
+    ``impls``: ``--impl``-style spec strings (``triton``, ``file.py:fn``, ``te:DIR``) or
+    :class:`~mhctool.registry.Impl` objects (a Python callable, from :mod:`mhctool.testing`).
+    Every problem with the request is a :class:`~mhctool.errors.UsageError` before anything runs;
+    ``strict``: also an implementation named that can run none of the cases (the gate, where a
+    suite outlives the machine it was written on, reports those as skipped instead)."""
+    if matmul_precision not in ("ieee", "tf32"):
+        raise UsageError(f"unknown --matmul-precision {matmul_precision!r}; accepted: ieee, tf32")
+    given = list(impls or [])
+    specs = [i for i in given if isinstance(i, str)]
+    objects = [i for i in given if isinstance(i, Impl)]
+    if len(specs) + len(objects) != len(given):
+        raise UsageError("implementations are spec strings (triton, file.py:fn, te:DIR) or callables")
+    if (any(registry.is_function_spec(s) for s in specs) or objects) and len(kernels) != 1:
+        raise UsageError("an external implementation (--impl module:function, or a callable) needs one --kernel, "
+                         "not several (a whole library takes NAME:PATH, e.g. megatron:fused_mhc_kernels.py)")
+    conventions = {k: v for k, v in (conventions or {}).items() if v}
+    if conventions and not (objects or any(":" in s for s in specs)):
+        raise UsageError("--convention declares what an external implementation computes; name one with --impl")
+    sc = scenario if isinstance(scenario, Scenario) else scenario_mod.resolve(scenario)
+    if kappa is not None:
+        if not kappa >= 1.0:
+            raise UsageError(f"kappa {kappa!r} must be at least 1")
+        sc = replace(sc, rule=replace(sc.rule, kappa=float(kappa)))
+    if shapes and len({registry.get_family(k).shape_kind for k in kernels}) > 1:
+        raise UsageError("a shape takes one form per kind of kernel (SxBxNxC for mHC, TxHxFxE for the grouped "
+                         "MLP); pick the kernels")
+    dtypes = [parse_dtype(d).name for d in dtypes] if dtypes else None
+    cases = sc.cases(device, kernels, dtypes, shapes, seeds, families)
+    if not cases:
+        raise UsageError(f"scenario {sc.name} has no case for kernel {', '.join(kernels)}")
+    runner.check_fits(cases)
+    resolved = {k: registry.resolve_impls(k, specs) if specs or not objects else [] for k in kernels}
+    for obj in objects:
+        resolved[obj.kernel].append(obj)
+    if given and strict:  # asked for by name: unusable for every case is an input error, not skipped rows
+        runner.check_runnable(resolved, cases)
+    return Plan(sc, cases, resolved, specs, conventions, matmul_precision)
+
+
+def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Callable[[], bool] = lambda: False,
+            progress: Callable[[Case], None] | None = None) -> Outcome:
+    """Run every case of the plan (the native implementation always, as the baseline); stops
+    before the next case once ``interrupted()`` is true. ``progress(case)``: called as each starts."""
+    rows: list[dict] = []
+    done = 0
+    for c in p.cases:
+        if interrupted():
+            break
+        if progress:
+            progress(c)
+        res = runner.run_case(c, p.impls[c.kernel], p.scenario.rule, p.matmul_precision, isolation,
+                              p.conventions.get(c.kernel))
+        if res.abandoned:  # cut short by the interrupt: not a finished case
+            break
+        rows.extend(res.rows)
+        done += 1
+    return Outcome(rows, done, interrupted())
+
+
+def settings(p: Plan, o: Outcome, **extra) -> dict:
+    """The run's settings as the report's ``mhctool.run`` metadata records them."""
+    return {"command": "parity", "impl": p.specs or [i.name for lst in p.impls.values() for i in lst],
+            "scenario": p.scenario.name, "scenario_source": p.scenario.source, "kappa": p.scenario.rule.kappa,
+            "floor_roundoffs": p.scenario.rule.floor_roundoffs, "matmul_precision": p.matmul_precision,
+            "conventions": p.conventions,
+            "adapters": sorted({i.adapter for lst in p.impls.values() for i in lst if i.adapter}),
+            "interrupted": o.interrupted, "cases_run": o.cases_run, "cases_planned": len(p.cases), **extra}
+
+
+def table(p: Plan, o: Outcome, **extra) -> pa.Table:
+    """The Parquet report of a run (schema: mhctool.report.SCHEMA), not yet written."""
+    return report.to_table(o.rows, report.new_run_id(), "parity", environment.metadata(), settings(p, o, **extra))

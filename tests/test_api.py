@@ -1,0 +1,167 @@
+"""mhctool from Python: mhctool.testing, the pytest plugin, the public names."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import mhctool
+from mhctool import report
+from mhctool.cli import app
+from mhctool.testing import ParityResult, assert_parity, check_parity
+
+IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
+
+# What a kernel author's own test file looks like: it knows nothing of mhctool's tests.
+USER_TESTS = '''
+import torch
+from mhctool.testing import assert_parity
+
+
+def sinkhorn(logits, iters=20, eps=1e-6):
+    p = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    for _ in range(iters):
+        p = p / (p.sum(-1, keepdim=True) + eps)
+        p = p / (p.sum(-2, keepdim=True) + eps)
+    return p
+
+
+def sinkhorn_eps_1e8(logits, iters=20, eps=1e-6):
+    return sinkhorn(logits, iters, 1e-8)  # ignores the eps it is asked for
+
+
+def test_correct_sinkhorn():
+    assert_parity(sinkhorn, "sinkhorn", dtypes=["fp32"], device="cpu")
+
+
+def test_sinkhorn_with_eps_1e8():
+    assert_parity(sinkhorn_eps_1e8, "sinkhorn", dtypes=["fp32"], device="cpu")
+'''
+
+
+_HAS_ENTRY_POINT = ("import importlib.metadata as m; "
+                    "print(any(e.value == 'mhctool.pytest_plugin' for e in m.entry_points(group='pytest11')))")
+
+
+def _pytest(args, cwd):
+    """pytest in a child process, in ``cwd``, as a user runs it: the plugin comes from the
+    installed entry point (asked for with -p where mhctool runs from a tree without one)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    found = subprocess.run([sys.executable, "-c", _HAS_ENTRY_POINT], cwd=cwd, capture_output=True, text=True, env=env)
+    extra = [] if found.stdout.strip() == "True" else ["-p", "mhctool.pytest_plugin"]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *args],
+                          cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_a_users_test_file_passes_the_correct_kernel_and_fails_eps_1e8_with_one_report(tmp_path):
+    (tmp_path / "test_user_kernel.py").write_text(USER_TESTS)
+    out = tmp_path / "reports" / "parity.parquet"
+    res = _pytest(["test_user_kernel.py", f"--mhctool-report={out}"], tmp_path)
+    text = res.stdout + res.stderr
+    assert res.returncode == 1, text
+    assert "1 failed, 1 passed" in text
+    assert "test_sinkhorn_with_eps_1e8" in text and "AssertionError: mhctool parity failed" in text
+    failure = text[text.index("AssertionError: mhctool parity failed"):]
+    assert "grad_logits" in failure and "max_abs" in failure  # the tensor and the metric
+    assert "random" in failure or "dead_rows_cols" in failure  # the input family
+    assert "kappa=2 x native" in failure  # the rule
+    table, meta = report.read(out)  # one report, both calls
+    calls = meta["run"]["calls"]
+    assert [c["test"].split("::")[1] for c in calls] == ["test_correct_sinkhorn", "test_sinkhorn_with_eps_1e8"]
+    assert [c["passed"] for c in calls] == [True, False]
+    impls = set(table.column("impl").to_pylist())
+    assert {"test_user_kernel:sinkhorn", "test_user_kernel:sinkhorn_eps_1e8", "torch"} <= impls
+    assert len(set(table.column("run_id").to_pylist())) == 2
+
+
+def test_the_plugin_is_idle_unless_asked():
+    code = "import sys, mhctool.pytest_plugin; assert 'torch' not in sys.modules, 'plugin imported torch'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+    code = "import sys, mhctool; assert 'torch' not in sys.modules; mhctool.read_report; print('ok')"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
+
+
+def test_unwritable_report_path_is_a_usage_error(tmp_path):
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    res = _pytest(["test_nothing.py", f"--mhctool-report={tmp_path}"], tmp_path)
+    assert res.returncode == 4 and "is a directory" in res.stderr + res.stdout
+
+
+def test_cli_and_api_give_the_same_verdicts_row_by_row(tmp_path):
+    spec = f"{IMPLS / 'defects.py'}:sinkhorn_eps_1e8"
+    path = tmp_path / "cli.parquet"
+    res = CliRunner().invoke(app, ["parity", "--kernel", "sinkhorn", "--impl", spec, "--device", "cpu",
+                                   "--no-isolate", "-o", str(path)])
+    assert res.exit_code == 1, res.output
+    cli_rows = report.read(path)[0].drop(["run_id"]).to_pylist()
+    api = check_parity(spec, "sinkhorn", device="cpu")
+    api_rows = api.table.drop(["run_id"]).to_pylist()
+    assert len(cli_rows) == len(api_rows) > 0
+    key = ("case_id", "impl", "direction", "tensor", "metric", "value", "threshold", "passed", "rule")
+    norm = [lambda r: tuple("nan" if v != v else v for v in (r[k] for k in key))] * 2
+    assert sorted(map(norm[0], cli_rows), key=repr) == sorted(map(norm[1], api_rows), key=repr)
+    cli_verdicts = {(v["case_id"], v["direction"]): v["passed"] for v in report.verdicts(report.read(path)[0])
+                    if v["impl"] == spec}
+    assert cli_verdicts == {(v["case_id"], v["direction"]): v["passed"] for v in api.verdicts}
+    assert not api.passed and any(v is False for v in cli_verdicts.values())
+
+
+def test_result_object_and_narrowing():
+    r = check_parity("torch", "h_post_bda", dtypes=["fp32"], families=["random"], device="cpu", seed=3)
+    assert isinstance(r, ParityResult) and r.passed and r.impls == ["torch"]
+    assert {v["family"] for v in r.verdicts} == {"random"}
+    assert set(r.table.column("seed").to_pylist()) == {3}
+    assert set(r.table.column("dtype").to_pylist()) == {"fp32"}
+    assert r.settings["kappa"] == 2.0 and "passed" in r.summary()
+
+
+def test_a_declared_convention_reaches_the_reference():
+    def softmax_first(logits, iters=20, eps=1e-6):
+        p = logits.softmax(-1) + eps
+        p = p / (p.sum(-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            p = p / (p.sum(-1, keepdim=True) + eps)
+            p = p / (p.sum(-2, keepdim=True) + eps)
+        return p
+    kw = dict(dtypes=["fp32"], families=["random"], device="cpu")
+    assert not check_parity(softmax_first, "sinkhorn", **kw).passed
+    assert_parity(softmax_first, "sinkhorn", convention={"stabilize": "softmax"}, **kw)
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda: check_parity("torch", "nope"), "unknown kernel"),
+    (lambda: check_parity("torch", "sinkhorn", dtypes=["fp7"]), "fp7"),
+    (lambda: check_parity("torch", "sinkhorn", families=["nope"]), "unknown input family"),
+    (lambda: check_parity(lambda x: x, "sinkhorn", convention={"bogus": 1}), "no convention of sinkhorn"),
+    (lambda: check_parity("torch", "sinkhorn", matmul_precision="fp8"), "matmul-precision"),
+    (lambda: check_parity("torch", "sinkhorn", kappa=0.5), "at least 1"),
+    (lambda: check_parity("nosuchimpl", "sinkhorn"), "unknown implementation"),
+])
+def test_bad_arguments_raise_usage_error(call, needle):
+    with pytest.raises(mhctool.UsageError, match=needle):
+        call()
+    assert issubclass(mhctool.UsageError, ValueError)
+
+
+def test_not_a_callable_is_a_type_error():
+    with pytest.raises(TypeError, match="callable"):
+        check_parity(42, "sinkhorn", device="cpu")
+
+
+def test_public_names_are_listed_documented_and_annotated():
+    import inspect
+    for name in mhctool.__all__:
+        obj = getattr(mhctool, name)
+        if callable(obj) and name != "UsageError":
+            assert obj.__doc__ and ("Example" in obj.__doc__ or name in ("read_report", "ParityResult")), name
+    sig = inspect.signature(assert_parity)
+    assert all(p.annotation is not inspect.Parameter.empty for p in sig.parameters.values())
+    assert "assert_parity" in dir(mhctool)
+
+
+def test_sinkhorn_example_in_the_docstring_runs():
+    assert check_parity("torch", "sinkhorn", dtypes=["fp32"], device="cpu").passed
+    with pytest.raises(AssertionError, match="kernel +family +dtype"):
+        assert_parity(f"{IMPLS / 'defects.py'}:sinkhorn_eps_1e8", "sinkhorn", dtypes=["fp32"], device="cpu")
