@@ -2,6 +2,7 @@
 # The GPU machine's steps, in two calls of the device tool (each call has 10 minutes):
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh checks", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh anchors", carry=[".device", ".anchors"])
+#   run(command="source .device/setup.sh && bash docs/gpu-session.sh repro", carry=[".device"])
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
 # megatron|te GIT_DIR for the anchors (never commit .anchors/). Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -37,6 +38,15 @@ anchors)
     step "megatron dev bf16"
     m parity --kernel "$K" --impl megatron:.anchors/megatron/dev --dtype bf16 -o "$out/megatron-dev-bf16.parquet" --top 6
   } 2>&1 | tee "$out/anchors.log"
+  ;;
+repro)
+  {
+    # SIGINT before the device's own limit: mhctool keeps the finished cases and writes the report
+    step "parity --scenario repro --impl triton,cutile --check determinism,batch-invariance"
+    t0=$SECONDS; timeout -s INT "${REPRO_LIMIT:-420}" python3 -m mhctool.cli parity --scenario repro --impl triton,cutile \
+      --check determinism --check batch-invariance -o "$out/repro.parquet" --top 10; echo "repro wall $((SECONDS - t0)) s"
+    python3 docs/repro_table.py "$out/repro.parquet"
+  } 2>&1 | tee "$out/repro.log"
   ;;
 bench)
   m bench --shape 8192x4x4x7168 --kernel sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping \

@@ -116,6 +116,8 @@ def parity(
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run each implementation under test in a child process, so exits, crashes, hangs and CUDA faults become failed rows. Default: on for an external --impl on a GPU or with --case-timeout, off otherwise."),
     case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: 120 s plus 30 s per GiB the case needs, 4x that on the CPU)."),
     isolate_transport: str = typer.Option("shm", "--isolate-transport", help="How tensors reach the child: shm (host shared memory) or file (torch.save in /dev/shm)."),
+    check: Optional[list[str]] = typer.Option(None, "--check", help="Also compare bits: determinism (the same inputs, run after run) and/or batch-invariance (each token's result at other batch sizes). Repeat or comma-separate; a difference is a failed row."),
+    repeats_determinism: int = typer.Option(3, "--repeats-determinism", min=2, help="Runs in all for --check determinism."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="KNOB=VALUE (repeat): the convention the external implementation computes (stabilize=softmax, transpose_res=true, eps_mode=clamp, eps=0, rms_eps=inside, compute_h_eps=1e-6); the reference and the native baseline compute it too."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
@@ -127,7 +129,7 @@ def parity(
     pl = parity_mod.plan(kernels, specs, device=dev, scenario=scenario,
                          dtypes=_split([dtype]) if dtype else None, shapes=[shape] if shape else None,
                          seeds=[seed] if seed is not None else None, conventions=declared, kappa=kappa,
-                         matmul_precision=matmul_precision)
+                         matmul_precision=matmul_precision, checks=_split(check), repeats=repeats_determinism)
     cases = pl.cases
 
     show = not quiet and out.is_terminal
@@ -165,6 +167,13 @@ def parity(
         raise typer.Exit(130)
     status = "[red]FAILED[/]" if f else "[green]PASSED[/]"
     out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(cases)} cases on {dev}; report {path})")
+    findings = report.baseline_findings(table) if pl.checks else {}
+    for (name, k, rule), n in sorted(findings.items()):
+        out.print(f"note: {name} (not gated: baseline) fails {rule} on {k} in {n} row(s); see the report's messages",
+                  markup=False)
+    if "determinism" in pl.checks and dev == "cpu":
+        from .repro import CPU_NOTE
+        out.print(f"note: determinism on cpu: {CPU_NOTE}; run the check on a GPU where it matters", markup=False)
     if not specs:  # a default run that judged no kernel of a built-in backend says so
         for name, why in report.skipped_everywhere(table).items():
             out.print(f"note: {name} skipped for every case: {why}", markup=False)

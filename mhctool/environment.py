@@ -140,6 +140,7 @@ def metadata() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
+        "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "triton": _version("triton"),
         "cuda_tile": _version("cuda-tile"),
         "triton_mode": triton_status().mode,

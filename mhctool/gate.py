@@ -13,6 +13,7 @@ A suite (TOML)::
     dtypes = ["fp32"]               # optional override
     device = "cpu"                  # optional (default: cuda when present)
     kappa = 2.0                     # optional
+    checks = ["determinism"]        # optional: determinism, batch-invariance (bits, see repro.py)
 
     [[goldens]]                     # any number: Megatron's golden-value checks, one case per metric
     golden = "golden.json"          # paths relative to the suite file
@@ -48,7 +49,7 @@ from .report import verdicts, to_table
 
 SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability"}
 STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}
-PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa"}
+PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa", "checks"}
 GOLDEN_KEYS = {"name", "golden", "actual", "metrics", "deterministic", "rtol"}
 CHECK_KEYS = {"name", "file", "factor"}
 
@@ -113,6 +114,11 @@ def load_suite(path: str | os.PathLike) -> Suite:
                 parse_dtype(d)
             except UsageError as e:
                 raise _err(src, f"{where}.dtypes", str(e)) from None
+        try:
+            from .repro import parse_checks
+            parse_checks(list(item.get("checks", [])))
+        except (UsageError, TypeError) as e:
+            raise _err(src, f"{where}.checks", str(e)) from None
         suite.parity.append({"name": item.get("name", f"parity-{kernel}"), **item})
     for i, item in enumerate(data.get("goldens", [])):
         where = f"goldens[{i}]"
@@ -181,7 +187,8 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
         dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
         plan = parity.plan(parity.kernels_of(item.get("kernel", "all")), item.get("impls"),
                            device=item.get("device", device_default), scenario=item.get("scenario"),
-                           dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None, strict=False)
+                           dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None,
+                           checks=item.get("checks"), strict=False)
         item_rows = parity.execute(plan, isolation, interrupted,
                                    progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}"))).rows
         table = to_table(item_rows, "gate", "parity", {})

@@ -30,6 +30,8 @@ class Plan:
     specs: list[str]  # the implementations as asked for (empty: every default built-in)
     conventions: dict[str, dict]  # kernel -> {knob: value} the external implementations compute
     matmul_precision: str = "ieee"
+    checks: tuple[str, ...] = ()  # reproducibility checks (mhctool.repro.CHECKS)
+    repeats: int = 3  # runs in all for the determinism check
 
 
 @dataclass
@@ -65,15 +67,21 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
          scenario: str | Scenario | None = None, dtypes: list[str] | None = None,
          shapes: list[str] | None = None, seeds: list[int] | None = None,
          families: list[str] | None = None, conventions: dict[str, dict] | None = None,
-         kappa: float | None = None, matmul_precision: str = "ieee", strict: bool = True) -> Plan:
+         kappa: float | None = None, matmul_precision: str = "ieee", checks: list[str] | None = None,
+         repeats: int = 3, strict: bool = True) -> Plan:
     """The cases of ``scenario`` (default: parity-default) for ``kernels``, narrowed by the
     dtypes, shapes, seeds and input families given, and the implementations to judge.
 
     ``impls``: ``--impl``-style spec strings (``triton``, ``file.py:fn``, ``te:DIR``) or
     :class:`~mhctool.registry.Impl` objects (a Python callable, from :mod:`mhctool.testing`).
+    ``checks``: ``determinism`` and/or ``batch-invariance`` (``repeats`` runs in all for the first).
     Every problem with the request is a :class:`~mhctool.errors.UsageError` before anything runs;
     ``strict``: also an implementation named that can run none of the cases (the gate, where a
     suite outlives the machine it was written on, reports those as skipped instead)."""
+    from .repro import parse_checks
+    checks = parse_checks(list(checks or []))
+    if not (isinstance(repeats, int) and repeats >= 2):
+        raise UsageError(f"repeats {repeats!r} for the determinism check must be an integer of at least 2")
     if matmul_precision not in ("ieee", "tf32"):
         raise UsageError(f"unknown --matmul-precision {matmul_precision!r}; accepted: ieee, tf32")
     given = list(impls or [])
@@ -105,7 +113,7 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
         resolved[obj.kernel].append(obj)
     if given and strict:  # asked for by name: unusable for every case is an input error, not skipped rows
         runner.check_runnable(resolved, cases)
-    return Plan(sc, cases, resolved, specs, conventions, matmul_precision)
+    return Plan(sc, cases, resolved, specs, conventions, matmul_precision, checks, repeats)
 
 
 def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Callable[[], bool] = lambda: False,
@@ -120,7 +128,7 @@ def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Cal
         if progress:
             progress(c)
         res = runner.run_case(c, p.impls[c.kernel], p.scenario.rule, p.matmul_precision, isolation,
-                              p.conventions.get(c.kernel))
+                              p.conventions.get(c.kernel), p.checks, p.repeats)
         if res.abandoned:  # cut short by the interrupt: not a finished case
             break
         rows.extend(res.rows)
@@ -133,7 +141,7 @@ def settings(p: Plan, o: Outcome, **extra) -> dict:
     return {"command": "parity", "impl": p.specs or [i.name for lst in p.impls.values() for i in lst],
             "scenario": p.scenario.name, "scenario_source": p.scenario.source, "kappa": p.scenario.rule.kappa,
             "floor_roundoffs": p.scenario.rule.floor_roundoffs, "matmul_precision": p.matmul_precision,
-            "conventions": p.conventions,
+            "conventions": p.conventions, "checks": list(p.checks), "repeats_determinism": p.repeats,
             "adapters": sorted({i.adapter for lst in p.impls.values() for i in lst if i.adapter}),
             "interrupted": o.interrupted, "cases_run": o.cases_run, "cases_planned": len(p.cases), **extra}
 

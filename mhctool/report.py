@@ -8,8 +8,9 @@ Schema version 1 (one row per case x implementation x direction x tensor x metri
 | scenario   | string  | scenario name (``cli`` when built from flags)                       |
 | case_id    | string  | hash of kernel, family, dtype, shape, knobs, seed                   |
 | kernel     | string  | kernel family (sinkhorn, h_aggregate, h_post_bda, proj_rms)         |
-| impl       | string  | implementation name (torch, compile, triton, cutile, module:fn)     |
-| backend    | string  | torch, compile, triton, cutile, external                            |
+| impl       | string  | implementation name (torch, compile, triton, cutile, module:fn;     |
+|            |         | ``float64``: the reference's own --check rows)                      |
+| backend    | string  | torch, compile, triton, cutile, external, reference                 |
 | precision  | string  | matmul precision the implementation is judged at (ieee, tf32)       |
 | family     | string  | input family (random, large_logits, ...)                            |
 | dtype      | string  | case dtype of the activations (fp32, bf16, fp16)                    |
@@ -21,11 +22,14 @@ Schema version 1 (one row per case x implementation x direction x tensor x metri
 | direction  | string  | fwd or bwd                                                          |
 | tensor     | string  | output name, ``grad_<input>`` in bwd, ``*`` for whole-case rows     |
 | metric     | string  | max_abs, rel_l2, max_rel, ulp, nonfinite, unwritten, extra_zeros,   |
-|            |         | row_residual, col_residual, error, unsupported                      |
+|            |         | row_residual, col_residual, error, unsupported; with --check:       |
+|            |         | nondeterministic (share of elements that differ between runs),      |
+|            |         | batch_variant (share of tokens that differ at another batch size)   |
 | value      | float64 | the measurement                                                     |
 | threshold  | float64 | the bound it was judged against (null: informational)               |
 | passed     | bool    | verdict of this row (null: informational or unsupported)            |
-| rule       | string  | which rule decided (``kappa=2 x native``, ``dtype floor``, ``reduction floor``, ...) |
+| rule       | string  | which rule decided (``kappa=2 x native``, ``dtype floor``, ``reduction floor``, |
+|            |         | ``determinism``, ``batch-invariance``, ...)                         |
 | message    | string  | error or skip reason                                                |
 
 File metadata: ``mhctool.schema_version``, ``mhctool.kind`` (parity, ...), ``mhctool.environment``
@@ -220,6 +224,8 @@ def verdicts(table: pa.Table) -> list[dict]:
     out: dict[tuple, dict] = {}
     keys = ("case_id", "kernel", "impl", "family", "dtype", "shape", "knobs", "direction")
     for r in table.to_pylist():
+        if r.get("backend") == "reference":  # the float64 reference's own check rows: never a verdict
+            continue
         k = tuple(r[c] for c in keys)
         v = out.setdefault(k, {**{c: r[c] for c in keys}, "passed": None, "worst": None,
                                "worst_margin": -1.0, "message": None})
@@ -235,6 +241,17 @@ def verdicts(table: pa.Table) -> list[dict]:
         if r["message"] and not r["passed"]:
             v["message"] = r["message"]
     return list(out.values())
+
+
+def baseline_findings(table: pa.Table) -> dict[tuple[str, str, str], int]:
+    """(impl, kernel, rule) -> cases where a reproducibility check found a difference in an
+    implementation that is not gated (the native baseline when not asked for, the float64
+    reference): what PyTorch itself does on this platform."""
+    out: dict[tuple[str, str, str], int] = {}
+    for r in table.select(["impl", "kernel", "rule", "message", "passed", "case_id"]).to_pylist():
+        if r["passed"] is None and (r["message"] or "").startswith("(baseline, not gated)"):
+            out[r["impl"], r["kernel"], r["rule"]] = out.get((r["impl"], r["kernel"], r["rule"]), 0) + 1
+    return out
 
 
 def skipped_everywhere(table: pa.Table) -> dict[str, str]:

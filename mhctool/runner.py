@@ -220,13 +220,15 @@ def _native_at(kernel: str, precision: str) -> Impl:
 
 def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
              matmul_precision: str = "ieee", isolation: "Isolation | None" = None,
-             conventions: dict | None = None) -> CaseResult:
+             conventions: dict | None = None, checks: tuple[str, ...] = (), repeats: int = 3) -> CaseResult:
     """Run every implementation of ``impls`` on one case; the native one always runs (baseline).
 
     With ``isolation``, every implementation but the native one runs in a worker process. An
     external implementation computes its declared convention (an adapter's, overridden by
     ``conventions`` from ``--convention``): the float64 reference and the native baseline it is
-    judged against compute the same convention."""
+    judged against compute the same convention. ``checks`` (:data:`repro.CHECKS`): also compare
+    bits across ``repeats`` runs (determinism) and across batch sizes (batch invariance), for
+    every implementation and the float64 reference."""
     rule = rule or VerdictRule()
     fam = get_family(case.kernel)
     knobs = case.knob_dict
@@ -244,6 +246,9 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
 
     nat_base = baseline("ieee", knobs)
     nat = nat_base.native
+    repro = _Repro(fam, case, shape, base, nat_base, checks, repeats) if checks else None
+    if repro is not None:
+        result.rows.extend(repro.reference_rows(knobs))
     ordered = [native_impl(case.kernel)] + [i for i in impls if not i.native]
     for impl in ordered:
         external = impl.backend == "external"
@@ -293,6 +298,14 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                         "threshold": j.threshold, "passed": j.passed,
                                         "rule": j.rule, "message": None})
         del outs, refs
+        if repro is not None and not res.bwd_error:
+            def again(b, ups, expect, impl=impl, eff=eff):
+                if impl.native:
+                    return run_impl(fam, native_impl(case.kernel), b, eff, lambda outs: ups)
+                if isolation is not None:
+                    return isolation.run(case, impl, b, eff, ups, expect)
+                return run_impl(fam, impl, b, eff, lambda outs: ups, expect=expect)
+            result.rows.extend(repro.rows(row_base, res, judged.upstream, again, gated=any(impl is i for i in impls)))
         if res.bwd_unsupported or res.bwd_error:
             result.rows.append({**row_base, "direction": "bwd", "tensor": "*",
                                 "metric": "unsupported" if res.bwd_unsupported else "error",
@@ -303,6 +316,80 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     if case.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+class _Repro:
+    """The determinism and batch-invariance checks of one case (mhctool.repro): reruns of each
+    implementation on the same inputs, and runs on the batch variants of the case."""
+
+    def __init__(self, fam: Family, case: Case, shape: Shape, base: dict, nat_base: "_Baseline",
+                 checks: tuple[str, ...], repeats: int):
+        from . import repro
+        self.fam, self.case, self.shape, self.base, self.checks, self.repeats = fam, case, shape, base, checks, repeats
+        self.total = repro.token_count(fam, base) if fam.name in repro.TOKEN_DIMS else None
+        self.note = repro.CPU_NOTE if case.device == "cpu" else None
+        self.variants, self.expect = [], []
+        if "batch-invariance" in checks and self.total:
+            _, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict)
+            others = _cast_inputs(fam, raw, case)
+            others_up = inputs_mod.upstream_grads(nat_base.native.outputs, case.seed + 1)
+            self.variants = repro.variants(fam, base, nat_base.upstream, others, others_up)
+            native = native_impl(case.kernel)
+            for v in self.variants:  # the native run of each variant gives the outputs' expected layout
+                r = run_impl(fam, native, v.base, case.knob_dict, lambda outs, v=v: v.upstream)
+                self.expect.append(output_specs(r.outputs) if r.outputs is not None else None)
+        self.upstream = nat_base.upstream
+
+    def _named(self, res: ImplResult) -> dict[str, torch.Tensor]:
+        return {**dict(zip(self.fam.outputs, res.outputs or [])),
+                **{f"grad_{k}": g for k, g in (res.grads or {}).items()}}
+
+    def rows(self, row_base: dict, first: ImplResult, upstream: list, again, gated: bool = True) -> list[dict]:
+        """The check rows of one implementation; ``gated`` False: recorded, never failing (the
+        baseline and the reference, when they are not the implementations under test)."""
+        from . import repro
+        out = []
+        full = self._named(first)
+        # batch invariance needs a second run of the same batch too: a tensor that differs run to
+        # run cannot be judged across batch sizes
+        reruns = self.repeats - 1 if "determinism" in self.checks else (1 if self.variants else 0)
+        runs, errors = [], []
+        for _ in range(reruns):
+            r = again(self.base, upstream, output_specs(first.outputs))
+            (errors.append(r.fwd_error or r.bwd_error) if (r.fwd_error or r.bwd_error) else runs.append(self._named(r)))
+        unsteady = {n for n, t in full.items() for r in runs if not bool(repro.same(r[n], t).all())}
+        if "determinism" in self.checks:
+            if errors:
+                out.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "nondeterministic",
+                            "value": math.nan, "threshold": 0.0, "passed": False, "rule": "determinism",
+                            "message": f"a repeated run failed: {errors[0]}"})
+            else:
+                out.extend(repro.determinism_rows(row_base, full, runs, self.note))
+        if "batch-invariance" in self.checks and self.variants:
+            runs = []
+            for v, expect in zip(self.variants, self.expect):
+                if expect is None:
+                    runs.append((v, None, "the native implementation failed on it"))
+                    continue
+                r = again(v.base, v.upstream, expect)
+                runs.append((v, self._named(r) if not (r.fwd_error or r.bwd_error) else None, r.fwd_error or r.bwd_error))
+            out.extend(repro.batch_rows(row_base, self.fam, full, self.total, runs, unsteady))
+        if not gated:
+            for r in out:
+                if r["passed"] is False:
+                    r["message"] = f"(baseline, not gated) {r['message']}"
+                r["passed"] = None
+        return out
+
+    def reference_rows(self, knobs: dict) -> list[dict]:
+        """The float64 reference under the same checks: is PyTorch itself reproducible here?"""
+        ref = Impl("float64", self.case.kernel, "reference", self.fam.reference)
+        row_base = _row_base(self.case, self.shape, ref, "ieee", knobs)
+
+        def again(b, ups, expect):
+            outs, grads = run_reference(self.fam, b, knobs, ups)
+            return ImplResult(outputs=outs, grads=grads)
+        return self.rows(row_base, again(self.base, self.upstream, None), self.upstream, again, gated=False)
 
 
 @dataclass

@@ -110,7 +110,7 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
                  shapes: Sequence[str] | None = None, families: Sequence[str] | None = None,
                  device: str | None = None, convention: dict | None = None, kappa: float | None = None,
                  seed: int = 0, matmul_precision: str | None = None, scenario: str | None = None,
-                 name: str | None = None) -> ParityResult:
+                 name: str | None = None, checks: Sequence[str] | None = None) -> ParityResult:
     """Judge ``impl`` on ``kernel``'s parity cases and return the result (never raises on a failure).
 
     ``impl``: a callable with the family's signature (``sinkhorn(logits, iters=20, eps=1e-6)``, see
@@ -118,7 +118,8 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
     (``"triton"``, ``"path/to/file.py:fn"``, ``"te:.anchors/te"``). The other arguments narrow the
     scenario's cases (default scenario: parity-default, small odd shapes, every input family) the
     way ``mhctool parity``'s options do; ``convention``: ``{knob: value}`` the implementation
-    computes by design (``{"stabilize": "softmax"}``), as ``--convention``. Bad arguments raise
+    computes by design (``{"stabilize": "softmax"}``), as ``--convention``; ``checks``:
+    ``["determinism", "batch-invariance"]``, as ``--check``. Bad arguments raise
     :class:`mhctool.UsageError` (a ``ValueError``).
 
     Example::
@@ -134,7 +135,7 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
                     shapes=list(shapes) if shapes else None, seeds=[seed],
                     families=list(families) if families else None,
                     conventions={kernel: engine.check_conventions(kernel, convention)} if convention else None,
-                    kappa=kappa, matmul_precision=matmul_precision or "ieee")
+                    kappa=kappa, matmul_precision=matmul_precision or "ieee", checks=list(checks or []))
     outcome = engine.execute(p)
     table = engine.table(p, outcome, command="mhctool.testing", kernel=kernel, device=dev)
     asked = [i.name for i in p.impls[p.cases[0].kernel]]
@@ -151,7 +152,7 @@ def assert_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | 
                   shapes: Sequence[str] | None = None, families: Sequence[str] | None = None,
                   device: str | None = None, convention: dict | None = None, kappa: float | None = None,
                   seed: int = 0, matmul_precision: str | None = None, scenario: str | None = None,
-                  name: str | None = None) -> ParityResult:
+                  name: str | None = None, checks: Sequence[str] | None = None) -> ParityResult:
     """:func:`check_parity`, raising ``AssertionError`` when a case fails or none could be judged.
 
     The message is the worst rows as a table (kernel, family, dtype, shape, direction, tensor,
@@ -166,7 +167,7 @@ def assert_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | 
     """
     result = check_parity(impl, kernel, dtypes=dtypes, shapes=shapes, families=families, device=device,
                           convention=convention, kappa=kappa, seed=seed, matmul_precision=matmul_precision,
-                          scenario=scenario, name=name)
+                          scenario=scenario, name=name, checks=checks)
     if not result.passed:
         raise AssertionError("mhctool parity failed: " + result.message())
     return result
