@@ -72,25 +72,38 @@ def _describe(frac: float, unit: str, u: float, d: float) -> str:
     return f"{100 * frac:.3g}% of {unit}, up to {up} ulp ({d:.3g} absolute)"
 
 
-def determinism_rows(row_base: dict, first: dict[str, torch.Tensor], again: list[dict[str, torch.Tensor]],
-                     note: str | None = None) -> list[dict]:
+class Tally:
+    """Bit comparisons of one tensor against its first run, accumulated run by run (so no run
+    but the first is kept: at the paper shape a run's gradients are gigabytes)."""
+
+    def __init__(self, t0: torch.Tensor):
+        self.t0 = t0
+        self.diff = torch.zeros(t0.shape, dtype=torch.bool, device=t0.device)
+        self.ulps, self.abs = 0.0, 0.0
+
+    def add(self, t: torch.Tensor) -> bool:
+        ne = ~same(t, self.t0)
+        if not ne.any():
+            return False
+        self.diff |= ne
+        self.ulps = max(self.ulps, float(ulps(self.t0[ne], t[ne]).max()))
+        self.abs = max(self.abs, float((self.t0[ne].double() - t[ne].double()).abs().nan_to_num(math.inf).max()))
+        return True
+
+    @property
+    def fraction(self) -> float:
+        return float(self.diff.float().mean()) if self.diff.numel() else 0.0
+
+
+def determinism_rows(row_base: dict, tallies: dict[str, Tally], runs: int, note: str | None = None) -> list[dict]:
     """One row per tensor: the share of elements that differ from the first run in any later run."""
     rows = []
-    for name, t0 in first.items():
-        diff = torch.zeros(t0.shape, dtype=torch.bool, device=t0.device)
-        worst_u, worst_d = 0.0, 0.0
-        for run in again:
-            t = run[name]
-            ne = ~same(t, t0)
-            if ne.any():
-                diff |= ne
-                worst_u = max(worst_u, float(ulps(t0[ne], t[ne]).max()))
-                worst_d = max(worst_d, float((t0[ne].double() - t[ne].double()).abs().nan_to_num(math.inf).max()))
-        frac = float(diff.float().mean()) if diff.numel() else 0.0
-        msg = (f"nondeterministic: {name} differs in {_describe(frac, 'elements', worst_u, worst_d)} "
-               f"over {len(again) + 1} runs") if frac else note
+    for name, tally in tallies.items():
+        frac = tally.fraction
+        msg = (f"nondeterministic: {name} differs in {_describe(frac, 'elements', tally.ulps, tally.abs)} "
+               f"over {runs} runs") if frac else note
         rows.append({**row_base, "direction": "bwd" if name.startswith("grad_") else "fwd", "tensor": name,
-                     "dtype_out": fmt_of(t0.dtype).name, "metric": "nondeterministic", "value": frac,
+                     "dtype_out": fmt_of(tally.t0.dtype).name, "metric": "nondeterministic", "value": frac,
                      "threshold": 0.0, "passed": frac == 0.0, "rule": "determinism", "message": msg})
     return rows
 
@@ -206,11 +219,34 @@ def _dims_of(fam: Family, tensor: str) -> int:
     return TOKEN_DIMS[fam.name][tensor[5:] if tensor.startswith("grad_") else tensor]
 
 
+def compare_batch(fam: Family, full: dict[str, torch.Tensor], v: Variant, got: dict[str, torch.Tensor]) -> dict:
+    """tensor -> (share of the variant's case tokens that differ, max ulps, max abs) or an error string."""
+    compared, _ = per_token_tensors(fam)
+    out = {}
+    for name in compared:
+        if name not in full or name not in got:
+            continue
+        d = _dims_of(fam, name)
+        ref, t = _flat(full[name], d), _flat(got[name], d)
+        mine = v.positions >= 0
+        a, b = t[mine.to(t.device)], ref[v.positions[mine].to(ref.device)]
+        if a.shape != b.shape:
+            out[name] = f"{name} has {tuple(a.shape)} per-token values, expected {tuple(b.shape)}"
+            continue
+        ne = ~same(a, b)
+        tok = ne.reshape(ne.shape[0], -1).any(1)
+        frac = float(tok.float().mean()) if tok.numel() else 0.0
+        out[name] = (frac, float(ulps(b[ne], a[ne]).max()) if frac else 0.0,
+                     float((a[ne].double() - b[ne].double()).abs().nan_to_num(math.inf).max()) if frac else 0.0)
+    return out
+
+
 def batch_rows(row_base: dict, fam: Family, full: dict[str, torch.Tensor], total: int,
-               runs: list[tuple[Variant, dict[str, torch.Tensor] | None, str | None]],
+               results: list[tuple[Variant, dict | None, str | None]],
                unsteady: set[str] = frozenset()) -> list[dict]:
     """One row per per-token tensor: the largest share of the case's tokens whose bits differ in
-    another batch; tensors that sum over tokens get an informational row saying they were left out.
+    another batch (``results``: per variant, :func:`compare_batch`'s dict or the error of its run);
+    tensors that sum over tokens get an informational row saying they were left out.
     ``unsteady``: tensors that differ between two runs of the same batch; batch invariance cannot be
     told apart from that, so their rows are not judged (the determinism check fails them)."""
     compared, excluded = per_token_tensors(fam)
@@ -218,36 +254,21 @@ def batch_rows(row_base: dict, fam: Family, full: dict[str, torch.Tensor], total
     for name in compared:
         if name not in full:
             continue
+        base = {**row_base, "direction": "bwd" if name.startswith("grad_") else "fwd", "tensor": name,
+                "dtype_out": fmt_of(full[name].dtype).name, "metric": "batch_variant", "rule": "batch-invariance"}
         if name in unsteady:
-            rows.append({**row_base, "direction": "bwd" if name.startswith("grad_") else "fwd", "tensor": name,
-                         "dtype_out": fmt_of(full[name].dtype).name, "metric": "batch_variant", "value": math.nan,
-                         "threshold": None, "passed": None, "rule": "batch-invariance",
+            rows.append({**base, "value": math.nan, "threshold": None, "passed": None,
                          "message": f"not judged: {name} differs between two runs of the same batch "
                                     "(see --check determinism)"})
             continue
-        d = _dims_of(fam, name)
-        ref = _flat(full[name], d)
-        worst = (0.0, None, 0.0, 0.0)
-        problems = []
-        for v, got, error in runs:
-            if error:
-                problems.append(f"{v.label}: {error}")
-                continue
-            if name not in got:
-                continue
-            t = _flat(got[name], d)
-            mine = v.positions >= 0
-            a, b = t[mine.to(t.device)], ref[v.positions[mine].to(ref.device)]
-            if a.shape != b.shape:
-                problems.append(f"{v.label}: {name} has {tuple(a.shape)} per-token values, expected {tuple(b.shape)}")
-                continue
-            ne = ~same(a, b)
-            tok = ne.reshape(ne.shape[0], -1).any(1)
-            frac = float(tok.float().mean()) if tok.numel() else 0.0
-            if frac > worst[0]:
-                worst = (frac, v.label, float(ulps(b[ne], a[ne]).max()),
-                         float((a[ne].double() - b[ne].double()).abs().nan_to_num(math.inf).max()))
-        frac, label, u, dd = worst
+        worst, label, problems = (0.0, 0.0, 0.0), None, []
+        for v, stats, error in results:
+            item = error or (stats or {}).get(name)
+            if isinstance(item, str):
+                problems.append(f"{v.label}: {item}")
+            elif item is not None and item[0] > worst[0]:
+                worst, label = item, v.label
+        frac, u, dd = worst
         if problems:
             msg, passed, frac = "batch variant failed to run: " + "; ".join(problems), False, math.nan
         elif frac:
@@ -256,9 +277,7 @@ def batch_rows(row_base: dict, fam: Family, full: dict[str, torch.Tensor], total
             passed = False
         else:
             msg, passed = None, True
-        rows.append({**row_base, "direction": "bwd" if name.startswith("grad_") else "fwd", "tensor": name,
-                     "dtype_out": fmt_of(full[name].dtype).name, "metric": "batch_variant", "value": frac,
-                     "threshold": 0.0, "passed": passed, "rule": "batch-invariance", "message": msg})
+        rows.append({**base, "value": frac, "threshold": 0.0, "passed": passed, "message": msg})
     for name in excluded:
         if name in full or name in fam.outputs:
             rows.append({**row_base, "direction": "bwd" if name.startswith("grad_") else "fwd", "tensor": name,

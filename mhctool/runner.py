@@ -346,34 +346,16 @@ class _Repro:
 
     def rows(self, row_base: dict, first: ImplResult, upstream: list, again, gated: bool = True) -> list[dict]:
         """The check rows of one implementation; ``gated`` False: recorded, never failing (the
-        baseline and the reference, when they are not the implementations under test)."""
-        from . import repro
-        out = []
-        full = self._named(first)
-        # batch invariance needs a second run of the same batch too: a tensor that differs run to
-        # run cannot be judged across batch sizes
-        reruns = self.repeats - 1 if "determinism" in self.checks else (1 if self.variants else 0)
-        runs, errors = [], []
-        for _ in range(reruns):
-            r = again(self.base, upstream, output_specs(first.outputs))
-            (errors.append(r.fwd_error or r.bwd_error) if (r.fwd_error or r.bwd_error) else runs.append(self._named(r)))
-        unsteady = {n for n, t in full.items() for r in runs if not bool(repro.same(r[n], t).all())}
-        if "determinism" in self.checks:
-            if errors:
-                out.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "nondeterministic",
-                            "value": math.nan, "threshold": 0.0, "passed": False, "rule": "determinism",
-                            "message": f"a repeated run failed: {errors[0]}"})
-            else:
-                out.extend(repro.determinism_rows(row_base, full, runs, self.note))
-        if "batch-invariance" in self.checks and self.variants:
-            runs = []
-            for v, expect in zip(self.variants, self.expect):
-                if expect is None:
-                    runs.append((v, None, "the native implementation failed on it"))
-                    continue
-                r = again(v.base, v.upstream, expect)
-                runs.append((v, self._named(r) if not (r.fwd_error or r.bwd_error) else None, r.fwd_error or r.bwd_error))
-            out.extend(repro.batch_rows(row_base, self.fam, full, self.total, runs, unsteady))
+        baseline and the reference, when they are not the implementations under test). A check
+        that cannot run (out of memory, an error of mhctool's own) is one failed row, never a crash."""
+        try:
+            out = self._rows(row_base, first, upstream, again)
+        except Exception as e:  # noqa: BLE001 - the run goes on
+            if self.case.device == "cuda":
+                torch.cuda.empty_cache()
+            out = [{**row_base, "direction": "fwd", "tensor": "*", "metric": "error", "value": math.nan,
+                    "threshold": None, "passed": False, "rule": "/".join(self.checks),
+                    "message": f"the reproducibility check could not run: {short_error(e)}"}]
         if not gated:
             for r in out:
                 if r["passed"] is False:
@@ -381,10 +363,53 @@ class _Repro:
                 r["passed"] = None
         return out
 
+    def _rows(self, row_base: dict, first: ImplResult, upstream: list, again) -> list[dict]:
+        from . import repro
+        out = []
+        full = self._named(first)
+        # batch invariance needs a second run of the same batch too: a tensor that differs run to
+        # run cannot be judged across batch sizes. Each run is compared, then dropped.
+        reruns = self.repeats - 1 if "determinism" in self.checks else (1 if self.variants else 0)
+        tallies = {n: repro.Tally(t) for n, t in full.items()}
+        error = None
+        for _ in range(reruns):
+            r = again(self.base, upstream, output_specs(first.outputs))
+            if r.fwd_error or r.bwd_error:
+                error = r.fwd_error or r.bwd_error
+                break
+            for n, t in self._named(r).items():
+                tallies[n].add(t)
+            del r
+        unsteady = {n for n, t in tallies.items() if t.fraction}
+        if "determinism" in self.checks:
+            if error:
+                out.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "nondeterministic",
+                            "value": math.nan, "threshold": 0.0, "passed": False, "rule": "determinism",
+                            "message": f"a repeated run failed: {error}"})
+            else:
+                out.extend(repro.determinism_rows(row_base, tallies, self.repeats, self.note))
+        del tallies
+        if "batch-invariance" in self.checks and self.variants:
+            results = []
+            for v, expect in zip(self.variants, self.expect):
+                if expect is None:
+                    results.append((v, None, "the native implementation failed on it"))
+                    continue
+                r = again(v.base, v.upstream, expect)
+                err = r.fwd_error or r.bwd_error
+                results.append((v, None if err else repro.compare_batch(self.fam, full, v, self._named(r)), err))
+                del r
+            out.extend(repro.batch_rows(row_base, self.fam, full, self.total, results, unsteady))
+        return out
+
     def reference_rows(self, knobs: dict) -> list[dict]:
         """The float64 reference under the same checks: is PyTorch itself reproducible here?"""
         ref = Impl("float64", self.case.kernel, "reference", self.fam.reference)
         row_base = _row_base(self.case, self.shape, ref, "ieee", knobs)
+        if 3 * footprint(self.case) > device_memory(self.case.device):
+            return [{**row_base, "direction": "fwd", "tensor": "*", "metric": "unsupported", "value": math.nan,
+                     "threshold": None, "passed": None, "rule": "unsupported",
+                     "message": "the float64 reference is not rerun at this shape: three copies do not fit"}]
 
         def again(b, ups, expect):
             outs, grads = run_reference(self.fam, b, knobs, ups)
