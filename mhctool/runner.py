@@ -328,17 +328,29 @@ class _Repro:
         self.fam, self.case, self.shape, self.base, self.checks, self.repeats = fam, case, shape, base, checks, repeats
         self.total = repro.token_count(fam, base) if fam.name in repro.TOKEN_DIMS else None
         self.note = repro.CPU_NOTE if case.device == "cpu" else None
-        self.variants, self.expect = [], []
-        if "batch-invariance" in checks and self.total:
-            _, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict)
-            others = _cast_inputs(fam, raw, case)
-            others_up = inputs_mod.upstream_grads(nat_base.native.outputs, case.seed + 1)
-            self.variants = repro.variants(fam, base, nat_base.upstream, others, others_up)
-            native = native_impl(case.kernel)
-            for v in self.variants:  # the native run of each variant gives the outputs' expected layout
-                r = run_impl(fam, native, v.base, case.knob_dict, lambda outs, v=v: v.upstream)
-                self.expect.append(output_specs(r.outputs) if r.outputs is not None else None)
+        self.batch = "batch-invariance" in checks and bool(self.total)
         self.upstream = nat_base.upstream
+        self.out_specs = output_specs(nat_base.native.outputs)
+
+    def variants(self):
+        """The batch variants with the outputs' expected layout (from the native run of each),
+        built when needed and dropped after: at the paper shape one of them is as large as the case."""
+        from . import repro
+        case, fam = self.case, self.fam
+        _, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict)
+        others = _cast_inputs(fam, raw, case)
+        del raw
+        others_up = inputs_mod.upstream_grads([torch.empty(sh, dtype=dt, device=dev) for sh, dt, dev in self.out_specs],
+                                              case.seed + 1)
+        vs = repro.variants(fam, self.base, self.upstream, others, others_up)
+        del others, others_up
+        native = native_impl(case.kernel)
+        while vs:
+            v = vs.pop(0)
+            r = run_impl(fam, native, v.base, case.knob_dict, lambda outs, v=v: v.upstream)
+            expect = output_specs(r.outputs) if r.outputs is not None else None
+            del r
+            yield v, expect
 
     def _named(self, res: ImplResult) -> dict[str, torch.Tensor]:
         return {**dict(zip(self.fam.outputs, res.outputs or [])),
@@ -356,6 +368,8 @@ class _Repro:
             out = [{**row_base, "direction": "fwd", "tensor": "*", "metric": "error", "value": math.nan,
                     "threshold": None, "passed": False, "rule": "/".join(self.checks),
                     "message": f"the reproducibility check could not run: {short_error(e)}"}]
+        if self.case.device == "cuda":
+            torch.cuda.empty_cache()
         if not gated:
             for r in out:
                 if r["passed"] is False:
@@ -369,7 +383,7 @@ class _Repro:
         full = self._named(first)
         # batch invariance needs a second run of the same batch too: a tensor that differs run to
         # run cannot be judged across batch sizes. Each run is compared, then dropped.
-        reruns = self.repeats - 1 if "determinism" in self.checks else (1 if self.variants else 0)
+        reruns = self.repeats - 1 if "determinism" in self.checks else (1 if self.batch else 0)
         tallies = {n: repro.Tally(t) for n, t in full.items()}
         error = None
         for _ in range(reruns):
@@ -389,15 +403,16 @@ class _Repro:
             else:
                 out.extend(repro.determinism_rows(row_base, tallies, self.repeats, self.note))
         del tallies
-        if "batch-invariance" in self.checks and self.variants:
+        if self.batch:
             results = []
-            for v, expect in zip(self.variants, self.expect):
+            for v, expect in self.variants():
                 if expect is None:
                     results.append((v, None, "the native implementation failed on it"))
                     continue
                 r = again(v.base, v.upstream, expect)
                 err = r.fwd_error or r.bwd_error
                 results.append((v, None if err else repro.compare_batch(self.fam, full, v, self._named(r)), err))
+                v.base = v.upstream = None  # keep the label and positions only
                 del r
             out.extend(repro.batch_rows(row_base, self.fam, full, self.total, results, unsteady))
         return out
