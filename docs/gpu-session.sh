@@ -41,9 +41,10 @@ anchors)
   ;;
 repro)
   {
-    # SIGINT before the device's own limit: mhctool keeps the finished cases and writes the report
+    # SIGINT before the device's own limit, to mhctool only (--foreground: a compiler it runs, e.g. ptxas,
+    # is not killed mid-case): mhctool finishes the case, keeps the finished cases and writes the report
     step "parity --scenario repro --impl triton,cutile --check determinism,batch-invariance"
-    t0=$SECONDS; timeout -s INT "${REPRO_LIMIT:-420}" python3 -m mhctool.cli parity --scenario repro --impl triton,cutile \
+    t0=$SECONDS; timeout --foreground -s INT "${REPRO_LIMIT:-420}" python3 -m mhctool.cli parity --scenario repro --impl triton,cutile \
       --check determinism --check batch-invariance -o "$out/repro.parquet" --top 10; echo "repro wall $((SECONDS - t0)) s"
     python3 docs/repro_table.py "$out/repro.parquet"
   } 2>&1 | tee "$out/repro.log"
