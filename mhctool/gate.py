@@ -116,7 +116,10 @@ def load_suite(path: str | os.PathLike) -> Suite:
                 raise _err(src, f"{where}.dtypes", str(e)) from None
         try:
             from .repro import parse_checks
-            parse_checks(list(item.get("checks", [])))
+            checks = item.get("checks", [])
+            if not isinstance(checks, list):
+                raise UsageError(f"must be a list, e.g. checks = [\"determinism\"], got {checks!r}")
+            parse_checks(checks)
         except (UsageError, TypeError) as e:
             raise _err(src, f"{where}.checks", str(e)) from None
         suite.parity.append({"name": item.get("name", f"parity-{kernel}"), **item})

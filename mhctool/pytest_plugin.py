@@ -33,8 +33,6 @@ class _Collector:
         self.test = None
 
     def write(self):
-        import json
-
         import pyarrow as pa
 
         from . import environment, report
@@ -42,13 +40,8 @@ class _Collector:
         table = pa.concat_tables(tables) if tables else report.SCHEMA.empty_table()
         calls = [{"test": test, "run_id": r.table.column("run_id")[0].as_py() if r.table.num_rows else None,
                   "impl": r.impls, "passed": r.passed, "settings": r.settings} for test, r in self.results]
-        meta = {
-            b"mhctool.schema_version": str(report.SCHEMA_VERSION).encode(),
-            b"mhctool.kind": b"parity",
-            b"mhctool.environment": json.dumps(environment.metadata(), default=str).encode(),
-            b"mhctool.run": json.dumps({"command": "pytest --mhctool-report", "calls": calls}, default=str).encode(),
-        }
-        return report.write_atomic(table.replace_schema_metadata(meta), self.path)
+        run = {"command": "pytest --mhctool-report", "calls": calls}
+        return report.write_atomic(report.with_metadata(table, "parity", environment.metadata(), run), self.path)
 
 
 def pytest_configure(config):

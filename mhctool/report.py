@@ -138,7 +138,11 @@ def to_table(rows: list[dict], run_id: str, kind: str, environment: dict, run: d
     for r in rows:
         for name in cols:
             cols[name].append(run_id if name == "run_id" else r.get(name))
-    table = pa.table(cols, schema=schema)
+    return with_metadata(pa.table(cols, schema=schema), kind, environment, run)
+
+
+def with_metadata(table: pa.Table, kind: str, environment: dict, run: dict | None = None) -> pa.Table:
+    """``table`` with a report's file metadata (schema version, kind, environment, run settings)."""
     meta = {
         b"mhctool.schema_version": str(SCHEMA_VERSION).encode(),
         b"mhctool.kind": kind.encode(),

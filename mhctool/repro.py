@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .dtypes import fmt_of
+from .metrics import ulp_size
 from .registry import Family
 
 CHECKS = ("determinism", "batch-invariance")
@@ -51,11 +52,8 @@ def parse_checks(names: list[str]) -> tuple[str, ...]:
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| in units in the last place of the format of ``a``, at the larger magnitude."""
-    fmt = fmt_of(a.dtype)
     a64, b64 = a.double(), b.double()
-    mag = torch.maximum(a64.abs(), b64.abs()).clamp_min(2.0 ** fmt.min_exponent)
-    ulp = torch.exp2(torch.floor(torch.log2(mag)) - fmt.mantissa_bits)
-    d = (a64 - b64).abs() / ulp
+    d = (a64 - b64).abs() / ulp_size(torch.maximum(a64.abs(), b64.abs()), fmt_of(a.dtype))
     both_nan = torch.isnan(a64) & torch.isnan(b64)
     return torch.where(both_nan, torch.zeros_like(d), d)
 

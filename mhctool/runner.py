@@ -170,6 +170,11 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     return res
 
 
+def named_tensors(fam: Family, outputs: list | None, grads: dict | None) -> dict[str, torch.Tensor]:
+    """Outputs by the family's names and gradients as ``grad_<input>``: the report's tensor names."""
+    return dict(zip(fam.outputs, outputs or [])) | {f"grad_{k}": g for k, g in (grads or {}).items()}
+
+
 def output_specs(outs: list[torch.Tensor]) -> list[tuple]:
     """What the contract expects of each output: (shape, dtype, device), from the native outputs."""
     return [(tuple(o.shape), o.dtype, str(o.device)) for o in outs]
@@ -281,8 +286,8 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             continue
         fwd, bwd = judged.measured(res)
         nat_fwd, nat_bwd = judged.native_metrics
-        refs = dict(zip(fam.outputs, judged.ref_outs)) | {f"grad_{k}": g for k, g in judged.ref_grads.items()}
-        outs = dict(zip(fam.outputs, res.outputs)) | {f"grad_{k}": g for k, g in (res.grads or {}).items()}
+        refs = named_tensors(fam, judged.ref_outs, judged.ref_grads)
+        outs = named_tensors(fam, res.outputs, res.grads)
         for direction, vals, nat_vals in (("fwd", fwd, nat_fwd), ("bwd", bwd, nat_bwd)):
             for tensor, metrics in vals.items():
                 ref_t = refs[tensor]
@@ -353,8 +358,7 @@ class _Repro:
             yield v, expect
 
     def _named(self, res: ImplResult) -> dict[str, torch.Tensor]:
-        return {**dict(zip(self.fam.outputs, res.outputs or [])),
-                **{f"grad_{k}": g for k, g in (res.grads or {}).items()}}
+        return named_tensors(self.fam, res.outputs, res.grads)
 
     def rows(self, row_base: dict, first: ImplResult, upstream: list, again, gated: bool = True) -> list[dict]:
         """The check rows of one implementation; ``gated`` False: recorded, never failing (the

@@ -135,3 +135,6 @@ checks = ["determinism"]
     suite.write_text(suite.read_text().replace('checks = ["determinism"]', 'checks = ["sometimes"]'))
     res = CliRunner().invoke(app, ["gate", "--suite", str(suite), *outs])
     assert res.exit_code == 2 and "checks" in res.output
+    suite.write_text(suite.read_text().replace('checks = ["sometimes"]', 'checks = "determinism"'))
+    res = CliRunner().invoke(app, ["gate", "--suite", str(suite), *outs])
+    assert res.exit_code == 2 and "must be a list" in res.output
