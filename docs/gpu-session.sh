@@ -3,6 +3,7 @@
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh checks", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh anchors", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh repro", carry=[".device"])
+#   (REPRO_KERNELS=swiglu,grouped_gemm narrows the repro phase; "sweep" times every Triton tile)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
 # megatron|te GIT_DIR for the anchors (never commit .anchors/). Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -45,9 +46,13 @@ repro)
     # is not killed mid-case): mhctool finishes the case, keeps the finished cases and writes the report
     step "parity --scenario repro --impl triton,cutile --check determinism,batch-invariance"
     t0=$SECONDS; timeout --foreground -s INT "${REPRO_LIMIT:-420}" python3 -m mhctool.cli parity --scenario repro --impl triton,cutile \
+      --kernel "${REPRO_KERNELS:-all}" \
       --check determinism --check batch-invariance -o "$out/repro.parquet" --top 10; echo "repro wall $((SECONDS - t0)) s"
     python3 docs/repro_table.py "$out/repro.parquet"
   } 2>&1 | tee "$out/repro.log"
+  ;;
+sweep)
+  python3 docs/tile_sweep.py 2>&1 | tee "$out/sweep.log"
   ;;
 bench)
   m bench --shape 8192x4x4x7168 --kernel sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping \

@@ -18,7 +18,7 @@ from mhctool.poison import empty_like
 
 from ..schedule import STABILIZE as _STABILIZE
 from ..schedule import check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps
-from ._common import cast, check_device, pick_config
+from ._common import cast, check_device
 
 
 @triton.jit
@@ -149,7 +149,23 @@ def _config(n: int, stabilize: str, order: str, iters: int) -> dict:
     return cfg
 
 
-def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order):
+def tiles(n: int) -> list[tuple[int, int]]:
+    """The (tokens per program, warps) tiles the kernels can run with, for the sweep."""
+    np2 = _config(n, "rowmax", "row_first", 1)["NP"] ** 2
+    first = (max(1, min(64, 1024 // np2)), 4)
+    return [first] + [(bt, w) for bt in (16, 32, 64, 128, 256) for w in (1, 2, 4, 8)
+                      if (bt, w) != first and bt * np2 >= 32 * w]
+
+
+def tile(n: int, backward: bool) -> tuple[int, int]:
+    """The tile every launch uses: a function of n alone, never of the number of tokens. Triton
+    orders a reduction over a tile's axis by the tile's layout, so a tile chosen per token count
+    (timed, as it was) gave a token other bits at another batch size; and a tile chosen by timing
+    can differ between two processes. Fixed from the sweep in docs/perf-notes.md."""
+    return tiles(n)[0]
+
+
+def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order, tile_=None):
     n = x.shape[-1]
     if x.shape[-2] != n:
         raise ValueError(f"sinkhorn needs square matrices in the last two dims, got {tuple(x.shape)}")
@@ -160,19 +176,12 @@ def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order):
     cfg = _config(n, stabilize, order, int(iters))
     out = empty_like(x)
     args = [x, *[e.contiguous() for e in extra], out]
-
-    extra_cfg = {"SEG": recompute_segment(cfg["PAIRS"])} if kernel is _sinkhorn_bwd else {}
-
-    def run(tile):
-        bt, warps = tile
+    backward = kernel is _sinkhorn_bwd
+    extra_cfg = {"SEG": recompute_segment(cfg["PAIRS"])} if backward else {}
+    if T:
+        bt, warps = tile_ or tile(n, backward)
         kernel[(triton.cdiv(T, bt),)](*args, T, float(eps), N=n, STAB=_STABILIZE[stabilize],
                                      CLAMP=eps_mode == "clamp", num_warps=warps, **{**cfg, "BT": bt}, **extra_cfg)
-
-    if T:
-        tiles = [(cfg["BT"], 4)] + [(bt, w) for bt in (16, 32, 64, 128, 256) for w in (1, 2, 4, 8)
-                                    if (bt, w) != (cfg["BT"], 4) and bt * cfg["NP"] ** 2 >= 32 * w]
-        key = (kernel.__name__ if hasattr(kernel, "__name__") else str(kernel), T, n, x.dtype, tuple(cfg.items()))
-        run(pick_config(key, tiles, run, work=(1 << 30) if T >= 8192 else 0))
     return out
 
 
