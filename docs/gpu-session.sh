@@ -3,7 +3,7 @@
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh checks", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh anchors", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh repro", carry=[".device"])
-#   (REPRO_KERNELS=swiglu,grouped_gemm narrows the repro phase; "sweep" times every Triton tile)
+#   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
 # megatron|te GIT_DIR for the anchors (never commit .anchors/). Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -45,7 +45,7 @@ repro)
     # SIGINT before the device's own limit, to mhctool only (--foreground: a compiler it runs, e.g. ptxas,
     # is not killed mid-case): mhctool finishes the case, keeps the finished cases and writes the report
     step "parity --scenario repro --impl triton,cutile --check determinism,batch-invariance"
-    t0=$SECONDS; timeout --foreground -s INT "${REPRO_LIMIT:-420}" python3 -m mhctool.cli parity --scenario repro --impl triton,cutile \
+    t0=$SECONDS; timeout --foreground -s INT "${REPRO_LIMIT:-420}" python3 -m mhctool.cli parity --scenario repro --impl "${REPRO_IMPL:-triton,cutile}" \
       --kernel "${REPRO_KERNELS:-all}" \
       --check determinism --check batch-invariance -o "$out/repro.parquet" --top 10; echo "repro wall $((SECONDS - t0)) s"
     python3 docs/repro_table.py "$out/repro.parquet"

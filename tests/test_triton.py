@@ -192,3 +192,19 @@ def test_sinkhorn_backward_stays_finite_when_n_is_not_a_power_of_two(n):
     (gr,) = torch.autograd.grad(ref.sinkhorn(Ld, 20), [Ld], g.double())
     assert torch.isfinite(gx).all()
     assert (gx.double() - gr).abs().max() < 1e-5
+
+
+def test_ordered_row_sum_adds_rows_one_by_one_in_order():
+    # h_post_bda's per-token gradients are finished by this sum: its order must not depend on the
+    # layout Triton picks for another number of columns (tokens), so it must be plain row order
+    from mhctool.kernels.triton.reduce import sum_rows
+
+    for R, L in ((1, 5), (7, 4), (56, 1000)):
+        ws = torch.randn(R, L, generator=torch.Generator().manual_seed(R)) * 10.0 ** torch.randint(-3, 4, (R, 1))
+        want = torch.zeros(L, dtype=torch.float32)
+        for r in range(R):
+            want = want + ws[r]  # fp32, row after row
+        got = sum_rows(ws, torch.float32, (L,), ordered=True)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (R, L)
+        tree = sum_rows(ws, torch.float32, (L,)).double()
+        assert ((tree - ws.double().sum(0)).abs() <= 1e-6 * ws.double().abs().sum(0)).all()

@@ -155,8 +155,10 @@ def backward_tile(C: int, n: int) -> tuple:
     of tokens. grad_h_res and grad_h_post are sums over C whose order the tile decides (the C
     blocks, and within a block the layout of the tile's reduction), so a tile timed per token count,
     as it was, gave a token other bits at another batch size. Fixed from the sweep in
-    docs/perf-notes.md. (The forward has no reduction across lanes: its tile stays timed.)"""
-    return _candidates(C, n)[0]
+    docs/perf-notes.md (H100, paper shape): 4096-element tiles at most 128 channels wide on 4
+    warps, the tile the timing used to pick there (2.99 ms; the old first candidate took 4.03).
+    (The forward has no reduction across lanes: its tile stays timed.)"""
+    return _blocks(C, n, 4096, 128, 4)
 
 
 def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None):
@@ -183,8 +185,8 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
         return ws_h, ws_hp, ws_b
 
     ws_h, ws_hp, ws_b = run(tile_ or backward_tile(C, n))
-    d_h = sum_rows(ws_h, h_res.dtype, h_res.shape)
-    d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape)
+    d_h = sum_rows(ws_h, h_res.dtype, h_res.shape, ordered=True)
+    d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape, ordered=True)
     d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
     return d_h, dx, d_hp, dy, d_b
 

@@ -18,7 +18,7 @@ from mhctool.poison import empty_like
 
 from ..schedule import STABILIZE as _STABILIZE
 from ..schedule import check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps
-from ._common import cast, check_device
+from ._common import cast, check_device, next_pow2
 
 
 @triton.jit
@@ -161,8 +161,10 @@ def tile(n: int, backward: bool) -> tuple[int, int]:
     """The tile every launch uses: a function of n alone, never of the number of tokens. Triton
     orders a reduction over a tile's axis by the tile's layout, so a tile chosen per token count
     (timed, as it was) gave a token other bits at another batch size; and a tile chosen by timing
-    can differ between two processes. Fixed from the sweep in docs/perf-notes.md."""
-    return tiles(n)[0]
+    can differ between two processes. From the sweep in docs/perf-notes.md (H100, n = 4): 64
+    tokens on 2 warps, one matrix per thread, was the fastest in both directions; larger n keep
+    the tile of about 1024 elements on 4 warps (not swept)."""
+    return (64, 2) if next_pow2(n) <= 4 else tiles(n)[0]
 
 
 def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order, tile_=None):
