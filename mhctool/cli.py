@@ -21,6 +21,7 @@ from rich.table import Table
 
 from . import clikit, environment, isolation, registry, report, runner
 from . import parity as parity_mod
+from . import cli_identify
 from .cli_stability import stability_app
 from .clikit import device as _device
 from .clikit import err, out
@@ -37,6 +38,7 @@ app.add_typer(report_app, name="report")
 app.add_typer(stability_app, name="stability")
 goldens_app = typer.Typer(no_args_is_help=True, help="Megatron golden-value files and training logs: show, diff, check, extract.")
 app.add_typer(goldens_app, name="goldens")
+app.command()(_guard(cli_identify.identify))
 
 
 
@@ -84,10 +86,16 @@ def _ordered(vs: list[dict]) -> list[dict]:
 
 
 def _failed_externals(vs: list[dict]) -> dict[str, list[str]]:
+    """Per kernel, the external implementations that failed on a measurement (an error, a nonfinite
+    or zero count), never on an exception, a crash or a reproducibility check: those a convention
+    cannot explain, and identifying them would only run them again."""
+    failed = [v for v in vs if v["passed"] is False and ":" in v["impl"] and v["worst"] is not None]
+    broken = {(v["kernel"], v["impl"]) for v in failed
+              if v["worst"]["metric"] not in ("max_abs", "rel_l2", "nonfinite", "extra_zeros")}
     out: dict[str, list[str]] = {}
-    for v in vs:
-        if v["passed"] is False and ":" in v["impl"] and _short_impl(v["impl"]) not in out.get(v["kernel"], []):
-            out.setdefault(v["kernel"], []).append(_short_impl(v["impl"]))
+    for v in failed:
+        if (v["kernel"], v["impl"]) not in broken and v["impl"] not in out.get(v["kernel"], []):
+            out.setdefault(v["kernel"], []).append(v["impl"])
     return out
 
 
@@ -178,10 +186,14 @@ def parity(
         for name, why in report.skipped_everywhere(table).items():
             out.print(f"note: {name} skipped for every case: {why}", markup=False)
     for k, names in _failed_externals(vs).items():
-        knobs = registry.get_family(k).conventions
-        if knobs and not declared.get(k):
-            out.print(f"hint: {', '.join(names)} failed on {k}; if it computes another legitimate variant, declare it "
-                      f"with --convention KNOB=VALUE ({k}'s conventions: {', '.join(knobs)})", markup=False)
+        for name in names:
+            impl_ = next((i for i in pl.impls.get(k, []) if i.name == name), None)
+            hint = None
+            if impl_ is not None and not interrupts.requested:
+                hint = cli_identify.parity_hint(k, impl_, _short_impl(name), dev, iso is not None, isolate_transport,
+                                                case_timeout)
+            if hint:
+                out.print(hint, markup=False)
     raise typer.Exit(1 if f else 0)
 
 

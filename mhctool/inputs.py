@@ -77,6 +77,18 @@ def _sk_dead(shape, g, knobs):
     return {"logits": logits}
 
 
+def _sk_eps_sweep(shape, g, knobs):
+    # one column per matrix 5 to 28 below the rest, log-uniformly over the matrices: the column
+    # sums sweep about 1e-2 down to 1e-12, so every eps in that range changes some matrices' result
+    # (mhctool identify pins eps with it)
+    s, b, n = shape.s, shape.b, shape.n
+    logits = _randn(g, s, b, n, n)
+    offset = 5 + 23 * _rand(g, s, b)
+    col = torch.randint(0, n, (s, b), generator=g, device=g.device)
+    cols = torch.nn.functional.one_hot(col, n).float()[..., None, :]
+    return {"logits": logits - offset[..., None, None] * cols}
+
+
 def _sk_near_perm(shape, g, knobs):
     # a permutation plus noise: Sinkhorn converges slowly, so iteration count and order matter
     s, b, n = shape.s, shape.b, shape.n
@@ -313,12 +325,19 @@ FAMILIES["mapping"] = {
 }
 
 
+# probe families of `mhctool identify`: named like the others, never part of "all of a kernel's"
+PROBES: dict[str, dict[str, InputFamily]] = {
+    "sinkhorn": {"eps_sweep": InputFamily(
+        "eps_sweep", "a column per matrix 5-28 below the rest: its sums sweep 1e-2 to 1e-12", _sk_eps_sweep)},
+}
+
+
 def families_for(kernel: str) -> dict[str, InputFamily]:
     return FAMILIES[kernel]
 
 
 def get_family(kernel: str, name: str) -> InputFamily:
-    fams = FAMILIES[kernel]
+    fams = {**FAMILIES[kernel], **PROBES.get(kernel, {})}
     if name not in fams:
         raise UsageError(
             f"unknown input family {name!r} for kernel {kernel}; accepted: {', '.join(fams)}"

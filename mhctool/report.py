@@ -121,6 +121,21 @@ GAIN_SCHEMA = pa.schema([
     ("value", pa.float64()),
 ])
 
+# `mhctool identify` reports: one row per candidate convention tried. ``stage``: grid (the coarse
+# search), refine / snap (the continuous knobs), judged (the verdict rule ran: ``passed``,
+# ``native_max_rel``, ``classification`` = as asked / known convention / variant / likely a
+# defect), or error (the implementation failed). ``candidate`` and ``asked`` are JSON knob dicts.
+# ``max_rel``: the implementation's worst relative error against the candidate's float64 reference;
+# ``noise_ratio``: its worst normalised max-abs error over the native implementation's at the asked
+# knobs (what candidates are ranked by).
+IDENTIFY_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("kernel", pa.string()), ("impl", pa.string()), ("dtype", pa.string()),
+    ("device", pa.string()), ("asked", pa.string()), ("stage", pa.string()), ("candidate", pa.string()),
+    ("max_rel", pa.float64()), ("noise_ratio", pa.float64()), ("native_max_rel", pa.float64()),
+    ("passed", pa.bool_()), ("best", pa.bool_()),
+    ("classification", pa.string()), ("message", pa.string()),
+])
+
 # `mhctool gate` reports: one row per JUnit case.
 GATE_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("suite", pa.string()), ("entry", pa.string()), ("kind", pa.string()),

@@ -112,14 +112,15 @@ def _grad_inputs(fam: Family, args: dict) -> list[str]:
     return [k for k in fam.differentiable if args.get(k) is not None]
 
 
-def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Tensor]):
+def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Tensor], fn=None):
+    """The float64 reference (``fn``: another function of the family's signature) and its gradients."""
     args = _leaf(fam, base, torch.float64)
-    outs = fam.call(fam.reference, args, knobs, lambda k: True)
+    outs = fam.call(fn or fam.reference, args, knobs, lambda k: True)
     names = _grad_inputs(fam, args)
     if fam.forward_only or not names:
         return [o.detach() for o in outs], {}
-    grads = torch.autograd.grad(outs, [args[k] for k in names], [u.double() for u in upstream])
-    return [o.detach() for o in outs], dict(zip(names, grads))
+    grads = torch.autograd.grad(outs, [args[k] for k in names], [u.double() for u in upstream], allow_unused=True)
+    return [o.detach() for o in outs], {k: g for k, g in zip(names, grads) if g is not None}
 
 
 def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expect=None) -> ImplResult:
@@ -284,25 +285,7 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                     "metric": "error", "value": math.nan, "threshold": None,
                                     "passed": False, "rule": res.failure or "raised", "message": msg})
             continue
-        fwd, bwd = judged.measured(res)
-        nat_fwd, nat_bwd = judged.native_metrics
-        refs = named_tensors(fam, judged.ref_outs, judged.ref_grads)
-        outs = named_tensors(fam, res.outputs, res.grads)
-        for direction, vals, nat_vals in (("fwd", fwd, nat_fwd), ("bwd", bwd, nat_bwd)):
-            for tensor, metrics in vals.items():
-                ref_t = refs[tensor]
-                finite = ref_t[torch.isfinite(ref_t)]
-                amax = float(finite.abs().max()) if finite.numel() else 0.0
-                fmt = fmt_of(outs[tensor].dtype)
-                for metric, value in metrics.items():
-                    j = rule.judge(metric, value, fmt, amax, None if impl.native else nat_vals[tensor],
-                                   FORMATS[case.dtype], outs[tensor].numel(), judged.term_scale.get(tensor))
-                    result.rows.append({**row_base, "direction": direction, "tensor": tensor,
-                                        "dtype_out": res.returned.get(tensor, fmt.name),
-                                        "metric": metric, "value": value,
-                                        "threshold": j.threshold, "passed": j.passed,
-                                        "rule": j.rule, "message": None})
-        del outs, refs
+        result.rows.extend(judged_rows(judged, res, row_base, rule, case.dtype, impl.native))
         if repro is not None and not res.bwd_error:
             def again(b, ups, expect, impl=impl, eff=eff):
                 if impl.native:
@@ -436,6 +419,33 @@ class _Repro:
         return self.rows(row_base, again(self.base, self.upstream, None), self.upstream, again, gated=False)
 
 
+def judged_rows(judged: "_Baseline", res: ImplResult, row_base: dict, rule: VerdictRule, dtype: str,
+                native: bool = False) -> list[dict]:
+    """One row per (direction, tensor, metric) of ``res`` measured against the float64 reference
+    of ``judged`` and judged by ``rule`` against its native run (``native``: ``res`` is that run,
+    judged by the baseline tolerance). Tensors the reference lacks are left out."""
+    rows = []
+    fwd, bwd = judged.measured(res)
+    nat_fwd, nat_bwd = judged.native_metrics
+    refs = named_tensors(judged.fam, judged.ref_outs, judged.ref_grads)
+    outs = named_tensors(judged.fam, res.outputs, res.grads)
+    for direction, vals, nat_vals in (("fwd", fwd, nat_fwd), ("bwd", bwd, nat_bwd)):
+        for tensor, metrics in vals.items():
+            ref_t = refs[tensor]
+            finite = ref_t[torch.isfinite(ref_t)]
+            amax = float(finite.abs().max()) if finite.numel() else 0.0
+            fmt = fmt_of(outs[tensor].dtype)
+            for metric, value in metrics.items():
+                j = rule.judge(metric, value, fmt, amax, None if native else nat_vals[tensor],
+                               FORMATS[dtype], outs[tensor].numel(), judged.term_scale.get(tensor))
+                rows.append({**row_base, "direction": direction, "tensor": tensor,
+                             "dtype_out": res.returned.get(tensor, fmt.name),
+                             "metric": metric, "value": value,
+                             "threshold": j.threshold, "passed": j.passed,
+                             "rule": j.rule, "message": None})
+    return rows
+
+
 @dataclass
 class _Baseline:
     """What an implementation is judged against for one (matmul precision, knobs): the native
@@ -452,7 +462,8 @@ class _Baseline:
     def measured(self, res: ImplResult):
         fwd = {n: measure(o, r, self.fam.name == "sinkhorn")
                for n, o, r in zip(self.fam.outputs, res.outputs or [], self.ref_outs)}
-        bwd = {f"grad_{k}": measure(g, self.ref_grads[k]) for k, g in (res.grads or {}).items()}
+        bwd = {f"grad_{k}": measure(g, self.ref_grads[k]) for k, g in (res.grads or {}).items()
+               if k in self.ref_grads}
         return fwd, bwd
 
 
@@ -464,14 +475,16 @@ def upstream_for(fam: Family, outputs: list, seed: int) -> list:
 
 
 def _baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str, references: dict,
-              knobs_key: str) -> _Baseline:
-    native = run_impl(fam, _native_at(case.kernel, precision), base, knobs,
+              knobs_key: str, native_impl_: Impl | None = None, reference=None) -> _Baseline:
+    """``native_impl_`` and ``reference``: other native and float64 functions (mhctool identify's
+    variants that are no family knob); the defaults are the family's."""
+    native = run_impl(fam, native_impl_ or _native_at(case.kernel, precision), base, knobs,
                       lambda outs: upstream_for(fam, outs, case.seed))
     if native.fwd_error or native.outputs is None:
         raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
     upstream = upstream_for(fam, native.outputs, case.seed)  # seeded from shapes: the same at every precision
     if knobs_key not in references:
-        ref_outs, ref_grads = run_reference(fam, base, knobs, upstream)
+        ref_outs, ref_grads = run_reference(fam, base, knobs, upstream, reference)
         term_scale = {}
         if fam.term_scale is not None:
             term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)

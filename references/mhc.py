@@ -30,7 +30,8 @@ def _normalize(p: torch.Tensor, dim: int, eps: float, eps_mode: str, trace: Trac
     if eps_mode == "add":
         den = s + eps
     elif eps_mode == "clamp":
-        den = s.clamp(min=eps)
+        # eps may be a tensor of several values along a leading axis (mhctool identify's grid)
+        den = torch.maximum(s, eps) if torch.is_tensor(eps) else s.clamp(min=eps)
     else:
         raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
     if trace:

@@ -1,0 +1,140 @@
+"""``mhctool identify``: which convention an implementation computes, or that none fits."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from . import environment, registry, report
+from .clikit import device as parse_device
+from .clikit import Interrupts, fmt, isolation_for, out, split
+from .dtypes import parse_dtype
+from .errors import UsageError
+from .knob_shift import typed_value
+
+
+def asked_knobs(items: Optional[list[str]], kernel: str) -> dict:
+    """``--knob KNOB=VALUE`` items -> the knob values the implementation is asked for."""
+    fam = registry.get_family(kernel)
+    out_ = {}
+    for item in split(items):
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or not name or not raw.strip():
+            raise UsageError(f"malformed --knob {item!r}; expected KNOB=VALUE, e.g. iters=20")
+        if name not in fam.knobs:
+            raise UsageError(f"knob {name} is no knob of {kernel}; accepted: {', '.join(fam.knobs) or 'none'}")
+        knob = fam.knobs[name]
+        out_[name] = knob.check(kernel, name, typed_value(knob.kind, name, raw.strip()))
+    return out_
+
+
+def _table(ident, top: int) -> Table:
+    from .identify import fmt_knobs
+    t = Table(title=f"identify {ident.kernel}: {ident.impl.name} (asked: {fmt_knobs(ident.asked) or 'the contract'})")
+    for c in ("candidate", "max_rel", "x native noise", "native max_rel", "verdict", "what it is"):
+        t.add_column(c)
+    judged = [c for c in ident.candidates if c.stage == "judged"]
+    shown = {c.key for c in judged}
+    rest = []
+    for c in ident.candidates:  # then the best fit of each other discrete combination
+        sig = tuple(v for k, v in c.knobs.items() if not isinstance(v, float))
+        if c.stage != "judged" and sig not in shown:
+            shown.add(sig)
+            rest.append(c)
+    for c in (judged + rest)[:top]:
+        verdict = "-" if c.passed is None else ("pass" if c.passed else "FAIL")
+        t.add_row(fmt_knobs(c.knobs) or "(the contract)", fmt(c.max_rel), fmt(c.score), fmt(c.native_score), verdict,
+                  (c.worst if c.passed is False else c.level) or "not judged")
+    return t
+
+
+def identify(
+    kernel: str = typer.Option(..., "--kernel", "-k", help="One kernel: sinkhorn, h_aggregate, h_post_bda, proj_rms, mapping, swiglu, clamped_swiglu."),
+    impl: str = typer.Option(..., "--impl", "-i", help="The implementation: a built-in name, module.path:function, file.py:function, or a library (te:DIR, megatron:DIR)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Probe dtype (fp32 separates the candidates best)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Probe shape (default: small, per kernel; TransformerEngine's kernels need n = 4)."),
+    knob: Optional[list[str]] = typer.Option(None, "--knob", help="KNOB=VALUE (repeat): what the implementation is asked for (default: the contract's values, e.g. iters=20 eps=1e-6)."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Probe input seed."),
+    out_path: Path = typer.Option(Path("mhctool-identify.parquet"), "--out", "-o", help="Parquet report: one row per candidate tried."),
+    top: int = typer.Option(8, "--top", min=1, help="Rows of the candidates table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the result lines."),
+    isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run the implementation in a child process (default: on for an external one on a GPU)."),
+):
+    """Tell which convention a kernel computes: fit the family's convention knobs against the float64
+    reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does."""
+    from . import identify as ident_mod
+    report.check_writable(out_path)
+    if kernel not in ident_mod.IDENTIFIABLE:
+        registry.get_family(kernel)  # an unknown kernel: the usual sentence
+        raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "
+                         + ", ".join(ident_mod.IDENTIFIABLE))
+    dt = parse_dtype(dtype).name
+    dev = parse_device(device)
+    asked = asked_knobs(knob, kernel)
+    impls = registry.resolve_impls(kernel, [impl])
+    for i in impls:
+        if why := i.unsupported(dev, dt):
+            raise UsageError(f"--impl {i.name} cannot run {kernel} at {dt} on {dev}: {why}")
+    interrupts = Interrupts()
+    iso = isolation_for(isolate, [impl], dev, None, "shm", interrupts)
+    rows, failed = [], False
+    try:
+        with interrupts:
+            for i in impls:
+                ident = ident_mod.identify(kernel, i, dtype=dt, device=dev, shape=shape, asked=asked, seed=seed,
+                                           isolation=iso)
+                rows.extend(ident_mod.rows(ident, dt, dev))
+                if not quiet:
+                    out.print(_table(ident, top)) if ident.candidates else None
+                out.print(ident.line(), markup=False)
+                if ident.best is not None and ident.best.note and ident.best.level != "as asked":
+                    out.print(ident.best.note, markup=False)
+                conv = ident.conventions()
+                if ident.passed and conv and ident.best.level != "likely a defect":
+                    flags = " ".join(f"--convention {k}={ident_mod.fmt_value(v)}" for k, v in conv.items())
+                    out.print(f"judge it with: mhctool parity --kernel {kernel} --impl {impl} {flags}", markup=False)
+                failed |= not ident.passed
+    finally:
+        if iso is not None:
+            iso.close()
+    table = report.to_table(rows, report.new_run_id(), "identify", environment.metadata(),
+                            {"kernel": kernel, "impl": impl, "dtype": dt, "device": dev, "asked": asked},
+                            schema=report.IDENTIFY_SCHEMA)
+    path = report.write_atomic(table, out_path)
+    if not quiet:
+        out.print(f"report {path}")
+    raise typer.Exit(1 if failed else 0)
+
+
+def parity_hint(kernel: str, impl: registry.Impl, short: str, device: str, isolated: bool, transport: str,
+                case_timeout: float | None = None) -> str | None:
+    """What ``parity`` says under a failed external implementation: a quick identification (fp32,
+    the default probes) tells a convention it passes under from a defect."""
+    from . import identify as ident_mod
+    from .runner import Isolation
+    spec = impl.spec or impl.name
+    if kernel not in ident_mod.IDENTIFIABLE:
+        return None
+    iso = Isolation(transport=transport, case_timeout=case_timeout) if isolated else None
+    try:
+        ident = ident_mod.identify(kernel, impl, dtype="fp32", device=device, isolation=iso)
+    except Exception as e:  # noqa: BLE001 - a hint never fails the run
+        return f"hint: {short} failed on {kernel}; identification could not run ({type(e).__name__}: {e})"
+    finally:
+        if iso is not None:
+            iso.close()
+    how = f"(mhctool identify --kernel {kernel} --impl {spec})"
+    if not ident.passed:
+        return f"hint: no convention fits {short} on {kernel}: {ident.line()[len('no convention fits: '):]}; a defect {how}"
+    best, conv = ident.best, ident.conventions()
+    if best.level == "as asked":
+        return (f"hint: {short} computes {kernel}'s asked convention at fp32 {how}; the failure is not a "
+                "convention: see the rows above")
+    if best.level == "likely a defect" or not conv:
+        return f"hint: {short} on {kernel}: {best.note} {how}"
+    flags = " ".join(f"--convention {k}={ident_mod.fmt_value(v)}" for k, v in conv.items())
+    return f"hint: {short} fails on {kernel} but passes with {flags} ({best.note})"

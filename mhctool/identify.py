@@ -1,0 +1,550 @@
+"""``mhctool identify``: which convention does an implementation compute?
+
+An implementation runs once per probe (input families chosen so the candidate conventions give
+visibly different results: dead rows and columns make eps visible, a slowly converging matrix
+separates iteration counts and orders, tiny norms separate eps placements, asymmetric mixing
+matrices separate H from H^T). Its outputs are then compared with the float64 reference under
+every candidate convention: the discrete knobs exhaustively, the continuous ones on a coarse grid,
+then refined and snapped to a round value where the fit is as good. The best candidates are judged
+by mhctool's verdict rule, forward and backward (the native implementation under the same
+convention sets the threshold), so a match is a pass, and a kernel that no convention fits is a
+defect.
+
+The implementation is always called with the knobs asked for (``--knob``, else the family's
+defaults); only the reference and the native baseline change with the candidate.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from . import inputs as inputs_mod
+from . import runner
+from .dtypes import FORMATS
+from .errors import UsageError
+from .metrics import max_abs, max_rel
+from .registry import Family, Impl, get_family, native_impl
+from .runner import Case, ImplResult
+from .shapes import parse_shape_for
+from .verdict import VerdictRule
+
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+# eps: zero, then 1e-10 .. 1e-3 by half decades
+EPS_GRID = (0.0,) + tuple(10.0 ** (e / 2) for e in range(-20, -5))
+LIMIT_GRID = (1.0, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0, 1e9)
+
+
+def _drop_bias(fn: Callable, keep: bool) -> Callable:
+    if keep:
+        return fn
+
+    def no_bias(h_res, x, h_post, y, bias=None, transpose_res=False, matmul_precision="ieee"):
+        kw = {"matmul_precision": matmul_precision} if matmul_precision != "ieee" else {}
+        out = fn(h_res, x, h_post, y, None, transpose_res=transpose_res, **kw)
+        # the bias still gets a (zero) gradient, as from a kernel that takes it and ignores it
+        return out if bias is None else out + (0.0 * bias.sum()).to(out.dtype)
+    return no_bias
+
+
+def _scale_at(fn: Callable, where: str) -> Callable:
+    if where == "output":
+        return fn
+
+    def scaled_input(x, scale=None, **kw):
+        if scale is not None:
+            x = (x * scale.unsqueeze(-1)).to(x.dtype)
+        return fn(x, None, **kw)
+    return scaled_input
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A candidate knob that no family knob expresses: how a value rewrites a function of the
+    family's signature (the reference and the native baseline alike)."""
+
+    values: tuple
+    wrap: Callable[[Callable, object], Callable]
+
+
+@dataclass(frozen=True)
+class Space:
+    probes: tuple[str, ...]  # input families
+    shape: str  # default probe shape
+    discrete: dict = field(default_factory=dict)  # knob -> values tried exhaustively
+    continuous: dict = field(default_factory=dict)  # knob -> coarse grid, then refined
+    variants: dict = field(default_factory=dict)  # knob -> Variant
+    # a continuous knob the reference takes as a tensor along a new leading axis, so its whole grid
+    # is one reference call (the reference is reused where only that knob changes)
+    batched: str | None = None
+
+
+def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
+    """Where clamped SwiGLU's limit applies: ``both`` (the contract: the gate from above, the
+    linear half both ways), ``gate`` only, ``linear`` only, ``none``."""
+    if where == "both":
+        return fn
+    from .references.moe import split_glu
+
+    def variant(x, scale=None, interleave=0, limit=7.0, alpha=1.702, offset=1.0):
+        xf = x if x.dtype == torch.float64 else x.float()
+        a, b = split_glu(xf, interleave)
+        if where == "gate":
+            a = a.clamp(max=limit)
+        elif where == "linear":
+            b = b.clamp(-limit, limit)
+        f = a * torch.sigmoid(alpha * a) * (b + offset)
+        if scale is not None:
+            f = f * scale.unsqueeze(-1)
+        return f.to(x.dtype)
+    return variant
+
+
+def space(kernel: str, asked: dict) -> Space:
+    """What identification tries for ``kernel``; ``iters`` around the asked value."""
+    from .references import mhc as ref
+    if kernel == "sinkhorn":
+        it = int(asked.get("iters", 20))
+        return Space(("random", "eps_sweep", "dead_rows_cols", "near_perm"), "16x4x4x1",
+                     {"stabilize": ref.STABILIZE, "eps_mode": ref.EPS_MODES, "order": ref.ORDERS,
+                      "iters": tuple(range(max(1, it - 3), it + 4))},
+                     {"eps": EPS_GRID}, batched="eps")
+    if kernel == "h_post_bda":
+        return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
+                     variants={"bias": Variant((True, False), _drop_bias)})
+    if kernel == "proj_rms":
+        return Space(("random", "tiny_norm"), "4x3x4x67", {"rms_eps": ref.RMS_EPS}, {"eps": EPS_GRID})
+    if kernel == "mapping":
+        return Space(("random", "tiny_norm"), "4x3x4x67", {"rms_eps": ref.RMS_EPS},
+                     {"eps": EPS_GRID, "compute_h_eps": EPS_GRID})
+    if kernel == "h_aggregate":
+        return Space(("random",), "4x3x4x67")
+    if kernel == "swiglu":
+        return Space(("random",), "37x1x96x1", {"scale_at": ("output", "input")},
+                     variants={"scale_at": Variant(("output", "input"), _scale_at)})
+    if kernel == "clamped_swiglu":
+        return Space(("random",), "37x1x96x1",
+                     {"scale_at": ("output", "input"), "clamp_at": ("both", "gate", "linear", "none")},
+                     {"limit": LIMIT_GRID},
+                     variants={"scale_at": Variant(("output", "input"), _scale_at),
+                               "clamp_at": Variant(("both", "gate", "linear", "none"), _clamped_swiglu_at)})
+    raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "
+                     + ", ".join(IDENTIFIABLE))
+
+
+IDENTIFIABLE = ("sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping", "swiglu", "clamped_swiglu")
+
+# conventions real libraries use: (kernel, knob, value) -> who
+KNOWN = {
+    ("sinkhorn", "stabilize", "softmax"): "as in Megatron-LM's dev branch (a row softmax plus eps first)",
+    ("sinkhorn", "eps", 0.0): "as in TransformerEngine (log-domain iterations, no eps)",
+    ("sinkhorn", "domain", "log"): "as in TransformerEngine (judged against the log-domain native baseline)",
+    ("h_post_bda", "transpose_res", True): "as in Megatron-LM's dev branch and TransformerEngine (H_res^T)",
+    ("proj_rms", "rms_eps", "inside"): "as in TransformerEngine and RMSNorm (eps inside the square root)",
+    ("proj_rms", "eps", FP32_EPS): "as in TransformerEngine (eps = fp32 machine epsilon)",
+    ("mapping", "rms_eps", "inside"): "as in TransformerEngine and RMSNorm (eps inside the square root)",
+    ("mapping", "eps", FP32_EPS): "as in TransformerEngine (eps = fp32 machine epsilon)",
+    ("mapping", "compute_h_eps", 1e-6): "as in Megatron-LM's dev branch (sigmoid + 1e-6)",
+}
+# knobs where a value other than the one asked for is no library's convention
+DEFECT_KNOBS = {"iters", "eps", "compute_h_eps", "limit", "bias", "scale_at"}
+SUSPICIOUS_VALUES = {("sinkhorn", "stabilize", "none"): "no max subtraction: exp overflows for large logits"}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        a, b = float(a), float(b)
+        return a == b or (a != 0 and b != 0 and abs(a - b) <= 1e-3 * max(abs(a), abs(b)))
+    return a == b
+
+
+def fmt_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return "inf" if v >= 1e9 else f"{v:g}"
+    return str(v)
+
+
+def fmt_knobs(knobs: dict) -> str:
+    return " ".join(f"{k}={fmt_value(v)}" for k, v in knobs.items())
+
+
+def classify(kernel: str, fitted: dict, asked: dict) -> tuple[str, str]:
+    """(``as asked`` | ``known convention`` | ``variant`` | ``likely a defect``, the sentence)."""
+    diff = {k: v for k, v in fitted.items() if not _same(v, asked.get(k))}
+    if not diff:
+        return "as asked", "computes what it was asked for"
+    notes, level = [], 0
+    for k, v in diff.items():
+        known = next((who for (kk, kn, kv), who in KNOWN.items() if kk == kernel and kn == k and _same(kv, v)), None)
+        odd = SUSPICIOUS_VALUES.get((kernel, k, v))
+        if known:
+            notes.append(f"{k}={fmt_value(v)}: a known convention, {known}")
+        elif odd or k in DEFECT_KNOBS:
+            level = 2
+            notes.append(f"matches with {k}={fmt_value(v)} — asked for {fmt_value(asked.get(k))}: likely a defect"
+                         + (f" ({odd})" if odd else ""))
+        else:
+            level = max(level, 1)
+            notes.append(f"{k}={fmt_value(v)}: a variant no library mhctool knows uses (check it is intended)")
+    return ("known convention", "variant", "likely a defect")[level], "; ".join(notes)
+
+
+@dataclass
+class Probe:
+    case: Case
+    base: dict
+    upstream: list
+    res: ImplResult
+    noise: list  # per output: the native implementation's error at the asked knobs (normalised max abs)
+
+
+@dataclass
+class Candidate:
+    knobs: dict  # the fitted knobs, in the space's order
+    score: float  # worst error of its outputs against this candidate's reference, in native noise units
+    max_rel: float  # worst max_rel of its outputs against this candidate's reference
+    stage: str  # grid, refine, snap, judged
+    native_score: float | None = None
+    passed: bool | None = None
+    worst: str | None = None  # the failing row, when judged and failed
+    level: str | None = None
+    note: str | None = None
+
+    @property
+    def key(self) -> str:
+        return json.dumps(self.knobs, sort_keys=True, default=str)
+
+
+@dataclass
+class Identification:
+    kernel: str
+    impl: Impl
+    asked: dict
+    candidates: list[Candidate]
+    best: Candidate | None
+    error: str | None = None  # the implementation failed on a probe
+
+    @property
+    def passed(self) -> bool:
+        return self.best is not None and bool(self.best.passed)
+
+    def line(self) -> str:
+        if self.error:
+            return f"no convention fits: the implementation failed: {self.error}"
+        b = self.best
+        if b.passed:
+            return f"best match: {fmt_knobs(b.knobs)} (max_rel {b.max_rel:.2g})"
+        return (f"no convention fits: closest {fmt_knobs(b.knobs)}, error {b.max_rel:.2g}"
+                + (f" ({b.worst})" if b.worst else ""))
+
+    def conventions(self) -> dict:
+        """The fitted knobs that ``--convention`` can declare and that differ from the asked ones."""
+        fam = get_family(self.kernel)
+        return {k: v for k, v in (self.best.knobs if self.best else {}).items()
+                if k in fam.conventions and not _same(v, self.asked.get(k))}
+
+
+class Identifier:
+    """Fits the convention knobs of one implementation; see the module docstring."""
+
+    def __init__(self, kernel: str, impl: Impl, *, dtype: str = "fp32", device: str = "cpu",
+                 shape: str | None = None, asked: dict | None = None, seed: int = 0,
+                 rule: VerdictRule | None = None, isolation=None, judge_top: int = 3):
+        self.fam: Family = get_family(kernel)
+        self.kernel, self.impl, self.dtype, self.device = kernel, impl, dtype, device
+        asked = {k: knob.check(kernel, k, v) for k, v in (asked or {}).items()
+                 for knob in [self._knob(k)]}
+        self.space = space(kernel, {**{k: kn.default for k, kn in self.fam.knobs.items()}, **asked})
+        self.asked = {k: asked.get(k, self._default(k)) for k in self._names()}
+        self.shape = parse_shape_for(self.fam.shape_kind, shape or self.space.shape)
+        self.seed, self.rule, self.isolation, self.judge_top = seed, rule or VerdictRule(), isolation, judge_top
+        self.tried: dict[str, Candidate] = {}
+        self.family_knobs = {k: v for k, v in asked.items() if k not in self._names()}  # e.g. interleave
+
+    def _knob(self, name: str):
+        if name in self.fam.knobs:
+            return self.fam.knobs[name]
+        raise UsageError(f"knob {name} is no knob of {self.kernel}; accepted: " + (", ".join(self.fam.knobs) or "none"))
+
+    def _names(self) -> list[str]:
+        return [*self.space.discrete, *self.space.continuous]
+
+    def _default(self, name: str):
+        if name in self.space.variants:
+            return self.space.variants[name].values[0]
+        return self.fam.knobs[name].default
+
+    # --- the implementation, once per probe ---------------------------------------------------
+
+    def probes(self) -> tuple[list[Probe], str | None]:
+        out = []
+        knobs = {**{k: v for k, v in self.asked.items() if k not in self.space.variants}, **self.family_knobs}
+        for fam_name in self.space.probes:
+            case = Case(self.kernel, fam_name, self.dtype, self.shape, tuple(sorted(knobs.items())), self.seed,
+                        self.device, "identify")
+            shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs)
+            base = runner.cast_inputs(self.fam, raw, self.dtype, self.device)
+            nat = runner.run_impl(self.fam, native_impl(self.kernel), base, knobs,
+                                  lambda outs: runner.upstream_for(self.fam, outs, self.seed))
+            if nat.fwd_error:
+                raise RuntimeError(f"the native {self.kernel} failed on {fam_name}: {nat.fwd_error}")
+            upstream = runner.upstream_for(self.fam, nat.outputs, self.seed)
+            expect = runner.output_specs(nat.outputs)
+            if self.isolation is not None and self.impl.backend == "external":
+                res = self.isolation.run(case, self.impl, base, knobs, upstream, expect)
+            else:
+                res = runner.run_impl(self.fam, self.impl, base, knobs, lambda outs: upstream, expect=expect)
+            if res.fwd_error:
+                return out, f"{res.fwd_error} (probe {fam_name})"
+            with torch.no_grad():
+                refs = self.fam.call(self.fam.reference, _float64(base), self._split(self.asked)[0], lambda k: True)
+            floor = 2 * FORMATS[self.dtype].unit_roundoff
+            noise = [max(_norm_err(o, r), floor) for o, r in zip(nat.outputs, refs)]
+            out.append(Probe(replace(case, shape=shape), base, upstream, res, noise))
+        return out, None
+
+    # --- candidates ---------------------------------------------------------------------------
+
+    def _split(self, cand: dict) -> tuple[dict, Callable, Callable]:
+        """A candidate's family knobs and its reference and native functions."""
+        ref_fn, nat = self.fam.reference, native_impl(self.kernel)
+        nat_fn = nat.fn
+        knobs = dict(self.family_knobs)
+        for k, v in cand.items():
+            if k in self.space.variants:
+                ref_fn = self.space.variants[k].wrap(ref_fn, v)
+                nat_fn = self.space.variants[k].wrap(nat_fn, v)
+            else:
+                knobs[k] = v
+        return knobs, ref_fn, nat_fn
+
+    def score(self, probes: list[Probe], cand: dict, stage: str) -> Candidate:
+        key = json.dumps(cand, sort_keys=True, default=str)
+        if key in self.tried:
+            return self.tried[key]
+        knobs, ref_fn, _ = self._split(cand)
+        ratio, rel = 0.0, 0.0
+        with torch.no_grad():
+            for p in probes:
+                outs = self.fam.call(ref_fn, _float64(p.base), knobs, lambda k: True)
+                for o, r, noise in zip(p.res.outputs, outs, p.noise):
+                    if bool((~torch.isfinite(r) & torch.isfinite(o)).any()):
+                        ratio = rel = math.inf  # the candidate breaks down where the implementation does not
+                        continue
+                    ratio = max(ratio, _norm_err(o, r) / noise)
+                    rel = max(rel, max_rel(o, r))
+        c = Candidate(dict(cand), _nan_inf(ratio), _nan_inf(rel), stage)
+        self.tried[key] = c
+        return c
+
+    def _tol(self, best: float) -> float:
+        """Scores within this of the best are the same fit (one unit of native rounding noise)."""
+        return 1.25 * best + 1.0
+
+    def _cost(self, cand: dict) -> float:
+        level = classify(self.kernel, cand, self.asked)[0]
+        return {"as asked": 0, "known convention": 1, "variant": 2, "likely a defect": 3}[level] + \
+            0.01 * sum(not _same(v, self.asked[k]) for k, v in cand.items())
+
+    def grid(self, probes: list[Probe]) -> list[Candidate]:
+        names = list(self.space.discrete) + list(self.space.continuous)
+        values = [self.space.discrete[k] for k in self.space.discrete] + \
+                 [sorted({*self.space.continuous[k], self.asked[k], *self._known(k)}) for k in self.space.continuous]
+        cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
+        # max(sum, 0) is add with eps 0
+        cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and c.get("eps") == 0.0)]
+        b = self.space.batched
+        if b is None:
+            return [self.score(probes, c, "grid") for c in cands]
+        groups: dict[str, list[dict]] = {}
+        for c in cands:
+            groups.setdefault(json.dumps({k: v for k, v in c.items() if k != b}, sort_keys=True), []).append(c)
+        return [c for group in groups.values() for c in self.score_batch(probes, group, b)]
+
+    def score_batch(self, probes: list[Probe], cands: list[dict], knob: str) -> list[Candidate]:
+        """:meth:`score` of candidates that differ only in ``knob``, with one reference call per probe."""
+        knobs, ref_fn, _ = self._split({**cands[0], knob: 0.0})
+        ratio, rel = [0.0] * len(cands), [0.0] * len(cands)
+        with torch.no_grad():
+            for p in probes:
+                args = _float64(p.base)
+                first = next(t for t in args.values() if t is not None)
+                vals = torch.tensor([c[knob] for c in cands], dtype=torch.float64, device=first.device)
+                knobs[knob] = vals.reshape(-1, *([1] * first.dim()))
+                outs = self.fam.call(ref_fn, args, knobs, lambda k: True)
+                for o, r, noise in zip(p.res.outputs, outs, p.noise):
+                    q, m = _batched_errors(o, r)
+                    ratio = [max(a, b / noise) for a, b in zip(ratio, q)]
+                    rel = [max(a, b) for a, b in zip(rel, m)]
+        out = []
+        for c, q, m in zip(cands, ratio, rel):
+            cand = Candidate(dict(c), _nan_inf(q), _nan_inf(m), "grid")
+            self.tried[cand.key] = cand
+            out.append(cand)
+        return out
+
+    def _known(self, name: str) -> list:
+        return [kv for (kk, kn, kv) in KNOWN if kk == self.kernel and kn == name]
+
+    def pick(self, cands: list[Candidate]) -> Candidate:
+        """The best fit; among fits within rounding noise of it, the one closest to what was asked."""
+        best = min(c.score for c in cands)
+        tied = [c for c in cands if c.score <= self._tol(best)]
+        return min(tied, key=lambda c: (self._cost(c.knobs), c.score))
+
+    def refine(self, probes: list[Probe], cand: Candidate) -> Candidate:
+        """Each continuous knob on finer log grids around its value, then snapped to a round value
+        (1, 2 or 5 times a power of ten, or a known convention's) that fits as well."""
+        cur = cand
+        for name in self.space.continuous:
+            v = cur.knobs[name]
+            if v == 0.0 or v >= 1e9:
+                continue
+            for half_width in (0.5, 0.05):
+                lv = math.log10(cur.knobs[name])
+                trial = [self.score(probes, {**cur.knobs, name: 10 ** (lv + half_width * (i / 10 - 1))}, "refine")
+                         for i in range(21)]
+                cur = min(trial + [cur], key=lambda c: c.score)
+            around = [self.asked[name], *self._known(name)]
+            e = math.floor(math.log10(cur.knobs[name]))
+            around += [m * 10.0 ** p for p in (e - 1, e, e + 1) for m in (1, 2, 5)]
+            snaps = [self.score(probes, {**cur.knobs, name: float(a)}, "snap") for a in around if a]
+            tol = self._tol(cur.score)
+            fits = [s for s in snaps if s.score <= tol]
+            if fits:
+                cur = min(fits, key=lambda c: (self._cost(c.knobs), _roundness(c.knobs[name], around[:1 + len(self._known(name))]),
+                                               c.score))
+        return cur
+
+    def judge(self, probes: list[Probe], cand: Candidate) -> Candidate:
+        """The verdict rule on every probe, forward and backward, under the candidate. A Sinkhorn
+        without eps is also judged against the log-domain native baseline (the float64 reference
+        is the same): that is how such kernels compute, and its rounding differs."""
+        c = self._judge(probes, cand, {})
+        if not c.passed and self.kernel == "sinkhorn" and cand.knobs.get("eps") == 0.0:
+            log = self._judge(probes, cand, {"domain": "log"})
+            if log.passed:
+                c = replace(log, knobs={**log.knobs, "domain": "log"})
+        c.level, c.note = classify(self.kernel, c.knobs, self.asked)
+        self.tried[c.key] = c
+        return c
+
+    def _judge(self, probes: list[Probe], cand: Candidate, extra: dict) -> Candidate:
+        knobs, ref_fn, nat_fn = self._split(cand.knobs)
+        knobs.update(extra)
+        nat = native_impl(self.kernel)
+        nat = replace(nat, target=nat_fn, _fn=nat_fn)
+        native_worst, failed = 0.0, None
+        for p in probes:
+            judged = runner._baseline(self.fam, p.case, p.base, knobs, "ieee", {}, "", nat, ref_fn)
+            for o, r in zip(judged.native.outputs, judged.ref_outs):
+                native_worst = max(native_worst, max_rel(o, r))
+            rows = runner.judged_rows(judged, p.res, {}, self.rule, self.dtype)
+            if p.res.bwd_error:
+                failed = failed or f"backward failed: {p.res.bwd_error}"
+            for r in rows:
+                if r["passed"] is False and failed is None:
+                    failed = (f"{r['tensor']} {r['metric']} {r['value']:.2g} > {r['threshold']:.2g} "
+                              f"on {p.case.family}")
+        return replace(cand, stage="judged", native_score=native_worst, passed=failed is None, worst=failed)
+
+    def _combos(self, cands: list[Candidate], n: int) -> list[Candidate]:
+        """The best candidate of each of the ``n`` best-fitting discrete combinations."""
+        names = list(self.space.discrete)
+        seen, out = set(), []
+        for c in sorted(cands, key=lambda c: c.score):
+            sig = tuple(fmt_value(c.knobs[k]) for k in names)
+            if sig not in seen:
+                seen.add(sig)
+                out.append(c)
+            if len(out) >= n:
+                break
+        return out
+
+    def run(self) -> Identification:
+        probes, error = self.probes()
+        if error:
+            return Identification(self.kernel, self.impl, self.asked, [], None, error)
+        grid = self.grid(probes)
+        # the continuous knobs of the few best discrete combinations are refined before the pick:
+        # a sensitive knob (eps inside a square root) can sit between two grid points
+        refined = [self.refine(probes, c) for c in self._combos(grid, self.judge_top)]
+        first = self.pick(refined + [self.refine(probes, self.pick(grid))])
+        others = [c for c in self._combos(refined + grid, self.judge_top + 1) if c.key != first.key]
+        judged = [self.judge(probes, c) for c in [first, *others][: self.judge_top]]
+        passing = [c for c in judged if c.passed]
+        best = passing[0] if passing else judged[0]
+        ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
+        return Identification(self.kernel, self.impl, self.asked, ranked, best)
+
+
+def _float64(base: dict) -> dict:
+    return {k: (None if t is None else t.double() if t.is_floating_point() else t) for k, t in base.items()}
+
+
+def _norm_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| over the reference's finite elements."""
+    d = max_abs(out, ref)
+    r = ref[torch.isfinite(ref)]
+    amax = float(r.abs().max()) if r.numel() else 0.0
+    return d / amax if amax > 0 else d
+
+
+def _batched_errors(out: torch.Tensor, refs: torch.Tensor) -> tuple[list[float], list[float]]:
+    """:func:`_norm_err` and ``metrics.max_rel`` of ``out`` against each ``refs[i]`` at once; inf
+    where a reference is non-finite and the output is not, or the output is non-finite where the
+    reference is finite."""
+    o = out.detach().double().expand_as(refs)
+    fin = torch.isfinite(refs)
+    breaks = (~fin & torch.isfinite(o)).flatten(1).any(1)
+    d = torch.where(fin, (o - refs).abs(), 0.0)
+    d = torch.where(fin & ~torch.isfinite(o), math.inf, d)
+    mag = torch.where(fin, refs.abs(), 0.0)
+    amax = mag.flatten(1).amax(1)
+    dmax = d.flatten(1).amax(1)
+    norm = torch.where(amax > 0, dmax / amax.clamp_min(1e-300), dmax)
+    big = mag > (amax * 1e-6).reshape(-1, *([1] * out.dim()))
+    rel = torch.where(big, d / mag.clamp_min(1e-300), 0.0).flatten(1).amax(1)
+    norm = torch.where(breaks, math.inf, norm)
+    rel = torch.where(breaks, math.inf, rel)
+    return norm.tolist(), rel.tolist()
+
+
+def _roundness(v: float, preferred: list) -> int:
+    """0 for an asked or known value, 1 for a power of ten, 2 for 2 or 5 times one, 3 otherwise."""
+    if any(_same(v, p) for p in preferred):
+        return 0
+    if v <= 0:
+        return 3
+    m = v / 10.0 ** math.floor(math.log10(v) + 1e-9)
+    return 1 if _same(m, 1.0) else 2 if _same(m, 2.0) or _same(m, 5.0) else 3
+
+
+def _nan_inf(v: float) -> float:
+    return math.inf if math.isnan(v) else v
+
+
+def identify(kernel: str, impl: Impl, **kw) -> Identification:
+    return Identifier(kernel, impl, **kw).run()
+
+
+def rows(ident: Identification, dtype: str, device: str) -> list[dict]:
+    """Report rows (report.IDENTIFY_SCHEMA): one per candidate tried."""
+    base = {"kernel": ident.kernel, "impl": ident.impl.name, "dtype": dtype, "device": device,
+            "asked": json.dumps(ident.asked, sort_keys=True, default=str)}
+    if ident.error:
+        return [{**base, "stage": "error", "candidate": None, "max_rel": math.nan, "native_max_rel": None,
+                 "passed": False, "best": False, "classification": None, "message": ident.line()}]
+    out = []
+    for c in ident.candidates:
+        out.append({**base, "stage": c.stage, "candidate": json.dumps(c.knobs, sort_keys=True, default=str),
+                    "max_rel": c.max_rel, "noise_ratio": c.score, "native_max_rel": c.native_score, "passed": c.passed,
+                    "best": c is ident.best, "classification": c.level,
+                    "message": c.worst if c.passed is False else c.note})
+    return out
