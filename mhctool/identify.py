@@ -290,7 +290,7 @@ class Identifier:
                         self.device, "identify")
             shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs)
             base = runner.cast_inputs(self.fam, raw, self.dtype, self.device)
-            nat = runner.run_impl(self.fam, native_impl(self.kernel), base, knobs,
+            nat = runner.run_impl(self.fam, runner.native_at(self.kernel, self.impl.precision), base, knobs,
                                   lambda outs: runner.upstream_for(self.fam, outs, self.seed))
             if nat.fwd_error:
                 raise RuntimeError(f"the native {self.kernel} failed on {fam_name}: {nat.fwd_error}")
@@ -313,8 +313,8 @@ class Identifier:
 
     def _split(self, cand: dict) -> tuple[dict, Callable, Callable]:
         """A candidate's family knobs and its reference and native functions."""
-        ref_fn, nat = self.fam.reference, native_impl(self.kernel)
-        nat_fn = nat.fn
+        # the native baseline at the matmul precision the implementation computes at by design
+        ref_fn, nat_fn = self.fam.reference, runner.native_at(self.kernel, self.impl.precision).fn
         knobs = dict(self.family_knobs)
         for k, v in cand.items():
             if k in self.space.variants:
@@ -438,8 +438,7 @@ class Identifier:
     def _judge(self, probes: list[Probe], cand: Candidate, extra: dict) -> Candidate:
         knobs, ref_fn, nat_fn = self._split(cand.knobs)
         knobs.update(extra)
-        nat = native_impl(self.kernel)
-        nat = replace(nat, target=nat_fn, _fn=nat_fn)
+        nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
         native_worst, failed = 0.0, None
         for p in probes:
             judged = runner._baseline(self.fam, p.case, p.base, knobs, "ieee", {}, "", nat, ref_fn)

@@ -216,7 +216,7 @@ def isolated_impl(kernel: str, spec: str, name: str, base: dict, knobs: dict, up
     return run_impl(get_family(kernel), impl, base, knobs, lambda outs: upstream, expect).to_dict()
 
 
-def _native_at(kernel: str, precision: str) -> Impl:
+def native_at(kernel: str, precision: str) -> Impl:
     nat = native_impl(kernel)
     if precision == "ieee" or kernel not in MATMUL_KERNELS:
         return nat
@@ -478,7 +478,7 @@ def _baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str, 
               knobs_key: str, native_impl_: Impl | None = None, reference=None) -> _Baseline:
     """``native_impl_`` and ``reference``: other native and float64 functions (mhctool identify's
     variants that are no family knob); the defaults are the family's."""
-    native = run_impl(fam, native_impl_ or _native_at(case.kernel, precision), base, knobs,
+    native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs,
                       lambda outs: upstream_for(fam, outs, case.seed))
     if native.fwd_error or native.outputs is None:
         raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
