@@ -93,6 +93,160 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         tl.store(ws_b_ptr + tb.to(tl.int64) * C + c, tl.sum(dy, axis=0), mask=cmask)
 
 
+@triton.jit
+def _hm(h_ptr, t, tmask, i: tl.constexpr, j: tl.constexpr, N: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """``Hm[t, i, j]`` as a ``[BT, 1]`` column (h_res, or h_res^T), zero for a stream past N."""
+    if i < N and j < N:
+        if TRANSPOSE:
+            w = tl.load(h_ptr + t * (N * N) + j * N + i, mask=tmask, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(h_ptr + t * (N * N) + i * N + j, mask=tmask, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros(t.shape, tl.float32)
+    return w[:, None]
+
+
+@triton.jit
+def _stream(ptr, offs, mask, i: tl.constexpr, C, N: tl.constexpr):
+    """Stream i's ``[BT, BC]`` slice as fp32, zero for a stream past N."""
+    if i < N:
+        v = tl.load(ptr + offs + i * C, mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = tl.zeros(offs.shape, tl.float32)
+    return v
+
+
+@triton.jit
+def _put(ptr, offs, v, mask, i: tl.constexpr, C, N: tl.constexpr):
+    if i < N:
+        tl.store(ptr + offs + i * C, cast(v, ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _put_sum(ptr, t, tmask, acc, k, ON: tl.constexpr):
+    """One per-token gradient element: the sum over C of its accumulator, at ``ptr[t * stride + k]``."""
+    if ON:
+        tl.store(ptr + t + k, cast(tl.sum(acc, axis=1), ptr.dtype.element_ty), mask=tmask)
+
+
+@triton.jit
+def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, dh_ptr, dhp_ptr, ws_b_ptr,
+                     T, C, P, N: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     TRANSPOSE: tl.constexpr):
+    """The backward for n <= 4, as 2-D ``[BT, BC]`` tiles only: every stream is its own tile and
+    every operation inside the C loop is elementwise, so nothing crosses lanes there. A program
+    walks whole token blocks (``tb = pid, pid + P, ...``) over all of C, accumulating the n^2 + n
+    products of grad_h_res and grad_h_post elementwise in registers and summing them over C once
+    per token block: no workspace for the per-token gradients, and their order depends on BT and
+    BC alone (batch-invariant). The bias partials of a program are summed in place in its own
+    ``[BT, C]`` rows of ``ws_b`` (read back by the same threads), then over programs by ``sum_rows``."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BC)
+    for tb in range(pid, tl.cdiv(T, BT), P):
+        t = (tb * BT + rows).to(tl.int64)
+        tmask = t < T
+        h00 = _hm(h_ptr, t, tmask, 0, 0, N, TRANSPOSE)
+        h01 = _hm(h_ptr, t, tmask, 0, 1, N, TRANSPOSE)
+        h02 = _hm(h_ptr, t, tmask, 0, 2, N, TRANSPOSE)
+        h03 = _hm(h_ptr, t, tmask, 0, 3, N, TRANSPOSE)
+        h10 = _hm(h_ptr, t, tmask, 1, 0, N, TRANSPOSE)
+        h11 = _hm(h_ptr, t, tmask, 1, 1, N, TRANSPOSE)
+        h12 = _hm(h_ptr, t, tmask, 1, 2, N, TRANSPOSE)
+        h13 = _hm(h_ptr, t, tmask, 1, 3, N, TRANSPOSE)
+        h20 = _hm(h_ptr, t, tmask, 2, 0, N, TRANSPOSE)
+        h21 = _hm(h_ptr, t, tmask, 2, 1, N, TRANSPOSE)
+        h22 = _hm(h_ptr, t, tmask, 2, 2, N, TRANSPOSE)
+        h23 = _hm(h_ptr, t, tmask, 2, 3, N, TRANSPOSE)
+        h30 = _hm(h_ptr, t, tmask, 3, 0, N, TRANSPOSE)
+        h31 = _hm(h_ptr, t, tmask, 3, 1, N, TRANSPOSE)
+        h32 = _hm(h_ptr, t, tmask, 3, 2, N, TRANSPOSE)
+        h33 = _hm(h_ptr, t, tmask, 3, 3, N, TRANSPOSE)
+        hpt = t * N
+        q0 = _stream(hp_ptr, hpt, tmask, 0, 1, N)[:, None]
+        q1 = _stream(hp_ptr, hpt, tmask, 1, 1, N)[:, None]
+        q2 = _stream(hp_ptr, hpt, tmask, 2, 1, N)[:, None]
+        q3 = _stream(hp_ptr, hpt, tmask, 3, 1, N)[:, None]
+        zero = tl.zeros([BT, BC], tl.float32)
+        a00, a01, a02, a03 = zero, zero, zero, zero
+        a10, a11, a12, a13 = zero, zero, zero, zero
+        a20, a21, a22, a23 = zero, zero, zero, zero
+        a30, a31, a32, a33 = zero, zero, zero, zero
+        p0, p1, p2, p3 = zero, zero, zero, zero
+        for c0 in range(0, C, BC):
+            c = c0 + cols
+            cmask = c < C
+            m2 = tmask[:, None] & cmask[None, :]
+            o3 = t[:, None] * (N * C) + c[None, :]  # stream 0 of [t, :, c]
+            o2 = t[:, None] * C + c[None, :]
+            g0 = _stream(g_ptr, o3, m2, 0, C, N)
+            g1 = _stream(g_ptr, o3, m2, 1, C, N)
+            g2 = _stream(g_ptr, o3, m2, 2, C, N)
+            g3 = _stream(g_ptr, o3, m2, 3, C, N)
+            z = tl.load(y_ptr + o2, mask=m2, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                z += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            dy = q0 * g0 + q1 * g1 + q2 * g2 + q3 * g3
+            tl.store(dy_ptr + o2, cast(dy, dy_ptr.dtype.element_ty), mask=m2)
+            if HAS_BIAS:
+                wb = ws_b_ptr + pid.to(tl.int64) * BT * C + rows[:, None] * C + c[None, :]
+                every = (rows[:, None] < BT) & cmask[None, :]  # every row: a program's rows are all written
+                later = (tl.zeros([BT, BC], tl.int32) + tb) > pid  # after its first token block
+                prev = tl.load(wb, mask=every & later, other=0.0)
+                tl.store(wb, prev + dy, mask=every)
+            p0 += g0 * z
+            p1 += g1 * z
+            p2 += g2 * z
+            p3 += g3 * z
+            x0 = _stream(x_ptr, o3, m2, 0, C, N)
+            _put(dx_ptr, o3, h00 * g0 + h10 * g1 + h20 * g2 + h30 * g3, m2, 0, C, N)
+            a00 += g0 * x0
+            a10 += g1 * x0
+            a20 += g2 * x0
+            a30 += g3 * x0
+            x1 = _stream(x_ptr, o3, m2, 1, C, N)
+            _put(dx_ptr, o3, h01 * g0 + h11 * g1 + h21 * g2 + h31 * g3, m2, 1, C, N)
+            a01 += g0 * x1
+            a11 += g1 * x1
+            a21 += g2 * x1
+            a31 += g3 * x1
+            x2 = _stream(x_ptr, o3, m2, 2, C, N)
+            _put(dx_ptr, o3, h02 * g0 + h12 * g1 + h22 * g2 + h32 * g3, m2, 2, C, N)
+            a02 += g0 * x2
+            a12 += g1 * x2
+            a22 += g2 * x2
+            a32 += g3 * x2
+            x3 = _stream(x_ptr, o3, m2, 3, C, N)
+            _put(dx_ptr, o3, h03 * g0 + h13 * g1 + h23 * g2 + h33 * g3, m2, 3, C, N)
+            a03 += g0 * x3
+            a13 += g1 * x3
+            a23 += g2 * x3
+            a33 += g3 * x3
+        # dHm[i, j] = sum_c g_i x_j lands at h_res[j, i] when the kernel mixes with h_res^T
+        th = t * (N * N)
+        _put_sum(dh_ptr, th, tmask, a00, 0, True)
+        _put_sum(dh_ptr, th, tmask, a01, N if TRANSPOSE else 1, N > 1)
+        _put_sum(dh_ptr, th, tmask, a02, 2 * N if TRANSPOSE else 2, N > 2)
+        _put_sum(dh_ptr, th, tmask, a03, 3 * N if TRANSPOSE else 3, N > 3)
+        _put_sum(dh_ptr, th, tmask, a10, 1 if TRANSPOSE else N, N > 1)
+        _put_sum(dh_ptr, th, tmask, a11, N + 1, N > 1)
+        _put_sum(dh_ptr, th, tmask, a12, 2 * N + 1 if TRANSPOSE else N + 2, N > 2)
+        _put_sum(dh_ptr, th, tmask, a13, 3 * N + 1 if TRANSPOSE else N + 3, N > 3)
+        _put_sum(dh_ptr, th, tmask, a20, 2 if TRANSPOSE else 2 * N, N > 2)
+        _put_sum(dh_ptr, th, tmask, a21, N + 2 if TRANSPOSE else 2 * N + 1, N > 2)
+        _put_sum(dh_ptr, th, tmask, a22, 2 * N + 2, N > 2)
+        _put_sum(dh_ptr, th, tmask, a23, 3 * N + 2 if TRANSPOSE else 2 * N + 3, N > 3)
+        _put_sum(dh_ptr, th, tmask, a30, 3 if TRANSPOSE else 3 * N, N > 3)
+        _put_sum(dh_ptr, th, tmask, a31, N + 3 if TRANSPOSE else 3 * N + 1, N > 3)
+        _put_sum(dh_ptr, th, tmask, a32, 2 * N + 3 if TRANSPOSE else 3 * N + 2, N > 3)
+        _put_sum(dh_ptr, th, tmask, a33, 3 * N + 3, N > 3)
+        tp = t * N
+        _put_sum(dhp_ptr, tp, tmask, p0, 0, True)
+        _put_sum(dhp_ptr, tp, tmask, p1, 1, N > 1)
+        _put_sum(dhp_ptr, tp, tmask, p2, 2, N > 2)
+        _put_sum(dhp_ptr, tp, tmask, p3, 3, N > 3)
+
+
 def _blocks(C: int, n: int, elems: int = 8192, max_c: int = 256, warps: int = 8):
     """(BLOCK_T, BLOCK_C, num_warps): a [BLOCK_T, NP, BLOCK_C] tile of about ``elems`` elements."""
     np_ = next_pow2(n)
@@ -161,11 +315,48 @@ def backward_tile(C: int, n: int) -> tuple:
     return _blocks(C, n, 4096, 128, 4)
 
 
+# n <= 4: (tokens per block, channels per chunk, warps, programs per SM); from the sweep in
+# docs/perf-notes.md. The tile is fixed (batch invariance); the number of programs may follow the
+# device and the token count: it only decides which program sums which tokens' bias partials.
+TILE4 = (4, 128, 4, 4)
+SWEEP4 = [TILE4, (2, 256, 4, 4), (4, 256, 8, 2), (8, 128, 8, 2), (2, 128, 2, 8), (1, 512, 4, 4), (4, 64, 2, 8),
+          (2, 512, 8, 2), (4, 128, 4, 2), (4, 128, 4, 8), (8, 64, 4, 4)]
+
+
+def _programs(T: int, bt: int, per_sm: int, device) -> int:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(T, bt), sms * per_sm))
+
+
+def _backward4(h_res, x, h_post, y, bias, grad_out, transpose_res, tile):
+    s, b, n, C = x.shape
+    T = s * b
+    bt, bc, warps, per_sm = tile
+    dx = empty(x.shape, x.dtype, x.device)
+    dy = empty(y.shape, y.dtype, y.device)
+    dh = empty(h_res.shape, h_res.dtype, x.device)
+    dhp = empty(h_post.shape, h_post.dtype, x.device)
+    P = _programs(T, bt, per_sm, x.device)
+    ws_b = torch.empty((P * bt, C) if bias is not None and T else (1, 1), dtype=torch.float32, device=x.device)
+    if T and C:
+        _h_post_bda_bwd4[(P,)](h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, dh, dhp, ws_b,
+                               T, C, P, N=n, BT=bt, BC=bc, HAS_BIAS=bias is not None,
+                               TRANSPOSE=bool(transpose_res), num_warps=warps)
+    else:
+        dh.zero_(), dhp.zero_(), ws_b.zero_()
+        if not C:
+            dh.zero_()
+    d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
+    return dh, dx, dhp, dy, d_b
+
+
 def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None):
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     grad_out = grad_out.contiguous()
     s, b, n, C = x.shape
     T = s * b
+    if n <= 4 and (tile_ is None or len(tile_) == 4):
+        return _backward4(h_res, x, h_post, y, bias, grad_out, transpose_res, tile_ or TILE4)
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
 
