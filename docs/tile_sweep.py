@@ -62,9 +62,9 @@ def sweep_h_post_bda(s: int, b: int, n: int, C: int, dtype) -> None:
     x, y, bias, go = mk(s, b, n, C), mk(s, b, C), mk(C), mk(s, b, n, C)
     print(f"\nh_post_bda backward {s}x{b}x{n}x{C} {dtype} with bias "
           f"(ms; % of the minimum bytes at the copy bandwidth given; invariant: 1 token and 977 tokens)")
-    print("| tile (BT, BC, warps[, programs per SM]) | bwd ms | grad_h_res, grad_h_post invariant |")
-    print("|---|---|---|")
-    for t in (hpb.SWEEP4 if n <= 4 else []) + [hpb._blocks(C, n, 4096, 128, 4)]:
+    print("| BLOCK_T | BLOCK_C | warps | bwd ms | grad_h_res, grad_h_post invariant |")
+    print("|---|---|---|---|---|")
+    for t in hpb._candidates(C, n):
         try:
             run = lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, False, t)
             ms = _time(run)
@@ -73,12 +73,10 @@ def sweep_h_post_bda(s: int, b: int, n: int, C: int, dtype) -> None:
             for k in (1, 977):
                 part = hpb.h_post_bda_backward(h[:k], x[:k], hp[:k], y[:k], bias, go[:k], False, t)
                 ok &= _same(full[0], part[0]) and _same(full[2], part[2]) and _same(full[1], part[1])
-            es = x.element_size()
-            gbs = (3 * T * n * C + 2 * T * C) * es / (ms * 1e6)  # x, grad_out, grad_x; y, grad_y
-            print(f"| {t} | {ms:.3f} ({gbs:.0f} GB/s) | {'yes' if ok else '**no**'} |", flush=True)
+            print(f"| {t[0]} | {t[1]} | {t[2]} | {ms:.3f} | {'yes' if ok else '**no**'} |", flush=True)
             del full
         except Exception as e:
-            print(f"| {t} | - | {type(e).__name__}: {str(e)[:60]} |", flush=True)
+            print(f"| {t[0]} | {t[1]} | {t[2]} | - | {type(e).__name__}: {str(e)[:60]} |", flush=True)
 
 
 def main() -> None:
@@ -92,7 +90,6 @@ def main() -> None:
         sweep_sinkhorn(s * b, n)
     if a.only in ("", "h_post_bda"):
         sweep_h_post_bda(s, b, n, C, torch.bfloat16)
-        sweep_h_post_bda(s, b, n, C, torch.float32)
 
 
 if __name__ == "__main__":
