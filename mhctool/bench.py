@@ -15,6 +15,7 @@ activation element, f = 4 for the fp32 mapping path), with T = s*b tokens, K = n
 | h_post_bda  | read x, y, h; write out: 2 T n C e + T C e + T (n^2+n) f + C e | read grad_out, x, y; write grad_x, grad_y (small grads reduced on chip): 3 T n C e + 2 T C e + ... | 2Tn(n+1)C / 4Tn(n+1)C |
 | proj_rms    | read x, W; write proj, r: T K e + N K e + T (N+1) f | read x, W, grad_proj, grad_r; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
 | mapping     | read x, W; write H_pre, H_post, logits: T K e + N K e + T N f | read x, W, the 3 grads; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
+| mix_aggregate | mapping + Sinkhorn + aggregation: x read twice, out written: 2 T K e + N K e + T C e + T (n+n^2) f | 3 T K e + T C e + ... | 2TNK + 2TK / twice |
 
 Grouped MLP kernels (shape TxHxFxE: T tokens, hidden H, ffn F, G = E experts; W = 2F for GLU):
 
@@ -89,6 +90,10 @@ def model(kernel: str, shape, dtype: str) -> Model:
         return Model(T * K * e + N * K * e + T * N * f,
                      2 * T * K * e + N * K * e + N * K * f + 2 * T * N * f,
                      2.0 * T * N * K, 4.0 * T * N * K)
+    if kernel == "mix_aggregate":  # x read twice (projection, aggregation); out written
+        return Model(2 * T * K * e + N * K * e + T * C * e + T * (n + n * n) * f,
+                     3 * T * K * e + T * C * e + N * K * e + N * K * f + 2 * T * (n + n * n) * f,
+                     2.0 * T * N * K + 2.0 * T * K, 4.0 * T * N * K + 4.0 * T * K)
     if kernel == "proj_rms":
         return Model(T * K * e + N * K * e + T * (N + 1) * f,
                      2 * T * K * e + N * K * e + N * K * f + T * (N + 1) * f,

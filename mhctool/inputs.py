@@ -332,6 +332,23 @@ PROBES: dict[str, dict[str, InputFamily]] = {
 }
 
 
+
+def _as_streams(make):
+    """A mapping family with its ``x2d[T, n*C]`` as the streams ``x[s, b, n, C]`` (mix_aggregate)."""
+    def gen(shape, g, knobs):
+        out = make(shape, g, knobs)
+        out["x"] = out.pop("x2d").reshape(shape.s, shape.b, shape.n, shape.c)
+        return {k: out[k] for k in ("x", "weight", "alpha", "h_bias")}
+    return gen
+
+
+# the pre-path in one (mapping, Sinkhorn, aggregation) takes the mapping families but long_k
+FAMILIES["mix_aggregate"] = {
+    name: InputFamily(name, f.doc, _as_streams(f.make), f.reshape)
+    for name, f in FAMILIES["mapping"].items() if name != "long_k"
+}
+
+
 def families_for(kernel: str) -> dict[str, InputFamily]:
     return FAMILIES[kernel]
 

@@ -99,19 +99,28 @@ class Family:
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _mapping_term_scale(args: dict, upstream: list, knobs: dict) -> dict[str, float]:
+def _alpha_term_scale(run) -> Callable:
     """grad_alpha[k] sums g_h * (r * proj) over every token and the k-th group of columns: its
     terms are far larger than the result when they cancel. The reference's trace gives h (for
-    g_h) and r * proj."""
-    seen: dict[str, torch.Tensor] = {}
-    with torch.enable_grad():
-        outs = ref.mapping(args["x2d"], args["weight"], args["alpha"], args["h_bias"], knobs.get("eps", 1e-6),
-                           rms_eps=knobs.get("rms_eps", "outside"), compute_h_eps=knobs.get("compute_h_eps", 0.0),
-                           trace=lambda name, t: seen.setdefault(name, t))
-        (gh,) = torch.autograd.grad(outs, [seen["h"]], list(upstream)[:len(outs)])
-    n = outs[0].shape[-1]
-    terms = (gh * seen["r_proj"]).abs().detach()
-    return {"grad_alpha": float(max(terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum()))}
+    g_h) and r * proj; ``run(args, knobs, trace)`` runs the family's reference with it."""
+    def scale(args: dict, upstream: list, knobs: dict) -> dict[str, float]:
+        seen: dict[str, torch.Tensor] = {}
+        with torch.enable_grad():
+            outs = run(args, knobs, lambda name, t: seen.setdefault(name, t))
+            (gh,) = torch.autograd.grad(outs, [seen["h"]], list(upstream)[:len(outs)])
+        n = round((seen["h"].shape[-1] + 1) ** 0.5 - 1)
+        terms = (gh * seen["r_proj"]).abs().detach()
+        return {"grad_alpha": float(max(terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum()))}
+    return scale
+
+
+_mapping_term_scale = _alpha_term_scale(lambda a, k, trace: ref.mapping(
+    a["x2d"], a["weight"], a["alpha"], a["h_bias"], k.get("eps", 1e-6), rms_eps=k.get("rms_eps", "outside"),
+    compute_h_eps=k.get("compute_h_eps", 0.0), trace=trace))
+_mix_term_scale = _alpha_term_scale(lambda a, k, trace: ref.mix_aggregate(
+    a["x"], a["weight"], a["alpha"], a["h_bias"], k.get("eps", 1e-6), k.get("iters", 20), k.get("sinkhorn_eps", 1e-6),
+    rms_eps=k.get("rms_eps", "outside"), compute_h_eps=k.get("compute_h_eps", 0.0),
+    stabilize=k.get("stabilize", "rowmax"), domain=k.get("domain", "linear"), trace=trace))
 
 
 def _ref_sinkhorn(logits, iters=20, eps=1e-6, **kw):
@@ -169,6 +178,18 @@ FAMILIES: dict[str, Family] = {
         optional_outputs=("rms",),
         conventions=("eps", "rms_eps", "compute_h_eps"),
     ),
+    "mix_aggregate": Family(
+        "mix_aggregate", ("x", "weight", "alpha", "h_bias"), ("x", "weight", "alpha", "h_bias"),
+        ("alpha", "h_bias"), ("out", "h_post", "h_res"),
+        {"eps": Knob(1e-6, kind=float, zero_ok=True), "rms_eps": _RMS_EPS,
+         "compute_h_eps": Knob(0.0, kind=float, zero_ok=True), "iters": Knob(20, kind=int),
+         "sinkhorn_eps": Knob(1e-6, kind=float, zero_ok=True), "stabilize": Knob("rowmax", ref.STABILIZE),
+         "domain": Knob("linear", ref.DOMAINS)},
+        (),
+        ref.mix_aggregate,
+        _mix_term_scale,
+        conventions=("eps", "rms_eps", "compute_h_eps", "sinkhorn_eps", "stabilize", "domain"),
+    ),
 }
 _INTERLEAVE = Knob(0, (0, 32), int)
 _SCALED = Knob(True, (False, True), bool, passed=False)
@@ -206,7 +227,7 @@ MHC_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "mhc")
 MOE_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "moe")
 # kernels whose products may run at TF32 by design (DESIGN.md: the projection; TransformerEngine's
 # mixing kernels multiply with TF32 by default too)
-MATMUL_KERNELS = ("proj_rms", "mapping", "h_aggregate", "h_post_bda")
+MATMUL_KERNELS = ("proj_rms", "mapping", "h_aggregate", "h_post_bda", "mix_aggregate")
 
 
 def get_family(name: str) -> Family:
@@ -351,6 +372,7 @@ TRITON_KERNELS: dict[str, str] = {
     "h_post_bda": "mhctool.kernels.triton.h_post_bda:h_post_bda",
     "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms",
     "mapping": "mhctool.kernels.triton.mapping:mapping",
+    "mix_aggregate": "mhctool.kernels.triton.mix_aggregate:mix_aggregate",
     "swiglu": "mhctool.kernels.triton.glu:swiglu",
     "clamped_swiglu": "mhctool.kernels.triton.glu:clamped_swiglu",
     "srelu": "mhctool.kernels.triton.glu:srelu",

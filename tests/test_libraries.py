@@ -15,7 +15,7 @@ from mhctool.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ROOT / "tests" / "impls"
 SCENARIO = ROOT / "tests" / "data" / "libraries.toml"
-MHC = "sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping"
+MHC = "sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping,mix_aggregate"
 cli = CliRunner()
 
 
@@ -37,7 +37,8 @@ def test_megatron_pr3828_shaped_module_passes_unchanged(tmp_path):
     judged = {r["kernel"] for r in rows if r["impl"].startswith("megatron[pr3828]") and r["passed"] is not None}
     assert judged == {"sinkhorn", "h_aggregate", "h_post_bda", "proj_rms"}
     skipped = {r["kernel"]: r["message"] for r in rows if r["impl"].startswith("megatron") and r["metric"] == "unsupported"}
-    assert skipped == {"mapping": "megatron (pr3828) has no mapping kernel"}
+    assert skipped == {"mapping": "megatron (pr3828) has no mapping kernel",
+                       "mix_aggregate": "megatron (pr3828) has no mix_aggregate kernel"}
     assert not [r for r in rows if r["metric"] == "error"]
 
 
@@ -116,7 +117,8 @@ def test_te_shaped_module_passes_with_its_layouts_and_conventions(tmp_path):
     impls = {r["impl"] for r in rows if r["passed"]}
     assert {"te[main]:mhc_fused_aggregate[tf32]", "te[main]:mhc_fused_aggregate[ieee]",
             "te[main]:mhc_fused_expand_combine[ieee]", "te[main]:mhc_fused_sinkhorn",
-            "te[main]:mhc_fused_projection+mhc_fused_scale[ieee]"} <= impls
+            "te[main]:mhc_fused_projection+mhc_fused_scale[ieee]",
+            "te[main]:mhc_generate_mix_and_aggregate[ieee]", "te[main]:mhc_generate_mix_and_aggregate[tf32]"} <= impls
     assert {r["precision"] for r in rows if r["impl"].endswith("[tf32]")} == {"tf32"}
 
 
@@ -124,8 +126,10 @@ def test_te_defects_fail_on_measurements(tmp_path):
     res, rows = parity(tmp_path, "--impl", f"te:{IMPLS / 'te_standin_defects'}")
     assert res.exit_code == 1, res.output
     failed = failures(rows)
-    assert {k for k, *_ in failed} == {"sinkhorn", "mapping"}
+    # the composite carries both defects: the short Sinkhorn everywhere, eps outside the root on tiny norms
+    assert {k for k, *_ in failed} == {"sinkhorn", "mapping", "mix_aggregate"}
     assert {f for k, f, *_ in failed if k == "mapping"} == {"tiny_norm"}  # eps outside the square root
+    assert {f for k, f, *_ in failed if k == "mix_aggregate"} == {"random", "tiny_norm"}
     assert not [r for r in rows if r["metric"] == "error"]
 
 

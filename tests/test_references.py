@@ -142,3 +142,29 @@ def test_primitives_gradcheck():
     assert torch.autograd.gradcheck(lambda *a: ref.h_post_bda(*a, transpose_res=True), (r(2, 1, 3, 3), r(2, 1, 3, 5), r(2, 1, 3), r(2, 1, 5), r(5)))
     assert torch.autograd.gradcheck(lambda x, w: ref.proj_rms(x, w, 1e-3), (r(4, 6), r(5, 6)))
     assert torch.autograd.gradcheck(lambda p, rr, a, bb: ref.compute_h(p, rr, a, bb, 2), (r(3, 8), r(3), r(3), r(8)))
+
+
+def test_mix_aggregate_is_mapping_then_sinkhorn_then_aggregation_by_hand():
+    # n = 1, C = 2: N = 3 columns (pre, post, res); one token x = [3, 4], so ||x|| / sqrt(2) = 5/sqrt(2)
+    x = torch.tensor([3.0, 4.0], dtype=D).reshape(1, 1, 1, 2)
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=D)
+    alpha = torch.tensor([1.0, 2.0, 0.5], dtype=D)
+    h_bias = torch.tensor([0.0, 0.1, 0.0], dtype=D)
+    out, h_post, h_res = ref.mix_aggregate(x, weight, alpha, h_bias, eps=0.0, sinkhorn_eps=0.0)
+    r = math.sqrt(2) / 5
+    h_pre = 1 / (1 + math.exp(-(3.0 * r)))
+    torch.testing.assert_close(out, torch.tensor([[[3.0 * h_pre, 4.0 * h_pre]]], dtype=D), rtol=1e-12, atol=0)
+    torch.testing.assert_close(h_post, torch.tensor([[[2 / (1 + math.exp(-(4.0 * r * 2.0 + 0.1)))]]], dtype=D),
+                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(h_res, torch.ones(1, 1, 1, 1, dtype=D))  # a 1 x 1 doubly stochastic matrix
+    # n = 4 with random inputs: each output is its piece of the chain, and the conventions reach them
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 4, 5, generator=g, dtype=D)
+    weight, alpha, h_bias = torch.randn(24, 20, generator=g, dtype=D), torch.rand(3, generator=g, dtype=D), \
+        torch.randn(24, generator=g, dtype=D)
+    kw = dict(rms_eps="inside", compute_h_eps=1e-3)
+    out, h_post, h_res = ref.mix_aggregate(x, weight, alpha, h_bias, 1e-4, 7, 1e-5, stabilize="softmax", **kw)
+    pre, post, logits = ref.mapping(x.reshape(6, 20), weight, alpha, h_bias, 1e-4, **kw)
+    torch.testing.assert_close(out, ref.h_aggregate(x, pre.reshape(3, 2, 4)))
+    torch.testing.assert_close(h_post, post.reshape(3, 2, 4))
+    torch.testing.assert_close(h_res, ref.sinkhorn(logits.reshape(3, 2, 4, 4), 7, 1e-5, stabilize="softmax"))

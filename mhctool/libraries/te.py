@@ -16,7 +16,10 @@ What differs from mhctool's contracts, and how it is met here:
 - n = 4 only; ``use_tf32=True`` (as shipped) is judged under the TF32 contract, ``use_tf32=False``
   under IEEE: each kernel with a ``use_tf32`` flag is offered as two implementations.
 
-``mhc_generate_mix_and_aggregate`` (the whole pre-path in one call) is not mapped yet.
+- ``mhc_generate_mix_and_aggregate(x, phi, alpha, beta)``: the whole pre-path in one call, judged
+  as the ``mix_aggregate`` family against the float64 composite (mapping, Sinkhorn, aggregation),
+  with the projection's and the Sinkhorn's conventions together; x goes in as ``(s, b, C, n)`` and
+  phi's columns are permuted to match (the product is the same sum).
 """
 from __future__ import annotations
 
@@ -66,6 +69,15 @@ def _mapping(tf32: bool):
     return call
 
 
+def _mix_aggregate(tf32: bool):
+    def call(m, x, weight, alpha, h_bias):
+        s, b, n, c = x.shape
+        phi = weight.reshape(weight.shape[0], n, c).transpose(1, 2).reshape(weight.shape[0], c * n)
+        return m.mhc_generate_mix_and_aggregate(x.transpose(-1, -2).contiguous(), phi.contiguous(), alpha,
+                                                h_bias.reshape(1, -1), use_tf32=tf32)
+    return call
+
+
 def recognise(m) -> tuple[str, list[Binding]]:
     found = []
     if hasattr(m, "mhc_fused_sinkhorn"):
@@ -85,4 +97,9 @@ def recognise(m) -> tuple[str, list[Binding]]:
             devices = ("cuda",) if hasattr(m, "mHCProjectionOp") else ("cpu", "cuda")
             found.append(Binding("mapping", "mhc_fused_projection+mhc_fused_scale", _mapping(tf32), (),
                                  {"rms_eps": "inside", "eps": FP32_EPS}, precision, variant, devices, _n4))
+        if hasattr(m, "mhc_generate_mix_and_aggregate"):
+            devices = ("cuda",) if hasattr(m, "mHCProjectionOp") else ("cpu", "cuda")
+            found.append(Binding("mix_aggregate", "mhc_generate_mix_and_aggregate", _mix_aggregate(tf32), (),
+                                 {"rms_eps": "inside", "eps": FP32_EPS, "sinkhorn_eps": 0.0, "domain": "log"},
+                                 precision, variant, devices, _n4))
     return "main", found

@@ -2,6 +2,7 @@
 puts eps outside the square root (1 / (sqrt(ms) + eps)); the rest is the correct stand-in."""
 import importlib.util
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -25,3 +26,15 @@ def mhc_fused_scale(H, alpha, beta, ms, n):
     scale = torch.cat([alpha[0:1].expand(n), alpha[1:2].expand(n), alpha[2:3].expand(n * n)])
     h = H[:, :N] * scale / (torch.sqrt(ms) + _base.EPS).unsqueeze(-1) + beta
     return h[:, :n].sigmoid(), 2 * h[:, n:2 * n].sigmoid(), h[:, 2 * n:]
+
+
+def mhc_generate_mix_and_aggregate(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+                                   norm_weight: Optional[torch.Tensor] = None, use_tf32: bool = True,
+                                   fused_grad_x_acc_buffer: Optional[torch.Tensor] = None, use_split_k: bool = False):
+    """The pre-path from the pieces above: x (s, b, C, n) -> (out (s, b, C), H_post (s, b, n), H_res (s, b, n, n))."""
+    s, b, C, n = x.shape
+    H, ms = mhc_fused_projection(x.reshape(s * b, C * n), phi, use_tf32, norm_weight)
+    H_pre, H_post, H_res = mhc_fused_scale(H, alpha, beta, ms, n)
+    H_res = mhc_fused_sinkhorn(H_res.reshape(s, b, n, n), n, True, 20)
+    out = mhc_fused_aggregate(x, H_pre.reshape(s, b, n), n, use_tf32)
+    return out, H_post.reshape(s, b, n), H_res
