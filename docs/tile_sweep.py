@@ -10,12 +10,15 @@ Needs a GPU. CUDA-graph replay (triton.testing.do_bench_cudagraph), median of it
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton.testing
 
-from kernels.triton import h_post_bda as hpb
-from kernels.triton import sinkhorn as sk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's kernels/, run from anywhere
+from kernels.triton import h_post_bda as hpb  # noqa: E402
+from kernels.triton import sinkhorn as sk  # noqa: E402
 
 
 def _time(fn) -> float:
