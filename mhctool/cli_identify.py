@@ -63,6 +63,7 @@ def identify(
     top: int = typer.Option(8, "--top", min=1, help="Rows of the candidates table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the result lines."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run the implementation in a child process (default: on for an external one on a GPU)."),
+    matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="ieee or tf32: what the implementation multiplies at by design (default: what its adapter declares, else ieee); the native baseline computes at it."),
 ):
     """Tell which convention a kernel computes: fit the family's convention knobs against the float64
     reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does."""
@@ -86,7 +87,7 @@ def identify(
         with interrupts:
             for i in impls:
                 ident = ident_mod.identify(kernel, i, dtype=dt, device=dev, shape=shape, asked=asked, seed=seed,
-                                           isolation=iso)
+                                           isolation=iso, matmul_precision=matmul_precision)
                 rows.extend(ident_mod.rows(ident, dt, dev))
                 if not quiet:
                     out.print(_table(ident, top)) if ident.candidates else None

@@ -255,7 +255,8 @@ class Identifier:
 
     def __init__(self, kernel: str, impl: Impl, *, dtype: str = "fp32", device: str = "cpu",
                  shape: str | None = None, asked: dict | None = None, seed: int = 0,
-                 rule: VerdictRule | None = None, isolation=None, judge_top: int = 3):
+                 rule: VerdictRule | None = None, isolation=None, judge_top: int = 3,
+                 matmul_precision: str | None = None):
         self.fam: Family = get_family(kernel)
         self.kernel, self.impl, self.dtype, self.device = kernel, impl, dtype, device
         asked = {k: knob.check(kernel, k, v) for k, v in (asked or {}).items()
@@ -264,6 +265,11 @@ class Identifier:
         self.asked = {k: asked.get(k, self._default(k)) for k in self._names()}
         self.shape = parse_shape_for(self.fam.shape_kind, shape or self.space.shape)
         self.seed, self.rule, self.isolation, self.judge_top = seed, rule or VerdictRule(), isolation, judge_top
+        # the native baseline computes at the implementation's matmul precision by design (an
+        # adapter's [tf32] kernel), or at the one asked for (a plain FILE:fn that multiplies in TF32)
+        self.precision = matmul_precision or impl.precision
+        if self.precision not in ("ieee", "tf32"):
+            raise UsageError(f"unknown matmul precision {self.precision!r}; accepted: ieee, tf32")
         self.tried: dict[str, Candidate] = {}
         self.family_knobs = {k: v for k, v in asked.items() if k not in self._names()}  # e.g. interleave
 
@@ -290,7 +296,7 @@ class Identifier:
                         self.device, "identify")
             shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs)
             base = runner.cast_inputs(self.fam, raw, self.dtype, self.device)
-            nat = runner.run_impl(self.fam, runner.native_at(self.kernel, self.impl.precision), base, knobs,
+            nat = runner.run_impl(self.fam, runner.native_at(self.kernel, self.precision), base, knobs,
                                   lambda outs: runner.upstream_for(self.fam, outs, self.seed))
             if nat.fwd_error:
                 raise RuntimeError(f"the native {self.kernel} failed on {fam_name}: {nat.fwd_error}")
@@ -314,7 +320,7 @@ class Identifier:
     def _split(self, cand: dict) -> tuple[dict, Callable, Callable]:
         """A candidate's family knobs and its reference and native functions."""
         # the native baseline at the matmul precision the implementation computes at by design
-        ref_fn, nat_fn = self.fam.reference, runner.native_at(self.kernel, self.impl.precision).fn
+        ref_fn, nat_fn = self.fam.reference, runner.native_at(self.kernel, self.precision).fn
         knobs = dict(self.family_knobs)
         for k, v in cand.items():
             if k in self.space.variants:

@@ -144,3 +144,17 @@ def test_transformer_engines_real_sinkhorn_is_identified(monkeypatch):
     assert ident.passed, ident.line()
     assert ident.best.knobs["eps"] == 0.0 and ident.best.knobs["iters"] == 20
     assert ident.best.level == "known convention" and "TransformerEngine" in ident.best.note
+
+
+def test_a_tf32_kernel_is_judged_at_the_precision_it_declares(tmp_path):
+    # multiplies at TF32 by design: against the IEEE baseline no convention passes; told its
+    # precision, it computes what it was asked for
+    args = ["identify", "--kernel", "proj_rms", "--impl", f"{IMPLS / 'defects.py'}:proj_rms_tf32", "--device", "cpu",
+            "-q", "-o", str(tmp_path / "id.parquet")]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1, res.output
+    res = runner.invoke(app, args + ["--matmul-precision", "tf32"])
+    assert res.exit_code == 0, res.output
+    assert "best match: rms_eps=outside eps=1e-06" in res.output
+    res = runner.invoke(app, args + ["--matmul-precision", "fp8"])
+    assert res.exit_code == 2 and "unknown matmul precision" in res.output
