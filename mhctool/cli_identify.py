@@ -9,26 +9,9 @@ from rich.table import Table
 
 from . import environment, registry, report
 from .clikit import device as parse_device
-from .clikit import Interrupts, fmt, isolation_for, out, split
+from .clikit import Interrupts, fmt, isolation_for, knob_items, out
 from .dtypes import parse_dtype
 from .errors import UsageError
-from .knob_shift import typed_value
-
-
-def asked_knobs(items: Optional[list[str]], kernel: str) -> dict:
-    """``--knob KNOB=VALUE`` items -> the knob values the implementation is asked for."""
-    fam = registry.get_family(kernel)
-    out_ = {}
-    for item in split(items):
-        name, sep, raw = item.partition("=")
-        name = name.strip()
-        if not sep or not name or not raw.strip():
-            raise UsageError(f"malformed --knob {item!r}; expected KNOB=VALUE, e.g. iters=20")
-        if name not in fam.knobs:
-            raise UsageError(f"knob {name} is no knob of {kernel}; accepted: {', '.join(fam.knobs) or 'none'}")
-        knob = fam.knobs[name]
-        out_[name] = knob.check(kernel, name, typed_value(knob.kind, name, raw.strip()))
-    return out_
 
 
 def _table(ident, top: int) -> Table:
@@ -36,15 +19,7 @@ def _table(ident, top: int) -> Table:
     t = Table(title=f"identify {ident.kernel}: {ident.impl.name} (asked: {fmt_knobs(ident.asked) or 'the contract'})")
     for c in ("candidate", "max_rel", "x native noise", "native max_rel", "verdict", "what it is"):
         t.add_column(c)
-    judged = [c for c in ident.candidates if c.stage == "judged"]
-    shown = {c.key for c in judged}
-    rest = []
-    for c in ident.candidates:  # then the best fit of each other discrete combination
-        sig = tuple(v for k, v in c.knobs.items() if not isinstance(v, float))
-        if c.stage != "judged" and sig not in shown:
-            shown.add(sig)
-            rest.append(c)
-    for c in (judged + rest)[:top]:
+    for c in ident.shown(top):
         verdict = "-" if c.passed is None else ("pass" if c.passed else "FAIL")
         t.add_row(fmt_knobs(c.knobs) or "(the contract)", fmt(c.max_rel), fmt(c.score), fmt(c.native_score), verdict,
                   (c.worst if c.passed is False else c.level) or "not judged")
@@ -69,13 +44,10 @@ def identify(
     reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does."""
     from . import identify as ident_mod
     report.check_writable(out_path)
-    if kernel not in ident_mod.IDENTIFIABLE:
-        registry.get_family(kernel)  # an unknown kernel: the usual sentence
-        raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "
-                         + ", ".join(ident_mod.IDENTIFIABLE))
+    ident_mod.check_kernel(kernel)
     dt = parse_dtype(dtype).name
     dev = parse_device(device)
-    asked = asked_knobs(knob, kernel)
+    asked = ident_mod.checked_knobs(kernel, dict(knob_items(knob, "--knob", "iters=20")), from_text=True)
     impls = registry.resolve_impls(kernel, [impl])
     for i in impls:
         if why := i.unsupported(dev, dt):
@@ -89,8 +61,8 @@ def identify(
                 ident = ident_mod.identify(kernel, i, dtype=dt, device=dev, shape=shape, asked=asked, seed=seed,
                                            isolation=iso, matmul_precision=matmul_precision)
                 rows.extend(ident_mod.rows(ident, dt, dev))
-                if not quiet:
-                    out.print(_table(ident, top)) if ident.candidates else None
+                if not quiet and ident.candidates:
+                    out.print(_table(ident, top))
                 out.print(ident.line(), markup=False)
                 if ident.best is not None and ident.best.note and ident.best.level != "as asked":
                     out.print(ident.best.note, markup=False)

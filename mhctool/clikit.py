@@ -111,17 +111,24 @@ def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_t
     return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts)
 
 
+def knob_items(items: Optional[list[str]], flag: str, example: str) -> list[tuple[str, str]]:
+    """``KNOB=VALUE`` option items (repeated or comma-separated) -> ``(knob, raw value)`` pairs."""
+    out = []
+    for item in split(items):
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip() or not raw.strip():
+            raise UsageError(f"malformed {flag} {item!r}; expected KNOB=VALUE, e.g. {example}")
+        out.append((name.strip(), raw.strip()))
+    return out
+
+
 def conventions(items: Optional[list[str]], kernels: list[str]) -> dict[str, dict]:
     """``--convention KNOB=VALUE`` items -> {kernel: {knob: value}} for the kernels that have the
     knob as a convention (values checked like scenario knobs); a knob none of them has is an error."""
     from .knob_shift import typed_value
     from .registry import get_family
     out: dict[str, dict] = {}
-    for item in split(items):
-        name, sep, raw = item.partition("=")
-        name = name.strip()
-        if not sep or not name or not raw.strip():
-            raise UsageError(f"malformed --convention {item!r}; expected KNOB=VALUE, e.g. stabilize=softmax")
+    for name, raw in knob_items(items, "--convention", "stabilize=softmax"):
         takers = [k for k in kernels if name in get_family(k).conventions]
         if not takers:
             known = sorted({c for k in kernels for c in get_family(k).conventions})
@@ -129,5 +136,5 @@ def conventions(items: Optional[list[str]], kernels: list[str]) -> dict[str, dic
                              + (", ".join(known) or "none"))
         for k in takers:
             knob = get_family(k).knobs[name]
-            out.setdefault(k, {})[name] = knob.check(k, name, typed_value(knob.kind, name, raw.strip()))
+            out.setdefault(k, {})[name] = knob.check(k, name, typed_value(knob.kind, name, raw))
     return out

@@ -27,7 +27,7 @@ from . import inputs as inputs_mod
 from . import runner
 from .dtypes import FORMATS
 from .errors import UsageError
-from .metrics import max_abs, max_rel
+from .metrics import max_rel
 from .registry import Family, Impl, get_family, native_impl
 from .runner import Case, ImplResult
 from .shapes import parse_shape_for
@@ -81,6 +81,9 @@ class Space:
     # a continuous knob the reference takes as a tensor along a new leading axis, so its whole grid
     # is one reference call (the reference is reused where only that knob changes)
     batched: str | None = None
+    # knobs that change no float64 value but the native baseline (how a kernel computes), tried when
+    # a candidate fails the verdict: candidate knobs -> {knob: value} to judge it again with, or None
+    judge_also: Callable[[dict], dict | None] = lambda knobs: None
 
 
 def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
@@ -112,7 +115,9 @@ def space(kernel: str, asked: dict) -> Space:
         return Space(("random", "eps_sweep", "dead_rows_cols", "near_perm"), "16x4x4x1",
                      {"stabilize": ref.STABILIZE, "eps_mode": ref.EPS_MODES, "order": ref.ORDERS,
                       "iters": tuple(range(max(1, it - 3), it + 4))},
-                     {"eps": EPS_GRID}, batched="eps")
+                     {"eps": EPS_GRID}, batched="eps",
+                     # without eps, as in the log domain: its rounding is the log-domain baseline's
+                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None)
     if kernel == "h_post_bda":
         return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
                      variants={"bias": Variant((True, False), _drop_bias)})
@@ -132,11 +137,32 @@ def space(kernel: str, asked: dict) -> Space:
                      {"limit": LIMIT_GRID},
                      variants={"scale_at": Variant(("output", "input"), _scale_at),
                                "clamp_at": Variant(("both", "gate", "linear", "none"), _clamped_swiglu_at)})
-    raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "
-                     + ", ".join(IDENTIFIABLE))
+    raise AssertionError(kernel)  # check_kernel first
 
 
 IDENTIFIABLE = ("sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping", "swiglu", "clamped_swiglu")
+
+
+def checked_knobs(kernel: str, values: dict, from_text: bool = False) -> dict:
+    """The knob values an implementation is asked for, each checked (``from_text``: typed from
+    ``--knob`` strings first); a name that is no knob of the kernel is a UsageError."""
+    from .knob_shift import typed_value
+    fam = get_family(kernel)
+    out = {}
+    for name, v in values.items():
+        if name not in fam.knobs:
+            raise UsageError(f"knob {name} is no knob of {kernel}; accepted: " + (", ".join(fam.knobs) or "none"))
+        knob = fam.knobs[name]
+        out[name] = knob.check(kernel, name, typed_value(knob.kind, name, v) if from_text else v)
+    return out
+
+
+def check_kernel(kernel: str) -> str:
+    """``kernel`` when identify knows its conventions; an unknown kernel or another one is a UsageError."""
+    get_family(kernel)
+    if kernel not in IDENTIFIABLE:
+        raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies " + ", ".join(IDENTIFIABLE))
+    return kernel
 
 # conventions real libraries use: (kernel, knob, value) -> who
 KNOWN = {
@@ -168,6 +194,11 @@ def fmt_value(v) -> str:
     if isinstance(v, float):
         return "inf" if v >= 1e9 else f"{v:g}"
     return str(v)
+
+
+def _signature(knobs: dict, names) -> tuple:
+    """A candidate's values of the knobs ``names`` (its discrete combination)."""
+    return tuple(fmt_value(knobs[k]) for k in names)
 
 
 def fmt_knobs(knobs: dict) -> str:
@@ -229,6 +260,19 @@ class Identification:
     candidates: list[Candidate]
     best: Candidate | None
     error: str | None = None  # the implementation failed on a probe
+    discrete: tuple[str, ...] = ()  # the knobs searched exhaustively
+
+    def shown(self, top: int) -> list[Candidate]:
+        """The judged candidates, then the best fit of each other discrete combination (``top`` in all)."""
+        judged = [c for c in self.candidates if c.stage == "judged"]
+        seen = {_signature(c.knobs, self.discrete) for c in judged}
+        rest = []
+        for c in self.candidates:
+            sig = _signature(c.knobs, self.discrete)
+            if sig not in seen:
+                seen.add(sig)
+                rest.append(c)
+        return (judged + rest)[:top]
 
     @property
     def passed(self) -> bool:
@@ -259,11 +303,12 @@ class Identifier:
                  matmul_precision: str | None = None):
         self.fam: Family = get_family(kernel)
         self.kernel, self.impl, self.dtype, self.device = kernel, impl, dtype, device
-        asked = {k: knob.check(kernel, k, v) for k, v in (asked or {}).items()
-                 for knob in [self._knob(k)]}
+        asked = checked_knobs(kernel, asked or {})
         self.space = space(kernel, {**{k: kn.default for k, kn in self.fam.knobs.items()}, **asked})
         self.asked = {k: asked.get(k, self._default(k)) for k in self._names()}
         self.shape = parse_shape_for(self.fam.shape_kind, shape or self.space.shape)
+        if impl.limit and (why := impl.limit(self.shape)):
+            raise UsageError(f"--impl {impl.name} cannot run the probe shape {self.shape}: {why}")
         self.seed, self.rule, self.isolation, self.judge_top = seed, rule or VerdictRule(), isolation, judge_top
         # the native baseline computes at the implementation's matmul precision by design (an
         # adapter's [tf32] kernel), or at the one asked for (a plain FILE:fn that multiplies in TF32)
@@ -272,11 +317,6 @@ class Identifier:
             raise UsageError(f"unknown matmul precision {self.precision!r}; accepted: ieee, tf32")
         self.tried: dict[str, Candidate] = {}
         self.family_knobs = {k: v for k, v in asked.items() if k not in self._names()}  # e.g. interleave
-
-    def _knob(self, name: str):
-        if name in self.fam.knobs:
-            return self.fam.knobs[name]
-        raise UsageError(f"knob {name} is no knob of {self.kernel}; accepted: " + (", ".join(self.fam.knobs) or "none"))
 
     def _names(self) -> list[str]:
         return [*self.space.discrete, *self.space.continuous]
@@ -311,7 +351,7 @@ class Identifier:
             with torch.no_grad():
                 refs = self.fam.call(self.fam.reference, _float64(base), self._split(self.asked)[0], lambda k: True)
             floor = 2 * FORMATS[self.dtype].unit_roundoff
-            noise = [max(_norm_err(o, r), floor) for o, r in zip(nat.outputs, refs)]
+            noise = [max(_batched_errors(o, r.unsqueeze(0))[0][0], floor) for o, r in zip(nat.outputs, refs)]
             out.append(Probe(replace(case, shape=shape), base, upstream, res, noise))
         return out, None
 
@@ -331,23 +371,12 @@ class Identifier:
         return knobs, ref_fn, nat_fn
 
     def score(self, probes: list[Probe], cand: dict, stage: str) -> Candidate:
+        """The candidate's fit (cached): its reference on every probe against the implementation's outputs."""
         key = json.dumps(cand, sort_keys=True, default=str)
-        if key in self.tried:
-            return self.tried[key]
-        knobs, ref_fn, _ = self._split(cand)
-        ratio, rel = 0.0, 0.0
-        with torch.no_grad():
-            for p in probes:
-                outs = self.fam.call(ref_fn, _float64(p.base), knobs, lambda k: True)
-                for o, r, noise in zip(p.res.outputs, outs, p.noise):
-                    if bool((~torch.isfinite(r) & torch.isfinite(o)).any()):
-                        ratio = rel = math.inf  # the candidate breaks down where the implementation does not
-                        continue
-                    ratio = max(ratio, _norm_err(o, r) / noise)
-                    rel = max(rel, max_rel(o, r))
-        c = Candidate(dict(cand), _nan_inf(ratio), _nan_inf(rel), stage)
-        self.tried[key] = c
-        return c
+        if key not in self.tried:
+            knobs, ref_fn, _ = self._split(cand)
+            self.tried[key] = self._fit(probes, [cand], knobs, ref_fn, lambda outs: [o.unsqueeze(0) for o in outs], stage)[0]
+        return self.tried[key]
 
     def _tol(self, best: float) -> float:
         """Scores within this of the best are the same fit (one unit of native rounding noise)."""
@@ -374,26 +403,30 @@ class Identifier:
         return [c for group in groups.values() for c in self.score_batch(probes, group, b)]
 
     def score_batch(self, probes: list[Probe], cands: list[dict], knob: str) -> list[Candidate]:
-        """:meth:`score` of candidates that differ only in ``knob``, with one reference call per probe."""
+        """:meth:`score` of candidates that differ only in ``knob``, with one reference call per probe:
+        the reference takes the knob's values as a tensor along a new leading axis."""
         knobs, ref_fn, _ = self._split({**cands[0], knob: 0.0})
+        knobs[knob] = torch.tensor([c[knob] for c in cands], dtype=torch.float64)
+        out = self._fit(probes, cands, knobs, ref_fn, lambda outs: outs, "grid")
+        for c in out:
+            self.tried[c.key] = c
+        return out
+
+    def _fit(self, probes: list[Probe], cands: list[dict], knobs: dict, ref_fn: Callable, stacked: Callable, stage: str) -> list[Candidate]:
+        """Candidates from one reference call per probe; ``stacked(outs)`` gives each output with the
+        candidates along a leading axis. Ranked by error in units of the native noise."""
         ratio, rel = [0.0] * len(cands), [0.0] * len(cands)
         with torch.no_grad():
             for p in probes:
                 args = _float64(p.base)
                 first = next(t for t in args.values() if t is not None)
-                vals = torch.tensor([c[knob] for c in cands], dtype=torch.float64, device=first.device)
-                knobs[knob] = vals.reshape(-1, *([1] * first.dim()))
-                outs = self.fam.call(ref_fn, args, knobs, lambda k: True)
-                for o, r, noise in zip(p.res.outputs, outs, p.noise):
+                kn = {k: (v.to(first.device).reshape(-1, *([1] * first.dim())) if torch.is_tensor(v) else v)
+                      for k, v in knobs.items()}
+                for o, r, noise in zip(p.res.outputs, stacked(self.fam.call(ref_fn, args, kn, lambda k: True)), p.noise):
                     q, m = _batched_errors(o, r)
                     ratio = [max(a, b / noise) for a, b in zip(ratio, q)]
                     rel = [max(a, b) for a, b in zip(rel, m)]
-        out = []
-        for c, q, m in zip(cands, ratio, rel):
-            cand = Candidate(dict(c), _nan_inf(q), _nan_inf(m), "grid")
-            self.tried[cand.key] = cand
-            out.append(cand)
-        return out
+        return [Candidate(dict(c), _nan_inf(q), _nan_inf(m), stage) for c, q, m in zip(cands, ratio, rel)]
 
     def _known(self, name: str) -> list:
         return [kv for (kk, kn, kv) in KNOWN if kk == self.kernel and kn == name]
@@ -417,26 +450,26 @@ class Identifier:
                 trial = [self.score(probes, {**cur.knobs, name: 10 ** (lv + half_width * (i / 10 - 1))}, "refine")
                          for i in range(21)]
                 cur = min(trial + [cur], key=lambda c: c.score)
-            around = [self.asked[name], *self._known(name)]
+            preferred = [self.asked[name], *self._known(name)]
             e = math.floor(math.log10(cur.knobs[name]))
-            around += [m * 10.0 ** p for p in (e - 1, e, e + 1) for m in (1, 2, 5)]
+            around = preferred + [m * 10.0 ** p for p in (e - 1, e, e + 1) for m in (1, 2, 5)]
             snaps = [self.score(probes, {**cur.knobs, name: float(a)}, "snap") for a in around if a]
             tol = self._tol(cur.score)
             fits = [s for s in snaps if s.score <= tol]
             if fits:
-                cur = min(fits, key=lambda c: (self._cost(c.knobs), _roundness(c.knobs[name], around[:1 + len(self._known(name))]),
-                                               c.score))
+                cur = min(fits, key=lambda c: (self._cost(c.knobs), _roundness(c.knobs[name], preferred), c.score))
         return cur
 
     def judge(self, probes: list[Probe], cand: Candidate) -> Candidate:
-        """The verdict rule on every probe, forward and backward, under the candidate. A Sinkhorn
-        without eps is also judged against the log-domain native baseline (the float64 reference
-        is the same): that is how such kernels compute, and its rounding differs."""
+        """The verdict rule on every probe, forward and backward, under the candidate; failing, once
+        more with the space's ``judge_also`` knobs (the float64 reference is the same, the native
+        baseline computes the way such a kernel does), which join the fit when that passes."""
         c = self._judge(probes, cand, {})
-        if not c.passed and self.kernel == "sinkhorn" and cand.knobs.get("eps") == 0.0:
-            log = self._judge(probes, cand, {"domain": "log"})
-            if log.passed:
-                c = replace(log, knobs={**log.knobs, "domain": "log"})
+        also = None if c.passed else self.space.judge_also(cand.knobs)
+        if also:
+            other = self._judge(probes, cand, also)
+            if other.passed:
+                c = replace(other, knobs={**other.knobs, **also})
         c.level, c.note = classify(self.kernel, c.knobs, self.asked)
         self.tried[c.key] = c
         return c
@@ -447,7 +480,7 @@ class Identifier:
         nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
         native_worst, failed = 0.0, None
         for p in probes:
-            judged = runner._baseline(self.fam, p.case, p.base, knobs, "ieee", {}, "", nat, ref_fn)
+            judged = runner.make_baseline(self.fam, p.case, p.base, knobs, native_impl_=nat, reference=ref_fn)
             for o, r in zip(judged.native.outputs, judged.ref_outs):
                 native_worst = max(native_worst, max_rel(o, r))
             rows = runner.judged_rows(judged, p.res, {}, self.rule, self.dtype)
@@ -461,10 +494,9 @@ class Identifier:
 
     def _combos(self, cands: list[Candidate], n: int) -> list[Candidate]:
         """The best candidate of each of the ``n`` best-fitting discrete combinations."""
-        names = list(self.space.discrete)
         seen, out = set(), []
         for c in sorted(cands, key=lambda c: c.score):
-            sig = tuple(fmt_value(c.knobs[k]) for k in names)
+            sig = _signature(c.knobs, self.space.discrete)
             if sig not in seen:
                 seen.add(sig)
                 out.append(c)
@@ -486,23 +518,16 @@ class Identifier:
         passing = [c for c in judged if c.passed]
         best = passing[0] if passing else judged[0]
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
-        return Identification(self.kernel, self.impl, self.asked, ranked, best)
+        return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete))
 
 
 def _float64(base: dict) -> dict:
     return {k: (None if t is None else t.double() if t.is_floating_point() else t) for k, t in base.items()}
 
 
-def _norm_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref| over the reference's finite elements."""
-    d = max_abs(out, ref)
-    r = ref[torch.isfinite(ref)]
-    amax = float(r.abs().max()) if r.numel() else 0.0
-    return d / amax if amax > 0 else d
-
-
 def _batched_errors(out: torch.Tensor, refs: torch.Tensor) -> tuple[list[float], list[float]]:
-    """:func:`_norm_err` and ``metrics.max_rel`` of ``out`` against each ``refs[i]`` at once; inf
+    """The normalised max error (max |out - ref| / max |ref|) and ``metrics.max_rel`` of ``out``
+    against each ``refs[i]`` at once; inf
     where a reference is non-finite and the output is not, or the output is non-finite where the
     reference is finite."""
     o = out.detach().double().expand_as(refs)

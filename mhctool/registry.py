@@ -99,28 +99,21 @@ class Family:
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _alpha_term_scale(run) -> Callable:
+def _alpha_term_scale(family: str) -> Callable:
     """grad_alpha[k] sums g_h * (r * proj) over every token and the k-th group of columns: its
-    terms are far larger than the result when they cancel. The reference's trace gives h (for
-    g_h) and r * proj; ``run(args, knobs, trace)`` runs the family's reference with it."""
+    terms are far larger than the result when they cancel. The family's reference, traced, gives
+    h (for g_h) and r * proj."""
     def scale(args: dict, upstream: list, knobs: dict) -> dict[str, float]:
+        fam = FAMILIES[family]
         seen: dict[str, torch.Tensor] = {}
+        traced = functools.partial(fam.reference, trace=lambda name, t: seen.setdefault(name, t))
         with torch.enable_grad():
-            outs = run(args, knobs, lambda name, t: seen.setdefault(name, t))
+            outs = fam.call(traced, args, knobs, lambda k: True)
             (gh,) = torch.autograd.grad(outs, [seen["h"]], list(upstream)[:len(outs)])
         n = round((seen["h"].shape[-1] + 1) ** 0.5 - 1)
         terms = (gh * seen["r_proj"]).abs().detach()
         return {"grad_alpha": float(max(terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum()))}
     return scale
-
-
-_mapping_term_scale = _alpha_term_scale(lambda a, k, trace: ref.mapping(
-    a["x2d"], a["weight"], a["alpha"], a["h_bias"], k.get("eps", 1e-6), rms_eps=k.get("rms_eps", "outside"),
-    compute_h_eps=k.get("compute_h_eps", 0.0), trace=trace))
-_mix_term_scale = _alpha_term_scale(lambda a, k, trace: ref.mix_aggregate(
-    a["x"], a["weight"], a["alpha"], a["h_bias"], k.get("eps", 1e-6), k.get("iters", 20), k.get("sinkhorn_eps", 1e-6),
-    rms_eps=k.get("rms_eps", "outside"), compute_h_eps=k.get("compute_h_eps", 0.0),
-    stabilize=k.get("stabilize", "rowmax"), domain=k.get("domain", "linear"), trace=trace))
 
 
 def _ref_sinkhorn(logits, iters=20, eps=1e-6, **kw):
@@ -174,7 +167,7 @@ FAMILIES: dict[str, Family] = {
          "compute_h_eps": Knob(0.0, kind=float, zero_ok=True)},
         ("eps",),
         _ref_mapping,
-        _mapping_term_scale,
+        _alpha_term_scale("mapping"),
         optional_outputs=("rms",),
         conventions=("eps", "rms_eps", "compute_h_eps"),
     ),
@@ -187,7 +180,7 @@ FAMILIES: dict[str, Family] = {
          "domain": Knob("linear", ref.DOMAINS)},
         (),
         ref.mix_aggregate,
-        _mix_term_scale,
+        _alpha_term_scale("mix_aggregate"),
         conventions=("eps", "rms_eps", "compute_h_eps", "sinkhorn_eps", "stabilize", "domain"),
     ),
 }

@@ -119,8 +119,8 @@ def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Ten
     names = _grad_inputs(fam, args)
     if fam.forward_only or not names:
         return [o.detach() for o in outs], {}
-    grads = torch.autograd.grad(outs, [args[k] for k in names], [u.double() for u in upstream], allow_unused=True)
-    return [o.detach() for o in outs], {k: g for k, g in zip(names, grads) if g is not None}
+    grads = torch.autograd.grad(outs, [args[k] for k in names], [u.double() for u in upstream])
+    return [o.detach() for o in outs], dict(zip(names, grads))
 
 
 def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expect=None) -> ImplResult:
@@ -247,7 +247,7 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     def baseline(precision: str, eff: dict) -> "_Baseline":
         knobs_key = json.dumps(eff, sort_keys=True, default=str)
         if (precision, knobs_key) not in baselines:
-            baselines[precision, knobs_key] = _baseline(fam, case, base, eff, precision, references, knobs_key)
+            baselines[precision, knobs_key] = make_baseline(fam, case, base, eff, precision, references, knobs_key)
         return baselines[precision, knobs_key]
 
     nat_base = baseline("ieee", knobs)
@@ -423,7 +423,7 @@ def judged_rows(judged: "_Baseline", res: ImplResult, row_base: dict, rule: Verd
                 native: bool = False) -> list[dict]:
     """One row per (direction, tensor, metric) of ``res`` measured against the float64 reference
     of ``judged`` and judged by ``rule`` against its native run (``native``: ``res`` is that run,
-    judged by the baseline tolerance). Tensors the reference lacks are left out."""
+    judged by the baseline tolerance)."""
     rows = []
     fwd, bwd = judged.measured(res)
     nat_fwd, nat_bwd = judged.native_metrics
@@ -462,8 +462,7 @@ class _Baseline:
     def measured(self, res: ImplResult):
         fwd = {n: measure(o, r, self.fam.name == "sinkhorn")
                for n, o, r in zip(self.fam.outputs, res.outputs or [], self.ref_outs)}
-        bwd = {f"grad_{k}": measure(g, self.ref_grads[k]) for k, g in (res.grads or {}).items()
-               if k in self.ref_grads}
+        bwd = {f"grad_{k}": measure(g, self.ref_grads[k]) for k, g in (res.grads or {}).items()}
         return fwd, bwd
 
 
@@ -474,10 +473,14 @@ def upstream_for(fam: Family, outputs: list, seed: int) -> list:
     return [u if i < first_optional else torch.zeros_like(u) for i, u in enumerate(ups)]
 
 
-def _baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str, references: dict,
-              knobs_key: str, native_impl_: Impl | None = None, reference=None) -> _Baseline:
-    """``native_impl_`` and ``reference``: other native and float64 functions (mhctool identify's
-    variants that are no family knob); the defaults are the family's."""
+def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str = "ieee",
+                  references: dict | None = None, knobs_key: str = "", native_impl_: Impl | None = None,
+                  reference=None) -> _Baseline:
+    """The native run and the float64 reference of one case under ``knobs``; ``references`` caches
+    the reference by ``knobs_key`` across precisions. ``native_impl_`` and ``reference``: other
+    native and float64 functions of the family's signature (mhctool identify's variants that are
+    no family knob); the defaults are the family's."""
+    references = {} if references is None else references
     native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs,
                       lambda outs: upstream_for(fam, outs, case.seed))
     if native.fwd_error or native.outputs is None:

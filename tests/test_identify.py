@@ -158,3 +158,11 @@ def test_a_tf32_kernel_is_judged_at_the_precision_it_declares(tmp_path):
     assert "best match: rms_eps=outside eps=1e-06" in res.output
     res = runner.invoke(app, args + ["--matmul-precision", "fp8"])
     assert res.exit_code == 2 and "unknown matmul precision" in res.output
+
+
+def test_a_probe_shape_the_implementation_cannot_run_is_bad_input(tmp_path):
+    # the TE stand-in takes n = 4 only: a probe shape with n = 3 is refused before anything runs
+    res = runner.invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", f"te:{IMPLS / 'te_standin'}",
+                              "--shape", "8x2x3x1", "--device", "cpu", "-o", str(tmp_path / "x.parquet")])
+    assert res.exit_code == 2, res.output
+    assert "cannot run the probe shape" in res.output and "n = 4" in res.output

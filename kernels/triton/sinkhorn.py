@@ -143,21 +143,15 @@ def _sinkhorn_bwd(x_ptr, g_ptr, dx_ptr, T, eps, N: tl.constexpr, NP: tl.constexp
     tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(n: int, stabilize: str, order: str, iters: int) -> dict:
-    cfg = sinkhorn_steps(n, stabilize, order, iters)
-    cfg["BT"] = max(1, min(64, 1024 // (cfg["NP"] ** 2)))
-    return cfg
-
-
 def tiles(n: int) -> list[tuple[int, int]]:
     """The (tokens per program, warps) tiles the kernels can run with, for the sweep."""
-    np2 = _config(n, "rowmax", "row_first", 1)["NP"] ** 2
+    np2 = next_pow2(n) ** 2
     first = (max(1, min(64, 1024 // np2)), 4)
     return [first] + [(bt, w) for bt in (16, 32, 64, 128, 256) for w in (1, 2, 4, 8)
                       if (bt, w) != first and bt * np2 >= 32 * w]
 
 
-def tile(n: int, backward: bool) -> tuple[int, int]:
+def tile(n: int) -> tuple[int, int]:
     """The tile every launch uses: a function of n alone, never of the number of tokens. Triton
     orders a reduction over a tile's axis by the tile's layout, so a tile chosen per token count
     (timed, as it was) gave a token other bits at another batch size; and a tile chosen by timing
@@ -175,15 +169,15 @@ def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order, tile_=None
     check_device(x, *extra)
     x = x.contiguous()
     T = x.numel() // (n * n)
-    cfg = _config(n, stabilize, order, int(iters))
+    cfg = sinkhorn_steps(n, stabilize, order, int(iters))
     out = empty_like(x)
     args = [x, *[e.contiguous() for e in extra], out]
-    backward = kernel is _sinkhorn_bwd
-    extra_cfg = {"SEG": recompute_segment(cfg["PAIRS"])} if backward else {}
+    if kernel is _sinkhorn_bwd:
+        cfg["SEG"] = recompute_segment(cfg["PAIRS"])
     if T:
-        bt, warps = tile_ or tile(n, backward)
+        bt, warps = tile_ or tile(n)
         kernel[(triton.cdiv(T, bt),)](*args, T, float(eps), N=n, STAB=_STABILIZE[stabilize],
-                                     CLAMP=eps_mode == "clamp", num_warps=warps, **{**cfg, "BT": bt}, **extra_cfg)
+                                     CLAMP=eps_mode == "clamp", num_warps=warps, BT=bt, **cfg)
     return out
 
 

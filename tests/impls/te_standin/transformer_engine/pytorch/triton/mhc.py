@@ -52,13 +52,20 @@ def mhc_fused_scale(H: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, ms
     return h[:, :n].sigmoid(), 2 * h[:, n:2 * n].sigmoid(), h[:, 2 * n:]
 
 
+def _mix_and_aggregate(pieces, x, phi, alpha, beta, norm_weight=None, use_tf32=True):
+    """The pre-path from ``pieces`` = (projection, scale, sinkhorn, aggregate): x (s, b, C, n) ->
+    (out (s, b, C), H_post (s, b, n), H_res (s, b, n, n))."""
+    projection, scale, sinkhorn, aggregate = pieces
+    s, b, C, n = x.shape
+    H, ms = projection(x.reshape(s * b, C * n), phi, use_tf32, norm_weight)
+    H_pre, H_post, H_res = scale(H, alpha, beta, ms, n)
+    H_res = sinkhorn(H_res.reshape(s, b, n, n), n, True, 20)
+    return aggregate(x, H_pre.reshape(s, b, n), n, use_tf32), H_post.reshape(s, b, n), H_res
+
+
 def mhc_generate_mix_and_aggregate(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
                                    norm_weight: Optional[torch.Tensor] = None, use_tf32: bool = True,
                                    fused_grad_x_acc_buffer: Optional[torch.Tensor] = None, use_split_k: bool = False):
-    """The pre-path from the pieces above: x (s, b, C, n) -> (out (s, b, C), H_post (s, b, n), H_res (s, b, n, n))."""
-    s, b, C, n = x.shape
-    H, ms = mhc_fused_projection(x.reshape(s * b, C * n), phi, use_tf32, norm_weight)
-    H_pre, H_post, H_res = mhc_fused_scale(H, alpha, beta, ms, n)
-    H_res = mhc_fused_sinkhorn(H_res.reshape(s, b, n, n), n, True, 20)
-    out = mhc_fused_aggregate(x, H_pre.reshape(s, b, n), n, use_tf32)
-    return out, H_post.reshape(s, b, n), H_res
+    """The pre-path from the pieces above."""
+    return _mix_and_aggregate((mhc_fused_projection, mhc_fused_scale, mhc_fused_sinkhorn, mhc_fused_aggregate),
+                              x, phi, alpha, beta, norm_weight, use_tf32)
