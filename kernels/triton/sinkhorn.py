@@ -18,7 +18,7 @@ from mhctool.poison import empty_like
 
 from ..schedule import STABILIZE as _STABILIZE
 from ..schedule import check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps
-from ._common import cast, check_device, next_pow2
+from ._common import cast, check_device, exp, next_pow2
 
 
 @triton.jit
@@ -35,13 +35,13 @@ def _load_tile(ptr, t0, T, N: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr):
 def _init(x, mask, eps, STAB: tl.constexpr):
     """The starting matrix p0, and the row softmax (for its backward) when STAB is softmax."""
     if STAB == 1:  # none: bare exp
-        p = tl.where(mask, tl.exp(x), 0.0)
+        p = tl.where(mask, exp(x), 0.0)
         sm = p
     else:
         xm = tl.where(mask, x, float("-inf"))
         m = tl.max(xm, axis=2, keep_dims=True)
         m = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.where(mask, tl.exp(x - m), 0.0)
+        p = tl.where(mask, exp(x - m), 0.0)
         sm = p
         if STAB == 2:  # softmax + eps
             sm = p / tl.maximum(tl.sum(p, axis=2, keep_dims=True), 1e-38)
