@@ -52,6 +52,19 @@ def test_proj_rms_fp32_mapping_path_and_tf32():
     assert 1e-5 < rel < 5e-3  # TF32 keeps 10 mantissa bits: about 1e-4 relative, not fp32's 1e-7
 
 
+def test_tf32_proj_is_tf32_in_the_backward_too():
+    # a TF32 kernel's gradients are products at TF32 as well; a baseline whose backward ran at
+    # IEEE failed every correct TF32 kernel on grad_x and grad_weight
+    x, w = torch.randn(13, 80).requires_grad_(), torch.randn(24, 80).requires_grad_()
+    g = torch.randn(13, 24)
+    gx, gw = torch.autograd.grad(native.proj_rms(x, w, matmul_precision="tf32")[0], [x, w], g)
+    t = native.round_to_tf32
+    torch.testing.assert_close(gx, t(g) @ t(w), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gw, t(g).t() @ t(x), rtol=1e-6, atol=1e-6)
+    gx_ieee = torch.autograd.grad(native.proj_rms(x, w)[0], [x], g)[0]
+    assert 1e-5 < ((gx - gx_ieee).norm() / gx_ieee.norm()).item() < 5e-3
+
+
 def test_round_to_tf32_keeps_ten_mantissa_bits():
     t = torch.tensor([1.0 + 2 ** -10, 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, float("inf")])
     out = native.round_to_tf32(t)

@@ -93,6 +93,42 @@ def _tf32_operands(*ts):
     return tuple(_Tf32.apply(t) if t.dtype == torch.float32 else t for t in ts)
 
 
+def _ieee_mm(a, b):
+    """``a @ b`` in full fp32 on every device (cuBLAS may otherwise pick TF32)."""
+    if not a.is_cuda:
+        return a @ b
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return a @ b
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+class _MatmulNT(torch.autograd.Function):
+    """``a @ b^T`` in fp32, forward *and* backward at one precision, whatever the global
+    ``allow_tf32`` flags: ``tf32`` as a TF32 kernel computes it (every product's operands rounded
+    to TF32, the gradient too; sums in fp32), emulated the same way on every device so that a CPU
+    run and a GPU run judge against the same baseline; ``ieee`` in full fp32. (Setting
+    ``allow_tf32`` around the forward alone left PyTorch's backward at IEEE: a TF32 kernel's
+    gradients were judged against an IEEE baseline and failed at TF32's error, its design.)"""
+
+    @staticmethod
+    def forward(ctx, a, b, tf32: bool):
+        if tf32:
+            a, b = round_to_tf32(a), round_to_tf32(b)
+        ctx.tf32 = tf32
+        ctx.save_for_backward(a, b)
+        return _ieee_mm(a, b.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        if ctx.tf32:
+            g = round_to_tf32(g)
+        return _ieee_mm(g, b), _ieee_mm(g.t(), a), None
+
+
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to TF32 (10 explicit mantissa bits, round to nearest even)."""
     bits = t.float().contiguous().view(torch.int32)
@@ -105,29 +141,11 @@ def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
 def proj_rms(x2d, weight, eps: float = 1e-6, matmul_precision: str = "ieee", rms_eps: str = "outside"):
     """fp32 mapping path: ``proj = x W^T`` and ``r = 1 / (rms(x) + eps)``.
 
-    ``matmul_precision="tf32"`` gives the product at TF32, the precision the mHC paper specifies:
-    on CUDA through the hardware, elsewhere emulated by rounding both operands to TF32.
+    ``matmul_precision="tf32"`` gives the products at TF32, the precision the mHC paper specifies,
+    forward and backward, emulated by rounding every operand to TF32 (:class:`_MatmulNT`).
     """
     xf, wf = x2d.float(), weight.float()
-    if matmul_precision == "tf32":
-        if xf.is_cuda:
-            prev = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = True
-            try:
-                proj = xf @ wf.t()
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = prev
-        else:
-            proj = round_to_tf32(xf) @ round_to_tf32(wf).t()
-    elif xf.is_cuda:
-        prev = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            proj = xf @ wf.t()
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = prev
-    else:
-        proj = xf @ wf.t()
+    proj = _MatmulNT.apply(xf, wf, matmul_precision == "tf32")
     if rms_eps == "inside":  # RMSNorm's placement: 1 / sqrt(mean(x^2) + eps)
         r = torch.rsqrt(xf.pow(2).mean(dim=-1) + eps)
     else:

@@ -78,9 +78,29 @@ def sinkhorn_wrong_dtype(logits, iters=20, eps=1e-6):
     return native.sinkhorn(logits, iters, eps).double()
 
 
+def _tf32_tiles(a, b):
+    """``a @ b`` with the operands rounded to TF32 and fp32 sums, as a TF32 tensor-core kernel."""
+    return native.round_to_tf32(a) @ native.round_to_tf32(b)
+
+
+class _Tf32Proj(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return _tf32_tiles(x, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors  # the backward's products at TF32 as well
+        return _tf32_tiles(g, w), _tf32_tiles(g.t(), x)
+
+
 def proj_rms_tf32(x2d, weight, eps=1e-6):
-    """A correct kernel that multiplies at TF32 by design (as the mHC paper specifies)."""
-    proj, r = native.proj_rms(x2d, weight, eps, matmul_precision="tf32")
+    """A correct kernel that multiplies at TF32 by design (as the mHC paper specifies), forward and
+    backward (no call into the native baseline)."""
+    xf = x2d.float()
+    proj = _Tf32Proj.apply(xf, weight.float())
+    r = 1.0 / (xf.norm(dim=-1) / xf.shape[-1] ** 0.5 + eps)
     return proj, r
 
 
