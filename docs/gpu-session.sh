@@ -19,7 +19,7 @@ checks)
     step "pytest -m gpu"
     t0=$SECONDS; python3 -m pytest -m gpu -q -p no:cacheprovider --durations=12; echo "pytest -m gpu wall $((SECONDS - t0)) s"
     step "parity --scenario paper --impl triton,cutile (bf16; cuTile rows skipped only where no kernel exists)"
-    t0=$SECONDS; m parity --scenario paper --impl triton,cutile -o "$out/paper.parquet" --top 8; echo "paper parity wall $((SECONDS - t0)) s"
+    t0=$SECONDS; timeout --foreground -s INT "${PAPER_LIMIT:-300}" python3 -m mhctool.cli parity --scenario paper --impl triton,cutile -o "$out/paper.parquet" --top 8; echo "paper parity wall $((SECONDS - t0)) s"
     step "parity --kernel sinkhorn,swiglu --impl triton,cutile (swiglu has no cuTile kernel: skipped with the reason)"
     m parity --kernel sinkhorn,swiglu --impl triton,cutile -o /tmp/mixed.parquet --quiet
     python3 -c "import pyarrow.parquet as pq; rows = pq.read_table('/tmp/mixed.parquet').to_pylist(); print(sorted({(r['kernel'], r['impl'], r['message']) for r in rows if r['metric'] == 'unsupported'}))"
