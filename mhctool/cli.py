@@ -122,7 +122,7 @@ def parity(
     top: int = typer.Option(20, "--top", min=1, help="Rows of the worst-cases table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run each implementation under test in a child process, so exits, crashes, hangs and CUDA faults become failed rows. Default: on for an external --impl on a GPU or with --case-timeout, off otherwise."),
-    case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: 120 s plus 30 s per GiB the case needs, 4x that on the CPU)."),
+    case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: 120 s plus 30 s per GiB the case needs, 300 s more for an external one, which compiles inside the call; 4x that on the CPU)."),
     isolate_transport: str = typer.Option("shm", "--isolate-transport", help="How tensors reach the child: shm (host shared memory) or file (torch.save in /dev/shm)."),
     check: Optional[list[str]] = typer.Option(None, "--check", help="Also compare bits: determinism (the same inputs, run after run) and/or batch-invariance (each token's result at other batch sizes). Repeat or comma-separate; a difference is a failed row."),
     repeats_determinism: int = typer.Option(3, "--repeats-determinism", min=2, help="Runs in all for --check determinism."),

@@ -515,7 +515,7 @@ class Isolation:
         worker = self.workers.get(impl.name)
         if worker is None:
             worker = self.workers[impl.name] = iso.Worker(self.transport)
-        timeout = self.case_timeout or iso.default_timeout(footprint_bytes, device)
+        timeout = self.case_timeout or iso.default_timeout(footprint_bytes, device, impl.backend == "external")
         return worker.call(target, args, timeout=timeout, interrupted=self.interrupted)
 
     def run(self, case: Case, impl: Impl, base: dict, knobs: dict, upstream: list, expect: list) -> ImplResult:
