@@ -10,6 +10,9 @@ Two generations are recognised by their public functions:
   with ``H_res^T`` (``transpose_res=true``), and ``fused_proj_rms_compute_h(x, weight, alpha_pre,
   alpha_post, alpha_res, bias, n, eps, compute_h_eps) -> (h_pre + compute_h_eps, h_post, h_res
   [M, n*n], r = ||x|| / sqrt(K) [M, 1])`` is the mapping family with ``compute_h_eps=1e-6``.
+
+The cuTile projections of both generations multiply in TF32, forward and backward: those kernels
+are judged under the TF32 contract.
 """
 from __future__ import annotations
 
@@ -60,6 +63,14 @@ def _unavailable(m, dev: bool) -> str | None:
     return None if ok else "Megatron's PR 3828 kernels are cuTile only and its is_cutile_available() is False here"
 
 
+def _cutile_active(m) -> bool:
+    """Whether the module's cuTile path runs here (its own check; False where it has none)."""
+    try:
+        return bool(getattr(m, "is_cutile_available", lambda: False)())
+    except Exception:  # noqa: BLE001 - the library's own check failed: its torch fallback runs
+        return False
+
+
 def recognise(m) -> tuple[str, list[Binding]]:
     dev = hasattr(m, "fused_proj_rms_compute_h")
     generation = "dev" if dev else "pr3828"
@@ -77,8 +88,10 @@ def recognise(m) -> tuple[str, list[Binding]]:
         found.append(Binding("proj_rms", "fused_proj_rms", _proj_rms, ("eps",),
                              precision="tf32" if hasattr(m, "is_cutile_available") else "ieee"))
     if dev:
+        # its cuTile mapping multiplies in TF32, forward and backward (``ct.mma`` on tfloat32
+        # operands); the torch fallback it takes without cuTile multiplies at IEEE
         found.append(Binding("mapping", "fused_proj_rms_compute_h", _mapping, ("eps", "compute_h_eps"),
-                             {"compute_h_eps": 1e-6}))
+                             {"compute_h_eps": 1e-6}, precision="tf32" if _cutile_active(m) else "ieee"))
     # Megatron's own module launches CUDA kernels (cuTile, Triton) whatever the inputs' device; a
     # plain-PyTorch module with its signatures runs anywhere
     devices = ("cuda",) if hasattr(m, "is_cutile_available") else ("cpu", "cuda")
