@@ -108,7 +108,7 @@ def _summary(vs: list[dict]) -> tuple[int, int, int]:
 @app.command()
 @_guard
 def parity(
-    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or all: " + ", ".join(registry.KERNELS) + "."),
+    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or a group (all; mhc or moe: every kernel of one kind): " + ", ".join(registry.KERNELS) + "."),
     impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementation(s): torch, compile, triton, cutile, module.path:function or file.py:function. Repeat or comma-separate. Default: every available built-in one."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Comma-separated dtypes (fp32, bf16, fp16); default: the scenario's."),
     shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC for mHC kernels (e.g. 8192x4x4x7168), TxHxFxE for grouped-MLP ones (e.g. 4096x2048x1024x8); default: the scenario's."),
@@ -201,7 +201,7 @@ def parity(
 @_guard
 def bench(
     shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC for mHC kernels (default 8192x4x4x7168 on a GPU, 64x2x4x512 on the CPU), TxHxFxE for grouped-MLP ones (default 4096x2048x1024x8, 64x64x96x4 on the CPU)."),
-    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or all: " + ", ".join(registry.KERNELS) + "."),
+    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or a group (all; mhc or moe: every kernel of one kind): " + ", ".join(registry.KERNELS) + "."),
     impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementations (default: every available one: torch, compile, triton, cutile), or module:function."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype (sinkhorn always runs on the fp32 mapping path)."),
     direction: str = typer.Option("fwd,bwd", "--direction", help="fwd, bwd or both (comma-separated)."),
@@ -225,7 +225,7 @@ def bench(
     report.check_writable(out_path)
     dev = _device(device)
     fmt = parse_dtype(dtype)
-    kernels = list(registry.KERNELS) if kernel == "all" else [registry.get_family(k).name for k in _split([kernel])]
+    kernels = parity_mod.kernels_of(_split([kernel]))
     kinds = {registry.get_family(k).shape_kind for k in kernels}
     if experts is not None:
         if kinds != {"moe"}:
@@ -241,7 +241,7 @@ def bench(
     else:
         if shape and len(kinds) > 1:
             raise UsageError("--shape takes one form per kind of kernel (SxBxNxC for mHC, TxHxFxE for the grouped "
-                             "MLP); pick the kernels with --kernel")
+                             "MLP); pick the kernels with --kernel (mhc or moe: every kernel of one kind)")
         moe_shapes = [parse_shape_for("moe", shape or (MOE_PAPER_SHAPE if dev == "cuda" else "64x64x96x4"))] \
             if "moe" in kinds else []
         graphs = [graph]

@@ -42,13 +42,13 @@ class Outcome:
 
 
 def kernels_of(kernel: str | list[str]) -> list[str]:
-    """``all``, a name, a comma-separated list or a list of names -> kernel names (checked)."""
+    """A name, a group (``all``, ``mhc``, ``moe``), a comma-separated list or a list of those ->
+    kernel names (checked)."""
     names = kernel if isinstance(kernel, list) else [k.strip() for k in kernel.split(",") if k.strip()]
-    if names == ["all"]:
-        return list(registry.KERNELS)
     if not names:
-        raise UsageError("no kernel named; accepted: " + ", ".join(registry.KERNELS) + ", all")
-    return [registry.get_family(k).name for k in names]
+        raise UsageError("no kernel named; accepted: " + ", ".join(registry.KERNELS) + ", or a group: "
+                         + ", ".join(registry.GROUPS))
+    return registry.kernels_named(names)
 
 
 def check_conventions(kernel: str, conventions: dict | None) -> dict:
@@ -102,7 +102,7 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
         sc = replace(sc, rule=replace(sc.rule, kappa=float(kappa)))
     if shapes and len({registry.get_family(k).shape_kind for k in kernels}) > 1:
         raise UsageError("a shape takes one form per kind of kernel (SxBxNxC for mHC, TxHxFxE for the grouped "
-                         "MLP); pick the kernels")
+                         "MLP); pick the kernels (mhc or moe: every kernel of one kind)")
     dtypes = [parse_dtype(d).name for d in dtypes] if dtypes else None
     cases = sc.cases(device, kernels, dtypes, shapes, seeds, families)
     if not cases:

@@ -223,10 +223,25 @@ MOE_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "moe")
 MATMUL_KERNELS = ("proj_rms", "mapping", "h_aggregate", "h_post_bda", "mix_aggregate")
 
 
+# names that stand for several kernels: every one, or every one that takes one form of shape
+GROUPS = {"all": KERNELS, "mhc": MHC_KERNELS, "moe": MOE_KERNELS}
+
+
 def get_family(name: str) -> Family:
     if name not in FAMILIES:
-        raise UsageError(f"unknown kernel {name!r}; accepted: {', '.join(KERNELS)}, all")
+        raise UsageError(f"unknown kernel {name!r}; accepted: {', '.join(KERNELS)}, or a group: {', '.join(GROUPS)}")
     return FAMILIES[name]
+
+
+def kernels_named(names: list[str]) -> list[str]:
+    """Kernel names and groups (``all``, ``mhc``, ``moe``) -> kernel names, checked, in order, once each."""
+    out: list[str] = []
+    for name in names:
+        for k in GROUPS.get(name, (name,)):
+            k = get_family(k).name
+            if k not in out:
+                out.append(k)
+    return out
 
 
 @dataclass

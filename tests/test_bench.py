@@ -112,3 +112,20 @@ def test_external_implementation_benchmarks_beside_ours(tmp_path):
     rows = report.read(out)[0].to_pylist()
     ext = [r for r in rows if r["backend"] == "external"]
     assert ext and {r["metric"] for r in ext} >= {"time_ms", "speedup_vs_torch"}
+
+
+def test_a_group_of_kernels_takes_one_shape_beside_a_library(tmp_path):
+    """``--kernel mhc`` is every mHC kernel (the side-by-side table of one command); a library
+    is timed on the kernels it has and skipped with the reason where it has none."""
+    out = tmp_path / "b.parquet"
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "mhc", "--impl",
+                              f"torch,te:{IMPLS / 'te_standin'}", "--repeats", "3", "--direction", "fwd",
+                              "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = report.read(out)[0].to_pylist()
+    from mhctool.registry import MHC_KERNELS
+    assert {r["kernel"] for r in rows} == set(MHC_KERNELS)
+    te = {r["kernel"] for r in rows if r["impl"].startswith("te") and r["metric"] == "time_ms"}
+    assert {"sinkhorn", "h_aggregate", "h_post_bda"} <= te and "proj_rms" not in te
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "-o", str(out)])
+    assert res.exit_code == 2 and "mhc or moe" in res.output

@@ -228,3 +228,15 @@ def test_torch_compile_variant_passes(tmp_path):
     assert res.exit_code == 0, res.output
     rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
     assert any(r["impl"] == "compile" and r["backend"] == "compile" and r["passed"] for r in rows)
+
+
+def test_kernel_groups_expand_in_order_once_each():
+    from mhctool import parity as parity_mod
+    from mhctool.errors import UsageError
+    from mhctool.registry import KERNELS, MHC_KERNELS, MOE_KERNELS
+
+    assert parity_mod.kernels_of("all") == list(KERNELS)
+    assert parity_mod.kernels_of("sinkhorn,mhc") == list(MHC_KERNELS)
+    assert parity_mod.kernels_of(["moe"]) == list(MOE_KERNELS) and not set(MHC_KERNELS) & set(MOE_KERNELS)
+    with pytest.raises(UsageError, match="or a group: all, mhc, moe"):
+        parity_mod.kernels_of("mlp")
