@@ -254,15 +254,25 @@ def bench(
     if any(registry.is_function_spec(s) for s in specs) and len(kernels) != 1:
         raise UsageError("an external --impl module:function needs one --kernel, not all")
     plan = []
+    reasons: dict[str, str] = {}  # an asked implementation -> why it cannot run a kernel
+    runnable: set[str] = set()
     for k in kernels:
         shapes = moe_shapes if registry.get_family(k).shape_kind == "moe" else [mhc_shape]
         for i in (registry.resolve_impls(k, specs) if specs else registry.impls_for(k)):
             why = i.unsupported(dev, bench_mod.bench_dtype(k, fmt.name))
-            if why and specs and i.name in specs:
-                raise UsageError(f"--impl {i.name} cannot run {k} here: {why}")
+            asked = i.spec or i.name
+            if why is None:
+                runnable.add(asked)
+            else:
+                reasons.setdefault(asked, f"{k}: {why}")
             for shp in shapes:
                 for g in graphs:
                     plan.append((k, i, shp, g, why))
+    # as in parity: an implementation asked for by name is skipped (with the reason) on the kernels
+    # it cannot run, and is an error only when it runs none of them
+    for name in specs:
+        if name in reasons and name not in runnable:
+            raise UsageError(f"--impl {name} cannot run {', '.join(kernels)} here ({reasons[name]})")
     # refuse up front what cannot fit, with the estimate
     worst, worst_shape = max((bench_mod.footprint(k, shp, fmt.name), shp) for k, _, shp, _, _ in plan)
     if dev == "cuda":

@@ -129,3 +129,7 @@ def test_a_group_of_kernels_takes_one_shape_beside_a_library(tmp_path):
     assert {"sinkhorn", "h_aggregate", "h_post_bda"} <= te and "proj_rms" not in te
     res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "-o", str(out)])
     assert res.exit_code == 2 and "mhc or moe" in res.output
+    # an implementation that runs none of the kernels is an error, with the reason
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "mhc",
+                              "--impl", "torch,cutile", "-o", str(out)])
+    assert res.exit_code == 2 and "--impl cutile cannot run" in res.output, res.output
