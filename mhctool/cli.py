@@ -191,7 +191,7 @@ def parity(
             hint = None
             if impl_ is not None and not interrupts.requested:
                 hint = cli_identify.parity_hint(k, impl_, _short_impl(name), dev, iso is not None, isolate_transport,
-                                                case_timeout)
+                                                case_timeout, asked=pl.conventions.get(k))
             if hint:
                 out.print(hint, markup=False)
     raise typer.Exit(1 if f else 0)

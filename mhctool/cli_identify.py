@@ -16,7 +16,7 @@ from .errors import UsageError
 
 def _table(ident, top: int) -> Table:
     from .identify import fmt_knobs
-    t = Table(title=f"identify {ident.kernel}: {ident.impl.name} (asked: {fmt_knobs(ident.asked) or 'the contract'})")
+    t = Table(title=f"identify {ident.kernel}: {ident.impl.name} (asked: {fmt_knobs({**ident.asked, **ident.fixed}) or 'the contract'})")
     for c in ("candidate", "max_rel", "x native noise", "native max_rel", "verdict", "what it is"):
         t.add_column(c)
     for c in ident.shown(top):
@@ -66,6 +66,9 @@ def identify(
                 out.print(ident.line(), markup=False)
                 if ident.best is not None and ident.best.note and ident.best.level != "as asked":
                     out.print(ident.best.note, markup=False)
+                elif ident.best is not None and ident.passed and i.conventions:
+                    declared = " ".join(f"{k}={ident_mod.fmt_value(v)}" for k, v in i.conventions.items())
+                    out.print(f"as its adapter declares: {declared}", markup=False)
                 conv = ident.conventions()
                 if ident.passed and conv and ident.best.level != "likely a defect":
                     flags = " ".join(f"--convention {k}={ident_mod.fmt_value(v)}" for k, v in conv.items())
@@ -84,9 +87,10 @@ def identify(
 
 
 def parity_hint(kernel: str, impl: registry.Impl, short: str, device: str, isolated: bool, transport: str,
-                case_timeout: float | None = None) -> str | None:
+                case_timeout: float | None = None, asked: dict | None = None) -> str | None:
     """What ``parity`` says under a failed external implementation: a quick identification (fp32,
-    the default probes) tells a convention it passes under from a defect."""
+    the default probes) tells a convention it passes under from a defect. ``asked``: the
+    conventions declared with ``--convention`` (an adapter's own are the implementation's)."""
     from . import identify as ident_mod
     from .runner import Isolation
     spec = impl.spec or impl.name
@@ -94,7 +98,7 @@ def parity_hint(kernel: str, impl: registry.Impl, short: str, device: str, isola
         return None
     iso = Isolation(transport=transport, case_timeout=case_timeout) if isolated else None
     try:
-        ident = ident_mod.identify(kernel, impl, dtype="fp32", device=device, isolation=iso)
+        ident = ident_mod.identify(kernel, impl, dtype="fp32", device=device, isolation=iso, asked=asked)
     except Exception as e:  # noqa: BLE001 - a hint never fails the run
         return f"hint: {short} failed on {kernel}; identification could not run ({type(e).__name__}: {e})"
     finally:

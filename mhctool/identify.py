@@ -261,6 +261,7 @@ class Identification:
     best: Candidate | None
     error: str | None = None  # the implementation failed on a probe
     discrete: tuple[str, ...] = ()  # the knobs searched exhaustively
+    fixed: dict = field(default_factory=dict)  # asked knobs held, not searched (Sinkhorn's domain)
 
     def shown(self, top: int) -> list[Candidate]:
         """The judged candidates, then the best fit of each other discrete combination (``top`` in all)."""
@@ -303,7 +304,10 @@ class Identifier:
                  matmul_precision: str | None = None):
         self.fam: Family = get_family(kernel)
         self.kernel, self.impl, self.dtype, self.device = kernel, impl, dtype, device
-        asked = checked_knobs(kernel, asked or {})
+        # what an adapter declares its function computes is what parity judges it under: the
+        # convention it is asked for, unless the caller names another
+        asked = checked_knobs(kernel, {**{k: v for k, v in impl.conventions.items() if k in self.fam.knobs},
+                                       **(asked or {})})
         self.space = space(kernel, {**{k: kn.default for k, kn in self.fam.knobs.items()}, **asked})
         self.asked = {k: asked.get(k, self._default(k)) for k in self._names()}
         self.shape = parse_shape_for(self.fam.shape_kind, shape or self.space.shape)
@@ -507,7 +511,7 @@ class Identifier:
     def run(self) -> Identification:
         probes, error = self.probes()
         if error:
-            return Identification(self.kernel, self.impl, self.asked, [], None, error)
+            return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs)
         grid = self.grid(probes)
         # the continuous knobs of the few best discrete combinations are refined before the pick:
         # a sensitive knob (eps inside a square root) can sit between two grid points
@@ -518,7 +522,8 @@ class Identifier:
         passing = [c for c in judged if c.passed]
         best = passing[0] if passing else judged[0]
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
-        return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete))
+        return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
+                              fixed=self.family_knobs)
 
 
 def _float64(base: dict) -> dict:
@@ -567,7 +572,7 @@ def identify(kernel: str, impl: Impl, **kw) -> Identification:
 def rows(ident: Identification, dtype: str, device: str) -> list[dict]:
     """Report rows (report.IDENTIFY_SCHEMA): one per candidate tried."""
     base = {"kernel": ident.kernel, "impl": ident.impl.name, "dtype": dtype, "device": device,
-            "asked": json.dumps(ident.asked, sort_keys=True, default=str)}
+            "asked": json.dumps({**ident.asked, **ident.fixed}, sort_keys=True, default=str)}
     if ident.error:
         return [{**base, "stage": "error", "candidate": None, "max_rel": math.nan, "native_max_rel": None,
                  "passed": False, "best": False, "classification": None, "message": ident.line()}]

@@ -140,9 +140,15 @@ def test_transformer_engines_real_sinkhorn_is_identified(monkeypatch):
     # TE's own Triton kernel, unchanged, through the interpreter (n = 4, the default probe shape)
     monkeypatch.setenv("NVTE_DISABLE_TRITON_AUTOTUNING", "1")
     impl = registry.resolve_impls("sinkhorn", [f"te:{TE_STAGED}"])[0]
+    # what its adapter declares (eps=0, judged against the log-domain baseline) is what it is asked for
     ident = identify("sinkhorn", impl)
     assert ident.passed, ident.line()
     assert ident.best.knobs["eps"] == 0.0 and ident.best.knobs["iters"] == 20
+    assert ident.best.level == "as asked" and ident.fixed == {"domain": "log"}
+    # asked for the contract instead (linear domain, eps 1e-6), it is found to compute TE's convention
+    ident = identify("sinkhorn", impl, asked={"eps": 1e-6, "domain": "linear"})
+    assert ident.passed, ident.line()
+    assert ident.best.knobs["eps"] == 0.0
     assert ident.best.level == "known convention" and "TransformerEngine" in ident.best.note
 
 
@@ -166,3 +172,14 @@ def test_a_probe_shape_the_implementation_cannot_run_is_bad_input(tmp_path):
                               "--shape", "8x2x3x1", "--device", "cpu", "-o", str(tmp_path / "x.parquet")])
     assert res.exit_code == 2, res.output
     assert "cannot run the probe shape" in res.output and "n = 4" in res.output
+
+
+def test_the_hint_takes_what_the_adapter_declares_as_asked(tmp_path):
+    # the TE stand-in's Sinkhorn runs one iteration short; its adapter declares eps=0 domain=log, so
+    # the hint names the defect and not the declared conventions as something to declare
+    res = runner.invoke(app, ["parity", "--kernel", "sinkhorn", "--dtype", "fp32", "--device", "cpu", "-q",
+                              "--impl", f"te:{IMPLS / 'te_standin_defects'}", "-o", str(tmp_path / "p.parquet")])
+    assert res.exit_code == 1, res.output
+    hint = " ".join(res.output[res.output.index("hint:"):].split())
+    assert "matches with iters=19 — asked for 20: likely a defect" in hint
+    assert "eps=0" not in hint and "--convention" not in hint
