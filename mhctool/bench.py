@@ -221,7 +221,10 @@ def _inputs(kernel: str, shape: Shape, dtype: str, device: str, seed: int, copie
 
 
 def _call(fam: Family, impl: Impl, args: dict):
-    return fam.call(impl.fn, args, {}, impl.accepts, impl.bind)
+    """``impl`` on ``args``: inputs already in its library's layouts where its adapter converts
+    them (:func:`measure` stages them once, so the conversion is never timed)."""
+    fn = impl.staged[1] if impl.staged is not None else impl.fn
+    return fam.call(fn, args, {}, impl.accepts, impl.bind)
 
 
 def isolated_measure(kernel: str, spec: str, name: str, *args) -> Measurement:
@@ -241,6 +244,9 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction, dtype=dtype,
                 shape=str(shape), model_bytes=nbytes,
                 model_flops=m.flops_fwd if direction == "fwd" else m.flops_bwd, graph=graph)
+    if impl.staged is not None:  # the adapter's layout conversion, once per input copy, untimed
+        sets = [impl.staged[0](s) for s in sets]
+    note = "the adapter's layout conversion is not timed" if impl.staged is not None else None
     timer = Timer(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
@@ -266,7 +272,7 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
         sync()
         peak = (torch.cuda.max_memory_allocated() - base_mem) if device == "cuda" else math.nan
         saved = _saved_bytes(fam, impl, sets[0])
-        return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=saved)
+        return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=saved, message=note)
     # backward: one forward per input copy builds its graph; the backward alone is timed, replayed
     graphs = []
     # for a captured backward, the forwards run on a side stream: autograd runs each backward op on
@@ -304,7 +310,7 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
         times = timer.time(lambda: bwd(state["i"]), repeats, before=pick)
         host = host_time_us(lambda: bwd(0), calls=5)
     peak = (torch.cuda.max_memory_allocated() - before_mem) if device == "cuda" else math.nan
-    return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=math.nan)
+    return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=math.nan, message=note)
 
 
 def graph_capturable(kernel: str, impl: Impl) -> bool:
@@ -379,7 +385,8 @@ def rows(results, device: str, copy_bw: float, mm_bf16: float, mm_tf32: float) -
         t_mem, t_math = m.model_bytes / copy_bw, m.model_flops / rate
         bound = "compute" if t_math > t_mem else "memory"
         host_bound = m.host_us > 1e3 * t and device == "cuda"
-        msg = "host-bound: CPU time per call exceeds GPU time" if host_bound else None
+        msg = "; ".join(x for x in ("host-bound: CPU time per call exceeds GPU time" if host_bound else None,
+                                    m.message) if x) or None
         vals = {"time_ms": t, "time_ms_p10": q[0], "time_ms_p90": q[-1], "gbps": m.model_bytes / secs / 1e9,
                 "pct_copy_bw": 100 * m.model_bytes / secs / copy_bw,
                 "tflops": m.model_flops / secs / 1e12, "host_us": m.host_us, "peak_bytes": m.peak_bytes,

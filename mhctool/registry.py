@@ -262,6 +262,9 @@ class Impl:
     spec: str | None = None  # the --impl spec that resolves to it (None: its name)
     adapter: str | None = None  # the library adapter that maps it (mhctool/libraries/<name>.py)
     limit: Callable | None = None  # limit(shape) -> why it cannot run that shape (n = 4 only, ...), or None
+    # (stage, fn) where an adapter converts layouts: stage(inputs) -> the inputs in the library's
+    # layouts, fn takes those (bench times fn alone; parity calls ``fn`` of the Impl, which converts)
+    staged: tuple | None = None
     _fn: Callable | None = None
 
     @property

@@ -127,6 +127,9 @@ def test_a_group_of_kernels_takes_one_shape_beside_a_library(tmp_path):
     assert {r["kernel"] for r in rows} == set(MHC_KERNELS)
     te = {r["kernel"] for r in rows if r["impl"].startswith("te") and r["metric"] == "time_ms"}
     assert {"sinkhorn", "h_aggregate", "h_post_bda"} <= te and "proj_rms" not in te
+    # TE takes x as (s, b, C, n): the adapter's conversion is done before the timing, and said so
+    staged = {r["kernel"] for r in rows if r["metric"] == "time_ms" and "layout conversion is not timed" in (r["message"] or "")}
+    assert staged == {"h_aggregate", "h_post_bda", "mix_aggregate"}
     res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "-o", str(out)])
     assert res.exit_code == 2 and "mhc or moe" in res.output
     # an implementation that runs none of the kernels is an error, with the reason

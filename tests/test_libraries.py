@@ -176,3 +176,25 @@ def test_real_te_triton_kernels_through_the_interpreter(tmp_path, monkeypatch):
     assert {r["kernel"] for r in rows if r["impl"].startswith("te[") and r["passed"]} == \
         {"sinkhorn", "h_aggregate", "h_post_bda"}
     assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize("kernel", ["h_aggregate", "h_post_bda", "mix_aggregate"])
+def test_te_layouts_staged_once_give_what_the_converting_call_gives(kernel):
+    """bench converts TE's layouts once, outside the timed region, and times the library call
+    alone: that call on the staged inputs is the converting call on mhctool's inputs, bit for bit."""
+    import torch
+
+    from mhctool import inputs as inputs_mod
+
+    impl = registry.resolve_impls(kernel, [f"te:{IMPLS / 'te_standin'}"])[0]
+    assert impl.staged is not None
+    stage, fn = impl.staged
+    fam = registry.get_family(kernel)
+    from mhctool.shapes import parse_shape_for
+    _, raw = inputs_mod.generate(kernel, "random", parse_shape_for("mhc", "3x2x4x40"), 0, {}, device="cpu")
+    staged = stage(raw)
+    assert staged["x"].shape == (3, 2, 40, 4) and raw["x"].shape == (3, 2, 4, 40)
+    want = fam.call(impl.fn, raw, {}, impl.accepts, impl.bind)
+    got = fam.call(fn, staged, {}, impl.accepts, impl.bind)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)

@@ -41,6 +41,9 @@ class Binding:
     devices: tuple[str, ...] = ("cpu", "cuda")
     limit: Callable | None = None  # limit(shape) -> why it cannot run that shape, or None
     unavailable: str | None = None  # why the library says it cannot run here (its own availability check)
+    # input name -> its conversion to the library's layout; ``call`` takes the converted tensors.
+    # Conversions run outside the library's code, and bench runs them outside the timed region
+    layouts: dict = field(default_factory=dict)
 
 
 def adapter(name: str):
@@ -86,7 +89,8 @@ def impls(spec: str, kernel: str) -> list:
         label = f"{name}[{generation}]:{b.function}" + (f"[{b.variant}]" if b.variant else "")
         out.append(Impl(label, kernel, "external", _bound(module, b, kernel), devices=b.devices,
                         precision=b.precision, default=False, conventions=dict(b.conventions), spec=spec,
-                        adapter=name, limit=b.limit, requires=lambda why=b.unavailable: why))
+                        adapter=name, limit=b.limit, requires=lambda why=b.unavailable: why,
+                        staged=_staged(module, b, kernel) if b.layouts else None))
     return out
 
 
@@ -94,12 +98,18 @@ def _absent(*args, **kwargs):
     raise RuntimeError("the library has no such kernel")
 
 
-def _bound(module, binding: Binding, kernel: str) -> Callable:
-    """A function with the family's signature (its inputs, then the knobs the binding takes)."""
+def _bound(module, binding: Binding, kernel: str, convert: bool = True) -> Callable:
+    """A function with the family's signature (its inputs, then the knobs the binding takes);
+    ``convert``: it puts its inputs in the library's layouts itself (else they come converted)."""
     from ..registry import get_family
     fam = get_family(kernel)
+    at = [(fam.inputs.index(k), f) for k, f in binding.layouts.items()] if convert else []
 
     def run(*args, **knobs):
+        if at:
+            args = list(args)
+            for i, f in at:
+                args[i] = f(args[i])
         return binding.call(module, *args, **knobs)
 
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in fam.inputs]
@@ -108,6 +118,14 @@ def _bound(module, binding: Binding, kernel: str) -> Callable:
     run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     run.__name__ = binding.function
     return run
+
+
+def _staged(module, binding: Binding, kernel: str):
+    """(stage, fn): ``stage(inputs)`` converts a case's inputs to the library's layouts once;
+    ``fn`` takes them so converted. Bench times ``fn`` alone."""
+    def stage(inputs: dict) -> dict:
+        return {k: (binding.layouts[k](v) if k in binding.layouts and v is not None else v) for k, v in inputs.items()}
+    return stage, _bound(module, binding, kernel, convert=False)
 
 
 def load_path_or_module(target: str, module_name: str, file_name: str):
