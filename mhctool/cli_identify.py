@@ -66,7 +66,7 @@ def identify(
                 out.print(ident.line(), markup=False)
                 if ident.best is not None and ident.best.note and ident.best.level != "as asked":
                     out.print(ident.best.note, markup=False)
-                elif ident.best is not None and ident.passed and i.conventions:
+                elif ident.best is not None and ident.passed and i.conventions and not asked:
                     declared = " ".join(f"{k}={ident_mod.fmt_value(v)}" for k, v in i.conventions.items())
                     out.print(f"as its adapter declares: {declared}", markup=False)
                 conv = ident.conventions()
