@@ -2,6 +2,7 @@
 # The GPU machine's steps, in two calls of the device tool (each call has 10 minutes):
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh checks", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh anchors", carry=[".device", ".anchors"])
+#   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh repro", carry=[".device"])
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
@@ -27,11 +28,12 @@ checks)
   ;;
 anchors)
   {
-    K=sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping,mix_aggregate
-    for dt in ${TE_DTYPES:-fp32 bf16}; do
+    # one dtype per device call (TE_DTYPES=bf16 for the second): TE's kernels autotune per shape, in
+    # this process (--no-isolate: fp32 took about 8 minutes on an H100 for every mHC kernel)
+    for dt in ${TE_DTYPES:-fp32}; do
       step "te $dt"
-      # TE autotunes on the first call of each kernel in its worker: the case limit leaves room for it
-      m parity --kernel "$K" --impl te:.anchors/te --dtype "$dt" --case-timeout 400 -o "$out/te-$dt.parquet" --top 8
+      timeout --foreground -s INT "${TE_LIMIT:-540}" python3 -m mhctool.cli parity --kernel mhc --impl te:.anchors/te \
+        --dtype "$dt" --no-isolate -o "$out/te-$dt.parquet" --top 8
     done
     [ -n "${TE_ONLY:-}" ] && exit 0
     step "isolation cost at the paper shape (h_post_bda bf16 inputs and output through a worker)"
@@ -39,7 +41,7 @@ anchors)
     step "megatron m3828 proj_rms (TF32 by design)"
     m parity --kernel proj_rms --impl megatron:.anchors/megatron/m3828 -o "$out/megatron-m3828-proj.parquet" --top 6
     step "megatron dev bf16"
-    m parity --kernel "$K" --impl megatron:.anchors/megatron/dev --dtype bf16 -o "$out/megatron-dev-bf16.parquet" --top 6
+    m parity --kernel mhc --impl megatron:.anchors/megatron/dev --dtype bf16 -o "$out/megatron-dev-bf16.parquet" --top 6
   } 2>&1 | tee "$out/anchors.log"
   ;;
 repro)
@@ -57,8 +59,10 @@ sweep)
   python3 docs/tile_sweep.py 2>&1 | tee "$out/sweep.log"
   ;;
 bench)
-  m bench --shape 8192x4x4x7168 --kernel "${BENCH_KERNELS:-sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping,mix_aggregate}" \
-    --impl triton,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828 --graph --repeats 20 -o "$out/bench.parquet" \
-    2>&1 | tee "$out/bench.log"
+  # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is
+  # skipped where it has no such kernel, and its layout conversions are not timed
+  timeout --foreground -s INT "${BENCH_LIMIT:-540}" python3 -m mhctool.cli bench --shape 8192x4x4x7168 \
+    --kernel "${BENCH_KERNELS:-mhc}" --impl "${BENCH_IMPL:-triton,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828}" \
+    --no-isolate --graph --repeats 10 -o "$out/bench.parquet" 2>&1 | tee "$out/bench.log"
   ;;
 esac
