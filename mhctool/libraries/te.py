@@ -55,7 +55,7 @@ def _streams_inner(x):
 def _phi(weight):
     """mhctool's weight rows over (n, C) -> TE's phi, whose columns follow (C, n) like its x."""
     rows, nc = weight.shape
-    n = round((rows + 1) ** 0.5 - 1)
+    n = n_of(weight)
     return weight.reshape(rows, n, nc // n).transpose(1, 2).reshape(rows, nc).contiguous()
 
 
