@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -253,26 +254,18 @@ def bench(
     specs = _split(impl)
     if any(registry.is_function_spec(s) for s in specs) and len(kernels) != 1:
         raise UsageError("an external --impl module:function needs one --kernel, not all")
+    resolved = {k: registry.resolve_impls(k, specs) if specs else registry.impls_for(k) for k in kernels}
+    targets = [SimpleNamespace(kernel=k, device=dev, dtype=bench_mod.bench_dtype(k, fmt.name)) for k in kernels]
+    if specs:  # as in parity: skipped where it cannot run, an error only where it runs nothing
+        runner.check_runnable(resolved, targets)
     plan = []
-    reasons: dict[str, str] = {}  # an asked implementation -> why it cannot run a kernel
-    runnable: set[str] = set()
-    for k in kernels:
-        shapes = moe_shapes if registry.get_family(k).shape_kind == "moe" else [mhc_shape]
-        for i in (registry.resolve_impls(k, specs) if specs else registry.impls_for(k)):
-            why = i.unsupported(dev, bench_mod.bench_dtype(k, fmt.name))
-            asked = i.spec or i.name
-            if why is None:
-                runnable.add(asked)
-            else:
-                reasons.setdefault(asked, f"{k}: {why}")
+    for t in targets:
+        shapes = moe_shapes if registry.get_family(t.kernel).shape_kind == "moe" else [mhc_shape]
+        for i in resolved[t.kernel]:
+            why = i.unsupported(t.device, t.dtype)
             for shp in shapes:
                 for g in graphs:
-                    plan.append((k, i, shp, g, why))
-    # as in parity: an implementation asked for by name is skipped (with the reason) on the kernels
-    # it cannot run, and is an error only when it runs none of them
-    for name in specs:
-        if name in reasons and name not in runnable:
-            raise UsageError(f"--impl {name} cannot run {', '.join(kernels)} here ({reasons[name]})")
+                    plan.append((t.kernel, i, shp, g, why))
     # refuse up front what cannot fit, with the estimate
     worst, worst_shape = max((bench_mod.footprint(k, shp, fmt.name), shp) for k, _, shp, _, _ in plan)
     if dev == "cuda":

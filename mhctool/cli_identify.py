@@ -16,7 +16,7 @@ from .errors import UsageError
 
 def _table(ident, top: int) -> Table:
     from .identify import fmt_knobs
-    t = Table(title=f"identify {ident.kernel}: {ident.impl.name} (asked: {fmt_knobs({**ident.asked, **ident.fixed}) or 'the contract'})")
+    t = Table(title=f"identify {ident.kernel}: {ident.impl.name} (asked: {fmt_knobs(ident.asked_all) or 'the contract'})")
     for c in ("candidate", "max_rel", "x native noise", "native max_rel", "verdict", "what it is"):
         t.add_column(c)
     for c in ident.shown(top):

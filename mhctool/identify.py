@@ -263,6 +263,11 @@ class Identification:
     discrete: tuple[str, ...] = ()  # the knobs searched exhaustively
     fixed: dict = field(default_factory=dict)  # asked knobs held, not searched (Sinkhorn's domain)
 
+    @property
+    def asked_all(self) -> dict:
+        """Everything it was asked for: the searched knobs' asked values and the held ones."""
+        return {**self.asked, **self.fixed}
+
     def shown(self, top: int) -> list[Candidate]:
         """The judged candidates, then the best fit of each other discrete combination (``top`` in all)."""
         judged = [c for c in self.candidates if c.stage == "judged"]
@@ -532,9 +537,8 @@ def _float64(base: dict) -> dict:
 
 def _batched_errors(out: torch.Tensor, refs: torch.Tensor) -> tuple[list[float], list[float]]:
     """The normalised max error (max |out - ref| / max |ref|) and ``metrics.max_rel`` of ``out``
-    against each ``refs[i]`` at once; inf
-    where a reference is non-finite and the output is not, or the output is non-finite where the
-    reference is finite."""
+    against each ``refs[i]`` at once; inf where a reference is non-finite and the output is not,
+    or the output is non-finite where the reference is finite."""
     o = out.detach().double().expand_as(refs)
     fin = torch.isfinite(refs)
     breaks = (~fin & torch.isfinite(o)).flatten(1).any(1)
@@ -572,7 +576,7 @@ def identify(kernel: str, impl: Impl, **kw) -> Identification:
 def rows(ident: Identification, dtype: str, device: str) -> list[dict]:
     """Report rows (report.IDENTIFY_SCHEMA): one per candidate tried."""
     base = {"kernel": ident.kernel, "impl": ident.impl.name, "dtype": dtype, "device": device,
-            "asked": json.dumps({**ident.asked, **ident.fixed}, sort_keys=True, default=str)}
+            "asked": json.dumps(ident.asked_all, sort_keys=True, default=str)}
     if ident.error:
         return [{**base, "stage": "error", "candidate": None, "max_rel": math.nan, "native_max_rel": None,
                  "passed": False, "best": False, "classification": None, "message": ident.line()}]

@@ -332,7 +332,6 @@ PROBES: dict[str, dict[str, InputFamily]] = {
 }
 
 
-
 def _as_streams(make):
     """A mapping family with its ``x2d[T, n*C]`` as the streams ``x[s, b, n, C]`` (mix_aggregate)."""
     def gen(shape, g, knobs):

@@ -532,12 +532,13 @@ class Isolation:
         self.workers.clear()
 
 
-def check_runnable(impls: dict[str, list[Impl]], cases: list[Case]) -> None:
-    """Implementations asked for by name: one that can run none of the cases is a UsageError
-    naming the reason; one that runs some of them is skipped, with the reason, on the others."""
+def check_runnable(impls: dict[str, list[Impl]], targets) -> None:
+    """Implementations asked for by name: one that can run none of the ``targets`` (cases, or
+    anything with ``kernel``, ``device`` and ``dtype``) is a UsageError naming the reason; one that
+    runs some of them is skipped, with the reason, on the others (parity and bench alike)."""
     reasons: dict[str, str] = {}
     runnable: set[str] = set()
-    for c in cases:
+    for c in targets:
         for i in impls.get(c.kernel, []):
             key = i.spec or i.name  # what was asked for: a library spec stands for all it offers
             why = i.unsupported(c.device, c.dtype)
@@ -547,7 +548,7 @@ def check_runnable(impls: dict[str, list[Impl]], cases: list[Case]) -> None:
                 reasons.setdefault(key, why)
     for name, why in reasons.items():
         if name not in runnable:
-            kernels = sorted({c.kernel for c in cases})
+            kernels = sorted({c.kernel for c in targets})
             raise UsageError(f"--impl {name} cannot run {', '.join(kernels)} here: {why}")
 
 

@@ -51,30 +51,35 @@ def _mapping(m, x2d, weight, alpha, h_bias, eps=1e-6, compute_h_eps=1e-6):
     return h_pre, h_post, h_res.reshape(h_res.shape[0], n, n), r
 
 
+def _cutile_check(m) -> tuple[bool, str | None]:
+    """The module's own ``is_cutile_available()``: (its answer, or False where it has none; what it
+    raised, if it did)."""
+    check = getattr(m, "is_cutile_available", None)
+    if check is None:
+        return False, None
+    try:
+        return bool(check()), None
+    except Exception as e:  # noqa: BLE001 - the library's own check failed
+        return False, f"{type(e).__name__}: {e}"
+
+
 def _unavailable(m, dev: bool) -> str | None:
     """PR 3828's kernels are cuTile only: where the module's own check says no, they cannot run."""
-    check = getattr(m, "is_cutile_available", None)
-    if dev or check is None:
+    if dev or not hasattr(m, "is_cutile_available"):
         return None
-    try:
-        ok = bool(check())
-    except Exception as e:  # noqa: BLE001 - the library's own check failed
-        return f"its is_cutile_available() raised {type(e).__name__}: {e}"
+    ok, raised = _cutile_check(m)
+    if raised:
+        return f"its is_cutile_available() raised {raised}"
     return None if ok else "Megatron's PR 3828 kernels are cuTile only and its is_cutile_available() is False here"
-
-
-def _cutile_active(m) -> bool:
-    """Whether the module's cuTile path runs here (its own check; False where it has none)."""
-    try:
-        return bool(getattr(m, "is_cutile_available", lambda: False)())
-    except Exception:  # noqa: BLE001 - the library's own check failed: its torch fallback runs
-        return False
 
 
 def recognise(m) -> tuple[str, list[Binding]]:
     dev = hasattr(m, "fused_proj_rms_compute_h")
     generation = "dev" if dev else "pr3828"
     why = _unavailable(m, dev)
+    # the cuTile projections multiply in TF32 (``ct.mma`` on tfloat32 operands, forward and
+    # backward); dev's torch fallback, taken without cuTile, multiplies at IEEE
+    precision = "tf32" if _cutile_check(m)[0] else "ieee"
     found = []
     if hasattr(m, "fused_sinkhorn"):
         found.append(Binding("sinkhorn", "fused_sinkhorn", _sinkhorn, ("iters", "eps"),
@@ -84,14 +89,10 @@ def recognise(m) -> tuple[str, list[Binding]]:
     if hasattr(m, "fused_h_post_bda"):
         found.append(Binding("h_post_bda", "fused_h_post_bda", _h_post_bda, (), {"transpose_res": dev}))
     if hasattr(m, "fused_proj_rms"):
-        # PR 3828's cuTile projection multiplies in TF32 by design (DESIGN.md): judged under TF32
-        found.append(Binding("proj_rms", "fused_proj_rms", _proj_rms, ("eps",),
-                             precision="tf32" if hasattr(m, "is_cutile_available") else "ieee"))
+        found.append(Binding("proj_rms", "fused_proj_rms", _proj_rms, ("eps",), precision=precision))
     if dev:
-        # its cuTile mapping multiplies in TF32, forward and backward (``ct.mma`` on tfloat32
-        # operands); the torch fallback it takes without cuTile multiplies at IEEE
         found.append(Binding("mapping", "fused_proj_rms_compute_h", _mapping, ("eps", "compute_h_eps"),
-                             {"compute_h_eps": 1e-6}, precision="tf32" if _cutile_active(m) else "ieee"))
+                             {"compute_h_eps": 1e-6}, precision=precision))
     # Megatron's own module launches CUDA kernels (cuTile, Triton) whatever the inputs' device; a
     # plain-PyTorch module with its signatures runs anywhere
     devices = ("cuda",) if hasattr(m, "is_cutile_available") else ("cpu", "cuda")

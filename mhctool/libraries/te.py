@@ -94,6 +94,9 @@ def _mix_aggregate(tf32: bool):
 
 def recognise(m) -> tuple[str, list[Binding]]:
     found = []
+    # TE's own projection asks CUDA for TMA support (GPU only); a plain-PyTorch module with its
+    # signatures (no mHCProjectionOp) runs anywhere
+    projection_devices = ("cuda",) if hasattr(m, "mHCProjectionOp") else ("cpu", "cuda")
     if hasattr(m, "mhc_fused_sinkhorn"):
         found.append(Binding("sinkhorn", "mhc_fused_sinkhorn", _sinkhorn, ("iters",),
                              {"eps": 0.0, "stabilize": "rowmax", "order": "row_first", "domain": "log"}, limit=_n4))
@@ -106,14 +109,11 @@ def recognise(m) -> tuple[str, list[Binding]]:
             found.append(Binding("h_post_bda", "mhc_fused_expand_combine", _expand_combine(tf32), (),
                                  {"transpose_res": True}, precision, variant, limit=_n4, layouts=STREAMS_INNER))
         if hasattr(m, "mhc_fused_projection") and hasattr(m, "mhc_fused_scale"):
-            # TE's own projection asks CUDA for TMA support (GPU only); a plain-PyTorch module with
-            # its signatures (no mHCProjectionOp) runs anywhere
-            devices = ("cuda",) if hasattr(m, "mHCProjectionOp") else ("cpu", "cuda")
             found.append(Binding("mapping", "mhc_fused_projection+mhc_fused_scale", _mapping(tf32), (),
-                                 {"rms_eps": "inside", "eps": FP32_EPS}, precision, variant, devices, _n4))
+                                 {"rms_eps": "inside", "eps": FP32_EPS}, precision, variant, projection_devices, _n4))
         if hasattr(m, "mhc_generate_mix_and_aggregate"):
-            devices = ("cuda",) if hasattr(m, "mHCProjectionOp") else ("cpu", "cuda")
             found.append(Binding("mix_aggregate", "mhc_generate_mix_and_aggregate", _mix_aggregate(tf32), (),
                                  {"rms_eps": "inside", "eps": FP32_EPS, "sinkhorn_eps": 0.0, "domain": "log"},
-                                 precision, variant, devices, _n4, layouts={**STREAMS_INNER, "weight": _phi}))
+                                 precision, variant, projection_devices, _n4,
+                                 layouts={**STREAMS_INNER, "weight": _phi}))
     return "main", found
