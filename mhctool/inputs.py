@@ -373,9 +373,12 @@ def generate(kernel: str, family: str, shape: Shape, seed: int, knobs: dict,
 
 
 def upstream_grads(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
-    """Seeded upstream gradients, one per output, at the output's dtype and device."""
+    """Seeded upstream gradients, one per output, at the output's dtype and device, laid out in
+    memory like the output (as the next layer's backward would hand them over): an output that is a
+    view in another memory order (a library's layout, seen through the adapter's transpose) gets its
+    gradient in that order, so the library's backward is not charged for a copy into its layout."""
     g = torch.Generator().manual_seed(seed + 0x5EED)
     return [
-        torch.randn(o.shape, generator=g, dtype=torch.float32).to(dtype=o.dtype, device=o.device)
+        torch.empty_like(o).copy_(torch.randn(o.shape, generator=g, dtype=torch.float32))
         for o in outputs
     ]

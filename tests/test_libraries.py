@@ -198,3 +198,23 @@ def test_te_layouts_staged_once_give_what_the_converting_call_gives(kernel):
     got = fam.call(fn, staged, {}, impl.accepts, impl.bind)
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+def test_upstream_gradients_come_in_the_outputs_memory_order():
+    """TE's expand_combine returns its (s, b, C, n) output as an (s, b, n, C) view; the upstream
+    gradient bench hands its backward is laid out the same way (as TE's next layer would hand it),
+    with the values a contiguous one has, so TE's backward is not timed copying it into its layout."""
+    import torch
+
+    from mhctool import inputs as inputs_mod
+    from mhctool.shapes import parse_shape_for
+
+    impl = registry.resolve_impls("h_post_bda", [f"te:{IMPLS / 'te_standin'}"])[0]
+    stage, fn = impl.staged
+    fam = registry.get_family("h_post_bda")
+    _, raw = inputs_mod.generate("h_post_bda", "random", parse_shape_for("mhc", "3x2x4x40"), 0, {}, device="cpu")
+    out = fam.call(fn, stage(raw), {}, impl.accepts, impl.bind)[0]
+    assert not out.is_contiguous()  # the adapter's view back to mhctool's layout
+    up = inputs_mod.upstream_grads([out], seed=7)[0]
+    assert up.stride() == out.stride()
+    assert torch.equal(up, inputs_mod.upstream_grads([out.contiguous()], seed=7)[0])
