@@ -114,6 +114,79 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
 
 
+@triton.jit
+def _split3(gp, DT: tl.constexpr):
+    """fp32 -> three pieces in ``DT`` whose sum is ``gp`` to 24 significant bits."""
+    hi = gp.to(DT)
+    r1 = gp - hi.to(tl.float32)
+    mid = r1.to(DT)
+    lo = (r1 - mid.to(tl.float32)).to(DT)
+    return hi, mid, lo
+
+
+@triton.jit
+def _proj_rms_bwd_t(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
+                    NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT: tl.constexpr, STAGES: tl.constexpr, DX_PIECES: tl.constexpr,
+                    DW_PIECES: tl.constexpr):
+    """bf16 (fp16) x and W on tensor cores, shaped for Hopper: the weight gradient is kept
+    transposed, ``dW^T[k, :] += x^T g`` (its M is the K block, 64 or more), and dx = g W takes the
+    row block as its M. The fp32 upstream gradient goes in as three pieces for dW (fp32-accurate)
+    and ``DX_PIECES`` pieces for dx (two are 16 significant bits, past what a bf16 dx keeps)."""
+    kb = tl.program_id(0)
+    sp = tl.program_id(1)
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    cols = tl.arange(0, NP)
+    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
+    dwt = tl.zeros([BLOCK_K, NP], dtype=tl.float32)
+    zero = tl.zeros([BLOCK_K, NP], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
+    for mb in tl.range(sp, tl.cdiv(M, BLOCK_M), SPLIT, num_stages=STAGES):
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & kmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * K + k[None, :]
+        xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
+        gr = tl.load(gr_ptr + rows, mask=rmask, other=0.0)
+        r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
+        rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
+        coef = tl.where(rmask, -gr * r * r / (K * rms), 0.0)
+        g_hi, g_mid, g_lo = _split3(gp, xl.dtype)
+        if DX_PIECES == 2:
+            prod = tl.dot(g_hi, w, tl.dot(g_mid, w))
+        else:
+            prod = tl.dot(g_hi, w, tl.dot(g_mid, w, tl.dot(g_lo, w)))
+        xt = tl.trans(xl)
+        if DW_PIECES == 2:
+            dwt += tl.dot(xt, g_hi, tl.dot(xt, g_mid, zero))
+        else:
+            dwt += tl.dot(xt, g_hi, tl.dot(xt, g_mid, tl.dot(xt, g_lo, zero)))
+        dx = prod + coef[:, None] * xl.to(tl.float32)
+        tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
+
+
+def proj_rms_backward_t(x2d, weight, r, rms, grad_proj, grad_r, cfg):
+    """The Hopper-shaped backward (``_proj_rms_bwd_t``) for bf16/fp16 x and W; ``cfg`` =
+    (BLOCK_M, BLOCK_K, SPLIT, warps, stages, dx pieces, dW pieces)."""
+    weight = _check(x2d, weight)
+    M, K = x2d.shape
+    N = weight.shape[0]
+    grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
+    grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
+    dx = empty(x2d.shape, x2d.dtype, x2d.device)
+    bm, bk, split, warps, stages, pieces, dw_pieces = cfg
+    split = max(1, min(split, triton.cdiv(M, bm)))
+    ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
+    if M:
+        _proj_rms_bwd_t[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
+                                                    NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
+                                                    SPLIT=split, STAGES=stages, DX_PIECES=pieces, DW_PIECES=dw_pieces,
+                                                    num_warps=warps)
+    return dx, sum_rows(ws, weight.dtype, weight.shape)
+
+
 def _precision() -> str:
     """Products of fp32 operands run as IEEE fp32 FMAs. tf32x3 (three TF32 tensor-core products)
     is 5x faster at the paper shape but was measured on an H100 at up to 1.9x the error of cuBLAS's

@@ -48,7 +48,9 @@ def sum_rows(ws: torch.Tensor, dtype: torch.dtype, shape, ordered: bool = False)
     R, L = ws.shape
     out = empty(shape, dtype, ws.device)
     if L:
-        block, block_r = (1024, 1) if ordered or R == 1 else (128, 64)
+        # the tree sum: narrow column blocks where L is short, so that a few thousand columns
+        # still spread over a few hundred programs (a bias gradient: R partials of C columns)
+        block, block_r = (1024, 1) if ordered or R == 1 else (max(32, min(128, triton.next_power_of_2(triton.cdiv(L, 256)))), 64)
         _sum_rows[(triton.cdiv(L, block),)](ws, out, R, L, BLOCK=block, BLOCK_R=block_r,
                                            ORDERED=ordered or R == 1, num_warps=4)
     return out
