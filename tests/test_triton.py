@@ -234,7 +234,9 @@ def test_kernel_exp_is_accurate_far_from_zero():
     x = torch.cat([torch.empty(2000).uniform_(-103.0, 88.7), edges])
     want = x.double().exp()
     normal = (want > 1.2e-38) & (want < 3.4e38)
-    for naive, bound in ((False, 2), (True, 50)):
+    # 4 ulp: the interpreter's exp2 is numpy's, whose float32 error depends on the host's SIMD path
+    # (0.5-1 ulp without AVX-512, up to about 2.8 with it); the naive form is off by |x| ulp, ~100
+    for naive, bound in ((False, 4), (True, 50)):
         got = torch.empty_like(x)
         _apply_exp[(1,)](x, got, x.numel(), NAIVE=naive)
         ulps = ((got.double() - want).abs() / want / 2.0**-24)[normal].max().item()
@@ -242,5 +244,9 @@ def test_kernel_exp_is_accurate_far_from_zero():
     got = torch.empty_like(x)
     _apply_exp[(1,)](x, got, x.numel(), NAIVE=False)
     assert torch.equal(got[-len(edges):].isnan(), want[-len(edges):].isnan())
-    finite = ~want[-len(edges):].isnan()
-    assert torch.equal(got[-len(edges):][finite], want[-len(edges):].float()[finite])
+    g, w = got[-len(edges):].double(), want[-len(edges):]
+    w32 = w.float().double()  # what fp32 can hold: 0 and inf past its range
+    special = (w32 == 0) | w32.isinf() | (w32 == 1)  # 0, inf and e**0 exactly; the rest within the bound
+    assert torch.equal(g[special], w32[special])
+    rest = ~special & ~w.isnan()
+    assert ((g[rest] - w[rest]).abs() <= 4 * 2.0**-24 * w[rest]).all(), (g[rest], w[rest])
