@@ -3,7 +3,9 @@
     ncu -k regex:"bwd" --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis python3 docs/ncu_bwd.py
 
-(every kernel is launched twice: the first compiles and picks tiles, the profile reads both)."""
+(every kernel is launched twice: the first compiles and picks tiles, the profile reads both;
+"h_post_bda" or "proj_rms" as the argument runs one). The eighth session's profile is in
+docs/perf-notes.md."""
 import sys
 from pathlib import Path
 
@@ -25,7 +27,6 @@ if what in ("all", "h_post_bda"):
     h, hp = torch.rand(S, B, N, N, device="cuda"), torch.rand(S, B, N, device="cuda")
     for _ in range(2):
         hpb.h_post_bda_backward(h, x, hp, y, bias, go)
-        hpb.h_post_bda_backward_rows(h, x, hp, y, bias, go, False, (2, 64, 1, 3, 1024))
     del x, go
 if what in ("all", "proj_rms"):
     x = torch.randn(T, K, generator=g, device="cuda").to(torch.bfloat16)
@@ -34,5 +35,4 @@ if what in ("all", "proj_rms"):
     gp, gr = torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
     for _ in range(2):
         pr.proj_rms_backward(x, w, r, rms, gp, gr)
-        pr.proj_rms_backward_t(x, w, r, rms, gp, gr, (64, 256, 8, 8, 2, 2))
 torch.cuda.synchronize()

@@ -126,6 +126,26 @@ def test_proj_rms_matches_float64(mkn, dtype):
         assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol
 
 
+@pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 300, 8), (130, 260, 80)])
+def test_proj_rms_tensor_core_backward_indexing_matches_float64(mkn):
+    """The bf16/fp16 backward (``_proj_rms_bwd_lowp``: dW kept transposed, two pieces of the
+    gradient) runs only on a GPU by default; forced on fp32 operands here, its pieces are exact and
+    the interpreter's products fp32, so what is checked is its indexing: row blocks that are not
+    multiples of 64, a K that is not a multiple of 256, two token splits, NaN-poisoned outputs."""
+    m, k, n = mkn
+    x, w = torch.randn(m, k), torch.randn(n, k) / k ** 0.5
+    _, r, rms = tpr.proj_rms_forward(x, w)
+    gp, gr = torch.randn(m, n), torch.randn(m)
+    with poisoning():
+        gx, gw = tpr.proj_rms_backward(x, w, r, rms, gp, gr, lowp=True)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    rp, rr = ref.proj_rms(xd, wd)
+    rx, rw = torch.autograd.grad((rp, rr), (xd, wd), (gp.double(), gr.double()))
+    for a, b_ in ((gx, rx), (gw, rw)):
+        assert torch.isfinite(a).all()
+        assert ((a.double() - b_).abs().max() / b_.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("mkn", [(39, 268, 4), (70, 130, 2), (5, 40, 8)])
 def test_mapping_path_matches_float64(mkn):
     """proj_rms with compute_h fused after it: H_pre, H_post and the Sinkhorn logits."""

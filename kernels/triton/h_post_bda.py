@@ -93,66 +93,6 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         tl.store(ws_b_ptr + tb.to(tl.int64) * C + c, tl.sum(dy, axis=0), mask=cmask)
 
 
-@triton.jit
-def _h_post_bda_bwd_rows(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, dh_ptr, dhp_ptr,
-                         ws_b_ptr, T, C, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr,
-                         STAGES: tl.constexpr):
-    """One program walks whole rows: for each of its token blocks (every ``num_programs``-th), the
-    C loop streams grad_out, x and y once, writes dx and dy, and keeps the products behind
-    grad_h_res and grad_h_post per lane in fp32 registers, summed over the lanes once at the end:
-    those two gradients leave finished, with no workspace, in an order set by the tile alone. The
-    bias gradient (a sum over tokens) is kept per program in a row of ``ws_b`` that only this
-    program touches, in a fixed order, and a second kernel sums the rows."""
-    pid = tl.program_id(0)
-    n = tl.arange(0, NP)
-    i3 = n[None, :, None]
-    j3 = n[None, None, :]
-    cc = tl.arange(0, BLOCK_C)
-    for tb in range(pid, tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
-        t = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        tmask = t < T
-        nmask = tmask[:, None] & (n[None, :] < N)
-        hp = tl.load(hp_ptr + t[:, None] * N + n[None, :], mask=nmask, other=0.0).to(tl.float32)
-        # Hm[t, i, j] as [BLOCK_T, i, j]: h_res[t, i, j], or h_res[t, j, i] transposed; the same
-        # offsets take grad_h_res back
-        if TRANSPOSE:
-            hoffs = t[:, None, None] * N * N + j3 * N + i3
-        else:
-            hoffs = t[:, None, None] * N * N + i3 * N + j3
-        hmask = tmask[:, None, None] & (i3 < N) & (j3 < N)
-        hm = tl.load(h_ptr + hoffs, mask=hmask, other=0.0).to(tl.float32)
-        acc_h = tl.zeros([BLOCK_T, NP, NP, BLOCK_C], dtype=tl.float32)
-        acc_p = tl.zeros([BLOCK_T, NP, BLOCK_C], dtype=tl.float32)
-        for c0 in tl.range(0, C, BLOCK_C, num_stages=STAGES):
-            c = c0 + cc
-            cmask = c < C
-            offs3 = t[:, None, None] * N * C + n[None, :, None] * C + c[None, None, :]
-            mask3 = nmask[:, :, None] & cmask[None, None, :]
-            offs2 = t[:, None] * C + c[None, :]
-            mask2 = tmask[:, None] & cmask[None, :]
-            if HAS_BIAS:
-                # this program's running bias partial, loaded with the chunk (not behind its stores)
-                wb = ws_b_ptr + pid.to(tl.int64) * C + c
-                wb_old = tl.load(wb, mask=cmask, other=0.0)
-            g = tl.load(g_ptr + offs3, mask=mask3, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + offs3, mask=mask3, other=0.0).to(tl.float32)
-            z = tl.load(y_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                z += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-            dy = tl.sum(hp[:, :, None] * g, axis=1)
-            tl.store(dy_ptr + offs2, cast(dy, dy_ptr.dtype.element_ty), mask=mask2)
-            dx = tl.sum(hm[:, :, :, None] * g[:, :, None, :], axis=1)  # sum_i Hm[i, j] g[i, c]
-            tl.store(dx_ptr + offs3, cast(dx, dx_ptr.dtype.element_ty), mask=mask3)
-            acc_h += g[:, :, None, :] * x[:, None, :, :]  # g[i, c] x[j, c], per lane
-            acc_p += g * z[:, None, :]
-            if HAS_BIAS:
-                tl.store(wb, wb_old + tl.sum(dy, axis=0), mask=cmask)
-        tl.store(dh_ptr + hoffs, cast(tl.sum(acc_h, axis=3), dh_ptr.dtype.element_ty), mask=hmask)
-        tl.store(dhp_ptr + t[:, None] * N + n[None, :], cast(tl.sum(acc_p, axis=2), dhp_ptr.dtype.element_ty),
-                 mask=nmask)
-
-
 def _blocks(C: int, n: int, elems: int = 8192, max_c: int = 256, warps: int = 8):
     """(BLOCK_T, BLOCK_C, num_warps): a [BLOCK_T, NP, BLOCK_C] tile of about ``elems`` elements."""
     np_ = next_pow2(n)
@@ -249,37 +189,6 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
     d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape, ordered=True)
     d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
     return d_h, dx, d_hp, dy, d_b
-
-
-def h_post_bda_backward_rows(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None):
-    """The row-walking backward (``_h_post_bda_bwd_rows``); ``tile_`` = (BLOCK_T, BLOCK_C, warps,
-    stages, programs)."""
-    h_res, h_post = _check(h_res, x, h_post, y, bias)
-    grad_out = grad_out.contiguous()
-    s, b, n, C = x.shape
-    T = s * b
-    bt, bc, warps, stages, programs = tile_ or rows_tile(C, n)
-    grid = max(1, min(programs, triton.cdiv(T, bt)))
-    dx = empty(x.shape, x.dtype, x.device)
-    dy = empty(y.shape, y.dtype, y.device)
-    d_h = empty(h_res.shape, h_res.dtype, x.device)
-    d_hp = empty(h_post.shape, h_post.dtype, x.device)
-    ws_b = torch.zeros((grid, C) if bias is not None else (1, 1), dtype=torch.float32, device=x.device)
-    if T and C:
-        _h_post_bda_bwd_rows[(grid,)](
-            h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, d_h, d_hp, ws_b,
-            T, C, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
-            TRANSPOSE=bool(transpose_res), STAGES=stages, num_warps=warps)
-    elif T:
-        d_h.zero_(), d_hp.zero_()
-    d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
-    return d_h, dx, d_hp, dy, d_b
-
-
-def rows_tile(C: int, n: int) -> tuple:
-    if interpreted():
-        return 4, 32, 4, 1, 3
-    return 2, 64, 1, 3, 1024
 
 
 class HPostBdaFunction(torch.autograd.Function):

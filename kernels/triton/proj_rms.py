@@ -4,7 +4,8 @@
 The mapping path is fp32 whatever the activation dtype. With bf16 (or fp16) x and W the product
 runs on tensor cores in that dtype: the products are exact in fp32 and accumulate in fp32 (one
 fresh accumulator per K chunk), so the result is an fp32 product of the upcast inputs; in the
-backward the fp32 upstream gradient is split into three bf16 pieces for the same tensor cores.
+backward the fp32 upstream gradient is split into two bf16 pieces for the same tensor cores
+(``_proj_rms_bwd_lowp``).
 Operands that are fp32 multiply as IEEE fp32 (see ``_precision``); so does everything under the
 interpreter, whose bf16 ``tl.dot`` is unreliable.
 
@@ -71,15 +72,15 @@ def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.c
 @triton.jit
 def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr):
+    """fp32 operands (and everything under the interpreter): products at ``PREC``."""
     kb = tl.program_id(0)
     sp = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NP)
     w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
-    if not LOWP:
-        w = w.to(tl.float32)
+    w = w.to(tl.float32)
     dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
     zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
     for mb in range(sp, tl.cdiv(M, BLOCK_M), SPLIT):
@@ -87,27 +88,11 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         rmask = rows < M
         mask = rmask[:, None] & kmask[None, :]
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
-        xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        x = xl.to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
-        gr = tl.load(gr_ptr + rows, mask=rmask, other=0.0)
-        r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
-        rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
-        # d r / d x = -r^2 * x / (K * rms)
-        coef = tl.where(rmask, -gr * r * r / (K * rms), 0.0)
-        if LOWP:
-            # bf16 (fp16) x and W are exact in their dtype; the fp32 upstream gradient is split
-            # into three bf16 pieces (24 significant bits), so three low-precision products on
-            # tensor cores give an fp32-accurate result
-            g_hi = gp.to(xl.dtype)
-            r1 = gp - g_hi.to(tl.float32)
-            g_mid = r1.to(xl.dtype)
-            g_lo = (r1 - g_mid.to(tl.float32)).to(xl.dtype)
-            prod = tl.dot(g_hi, w, tl.dot(g_mid, w, tl.dot(g_lo, w)))
-            part = tl.dot(tl.trans(g_hi), xl, tl.dot(tl.trans(g_mid), xl, tl.dot(tl.trans(g_lo), xl, zero)))
-        else:
-            prod = tl.dot(gp, w, input_precision=PREC)
-            part = tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
+        coef = _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K)
+        prod = tl.dot(gp, w, input_precision=PREC)
+        part = tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
         dx = prod + coef[:, None] * x
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += part
@@ -115,24 +100,23 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
 
 
 @triton.jit
-def _split3(gp, DT: tl.constexpr):
-    """fp32 -> three pieces in ``DT`` whose sum is ``gp`` to 24 significant bits."""
-    hi = gp.to(DT)
-    r1 = gp - hi.to(tl.float32)
-    mid = r1.to(DT)
-    lo = (r1 - mid.to(tl.float32)).to(DT)
-    return hi, mid, lo
+def _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K):
+    """d r / d x = -r^2 x / (K rms): the per-row factor of x in dx."""
+    gr = tl.load(gr_ptr + rows, mask=rmask, other=0.0)
+    r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
+    rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
+    return tl.where(rmask, -gr * r * r / (K * rms), 0.0)
 
 
 @triton.jit
-def _proj_rms_bwd_t(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
-                    NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT: tl.constexpr, STAGES: tl.constexpr, DX_PIECES: tl.constexpr,
-                    DW_PIECES: tl.constexpr):
-    """bf16 (fp16) x and W on tensor cores, shaped for Hopper: the weight gradient is kept
-    transposed, ``dW^T[k, :] += x^T g`` (its M is the K block, 64 or more), and dx = g W takes the
-    row block as its M. The fp32 upstream gradient goes in as three pieces for dW (fp32-accurate)
-    and ``DX_PIECES`` pieces for dx (two are 16 significant bits, past what a bf16 dx keeps)."""
+def _proj_rms_bwd_lowp(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
+                       NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, STAGES: tl.constexpr):
+    """bf16 (fp16) x and W on tensor cores, shaped for Hopper's wgmma: the weight gradient is kept
+    transposed, ``dW^T[k, :] += x^T g`` (its M is the K block), and dx = g W takes the row block as
+    its M. x and W are exact in their dtype; the fp32 upstream gradient goes in as two pieces of
+    that dtype (16 significant bits for bf16), past what a bf16 (fp16) dx or dW keeps: a third
+    piece, as in the first version, changed no kept bit and cost 7% (docs/perf-notes.md)."""
     kb = tl.program_id(0)
     sp = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -148,43 +132,15 @@ def _proj_rms_bwd_t(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
         xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
         gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
-        gr = tl.load(gr_ptr + rows, mask=rmask, other=0.0)
-        r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
-        rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
-        coef = tl.where(rmask, -gr * r * r / (K * rms), 0.0)
-        g_hi, g_mid, g_lo = _split3(gp, xl.dtype)
-        if DX_PIECES == 2:
-            prod = tl.dot(g_hi, w, tl.dot(g_mid, w))
-        else:
-            prod = tl.dot(g_hi, w, tl.dot(g_mid, w, tl.dot(g_lo, w)))
+        coef = _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K)
+        g_hi = gp.to(xl.dtype)
+        g_lo = (gp - g_hi.to(tl.float32)).to(xl.dtype)
+        prod = tl.dot(g_hi, w, tl.dot(g_lo, w))
         xt = tl.trans(xl)
-        if DW_PIECES == 2:
-            dwt += tl.dot(xt, g_hi, tl.dot(xt, g_mid, zero))
-        else:
-            dwt += tl.dot(xt, g_hi, tl.dot(xt, g_mid, tl.dot(xt, g_lo, zero)))
+        dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
-
-
-def proj_rms_backward_t(x2d, weight, r, rms, grad_proj, grad_r, cfg):
-    """The Hopper-shaped backward (``_proj_rms_bwd_t``) for bf16/fp16 x and W; ``cfg`` =
-    (BLOCK_M, BLOCK_K, SPLIT, warps, stages, dx pieces, dW pieces)."""
-    weight = _check(x2d, weight)
-    M, K = x2d.shape
-    N = weight.shape[0]
-    grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
-    grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
-    dx = empty(x2d.shape, x2d.dtype, x2d.device)
-    bm, bk, split, warps, stages, pieces, dw_pieces = cfg
-    split = max(1, min(split, triton.cdiv(M, bm)))
-    ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
-    if M:
-        _proj_rms_bwd_t[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
-                                                    NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
-                                                    SPLIT=split, STAGES=stages, DX_PIECES=pieces, DW_PIECES=dw_pieces,
-                                                    num_warps=warps)
-    return dx, sum_rows(ws, weight.dtype, weight.shape)
 
 
 def _precision() -> str:
@@ -225,23 +181,42 @@ def proj_rms_forward(x2d, weight, eps=1e-6):
     return proj, r, rms
 
 
-def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r):
+# the bf16 (fp16) backward's tile, fixed (BLOCK_M, BLOCK_K, SPLIT, warps, stages): the fastest of
+# 32 timed at the paper shape on an H100 (docs/perf-notes.md); SPLIT decides the order of dW's sum
+# over row blocks, so it is not timed per token count
+LOWP_TILE = (64, 256, 8, 8, 2)
+
+
+def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None):
+    """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
+    Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
+    indexing through the interpreter."""
     weight = _check(x2d, weight)
     M, K = x2d.shape
     N = weight.shape[0]
     grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
     grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
-    lowp = low_precision_operands(x2d, weight)
+    lowp = low_precision_operands(x2d, weight) if lowp is None else lowp
     dx = empty(x2d.shape, x2d.dtype, x2d.device)
+    NP = max(16, next_pow2(N))
+
+    if lowp:
+        bm, bk, split, warps, stages = LOWP_TILE
+        split = max(1, min(split, triton.cdiv(M, bm)))
+        ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
+        if M:
+            _proj_rms_bwd_lowp[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
+                                                           NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+                                                           STAGES=stages, num_warps=warps)
+        return dx, sum_rows(ws, weight.dtype, weight.shape)
 
     def run(cfg):
         bm, bk, split, warps = cfg
         split = max(1, min(split, triton.cdiv(M, bm)))
         ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
         _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
-                                                   NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
-                                                   SPLIT=split, PREC=_precision(), LOWP=lowp,
-                                                   num_warps=warps)
+                                                   NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+                                                   PREC=_precision(), num_warps=warps)
         return ws
 
     configs = [(64, 128, 1, 4)] if interpreted() else [
