@@ -2,13 +2,16 @@
 # The GPU machine's steps, in two calls of the device tool (each call has 10 minutes):
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh checks", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh anchors", carry=[".device", ".anchors"])
-#   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+#   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table)
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh repro", carry=[".device"])
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
 # megatron|te GIT_DIR for the anchors (never commit .anchors/). Logs go to $OUT (or ./out).
 set -uo pipefail
 out="${OUT:-out}"; mkdir -p "$out"
+# the paper-shape judging holds float64 gradients of several GB: without expandable segments the
+# repro phase ran out of memory on h_post_bda with 30 GB reserved but free (eighth session, H100)
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 phase="${1:-checks}"
 m() { python3 -m mhctool.cli "$@"; }
 step() { echo; echo "=== $* ($(date +%T))"; }
