@@ -70,16 +70,22 @@ def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.c
 
 
 @triton.jit
+def _bwd_block(w_ptr, K, N, NP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A backward program's place: its token split, its K block (and mask), the padded mapping
+    rows, and W's ``[NP, BLOCK_K]`` block, which it keeps for every row block it walks."""
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    cols = tl.arange(0, NP)
+    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
+    return tl.program_id(1), k, kmask, cols, w
+
+
+@triton.jit
 def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT: tl.constexpr, PREC: tl.constexpr):
     """fp32 operands (and everything under the interpreter): products at ``PREC``."""
-    kb = tl.program_id(0)
-    sp = tl.program_id(1)
-    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = k < K
-    cols = tl.arange(0, NP)
-    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
+    sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
     w = w.to(tl.float32)
     dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
     zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
@@ -116,13 +122,8 @@ def _proj_rms_bwd_lowp(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_
     transposed, ``dW^T[k, :] += x^T g`` (its M is the K block), and dx = g W takes the row block as
     its M. x and W are exact in their dtype; the fp32 upstream gradient goes in as two pieces of
     that dtype (16 significant bits for bf16), past what a bf16 (fp16) dx or dW keeps: a third
-    piece, as in the first version, changed no kept bit and cost 7% (docs/perf-notes.md)."""
-    kb = tl.program_id(0)
-    sp = tl.program_id(1)
-    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = k < K
-    cols = tl.arange(0, NP)
-    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
+    piece, as in the first version, changed no kept bit and cost 8% (docs/perf-notes.md)."""
+    sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
     dwt = tl.zeros([BLOCK_K, NP], dtype=tl.float32)
     zero = tl.zeros([BLOCK_K, NP], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
     for mb in tl.range(sp, tl.cdiv(M, BLOCK_M), SPLIT, num_stages=STAGES):
