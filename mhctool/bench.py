@@ -399,3 +399,95 @@ def rows(results, device: str, copy_bw: float, mm_bf16: float, mm_tf32: float) -
             out.append({**base, "dtype": m.dtype, "graph": m.graph, "metric": metric,
                         "value": float(v) if v is not None else math.nan, "bound": bound, "message": msg})
     return out
+
+
+# --- fwd + bwd, and the whole mHC path ------------------------------------------------------------
+
+# the kernels of one mHC layer's path, in order; the projection is proj_rms, or the mapping (the same
+# pass over x, with compute_h) where an implementation has no proj_rms
+PATH = ("sinkhorn", "h_aggregate", "h_post_bda", "projection")
+OURS = ("triton", "cutile")  # mhctool's kernels; torch and compile are the baselines
+
+
+@dataclass(frozen=True)
+class Total:
+    kernel: str
+    shape: str
+    impl: str
+    backend: str
+    graph: bool
+    fwd_ms: float
+    bwd_ms: float
+    pct_copy_bw: float  # the bytes of both directions over their summed time
+
+    @property
+    def ms(self) -> float:
+        return self.fwd_ms + self.bwd_ms
+
+
+def totals(rows: list[dict]) -> list[Total]:
+    """fwd + bwd per (kernel, shape, implementation, graph), where both directions were timed."""
+    got: dict = {}
+    for r in rows:
+        if r["metric"] in ("time_ms", "pct_copy_bw") and r["value"] == r["value"]:
+            key = (r["kernel"], r["shape"], r["impl"], r["backend"], bool(r["graph"]))
+            got.setdefault(key, {})[r["direction"], r["metric"]] = r["value"]
+    out = []
+    for (kernel, shape, impl, backend, graph), v in got.items():
+        if ("fwd", "time_ms") in v and ("bwd", "time_ms") in v:
+            tf, tb = v["fwd", "time_ms"], v["bwd", "time_ms"]
+            # % of copy bandwidth is bytes / time / copy: the bytes of a direction are pct * time
+            pct = (v.get(("fwd", "pct_copy_bw"), math.nan) * tf + v.get(("bwd", "pct_copy_bw"), math.nan) * tb) / (tf + tb)
+            out.append(Total(kernel, shape, impl, backend, graph, tf, tb, pct))
+    return out
+
+
+def library_of(total: Total) -> str:
+    """The group a total counts in: mhctool's implementations by name, a library by its prefix
+    (``te[main]:mhc_fused_aggregate[tf32]`` -> ``te``), a module:function by its module."""
+    if total.backend != "external":
+        return total.impl
+    head = total.impl.split(":")[0]
+    return head.split("[")[0]
+
+
+@dataclass(frozen=True)
+class PathSum:
+    name: str
+    shape: str
+    graph: bool
+    parts: dict  # path slot -> Total (the fastest of the group's implementations of that kernel)
+
+    @property
+    def ms(self) -> float:
+        return sum(t.ms for t in self.parts.values())
+
+    @property
+    def pct_copy_bw(self) -> float:
+        return sum(t.pct_copy_bw * t.ms for t in self.parts.values()) / self.ms
+
+
+def whole_path(tots: list[Total]) -> list[PathSum]:
+    """The path summed (fwd + bwd) per group: each implementation of mhctool's by name, each library
+    taking its fastest variant per kernel, then the best of mhctool's kernels and the best of the
+    libraries. A group is summed only where it has every kernel of the path."""
+    cands: dict = {}
+    for t in tots:
+        slot = "projection" if t.kernel in ("proj_rms", "mapping") else t.kernel
+        if slot not in PATH:
+            continue
+        names = [library_of(t)]
+        if t.backend in OURS:
+            names.append("best of mhctool")
+        elif t.backend == "external":
+            names.append("best of the libraries")
+        for n in names:
+            cands.setdefault((n, t.shape, t.graph), {}).setdefault(slot, []).append(t)
+    out = []
+    for (n, shape, graph), slots in cands.items():
+        if set(slots) != set(PATH):
+            continue
+        # the fastest per slot; for the projection, proj_rms wherever the group has one
+        parts = {slot: min(ts, key=lambda t: (t.kernel != "proj_rms", t.ms)) for slot, ts in slots.items()}
+        out.append(PathSum(n, shape, graph, parts))
+    return out

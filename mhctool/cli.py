@@ -316,6 +316,8 @@ def bench(
     if not quiet:
         out.print(_bench_table(rows, f"bench {shape_text} {fmt.name} on {dev}: copy {copy_bw / 1e9:.0f} GB/s, "
                                      f"bf16 matmul {mm_bf16 / 1e12:.0f} TFLOP/s, tf32 {mm_tf32 / 1e12:.0f} TFLOP/s"))
+        for t in _bench_totals(bench_mod, rows):
+            out.print(t)
     if plot is not None:
         from .plots import bench_figure
         out.print(f"plot: {bench_figure(table, plot, copy_bw)}")
@@ -369,6 +371,35 @@ def _bench_table(rows: list[dict], title: str) -> Table:
                   _fmt(g("peak_bytes") / 2**20 if g("peak_bytes") is not None and g("peak_bytes") == g("peak_bytes") else None),
                   note)
     return t
+
+
+def _bench_totals(bench_mod, rows: list[dict]) -> list[Table]:
+    """fwd + bwd per kernel and implementation, and the whole mHC path per implementation (where
+    both directions were timed)."""
+    tots = bench_mod.totals(rows)
+    if not tots:
+        return []
+    shapes = len({t.shape for t in tots}) > 1
+    label = lambda name, graph: _short_impl(name) + (" (graph)" if graph else "")  # noqa: E731
+    a = Table(title="fwd + bwd")
+    for c in ("kernel", *(("shape",) if shapes else ()), "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "% copy"):
+        a.add_column(c)
+    for t in tots:
+        a.add_row(t.kernel, *((t.shape,) if shapes else ()), label(t.impl, t.graph), _fmt(t.fwd_ms), _fmt(t.bwd_ms),
+                  _fmt(t.ms), _fmt(t.pct_copy_bw))
+    paths = bench_mod.whole_path(tots)
+    if not paths:
+        return [a]
+    b = Table(title="the whole mHC path, fwd + bwd, ms (projection: proj_rms, or the mapping where there is no "
+                    "proj_rms; a library's fastest variant per kernel)")
+    for c in ("implementation", *(("shape",) if shapes else ()), *bench_mod.PATH, "total ms", "% copy"):
+        b.add_column(c)
+    for p in sorted(paths, key=lambda p: (p.shape, p.ms)):
+        b.add_row(label(p.name, p.graph), *((p.shape,) if shapes else ()),
+                  *(_fmt(p.parts[s].ms) + ("" if p.parts[s].impl == p.name else f" {_short_impl(p.parts[s].impl)}")
+                    for s in bench_mod.PATH),
+                  _fmt(p.ms), _fmt(p.pct_copy_bw))
+    return [a, b]
 
 
 _SPARK = "▁▂▃▄▅▆▇█"

@@ -136,3 +136,53 @@ def test_a_group_of_kernels_takes_one_shape_beside_a_library(tmp_path):
     res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "mhc",
                               "--impl", "torch,cutile", "-o", str(out)])
     assert res.exit_code == 2 and "--impl cutile cannot run" in res.output, res.output
+
+
+def _timed(kernel, impl, backend, fwd_ms, bwd_ms, fwd_pct=50.0, bwd_pct=100.0):
+    return [dict(kernel=kernel, shape="8192x4x4x7168", impl=impl, backend=backend, graph=True, direction=d,
+                 metric=m, value=v)
+            for d, t, p in (("fwd", fwd_ms, fwd_pct), ("bwd", bwd_ms, bwd_pct))
+            for m, v in (("time_ms", t), ("pct_copy_bw", p))]
+
+
+def test_fwd_plus_bwd_and_the_whole_path_per_implementation():
+    """Issue 20's one table: fwd + bwd per kernel, and the path (Sinkhorn, h_aggregate, h_post_bda,
+    the projection) summed per implementation, per library (its fastest variant per kernel), and as
+    the best of mhctool's kernels; a group without every kernel of the path is not summed."""
+    from mhctool import bench as bench_mod
+    rows = (_timed("sinkhorn", "triton", "triton", 0.01, 0.02) + _timed("h_aggregate", "triton", "triton", 1, 2)
+            + _timed("h_post_bda", "triton", "triton", 1, 3) + _timed("proj_rms", "triton", "triton", 1, 3)
+            + _timed("mapping", "triton", "triton", 1, 2.5)
+            + _timed("sinkhorn", "cutile", "cutile", 0.02, 0.04) + _timed("h_aggregate", "cutile", "cutile", 1, 1.5)
+            + _timed("h_post_bda", "cutile", "cutile", 1, 3) + _timed("proj_rms", "cutile", "cutile", 1, 2)
+            + _timed("sinkhorn", "te[main]:mhc_fused_sinkhorn", "external", 0.03, 0.05)
+            + _timed("h_aggregate", "te[main]:mhc_fused_aggregate[tf32]", "external", 1, 2)
+            + _timed("h_aggregate", "te[main]:mhc_fused_aggregate[ieee]", "external", 1, 1.9)
+            + _timed("h_post_bda", "te[main]:mhc_fused_expand_combine[tf32]", "external", 1, 2)
+            + _timed("mapping", "te[main]:mhc_fused_projection+mhc_fused_scale[tf32]", "external", 1, 5)
+            + _timed("sinkhorn", "megatron[pr3828]:fused_sinkhorn", "external", 0.05, 0.2)
+            + [dict(kernel="h_post_bda", shape="8192x4x4x7168", impl="torch", backend="torch", graph=True,
+                    direction="fwd", metric="time_ms", value=2.0)])  # no backward: no total
+    tots = bench_mod.totals(rows)
+    agg = next(t for t in tots if t.kernel == "h_aggregate" and t.impl == "triton")
+    assert (agg.fwd_ms, agg.bwd_ms, agg.ms) == (1, 2, 3)
+    assert agg.pct_copy_bw == pytest.approx((50 * 1 + 100 * 2) / 3)  # the bytes over the summed time
+    assert not [t for t in tots if t.impl == "torch"]
+    paths = {p.name: p for p in bench_mod.whole_path(tots)}
+    assert set(paths) == {"triton", "cutile", "te", "best of mhctool", "best of the libraries"}  # not megatron
+    assert paths["triton"].ms == pytest.approx(0.03 + 3 + 4 + 4)  # proj_rms, not the faster mapping
+    assert paths["cutile"].ms == pytest.approx(0.06 + 2.5 + 4 + 3)
+    best = paths["best of mhctool"]
+    assert {s: t.impl for s, t in best.parts.items()} == {
+        "sinkhorn": "triton", "h_aggregate": "cutile", "h_post_bda": "triton", "projection": "cutile"}
+    te = paths["te"]  # TE has no proj_rms: its mapping fills the projection; its faster aggregate variant
+    assert te.parts["projection"].kernel == "mapping" and te.parts["h_aggregate"].impl.endswith("[ieee]")
+    assert te.ms == pytest.approx(0.08 + 2.9 + 3 + 6)
+
+
+def test_bench_prints_the_whole_path(tmp_path):
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel",
+                              "sinkhorn,h_aggregate,h_post_bda,proj_rms", "--impl", "torch", "--repeats", "3",
+                              "-o", str(tmp_path / "b.parquet")])
+    assert res.exit_code == 0, res.output
+    assert "fwd + bwd" in res.output and "the whole mHC path" in res.output
