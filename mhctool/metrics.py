@@ -21,6 +21,20 @@ def _pair(out: torch.Tensor, ref: torch.Tensor):
     return o[keep], r[keep]
 
 
+def finite_amax(t: torch.Tensor) -> float:
+    """``max |t|`` over the finite elements (0.0 if none), without a copy of ``t`` when every
+    element is finite: a masked copy of one paper-shape float64 gradient (7.5 GB) and its ``abs``
+    ran an 80 GB GPU out of memory while judging h_post_bda."""
+    t = t.detach()
+    if not t.numel():
+        return 0.0
+    if bool(torch.isfinite(t).all()):
+        lo, hi = torch.aminmax(t)
+        return float(torch.maximum(lo.abs(), hi.abs()))
+    fin = t[torch.isfinite(t)]
+    return float(fin.abs().max()) if fin.numel() else 0.0
+
+
 def _abs_err(out, ref):
     o, r = _pair(out, ref)
     d = (o - r).abs_()

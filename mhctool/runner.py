@@ -13,7 +13,7 @@ from . import inputs as inputs_mod
 from .dtypes import FORMATS, fmt_of
 from .errors import UsageError
 from .isolation import system_exit_message
-from .metrics import measure
+from .metrics import finite_amax, measure
 from .poison import poisoning
 from .registry import MATMUL_KERNELS, Family, Impl, get_family, native_impl
 from .shapes import Shape
@@ -431,9 +431,7 @@ def judged_rows(judged: "_Baseline", res: ImplResult, row_base: dict, rule: Verd
     outs = named_tensors(judged.fam, res.outputs, res.grads)
     for direction, vals, nat_vals in (("fwd", fwd, nat_fwd), ("bwd", bwd, nat_bwd)):
         for tensor, metrics in vals.items():
-            ref_t = refs[tensor]
-            finite = ref_t[torch.isfinite(ref_t)]
-            amax = float(finite.abs().max()) if finite.numel() else 0.0
+            amax = finite_amax(refs[tensor])
             fmt = fmt_of(outs[tensor].dtype)
             for metric, value in metrics.items():
                 j = rule.judge(metric, value, fmt, amax, None if native else nat_vals[tensor],

@@ -40,3 +40,16 @@ def test_nan_error_fails_and_counts_are_gated():
     assert not r.judge("unwritten", 1, FP32, 1.0, NATIVE).passed
     assert r.judge("nonfinite", 3, FP32, 1.0, dict(NATIVE, nonfinite=3)).passed
     assert r.judge("max_rel", 1.0, FP32, 1.0, NATIVE).passed is None
+
+
+def test_finite_amax_ignores_nonfinite_and_copies_nothing_when_all_finite():
+    """The scale a verdict is judged at: the largest finite |reference|, negative ends included."""
+    import torch
+
+    from mhctool.metrics import finite_amax
+
+    assert finite_amax(torch.tensor([1.0, -3.0, 2.0], dtype=torch.float64)) == 3.0
+    assert finite_amax(torch.tensor([1.0, float("-inf"), -2.5, float("nan")], dtype=torch.float64)) == 2.5
+    assert finite_amax(torch.tensor([float("nan"), float("inf")])) == 0.0
+    assert finite_amax(torch.empty(0)) == 0.0
+    assert finite_amax(torch.tensor([[0.5, -7.0], [6.0, 1.0]])) == 7.0
