@@ -617,6 +617,13 @@ def report_show(
         out.print(_verdict_table(vs, top, "verdicts (worst first)"))
         p, f, s = _summary(vs)
         out.print(f"{p} passed, {f} failed, {s} skipped")
+    elif meta["kind"] == "bench":  # the tables bench printed, from the rows
+        from . import bench as bench_mod
+        rows = table.to_pylist()
+        run = meta["run"]
+        out.print(_bench_table(rows, f"bench {run.get('shape')} {run.get('dtype')} on {run.get('device')}"))
+        for t in _bench_totals(bench_mod, rows):
+            out.print(t)
 
 
 @report_app.command("compare")

@@ -186,3 +186,6 @@ def test_bench_prints_the_whole_path(tmp_path):
                               "-o", str(tmp_path / "b.parquet")])
     assert res.exit_code == 0, res.output
     assert "fwd + bwd" in res.output and "the whole mHC path" in res.output
+    shown = runner.invoke(app, ["report", "show", str(tmp_path / "b.parquet")])  # the same tables, from the report
+    assert shown.exit_code == 0, shown.output
+    assert "h_post_bda" in shown.output and "the whole mHC path" in shown.output
