@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine's steps, in two calls of the device tool (each call has 10 minutes):
+# The GPU machine's steps, one call of the device tool per phase (each call has 10 minutes):
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh checks", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh anchors", carry=[".device", ".anchors"])
 #   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table)

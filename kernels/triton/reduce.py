@@ -12,7 +12,7 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import cast
+from ._common import cast, next_pow2
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def sum_rows(ws: torch.Tensor, dtype: torch.dtype, shape, ordered: bool = False)
     if L:
         # the tree sum: narrow column blocks where L is short, so that a few thousand columns
         # still spread over a few hundred programs (a bias gradient: R partials of C columns)
-        block, block_r = (1024, 1) if ordered or R == 1 else (max(32, min(128, triton.next_power_of_2(triton.cdiv(L, 256)))), 64)
+        block, block_r = (1024, 1) if ordered or R == 1 else (max(32, min(128, next_pow2(triton.cdiv(L, 256)))), 64)
         _sum_rows[(triton.cdiv(L, block),)](ws, out, R, L, BLOCK=block, BLOCK_R=block_r,
                                            ORDERED=ordered or R == 1, num_warps=4)
     return out
