@@ -85,14 +85,28 @@ def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstIn
     ct.store(rms, index=(i,), tile=m)
 
 
-def _grad_product(gp, b, lowp, M_, N_, K_):
-    """``gp (M_, K_, fp32) @ b (K_, N_)`` with fp32 precision: three bf16 pieces on tensor cores."""
+def _grad_product(gp, b, lowp, M_, N_, K_, PIECES):
+    """``gp (M_, K_, fp32) @ b (K_, N_)`` on tensor cores with ``gp`` in PIECES bf16 pieces (3:
+    all 24 bits; 2: 16 bits, past what a bf16 dx or dW keeps), or as IEEE fp32 multiply-adds."""
     if not lowp:
         return _product(gp, b, False, M_, N_, K_)
     p1, p2, p3 = _split3(gp)
     bb = b.astype(ct.bfloat16)
     zero = ct.zeros((M_, N_), dtype=ct.float32)
+    if PIECES == 2:
+        return ct.mma(p1, bb, ct.mma(p2, bb, zero))
     return ct.mma(p1, bb, zero) + ct.mma(p2, bb, zero) + ct.mma(p3, bb, zero)
+
+
+def _grad_product_t(xt, g, PIECES, BK, NP):
+    """``x^T g`` (``(BK, NP)``, fp32) with the fp32 ``g`` in PIECES bf16 pieces: dW kept
+    transposed, so the tensor-core product's M is the K block."""
+    p1, p2, p3 = _split3(g)
+    x_t = ct.transpose(xt)
+    zero = ct.zeros((BK, NP), dtype=ct.float32)
+    if PIECES == 2:
+        return ct.mma(x_t, p1, ct.mma(x_t, p2, zero))
+    return ct.mma(x_t, p1, zero) + ct.mma(x_t, p2, zero) + ct.mma(x_t, p3, zero)
 
 
 SPLITS = 8  # token splits of the backward (dW partials)
@@ -101,13 +115,13 @@ BC_SUM = 512  # columns per program of the partials' sum
 
 @ct.kernel
 def _proj_rms_bwd(x, w, gp, gr, r, rms, dx, ws, NP: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
-                  LOWP: ConstBool):
+                  LOWP: ConstBool, PIECES: ConstInt, DWT: ConstBool):
     """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + gR * dr/dx`` with
     ``dr/dx = -r^2 x / (K rms)``, and the split's ``dW[:, k block] = sum gP^T x`` into ``ws[s]``."""
     k, s = ct.bid(0), ct.bid(1)
     wt = ct.load(w, index=(0, k), shape=(NP, BK), padding_mode=ZERO)
     kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0
-    acc = ct.zeros((NP, BK), dtype=ct.float32)
+    acc = ct.zeros((BK, NP) if DWT else (NP, BK), dtype=ct.float32)
     for b in range(BLOCKS):  # blocks past the last token load zeros and store nothing
         i = s * BLOCKS + b
         g = ct.load(gp, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
@@ -116,15 +130,26 @@ def _proj_rms_bwd(x, w, gp, gr, r, rms, dx, ws, NP: ConstInt, BM: ConstInt, BK: 
         mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
         grt = ct.load(gr, index=(i,), shape=(BM,), padding_mode=ZERO)
         coef = ct.where(mt > 0.0, -grt * rt * rt / (kk * ct.maximum(mt, 1e-38)), 0.0)
-        d = _grad_product(g, wt, LOWP, BM, BK, NP) + ct.reshape(coef, (BM, 1)) * xt.astype(ct.float32)
+        d = _grad_product(g, wt, LOWP, BM, BK, NP, PIECES) + ct.reshape(coef, (BM, 1)) * xt.astype(ct.float32)
         ct.store(dx, index=(i, k), tile=d.astype(dx.dtype))
-        acc = acc + _grad_product(ct.transpose(g), xt, LOWP, NP, BK, BM)
-    ct.store(ws, index=(s, 0, k), tile=ct.reshape(acc, (1, NP, BK)))
+        if DWT:
+            acc = acc + _grad_product_t(xt, g, PIECES, BK, NP)
+        else:
+            acc = acc + _grad_product(ct.transpose(g), xt, LOWP, NP, BK, BM, PIECES)
+    if DWT:
+        ct.store(ws, index=(s, 0, k), tile=ct.reshape(ct.transpose(acc), (1, NP, BK)))
+    else:
+        ct.store(ws, index=(s, 0, k), tile=ct.reshape(acc, (1, NP, BK)))
 
 
-def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw) -> None:
+# the bf16 backward's (BM, BK, token splits, gradient pieces, dW transposed)
+BWD_TILE = (64, 64, SPLITS, 3, False)
+
+
+def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
     """dx and dW of proj_rms (also the mapping path's): ``g_proj`` fp32 ``[M, >= N]`` (columns
-    past N ignored), ``g_r`` fp32 ``[M]``, into the preallocated ``dx`` and ``dw`` (zero without tokens)."""
+    past N ignored), ``g_r`` fp32 ``[M]``, into the preallocated ``dx`` and ``dw`` (zero without tokens).
+    ``tile_``: (BM, BK, splits, pieces, dW transposed) for the bf16 kernel (sweeps)."""
     m, k = x2d.shape
     if not m:
         dw.zero_()
@@ -132,12 +157,15 @@ def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw) -> None:
     n = weight.shape[0]
     lowp = _lowp(x2d, weight)
     bm, bk = _tiles(lowp)
+    splits_, pieces, dwt = SPLITS, 3, False
+    if lowp:
+        bm, bk, splits_, pieces, dwt = tile_ or BWD_TILE
     nb = cdiv(m, bm)
-    blocks = cdiv(nb, SPLITS)
+    blocks = cdiv(nb, splits_)
     splits = cdiv(nb, blocks)
     ws = empty((splits, n, k), torch.float32, x2d.device)  # rows past N of each partial are not stored
     launch(_proj_rms_bwd, (cdiv(k, bk), splits),
-           (x2d, weight, g_proj, g_r, r, rms, dx, ws, _np(n), bm, bk, blocks, lowp))
+           (x2d, weight, g_proj, g_r, r, rms, dx, ws, _np(n), bm, bk, blocks, lowp, pieces, dwt))
     sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM)
 
 
@@ -194,6 +222,6 @@ def compile_checks() -> dict[str, bytes]:
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
                                                       1e-6, 32, bm, bk, lowp])
         out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
-                                                     array(f32, 1), a2, array(f32, 3), 32, bm, bk, 8, lowp])
+                                                     array(f32, 1), a2, array(f32, 3), 32, bm, bk, 8, lowp, 3, False])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
     return out

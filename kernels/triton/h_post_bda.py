@@ -93,6 +93,84 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         tl.store(ws_b_ptr + tb.to(tl.int64) * C + c, tl.sum(dy, axis=0), mask=cmask)
 
 
+@triton.jit
+def _hm4(h_ptr, t, tmask, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """``Hm[t, i, j]`` of a token block as a ``[BLOCK_T, 1]`` column (n = 4)."""
+    off = j * 4 + i if TRANSPOSE else i * 4 + j
+    return tl.load(h_ptr + t * 16 + off, mask=tmask, other=0.0).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _dx4(g0, g1, g2, g3, h_ptr, t, tmask, j: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """``sum_i Hm[i, j] g_i``: stream j's input gradient, per (token, channel), in registers."""
+    return (_hm4(h_ptr, t, tmask, 0, j, TRANSPOSE) * g0 + _hm4(h_ptr, t, tmask, 1, j, TRANSPOSE) * g1
+            + _hm4(h_ptr, t, tmask, 2, j, TRANSPOSE) * g2 + _hm4(h_ptr, t, tmask, 3, j, TRANSPOSE) * g3)
+
+
+@triton.jit
+def _dh4(ws_ptr, row, tmask, gi, xj, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """This C block's part of ``dHm[t, i, j] = sum_c g_i x_j``, stored where h_res[t] keeps it."""
+    off = j * 4 + i if TRANSPOSE else i * 4 + j
+    tl.store(ws_ptr + row * 16 + off, tl.sum(gi * xj, axis=1), mask=tmask)
+
+
+@triton.jit
+def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
+                     ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, GROUP: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     TRANSPOSE: tl.constexpr, STAGES: tl.constexpr):
+    """n = 4: each stream is its own ``[BLOCK_T, BLOCK_C]`` tile, all four in one layout, so every
+    per-(token, channel) product (dy, the four dx) is thread-local and only the sums over C
+    (dH, dh_post) and over tokens (the bias) cross lanes. A program owns a C block and a group of
+    ``GROUP`` tokens, walking them ``BLOCK_T`` at a time: its bias partial stays in registers
+    ([BLOCK_T, BLOCK_C], summed over the rows once at the end), one row per (token group, C
+    block); dH and dh_post leave as one partial per (C block, token), as in the generic kernel.
+    The tile (and so every sum's order over C) does not depend on the number of tokens."""
+    cb = tl.program_id(0)
+    tg = tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        db = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    t_end = tl.minimum(tg * GROUP + GROUP, T)
+    for t0 in tl.range(tg * GROUP, t_end, BLOCK_T, num_stages=STAGES):
+        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+        tmask = t < t_end
+        mask = tmask[:, None] & cmask[None, :]
+        offs = t[:, None] * 4 * C + c[None, :]  # stream 0 of x, g, dx; stream i is i * C further
+        g0 = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g1 = tl.load(g_ptr + offs + C, mask=mask, other=0.0).to(tl.float32)
+        g2 = tl.load(g_ptr + offs + 2 * C, mask=mask, other=0.0).to(tl.float32)
+        g3 = tl.load(g_ptr + offs + 3 * C, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            z += bias
+        hp0 = tl.load(hp_ptr + t * 4, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        hp1 = tl.load(hp_ptr + t * 4 + 1, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        hp2 = tl.load(hp_ptr + t * 4 + 2, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        hp3 = tl.load(hp_ptr + t * 4 + 3, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        dy = hp0 * g0 + hp1 * g1 + hp2 * g2 + hp3 * g3
+        tl.store(dy_ptr + t[:, None] * C + c[None, :], cast(dy, dy_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            db += dy  # zero outside the tile's masks (g loaded as zeros there)
+        row = cb.to(tl.int64) * T + t  # this C block's partials
+        tl.store(ws_hp_ptr + row * 4, tl.sum(g0 * z, axis=1), mask=tmask)
+        tl.store(ws_hp_ptr + row * 4 + 1, tl.sum(g1 * z, axis=1), mask=tmask)
+        tl.store(ws_hp_ptr + row * 4 + 2, tl.sum(g2 * z, axis=1), mask=tmask)
+        tl.store(ws_hp_ptr + row * 4 + 3, tl.sum(g3 * z, axis=1), mask=tmask)
+        for j in tl.static_range(4):
+            xj = tl.load(x_ptr + offs + j * C, mask=mask, other=0.0).to(tl.float32)
+            dxj = _dx4(g0, g1, g2, g3, h_ptr, t, tmask, j, TRANSPOSE)
+            tl.store(dx_ptr + offs + j * C, cast(dxj, dx_ptr.dtype.element_ty), mask=mask)
+            _dh4(ws_h_ptr, row, tmask, g0, xj, 0, j, TRANSPOSE)
+            _dh4(ws_h_ptr, row, tmask, g1, xj, 1, j, TRANSPOSE)
+            _dh4(ws_h_ptr, row, tmask, g2, xj, 2, j, TRANSPOSE)
+            _dh4(ws_h_ptr, row, tmask, g3, xj, 3, j, TRANSPOSE)
+    if HAS_BIAS:
+        tl.store(ws_b_ptr + tg.to(tl.int64) * C + c, tl.sum(db, axis=0), mask=cmask)
+
+
 def _blocks(C: int, n: int, elems: int = 8192, max_c: int = 256, warps: int = 8):
     """(BLOCK_T, BLOCK_C, num_warps): a [BLOCK_T, NP, BLOCK_C] tile of about ``elems`` elements."""
     np_ = next_pow2(n)
@@ -161,30 +239,49 @@ def backward_tile(C: int, n: int) -> tuple:
     return _blocks(C, n, 4096, 128, 4)
 
 
+def backward_tile4(C: int) -> tuple:
+    """The n = 4 backward's (BLOCK_T, BLOCK_C, GROUP, warps, stages), fixed like
+    ``backward_tile`` (never a function of the number of tokens). Under the interpreter, small
+    blocks so that the tests' odd shapes cross C blocks, token groups and partial tiles."""
+    if interpreted():
+        return 4, 64, 8, 4, 1
+    return BWD4_TILE
+
+
+# the n = 4 backward's tile on a GPU (docs/perf-notes.md: the sweep at the paper shape)
+BWD4_TILE = (4, 256, 256, 4, 1)
+
+
 def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None):
+    """``tile_``: a tile for the generic kernel (3 entries) or for the n = 4 one (5 entries);
+    by default the n = 4 kernel where n = 4."""
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     grad_out = grad_out.contiguous()
     s, b, n, C = x.shape
     T = s * b
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
-
-    def run(cfg):
-        bt, bc, warps = cfg
-        n_cb, n_tb = triton.cdiv(C, bc), triton.cdiv(T, bt)
-        ws_h = torch.empty((n_cb, T * n * n), dtype=torch.float32, device=x.device)
-        ws_hp = torch.empty((n_cb, T * n), dtype=torch.float32, device=x.device)
-        ws_b = torch.empty((n_tb, C) if bias is not None else (1, 1), dtype=torch.float32, device=x.device)
-        if T and C:
-            _h_post_bda_bwd[(n_tb, n_cb)](
-                h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b,
-                T, C, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
-                TRANSPOSE=bool(transpose_res), num_warps=warps)
-        else:
-            ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()
-        return ws_h, ws_hp, ws_b
-
-    ws_h, ws_hp, ws_b = run(tile_ or backward_tile(C, n))
+    tile = tile_ or (backward_tile4(C) if n == 4 else backward_tile(C, n))
+    if len(tile) == 5 and n != 4:
+        raise ValueError(f"h_post_bda_backward: a 5-entry tile is for n = 4, not n = {n}")
+    four = len(tile) == 5
+    bt, bc = tile[0], tile[1]
+    n_cb = triton.cdiv(C, bc)
+    n_tb = triton.cdiv(T, tile[2] if four else bt)  # rows of bias partials
+    ws_h = torch.empty((n_cb, T * n * n), dtype=torch.float32, device=x.device)
+    ws_hp = torch.empty((n_cb, T * n), dtype=torch.float32, device=x.device)
+    ws_b = torch.empty((n_tb, C) if bias is not None else (1, 1), dtype=torch.float32, device=x.device)
+    args = (h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b, T, C)
+    if not (T and C):
+        ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()
+    elif four:
+        _, _, group, warps, stages = tile
+        _h_post_bda_bwd4[(n_cb, n_tb)](*args, GROUP=group, BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
+                                      TRANSPOSE=bool(transpose_res), STAGES=stages, num_warps=warps)
+    else:
+        _h_post_bda_bwd[(n_tb, n_cb)](*args, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc,
+                                      HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res),
+                                      num_warps=tile[2])
     d_h = sum_rows(ws_h, h_res.dtype, h_res.shape, ordered=True)
     d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape, ordered=True)
     d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None

@@ -1,0 +1,194 @@
+"""Issue 20 on the GPU: the backward kernels of h_post_bda and proj_rms, the shipped tile beside
+candidate tiles, at the paper shape (8192x4x4x7168, bf16 activations), in one process so that the
+figures compare (the bench's few-percent differences move between machine starts).
+
+Each line: the time (median of CUDA-event timings after a warm-up that compiles), the % of the
+copy bandwidth measured in the same process for the bytes that must move, and the largest
+relative difference to the generic kernel (h_post_bda: float64 gradients at this shape would need
+30 GB) or to float64 (proj_rms). Best last.
+
+    python3 docs/bwd_sweep.py [h_post_bda|proj_rms|cutile|all] [--limit SECONDS]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.triton import h_post_bda as hpb  # noqa: E402
+from kernels.triton import proj_rms as pr  # noqa: E402
+
+S, B, N, C = 8192, 4, 4, 7168
+T = S * B
+
+
+def timed(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bw() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (timed(lambda: b.copy_(a), 20) * 1e-3)
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _line(name, ms, nbytes, bw, extra=""):
+    print(f"  {name}: {ms:.3f} ms ({nbytes / (ms * 1e-3) / bw * 100:.0f}% of copy){extra}", flush=True)
+
+
+def sweep_h_post_bda(bw: float, deadline: float) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(S, B, N, C, generator=g, device="cuda").to(dt)
+    go = torch.randn(S, B, N, C, generator=g, device="cuda").to(dt)
+    y = torch.randn(S, B, C, generator=g, device="cuda").to(dt)
+    bias = torch.randn(C, generator=g, device="cuda").to(dt)
+    h = torch.rand(S, B, N, N, generator=g, device="cuda")
+    hp = torch.rand(S, B, N, generator=g, device="cuda")
+    nbytes = 3 * T * N * C * 2 + 2 * T * C * 2
+    generic = hpb.backward_tile(C, N)
+    want = hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)
+    print(f"h_post_bda bf16 with bias, generic kernel {generic}:", flush=True)
+    _line("generic", timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)), nbytes, bw)
+    tiles = [(4, 256, 256, 4, 2), (4, 256, 256, 4, 3), (4, 256, 256, 4, 4), (4, 256, 512, 4, 2),
+             (4, 256, 128, 4, 2), (2, 256, 256, 2, 2), (2, 256, 256, 2, 3), (8, 256, 256, 8, 2),
+             (8, 256, 256, 4, 2), (2, 256, 128, 1, 3), (1, 256, 64, 1, 3), (4, 128, 256, 2, 2),
+             (2, 128, 256, 1, 3), (8, 256, 512, 8, 3)]
+    results = []
+    for tile in tiles:
+        if time.time() > deadline:
+            print("  time limit: sweep stopped", flush=True)
+            break
+        try:
+            got = hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=tile)
+            err = max(rel(a, b) for a, b in zip(got, want))
+            ms = timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=tile))
+        except Exception as ex:  # noqa: BLE001 - a tile that does not compile is a line, not the end
+            print(f"  n=4 {tile}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+            continue
+        results.append((ms, tile))
+        _line(f"n=4 {tile}", ms, nbytes, bw, f", max rel diff to generic {err:.1e}")
+    if not results:
+        return
+    results.sort()
+    for ms, tile in results[:4][::-1]:
+        _line(f"best n=4 {tile}", ms, nbytes, bw)
+    best = results[0][1]
+    for tr, bb in ((True, bias), (False, None)):
+        ms = timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bb, go, tr, tile_=best))
+        ms0 = timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bb, go, tr, tile_=generic))
+        print(f"  transpose_res={tr} bias={bb is not None}: n=4 {ms:.3f} ms, generic {ms0:.3f} ms", flush=True)
+    if time.time() < deadline:
+        del x, go, want
+        torch.cuda.empty_cache()
+        x32, go32, y32, b32 = (torch.randn(S, B, N, C, device="cuda"), torch.randn(S, B, N, C, device="cuda"),
+                               torch.randn(S, B, C, device="cuda"), torch.randn(C, device="cuda"))
+        ms0 = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=generic))
+        print(f"  fp32 generic: {ms0:.3f} ms ({2 * nbytes / (ms0 * 1e-3) / bw * 100:.0f}%)", flush=True)
+        for tile in (best, (4, 256, 256, 4, 1), (2, 256, 256, 2, 2), (4, 128, 256, 4, 2), (2, 128, 256, 2, 2),
+                     (1, 256, 64, 1, 2), (8, 128, 256, 4, 2), (4, 128, 256, 2, 3)):
+            if time.time() > deadline:
+                break
+            ms = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=tile))
+            print(f"  fp32 n=4 {tile}: {ms:.3f} ms ({2 * nbytes / (ms * 1e-3) / bw * 100:.0f}%)", flush=True)
+
+
+def _proj_inputs():
+    K = N * C
+    nh = N * N + 2 * N
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, K, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(nh, K, generator=g, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    _, r, rms = pr.proj_rms_forward(x, w, 1e-6)
+    gp = torch.randn(T, nh, generator=g, device="cuda")
+    gr = torch.randn(T, generator=g, device="cuda")
+    coef = -gr.double() * r.double() ** 2 / (K * rms.double())
+    dw64 = (gp.double().T @ x.double()).float()
+    dx64 = (gp.double() @ w.double() + coef[:, None] * x.double()).float()
+    return x, w, r, rms, gp, gr, (dx64, dw64), 2 * T * K * 2
+
+
+def _sweep(label, run, cfgs, want, nbytes, bw, deadline):
+    results = []
+    for cfg in cfgs:
+        if time.time() > deadline:
+            print("  time limit: sweep stopped", flush=True)
+            break
+        try:
+            got = run(cfg)
+            e_dx, e_dw = rel(got[0], want[0]), rel(got[1], want[1])
+            ms = timed(lambda: run(cfg))
+        except Exception as ex:  # noqa: BLE001
+            print(f"  {label} {cfg}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+            continue
+        results.append((ms, cfg))
+        _line(f"{label} {cfg}", ms, nbytes, bw, f", rel err dx {e_dx:.2e} dW {e_dw:.2e}")
+    for ms, cfg in sorted(results)[:3][::-1]:
+        _line(f"best {label} {cfg}", ms, nbytes, bw)
+
+
+def sweep_proj_rms(bw: float, deadline: float) -> None:
+    x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
+    print(f"proj_rms bf16 (Triton), shipped tile {pr.LOWP_TILE}:", flush=True)
+    cfgs = [pr.LOWP_TILE, (64, 128, 2, 4, 2, False), (64, 128, 2, 4, 3, False), (64, 128, 1, 4, 2, False),
+            (64, 128, 4, 4, 3, False), (64, 128, 2, 8, 2, False), (32, 128, 2, 4, 2, False), (64, 128, 3, 4, 2, False),
+            (32, 256, 2, 4, 2, False), (128, 64, 2, 4, 2, False), (64, 128, 8, 4, 2, False)]
+    _sweep("triton", lambda cfg: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg), cfgs, want, nbytes, bw,
+           deadline)
+
+
+def sweep_cutile(bw: float, deadline: float) -> None:
+    from kernels.cutile import proj_rms as cpr
+    x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
+
+    def run(cfg):
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        cpr.backward_into(x, w, gp, gr, r, rms, dx, dw, tile_=cfg)
+        return dx, dw
+
+    print(f"proj_rms bf16 (cuTile), shipped tile {cpr.BWD_TILE}:", flush=True)
+    cfgs = [cpr.BWD_TILE, (128, 128, 4, 2, False), (128, 128, 8, 2, False), (128, 128, 16, 2, False),
+            (128, 128, 3, 2, False), (64, 128, 4, 2, False), (64, 128, 8, 2, False), (128, 128, 1, 2, False)]
+    _sweep("cutile", run, cfgs, want, nbytes, bw, deadline)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", nargs="?", default="all", choices=["h_post_bda", "proj_rms", "cutile", "all"])
+    ap.add_argument("--limit", type=float, default=480.0, help="seconds; the sweep stops after")
+    a = ap.parse_args()
+    deadline = time.time() + a.limit
+    bw = copy_bw()
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s", flush=True)
+    if a.what in ("h_post_bda", "all"):
+        sweep_h_post_bda(bw, deadline)
+        torch.cuda.empty_cache()
+    if a.what in ("proj_rms", "all"):
+        sweep_proj_rms(bw, deadline)
+        torch.cuda.empty_cache()
+    if a.what in ("cutile", "all"):
+        sweep_cutile(bw, deadline)
+
+
+if __name__ == "__main__":
+    main()
