@@ -68,12 +68,11 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
     nbytes = 3 * T * N * C * 2 + 2 * T * C * 2
     generic = hpb.backward_tile(C, N)
     want = hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)
-    print(f"h_post_bda bf16 with bias, generic kernel {generic}:", flush=True)
+    print(f"h_post_bda bf16 with bias, generic kernel {generic}; n = 4 tiles (BLOCK_T, BLOCK_C, GROUP, warps, "
+          f"stages), shipped {hpb.BWD4_TILE}:", flush=True)
     _line("generic", timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)), nbytes, bw)
-    tiles = [(4, 256, 256, 4, 2), (4, 256, 256, 4, 3), (4, 256, 256, 4, 4), (4, 256, 512, 4, 2),
-             (4, 256, 128, 4, 2), (2, 256, 256, 2, 2), (2, 256, 256, 2, 3), (8, 256, 256, 8, 2),
-             (8, 256, 256, 4, 2), (2, 256, 128, 1, 3), (1, 256, 64, 1, 3), (4, 128, 256, 2, 2),
-             (2, 128, 256, 1, 3), (8, 256, 512, 8, 3)]
+    tiles = [hpb.BWD4_TILE, (4, 256, 256, 4, 2), (4, 256, 256, 4, 4), (8, 256, 256, 4, 2), (2, 256, 128, 1, 3),
+             (4, 128, 256, 4, 2), (8, 128, 256, 4, 3), (4, 256, 512, 4, 3), (2, 256, 256, 2, 3)]
     results = []
     for tile in tiles:
         if time.time() > deadline:
@@ -105,8 +104,7 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
                                torch.randn(S, B, C, device="cuda"), torch.randn(C, device="cuda"))
         ms0 = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=generic))
         print(f"  fp32 generic: {ms0:.3f} ms ({2 * nbytes / (ms0 * 1e-3) / bw * 100:.0f}%)", flush=True)
-        for tile in (best, (4, 256, 256, 4, 1), (2, 256, 256, 2, 2), (4, 128, 256, 4, 2), (2, 128, 256, 2, 2),
-                     (1, 256, 64, 1, 2), (8, 128, 256, 4, 2), (4, 128, 256, 2, 3)):
+        for tile in (hpb.BWD4_TILE_FP32, best, (8, 128, 256, 4, 2), (1, 256, 64, 1, 2), (4, 128, 256, 4, 3)):
             if time.time() > deadline:
                 break
             ms = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=tile))
@@ -149,10 +147,9 @@ def _sweep(label, run, cfgs, want, nbytes, bw, deadline):
 
 def sweep_proj_rms(bw: float, deadline: float) -> None:
     x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
-    print(f"proj_rms bf16 (Triton), shipped tile {pr.LOWP_TILE}:", flush=True)
-    cfgs = [pr.LOWP_TILE, (64, 128, 2, 4, 2, False), (64, 128, 2, 4, 3, False), (64, 128, 1, 4, 2, False),
-            (64, 128, 4, 4, 3, False), (64, 128, 2, 8, 2, False), (32, 128, 2, 4, 2, False), (64, 128, 3, 4, 2, False),
-            (32, 256, 2, 4, 2, False), (128, 64, 2, 4, 2, False), (64, 128, 8, 4, 2, False)]
+    print(f"proj_rms bf16 (Triton), shipped tile {pr.LOWP_TILE} (BLOCK_M, BLOCK_K, SPLIT, warps, stages):", flush=True)
+    cfgs = [pr.LOWP_TILE, (64, 256, 8, 8, 2), (64, 128, 2, 4, 2), (64, 128, 1, 4, 2), (64, 128, 4, 4, 3),
+            (32, 256, 2, 4, 2), (128, 128, 4, 8, 2), (64, 64, 4, 4, 3)]
     _sweep("triton", lambda cfg: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg), cfgs, want, nbytes, bw,
            deadline)
 
@@ -166,9 +163,8 @@ def sweep_cutile(bw: float, deadline: float) -> None:
         cpr.backward_into(x, w, gp, gr, r, rms, dx, dw, tile_=cfg)
         return dx, dw
 
-    print(f"proj_rms bf16 (cuTile), shipped tile {cpr.BWD_TILE}:", flush=True)
-    cfgs = [cpr.BWD_TILE, (128, 128, 4, 2, False), (128, 128, 8, 2, False), (128, 128, 16, 2, False),
-            (128, 128, 3, 2, False), (64, 128, 4, 2, False), (64, 128, 8, 2, False), (128, 128, 1, 2, False)]
+    print(f"proj_rms bf16 (cuTile), shipped tile {cpr.BWD_TILE} (BM, BK, splits):", flush=True)
+    cfgs = [cpr.BWD_TILE, (128, 128, 4), (128, 128, 16), (128, 128, 1), (64, 128, 4), (64, 64, 8)]
     _sweep("cutile", run, cfgs, want, nbytes, bw, deadline)
 
 

@@ -109,6 +109,36 @@ def test_h_post_bda_matches_float64(shape, transpose_res, with_bias):
         torch.testing.assert_close(a.double(), b_, rtol=0, atol=5e-6 * max(1.0, b_.abs().max().item()))
 
 
+@pytest.mark.parametrize("shape", [(37, 1, 4, 67), (3, 5, 4, 200), (1, 1, 4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transpose_res", [False, True])
+def test_h_post_bda_n4_backward_matches_float64(shape, dtype, transpose_res):
+    """n = 4 takes its own backward (per-stream tiles, token groups): here with 64-channel blocks
+    and 8-token groups, so C blocks, groups and token tiles end part-way (37 tokens: 4 full groups
+    and one of 5; 200 channels: 4 blocks, the last of 8). Outputs and workspaces NaN-poisoned."""
+    s, b, n, c = shape
+    h, x, hp, y = torch.rand(s, b, n, n), torch.randn(s, b, n, c).to(dtype), torch.rand(s, b, n), torch.randn(s, b, c).to(dtype)
+    bias, go = torch.randn(c).to(dtype), torch.randn(s, b, n, c).to(dtype)
+    assert thp.backward_tile4(dtype) == (4, 64, 8, 4, 1)
+    with poisoning():
+        four = thp.h_post_bda_backward(h, x, hp, y, bias, go, transpose_res)
+    dd = [t.double().requires_grad_() for t in (h, x, hp, y, bias)]
+    r = ref.h_post_bda(*dd, transpose_res=transpose_res)
+    want = torch.autograd.grad(r, dd, go.double())
+    # bf16 outputs (dx, dy, dbias) carry one rounding: 2^-8 of the largest; fp32 sums over C and tokens
+    for name, a, w in zip(("h_res", "x", "h_post", "y", "bias"), four, want):
+        assert torch.isfinite(a).all(), name
+        tol = 1e-5 if a.dtype == torch.float32 else 2 ** -8
+        assert ((a.double() - w).abs().max() / w.abs().max().clamp_min(1e-30)) < tol, name
+
+
+def test_h_post_bda_n4_tile_is_refused_for_other_n():
+    x = torch.randn(2, 1, 3, 8)
+    with pytest.raises(ValueError, match="n = 4"):
+        thp.h_post_bda_backward(torch.rand(2, 1, 3, 3), x, torch.rand(2, 1, 3), torch.randn(2, 1, 8), None, x,
+                                tile_=(4, 64, 8, 4, 1))
+
+
 @pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 130, 8), (5, 40, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_proj_rms_matches_float64(mkn, dtype):
@@ -128,10 +158,10 @@ def test_proj_rms_matches_float64(mkn, dtype):
 
 @pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 300, 8), (130, 260, 80)])
 def test_proj_rms_tensor_core_backward_indexing_matches_float64(mkn):
-    """The bf16/fp16 backward (``_proj_rms_bwd_lowp``: dW kept transposed, two pieces of the
-    gradient) runs only on a GPU by default; forced on fp32 operands here, its pieces are exact and
+    """The bf16/fp16 backward (``_proj_rms_bwd_lowp``: two pieces of the gradient on tensor
+    cores) runs only on a GPU by default; forced on fp32 operands here, its pieces are exact and
     the interpreter's products fp32, so what is checked is its indexing: row blocks that are not
-    multiples of 64, a K that is not a multiple of 256, two token splits, NaN-poisoned outputs."""
+    multiples of 64, a K that is not a multiple of 128, two token splits, NaN-poisoned outputs."""
     m, k, n = mkn
     x, w = torch.randn(m, k), torch.randn(n, k) / k ** 0.5
     _, r, rms = tpr.proj_rms_forward(x, w)

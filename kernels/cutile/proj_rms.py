@@ -6,14 +6,15 @@ at K = 28672 put r 1.3x over the verdict bound (twice the native error) on an H1
 
 Products: bf16/fp16 operands on tensor cores (``ct.mma``, fp32 accumulation, a fresh accumulator
 per K chunk added in fp32: tensor cores accumulate by truncation); fp32 operands as IEEE fp32
-multiply-adds. In the backward the fp32 upstream gradient is split into three bf16 pieces (24
-significant bits) so that its products with the bf16 x and W are exact on tensor cores too.
+multiply-adds. In the backward the fp32 upstream gradient is split into two bf16 pieces (16
+significant bits, past what the bf16 dx and dW keep) for the same tensor cores.
 The N = n^2 + 2n outputs are padded to a power of two (zeros).
 
 Backward, one pass over x: a program per (K block, split of the tokens) walks its token blocks,
 writing dx and accumulating its split's dW partial in fp32; a second kernel adds the partials in
 a fixed order (no atomics). v1 ran dx and dW as two kernels, each reading x, with one dW program
-per K block walking all 32768 tokens (448 programs): 17.5% of copy bandwidth on an H200.
+per K block walking all 32768 tokens (448 programs): 17.5% of copy bandwidth on an H200. v2 (one
+pass, 64 x 64 tiles, three pieces): 44% on an H100; v3 (128 x 128, two pieces): 80%.
 """
 from __future__ import annotations
 
@@ -48,15 +49,6 @@ def _product(a, b, lowp, M_, N_, K_):
     return ct.sum(ct.reshape(a.astype(ct.float32), (M_, K_, 1)) * ct.reshape(b.astype(ct.float32), (1, K_, N_)), axis=1)
 
 
-def _split3(v):
-    """fp32 -> three bf16 tiles whose sum is v to 24 bits."""
-    p1 = v.astype(ct.bfloat16)
-    r1 = v - p1.astype(ct.float32)
-    p2 = r1.astype(ct.bfloat16)
-    p3 = (r1 - p2.astype(ct.float32)).astype(ct.bfloat16)
-    return p1, p2, p3
-
-
 def _proj_tile(x, w, i, NP, BM, BK, LOWP):
     """``x W^T`` for token block i (fp32 ``(BM, NP)``) and the rows' sums of squares."""
     acc = ct.zeros((BM, NP), dtype=ct.float32)
@@ -85,28 +77,16 @@ def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstIn
     ct.store(rms, index=(i,), tile=m)
 
 
-def _grad_product(gp, b, lowp, M_, N_, K_, PIECES):
-    """``gp (M_, K_, fp32) @ b (K_, N_)`` on tensor cores with ``gp`` in PIECES bf16 pieces (3:
-    all 24 bits; 2: 16 bits, past what a bf16 dx or dW keeps), or as IEEE fp32 multiply-adds."""
+def _grad_product(gp, b, lowp, M_, N_, K_):
+    """``gp (M_, K_, fp32) @ b (K_, N_)`` on tensor cores with ``gp`` in two bf16 pieces (16
+    significant bits, past what a bf16 dx or dW keeps; a third piece changed no kept bit and,
+    at the 128 x 128 tile, cost 4x), or as IEEE fp32 multiply-adds."""
     if not lowp:
         return _product(gp, b, False, M_, N_, K_)
-    p1, p2, p3 = _split3(gp)
+    hi = gp.astype(ct.bfloat16)
+    lo = (gp - hi.astype(ct.float32)).astype(ct.bfloat16)
     bb = b.astype(ct.bfloat16)
-    zero = ct.zeros((M_, N_), dtype=ct.float32)
-    if PIECES == 2:
-        return ct.mma(p1, bb, ct.mma(p2, bb, zero))
-    return ct.mma(p1, bb, zero) + ct.mma(p2, bb, zero) + ct.mma(p3, bb, zero)
-
-
-def _grad_product_t(xt, g, PIECES, BK, NP):
-    """``x^T g`` (``(BK, NP)``, fp32) with the fp32 ``g`` in PIECES bf16 pieces: dW kept
-    transposed, so the tensor-core product's M is the K block."""
-    p1, p2, p3 = _split3(g)
-    x_t = ct.transpose(xt)
-    zero = ct.zeros((BK, NP), dtype=ct.float32)
-    if PIECES == 2:
-        return ct.mma(x_t, p1, ct.mma(x_t, p2, zero))
-    return ct.mma(x_t, p1, zero) + ct.mma(x_t, p2, zero) + ct.mma(x_t, p3, zero)
+    return ct.mma(hi, bb, ct.mma(lo, bb, ct.zeros((M_, N_), dtype=ct.float32)))
 
 
 SPLITS = 8  # token splits of the backward (dW partials)
@@ -115,13 +95,13 @@ BC_SUM = 512  # columns per program of the partials' sum
 
 @ct.kernel
 def _proj_rms_bwd(x, w, gp, gr, r, rms, dx, ws, NP: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
-                  LOWP: ConstBool, PIECES: ConstInt, DWT: ConstBool):
+                  LOWP: ConstBool):
     """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + gR * dr/dx`` with
     ``dr/dx = -r^2 x / (K rms)``, and the split's ``dW[:, k block] = sum gP^T x`` into ``ws[s]``."""
     k, s = ct.bid(0), ct.bid(1)
     wt = ct.load(w, index=(0, k), shape=(NP, BK), padding_mode=ZERO)
     kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0
-    acc = ct.zeros((BK, NP) if DWT else (NP, BK), dtype=ct.float32)
+    acc = ct.zeros((NP, BK), dtype=ct.float32)
     for b in range(BLOCKS):  # blocks past the last token load zeros and store nothing
         i = s * BLOCKS + b
         g = ct.load(gp, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
@@ -130,26 +110,21 @@ def _proj_rms_bwd(x, w, gp, gr, r, rms, dx, ws, NP: ConstInt, BM: ConstInt, BK: 
         mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
         grt = ct.load(gr, index=(i,), shape=(BM,), padding_mode=ZERO)
         coef = ct.where(mt > 0.0, -grt * rt * rt / (kk * ct.maximum(mt, 1e-38)), 0.0)
-        d = _grad_product(g, wt, LOWP, BM, BK, NP, PIECES) + ct.reshape(coef, (BM, 1)) * xt.astype(ct.float32)
+        d = _grad_product(g, wt, LOWP, BM, BK, NP) + ct.reshape(coef, (BM, 1)) * xt.astype(ct.float32)
         ct.store(dx, index=(i, k), tile=d.astype(dx.dtype))
-        if DWT:
-            acc = acc + _grad_product_t(xt, g, PIECES, BK, NP)
-        else:
-            acc = acc + _grad_product(ct.transpose(g), xt, LOWP, NP, BK, BM, PIECES)
-    if DWT:
-        ct.store(ws, index=(s, 0, k), tile=ct.reshape(ct.transpose(acc), (1, NP, BK)))
-    else:
-        ct.store(ws, index=(s, 0, k), tile=ct.reshape(acc, (1, NP, BK)))
+        acc = acc + _grad_product(ct.transpose(g), xt, LOWP, NP, BK, BM)
+    ct.store(ws, index=(s, 0, k), tile=ct.reshape(acc, (1, NP, BK)))
 
 
-# the bf16 backward's (BM, BK, token splits, gradient pieces, dW transposed)
-BWD_TILE = (64, 64, SPLITS, 3, False)
+# the bf16 backward's (BM, BK, token splits): the fastest timed at the paper shape on an H100
+# (docs/bwd_sweep.py, docs/perf-notes.md: 1.57 ms against 2.97 for the (64, 64) tile before)
+BWD_TILE = (128, 128, SPLITS)
 
 
 def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
     """dx and dW of proj_rms (also the mapping path's): ``g_proj`` fp32 ``[M, >= N]`` (columns
     past N ignored), ``g_r`` fp32 ``[M]``, into the preallocated ``dx`` and ``dw`` (zero without tokens).
-    ``tile_``: (BM, BK, splits, pieces, dW transposed) for the bf16 kernel (sweeps)."""
+    ``tile_``: (BM, BK, splits) for the bf16 kernel (sweeps)."""
     m, k = x2d.shape
     if not m:
         dw.zero_()
@@ -157,15 +132,15 @@ def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
     n = weight.shape[0]
     lowp = _lowp(x2d, weight)
     bm, bk = _tiles(lowp)
-    splits_, pieces, dwt = SPLITS, 3, False
+    splits_ = SPLITS
     if lowp:
-        bm, bk, splits_, pieces, dwt = tile_ or BWD_TILE
+        bm, bk, splits_ = tile_ or BWD_TILE
     nb = cdiv(m, bm)
     blocks = cdiv(nb, splits_)
     splits = cdiv(nb, blocks)
     ws = empty((splits, n, k), torch.float32, x2d.device)  # rows past N of each partial are not stored
     launch(_proj_rms_bwd, (cdiv(k, bk), splits),
-           (x2d, weight, g_proj, g_r, r, rms, dx, ws, _np(n), bm, bk, blocks, lowp, pieces, dwt))
+           (x2d, weight, g_proj, g_r, r, rms, dx, ws, _np(n), bm, bk, blocks, lowp))
     sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM)
 
 
@@ -222,6 +197,6 @@ def compile_checks() -> dict[str, bytes]:
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
                                                       1e-6, 32, bm, bk, lowp])
         out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
-                                                     array(f32, 1), a2, array(f32, 3), 32, bm, bk, 8, lowp, 3, False])
+                                                     array(f32, 1), a2, array(f32, 3), 32, bm, bk, 8, lowp])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
     return out

@@ -239,17 +239,20 @@ def backward_tile(C: int, n: int) -> tuple:
     return _blocks(C, n, 4096, 128, 4)
 
 
-def backward_tile4(C: int) -> tuple:
-    """The n = 4 backward's (BLOCK_T, BLOCK_C, GROUP, warps, stages), fixed like
-    ``backward_tile`` (never a function of the number of tokens). Under the interpreter, small
-    blocks so that the tests' odd shapes cross C blocks, token groups and partial tiles."""
+def backward_tile4(dtype: torch.dtype) -> tuple:
+    """The n = 4 backward's (BLOCK_T, BLOCK_C, GROUP, warps, stages): fixed per element size like
+    ``backward_tile`` (never a function of the number of tokens, so a token's dH sums in the same
+    order at every batch size). Under the interpreter, small blocks so that the tests' odd shapes
+    cross C blocks, token groups and partial tiles."""
     if interpreted():
         return 4, 64, 8, 4, 1
-    return BWD4_TILE
+    return BWD4_TILE_FP32 if dtype == torch.float32 else BWD4_TILE
 
 
-# the n = 4 backward's tile on a GPU (docs/perf-notes.md: the sweep at the paper shape)
-BWD4_TILE = (4, 256, 256, 4, 1)
+# the n = 4 backward's tiles on a GPU, the fastest of the sweeps at the paper shape on an H100
+# (docs/bwd_sweep.py, docs/perf-notes.md): the pipelined loads (stages) are what made it fast
+BWD4_TILE = (4, 256, 256, 4, 3)  # bf16, fp16: 2.45 ms, 92% of copy (the generic kernel 3.16)
+BWD4_TILE_FP32 = (4, 128, 256, 4, 2)  # 4.75 ms, 95% (generic 5.20)
 
 
 def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None):
@@ -261,16 +264,17 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
     T = s * b
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
-    tile = tile_ or (backward_tile4(C) if n == 4 else backward_tile(C, n))
+    tile = tile_ or (backward_tile4(x.dtype) if n == 4 else backward_tile(C, n))
     if len(tile) == 5 and n != 4:
         raise ValueError(f"h_post_bda_backward: a 5-entry tile is for n = 4, not n = {n}")
     four = len(tile) == 5
     bt, bc = tile[0], tile[1]
     n_cb = triton.cdiv(C, bc)
     n_tb = triton.cdiv(T, tile[2] if four else bt)  # rows of bias partials
-    ws_h = torch.empty((n_cb, T * n * n), dtype=torch.float32, device=x.device)
-    ws_hp = torch.empty((n_cb, T * n), dtype=torch.float32, device=x.device)
-    ws_b = torch.empty((n_tb, C) if bias is not None else (1, 1), dtype=torch.float32, device=x.device)
+    # poisoned like the outputs under parity: a partial no program writes shows as NaN
+    ws_h = empty((n_cb, T * n * n), torch.float32, x.device)
+    ws_hp = empty((n_cb, T * n), torch.float32, x.device)
+    ws_b = empty((n_tb, C) if bias is not None else (1, 1), torch.float32, x.device)
     args = (h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b, T, C)
     if not (T and C):
         ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()

@@ -117,19 +117,16 @@ def _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K):
 @triton.jit
 def _proj_rms_bwd_lowp(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
                        NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, STAGES: tl.constexpr, DWT: tl.constexpr = True):
-    """bf16 (fp16) x and W on tensor cores, shaped for Hopper's wgmma: the weight gradient is kept
-    transposed, ``dW^T[k, :] += x^T g`` (its M is the K block), and dx = g W takes the row block as
-    its M. x and W are exact in their dtype; the fp32 upstream gradient goes in as two pieces of
-    that dtype (16 significant bits for bf16), past what a bf16 (fp16) dx or dW keeps: a third
-    piece, as in the first version, changed no kept bit and cost 8% (docs/perf-notes.md)."""
+                       SPLIT: tl.constexpr, STAGES: tl.constexpr):
+    """bf16 (fp16) x and W on tensor cores: ``dx = g W`` with the row block as its M, and the
+    split's ``dW += g^T x`` with x straight from its load as the product's B operand. x and W are
+    exact in their dtype; the fp32 upstream gradient goes in as two pieces of that dtype (16
+    significant bits for bf16), past what a bf16 (fp16) dx or dW keeps: a third piece, as in the
+    first version, changed no kept bit and cost 8% (docs/perf-notes.md). Keeping dW transposed
+    (``x^T g``, so that the product's M is the K block) was 40% slower at the best tile of each."""
     sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
-    if DWT:
-        dwt = tl.zeros([BLOCK_K, NP], dtype=tl.float32)
-        zero = tl.zeros([BLOCK_K, NP], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
-    else:
-        dwt = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
-        zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)
+    dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
+    zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
     for mb in tl.range(sp, tl.cdiv(M, BLOCK_M), SPLIT, num_stages=STAGES):
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -141,17 +138,10 @@ def _proj_rms_bwd_lowp(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_
         g_hi = gp.to(xl.dtype)
         g_lo = (gp - g_hi.to(tl.float32)).to(xl.dtype)
         prod = tl.dot(g_hi, w, tl.dot(g_lo, w))
-        if DWT:
-            xt = tl.trans(xl)
-            dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
-        else:
-            dwt += tl.dot(tl.trans(g_hi), xl, tl.dot(tl.trans(g_lo), xl, zero))
+        dw += tl.dot(tl.trans(g_hi), xl, tl.dot(tl.trans(g_lo), xl, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
-    if DWT:
-        tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
-    else:
-        tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dwt, mask=(cols[:, None] < N) & kmask[None, :])
+    tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
 
 
 def _precision() -> str:
@@ -192,10 +182,11 @@ def proj_rms_forward(x2d, weight, eps=1e-6):
     return proj, r, rms
 
 
-# the bf16 (fp16) backward's tile, fixed (BLOCK_M, BLOCK_K, SPLIT, warps, stages): the fastest of
-# 32 timed at the paper shape on an H100 (docs/perf-notes.md); SPLIT decides the order of dW's sum
-# over row blocks, so it is not timed per token count
-LOWP_TILE = (64, 256, 8, 8, 2)
+# the bf16 (fp16) backward's tile, fixed (BLOCK_M, BLOCK_K, SPLIT, warps, stages): the fastest
+# timed at the paper shape on an H100 (docs/bwd_sweep.py, docs/perf-notes.md: 2.19 ms against 3.08
+# for the eighth session's tile); SPLIT decides the order of dW's sum over row blocks, so it is not
+# timed per token count
+LOWP_TILE = (64, 128, 8, 4, 2)
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None):
@@ -218,14 +209,13 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     NP = max(16, next_pow2(N))
 
     if lowp:
-        bm, bk, split, warps, stages, *dwt = tile_ or LOWP_TILE
+        bm, bk, split, warps, stages = tile_ or LOWP_TILE
         split = max(1, min(split, triton.cdiv(M, bm)))
         ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
         if M:
             _proj_rms_bwd_lowp[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
                                                            NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                           STAGES=stages, DWT=dwt[0] if dwt else True,
-                                                           num_warps=warps)
+                                                           STAGES=stages, num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
 
     def run(cfg):
