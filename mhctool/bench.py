@@ -467,10 +467,22 @@ class PathSum:
         return sum(t.pct_copy_bw * t.ms for t in self.parts.values()) / self.ms
 
 
+def _tf32_variants() -> set[str]:
+    """mhctool's implementations that multiply at TF32 by design (``triton-tf32``)."""
+    from .registry import KERNELS, impls_for
+    return {i.name for k in KERNELS for i in impls_for(k) if i.precision == "tf32"}
+
+
+TF32_BEST = "best of mhctool, TF32 projection"
+
+
 def whole_path(tots: list[Total]) -> list[PathSum]:
     """The path summed (fwd + bwd) per group: each implementation of mhctool's by name, each library
     taking its fastest variant per kernel, then the best of mhctool's kernels and the best of the
-    libraries. A group is summed only where it has every kernel of the path."""
+    libraries. A group is summed only where it has every kernel of the path. mhctool's TF32
+    variants stay out of "best of mhctool" (IEEE accuracy); where the report has one, the best of
+    mhctool with it allowed is its own line, so the table shows what the accuracy costs."""
+    tf32 = _tf32_variants()
     cands: dict = {}
     for t in tots:
         slot = "projection" if t.kernel in ("proj_rms", "mapping") else t.kernel
@@ -478,7 +490,7 @@ def whole_path(tots: list[Total]) -> list[PathSum]:
             continue
         names = [library_of(t)]
         if t.backend in OURS:
-            names.append("best of mhctool")
+            names += [TF32_BEST] if t.impl in tf32 else ["best of mhctool", TF32_BEST]
         elif t.backend == "external":
             names.append("best of the libraries")
         for n in names:
@@ -487,6 +499,8 @@ def whole_path(tots: list[Total]) -> list[PathSum]:
     for (n, shape, graph), slots in cands.items():
         if set(slots) != set(PATH):
             continue
+        if n == TF32_BEST and not any(t.impl in tf32 for ts in slots.values() for t in ts):
+            continue  # no TF32 variant timed: the same as the best of mhctool
         # the fastest per slot; for the projection, proj_rms wherever the group has one
         parts = {slot: min(ts, key=lambda t: (t.kernel != "proj_rms", t.ms)) for slot, ts in slots.items()}
         out.append(PathSum(n, shape, graph, parts))

@@ -360,6 +360,10 @@ def _builtin_impls() -> dict[str, list[Impl]]:
         if k in CUTILE_KERNELS:
             impls.append(Impl("cutile", k, "cutile", CUTILE_KERNELS[k], devices=("cuda",),
                               requires=_cutile_requires))
+        if k in TRITON_TF32_KERNELS:
+            # asked for by name (--impl triton-tf32): judged at TF32, benched beside the IEEE kernel
+            impls.append(Impl("triton-tf32", k, "triton", TRITON_TF32_KERNELS[k], precision="tf32",
+                              default=False, requires=_triton_requires))
         out[k] = impls
     return out
 
@@ -391,6 +395,12 @@ TRITON_KERNELS: dict[str, str] = {
     "grouped_wgrad": "mhctool.kernels.triton.grouped_gemm:grouped_wgrad",
     "grouped_mlp": "mhctool.kernels.triton.grouped_mlp:grouped_mlp",
 }
+# the projection's TF32 variants: every product a TF32 product of operands rounded to TF32 (the
+# precision the mHC paper specifies; issue 20: what IEEE accuracy costs, in one bench table)
+TRITON_TF32_KERNELS: dict[str, str] = {
+    "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms_tf32",
+    "mapping": "mhctool.kernels.triton.mapping:mapping_tf32",
+}
 CUTILE_KERNELS: dict[str, str] = {
     "sinkhorn": "mhctool.kernels.cutile.sinkhorn:sinkhorn",
     "h_aggregate": "mhctool.kernels.cutile.h_aggregate:h_aggregate",
@@ -413,7 +423,8 @@ def native_impl(kernel: str) -> Impl:
     return next(i for i in impls_for(kernel) if i.native)
 
 
-BACKEND_NAMES = {"torch": "PyTorch", "compile": "torch.compile", "triton": "Triton", "cutile": "cuTile"}
+BACKEND_NAMES = {"torch": "PyTorch", "compile": "torch.compile", "triton": "Triton", "cutile": "cuTile",
+                 "triton-tf32": "Triton TF32"}
 
 
 def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:

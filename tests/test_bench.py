@@ -180,6 +180,21 @@ def test_fwd_plus_bwd_and_the_whole_path_per_implementation():
     assert te.ms == pytest.approx(0.08 + 2.9 + 3 + 6)
 
 
+def test_the_tf32_projection_is_its_own_line_of_the_whole_path():
+    """``triton-tf32`` (TF32 by design) never counts in "best of mhctool" (IEEE accuracy); with one
+    timed, the best of mhctool with it allowed is a line of its own, beside."""
+    from mhctool import bench as bench_mod
+    ours = (_timed("sinkhorn", "triton", "triton", 0.01, 0.02) + _timed("h_aggregate", "triton", "triton", 1, 2)
+            + _timed("h_post_bda", "triton", "triton", 1, 3) + _timed("proj_rms", "triton", "triton", 1, 3))
+    assert {p.name for p in bench_mod.whole_path(bench_mod.totals(ours))} == {"triton", "best of mhctool"}
+    rows = ours + _timed("proj_rms", "triton-tf32", "triton", 1, 1.5)
+    paths = {p.name: p for p in bench_mod.whole_path(bench_mod.totals(rows))}
+    assert set(paths) == {"triton", "best of mhctool", bench_mod.TF32_BEST}  # triton-tf32 alone is no path
+    assert paths["best of mhctool"].parts["projection"].impl == "triton"
+    assert paths[bench_mod.TF32_BEST].parts["projection"].impl == "triton-tf32"
+    assert paths[bench_mod.TF32_BEST].ms == pytest.approx(paths["best of mhctool"].ms - 1.5)
+
+
 def test_bench_prints_the_whole_path(tmp_path):
     res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel",
                               "sinkhorn,h_aggregate,h_post_bda,proj_rms", "--impl", "torch", "--repeats", "3",

@@ -176,6 +176,46 @@ def test_proj_rms_tensor_core_backward_indexing_matches_float64(mkn):
         assert ((a.double() - b_).abs().max() / b_.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 130, 8)])
+def test_proj_rms_tf32_variant_multiplies_operands_rounded_to_tf32(mkn):
+    """``triton-tf32``: every product (proj, dx's g W, dW's g^T x) is the float64 product of
+    operands rounded to TF32, summed in fp32; the RMS term takes x as it is. Checked against that
+    in float64 (tight), and against the IEEE product (far: the rounding is really there)."""
+    from mhctool.kernels.torch.mhc import round_to_tf32
+    m, k, n = mkn
+    x, w = _leaf(m, k), (torch.randn(n, k) / k ** 0.5).requires_grad_()
+    with poisoning():
+        (p, r), (gx, gw), (gp, gr) = _grads(tpr.proj_rms_tf32, [x, w])
+    x64, xt, wt, gt = x.detach().double(), round_to_tf32(x.detach()).double(), round_to_tf32(w.detach()).double(), round_to_tf32(gp).double()
+    rms = x64.norm(dim=1) / k ** 0.5
+    coef = -gr.double() * (1 / (rms + 1e-6)) ** 2 / (k * rms)
+    want = {"proj": xt @ wt.T, "dx": gt @ wt + coef[:, None] * x64, "dW": gt.T @ xt}
+    ieee = {"proj": x64 @ w.detach().double().T, "dW": gp.double().T @ x64}
+    for name, got in (("proj", p), ("dx", gx), ("dW", gw)):
+        assert torch.isfinite(got).all(), name
+        scale = want[name].abs().max()
+        assert (got.double() - want[name]).abs().max() / scale < 2e-6, name
+        if name in ieee:
+            assert (got.double() - ieee[name]).abs().max() / scale > 2e-5, name
+
+
+def test_triton_tf32_is_judged_at_tf32_and_asked_for_by_name(tmp_path):
+    out = tmp_path / "r.parquet"
+    res = runner.invoke(app, ["parity", "--kernel", "proj_rms,mapping", "--impl", "triton-tf32", "--device", "cpu",
+                              "--dtype", "fp32", "--shape", "7x2x4x45", "-o", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    rows = [r for r in pq.read_table(out).to_pylist() if r["impl"] == "triton-tf32"]
+    assert {r["kernel"] for r in rows} == {"proj_rms", "mapping"} and {r["direction"] for r in rows} == {"fwd", "bwd"}
+    assert all(r["precision"] == "tf32" for r in rows)
+    verdicts = [r["passed"] for r in rows if r["passed"] is not None]  # the rest are informational
+    assert verdicts and all(verdicts)
+    # not run by default (parity and the gate keep to IEEE), and a kernel without a TF32 variant says so
+    from mhctool.registry import resolve_impls
+    assert "triton-tf32" not in {i.name for i in resolve_impls("proj_rms", None)}
+    (absent,) = resolve_impls("h_aggregate", ["triton-tf32"])
+    assert "no Triton TF32 implementation of h_aggregate" in absent.unavailable()
+
+
 @pytest.mark.parametrize("mkn", [(39, 268, 4), (70, 130, 2), (5, 40, 8)])
 def test_mapping_path_matches_float64(mkn):
     """proj_rms with compute_h fused after it: H_pre, H_post and the Sinkhorn logits."""

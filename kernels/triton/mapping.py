@@ -41,11 +41,11 @@ def _scale(alpha_ptr, cols, n: tl.constexpr):
 @triton.jit
 def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, proj_ptr, r_ptr,
                  rms_ptr, M, K, N, eps, n: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, LOWP: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, NP)
     rmask = rows < M
-    acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC)
+    acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC, ROUND)
     rms = tl.sqrt(ss / K)
     r = 1.0 / (rms + eps)
     cmask = cols < N
@@ -111,7 +111,7 @@ def _check(x2d, weight, alpha, h_bias):
     return n, weight.contiguous(), alpha.contiguous(), h_bias.contiguous()
 
 
-def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6):
+def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False):
     n, weight, alpha, h_bias = _check(x2d, weight, alpha, h_bias)
     M, K = x2d.shape
     N = weight.shape[0]
@@ -126,12 +126,12 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6):
         bm, bk = 64, 128
         _mapping_fwd[(triton.cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
                                             M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
-                                            BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(),
-                                            num_warps=4)
+                                            BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(tf32),
+                                            ROUND=tf32, num_warps=4)
     return (pre, post, logits), (proj, r, rms)
 
 
-def mapping_backward(x2d, weight, alpha, h_bias, saved, grads):
+def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = False):
     n, weight, alpha, h_bias = _check(x2d, weight, alpha, h_bias)
     proj, r, rms = saved
     M, N = proj.shape
@@ -149,23 +149,30 @@ def mapping_backward(x2d, weight, alpha, h_bias, saved, grads):
                               n=n, NP=max(16, next_pow2(N)), BLOCK_M=bm, num_warps=4)
     d_alpha = sum_rows(ws_a, alpha.dtype, alpha.shape)
     d_bias = sum_rows(ws_b, h_bias.dtype, h_bias.shape)
-    dx, dw = proj_rms_backward(x2d, weight, r, rms, dproj, dr)
+    dx, dw = proj_rms_backward(x2d, weight, r, rms, dproj, dr, tf32=tf32)
     return dx, dw, d_alpha, d_bias
 
 
 class MappingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, alpha, h_bias, eps):
-        outs, saved = mapping_forward(x2d, weight, alpha, h_bias, eps)
+    def forward(ctx, x2d, weight, alpha, h_bias, eps, tf32=False):
+        outs, saved = mapping_forward(x2d, weight, alpha, h_bias, eps, tf32)
         ctx.save_for_backward(x2d, weight, alpha, h_bias, *saved)
+        ctx.tf32 = tf32
         return outs
 
     @staticmethod
     def backward(ctx, g_pre, g_post, g_log):
         x2d, weight, alpha, h_bias, *saved = ctx.saved_tensors
-        return (*mapping_backward(x2d, weight, alpha, h_bias, saved, (g_pre, g_post, g_log)), None)
+        return (*mapping_backward(x2d, weight, alpha, h_bias, saved, (g_pre, g_post, g_log), ctx.tf32), None, None)
 
 
 def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6):
     """``(H_pre, H_post, H_res_logits)`` from ``x2d[M, K]``, ``weight[n^2+2n, K]``, ``alpha[3]``, ``h_bias``."""
     return MappingFunction.apply(x2d, weight, alpha, h_bias, eps)
+
+
+def mapping_tf32(x2d, weight, alpha, h_bias, eps: float = 1e-6):
+    """The TF32 variant (``triton-tf32``): the projection's products at TF32, forward and backward
+    (``proj_rms_tf32``); compute_h in fp32 as in ``mapping``."""
+    return MappingFunction.apply(x2d, weight, alpha, h_bias, eps, True)

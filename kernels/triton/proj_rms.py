@@ -25,21 +25,34 @@ from .reduce import sum_rows
 
 
 @triton.jit
-def _dot(a, b, zero, LOWP: tl.constexpr, PREC: tl.constexpr):
+def round_tf32(v):
+    """fp32 -> the nearest TF32 value (10 explicit mantissa bits, ties to even), kept in fp32;
+    inf and NaN unchanged. Triton's own TF32 products truncate their operands: rounded first, the
+    truncation is exact and the product is a TF32 product as the contract defines it (DESIGN.md)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(v) <= 3.4028234663852886e38, rounded, v)  # finite: rounded
+
+
+@triton.jit
+def _dot(a, b, zero, LOWP: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr = False):
     """One K chunk's product in its own accumulator (``zero``: a runtime zero tile, so the
     compiler cannot fold the caller's add into the MMA); the caller adds the chunks in fp32 with
     round-to-nearest. Tensor cores accumulate by truncation: a long K kept inside one MMA
     accumulator drifted to 3e-5 relative at K = 28672 on an H100 (2.95e-7 split like this)."""
     if LOWP:
         return tl.dot(a, b, zero)
+    if ROUND:
+        return tl.dot(round_tf32(a.to(tl.float32)), round_tf32(b.to(tl.float32)), zero, input_precision=PREC)
     return tl.dot(a.to(tl.float32), b.to(tl.float32), zero, input_precision=PREC)
 
 
 @triton.jit
 def _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOWP: tl.constexpr,
-               PREC: tl.constexpr):
-    """``x W^T`` for a block of rows (fp32, ``[BLOCK_M, NP]``) and the rows' sums of squares."""
+               PREC: tl.constexpr, ROUND: tl.constexpr = False):
+    """``x W^T`` for a block of rows (fp32, ``[BLOCK_M, NP]``) and the rows' sums of squares
+    (``ROUND``: the product's operands rounded to TF32; the sums of squares never are)."""
     acc = tl.zeros([BLOCK_M, NP], dtype=tl.float32)
     zero = tl.zeros([BLOCK_M, NP], dtype=tl.float32) + eps * 0.0  # not a compile-time constant
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -51,18 +64,18 @@ def _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP: tl.constexpr,
         w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
-        acc += _dot(x, tl.trans(w), zero, LOWP, PREC)
+        acc += _dot(x, tl.trans(w), zero, LOWP, PREC, ROUND)
     return acc, ss
 
 
 @triton.jit
 def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOWP: tl.constexpr,
-                  PREC: tl.constexpr):
+                  PREC: tl.constexpr, ROUND: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, NP)
     rmask = rows < M
-    acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC)
+    acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC, ROUND)
     rms = tl.sqrt(ss / K)
     tl.store(proj_ptr + rows[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & (cols[None, :] < N))
     tl.store(r_ptr + rows, 1.0 / (rms + eps), mask=rmask)
@@ -83,10 +96,14 @@ def _bwd_block(w_ptr, K, N, NP: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr):
-    """fp32 operands (and everything under the interpreter): products at ``PREC``."""
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr):
+    """fp32 operands (and everything under the interpreter), and the TF32 variant for every dtype:
+    products at ``PREC``; ``ROUND``: their operands rounded to TF32 first (the gradient, W and x;
+    the RMS term takes x as it is)."""
     sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
     w = w.to(tl.float32)
+    if ROUND:
+        w = round_tf32(w)
     dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
     zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
     for mb in range(sp, tl.cdiv(M, BLOCK_M), SPLIT):
@@ -97,8 +114,12 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
         coef = _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K)
+        if ROUND:
+            gp = round_tf32(gp)
+            part = tl.dot(tl.trans(gp), round_tf32(x), zero, input_precision=PREC)
+        else:
+            part = tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
         prod = tl.dot(gp, w, input_precision=PREC)
-        part = tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
         dx = prod + coef[:, None] * x
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += part
@@ -144,12 +165,14 @@ def _proj_rms_bwd_lowp(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
 
 
-def _precision() -> str:
+def _precision(tf32: bool = False) -> str:
     """Products of fp32 operands run as IEEE fp32 FMAs. tf32x3 (three TF32 tensor-core products)
     is 5x faster at the paper shape but was measured on an H100 at up to 1.9x the error of cuBLAS's
     fp32 product in the gradient of compute_h's alphas: outside the parity rule. bf16 and fp16
-    operands always take the tensor cores (exact products)."""
-    return "ieee"
+    operands always take the tensor cores (exact products). ``tf32``: the TF32 variant's products,
+    one TF32 tensor-core product of operands rounded to TF32 first (``round_tf32``); under the
+    interpreter the same rounded operands multiply in fp32, which is exact: the same values."""
+    return "tf32" if tf32 and not interpreted() else "ieee"
 
 
 def _check(x2d, weight):
@@ -165,8 +188,9 @@ def low_precision_operands(x2d, weight) -> bool:
     return x2d.dtype == weight.dtype and x2d.dtype in (torch.bfloat16, torch.float16) and not interpreted()
 
 
-def proj_rms_forward(x2d, weight, eps=1e-6):
-    """Returns ``proj, r, rms`` (rms is kept for the backward: ``1/r - eps`` would cancel)."""
+def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
+    """Returns ``proj, r, rms`` (rms is kept for the backward: ``1/r - eps`` would cancel).
+    ``tf32``: the product at TF32 (fp32 operands rounded to TF32; bf16 ones are exact either way)."""
     weight = _check(x2d, weight)
     M, K = x2d.shape
     N = weight.shape[0]
@@ -178,7 +202,7 @@ def proj_rms_forward(x2d, weight, eps=1e-6):
         _proj_rms_fwd[(triton.cdiv(M, bm),)](x2d, weight, proj, r, rms, M, K, N, float(eps),
                                              NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
                                              LOWP=low_precision_operands(x2d, weight),
-                                             PREC=_precision(), num_warps=4)
+                                             PREC=_precision(tf32), ROUND=tf32, num_warps=4)
     return proj, r, rms
 
 
@@ -189,18 +213,21 @@ def proj_rms_forward(x2d, weight, eps=1e-6):
 LOWP_TILE = (64, 128, 8, 4, 2)
 
 
-def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None):
+def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False):
     """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
     Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
     indexing through the interpreter. ``tile_``: its (BLOCK_M, BLOCK_K, SPLIT, warps, stages),
-    for sweeps (default ``LOWP_TILE``)."""
+    for sweeps (default ``LOWP_TILE``). ``tf32``: the TF32 variant (every dtype through
+    ``_proj_rms_bwd`` with TF32 products of rounded operands; never the two-piece kernel)."""
     weight = _check(x2d, weight)
     M, K = x2d.shape
     N = weight.shape[0]
     grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
     grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
+    if tf32 and lowp:
+        raise ValueError("proj_rms_backward: the TF32 variant has no two-piece (lowp) kernel")
     if lowp is None:
-        lowp = low_precision_operands(x2d, weight)
+        lowp = low_precision_operands(x2d, weight) and not tf32
     elif lowp and not (low_precision_operands(x2d, weight) or interpreted()):
         # fp32 operands through the tensor-core kernel are exact only under the interpreter (on a
         # GPU its fp32 tl.dot would multiply at TF32)
@@ -224,30 +251,38 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
         _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
                                                    NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                   PREC=_precision(), num_warps=warps)
+                                                   PREC=_precision(tf32), ROUND=tf32, num_warps=warps)
         return ws
 
     configs = [(64, 128, 1, 4)] if interpreted() else [
         (64, 128, 8, 4), (128, 128, 4, 8), (64, 256, 8, 8), (128, 64, 8, 4), (64, 64, 16, 4), (128, 256, 4, 8)]
-    best = pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype), configs, run, work=M * K)
+    best = pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype, tf32), configs, run, work=M * K)
     dw = sum_rows(run(best), weight.dtype, weight.shape)
     return dx, dw
 
 
 class ProjRmsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, eps):
-        proj, r, rms = proj_rms_forward(x2d, weight, eps)
+    def forward(ctx, x2d, weight, eps, tf32=False):
+        proj, r, rms = proj_rms_forward(x2d, weight, eps, tf32)
         ctx.save_for_backward(x2d, weight, r, rms)
+        ctx.tf32 = tf32
         return proj, r
 
     @staticmethod
     def backward(ctx, grad_proj, grad_r):
         x2d, weight, r, rms = ctx.saved_tensors
-        dx, dw = proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r)
-        return dx, dw, None
+        dx, dw = proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, tf32=ctx.tf32)
+        return dx, dw, None, None
 
 
 def proj_rms(x2d, weight, eps: float = 1e-6):
     """Megatron's signature ``proj_rms(x2d[M,K], weight[N,K], eps) -> (proj, r)``, both fp32."""
     return ProjRmsFunction.apply(x2d, weight, eps)
+
+
+def proj_rms_tf32(x2d, weight, eps: float = 1e-6):
+    """The TF32 variant (implementation ``triton-tf32``): every product, forward and backward, a
+    TF32 product of operands rounded to TF32, as the mHC paper specifies and Megatron's cuTile
+    kernel computes; judged against the native implementation at TF32 (DESIGN.md)."""
+    return ProjRmsFunction.apply(x2d, weight, eps, True)
