@@ -4,7 +4,8 @@
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh anchors", carry=[".device", ".anchors"])
 #   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table)
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh repro", carry=[".device"])
-#   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile)
+#   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
+#   "bwd" the backward tiles of issue 20)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
 # megatron|te GIT_DIR for the anchors (never commit .anchors/). Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -61,11 +62,15 @@ repro)
 sweep)
   python3 docs/tile_sweep.py 2>&1 | tee "$out/sweep.log"
   ;;
+bwd)
+  # issue 20: the h_post_bda and proj_rms backward tiles (Triton, cuTile) side by side, one process
+  python3 docs/bwd_sweep.py all --limit "${BWD_LIMIT:-480}" 2>&1 | tee "$out/bwd.log"
+  ;;
 bench)
   # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is
   # skipped where it has no such kernel, and its layout conversions are not timed
   timeout --foreground -s INT "${BENCH_LIMIT:-540}" python3 -m mhctool.cli bench --shape 8192x4x4x7168 \
-    --kernel "${BENCH_KERNELS:-mhc}" --impl "${BENCH_IMPL:-triton,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828}" \
+    --kernel "${BENCH_KERNELS:-mhc}" --impl "${BENCH_IMPL:-triton,triton-tf32,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828}" \
     --no-isolate --graph --repeats 10 -o "$out/bench.parquet" 2>&1 | tee "$out/bench.log"
   ;;
 esac

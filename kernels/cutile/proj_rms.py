@@ -196,7 +196,8 @@ def compile_checks() -> dict[str, bytes]:
         bm, bk = _tiles(lowp)
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
                                                       1e-6, 32, bm, bk, lowp])
+        bbm, bbk = BWD_TILE[:2] if lowp else (bm, bk)  # the backward at the tile it runs at
         out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
-                                                     array(f32, 1), a2, array(f32, 3), 32, bm, bk, 8, lowp])
+                                                     array(f32, 1), a2, array(f32, 3), 32, bbm, bbk, 8, lowp])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
     return out
