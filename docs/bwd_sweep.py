@@ -73,25 +73,11 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
     _line("generic", timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)), nbytes, bw)
     tiles = [hpb.BWD4_TILE, (4, 256, 256, 4, 2), (4, 256, 256, 4, 4), (8, 256, 256, 4, 2), (2, 256, 128, 1, 3),
              (4, 128, 256, 4, 2), (8, 128, 256, 4, 3), (4, 256, 512, 4, 3), (2, 256, 256, 2, 3)]
-    results = []
-    for tile in tiles:
-        if time.time() > deadline:
-            print("  time limit: sweep stopped", flush=True)
-            break
-        try:
-            got = hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=tile)
-            err = max(rel(a, b) for a, b in zip(got, want))
-            ms = timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=tile))
-        except Exception as ex:  # noqa: BLE001 - a tile that does not compile is a line, not the end
-            print(f"  n=4 {tile}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
-            continue
-        results.append((ms, tile))
-        _line(f"n=4 {tile}", ms, nbytes, bw, f", max rel diff to generic {err:.1e}")
+    results = _sweep("n=4", lambda t: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=t), tiles,
+                     lambda got: f"max rel diff to generic {max(rel(a, b) for a, b in zip(got, want)):.1e}",
+                     nbytes, bw, deadline)
     if not results:
         return
-    results.sort()
-    for ms, tile in results[:4][::-1]:
-        _line(f"best n=4 {tile}", ms, nbytes, bw)
     best = results[0][1]
     for tr, bb in ((True, bias), (False, None)):
         ms = timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bb, go, tr, tile_=best))
@@ -126,23 +112,30 @@ def _proj_inputs():
     return x, w, r, rms, gp, gr, (dx64, dw64), 2 * T * K * 2
 
 
-def _sweep(label, run, cfgs, want, nbytes, bw, deadline):
+def _sweep(label, run, cfgs, errors, nbytes, bw, deadline) -> list:
+    """Each tile: run once (compiling), ``errors(result)`` as text, then timed; the best three
+    printed last. Returns (ms, tile) fastest first."""
     results = []
     for cfg in cfgs:
         if time.time() > deadline:
             print("  time limit: sweep stopped", flush=True)
             break
         try:
-            got = run(cfg)
-            e_dx, e_dw = rel(got[0], want[0]), rel(got[1], want[1])
+            err = errors(run(cfg))
             ms = timed(lambda: run(cfg))
-        except Exception as ex:  # noqa: BLE001
+        except Exception as ex:  # noqa: BLE001 - a tile that does not compile is a line, not the end
             print(f"  {label} {cfg}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
             continue
         results.append((ms, cfg))
-        _line(f"{label} {cfg}", ms, nbytes, bw, f", rel err dx {e_dx:.2e} dW {e_dw:.2e}")
-    for ms, cfg in sorted(results)[:3][::-1]:
+        _line(f"{label} {cfg}", ms, nbytes, bw, f", {err}")
+    results.sort()
+    for ms, cfg in results[:3][::-1]:
         _line(f"best {label} {cfg}", ms, nbytes, bw)
+    return results
+
+
+def _errors(want):
+    return lambda got: f"rel err dx {rel(got[0], want[0]):.2e} dW {rel(got[1], want[1]):.2e}"
 
 
 def sweep_proj_rms(bw: float, deadline: float) -> None:
@@ -150,8 +143,8 @@ def sweep_proj_rms(bw: float, deadline: float) -> None:
     print(f"proj_rms bf16 (Triton), shipped tile {pr.LOWP_TILE} (BLOCK_M, BLOCK_K, SPLIT, warps, stages):", flush=True)
     cfgs = [pr.LOWP_TILE, (64, 256, 8, 8, 2), (64, 128, 2, 4, 2), (64, 128, 1, 4, 2), (64, 128, 4, 4, 3),
             (32, 256, 2, 4, 2), (128, 128, 4, 8, 2), (64, 64, 4, 4, 3)]
-    _sweep("triton", lambda cfg: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg), cfgs, want, nbytes, bw,
-           deadline)
+    _sweep("triton", lambda cfg: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg), cfgs, _errors(want), nbytes,
+           bw, deadline)
 
 
 def sweep_cutile(bw: float, deadline: float) -> None:
@@ -165,7 +158,7 @@ def sweep_cutile(bw: float, deadline: float) -> None:
 
     print(f"proj_rms bf16 (cuTile), shipped tile {cpr.BWD_TILE} (BM, BK, splits):", flush=True)
     cfgs = [cpr.BWD_TILE, (128, 128, 4), (128, 128, 16), (128, 128, 1), (64, 128, 4), (64, 64, 8)]
-    _sweep("cutile", run, cfgs, want, nbytes, bw, deadline)
+    _sweep("cutile", run, cfgs, _errors(want), nbytes, bw, deadline)
 
 
 def main() -> None:
