@@ -33,8 +33,9 @@ ZERO = ct.PaddingMode.ZERO
 
 
 def _tiles(lowp: bool) -> tuple[int, int]:
-    """(BM, BK): tensor-core tiles for bf16; smaller ones for the fp32 multiply-add path, whose
-    products are a (BM, BK, N) tile."""
+    """(BM, BK) of the forward (and of the fp32 backward): tensor-core tiles for bf16; smaller ones
+    for the fp32 multiply-add path, whose products are a (BM, BK, N) tile. The bf16 backward's
+    tile is ``BWD_TILE``."""
     return (64, 64) if lowp else (16, 32)
 
 
@@ -131,13 +132,10 @@ def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
         return
     n = weight.shape[0]
     lowp = _lowp(x2d, weight)
-    bm, bk = _tiles(lowp)
-    splits_ = SPLITS
-    if lowp:
-        bm, bk, splits_ = tile_ or BWD_TILE
+    bm, bk, most = (tile_ or BWD_TILE) if lowp else (*_tiles(False), SPLITS)
     nb = cdiv(m, bm)
-    blocks = cdiv(nb, splits_)
-    splits = cdiv(nb, blocks)
+    blocks = cdiv(nb, most)
+    splits = cdiv(nb, blocks)  # at most ``most``, fewer where there are fewer token blocks
     ws = empty((splits, n, k), torch.float32, x2d.device)  # rows past N of each partial are not stored
     launch(_proj_rms_bwd, (cdiv(k, bk), splits),
            (x2d, weight, g_proj, g_r, r, rms, dx, ws, _np(n), bm, bk, blocks, lowp))

@@ -97,10 +97,15 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
 
 
 @triton.jit
+def _hoff4(i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Where ``Hm[i, j]`` sits in a token's 16 entries of h_res (``h_res[j, i]`` transposed)."""
+    return j * 4 + i if TRANSPOSE else i * 4 + j
+
+
+@triton.jit
 def _hm4(h_ptr, t, tmask, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
     """``Hm[t, i, j]`` of a token block as a ``[BLOCK_T, 1]`` column (n = 4)."""
-    off = j * 4 + i if TRANSPOSE else i * 4 + j
-    return tl.load(h_ptr + t * 16 + off, mask=tmask, other=0.0).to(tl.float32)[:, None]
+    return tl.load(h_ptr + t * 16 + _hoff4(i, j, TRANSPOSE), mask=tmask, other=0.0).to(tl.float32)[:, None]
 
 
 @triton.jit
@@ -113,8 +118,7 @@ def _dx4(g0, g1, g2, g3, h_ptr, t, tmask, j: tl.constexpr, TRANSPOSE: tl.constex
 @triton.jit
 def _dh4(ws_ptr, row, tmask, gi, xj, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
     """This C block's part of ``dHm[t, i, j] = sum_c g_i x_j``, stored where h_res[t] keeps it."""
-    off = j * 4 + i if TRANSPOSE else i * 4 + j
-    tl.store(ws_ptr + row * 16 + off, tl.sum(gi * xj, axis=1), mask=tmask)
+    tl.store(ws_ptr + row * 16 + _hoff4(i, j, TRANSPOSE), tl.sum(gi * xj, axis=1), mask=tmask)
 
 
 @triton.jit
@@ -232,8 +236,8 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False):
 
 
 def backward_tile(C: int, n: int) -> tuple:
-    """The backward's (BLOCK_T, BLOCK_C, warps): a function of C and n alone, never of the number
-    of tokens. grad_h_res and grad_h_post are sums over C whose order the tile decides (the C
+    """The generic backward's (BLOCK_T, BLOCK_C, warps), n != 4: a function of C and n alone,
+    never of the number of tokens. grad_h_res and grad_h_post are sums over C whose order the tile decides (the C
     blocks, and within a block the layout of the tile's reduction), so a tile timed per token count,
     as it was, gave a token other bits at another batch size. Fixed from the sweep in
     docs/perf-notes.md (H100, paper shape): 4096-element tiles at most 128 channels wide on 4

@@ -42,9 +42,10 @@ def _dot(a, b, zero, LOWP: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr
     accumulator drifted to 3e-5 relative at K = 28672 on an H100 (2.95e-7 split like this)."""
     if LOWP:
         return tl.dot(a, b, zero)
+    a, b = a.to(tl.float32), b.to(tl.float32)
     if ROUND:
-        return tl.dot(round_tf32(a.to(tl.float32)), round_tf32(b.to(tl.float32)), zero, input_precision=PREC)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), zero, input_precision=PREC)
+        a, b = round_tf32(a), round_tf32(b)
+    return tl.dot(a, b, zero, input_precision=PREC)
 
 
 @triton.jit
@@ -114,11 +115,10 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
         coef = _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K)
+        xm = x  # x as the product takes it; the RMS term below takes x as it is
         if ROUND:
-            gp = round_tf32(gp)
-            part = tl.dot(tl.trans(gp), round_tf32(x), zero, input_precision=PREC)
-        else:
-            part = tl.dot(tl.trans(gp), x, zero, input_precision=PREC)
+            gp, xm = round_tf32(gp), round_tf32(x)
+        part = tl.dot(tl.trans(gp), xm, zero, input_precision=PREC)
         prod = tl.dot(gp, w, input_precision=PREC)
         dx = prod + coef[:, None] * x
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
