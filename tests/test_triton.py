@@ -199,6 +199,31 @@ def test_proj_rms_tf32_variant_multiplies_operands_rounded_to_tf32(mkn):
             assert (got.double() - ieee[name]).abs().max() / scale > 2e-5, name
 
 
+@pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 300, 8)])
+def test_proj_rms_tf32_backward_through_the_two_piece_kernel(mkn):
+    """On a GPU the TF32 variant's bf16 backward is the two-piece kernel with the gradient rounded to
+    TF32 (its 11 bits are two bf16 pieces exactly). Forced on here with bf16-valued fp32 operands
+    (exact in TF32, as bf16 ones are): dx and dW are the float64 products of the rounded gradient,
+    and far from those of the unrounded one."""
+    from mhctool.kernels.torch.mhc import round_to_tf32
+    m, k, n = mkn
+    x = torch.randn(m, k).bfloat16().float()
+    w = (torch.randn(n, k) / k ** 0.5).bfloat16().float()
+    _, r, rms = tpr.proj_rms_forward(x, w)
+    gp, gr = torch.randn(m, n), torch.randn(m)
+    with poisoning():
+        gx, gw = tpr.proj_rms_backward(x, w, r, rms, gp, gr, lowp=True, tf32=True)
+    x64, w64, gt = x.double(), w.double(), round_to_tf32(gp).double()
+    coef = -gr.double() * r.double() ** 2 / (k * rms.double())
+    want = {"dx": gt @ w64 + coef[:, None] * x64, "dW": gt.T @ x64}
+    ieee = {"dx": gp.double() @ w64 + coef[:, None] * x64, "dW": gp.double().T @ x64}
+    for name, got in (("dx", gx), ("dW", gw)):
+        assert torch.isfinite(got).all(), name
+        scale = want[name].abs().max()
+        assert (got.double() - want[name]).abs().max() / scale < 2e-6, name
+        assert (got.double() - ieee[name]).abs().max() / scale > 2e-5, name
+
+
 def test_triton_tf32_is_judged_at_tf32_and_asked_for_by_name(tmp_path):
     out = tmp_path / "r.parquet"
     res = runner.invoke(app, ["parity", "--kernel", "proj_rms,mapping", "--impl", "triton-tf32", "--device", "cpu",

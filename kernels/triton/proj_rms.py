@@ -138,13 +138,17 @@ def _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K):
 @triton.jit
 def _proj_rms_bwd_lowp(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
                        NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, STAGES: tl.constexpr):
+                       SPLIT: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores: ``dx = g W`` with the row block as its M, and the
     split's ``dW += g^T x`` with x straight from its load as the product's B operand. x and W are
     exact in their dtype; the fp32 upstream gradient goes in as two pieces of that dtype (16
     significant bits for bf16), past what a bf16 (fp16) dx or dW keeps: a third piece, as in the
     first version, changed no kept bit and cost 8% (docs/perf-notes.md). Keeping dW transposed
-    (``x^T g``, so that the product's M is the K block) was 40% slower at the best tile of each."""
+    (``x^T g``, so that the product's M is the K block) was 40% slower at the best tile of each.
+    ``ROUND`` (the TF32 variant): the gradient rounded to TF32 first. Its 11 significant bits are
+    exactly the two pieces' (bf16: 8 + 3; fp16: 11 + 0) and x and W are exact in TF32, so every
+    product is the TF32 product, at this kernel's speed: a TF32 tensor-core product of fp32
+    operands (``_proj_rms_bwd``) took 3.0 ms at the paper shape on an H100 at its best tile."""
     sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
     dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
     zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
@@ -156,6 +160,8 @@ def _proj_rms_bwd_lowp(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_
         xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
         gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
         coef = _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K)
+        if ROUND:
+            gp = round_tf32(gp)
         g_hi = gp.to(xl.dtype)
         g_lo = (gp - g_hi.to(tl.float32)).to(xl.dtype)
         prod = tl.dot(g_hi, w, tl.dot(g_lo, w))
@@ -216,18 +222,17 @@ LOWP_TILE = (64, 128, 8, 4, 2)
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False):
     """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
     Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
-    indexing through the interpreter. ``tile_``: its (BLOCK_M, BLOCK_K, SPLIT, warps, stages),
-    for sweeps (default ``LOWP_TILE``). ``tf32``: the TF32 variant (every dtype through
-    ``_proj_rms_bwd`` with TF32 products of rounded operands; never the two-piece kernel)."""
+    indexing through the interpreter. ``tile_``: (BLOCK_M, BLOCK_K, SPLIT, warps, stages) for
+    sweeps, of whichever kernel runs (default: ``LOWP_TILE``, or the generic kernel's timed
+    pick). ``tf32``: the TF32 variant, products of operands rounded to TF32 (bf16/fp16 ones
+    through the two-piece kernel, exact there; fp32 ones through ``_proj_rms_bwd``)."""
     weight = _check(x2d, weight)
     M, K = x2d.shape
     N = weight.shape[0]
     grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
     grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
-    if tf32 and lowp:
-        raise ValueError("proj_rms_backward: the TF32 variant has no two-piece (lowp) kernel")
     if lowp is None:
-        lowp = low_precision_operands(x2d, weight) and not tf32
+        lowp = low_precision_operands(x2d, weight)
     elif lowp and not (low_precision_operands(x2d, weight) or interpreted()):
         # fp32 operands through the tensor-core kernel are exact only under the interpreter (on a
         # GPU its fp32 tl.dot would multiply at TF32)
@@ -242,20 +247,26 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         if M:
             _proj_rms_bwd_lowp[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
                                                            NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                           STAGES=stages, num_warps=warps)
+                                                           STAGES=stages, ROUND=tf32, num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
 
     def run(cfg):
-        bm, bk, split, warps = cfg
+        bm, bk, split, warps, stages = (*cfg, 3)[:5]  # 3: Triton's default pipelining depth
         split = max(1, min(split, triton.cdiv(M, bm)))
         ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
         _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
                                                    NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                   PREC=_precision(tf32), ROUND=tf32, num_warps=warps)
+                                                   PREC=_precision(tf32), ROUND=tf32, num_warps=warps,
+                                                   num_stages=stages)
         return ws
 
+    if tile_ is not None:
+        return dx, sum_rows(run(tile_), weight.dtype, weight.shape)
+    # (64, 128, 8, 4, 2): two stages; the TF32 products at the paper shape took 3.0 ms with them and
+    # 6.3 with Triton's default three (H100, docs/perf-notes.md)
     configs = [(64, 128, 1, 4)] if interpreted() else [
-        (64, 128, 8, 4), (128, 128, 4, 8), (64, 256, 8, 8), (128, 64, 8, 4), (64, 64, 16, 4), (128, 256, 4, 8)]
+        (64, 128, 8, 4), (64, 128, 8, 4, 2), (128, 128, 4, 8), (64, 256, 8, 8), (128, 64, 8, 4), (64, 64, 16, 4),
+        (128, 256, 4, 8)]
     best = pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype, tf32), configs, run, work=M * K)
     dw = sum_rows(run(best), weight.dtype, weight.shape)
     return dx, dw
