@@ -1,13 +1,14 @@
-"""Issue 20 on the GPU: the backward kernels of h_post_bda and proj_rms (and h_post_bda's n = 4
-forward, the TF32 projection's backward), the shipped tile beside candidate tiles, at the paper shape (8192x4x4x7168, bf16 activations), in one process so that the
-figures compare (the bench's few-percent differences move between machine starts).
+"""Issue 20 on the GPU: the backward kernels of h_post_bda and proj_rms (IEEE-class and TF32),
+the shipped tile beside candidate tiles, at the paper shape (8192x4x4x7168, bf16 activations),
+in one process so that the figures compare (the bench's few-percent differences move between
+machine starts).
 
 Each line: the time (median of CUDA-event timings after a warm-up that compiles), the % of the
 copy bandwidth measured in the same process for the bytes that must move, and the largest
 relative difference to the generic kernel (h_post_bda: float64 gradients at this shape would need
 30 GB) or to float64 (proj_rms). Best last.
 
-    python3 docs/bwd_sweep.py [h_post_bda|proj_rms|cutile|fwd|tf32|all] [--limit SECONDS]
+    python3 docs/bwd_sweep.py [h_post_bda|proj_rms|cutile|tf32|all] [--limit SECONDS]
 """
 from __future__ import annotations
 
@@ -161,36 +162,6 @@ def sweep_cutile(bw: float, deadline: float) -> None:
     _sweep("cutile", run, cfgs, _errors(want), nbytes, bw, deadline)
 
 
-def sweep_forward(bw: float, deadline: float) -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for dt, tiles in ((torch.bfloat16, [hpb.FWD4_TILE, (8, 256, 512, 8, 2), (8, 256, 512, 8, 3), (8, 256, 1024, 8, 2),
-                                        (16, 256, 512, 8, 2), (8, 512, 512, 8, 2), (8, 256, 256, 8, 2),
-                                        (4, 256, 256, 4, 1), (16, 256, 1024, 8, 2)]),
-                      (torch.float32, [hpb.FWD4_TILE_FP32, (8, 128, 512, 4, 2), (16, 128, 256, 8, 2),
-                                       (8, 256, 512, 8, 2)])):
-        if time.time() > deadline:
-            break
-        x = torch.randn(S, B, N, C, generator=g, device="cuda").to(dt)
-        y = torch.randn(S, B, C, generator=g, device="cuda").to(dt)
-        bias = torch.randn(C, generator=g, device="cuda").to(dt)
-        h = torch.rand(S, B, N, N, generator=g, device="cuda")
-        hp = torch.rand(S, B, N, generator=g, device="cuda")
-        nbytes = (2 * T * N * C + T * C) * x.element_size()
-        want = hpb.h_post_bda_forward(h, x, hp, y, bias, tile_=hpb._candidates(C, N)[0])
-        generic = min(hpb._candidates(C, N), key=lambda t: timed(lambda: hpb.h_post_bda_forward(h, x, hp, y, bias, tile_=t)))
-        print(f"h_post_bda forward {dt} with bias, the generic kernel's fastest tile {generic}; n = 4 tiles "
-              f"(BLOCK_T, BLOCK_C, GROUP, warps, stages):", flush=True)
-        _line("generic", timed(lambda: hpb.h_post_bda_forward(h, x, hp, y, bias, tile_=generic)), nbytes, bw)
-        res = _sweep("fwd4", lambda t: hpb.h_post_bda_forward(h, x, hp, y, bias, tile_=t), tiles,
-                     lambda got: f"max rel diff to generic {rel(got, want):.1e}", nbytes, bw, deadline)
-        if res and time.time() < deadline:
-            for tr, bb in ((True, bias), (False, None)):
-                ms = timed(lambda: hpb.h_post_bda_forward(h, x, hp, y, bb, tr, tile_=res[0][1]))
-                print(f"  transpose_res={tr} bias={bb is not None}: n=4 {ms:.3f} ms", flush=True)
-        del x, y, want
-        torch.cuda.empty_cache()
-
-
 def sweep_tf32(bw: float, deadline: float) -> None:
     x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
     print("proj_rms bf16, the TF32 variant's backward: the two-piece kernel (default) and the generic one "
@@ -203,7 +174,7 @@ def sweep_tf32(bw: float, deadline: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["h_post_bda", "proj_rms", "cutile", "fwd", "tf32", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["h_post_bda", "proj_rms", "cutile", "tf32", "all"])
     ap.add_argument("--limit", type=float, default=480.0, help="seconds; the sweep stops after")
     a = ap.parse_args()
     deadline = time.time() + a.limit
@@ -218,8 +189,6 @@ def main() -> None:
     if a.what in ("cutile", "all"):
         sweep_cutile(bw, deadline)
         torch.cuda.empty_cache()
-    if a.what in ("fwd", "all"):
-        sweep_forward(bw, deadline)
     if a.what in ("tf32", "all"):
         sweep_tf32(bw, deadline)
 

@@ -109,40 +109,6 @@ def _hm4(h_ptr, t, tmask, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.conste
 
 
 @triton.jit
-def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, GROUP: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     TRANSPOSE: tl.constexpr, STAGES: tl.constexpr):
-    """n = 4 forward, laid out as ``_h_post_bda_bwd4``: each stream its own ``[BLOCK_T, BLOCK_C]``
-    tile, a program owns a C block (the bias loaded once) and a group of ``GROUP`` tokens walked
-    ``BLOCK_T`` at a time with pipelined loads; every output element is a thread-local sum of five
-    products (no lanes cross)."""
-    cb = tl.program_id(0)
-    tg = tl.program_id(1)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < C
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    t_end = tl.minimum(tg * GROUP + GROUP, T)
-    for t0 in tl.range(tg * GROUP, t_end, BLOCK_T, num_stages=STAGES):
-        t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
-        tmask = t < t_end
-        mask = tmask[:, None] & cmask[None, :]
-        offs = t[:, None] * 4 * C + c[None, :]  # stream 0 of x and out; stream i is i * C further
-        x0 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + offs + C, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + offs + 2 * C, mask=mask, other=0.0).to(tl.float32)
-        x3 = tl.load(x_ptr + offs + 3 * C, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(y_ptr + t[:, None] * C + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            z += bias
-        for i in tl.static_range(4):
-            hpi = tl.load(hp_ptr + t * 4 + i, mask=tmask, other=0.0).to(tl.float32)[:, None]
-            out = (hpi * z + _hm4(h_ptr, t, tmask, i, 0, TRANSPOSE) * x0 + _hm4(h_ptr, t, tmask, i, 1, TRANSPOSE) * x1
-                   + _hm4(h_ptr, t, tmask, i, 2, TRANSPOSE) * x2 + _hm4(h_ptr, t, tmask, i, 3, TRANSPOSE) * x3)
-            tl.store(out_ptr + offs + i * C, cast(out, out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _dx4(g0, g1, g2, g3, h_ptr, t, tmask, j: tl.constexpr, TRANSPOSE: tl.constexpr):
     """``sum_i Hm[i, j] g_i``: stream j's input gradient, per (token, channel), in registers."""
     return (_hm4(h_ptr, t, tmask, 0, j, TRANSPOSE) * g0 + _hm4(h_ptr, t, tmask, 1, j, TRANSPOSE) * g1
@@ -250,26 +216,11 @@ def _check(h_res, x, h_post, y, bias):
     return h_res.contiguous(), h_post.contiguous()
 
 
-def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile_=None):
-    """``tile_``, for sweeps: a tile for the generic kernel (BLOCK_T, BLOCK_C, warps) or for the
-    n = 4 one (BLOCK_T, BLOCK_C, GROUP, warps, stages). By default the n = 4 kernel at
-    ``forward_tile4`` where n = 4, else the generic kernel at its fastest timed tile."""
+def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False):
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     s, b, n, C = x.shape
     T = s * b
     out = empty(x.shape, x.dtype, x.device)
-    tile = tile_ or (forward_tile4(x.dtype) if n == 4 else None)
-    if tile is not None and len(tile) == 5 and n != 4:
-        raise ValueError(f"h_post_bda_forward: a 5-entry tile is for n = 4, not n = {n}")
-    if not (T and C):
-        return out
-    if tile is not None and len(tile) == 5:
-        bt, bc, group, warps, stages = tile
-        _h_post_bda_fwd4[(triton.cdiv(C, bc), triton.cdiv(T, group))](
-            h_res, x, h_post, y, bias if bias is not None else y, out, T, C, GROUP=group, BLOCK_T=bt,
-            BLOCK_C=bc, HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages,
-            num_warps=warps)
-        return out
 
     def run(cfg):
         bt, bc, warps = cfg
@@ -278,21 +229,10 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile
             BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res),
             num_warps=warps)
 
-    run(tile or pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run,
-                            work=T * n * C))
+    if T and C:
+        run(pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run,
+                        work=T * n * C))
     return out
-
-
-def forward_tile4(dtype: torch.dtype) -> tuple:
-    """The n = 4 forward's (BLOCK_T, BLOCK_C, GROUP, warps, stages) per element size; under the
-    interpreter small blocks, so that the tests' odd shapes cross C blocks, groups and partial tiles."""
-    if interpreted():
-        return 4, 64, 8, 4, 1
-    return FWD4_TILE_FP32 if dtype == torch.float32 else FWD4_TILE
-
-
-FWD4_TILE = (4, 256, 256, 4, 3)  # provisional: the backward's tile, until a sweep on the GPU
-FWD4_TILE_FP32 = (4, 128, 256, 4, 2)
 
 
 def backward_tile(C: int, n: int) -> tuple:
