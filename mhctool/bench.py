@@ -473,7 +473,7 @@ def _tf32_variants() -> set[str]:
     return {i.name for k in KERNELS for i in impls_for(k) if i.precision == "tf32"}
 
 
-TF32_BEST = "best of mhctool, TF32 projection"
+TF32_BEST = "best of mhctool, TF32 allowed"
 
 
 def whole_path(tots: list[Total]) -> list[PathSum]:
