@@ -16,7 +16,7 @@ def main(path: str) -> None:
         if r["rule"] in ("determinism", "batch-invariance"):
             cells[r["kernel"], r["impl"], r["shape"]][r["rule"]].append(r)
     env = meta["environment"]
-    print(f"device: {env.get('gpu_name', 'cpu')}, torch {env.get('torch')}, triton {env.get('triton')}; "
+    print(f"device: {env.get('gpu') or 'cpu'}, torch {env.get('torch')}, triton {env.get('triton')}; "
           f"{meta['run'].get('repeats_determinism')} runs for determinism\n")
     print("| kernel | impl | shape | deterministic | batch-invariant |")
     print("|---|---|---|---|---|")
