@@ -176,6 +176,17 @@ def test_proj_rms_tensor_core_backward_indexing_matches_float64(mkn):
         assert ((a.double() - b_).abs().max() / b_.abs().max()) < 1e-5
 
 
+def _assert_tf32(got: dict, want: dict, ieee: dict) -> None:
+    """Each result finite and within 2e-6 (relative to its largest) of the float64 product of the
+    TF32-rounded operands, and, where the IEEE product is given, more than 2e-5 from it."""
+    for name, g in got.items():
+        assert torch.isfinite(g).all(), name
+        scale = want[name].abs().max()
+        assert (g.double() - want[name]).abs().max() / scale < 2e-6, name
+        if name in ieee:
+            assert (g.double() - ieee[name]).abs().max() / scale > 2e-5, name
+
+
 @pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 130, 8)])
 def test_proj_rms_tf32_variant_multiplies_operands_rounded_to_tf32(mkn):
     """``triton-tf32``: every product (proj, dx's g W, dW's g^T x) is the float64 product of
@@ -191,12 +202,7 @@ def test_proj_rms_tf32_variant_multiplies_operands_rounded_to_tf32(mkn):
     coef = -gr.double() * (1 / (rms + 1e-6)) ** 2 / (k * rms)
     want = {"proj": xt @ wt.T, "dx": gt @ wt + coef[:, None] * x64, "dW": gt.T @ xt}
     ieee = {"proj": x64 @ w.detach().double().T, "dW": gp.double().T @ x64}
-    for name, got in (("proj", p), ("dx", gx), ("dW", gw)):
-        assert torch.isfinite(got).all(), name
-        scale = want[name].abs().max()
-        assert (got.double() - want[name]).abs().max() / scale < 2e-6, name
-        if name in ieee:
-            assert (got.double() - ieee[name]).abs().max() / scale > 2e-5, name
+    _assert_tf32({"proj": p, "dx": gx, "dW": gw}, want, ieee)
 
 
 @pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 300, 8)])
@@ -217,11 +223,7 @@ def test_proj_rms_tf32_backward_through_the_two_piece_kernel(mkn):
     coef = -gr.double() * r.double() ** 2 / (k * rms.double())
     want = {"dx": gt @ w64 + coef[:, None] * x64, "dW": gt.T @ x64}
     ieee = {"dx": gp.double() @ w64 + coef[:, None] * x64, "dW": gp.double().T @ x64}
-    for name, got in (("dx", gx), ("dW", gw)):
-        assert torch.isfinite(got).all(), name
-        scale = want[name].abs().max()
-        assert (got.double() - want[name]).abs().max() / scale < 2e-6, name
-        assert (got.double() - ieee[name]).abs().max() / scale > 2e-5, name
+    _assert_tf32({"dx": gx, "dW": gw}, want, ieee)
 
 
 def test_triton_tf32_is_judged_at_tf32_and_asked_for_by_name(tmp_path):

@@ -26,10 +26,19 @@ def cast(x, DTYPE: tl.constexpr):
     bf16 store; there the rounding is done on the bits first. Compiled code converts directly."""
     if INTERPRETED:
         if DTYPE == tl.bfloat16:
-            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
+            x = round_low_bits(x.to(tl.float32), 16)
     return x.to(DTYPE)
+
+
+@triton.jit
+def round_low_bits(v, DROP: tl.constexpr):
+    """fp32 ``v`` rounded to nearest (ties to even) at ``DROP`` bits above the bottom of its
+    mantissa, kept in fp32 with those bits zero: 16 is bf16, 13 is TF32. On the bits, so a
+    finite value that rounds past the largest one becomes inf; callers that must keep inf and NaN
+    as they are select them back."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
+    return bits.to(tl.float32, bitcast=True)
 
 
 # ln 2 split in two: the high part has 16 significant bits, so k * _LN2_HI is exact for |k| < 256

@@ -237,9 +237,9 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False):
 
 def backward_tile(C: int, n: int) -> tuple:
     """The generic backward's (BLOCK_T, BLOCK_C, warps), n != 4: a function of C and n alone,
-    never of the number of tokens. grad_h_res and grad_h_post are sums over C whose order the tile decides (the C
-    blocks, and within a block the layout of the tile's reduction), so a tile timed per token count,
-    as it was, gave a token other bits at another batch size. Fixed from the sweep in
+    never of the number of tokens. grad_h_res and grad_h_post are sums over C whose order the tile
+    decides (the C blocks, and within a block the layout of the tile's reduction), so a tile timed
+    per token count, as it was, gave a token other bits at another batch size. Fixed from the sweep in
     docs/perf-notes.md (H100, paper shape): 4096-element tiles at most 128 channels wide on 4
     warps, the tile the timing used to pick there (2.99 ms; the old first candidate took 4.03).
     (The forward has no reduction across lanes: its tile stays timed.)"""

@@ -20,7 +20,8 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import cast, check_device, interpreted, next_pow2, pick_config, require_contiguous
+from ._common import (cast, check_device, interpreted, next_pow2, pick_config, require_contiguous,
+                      round_low_bits)
 from .reduce import sum_rows
 
 
@@ -29,9 +30,7 @@ def round_tf32(v):
     """fp32 -> the nearest TF32 value (10 explicit mantissa bits, ties to even), kept in fp32;
     inf and NaN unchanged. Triton's own TF32 products truncate their operands: rounded first, the
     truncation is exact and the product is a TF32 product as the contract defines it (DESIGN.md)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    rounded = ((bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(v) <= 3.4028234663852886e38, rounded, v)  # finite: rounded
+    return tl.where(tl.abs(v) <= 3.4028234663852886e38, round_low_bits(v, 13), v)  # finite: rounded
 
 
 @triton.jit
@@ -98,9 +97,9 @@ def _bwd_block(w_ptr, K, N, NP: tl.constexpr, BLOCK_K: tl.constexpr):
 def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr):
-    """fp32 operands (and everything under the interpreter), and the TF32 variant for every dtype:
-    products at ``PREC``; ``ROUND``: their operands rounded to TF32 first (the gradient, W and x;
-    the RMS term takes x as it is)."""
+    """fp32 operands (and everything under the interpreter): products at ``PREC``; ``ROUND`` (the
+    TF32 variant): their operands rounded to TF32 first (the gradient, W and x; the RMS term takes
+    x as it is)."""
     sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
     w = w.to(tl.float32)
     if ROUND:
@@ -240,10 +239,14 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     dx = empty(x2d.shape, x2d.dtype, x2d.device)
     NP = max(16, next_pow2(N))
 
+    def workspace(bm, split):
+        """The dW partials: one per token split, at most one split per row block."""
+        split = max(1, min(split, triton.cdiv(M, bm)))
+        return split, torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
+
     if lowp:
         bm, bk, split, warps, stages = tile_ or LOWP_TILE
-        split = max(1, min(split, triton.cdiv(M, bm)))
-        ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
+        split, ws = workspace(bm, split)
         if M:
             _proj_rms_bwd_lowp[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
                                                            NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
@@ -252,24 +255,20 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
 
     def run(cfg):
         bm, bk, split, warps, stages = (*cfg, 3)[:5]  # 3: Triton's default pipelining depth
-        split = max(1, min(split, triton.cdiv(M, bm)))
-        ws = torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
+        split, ws = workspace(bm, split)
         _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
                                                    NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                    PREC=_precision(tf32), ROUND=tf32, num_warps=warps,
                                                    num_stages=stages)
         return ws
 
-    if tile_ is not None:
-        return dx, sum_rows(run(tile_), weight.dtype, weight.shape)
     # (64, 128, 8, 4, 2): two stages; the TF32 products at the paper shape took 3.0 ms with them and
     # 6.3 with Triton's default three (H100, docs/perf-notes.md)
     configs = [(64, 128, 1, 4)] if interpreted() else [
         (64, 128, 8, 4), (64, 128, 8, 4, 2), (128, 128, 4, 8), (64, 256, 8, 8), (128, 64, 8, 4), (64, 64, 16, 4),
         (128, 256, 4, 8)]
-    best = pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype, tf32), configs, run, work=M * K)
-    dw = sum_rows(run(best), weight.dtype, weight.shape)
-    return dx, dw
+    best = tile_ or pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype, tf32), configs, run, work=M * K)
+    return dx, sum_rows(run(best), weight.dtype, weight.shape)
 
 
 class ProjRmsFunction(torch.autograd.Function):
