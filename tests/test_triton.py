@@ -116,12 +116,24 @@ def test_h_post_bda_n4_backward_matches_float64(shape, dtype, transpose_res):
     """n = 4 takes its own backward (per-stream tiles, token groups): here with 64-channel blocks
     and 8-token groups, so C blocks, groups and token tiles end part-way (37 tokens: 4 full groups
     and one of 5; 200 channels: 4 blocks, the last of 8). Outputs and workspaces NaN-poisoned."""
+    assert thp.backward_tile4(dtype) == (4, 64, 8, 4, 1)
+    _check_n4_backward(shape, dtype, transpose_res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_h_post_bda_n4_backward_one_token_tiles_match_float64(dtype):
+    """The GPU's tile class (``BWD4_TILE``: one token a step, one warp, pipelined stages) at an
+    odd shape: 128-channel blocks over 200 channels, 8-token groups over 37 tokens."""
+    assert thp.BWD4_TILE[0] == thp.BWD4_TILE_FP32[0] == 1
+    _check_n4_backward((37, 1, 4, 200), dtype, False, tile_=(1, 128, 8, 1, 3))
+
+
+def _check_n4_backward(shape, dtype, transpose_res, tile_=None):
     s, b, n, c = shape
     h, x, hp, y = torch.rand(s, b, n, n), torch.randn(s, b, n, c).to(dtype), torch.rand(s, b, n), torch.randn(s, b, c).to(dtype)
     bias, go = torch.randn(c).to(dtype), torch.randn(s, b, n, c).to(dtype)
-    assert thp.backward_tile4(dtype) == (4, 64, 8, 4, 1)
     with poisoning():
-        four = thp.h_post_bda_backward(h, x, hp, y, bias, go, transpose_res)
+        four = thp.h_post_bda_backward(h, x, hp, y, bias, go, transpose_res, tile_=tile_)
     dd = [t.double().requires_grad_() for t in (h, x, hp, y, bias)]
     r = ref.h_post_bda(*dd, transpose_res=transpose_res)
     want = torch.autograd.grad(r, dd, go.double())

@@ -6,8 +6,8 @@ backward reads grad_out, x and y once and writes grad_x and grad_y; the small gr
 h_post: reductions over C; bias: a reduction over tokens) are accumulated in fp32 on chip, written
 as per-block partials to a small workspace, and summed by a deterministic second kernel. For n = 4
 (mHC's case) the backward is ``_h_post_bda_bwd4``: every stream its own 2D tile, token groups
-walked with pipelined loads (92% of copy bandwidth in bf16 on an H100 against 73% for the generic
-``_h_post_bda_bwd``, which other n take).
+walked with pipelined loads (92% of copy bandwidth in bf16 on an H100 and on an H200, against
+73% / 57% for the generic ``_h_post_bda_bwd``, which other n take).
 """
 from __future__ import annotations
 
@@ -192,8 +192,10 @@ def _candidates(C: int, n: int) -> list[tuple]:
     if interpreted():
         return [_blocks(C, n)]
     out = []
+    # the last three (one and two warps): the H200's forward went 1.06 -> 1.05 ms with them
     for elems, max_c, warps in ((8192, 256, 8), (4096, 512, 4), (8192, 1024, 8), (4096, 128, 4),
-                                (16384, 512, 8), (2048, 256, 4), (16384, 256, 8), (32768, 1024, 16)):
+                                (16384, 512, 8), (2048, 256, 4), (16384, 256, 8), (32768, 1024, 16),
+                                (1024, 256, 1), (2048, 256, 1), (2048, 512, 2)):
         cfg = _blocks(C, n, elems, max_c, warps)
         if cfg not in out:
             out.append(cfg)
@@ -256,10 +258,15 @@ def backward_tile4(dtype: torch.dtype) -> tuple:
     return BWD4_TILE_FP32 if dtype == torch.float32 else BWD4_TILE
 
 
-# the n = 4 backward's tiles on a GPU, the fastest of the sweeps at the paper shape on an H100
-# (docs/bwd_sweep.py, docs/perf-notes.md): the pipelined loads (stages) are what made it fast
-BWD4_TILE = (4, 256, 256, 4, 3)  # bf16, fp16: 2.45 ms, 92% of copy (the generic kernel 3.16)
-BWD4_TILE_FP32 = (4, 128, 256, 4, 2)  # 4.75 ms, 95% (generic 5.20)
+# the n = 4 backward's tiles on a GPU, from the sweeps at the paper shape (docs/bwd_sweep.py,
+# docs/perf-notes.md). Pipelined loads (stages) made it fast on an H100, where the ninth session
+# shipped (4, 256, 256, 4, 3) for bf16 and (4, 128, 256, 4, 2) for fp32. On an H200 those sat at
+# 80% / 85% of copy (1.95 / 3.7 ms; ncu: 25% occupancy, limited by registers and shared memory,
+# a third of the issue gaps on shuffles and shared memory); one-warp programs over one token and
+# 512 channels (16 a lane, so fewer shuffles per byte in the 20 sums over C) took 1.76-1.82 /
+# 3.32-3.48 ms, 88-94%. Not re-timed on an H100 (there (2, 256, 128, 1, 3) matched the old tile).
+BWD4_TILE = (1, 512, 64, 1, 3)  # bf16, fp16
+BWD4_TILE_FP32 = (1, 512, 64, 1, 3)
 
 
 def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None):
