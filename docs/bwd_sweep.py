@@ -8,11 +8,12 @@ copy bandwidth measured in the same process for the bytes that must move, and th
 relative difference to the generic kernel (h_post_bda: float64 gradients at this shape would need
 30 GB) or to float64 (proj_rms). Best last.
 
-    python3 docs/bwd_sweep.py [h_post_bda|proj_rms|cutile|tf32|all] [--limit SECONDS]
+    python3 docs/bwd_sweep.py [h_post_bda|proj_rms|cutile|cutile_fwd|tf32|all] [--limit SECONDS]
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from kernels.triton import proj_rms as pr  # noqa: E402
 
 S, B, N, C = 8192, 4, 4, 7168
 T = S * B
+TILES: dict = {}  # --tiles: candidate lists in place of the built-in ones ("bf16", "fp32", "cutile")
 
 
 def timed(fn, reps: int = 10) -> float:
@@ -72,8 +74,10 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
     print(f"h_post_bda bf16 with bias, generic kernel {generic}; n = 4 tiles (BLOCK_T, BLOCK_C, GROUP, warps, "
           f"stages), shipped {hpb.BWD4_TILE}:", flush=True)
     _line("generic", timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)), nbytes, bw)
-    tiles = [hpb.BWD4_TILE, (4, 256, 256, 4, 2), (4, 256, 256, 4, 4), (8, 256, 256, 4, 2), (2, 256, 128, 1, 3),
-             (4, 128, 256, 4, 2), (8, 128, 256, 4, 3), (4, 256, 512, 4, 3), (2, 256, 256, 2, 3)]
+    tiles = TILES.get("bf16") or [hpb.BWD4_TILE, (4, 256, 256, 4, 2), (4, 256, 256, 4, 4), (4, 256, 256, 4, 5), (8, 256, 256, 4, 2),
+             (8, 256, 256, 4, 3), (8, 256, 256, 8, 3), (8, 256, 256, 8, 4), (2, 256, 128, 1, 3), (2, 256, 256, 2, 4),
+             (2, 256, 256, 2, 6), (4, 128, 256, 4, 2), (8, 128, 256, 4, 3), (4, 256, 128, 4, 4), (4, 256, 512, 4, 3),
+             (4, 512, 256, 8, 3), (4, 512, 256, 4, 3), (16, 256, 256, 8, 2), (2, 256, 256, 2, 3)]
     results = _sweep("n=4", lambda t: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=t), tiles,
                      lambda got: f"max rel diff to generic {max(rel(a, b) for a, b in zip(got, want)):.1e}",
                      nbytes, bw, deadline)
@@ -91,7 +95,8 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
                                torch.randn(S, B, C, device="cuda"), torch.randn(C, device="cuda"))
         ms0 = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=generic))
         print(f"  fp32 generic: {ms0:.3f} ms ({2 * nbytes / (ms0 * 1e-3) / bw * 100:.0f}%)", flush=True)
-        for tile in (hpb.BWD4_TILE_FP32, best, (8, 128, 256, 4, 2), (1, 256, 64, 1, 2), (4, 128, 256, 4, 3)):
+        for tile in TILES.get("fp32") or (hpb.BWD4_TILE_FP32, best, (8, 128, 256, 4, 2), (1, 256, 64, 1, 2), (4, 128, 256, 4, 3),
+                     (4, 128, 256, 4, 4), (8, 128, 256, 8, 3), (4, 256, 256, 8, 3)):
             if time.time() > deadline:
                 break
             ms = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=tile))
@@ -158,8 +163,33 @@ def sweep_cutile(bw: float, deadline: float) -> None:
         return dx, dw
 
     print(f"proj_rms bf16 (cuTile), shipped tile {cpr.BWD_TILE} (BM, BK, splits):", flush=True)
-    cfgs = [cpr.BWD_TILE, (128, 128, 4), (128, 128, 16), (128, 128, 1), (64, 128, 4), (64, 64, 8)]
+    # not swept (H200, docs/perf-notes.md): the occupancy hint (1 equals the default, 2-4 took 2.7x
+    # longer) and a DRAM-latency hint on the x and gradient loads (4 or 8: 4-8% slower)
+    cfgs = TILES.get("cutile") or [cpr.BWD_TILE, (128, 128, 4), (128, 128, 16), (64, 128, 8), (64, 128, 4)]
     _sweep("cutile", run, cfgs, _errors(want), nbytes, bw, deadline)
+
+
+def sweep_cutile_fwd(bw: float, deadline: float) -> None:
+    """The cuTile projection's forward tile (BM, BK): one program per BM tokens walks all of K, so
+    BM sets how many programs there are to hide the loads' latency."""
+    from kernels.cutile import proj_rms as cpr
+    from kernels.cutile._common import cdiv, launch
+    x, w, r, rms, *_ = _proj_inputs()
+    want = (x.double() @ w.double().T).float()
+    m, n = x.shape[0], w.shape[0]
+
+    def run(cfg):
+        bm, bk = cfg
+        proj = torch.empty((m, n), device="cuda")
+        rr, mm = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
+        launch(cpr._proj_rms_fwd, (cdiv(m, bm),), (x, w, proj, rr, mm, 1e-6, cpr._np(n), bm, bk, True))
+        return proj, rr
+
+    print(f"proj_rms forward bf16 (cuTile), shipped tile {cpr._tiles(True)} (BM, BK):", flush=True)
+    cfgs = TILES.get("cutile_fwd") or [cpr._tiles(True), (32, 64), (16, 64), (32, 128), (16, 128), (64, 128),
+                                       (128, 64), (16, 256)]
+    _sweep("cutile fwd", run, cfgs, lambda got: f"rel err proj {rel(got[0], want):.2e} r {rel(got[1], r):.2e}",
+           T * N * C * 2, bw, deadline)
 
 
 def sweep_tf32(bw: float, deadline: float) -> None:
@@ -174,9 +204,11 @@ def sweep_tf32(bw: float, deadline: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["h_post_bda", "proj_rms", "cutile", "tf32", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["h_post_bda", "proj_rms", "cutile", "cutile_fwd", "tf32", "all"])
     ap.add_argument("--limit", type=float, default=480.0, help="seconds; the sweep stops after")
+    ap.add_argument("--tiles", default="{}", help='e.g. "{\'bf16\': [(2, 256, 128, 1, 3)], \'cutile\': [(128, 128, 4, 8)]}"')
     a = ap.parse_args()
+    TILES.update(ast.literal_eval(a.tiles))
     deadline = time.time() + a.limit
     bw = copy_bw()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s", flush=True)
@@ -188,6 +220,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     if a.what in ("cutile", "all"):
         sweep_cutile(bw, deadline)
+        torch.cuda.empty_cache()
+    if a.what in ("cutile_fwd", "all"):
+        sweep_cutile_fwd(bw, deadline)
         torch.cuda.empty_cache()
     if a.what in ("tf32", "all"):
         sweep_tf32(bw, deadline)
