@@ -36,8 +36,8 @@ def _tiles(lowp: bool) -> tuple[int, int]:
     """(BM, BK) of the forward (and of the fp32 backward): tensor-core tiles for bf16; smaller ones
     for the fp32 multiply-add path, whose products are a (BM, BK, N) tile. The bf16 backward's
     tile is ``BWD_TILE``. bf16: (64, 128) took 0.50 ms at the paper shape on an H200 against 0.71
-    for (64, 64) and 0.56 for (128, 64) (docs/bwd_sweep.py cutile_fwd); fewer tokens a program
-    (fewer K chunks in flight per load) were slower still."""
+    for (64, 64) and 0.56 for (128, 64) (docs/bwd_sweep.py cutile_fwd); 32 or 16 tokens a
+    program were slower still."""
     return (64, 128) if lowp else (16, 32)
 
 
