@@ -27,7 +27,7 @@ from kernels.triton import proj_rms as pr  # noqa: E402
 
 S, B, N, C = 8192, 4, 4, 7168
 T = S * B
-TILES: dict = {}  # --tiles: candidate lists in place of the built-in ones ("bf16", "fp32", "cutile")
+TILES: dict = {}  # --tiles: candidate lists in place of the built-in ones ("bf16", "fp32", "cutile", "cutile_fwd")
 
 
 def timed(fn, reps: int = 10) -> float:
@@ -74,10 +74,11 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
     print(f"h_post_bda bf16 with bias, generic kernel {generic}; n = 4 tiles (BLOCK_T, BLOCK_C, GROUP, warps, "
           f"stages), shipped {hpb.BWD4_TILE}:", flush=True)
     _line("generic", timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)), nbytes, bw)
-    tiles = TILES.get("bf16") or [hpb.BWD4_TILE, (4, 256, 256, 4, 2), (4, 256, 256, 4, 4), (4, 256, 256, 4, 5), (8, 256, 256, 4, 2),
-             (8, 256, 256, 4, 3), (8, 256, 256, 8, 3), (8, 256, 256, 8, 4), (2, 256, 128, 1, 3), (2, 256, 256, 2, 4),
-             (2, 256, 256, 2, 6), (4, 128, 256, 4, 2), (8, 128, 256, 4, 3), (4, 256, 128, 4, 4), (4, 256, 512, 4, 3),
-             (4, 512, 256, 8, 3), (4, 512, 256, 4, 3), (16, 256, 256, 8, 2), (2, 256, 256, 2, 3)]
+    # the H100's tile (ninth session) and the one-warp ones around the H200's best (eleventh; the
+    # earlier candidates and their figures are in docs/perf-notes.md)
+    tiles = TILES.get("bf16") or [hpb.BWD4_TILE, (4, 256, 256, 4, 3), (4, 256, 256, 4, 2), (2, 256, 128, 1, 3),
+                                  (1, 512, 128, 1, 3), (1, 512, 64, 1, 4), (1, 512, 512, 1, 3), (1, 256, 64, 1, 3),
+                                  (2, 256, 64, 1, 3)]
     results = _sweep("n=4", lambda t: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=t), tiles,
                      lambda got: f"max rel diff to generic {max(rel(a, b) for a, b in zip(got, want)):.1e}",
                      nbytes, bw, deadline)
@@ -95,8 +96,8 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
                                torch.randn(S, B, C, device="cuda"), torch.randn(C, device="cuda"))
         ms0 = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=generic))
         print(f"  fp32 generic: {ms0:.3f} ms ({2 * nbytes / (ms0 * 1e-3) / bw * 100:.0f}%)", flush=True)
-        for tile in TILES.get("fp32") or (hpb.BWD4_TILE_FP32, best, (8, 128, 256, 4, 2), (1, 256, 64, 1, 2), (4, 128, 256, 4, 3),
-                     (4, 128, 256, 4, 4), (8, 128, 256, 8, 3), (4, 256, 256, 8, 3)):
+        for tile in TILES.get("fp32") or (hpb.BWD4_TILE_FP32, best, (4, 128, 256, 4, 2), (1, 512, 128, 1, 3),
+                                          (1, 512, 128, 1, 2), (2, 256, 128, 1, 3), (8, 128, 256, 4, 2)):
             if time.time() > deadline:
                 break
             ms = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=tile))
@@ -186,8 +187,8 @@ def sweep_cutile_fwd(bw: float, deadline: float) -> None:
         return proj, rr
 
     print(f"proj_rms forward bf16 (cuTile), shipped tile {cpr._tiles(True)} (BM, BK):", flush=True)
-    cfgs = TILES.get("cutile_fwd") or [cpr._tiles(True), (32, 64), (16, 64), (32, 128), (16, 128), (64, 128),
-                                       (128, 64), (16, 256)]
+    # (32, *) and (16, *) were 1.5-5x slower on an H200 (docs/perf-notes.md, eleventh session)
+    cfgs = TILES.get("cutile_fwd") or [cpr._tiles(True), (64, 64), (128, 64), (32, 128), (128, 128), (64, 256)]
     _sweep("cutile fwd", run, cfgs, lambda got: f"rel err proj {rel(got[0], want):.2e} r {rel(got[1], r):.2e}",
            T * N * C * 2, bw, deadline)
 
@@ -204,9 +205,11 @@ def sweep_tf32(bw: float, deadline: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["h_post_bda", "proj_rms", "cutile", "cutile_fwd", "tf32", "all"])
+    ap.add_argument("what", nargs="?", default="all",
+                    choices=["h_post_bda", "proj_rms", "cutile", "cutile_fwd", "tf32", "all"])
     ap.add_argument("--limit", type=float, default=480.0, help="seconds; the sweep stops after")
-    ap.add_argument("--tiles", default="{}", help='e.g. "{\'bf16\': [(2, 256, 128, 1, 3)], \'cutile\': [(128, 128, 4, 8)]}"')
+    ap.add_argument("--tiles", default="{}",
+                    help='candidate lists, e.g. "{\'bf16\': [(1, 512, 64, 1, 3)], \'cutile\': [(128, 128, 4)]}"')
     a = ap.parse_args()
     TILES.update(ast.literal_eval(a.tiles))
     deadline = time.time() + a.limit
