@@ -5,7 +5,7 @@
 #   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table)
 #   run(command="source .device/setup.sh && bash docs/gpu-session.sh repro", carry=[".device"])
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
-#   "bwd" the backward tiles of issue 20)
+#   "bwd" the backward tiles of issue 20; "verify" is the short check after a kernel change)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
 # megatron|te GIT_DIR for the anchors (never commit .anchors/). Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -58,6 +58,24 @@ repro)
       --check determinism --check batch-invariance -o "$out/repro.parquet" --top 10; echo "repro wall $((SECONDS - t0)) s"
     python3 docs/repro_table.py "$out/repro.parquet"
   } 2>&1 | tee "$out/repro.log"
+  ;;
+verify)
+  # after a kernel change, in one call (about 8 minutes on an H200): the GPU tests, the paper shape
+  # for the changed kernels (VERIFY_KERNELS), h_post_bda in fp32 there (needs an H200's memory for
+  # the float64 references) and the TF32 projection's parity
+  {
+    step "pytest -m gpu"
+    timeout --foreground -s INT "${PYTEST_LIMIT:-250}" python3 -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -5
+    step "parity --scenario paper --kernel ${VERIFY_KERNELS:=h_post_bda,proj_rms,mapping} --impl triton,cutile"
+    timeout --foreground -s INT 200 python3 -m mhctool.cli parity --scenario paper --kernel "$VERIFY_KERNELS" \
+      --impl triton,cutile -o "$out/paper.parquet" --top 6
+    step "h_post_bda fp32 at the paper shape"
+    timeout --foreground -s INT 80 python3 -m mhctool.cli parity --kernel h_post_bda --impl triton \
+      --shape 8192x4x4x7168 --dtype fp32 -o "$out/fp32.parquet" --quiet
+    step "the TF32 projection at the paper shape"
+    timeout --foreground -s INT 80 python3 -m mhctool.cli parity --kernel proj_rms,mapping --impl triton-tf32 \
+      --shape 8192x4x4x7168 --dtype bf16 -o "$out/tf32.parquet" --quiet
+  } 2>&1 | tee "$out/verify.log"
   ;;
 sweep)
   python3 docs/tile_sweep.py 2>&1 | tee "$out/sweep.log"
