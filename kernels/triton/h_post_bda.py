@@ -6,8 +6,8 @@ backward reads grad_out, x and y once and writes grad_x and grad_y; the small gr
 h_post: reductions over C; bias: a reduction over tokens) are accumulated in fp32 on chip, written
 as per-block partials to a small workspace, and summed by a deterministic second kernel. For n = 4
 (mHC's case) the backward is ``_h_post_bda_bwd4``: every stream its own 2D tile, token groups
-walked with pipelined loads (92% of copy bandwidth in bf16 on an H100 and on an H200, against
-73% / 57% for the generic ``_h_post_bda_bwd``, which other n take).
+walked with pipelined loads (92% of copy bandwidth in bf16 on an H200, as on an H100 with the
+tile before ``BWD4_TILE``; the generic ``_h_post_bda_bwd``, which other n take: 57% / 73%).
 """
 from __future__ import annotations
 
