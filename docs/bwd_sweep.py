@@ -174,16 +174,11 @@ def sweep_cutile_fwd(bw: float, deadline: float) -> None:
     """The cuTile projection's forward tile (BM, BK): one program per BM tokens walks all of K, so
     BM sets how many programs there are to hide the loads' latency."""
     from kernels.cutile import proj_rms as cpr
-    from kernels.cutile._common import cdiv, launch
     x, w, r, rms, *_ = _proj_inputs()
     want = (x.double() @ w.double().T).float()
-    m, n = x.shape[0], w.shape[0]
 
     def run(cfg):
-        bm, bk = cfg
-        proj = torch.empty((m, n), device="cuda")
-        rr, mm = torch.empty(m, device="cuda"), torch.empty(m, device="cuda")
-        launch(cpr._proj_rms_fwd, (cdiv(m, bm),), (x, w, proj, rr, mm, 1e-6, cpr._np(n), bm, bk, True))
+        proj, rr, _ = cpr.forward(x, w, 1e-6, tile_=cfg)
         return proj, rr
 
     print(f"proj_rms forward bf16 (cuTile), shipped tile {cpr._tiles(True)} (BM, BK):", flush=True)
@@ -203,10 +198,13 @@ def sweep_tf32(bw: float, deadline: float) -> None:
            [(64, 128, 8, 4, 2), (64, 128, 16, 4, 2)], _errors(want), nbytes, bw, deadline)
 
 
+SWEEPS = {"h_post_bda": sweep_h_post_bda, "proj_rms": sweep_proj_rms, "cutile": sweep_cutile,
+          "cutile_fwd": sweep_cutile_fwd, "tf32": sweep_tf32}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all",
-                    choices=["h_post_bda", "proj_rms", "cutile", "cutile_fwd", "tf32", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=[*SWEEPS, "all"])
     ap.add_argument("--limit", type=float, default=480.0, help="seconds; the sweep stops after")
     ap.add_argument("--tiles", default="{}",
                     help='candidate lists, e.g. "{\'bf16\': [(1, 512, 64, 1, 3)], \'cutile\': [(128, 128, 4)]}"')
@@ -215,20 +213,10 @@ def main() -> None:
     deadline = time.time() + a.limit
     bw = copy_bw()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s", flush=True)
-    if a.what in ("h_post_bda", "all"):
-        sweep_h_post_bda(bw, deadline)
-        torch.cuda.empty_cache()
-    if a.what in ("proj_rms", "all"):
-        sweep_proj_rms(bw, deadline)
-        torch.cuda.empty_cache()
-    if a.what in ("cutile", "all"):
-        sweep_cutile(bw, deadline)
-        torch.cuda.empty_cache()
-    if a.what in ("cutile_fwd", "all"):
-        sweep_cutile_fwd(bw, deadline)
-        torch.cuda.empty_cache()
-    if a.what in ("tf32", "all"):
-        sweep_tf32(bw, deadline)
+    for name, sweep in SWEEPS.items():
+        if a.what in (name, "all"):
+            sweep(bw, deadline)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -144,6 +144,19 @@ def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
     sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM)
 
 
+def forward(x2d, weight, eps, tile_=None):
+    """``proj, r, rms`` of proj_rms (inputs checked by the caller); ``tile_``: (BM, BK) (sweeps)."""
+    m, n = x2d.shape[0], weight.shape[0]
+    lowp = _lowp(x2d, weight)
+    bm, bk = tile_ or _tiles(lowp)
+    proj = empty((m, n), torch.float32, x2d.device)
+    r = empty((m,), torch.float32, x2d.device)
+    rms = empty((m,), torch.float32, x2d.device)
+    if m:
+        launch(_proj_rms_fwd, (cdiv(m, bm),), (x2d, weight, proj, r, rms, float(eps), _np(n), bm, bk, lowp))
+    return proj, r, rms
+
+
 def _lowp(x, w) -> bool:
     """Tensor cores for bf16 (the gradient pieces are bf16, so fp16 takes the fp32 path)."""
     return x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
@@ -157,16 +170,7 @@ class _ProjRms(torch.autograd.Function):
         require_contiguous("weight", weight)
         if x2d.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x2d.shape[1]:
             raise ValueError(f"x2d must be [M, K] and weight [N, K]; got {tuple(x2d.shape)}, {tuple(weight.shape)}")
-        m, k = x2d.shape
-        n = weight.shape[0]
-        np_ = _np(n)
-        lowp = _lowp(x2d, weight)
-        bm, bk = _tiles(lowp)
-        proj = empty((m, n), torch.float32, x2d.device)
-        r = empty((m,), torch.float32, x2d.device)
-        rms = empty((m,), torch.float32, x2d.device)
-        if m:
-            launch(_proj_rms_fwd, (cdiv(m, bm),), (x2d, weight, proj, r, rms, float(eps), np_, bm, bk, lowp))
+        proj, r, rms = forward(x2d, weight, eps)
         ctx.save_for_backward(x2d, weight, r, rms)
         return proj, r
 
