@@ -165,8 +165,10 @@ def sweep_cutile(bw: float, deadline: float) -> None:
 
     print(f"proj_rms bf16 (cuTile), shipped tile {cpr.BWD_TILE} (BM, BK, splits):", flush=True)
     # not swept (H200, docs/perf-notes.md): the occupancy hint (1 equals the default, 2-4 took 2.7x
-    # longer) and a DRAM-latency hint on the x and gradient loads (4 or 8: 4-8% slower)
-    cfgs = TILES.get("cutile") or [cpr.BWD_TILE, (128, 128, 4), (128, 128, 16), (64, 128, 8), (64, 128, 4)]
+    # longer), num_worker_warps 4 or 8 (30-80x), a DRAM-latency hint on the x and gradient loads
+    # (4 or 8: 4-8% slower), the next block's tiles loaded by hand before this block's products
+    # (2x: the compiler's own pipelining is lost); 2, 3 or 6 splits (tails of the last wave)
+    cfgs = TILES.get("cutile") or [cpr.BWD_TILE, (128, 128, 8), (64, 256, 4), (64, 256, 8), (64, 128, 4)]
     _sweep("cutile", run, cfgs, _errors(want), nbytes, bw, deadline)
 
 

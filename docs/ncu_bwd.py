@@ -4,7 +4,8 @@
         --section MemoryWorkloadAnalysis python3 docs/ncu_bwd.py
 
 (every kernel is launched twice: the first compiles and picks tiles, the profile reads both;
-"h_post_bda" or "proj_rms" as the argument runs one). The eighth session's profile is in
+"h_post_bda", "proj_rms" or "cutile" (the cuTile projection backward, ``-k regex:_proj_rms_bwd``)
+as the argument runs one). The eighth session's profile is in
 docs/perf-notes.md."""
 import sys
 from pathlib import Path
@@ -28,11 +29,15 @@ if what in ("all", "h_post_bda"):
     for _ in range(2):
         hpb.h_post_bda_backward(h, x, hp, y, bias, go)
     del x, go
-if what in ("all", "proj_rms"):
+if what in ("all", "proj_rms", "cutile"):
     x = torch.randn(T, K, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn(24, K, generator=g, device="cuda") / K ** 0.5).to(torch.bfloat16)
     _, r, rms = pr.proj_rms_forward(x, w)
     gp, gr = torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
     for _ in range(2):
-        pr.proj_rms_backward(x, w, r, rms, gp, gr)
+        if what == "cutile":
+            from kernels.cutile import proj_rms as cpr
+            cpr.backward_into(x, w, gp, gr, r, rms, torch.empty_like(x), torch.empty_like(w))
+        else:
+            pr.proj_rms_backward(x, w, r, rms, gp, gr)
 torch.cuda.synchronize()

@@ -14,7 +14,9 @@ Backward, one pass over x: a program per (K block, split of the tokens) walks it
 writing dx and accumulating its split's dW partial in fp32; a second kernel adds the partials in
 a fixed order (no atomics). v1 ran dx and dW as two kernels, each reading x, with one dW program
 per K block walking all 32768 tokens (448 programs): 17.5% of copy bandwidth on an H200. v2 (one
-pass, 64 x 64 tiles, three pieces): 44% on an H100; v3 (128 x 128, two pieces): 80%.
+pass, 64 x 64 tiles, three pieces): 44% on an H100; v3 (128 x 128, two pieces): 80% there, 70% on an
+H200; v4 (the gradient and dx's per-token factor packed into one fp32 row by a small kernel first,
+so that a token block takes one load of them instead of four, and 4 splits): 79% on an H200.
 """
 from __future__ import annotations
 
@@ -80,48 +82,73 @@ def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstIn
     ct.store(rms, index=(i,), tile=m)
 
 
-def _grad_product(gp, b, lowp, M_, N_, K_):
-    """``gp (M_, K_, fp32) @ b (K_, N_)`` on tensor cores with ``gp`` in two bf16 pieces (16
-    significant bits, past what a bf16 dx or dW keeps; a third piece changed no kept bit and,
-    at the 128 x 128 tile, cost 4x), or as IEEE fp32 multiply-adds."""
+def _grad_products(g, wt, xt, lowp, BM, BK, NG):
+    """``g W`` (dx's product, ``(BM, BK)``) and ``g^T x`` (this block's dW, ``(NG, BK)``) in fp32:
+    on tensor cores with the fp32 ``g`` in two bf16 pieces (16 significant bits, past what a bf16
+    dx or dW keeps; a third piece changed no kept bit and, at the 128 x 128 tile, cost 4x), or as
+    IEEE fp32 multiply-adds."""
     if not lowp:
-        return _product(gp, b, False, M_, N_, K_)
-    hi = gp.astype(ct.bfloat16)
-    lo = (gp - hi.astype(ct.float32)).astype(ct.bfloat16)
-    bb = b.astype(ct.bfloat16)
-    return ct.mma(hi, bb, ct.mma(lo, bb, ct.zeros((M_, N_), dtype=ct.float32)))
+        return _product(g, wt, False, BM, BK, NG), _product(ct.transpose(g), xt, False, NG, BK, BM)
+    hi = g.astype(ct.bfloat16)
+    lo = (g - hi.astype(ct.float32)).astype(ct.bfloat16)
+    wb = wt.astype(ct.bfloat16)
+    prod = ct.mma(hi, wb, ct.mma(lo, wb, ct.zeros((BM, BK), dtype=ct.float32)))
+    part = ct.mma(ct.transpose(hi), xt, ct.mma(ct.transpose(lo), xt, ct.zeros((NG, BK), dtype=ct.float32)))
+    return prod, part
 
 
-SPLITS = 8  # token splits of the backward (dW partials)
+SPLITS = 4  # token splits of the backward (dW partials)
 BC_SUM = 512  # columns per program of the partials' sum
+BM_PACK = 128  # tokens per program of the gradient's packing
 
 
 @ct.kernel
-def _proj_rms_bwd(x, w, gp, gr, r, rms, dx, ws, NP: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
+def _pack_grad(x, gp, gr, r, rms, out, N: ConstInt, NG: ConstInt, BM: ConstInt):
+    """The backward's per-token operand as one fp32 row of NG: ``g_proj`` in columns [0, N), dx's
+    factor of x in column N (``d r / d x = -r^2 x / (K rms)``, times ``g_r``), zeros past it. The
+    backward then loads one tile a token block instead of four (g_proj, g_r, r, rms), and the
+    factor's column multiplies W's zero padding rows in ``g W``."""
+    i = ct.bid(0)
+    kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0  # K, as a float
+    g = ct.load(gp, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
+    rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
+    mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
+    grt = ct.load(gr, index=(i,), shape=(BM,), padding_mode=ZERO)
+    coef = ct.reshape(ct.where(mt > 0.0, -grt * rt * rt / (kk * ct.maximum(mt, 1e-38)), 0.0), (BM, 1))
+    col = ct.reshape(ct.arange(NG, dtype=ct.int32), (1, NG))
+    ct.store(out, index=(i, 0), tile=ct.where(col < N, g, ct.where(col == N, coef, 0.0)))
+
+
+@ct.kernel
+def _proj_rms_bwd(x, w, gc, dx, ws, N: ConstInt, NG: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
                   LOWP: ConstBool):
-    """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + gR * dr/dx`` with
-    ``dr/dx = -r^2 x / (K rms)``, and the split's ``dW[:, k block] = sum gP^T x`` into ``ws[s]``."""
+    """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + coef x`` and the split's
+    ``dW[:, k block] = sum gP^T x`` into ``ws[s]``, from the packed gradient ``gc`` (``_pack_grad``;
+    W's rows past N load as zeros, so its factor column adds nothing to ``gP W``, and dW's rows
+    past N are not stored)."""
     k, s = ct.bid(0), ct.bid(1)
-    wt = ct.load(w, index=(0, k), shape=(NP, BK), padding_mode=ZERO)
-    kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0
-    acc = ct.zeros((NP, BK), dtype=ct.float32)
+    wt = ct.load(w, index=(0, k), shape=(NG, BK), padding_mode=ZERO)
+    acc = ct.zeros((NG, BK), dtype=ct.float32)
     for b in range(BLOCKS):  # blocks past the last token load zeros and store nothing
         i = s * BLOCKS + b
-        g = ct.load(gp, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
         xt = ct.load(x, index=(i, k), shape=(BM, BK), padding_mode=ZERO)
-        rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
-        mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
-        grt = ct.load(gr, index=(i,), shape=(BM,), padding_mode=ZERO)
-        coef = ct.where(mt > 0.0, -grt * rt * rt / (kk * ct.maximum(mt, 1e-38)), 0.0)
-        d = _grad_product(g, wt, LOWP, BM, BK, NP) + ct.reshape(coef, (BM, 1)) * xt.astype(ct.float32)
+        g = ct.load(gc, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
+        prod, part = _grad_products(g, wt, xt, LOWP, BM, BK, NG)
+        d = prod + ct.extract(g, index=(0, N), shape=(BM, 1)) * xt.astype(ct.float32)
         ct.store(dx, index=(i, k), tile=d.astype(dx.dtype))
-        acc = acc + _grad_product(ct.transpose(g), xt, LOWP, NP, BK, BM)
-    ct.store(ws, index=(s, 0, k), tile=ct.reshape(acc, (1, NP, BK)))
+        acc = acc + part
+    ct.store(ws, index=(s, 0, k), tile=ct.reshape(acc, (1, NG, BK)))
 
 
-# the bf16 backward's (BM, BK, token splits): the fastest timed at the paper shape on an H100
-# (docs/bwd_sweep.py, docs/perf-notes.md: 1.57 ms against 2.97 for the (64, 64) tile before)
+# the bf16 backward's (BM, BK, token splits): the fastest timed at the paper shape on an H200
+# (docs/perf-notes.md, twelfth session: 1.14 ms with the packed gradient, against 1.21 for
+# 8 splits and 1.28 for the unpacked kernel before, at 4 splits, in one run)
 BWD_TILE = (128, 128, SPLITS)
+
+
+def _ng(n: int) -> int:
+    """Columns of the packed gradient: N, the factor, padding (also the MMA's smallest N)."""
+    return _np(n + 1)
 
 
 def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
@@ -133,14 +160,16 @@ def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
         dw.zero_()
         return
     n = weight.shape[0]
+    ng = _ng(n)
     lowp = _lowp(x2d, weight)
     bm, bk, most = (tile_ or BWD_TILE) if lowp else (*_tiles(False), SPLITS)
+    gc = empty((m, ng), torch.float32, x2d.device)
+    launch(_pack_grad, (cdiv(m, BM_PACK),), (x2d, g_proj, g_r, r, rms, gc, n, ng, BM_PACK))
     nb = cdiv(m, bm)
     blocks = cdiv(nb, most)
     splits = cdiv(nb, blocks)  # at most ``most``, fewer where there are fewer token blocks
     ws = empty((splits, n, k), torch.float32, x2d.device)  # rows past N of each partial are not stored
-    launch(_proj_rms_bwd, (cdiv(k, bk), splits),
-           (x2d, weight, g_proj, g_r, r, rms, dx, ws, _np(n), bm, bk, blocks, lowp))
+    launch(_proj_rms_bwd, (cdiv(k, bk), splits), (x2d, weight, gc, dx, ws, n, ng, bm, bk, blocks, lowp))
     sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM)
 
 
@@ -201,7 +230,9 @@ def compile_checks() -> dict[str, bytes]:
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
                                                       1e-6, 32, bm, bk, lowp])
         bbm, bbk = BWD_TILE[:2] if lowp else (bm, bk)  # the backward at the tile it runs at
-        out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
-                                                     array(f32, 1), a2, array(f32, 3), 32, bbm, bbk, 8, lowp])
+        out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3), 24, 32, bbm, bbk, 8,
+                                                     lowp])
+    out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
+                                       array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
     return out
