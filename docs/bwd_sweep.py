@@ -168,7 +168,8 @@ def sweep_cutile(bw: float, deadline: float) -> None:
     # longer), num_worker_warps 4 or 8 (30-80x), a DRAM-latency hint on the x and gradient loads
     # (4 or 8: 4-8% slower), the next block's tiles loaded by hand before this block's products
     # (2x: the compiler's own pipelining is lost); 2, 3 or 6 splits (tails of the last wave)
-    cfgs = TILES.get("cutile") or [cpr.BWD_TILE, (128, 128, 8), (64, 256, 4), (64, 256, 8), (64, 128, 4)]
+    cfgs = TILES.get("cutile") or [cpr.BWD_TILE, (128, 128, 4), (128, 128, 8), (64, 256, 4), (64, 256, 16),
+                                    (32, 256, 8), (64, 512, 8)]
     _sweep("cutile", run, cfgs, _errors(want), nbytes, bw, deadline)
 
 

@@ -97,7 +97,7 @@ def _grad_products(g, wt, xt, lowp, BM, BK, NG):
     return prod, part
 
 
-SPLITS = 4  # token splits of the backward (dW partials)
+SPLITS = 8  # token splits of the backward (dW partials)
 BC_SUM = 512  # columns per program of the partials' sum
 BM_PACK = 128  # tokens per program of the gradient's packing
 
@@ -141,9 +141,9 @@ def _proj_rms_bwd(x, w, gc, dx, ws, N: ConstInt, NG: ConstInt, BM: ConstInt, BK:
 
 
 # the bf16 backward's (BM, BK, token splits): the fastest timed at the paper shape on an H200
-# (docs/perf-notes.md, twelfth session: 1.14 ms with the packed gradient, against 1.21 for
-# 8 splits and 1.28 for the unpacked kernel before, at 4 splits, in one run)
-BWD_TILE = (128, 128, SPLITS)
+# (docs/bwd_sweep.py cutile, docs/perf-notes.md twelfth session: 1.08 ms with the packed gradient,
+# against 1.16-1.18 for (128, 128, 4 or 8) and 1.28 for the unpacked kernel before)
+BWD_TILE = (64, 256, SPLITS)
 
 
 def _ng(n: int) -> int:
