@@ -5,7 +5,7 @@
 
 (every kernel is launched twice: the first compiles and picks tiles, the profile reads both;
 "h_post_bda", "proj_rms" or "cutile" (the cuTile projection backward, ``-k regex:_proj_rms_bwd``)
-as the argument runs one). The eighth session's profile is in
+as the argument runs one). The profiles (eighth, eleventh and twelfth sessions) are in
 docs/perf-notes.md."""
 import sys
 from pathlib import Path
@@ -34,10 +34,12 @@ if what in ("all", "proj_rms", "cutile"):
     w = (torch.randn(24, K, generator=g, device="cuda") / K ** 0.5).to(torch.bfloat16)
     _, r, rms = pr.proj_rms_forward(x, w)
     gp, gr = torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
+    if what == "cutile":
+        from kernels.cutile import proj_rms as cpr  # needs cuda.tile: imported only when asked for
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
     for _ in range(2):
         if what == "cutile":
-            from kernels.cutile import proj_rms as cpr
-            cpr.backward_into(x, w, gp, gr, r, rms, torch.empty_like(x), torch.empty_like(w))
+            cpr.backward_into(x, w, gp, gr, r, rms, dx, dw)
         else:
             pr.proj_rms_backward(x, w, r, rms, gp, gr)
 torch.cuda.synchronize()

@@ -142,7 +142,7 @@ def _proj_rms_bwd(x, w, gc, dx, ws, N: ConstInt, NG: ConstInt, BM: ConstInt, BK:
 
 # the bf16 backward's (BM, BK, token splits): the fastest timed at the paper shape on an H200
 # (docs/bwd_sweep.py cutile, docs/perf-notes.md twelfth session: 1.08 ms with the packed gradient,
-# against 1.16-1.18 for (128, 128, 4 or 8) and 1.28 for the unpacked kernel before)
+# against 1.14-1.18 for (128, 128, 4 or 8) and 1.28 for the unpacked kernel before)
 BWD_TILE = (64, 256, SPLITS)
 
 
