@@ -71,14 +71,15 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
     nbytes = 3 * T * N * C * 2 + 2 * T * C * 2
     generic = hpb.backward_tile(C, N)
     want = hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)
-    print(f"h_post_bda bf16 with bias, generic kernel {generic}; n = 4 tiles (BLOCK_T, BLOCK_C, GROUP, warps, "
-          f"stages), shipped {hpb.BWD4_TILE}:", flush=True)
+    print(f"h_post_bda bf16 with bias, generic kernel {generic}; n = 4 tiles, tensor-core (BLOCK_C, GROUP, warps, "
+          f"stages) shipped {hpb.BWD4_TILE_TC}, FMA (BLOCK_T, BLOCK_C, GROUP, warps, stages) {hpb.BWD4_TILE}:", flush=True)
     _line("generic", timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)), nbytes, bw)
     # the H100's tile (ninth session) and the one-warp ones around the H200's best (eleventh; the
     # earlier candidates and their figures are in docs/perf-notes.md)
-    tiles = TILES.get("bf16") or [hpb.BWD4_TILE, (4, 256, 256, 4, 3), (4, 256, 256, 4, 2), (2, 256, 128, 1, 3),
-                                  (1, 512, 128, 1, 3), (1, 512, 64, 1, 4), (1, 512, 512, 1, 3), (1, 256, 64, 1, 3),
-                                  (2, 256, 64, 1, 3)]
+    # 4 entries: the tensor-core kernel (BLOCK_C, GROUP, warps, stages), the default for bf16
+    tiles = TILES.get("bf16") or [hpb.BWD4_TILE_TC, (512, 32, 1, 2), (512, 48, 1, 3), (512, 16, 1, 4),
+                                  (256, 32, 1, 2), hpb.BWD4_TILE, (1, 512, 128, 1, 3), (1, 512, 64, 1, 4),
+                                  (2, 256, 128, 1, 3)]
     results = _sweep("n=4", lambda t: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=t), tiles,
                      lambda got: f"max rel diff to generic {max(rel(a, b) for a, b in zip(got, want)):.1e}",
                      nbytes, bw, deadline)
@@ -96,8 +97,9 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
                                torch.randn(S, B, C, device="cuda"), torch.randn(C, device="cuda"))
         ms0 = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=generic))
         print(f"  fp32 generic: {ms0:.3f} ms ({2 * nbytes / (ms0 * 1e-3) / bw * 100:.0f}%)", flush=True)
-        for tile in TILES.get("fp32") or (hpb.BWD4_TILE_FP32, best, (4, 128, 256, 4, 2), (1, 512, 128, 1, 3),
-                                          (1, 512, 128, 1, 2), (2, 256, 128, 1, 3), (8, 128, 256, 4, 2)):
+        # fp32 takes the FMA kernel: the bf16 sweep's best only where it is an FMA tile
+        for tile in TILES.get("fp32") or (hpb.BWD4_TILE_FP32, *([best] if len(best) == 5 else []), (4, 128, 256, 4, 2),
+                                          (1, 512, 128, 1, 3), (1, 512, 128, 1, 2), (2, 256, 128, 1, 3), (8, 128, 256, 4, 2)):
             if time.time() > deadline:
                 break
             ms = timed(lambda: hpb.h_post_bda_backward(h, x32, hp, y32, b32, go32, tile_=tile))

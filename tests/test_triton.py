@@ -113,11 +113,33 @@ def test_h_post_bda_matches_float64(shape, transpose_res, with_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transpose_res", [False, True])
 def test_h_post_bda_n4_backward_matches_float64(shape, dtype, transpose_res):
-    """n = 4 takes its own backward (per-stream tiles, token groups): here with 64-channel blocks
-    and 8-token groups, so C blocks, groups and token tiles end part-way (37 tokens: 4 full groups
-    and one of 5; 200 channels: 4 blocks, the last of 8). Outputs and workspaces NaN-poisoned."""
-    assert thp.backward_tile4(dtype) == (4, 64, 8, 4, 1)
+    """n = 4 takes its own backward (per-stream tiles, token groups; bf16 the tensor-core kernel,
+    fp32 the FMA one): here with 64-channel blocks and 8-token groups, so C blocks, groups and
+    token tiles end part-way (37 tokens: 4 full groups and one of 5; 200 channels: 4 blocks, the
+    last of 8). Outputs and workspaces NaN-poisoned."""
+    assert thp.backward_tile4(dtype, dtype != torch.float32) == ((4, 64, 8, 4, 1) if dtype == torch.float32 else (64, 8, 1, 1))
     _check_n4_backward(shape, dtype, transpose_res)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_h_post_bda_n4_tensor_core_backward_matches_float64(dtype, with_bias):
+    """The tensor-core kernel at the GPU's tile class (one warp, one token a step, 512 channels,
+    two stages) over 700 channels (a block and a part) and 37 tokens in 32-token groups, with and
+    without a bias; under the interpreter its product's operands are upcast to fp32, so what is
+    checked is its indexing (the 16 dH partials where h_res keeps them, the two dh_post columns)."""
+    assert len(thp.BWD4_TILE_TC) == 4 and thp.BWD4_TILE_TC[0] == 512
+    _check_n4_backward((37, 1, 4, 700), dtype, True, tile_=(512, 32, 1, 2), with_bias=with_bias)
+
+
+def test_h_post_bda_n4_mixed_dtypes_take_the_fma_kernel():
+    """A bf16 x with an fp32 bias is not the tensor-core kernel's case: the FMA kernel runs, and a
+    tensor-core tile asked for is refused with a sentence."""
+    _check_n4_backward((5, 3, 4, 67), torch.bfloat16, False, bias_dtype=torch.float32)
+    x = torch.randn(2, 1, 4, 8)
+    with pytest.raises(ValueError, match="16-bit"):
+        thp.h_post_bda_backward(torch.rand(2, 1, 4, 4), x, torch.rand(2, 1, 4), torch.randn(2, 1, 8), None, x,
+                                tile_=(64, 8, 1, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,16 +150,17 @@ def test_h_post_bda_n4_backward_one_token_tiles_match_float64(dtype):
     _check_n4_backward((37, 1, 4, 200), dtype, False, tile_=(1, 128, 8, 1, 3))
 
 
-def _check_n4_backward(shape, dtype, transpose_res, tile_=None):
+def _check_n4_backward(shape, dtype, transpose_res, tile_=None, with_bias=True, bias_dtype=None):
     s, b, n, c = shape
     h, x, hp, y = torch.rand(s, b, n, n), torch.randn(s, b, n, c).to(dtype), torch.rand(s, b, n), torch.randn(s, b, c).to(dtype)
-    bias, go = torch.randn(c).to(dtype), torch.randn(s, b, n, c).to(dtype)
+    bias, go = torch.randn(c).to(bias_dtype or dtype) if with_bias else None, torch.randn(s, b, n, c).to(dtype)
     with poisoning():
         four = thp.h_post_bda_backward(h, x, hp, y, bias, go, transpose_res, tile_=tile_)
-    dd = [t.double().requires_grad_() for t in (h, x, hp, y, bias)]
-    r = ref.h_post_bda(*dd, transpose_res=transpose_res)
+    dd = [t.double().requires_grad_() for t in (h, x, hp, y, bias) if t is not None]
+    r = ref.h_post_bda(*dd[:4], dd[4] if with_bias else None, transpose_res=transpose_res)
     want = torch.autograd.grad(r, dd, go.double())
-    # bf16 outputs (dx, dy, dbias) carry one rounding: 2^-8 of the largest; fp32 sums over C and tokens
+    assert four[4] is None if not with_bias else four[4].dtype == bias.dtype
+    # 16-bit outputs (dx, dy, dbias) carry one rounding: 2^-8 of the largest; fp32 sums over C and tokens
     for name, a, w in zip(("h_res", "x", "h_post", "y", "bias"), four, want):
         assert torch.isfinite(a).all(), name
         tol = 1e-5 if a.dtype == torch.float32 else 2 ** -8

@@ -6,8 +6,10 @@ backward reads grad_out, x and y once and writes grad_x and grad_y; the small gr
 h_post: reductions over C; bias: a reduction over tokens) are accumulated in fp32 on chip, written
 as per-block partials to a small workspace, and summed by a deterministic second kernel. For n = 4
 (mHC's case) the backward is ``_h_post_bda_bwd4``: every stream its own 2D tile, token groups
-walked with pipelined loads (92% of copy bandwidth in bf16 on an H200, as on an H100 with the
-tile before ``BWD4_TILE``; the generic ``_h_post_bda_bwd``, which other n take: 57% / 73%).
+walked with pipelined loads. With x, y, the bias and grad_out of one 16-bit dtype (the mHC case) it
+is ``_h_post_bda_bwd4_tc``, whose 20 sums over C per token are one small tensor-core product
+(93.6% of copy bandwidth in bf16 on an H200); fp32 and mixed dtypes take ``_h_post_bda_bwd4``
+(FMAs and cross-lane sums; 92%), other n the generic ``_h_post_bda_bwd`` (57% / 73%).
 """
 from __future__ import annotations
 
@@ -178,6 +180,96 @@ def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         tl.store(ws_b_ptr + tg.to(tl.int64) * C + c, tl.sum(db, axis=0), mask=cmask)
 
 
+@triton.jit
+def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, ws_ptr, ws_b_ptr, T, C,
+                        GROUP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        TRANSPOSE: tl.constexpr, STAGES: tl.constexpr, F32DOT: tl.constexpr):
+    """n = 4 with 16-bit x, y, bias and grad_out: the 20 sums over C as one tensor-core product.
+    A step is one token over the program's C block: its gradient as a ``[4, BLOCK_C]`` tile times
+    the ``[8, BLOCK_C]`` tile of x's four streams, y, the bias and two zero rows (transposed), so
+    ``d[i, j] = g_i . x_j`` (dH) and ``d[i, 4] + d[i, 5] = g_i . (y + bias)`` (dh_post): exact
+    products of 16-bit values summed in fp32 (one accumulator over the block's 512 channels: at the
+    paper shape 6.6e-7 relative to the FMA kernel's sums), no cross-lane sums. dx and dy are per (token,
+    channel) and thread-local, as in ``_h_post_bda_bwd4``; the bias partial stays in registers
+    over the program's ``GROUP`` tokens. The 20 partials of a (C block, token) go to ``ws`` (16 of
+    dH where h_res keeps them, then 4 of dh_post), summed over C blocks in order by
+    ``_h_post_bda_finish4``. ``F32DOT``: the product's operands upcast to fp32 (the interpreter,
+    whose bf16 ``tl.dot`` is unreliable)."""
+    cb = tl.program_id(0)
+    tg = tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    r4 = tl.arange(0, 4)
+    r8 = tl.arange(0, 8)
+    if HAS_BIAS:
+        db = tl.zeros([BLOCK_C], dtype=tl.float32)
+        rows = r8 < 6
+    else:
+        rows = r8 < 5
+    hoff = r8[None, :] * 4 + r4[:, None] if TRANSPOSE else r4[:, None] * 4 + r8[None, :]
+    t_start = tg.to(tl.int64) * GROUP
+    t_end = tl.minimum(t_start + GROUP, T)
+    for t in tl.range(t_start, t_end, num_stages=STAGES):
+        g = tl.load(g_ptr + t * 4 * C + r4[:, None] * C + c[None, :], mask=cmask[None, :], other=0.0)
+        # the product's other operand: rows 0-3 x_j, row 4 y, row 5 the bias, rows 6-7 masked
+        off = tl.where(r8 < 4, t * 4 * C + r8 * C, t * C)[:, None] + c[None, :]
+        src = tl.where(r8[:, None] < 4, x_ptr + off, y_ptr + off)
+        if HAS_BIAS:
+            src = tl.where(r8[:, None] == 5, b_ptr + c[None, :], src)
+        xyb = tl.load(src, mask=rows[:, None] & cmask[None, :], other=0.0)
+        if F32DOT:
+            d = tl.dot(g.to(tl.float32), tl.trans(xyb.to(tl.float32)), input_precision="ieee")
+        else:
+            d = tl.dot(g, tl.trans(xyb))
+        row = cb.to(tl.int64) * T + t
+        tl.store(ws_ptr + row * 20 + hoff, d, mask=r8[None, :] < 4)
+        tl.store(ws_ptr + row * 20 + 16 + r4, tl.sum(tl.where((r8[None, :] == 4) | (r8[None, :] == 5), d, 0.0), axis=1))
+        g0, g1, g2, g3 = _rows4(g.to(tl.float32))
+        dy = (tl.load(hp_ptr + t * 4).to(tl.float32) * g0 + tl.load(hp_ptr + t * 4 + 1).to(tl.float32) * g1
+              + tl.load(hp_ptr + t * 4 + 2).to(tl.float32) * g2 + tl.load(hp_ptr + t * 4 + 3).to(tl.float32) * g3)
+        tl.store(dy_ptr + t * C + c, cast(dy, dy_ptr.dtype.element_ty), mask=cmask)
+        if HAS_BIAS:
+            db += dy
+        for j in tl.static_range(4):
+            dxj = (_hm1(h_ptr, t, 0, j, TRANSPOSE) * g0 + _hm1(h_ptr, t, 1, j, TRANSPOSE) * g1
+                   + _hm1(h_ptr, t, 2, j, TRANSPOSE) * g2 + _hm1(h_ptr, t, 3, j, TRANSPOSE) * g3)
+            tl.store(dx_ptr + t * 4 * C + j * C + c, cast(dxj, dx_ptr.dtype.element_ty), mask=cmask)
+    if HAS_BIAS:
+        tl.store(ws_b_ptr + tg.to(tl.int64) * C + c, db, mask=cmask)
+
+
+@triton.jit
+def _rows4(v):
+    """The four rows of a ``[4, B]`` tile as ``[B]`` vectors (in-thread: every thread holds all four)."""
+    a, b = tl.split(tl.reshape(tl.trans(v), (v.shape[1], 2, 2)))  # a: rows 0 and 2; b: rows 1 and 3
+    r0, r2 = tl.split(a)
+    r1, r3 = tl.split(b)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _hm1(h_ptr, t, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """``Hm[t, i, j]`` of one token, a scalar."""
+    return tl.load(h_ptr + t * 16 + _hoff4(i, j, TRANSPOSE)).to(tl.float32)
+
+
+@triton.jit
+def _h_post_bda_finish4(ws_ptr, dh_ptr, dhp_ptr, R, T, BLOCK_T: tl.constexpr):
+    """grad_h_res and grad_h_post from ``_h_post_bda_bwd4_tc``'s ``[R, T, 20]`` partials: every
+    token's sums over the R C blocks in block order (the same order at every batch size)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.arange(0, 32)
+    mask = (t[:, None] < T) & (k[None, :] < 20)
+    ptrs = ws_ptr + t.to(tl.int64)[:, None] * 20 + k[None, :]
+    acc = tl.zeros([BLOCK_T, 32], dtype=tl.float32)
+    for _ in range(0, R):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += T * 20
+    tl.store(dh_ptr + t[:, None] * 16 + k[None, :], cast(acc, dh_ptr.dtype.element_ty), mask=mask & (k[None, :] < 16))
+    tl.store(dhp_ptr + t[:, None] * 4 + (k[None, :] - 16), cast(acc, dhp_ptr.dtype.element_ty),
+             mask=mask & (k[None, :] >= 16))
+
+
 def _blocks(C: int, n: int, elems: int = 8192, max_c: int = 256, warps: int = 8):
     """(BLOCK_T, BLOCK_C, num_warps): a [BLOCK_T, NP, BLOCK_C] tile of about ``elems`` elements."""
     np_ = next_pow2(n)
@@ -248,13 +340,16 @@ def backward_tile(C: int, n: int) -> tuple:
     return _blocks(C, n, 4096, 128, 4)
 
 
-def backward_tile4(dtype: torch.dtype) -> tuple:
-    """The n = 4 backward's (BLOCK_T, BLOCK_C, GROUP, warps, stages): fixed per element size like
-    ``backward_tile`` (never a function of the number of tokens, so a token's dH sums in the same
-    order at every batch size). Under the interpreter, small blocks so that the tests' odd shapes
-    cross C blocks, token groups and partial tiles."""
+def backward_tile4(dtype: torch.dtype, tc: bool = False) -> tuple:
+    """The n = 4 backward's tile, fixed per kernel and element size like ``backward_tile`` (never
+    a function of the number of tokens, so a token's dH sums in the same order at every batch
+    size). ``tc``: the tensor-core kernel's (BLOCK_C, GROUP, warps, stages); otherwise the FMA
+    kernel's (BLOCK_T, BLOCK_C, GROUP, warps, stages). Under the interpreter, small blocks so that
+    the tests' odd shapes cross C blocks, token groups and partial tiles."""
     if interpreted():
-        return 4, 64, 8, 4, 1
+        return (64, 8, 1, 1) if tc else (4, 64, 8, 4, 1)
+    if tc:
+        return BWD4_TILE_TC
     return BWD4_TILE_FP32 if dtype == torch.float32 else BWD4_TILE
 
 
@@ -265,22 +360,42 @@ def backward_tile4(dtype: torch.dtype) -> tuple:
 # a third of the issue gaps on shuffles and shared memory); one-warp programs over one token and
 # 512 channels (16 a lane, so fewer shuffles per byte in the 20 sums over C) took 1.76-1.82 /
 # 3.32-3.48 ms, 88-94%. Not re-timed on an H100 (there (2, 256, 128, 1, 3) matched the old tile).
+# The FMA kernel keeps these for fp32 (and 16-bit operands of mixed dtypes).
 BWD4_TILE = (1, 512, 64, 1, 3)  # bf16, fp16
 BWD4_TILE_FP32 = (1, 512, 64, 1, 3)
+# The tensor-core kernel (16-bit operands of one dtype), (BLOCK_C, GROUP, warps, stages): one warp
+# over one token and 512 channels a step, two stages (135 registers, 13 KB of shared memory: 15
+# programs a SM). On an H200 the FMA kernel's 20 sums over C (100 shuffles a step) and their
+# workspace cost 100 us of its 1.71 ms (docs/perf-notes.md, thirteenth session).
+BWD4_TILE_TC = (512, 32, 1, 4)
+
+
+def _tc_operands(x, y, bias, grad_out) -> bool:
+    """x, y, the bias and grad_out of one 16-bit dtype: the tensor-core n = 4 backward's operands."""
+    return (x.dtype in (torch.bfloat16, torch.float16) and y.dtype == grad_out.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype))
 
 
 def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None):
-    """``tile_``: a tile for the generic kernel (3 entries) or for the n = 4 one (5 entries);
-    by default the n = 4 kernel where n = 4."""
+    """``tile_``: a tile for the generic kernel (3 entries), the n = 4 tensor-core one (4) or the
+    n = 4 FMA one (5); by default the n = 4 tensor-core kernel where n = 4 and x, y, the bias and
+    grad_out share a 16-bit dtype, the n = 4 FMA kernel for other n = 4 cases."""
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     grad_out = grad_out.contiguous()
     s, b, n, C = x.shape
     T = s * b
+    tc = n == 4 and _tc_operands(x, y, bias, grad_out)
+    tile = tile_ or (backward_tile4(x.dtype, tc) if n == 4 else backward_tile(C, n))
+    if len(tile) in (4, 5) and n != 4:
+        raise ValueError(f"h_post_bda_backward: a {len(tile)}-entry tile is for n = 4, not n = {n}")
+    if len(tile) == 4 and not tc:
+        raise ValueError("h_post_bda_backward: the tensor-core tile (4 entries) needs x, y, bias and grad_out "
+                         f"of one 16-bit dtype; got {x.dtype}, {y.dtype}, {None if bias is None else bias.dtype}, "
+                         f"{grad_out.dtype}")
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
-    tile = tile_ or (backward_tile4(x.dtype) if n == 4 else backward_tile(C, n))
-    if len(tile) == 5 and n != 4:
-        raise ValueError(f"h_post_bda_backward: a 5-entry tile is for n = 4, not n = {n}")
+    if len(tile) == 4:
+        return _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile)
     four = len(tile) == 5
     bt, bc = tile[0], tile[1]
     n_cb = triton.cdiv(C, bc)
@@ -302,6 +417,29 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
                                       num_warps=tile[2])
     d_h = sum_rows(ws_h, h_res.dtype, h_res.shape, ordered=True)
     d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape, ordered=True)
+    d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
+    return d_h, dx, d_hp, dy, d_b
+
+
+def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile):
+    s, b, n, C = x.shape
+    T = s * b
+    bc, group, warps, stages = tile
+    n_cb = triton.cdiv(C, bc)
+    n_tg = triton.cdiv(T, group)
+    ws = empty((n_cb, T * 20), torch.float32, x.device)
+    ws_b = empty((n_tg, C) if bias is not None else (1, 1), torch.float32, x.device)
+    if T and C:
+        _h_post_bda_bwd4_tc[(n_cb, n_tg)](h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy,
+                                         ws, ws_b, T, C, GROUP=group, BLOCK_C=bc, HAS_BIAS=bias is not None,
+                                         TRANSPOSE=bool(transpose_res), STAGES=stages, F32DOT=interpreted(),
+                                         num_warps=warps)
+    else:
+        ws_b.zero_()
+    d_h = empty(h_res.shape, h_res.dtype, x.device)
+    d_hp = empty(h_post.shape, h_post.dtype, x.device)
+    if T:
+        _h_post_bda_finish4[(triton.cdiv(T, 64),)](ws, d_h, d_hp, n_cb if C else 0, T, BLOCK_T=64, num_warps=4)
     d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
     return d_h, dx, d_hp, dy, d_b
 
