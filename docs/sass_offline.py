@@ -1,0 +1,90 @@
+"""A Triton kernel's registers, shared memory and SASS for sm_90 without a GPU.
+
+Triton compiles for a target it is told about, and its wheel carries ptxas and cuobjdump, so a CPU
+machine can see what the device would run (with the device's Triton: 3.6 gave the same 168
+registers and 18.7 KB of shared memory as ncu on the H200 for the FMA h_post_bda backward):
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
+    /tmp/t36/bin/python docs/sass_offline.py [--sass]
+
+Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias), the
+registers, shared memory and the instruction histogram of the main loop. Pointers and C are
+declared 16-byte divisible, as Triton specialises them at launch: without that the loads are
+neither vectorised nor pipelined and the figures mean nothing.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)
+
+_INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, divisible=()):
+    """(cubin bytes, resource line, SASS text) of ``fn`` compiled for sm_90."""
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(k.asm["cubin"])
+        res = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    return f"{regs.group(1) if regs else '?'} registers, {k.metadata.shared} B dynamic shared memory", sass
+
+
+def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
+    """Instruction count and opcode histogram of the longest backward-branching loop."""
+    instrs = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines() if (m := _INSTR.match(line))]
+    best = (0, 0, 0)
+    for addr, op, line in instrs:
+        target = re.search(r"0x([0-9a-f]+)", line.split("BRA")[1]) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            size = sum(1 for a, _, _ in instrs if lo <= a <= addr)
+            best = max(best, (size, lo, addr))
+    ops = collections.Counter(op for a, op, _ in instrs if best[1] <= a <= best[2])
+    return best[0], ops
+
+
+def main() -> None:
+    from kernels.triton import h_post_bda as hpb
+    common = {"h_ptr": "*fp32", "x_ptr": "*bf16", "hp_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
+              "g_ptr": "*bf16", "dx_ptr": "*bf16", "dy_ptr": "*bf16"}
+    bc, group, warps, stages = hpb.BWD4_TILE_TC
+    tc_sig = dict(common, ws_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32")
+    bt, bc4, group4, warps4, stages4 = hpb.BWD4_TILE
+    fma_sig = dict(common, ws_h_ptr="*fp32", ws_hp_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32")
+    runs = [
+        (f"_h_post_bda_bwd4_tc {hpb.BWD4_TILE_TC}", hpb._h_post_bda_bwd4_tc, tc_sig,
+         dict(GROUP=group, BLOCK_C=bc, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages, F32DOT=False), warps, stages),
+        (f"_h_post_bda_bwd4 {hpb.BWD4_TILE}", hpb._h_post_bda_bwd4, fma_sig,
+         dict(GROUP=group4, BLOCK_T=bt, BLOCK_C=bc4, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages4), warps4, stages4),
+    ]
+    for name, fn, sig, ce, w, st in runs:
+        res, sass = compile_sm90(fn, sig, ce, w, st, divisible=[k for k in sig if k.endswith("_ptr")] + ["C"])
+        size, ops = loop_histogram(sass)
+        print(f"{name}: {res}; main loop {size} instructions")
+        print("  " + " ".join(f"{o}:{c}" for o, c in ops.most_common(24)))
+        if "--sass" in sys.argv:
+            print(sass)
+
+
+if __name__ == "__main__":
+    main()
