@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.pop("TRITON_INTERPRET", None)
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones, whatever the shell says
 
 _INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 

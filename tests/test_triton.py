@@ -135,6 +135,8 @@ def test_h_post_bda_n4_tensor_core_backward_matches_float64(dtype, with_bias):
 def test_h_post_bda_n4_mixed_dtypes_take_the_fma_kernel():
     """A bf16 x with an fp32 bias is not the tensor-core kernel's case: the FMA kernel runs, and a
     tensor-core tile asked for is refused with a sentence."""
+    x16, b32 = torch.randn(5, 3, 4, 67).to(torch.bfloat16), torch.randn(67)
+    assert not thp._tc_operands(x16, x16[:, :, 0], b32, x16)
     _check_n4_backward((5, 3, 4, 67), torch.bfloat16, False, bias_dtype=torch.float32)
     x = torch.randn(2, 1, 4, 8)
     with pytest.raises(ValueError, match="16-bit"):

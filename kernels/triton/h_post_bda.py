@@ -191,10 +191,10 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
     products of 16-bit values summed in fp32 (one accumulator over the block's 512 channels: at the
     paper shape 6.6e-7 relative to the FMA kernel's sums), no cross-lane sums. dx and dy are per (token,
     channel) and thread-local, as in ``_h_post_bda_bwd4``; the bias partial stays in registers
-    over the program's ``GROUP`` tokens. The 20 partials of a (C block, token) go to ``ws`` (16 of
-    dH where h_res keeps them, then 4 of dh_post), summed over C blocks in order by
-    ``_h_post_bda_finish4``. ``F32DOT``: the product's operands upcast to fp32 (the interpreter,
-    whose bf16 ``tl.dot`` is unreliable)."""
+    over the program's ``GROUP`` tokens. A C block's row of ``ws`` holds every token's 16 dH
+    partials (where h_res keeps them), then every token's 4 dh_post partials, so one ordered
+    ``sum_rows`` over the C blocks finishes both. ``F32DOT``: the product's operands upcast to
+    fp32 (the interpreter, whose bf16 ``tl.dot`` is unreliable)."""
     cb = tl.program_id(0)
     tg = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -221,9 +221,9 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
             d = tl.dot(g.to(tl.float32), tl.trans(xyb.to(tl.float32)), input_precision="ieee")
         else:
             d = tl.dot(g, tl.trans(xyb))
-        row = cb.to(tl.int64) * T + t
-        tl.store(ws_ptr + row * 20 + hoff, d, mask=r8[None, :] < 4)
-        tl.store(ws_ptr + row * 20 + 16 + r4, tl.sum(tl.where((r8[None, :] == 4) | (r8[None, :] == 5), d, 0.0), axis=1))
+        ws_row = ws_ptr + cb.to(tl.int64) * T * 20  # this C block's partials: dH of every token, then dh_post
+        tl.store(ws_row + t * 16 + hoff, d, mask=r8[None, :] < 4)
+        tl.store(ws_row + T * 16 + t * 4 + r4, tl.sum(tl.where((r8[None, :] == 4) | (r8[None, :] == 5), d, 0.0), axis=1))
         g0, g1, g2, g3 = _rows4(g.to(tl.float32))
         dy = (tl.load(hp_ptr + t * 4).to(tl.float32) * g0 + tl.load(hp_ptr + t * 4 + 1).to(tl.float32) * g1
               + tl.load(hp_ptr + t * 4 + 2).to(tl.float32) * g2 + tl.load(hp_ptr + t * 4 + 3).to(tl.float32) * g3)
@@ -251,23 +251,6 @@ def _rows4(v):
 def _hm1(h_ptr, t, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
     """``Hm[t, i, j]`` of one token, a scalar."""
     return tl.load(h_ptr + t * 16 + _hoff4(i, j, TRANSPOSE)).to(tl.float32)
-
-
-@triton.jit
-def _h_post_bda_finish4(ws_ptr, dh_ptr, dhp_ptr, R, T, BLOCK_T: tl.constexpr):
-    """grad_h_res and grad_h_post from ``_h_post_bda_bwd4_tc``'s ``[R, T, 20]`` partials: every
-    token's sums over the R C blocks in block order (the same order at every batch size)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    k = tl.arange(0, 32)
-    mask = (t[:, None] < T) & (k[None, :] < 20)
-    ptrs = ws_ptr + t.to(tl.int64)[:, None] * 20 + k[None, :]
-    acc = tl.zeros([BLOCK_T, 32], dtype=tl.float32)
-    for _ in range(0, R):
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-        ptrs += T * 20
-    tl.store(dh_ptr + t[:, None] * 16 + k[None, :], cast(acc, dh_ptr.dtype.element_ty), mask=mask & (k[None, :] < 16))
-    tl.store(dhp_ptr + t[:, None] * 4 + (k[None, :] - 16), cast(acc, dhp_ptr.dtype.element_ty),
-             mask=mask & (k[None, :] >= 16))
 
 
 def _blocks(C: int, n: int, elems: int = 8192, max_c: int = 256, warps: int = 8):
@@ -364,9 +347,10 @@ def backward_tile4(dtype: torch.dtype, tc: bool = False) -> tuple:
 BWD4_TILE = (1, 512, 64, 1, 3)  # bf16, fp16
 BWD4_TILE_FP32 = (1, 512, 64, 1, 3)
 # The tensor-core kernel (16-bit operands of one dtype), (BLOCK_C, GROUP, warps, stages): one warp
-# over one token and 512 channels a step, two stages (135 registers, 13 KB of shared memory: 15
-# programs a SM). On an H200 the FMA kernel's 20 sums over C (100 shuffles a step) and their
-# workspace cost 100 us of its 1.71 ms (docs/perf-notes.md, thirteenth session).
+# over one token and 512 channels a step, four stages (134 registers, 37 KB of shared memory: 6
+# programs a SM; docs/sass_offline.py). On an H200 the FMA kernel's 20 sums over C (100 shuffles a
+# step) and their workspace cost 100 us of its 1.71 ms; this kernel at this tile was 1.5-2% faster
+# than the FMA one, two and three stages in between (docs/perf-notes.md, thirteenth session).
 BWD4_TILE_TC = (512, 32, 1, 4)
 
 
@@ -436,10 +420,11 @@ def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
                                          num_warps=warps)
     else:
         ws_b.zero_()
-    d_h = empty(h_res.shape, h_res.dtype, x.device)
-    d_hp = empty(h_post.shape, h_post.dtype, x.device)
-    if T:
-        _h_post_bda_finish4[(triton.cdiv(T, 64),)](ws, d_h, d_hp, n_cb if C else 0, T, BLOCK_T=64, num_warps=4)
+    # one ordered sum over the C blocks for both small gradients (views of one result; cast only
+    # where h_res and h_post differ in dtype)
+    sums = sum_rows(ws, h_res.dtype if h_res.dtype == h_post.dtype else torch.float32, (T * 20,), ordered=True)
+    d_h = sums[:T * 16].view(h_res.shape).to(h_res.dtype)
+    d_hp = sums[T * 16:].view(h_post.shape).to(h_post.dtype)
     d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
     return d_h, dx, d_hp, dy, d_b
 
