@@ -367,6 +367,21 @@ def test_ordered_row_sum_adds_rows_one_by_one_in_order():
         assert ((tree - ws.double().sum(0)).abs() <= 1e-6 * ws.double().abs().sum(0)).all()
 
 
+def test_row_sum_pair_is_two_row_sums_in_one_launch():
+    # the h_post_bda and mapping backward finish two workspaces (ordered per-token partials and a
+    # tree sum of bias partials) in one launch: the bits must be those of two separate sums
+    from mhctool.kernels.triton.reduce import sum_rows, sum_rows_pair
+
+    g = torch.Generator().manual_seed(3)
+    for (r1, l1), (r2, l2) in (((14, 3000), (37, 700)), ((3, 1), (1, 5)), ((5, 0), (70, 33)), ((4, 9), (2, 0))):
+        a, b = torch.randn(r1, l1, generator=g), torch.randn(r2, l2, generator=g) * 1e3
+        got_a, got_b = sum_rows_pair((a, torch.float32, (l1,), True), (b, torch.bfloat16, (l2,), False))
+        assert got_a.dtype == torch.float32 and got_b.dtype == torch.bfloat16
+        assert torch.equal(got_a, sum_rows(a, torch.float32, (l1,), ordered=True)), (r1, l1)
+        assert torch.equal(got_b, sum_rows(b, torch.bfloat16, (l2,))), (r2, l2)
+        assert ((got_b.double() - b.double().sum(0)).abs() <= 1e-2 * b.double().abs().sum(0) + 1e-30).all()
+
+
 @triton.jit
 def _apply_exp(x_ptr, o_ptr, N, NAIVE: tl.constexpr):
     i = tl.arange(0, 2048)

@@ -20,7 +20,7 @@ import triton.language as tl
 from mhctool.poison import empty
 
 from ._common import cast, check_device, interpreted, next_pow2, pick_config, require_contiguous
-from .reduce import sum_rows
+from .reduce import sum_rows, sum_rows_pair
 
 
 @triton.jit
@@ -421,11 +421,14 @@ def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
     else:
         ws_b.zero_()
     # one ordered sum over the C blocks for both small gradients (views of one result; cast only
-    # where h_res and h_post differ in dtype)
-    sums = sum_rows(ws, h_res.dtype if h_res.dtype == h_post.dtype else torch.float32, (T * 20,), ordered=True)
+    # where h_res and h_post differ in dtype), in the same launch as the bias partials' sum
+    ordered = (ws, h_res.dtype if h_res.dtype == h_post.dtype else torch.float32, (T * 20,), True)
+    if bias is not None:
+        sums, d_b = sum_rows_pair(ordered, (ws_b, bias.dtype, bias.shape, False))
+    else:
+        sums, d_b = sum_rows(*ordered), None
     d_h = sums[:T * 16].view(h_res.shape).to(h_res.dtype)
     d_hp = sums[T * 16:].view(h_post.shape).to(h_post.dtype)
-    d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
     return d_h, dx, d_hp, dy, d_b
 
 
