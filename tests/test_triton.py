@@ -174,6 +174,26 @@ def test_h_post_bda_n4_tile_is_refused_for_other_n():
     with pytest.raises(ValueError, match="n = 4"):
         thp.h_post_bda_backward(torch.rand(2, 1, 3, 3), x, torch.rand(2, 1, 3), torch.randn(2, 1, 8), None, x,
                                 tile_=(4, 64, 8, 4, 1))
+    with pytest.raises(ValueError, match="n = 4"):
+        thp.h_post_bda_forward(torch.rand(2, 1, 3, 3), x, torch.rand(2, 1, 3), torch.randn(2, 1, 8), tile_=(512, 16, 1, 3))
+
+
+@pytest.mark.parametrize("tile", [None, (512, 16, 1, 3), (1024, 32, 2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_h_post_bda_n4_forward_matches_float64(tile, dtype):
+    """The n = 4 forward kernel (the default under the interpreter, and the GPU's tiles: a C block
+    wider than C's tail, token groups that end inside the batch), transposed or not, with and
+    without the bias, NaN-poisoned output."""
+    s, b, c = 37, 1, 700
+    h, x, hp, y = torch.rand(s, b, 4, 4), torch.randn(s, b, 4, c).to(dtype), torch.rand(s, b, 4), torch.randn(s, b, c).to(dtype)
+    for bias, transpose_res in ((torch.randn(c).to(dtype), False), (None, True)):
+        with poisoning():
+            out = thp.h_post_bda_forward(h, x, hp, y, bias, transpose_res, tile_=tile)
+        dd = [t.double() if t is not None else None for t in (h, x, hp, y, bias)]
+        want = ref.h_post_bda(*dd, transpose_res=transpose_res)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+        assert ((out.double() - want).abs().max() / want.abs().max()) < tol
 
 
 @pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 130, 8), (5, 40, 80)])
