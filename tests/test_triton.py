@@ -181,7 +181,7 @@ def test_h_post_bda_n4_tile_is_refused_for_other_n():
 @pytest.mark.parametrize("tile", [None, (512, 16, 1, 3), (1024, 32, 2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_h_post_bda_n4_forward_matches_float64(tile, dtype):
-    """The n = 4 forward kernel (the default under the interpreter, and the GPU's tiles: a C block
+    """The n = 4 forward kernel (the default for n = 4; the interpreter's tile and the GPU's: a C block
     wider than C's tail, token groups that end inside the batch), transposed or not, with and
     without the bias, NaN-poisoned output."""
     s, b, c = 37, 1, 700

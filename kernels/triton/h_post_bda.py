@@ -348,27 +348,26 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile
             num_warps=warps)
 
     if T and C:
-        cands = (forward_tiles4() if n == 4 else []) + _candidates(C, n)
-        run(tile_ or pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None), cands, run,
-                                 work=T * n * C))
+        run(tile_ or (forward_tile4() if n == 4 else
+                      pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run,
+                                  work=T * n * C)))
     return out
 
 
-def forward_tiles4() -> list[tuple]:
-    """The n = 4 forward kernel's (BLOCK_C, GROUP, warps, stages) candidates, timed with the generic
-    kernel's (the forward has no reduction: any tile gives the same bits); the first is the one
-    used untimed (small problems, the interpreter, where its small blocks cross C blocks and token
-    groups at the tests' odd shapes)."""
-    if interpreted():
-        return [(64, 8, 1, 1)]
-    return list(FWD4_TILES)
+def forward_tile4() -> tuple:
+    """The n = 4 forward kernel's (BLOCK_C, GROUP, warps, stages), fixed like the backward's and not
+    timed against the generic kernel: the two kernels' fp32 sums contract differently (on an H200,
+    bf16 outputs one ulp apart), so a choice timed per shape would give a token other bits at
+    another batch size. Under the interpreter, small blocks that cross C blocks and token groups at
+    the tests' odd shapes."""
+    return (64, 8, 1, 1) if interpreted() else FWD4_TILE
 
 
-# the n = 4 forward's tiles on a GPU, timed with the generic kernel's. On an H200 at the paper shape
-# (bf16, graph replay, docs/perf-notes.md fourteenth session) (512, 16, 1, 3) took 1.043-1.046 ms
-# where the generic kernel's best took 1.067; groups of 32-64 tokens 1.058-1.081, (256, 32, 1, 4) 1.149.
-# fp32: all within 1% of the generic kernel (2.29-2.32 ms).
-FWD4_TILES = ((512, 16, 1, 3), (512, 8, 1, 4), (512, 32, 1, 3))
+# the n = 4 forward's tile on a GPU. On an H200 at the paper shape (bf16, graph replay,
+# docs/perf-notes.md fourteenth session) (512, 16, 1, 3) took 1.043-1.046 ms where the generic
+# kernel's timed pick took 1.067; (512, 8, 1, 4) 1.072 in a slower round, groups of 32-64 tokens
+# 1.058-1.081, (256, 32, 1, 4) 1.149. fp32: within 1% of the generic kernel (2.29-2.32 ms).
+FWD4_TILE = (512, 16, 1, 3)
 
 
 def backward_tile(C: int, n: int) -> tuple:
