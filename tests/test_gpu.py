@@ -192,3 +192,37 @@ def test_a_cuda_fault_fails_its_row_and_the_next_cases_pass(tmp_path):
            and r["passed"] is not None and r["metric"] in ("error", "max_abs")}
     assert fwd["8x2x4x1"]["passed"] and fwd["9x1x4x1"]["passed"], fwd
     assert not fwd["101x1x4x1"]["passed"] and "illegal memory access" in fwd["101x1x4x1"]["message"], fwd
+
+
+def test_h_post_bda_tensor_core_backward_finishes_its_sums_deterministically():
+    """The bf16 n = 4 backward finishes its small gradients inside the kernel: a counter elects the
+    last program of a token group (and of a bias supergroup), which sums the partials in a fixed
+    order and then drops them from L2 (``discard.global.L2``, whole 128-byte lines only). Here with
+    an odd number of tokens (6001: the partial rows start off a line) and three C blocks (1100
+    channels, the last part-filled), so that a discard reaching past its own group would corrupt a
+    neighbour's partials: the gradients must match float64, repeat bit for bit, and a token's dH,
+    dh_post, dx and dy must be those of a smaller batch."""
+    from mhctool.kernels.triton import h_post_bda as thp
+    from mhctool.poison import poisoning
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s, b, C = 353, 17, 1100
+    h, hp = torch.rand(s, b, 4, 4, generator=g, device="cuda"), torch.rand(s, b, 4, generator=g, device="cuda")
+    x, go = (torch.randn(s, b, 4, C, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    y = torch.randn(s, b, C, generator=g, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(C, generator=g, device="cuda").to(torch.bfloat16)
+    with poisoning():
+        runs = [thp.h_post_bda_backward(h, x, hp, y, bias, go, True) for _ in range(3)]
+        part = thp.h_post_bda_backward(h[:5], x[:5], hp[:5], y[:5], bias, go[:5], True)
+    for other in runs[1:]:
+        for a, b_ in zip(runs[0], other):
+            assert torch.equal(a, b_)
+    for name, a, p in zip(("h_res", "x", "h_post", "y"), runs[0][:4], part[:4]):
+        assert torch.equal(a[:5], p), name
+    dd = [t.double().requires_grad_() for t in (h, x, hp, y, bias)]
+    from mhctool.references import mhc as ref
+    want = torch.autograd.grad(ref.h_post_bda(*dd, transpose_res=True), dd, go.double())
+    for name, a, w in zip(("h_res", "x", "h_post", "y", "bias"), runs[0], want):
+        assert torch.isfinite(a).all(), name
+        tol = 1e-5 if a.dtype == torch.float32 else 2 ** -8
+        assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name

@@ -132,6 +132,28 @@ def test_h_post_bda_n4_tensor_core_backward_matches_float64(dtype, with_bias):
     _check_n4_backward((37, 1, 4, 700), dtype, True, tile_=(512, 32, 1, 2), with_bias=with_bias)
 
 
+def test_h_post_bda_n4_tensor_core_finish_is_batch_invariant():
+    """The tensor-core backward sums its dH / dh_post partials itself (the last program of a token
+    group, elected by a counter, adds the C blocks' partials in block order): a token's gradients
+    must have the same bits in a batch of 37 tokens (five 8-token groups, the bias partials in two
+    supergroups of 3 and 2) as in a batch of its first 11 or 3, and two runs must agree bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    h, hp = torch.rand(37, 1, 4, 4, generator=g), torch.rand(37, 1, 4, generator=g)
+    x, go = (torch.randn(37, 1, 4, 200, generator=g).to(torch.bfloat16) for _ in range(2))
+    y, bias = torch.randn(37, 1, 200, generator=g).to(torch.bfloat16), torch.randn(200, generator=g).to(torch.bfloat16)
+    with poisoning():
+        full = thp.h_post_bda_backward(h, x, hp, y, bias, go, True)
+        again = thp.h_post_bda_backward(h, x, hp, y, bias, go, True)
+        for k in (11, 3):
+            part = thp.h_post_bda_backward(h[:k], x[:k], hp[:k], y[:k], bias, go[:k], True)
+            for name, a, b in zip(("h_res", "x", "h_post", "y"), full[:4], part[:4]):
+                assert torch.equal(a[:k], b), (name, k)
+    for a, b in zip(full, again):
+        assert torch.equal(a, b)
+    want = (go.double() * hp.double()[..., None]).sum((0, 1, 2))  # the bias gradient: sum over tokens and streams
+    assert ((full[4].double() - want).abs().max() / want.abs().max()) < 2 ** -8
+
+
 def test_h_post_bda_n4_mixed_dtypes_take_the_fma_kernel():
     """A bf16 x with an fp32 bias is not the tensor-core kernel's case: the FMA kernel runs, and a
     tensor-core tile asked for is refused with a sentence."""

@@ -8,10 +8,14 @@ as per-block partials to a small workspace, and summed by a deterministic second
 (mHC's case) the backward is ``_h_post_bda_bwd4``: every stream its own 2D tile, token groups
 walked with pipelined loads. With x, y, the bias and grad_out of one 16-bit dtype (the mHC case) it
 is ``_h_post_bda_bwd4_tc``, whose 20 sums over C per token are one small tensor-core product
-(93.6% of copy bandwidth in bf16 on an H200); fp32 and mixed dtypes take ``_h_post_bda_bwd4``
+(97% of copy bandwidth in bf16 on an H200), which also finishes those sums itself: the last
+program of a token group (a counter elects it; the order of the sum is fixed) sums the group's
+partials; fp32 and mixed dtypes take ``_h_post_bda_bwd4``
 (FMAs and cross-lane sums; 92%), other n the generic ``_h_post_bda_bwd`` (57% / 73%).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -214,8 +218,11 @@ def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
 
 @triton.jit
 def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, ws_ptr, ws_b_ptr, T, C,
+                        cnt_ptr, dh_ptr, dhp_ptr, db_ptr, ws_b2_ptr, SUPER,
                         GROUP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        TRANSPOSE: tl.constexpr, STAGES: tl.constexpr, F32DOT: tl.constexpr):
+                        TRANSPOSE: tl.constexpr, STAGES: tl.constexpr, F32DOT: tl.constexpr,
+                        GH: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, DISCARD: tl.constexpr,
+                        NL_H: tl.constexpr, NL_P: tl.constexpr, NL_B: tl.constexpr):
     """n = 4 with 16-bit x, y, bias and grad_out: the 20 sums over C as one tensor-core product.
     A step is one token over the program's C block: its gradient as a ``[4, BLOCK_C]`` tile times
     the ``[8, BLOCK_C]`` tile of x's four streams, y, the bias and two zero rows (transposed), so
@@ -224,9 +231,11 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
     paper shape 6.6e-7 relative to the FMA kernel's sums), no cross-lane sums. dx and dy are per (token,
     channel) and thread-local, as in ``_h_post_bda_bwd4``; the bias partial stays in registers
     over the program's ``GROUP`` tokens. A C block's row of ``ws`` holds every token's 16 dH
-    partials (where h_res keeps them), then every token's 4 dh_post partials, so one ordered
-    ``sum_rows`` over the C blocks finishes both. ``F32DOT``: the product's operands upcast to
-    fp32 (the interpreter, whose bf16 ``tl.dot`` is unreliable)."""
+    partials (where h_res keeps them), then every token's 4 dh_post partials; the bias partial
+    goes to ``ws_b``'s row of the token group. All are stored with an L2 evict-last hint and summed
+    at the end of the kernel by ``_finish_tc``: no second launch, no partial read back from DRAM.
+    ``F32DOT``: the product's operands upcast to fp32 (the interpreter, whose bf16 ``tl.dot`` is
+    unreliable). ``DISCARD``: drop the partials from L2 once summed (not under the interpreter)."""
     cb = tl.program_id(0)
     tg = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -254,8 +263,9 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
         else:
             d = tl.dot(g, tl.trans(xyb))
         ws_row = ws_ptr + cb.to(tl.int64) * T * 20  # this C block's partials: dH of every token, then dh_post
-        tl.store(ws_row + t * 16 + hoff, d, mask=r8[None, :] < 4)
-        tl.store(ws_row + T * 16 + t * 4 + r4, tl.sum(tl.where((r8[None, :] == 4) | (r8[None, :] == 5), d, 0.0), axis=1))
+        tl.store(ws_row + t * 16 + hoff, d, mask=r8[None, :] < 4, eviction_policy="evict_last")
+        tl.store(ws_row + T * 16 + t * 4 + r4, tl.sum(tl.where((r8[None, :] == 4) | (r8[None, :] == 5), d, 0.0), axis=1),
+                 eviction_policy="evict_last")
         g0, g1, g2, g3 = _rows4(g.to(tl.float32))
         dy = (tl.load(hp_ptr + t * 4).to(tl.float32) * g0 + tl.load(hp_ptr + t * 4 + 1).to(tl.float32) * g1
               + tl.load(hp_ptr + t * 4 + 2).to(tl.float32) * g2 + tl.load(hp_ptr + t * 4 + 3).to(tl.float32) * g3)
@@ -267,7 +277,97 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
                    + _hm1(h_ptr, t, 2, j, TRANSPOSE) * g2 + _hm1(h_ptr, t, 3, j, TRANSPOSE) * g3)
             tl.store(dx_ptr + t * 4 * C + j * C + c, cast(dxj, dx_ptr.dtype.element_ty), mask=cmask)
     if HAS_BIAS:
-        tl.store(ws_b_ptr + tg.to(tl.int64) * C + c, db, mask=cmask)
+        tl.store(ws_b_ptr + tg.to(tl.int64) * C + c, db, mask=cmask, eviction_policy="evict_last")
+    _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T, C, SUPER, cb, tg, t_start, t_end,
+               c, cmask, BLOCK_C, HAS_BIAS, GH, GP, ROWS, DISCARD, NL_H, NL_P, NL_B)
+
+
+@triton.jit
+def _discard_l2(lo, hi, NL: tl.constexpr, dep):
+    """Drop the 128-byte L2 lines that lie wholly in ``[lo, hi)`` (pointers) without writing them
+    back (PTX ``discard.global.L2``): a workspace that has been read for the last time need not
+    reach DRAM. ``dep`` (a value computed from the last loads of those lines) makes the discard
+    wait for them. ``NL`` bounds the number of lines."""
+    first = (lo.to(tl.int64) + 127) // 128 * 128
+    line = first + tl.arange(0, NL).to(tl.int64) * 128
+    ok = (line + 128 <= hi.to(tl.int64)).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p discard.global.L2 [$1], 128; mov.u32 $0, 0; }",
+        "=r,l,r,f", [line, ok, dep + tl.zeros([NL], tl.float32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T, C, SUPER, cb, tg, t_start, t_end,
+               c, cmask, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, GH: tl.constexpr, GP: tl.constexpr,
+               ROWS: tl.constexpr, DISCARD: tl.constexpr, NL_H: tl.constexpr, NL_P: tl.constexpr,
+               NL_B: tl.constexpr):
+    """The small gradients finished inside the backward, by whichever program arrives last (a
+    counter decides who; what is summed, and in which order, is fixed, so the bits do not depend on
+    scheduling): the last of a token group's C-block programs sums the group's dH and dh_post
+    partials over the C blocks in block order (the same sums as an ordered ``sum_rows``), reading
+    them from L2 where they were just written. The bias partials (a row per token group) are summed
+    in two levels: the last of ``SUPER`` consecutive token groups of a C block sums their rows in
+    order into a row of ``ws_b2``, and the last of those sums ``ws_b2``'s rows in order. Counters
+    (int32, zeroed by the caller): ``[0, n_tg)`` the token groups, then a C block's supergroups,
+    then the C blocks. The stores before a counter's increment are made visible by the barrier and
+    the increment's release; the elected program's loads bypass L1 (``.cg``)."""
+    n_cb = tl.num_programs(0)
+    n_tg = tl.num_programs(1)
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr + tg, 1, sem="acq_rel") == n_cb - 1:
+        kh = t_start * 16 + tl.arange(0, GH)
+        kp = T * 16 + t_start * 4 + tl.arange(0, GP)
+        mh = kh < t_end * 16
+        mp = kp < T * 16 + t_end * 4
+        acc_h = tl.zeros([GH], dtype=tl.float32)
+        acc_p = tl.zeros([GP], dtype=tl.float32)
+        row = ws_ptr
+        for r0 in range(0, n_cb, ROWS):
+            for k in tl.static_range(ROWS):
+                acc_h += tl.load(row + k * T * 20 + kh, mask=mh & (tl.full([GH], r0 + k, tl.int32) < n_cb), other=-0.0,
+                                 cache_modifier=".cg")
+                acc_p += tl.load(row + k * T * 20 + kp, mask=mp & (tl.full([GP], r0 + k, tl.int32) < n_cb), other=-0.0,
+                                 cache_modifier=".cg")
+            row += ROWS * T * 20
+        tl.store(dh_ptr + kh, cast(acc_h, dh_ptr.dtype.element_ty), mask=mh)
+        tl.store(dhp_ptr + kp - T * 16, cast(acc_p, dhp_ptr.dtype.element_ty), mask=mp)
+        if DISCARD:
+            dep = tl.sum(acc_h, axis=0) + tl.sum(acc_p, axis=0)
+            row = ws_ptr
+            for _ in range(0, n_cb):
+                _discard_l2(row + t_start * 16, row + t_end * 16, NL_H, dep)
+                _discard_l2(row + T * 16 + t_start * 4, row + T * 16 + t_end * 4, NL_P, dep)
+                row += T * 20
+    if HAS_BIAS:
+        n_sup = tl.cdiv(n_tg, SUPER)
+        sup = tg // SUPER
+        lo = sup * SUPER
+        hi = tl.minimum(lo + SUPER, n_tg)
+        if tl.atomic_add(cnt_ptr + n_tg + cb * n_sup + sup, 1, sem="acq_rel") == hi - lo - 1:
+            acc = tl.zeros(c.shape, dtype=tl.float32)
+            ptrs = ws_b_ptr + lo.to(tl.int64) * C + c
+            for r0 in range(lo, hi, ROWS):
+                for k in tl.static_range(ROWS):
+                    acc += tl.load(ptrs + k * C, mask=cmask & (tl.full(c.shape, r0 + k, tl.int32) < hi), other=-0.0,
+                                   cache_modifier=".cg")
+                ptrs += ROWS * C
+            tl.store(ws_b2_ptr + sup.to(tl.int64) * C + c, acc, mask=cmask)
+            if DISCARD:
+                dep = tl.sum(acc, axis=0)
+                row = ws_b_ptr + lo.to(tl.int64) * C + cb * BLOCK_C
+                for _ in range(lo, hi):
+                    _discard_l2(row, row + tl.minimum(BLOCK_C, C - cb * BLOCK_C), NL_B, dep)
+                    row += C
+            tl.debug_barrier()
+            if tl.atomic_add(cnt_ptr + n_tg + n_cb * n_sup + cb, 1, sem="acq_rel") == n_sup - 1:
+                acc = tl.zeros(c.shape, dtype=tl.float32)
+                ptrs = ws_b2_ptr + c
+                for r0 in range(0, n_sup, ROWS):
+                    for k in tl.static_range(ROWS):
+                        acc += tl.load(ptrs + k * C, mask=cmask & (tl.full(c.shape, r0 + k, tl.int32) < n_sup),
+                                       other=-0.0, cache_modifier=".cg")
+                    ptrs += ROWS * C
+                tl.store(db_ptr + c, cast(acc, db_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -469,25 +569,38 @@ def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
     bc, group, warps, stages = tile
     n_cb = triton.cdiv(C, bc)
     n_tg = triton.cdiv(T, group)
+    sup = math.isqrt(max(n_tg - 1, 0)) + 1  # the bias partials' two levels: about sqrt(n_tg) rows a sum at each
+    n_sup = triton.cdiv(n_tg, sup)
+    # poisoned like the outputs under parity: a partial no program writes shows as NaN
     ws = empty((n_cb, T * 20), torch.float32, x.device)
     ws_b = empty((n_tg, C) if bias is not None else (1, 1), torch.float32, x.device)
+    ws_b2 = empty((n_sup, C) if bias is not None else (1, 1), torch.float32, x.device)
+    cnt = torch.zeros(n_tg + n_cb * n_sup + n_cb, dtype=torch.int32, device=x.device)
+    d_h = empty(h_res.shape, h_res.dtype, x.device)
+    d_hp = empty(h_post.shape, h_post.dtype, x.device)
+    d_b = empty(bias.shape, bias.dtype, x.device) if bias is not None else None
     if T and C:
-        _h_post_bda_bwd4_tc[(n_cb, n_tg)](h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy,
-                                         ws, ws_b, T, C, GROUP=group, BLOCK_C=bc, HAS_BIAS=bias is not None,
-                                         TRANSPOSE=bool(transpose_res), STAGES=stages, F32DOT=interpreted(),
-                                         num_warps=warps)
-    else:
-        ws_b.zero_()
-    # one ordered sum over the C blocks for both small gradients (views of one result; cast only
-    # where h_res and h_post differ in dtype), in the same launch as the bias partials' sum
-    ordered = (ws, h_res.dtype if h_res.dtype == h_post.dtype else torch.float32, (T * 20,), True)
-    if bias is not None:
-        sums, d_b = sum_rows_pair(ordered, (ws_b, bias.dtype, bias.shape, False))
-    else:
-        sums, d_b = sum_rows(*ordered), None
-    d_h = sums[:T * 16].view(h_res.shape).to(h_res.dtype)
-    d_hp = sums[T * 16:].view(h_post.shape).to(h_post.dtype)
+        _h_post_bda_bwd4_tc[(n_cb, n_tg)](
+            h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws, ws_b, T, C,
+            cnt, d_h, d_hp, d_b if d_b is not None else d_h, ws_b2, sup, GROUP=group, BLOCK_C=bc,
+            HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, F32DOT=interpreted(),
+            GH=next_pow2(group * 16), GP=next_pow2(group * 4), ROWS=FINISH_ROWS, DISCARD=not interpreted(),
+            NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4), num_warps=warps)
+    else:  # sums over no channels or no tokens
+        for t in (d_h, d_hp, d_b):
+            if t is not None:
+                t.zero_()
     return d_h, dx, d_hp, dy, d_b
+
+
+# The finishing sums inside the tensor-core backward load this many partial rows at once (one
+# warp; H200, paper shape, with bias: 2 / 4 / 8 / 16 rows 1.617 / 1.609 / 1.605 / 1.654 ms, 16 spills)
+FINISH_ROWS = 8
+
+
+def _lines(nbytes: int) -> int:
+    """A power of two at least the number of 128-byte lines that ``nbytes`` contiguous bytes touch."""
+    return next_pow2(nbytes // 128 + 2)
 
 
 class HPostBdaFunction(torch.autograd.Function):
