@@ -54,10 +54,12 @@ def sum_rows(ws, out, BR: ct.Constant[int], BC: ct.Constant[int]):
     ct.store(out, index=(c,), tile=acc.astype(out.dtype))
 
 
-def sum_partials(ws: torch.Tensor, out: torch.Tensor, bc: int) -> None:
-    """``out[c] = sum_r ws[r, c]`` (``ws`` fp32 ``[rows, cols]``) with ``sum_rows``, ``bc`` columns per
-    program; columns of ``out`` past its end are not stored."""
-    launch(sum_rows, (cdiv(ws.shape[1], bc),), (ws, out, BR, bc))
+def sum_partials(ws: torch.Tensor, out: torch.Tensor, bc: int, br: int = BR) -> None:
+    """``out[c] = sum_r ws[r, c]`` (``ws`` fp32 ``[rows, cols]``) with ``sum_rows``, ``bc`` columns and
+    ``br`` rows a step per program (fewer where there are fewer rows: a 32-row tile over 8 rows is
+    three quarters padding); columns of ``out`` past its end are not stored."""
+    br = max(1, min(br, 1 << max(0, ws.shape[0] - 1).bit_length()))
+    launch(sum_rows, (cdiv(ws.shape[1], bc),), (ws, out, br, bc))
 
 
 def tile_ir(kernel, params: list) -> bytes:

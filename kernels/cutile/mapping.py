@@ -18,8 +18,9 @@ import torch
 
 from mhctool.poison import empty
 
-from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, tile_ir
-from .proj_rms import _lowp, _np, _proj_tile, _tiles, backward_into
+from ._common import array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, tile_ir
+from ..schedule import next_pow2
+from .proj_rms import _lowp, _ng, _np, _proj_tile, _tiles, backward_packed
 
 ConstInt = ct.Constant[int]
 ConstFloat = ct.Constant[float]
@@ -64,13 +65,19 @@ def _mapping_fwd(x, w, alpha, bias, pre, post, logits, proj, r, rms, eps: ConstF
 
 
 @ct.kernel
-def _mapping_bwd_h(proj, r, alpha, bias, g_pre, g_post, g_logits, dproj, dr, ws_a, ws_b, n: ConstInt, N: ConstInt,
-                   NP: ConstInt, BM: ConstInt):
+def _mapping_bwd_h(proj, r, rms, alpha, bias, g_pre, g_post, g_logits, gc, ws, n: ConstInt, N: ConstInt,
+                   NP: ConstInt, BM: ConstInt, K: ConstInt):
+    """compute_h's backward for a token block, written as proj_rms's packed gradient ``gc`` (fp32
+    ``(BM, NP)`` rows: ``d proj = dh r alpha_col`` in columns [0, N), dx's factor of x ``-d r r^2 /
+    (K rms)`` in column N, with ``d r = sum_j dh alpha_col proj``; ``_pack_grad``'s layout, so the
+    projection backward takes it as it is), and the block's bias and alpha partials as one row of
+    ``ws``: columns [0, NP) the bias, [NP, NP + 4) alpha."""
     i = ct.bid(0)
     cols = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, NP))
     rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
     p = ct.load(proj, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
     rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
+    mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
     h, ac = _h(p, rt, alpha, bias, cols, n, N, NP, BM)
     s = 1.0 / (1.0 + ct.exp(-h))
     g = (ct.gather(g_pre, (rows, cols), mask=cols < n)
@@ -78,16 +85,17 @@ def _mapping_bwd_h(proj, r, alpha, bias, g_pre, g_post, g_logits, dproj, dr, ws_
          + ct.gather(g_logits, (rows, cols - 2 * n), mask=(cols >= 2 * n) & (cols < N)))
     dh = ct.where(cols < n, g * s * (1.0 - s), ct.where(cols < 2 * n, 2.0 * g * s * (1.0 - s), g))
     r2 = ct.reshape(rt, (BM, 1))
-    ct.store(dproj, index=(i, 0), tile=dh * r2 * ac)
-    ct.store(dr, index=(i,), tile=ct.sum(dh * ac * p, axis=1))
+    grt = ct.sum(dh * ac * p, axis=1)
+    coef = ct.reshape(ct.where(mt > 0.0, -grt * rt * rt / ((K * 1.0) * ct.maximum(mt, 1e-38)), 0.0), (BM, 1))
+    ct.store(gc, index=(i, 0), tile=ct.where(cols < N, dh * r2 * ac, ct.where(cols == N, coef, 0.0)))
     terms = ct.sum(dh * r2 * p, axis=0, keepdims=True)  # (1, NP): per column, this block's alpha terms
     da = ct.zeros((1, 4), dtype=ct.float32)
     lanes = ct.reshape(ct.arange(4, dtype=ct.int32), (1, 4))
     da = da + ct.where(lanes == 0, ct.sum(ct.where(cols < n, terms, 0.0), axis=1, keepdims=True), 0.0)
     da = da + ct.where(lanes == 1, ct.sum(ct.where((cols >= n) & (cols < 2 * n), terms, 0.0), axis=1, keepdims=True), 0.0)
     da = da + ct.where(lanes == 2, ct.sum(ct.where(cols >= 2 * n, terms, 0.0), axis=1, keepdims=True), 0.0)
-    ct.store(ws_a, index=(i, 0), tile=da)
-    ct.store(ws_b, index=(i, 0), tile=ct.sum(dh, axis=0, keepdims=True))
+    ct.store(ws, index=(i, 0), tile=ct.sum(dh, axis=0, keepdims=True))
+    ct.store(ws, index=(i, NP // 4), tile=da)
 
 
 def _check(x2d, weight, alpha, h_bias):
@@ -146,23 +154,22 @@ class _Mapping(torch.autograd.Function):
 
         gp, gq, gl = grad(g_pre, (m, n)), grad(g_post, (m, n)), grad(g_logits, (m, n, n))
         nb = cdiv(m, bm)
-        dproj = empty((m, np_), torch.float32, dev)
-        dr = empty((m,), torch.float32, dev)
-        ws_a = empty((nb, 4), torch.float32, dev)
-        ws_b = empty((nb, np_), torch.float32, dev)
+        k = x2d.shape[1]
+        if _ng(nr) != np_:  # N + 1 columns fit in NP for every n but 2 (N = 8, NP = NG = 16: also fits)
+            raise ValueError(f"mapping backward: the packed gradient needs {_ng(nr)} columns, the projection has {np_}")
+        gc = empty((m, np_), torch.float32, dev)
+        ws = empty((nb, np_ + 4), torch.float32, dev)  # per block: bias partials, then alpha's
         dx = empty(x2d.shape, x2d.dtype, dev)
         dw = empty(weight.shape, weight.dtype, dev)
-        da = empty((3,), a3.dtype, dev)
-        db = empty((nr,), bias.dtype, dev)
         if m:
-            launch(_mapping_bwd_h, (nb,), (proj, r, a3, bias, gp, gq, gl.view(m, n * n), dproj, dr, ws_a, ws_b,
-                                          n, nr, np_, bm))
-        backward_into(x2d, weight, dproj, dr, r, rms, dx, dw)  # dW = 0 without tokens
+            launch(_mapping_bwd_h, (nb,), (proj, r, rms, a3, bias, gp, gq, gl.view(m, n * n), gc, ws,
+                                          n, nr, np_, bm, k))
+        backward_packed(x2d, weight, gc, dx, dw)  # dW = 0 without tokens
         if not m:
             return dx, dw, torch.zeros_like(a3), torch.zeros_like(bias), None
-        sum_partials(ws_a, da, 4)
-        sum_partials(ws_b, db, 64)
-        return dx, dw, da, db, None
+        sums = empty((np_ + 4,), torch.float32, dev)
+        sum_partials(ws, sums, next_pow2(np_ + 4), 128)  # one program, 128 token blocks a step
+        return dx, dw, sums[np_:np_ + 3].to(a3.dtype), sums[:nr].to(bias.dtype), None
 
 
 def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6):
@@ -180,7 +187,7 @@ def compile_checks() -> dict[str, bytes]:
                                                      array(f32, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                                      1e-6, 4, 24, 32, bm, bk, lowp])
         out[f"bwd-{dtype}"] = tile_ir(_mapping_bwd_h, [array(f32, 2), array(f32, 1), array(f32, 1), array(f32, 1),
-                                                       array(f32, 2), array(f32, 2), array(f32, 2), array(f32, 2),
-                                                       array(f32, 1), array(f32, 2), array(f32, 2), 4, 24, 32, bm])
-    out["sum-alpha"] = tile_ir(sum_rows, [array(f32, 2), array(f32, 1), BR, 4])
+                                                       array(f32, 1), array(f32, 2), array(f32, 2), array(f32, 2),
+                                                       array(f32, 2), array(f32, 2), 4, 24, 32, bm, 28672])
+    out["sum-bias-alpha"] = tile_ir(sum_rows, [array(f32, 2), array(f32, 1), 128, 64])
     return out
