@@ -7,6 +7,8 @@ import io
 import cuda.tile as ct
 import torch
 
+from ..schedule import next_pow2
+
 
 def launch(kernel, grid: tuple[int, ...], args: tuple) -> None:
     ct.launch(torch.cuda.current_stream(), grid, kernel, args)
@@ -58,7 +60,7 @@ def sum_partials(ws: torch.Tensor, out: torch.Tensor, bc: int, br: int = BR) -> 
     """``out[c] = sum_r ws[r, c]`` (``ws`` fp32 ``[rows, cols]``) with ``sum_rows``, ``bc`` columns and
     ``br`` rows a step per program (fewer where there are fewer rows: a 32-row tile over 8 rows is
     three quarters padding); columns of ``out`` past its end are not stored."""
-    br = max(1, min(br, 1 << max(0, ws.shape[0] - 1).bit_length()))
+    br = min(next_pow2(br), next_pow2(max(1, ws.shape[0])))  # tile dimensions are powers of two
     launch(sum_rows, (cdiv(ws.shape[1], bc),), (ws, out, br, bc))
 
 
