@@ -463,11 +463,13 @@ def forward_tile4() -> tuple:
     return (64, 8, 1, 1) if interpreted() else FWD4_TILE
 
 
-# the n = 4 forward's tile on a GPU. On an H200 at the paper shape (bf16, graph replay,
-# docs/perf-notes.md fourteenth session) (512, 16, 1, 3) took 1.043-1.046 ms where the generic
-# kernel's timed pick took 1.067; (512, 8, 1, 4) 1.072 in a slower round, groups of 32-64 tokens
-# 1.058-1.081, (256, 32, 1, 4) 1.149. fp32: within 1% of the generic kernel (2.29-2.32 ms).
-FWD4_TILE = (512, 16, 1, 3)
+# the n = 4 forward's tile on a GPU: one token a program, no pipelining, many small programs (TE's
+# forward is shaped so too). On an H200 at the paper shape (bf16, graph replay, docs/perf-notes.md
+# fifteenth session) (1024, 1, 1, 1) took 0.986-0.988 ms, other one-token tiles of 256-2048
+# channels 0.985-0.991, two tokens 0.996-0.998, the fourteenth session's (512, 16, 1, 3) 1.024-1.027
+# (and 1.043-1.046 where the generic kernel's timed pick took 1.067). The tile changes bits: with
+# one stage the compiler contracts the sums into FMAs otherwise than with pipelined stages.
+FWD4_TILE = (1024, 1, 1, 1)
 
 
 def backward_tile(C: int, n: int) -> tuple:
@@ -508,8 +510,12 @@ BWD4_TILE_FP32 = (1, 512, 64, 1, 3)
 # over one token and 512 channels a step, four stages (134 registers, 37 KB of shared memory: 6
 # programs a SM; docs/sass_offline.py). On an H200 the FMA kernel's 20 sums over C (100 shuffles a
 # step) and their workspace cost 100 us of its 1.71 ms; this kernel at this tile was 1.5-2% faster
-# than the FMA one, two and three stages in between (docs/perf-notes.md, thirteenth session).
-BWD4_TILE_TC = (512, 32, 1, 4)
+# than the FMA one, two and three stages in between (docs/perf-notes.md, thirteenth session). With
+# the sums finished in the kernel (fifteenth session), groups of 16 tokens took 1.579-1.584 ms
+# against 1.597-1.602 for 32 (12: 1.580, 24: 1.592, 64: 1.661; 16 with 3 / 5 / 6 stages: 1.597 /
+# 1.737 / 2.121): more, shorter programs, and their extra bias partials now stay in L2. A token's
+# dH, dh_post, dx and dy have the same bits at every group size.
+BWD4_TILE_TC = (512, 16, 1, 4)
 
 
 def _tc_operands(x, y, bias, grad_out) -> bool:
