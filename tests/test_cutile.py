@@ -57,3 +57,21 @@ def test_sinkhorn_takes_the_per_token_path_up_to_n_4():
         assert grid == (-(-1000 // sk.EL_BT),) and consts[1] == n
     fwd, bwd, grid, consts, _ = sk._plan(5, 1000, 20, 1e-6, "rowmax", "add", "row_first")
     assert (fwd, bwd) == (sk._sinkhorn_fwd, sk._sinkhorn_bwd) and consts[2] == 8  # NP
+
+
+def test_partial_sums_step_over_a_power_of_two_rows():
+    """The fixed-order sum of per-split / per-block partials loads ``(rows a step, columns)``
+    tiles: a power of two (3 dW splits at a small fp32 shape once made a 3-row tile, which cuTile
+    refuses on the GPU), never more than asked and no more than the rows need."""
+    from mhctool.kernels.cutile._common import BR, rows_a_step
+
+    for rows in range(0, 300):
+        for br in (BR, 8, 128, 3):
+            cap = 1 << (br - 1).bit_length()  # br as a power of two
+            got = rows_a_step(rows, br)
+            assert got & (got - 1) == 0 and got <= cap, (rows, br, got)
+            if 0 < rows <= cap:
+                assert rows <= got < 2 * rows, (rows, br, got)  # one step, no more than the rows need
+            elif rows > cap:
+                assert got == cap, (rows, br, got)
+    assert rows_a_step(3) == 4 and rows_a_step(8) == 8 and rows_a_step(500, 128) == 128 and rows_a_step(0) == 1

@@ -56,12 +56,16 @@ def sum_rows(ws, out, BR: ct.Constant[int], BC: ct.Constant[int]):
     ct.store(out, index=(c,), tile=acc.astype(out.dtype))
 
 
+def rows_a_step(rows: int, br: int = BR) -> int:
+    """``sum_rows``'s rows a step for ``rows`` partials: at most ``br``, no more than the rows need
+    (a 32-row tile over 8 rows is three quarters padding), a power of two (cuTile's tiles are)."""
+    return min(next_pow2(br), next_pow2(max(1, rows)))
+
+
 def sum_partials(ws: torch.Tensor, out: torch.Tensor, bc: int, br: int = BR) -> None:
     """``out[c] = sum_r ws[r, c]`` (``ws`` fp32 ``[rows, cols]``) with ``sum_rows``, ``bc`` columns and
-    ``br`` rows a step per program (fewer where there are fewer rows: a 32-row tile over 8 rows is
-    three quarters padding); columns of ``out`` past its end are not stored."""
-    br = min(next_pow2(br), next_pow2(max(1, ws.shape[0])))  # tile dimensions are powers of two
-    launch(sum_rows, (cdiv(ws.shape[1], bc),), (ws, out, br, bc))
+    ``rows_a_step(rows, br)`` rows a step per program; columns of ``out`` past its end are not stored."""
+    launch(sum_rows, (cdiv(ws.shape[1], bc),), (ws, out, rows_a_step(ws.shape[0], br), bc))
 
 
 def tile_ir(kernel, params: list) -> bytes:

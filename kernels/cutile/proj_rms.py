@@ -248,4 +248,5 @@ def compile_checks() -> dict[str, bytes]:
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
+    out["sum-splits"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), SPLITS, BC_SUM])
     return out
