@@ -8,7 +8,7 @@ as per-block partials to a small workspace, and summed by a deterministic second
 (mHC's case) the backward is ``_h_post_bda_bwd4``: every stream its own 2D tile, token groups
 walked with pipelined loads. With x, y, the bias and grad_out of one 16-bit dtype (the mHC case) it
 is ``_h_post_bda_bwd4_tc``, whose 20 sums over C per token are one small tensor-core product
-(97% of copy bandwidth in bf16 on an H200), which also finishes those sums itself: the last
+(98.6% of copy bandwidth in bf16 on an H200), which also finishes those sums itself: the last
 program of a token group (a counter elects it; the order of the sum is fixed) sums the group's
 partials; fp32 and mixed dtypes take ``_h_post_bda_bwd4``
 (FMAs and cross-lane sums; 92%), other n the generic ``_h_post_bda_bwd`` (57% / 73%).
