@@ -20,7 +20,7 @@ from mhctool.poison import empty
 
 from ._common import array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, tile_ir
 from ..schedule import next_pow2
-from .proj_rms import _lowp, _ng, _np, _proj_tile, _tiles, backward_packed
+from .proj_rms import _lowp, _ng, _np, _packed_row, _proj_tile, _tiles, backward_packed
 
 ConstInt = ct.Constant[int]
 ConstFloat = ct.Constant[float]
@@ -86,8 +86,7 @@ def _mapping_bwd_h(proj, r, rms, alpha, bias, g_pre, g_post, g_logits, gc, ws, n
     dh = ct.where(cols < n, g * s * (1.0 - s), ct.where(cols < 2 * n, 2.0 * g * s * (1.0 - s), g))
     r2 = ct.reshape(rt, (BM, 1))
     grt = ct.sum(dh * ac * p, axis=1)
-    coef = ct.reshape(ct.where(mt > 0.0, -grt * rt * rt / ((K * 1.0) * ct.maximum(mt, 1e-38)), 0.0), (BM, 1))
-    ct.store(gc, index=(i, 0), tile=ct.where(cols < N, dh * r2 * ac, ct.where(cols == N, coef, 0.0)))
+    ct.store(gc, index=(i, 0), tile=_packed_row(dh * r2 * ac, grt, rt, mt, K * 1.0, cols, N, BM))
     terms = ct.sum(dh * r2 * p, axis=0, keepdims=True)  # (1, NP): per column, this block's alpha terms
     da = ct.zeros((1, 4), dtype=ct.float32)
     lanes = ct.reshape(ct.arange(4, dtype=ct.int32), (1, 4))
@@ -155,7 +154,7 @@ class _Mapping(torch.autograd.Function):
         gp, gq, gl = grad(g_pre, (m, n)), grad(g_post, (m, n)), grad(g_logits, (m, n, n))
         nb = cdiv(m, bm)
         k = x2d.shape[1]
-        if _ng(nr) != np_:  # N + 1 columns fit in NP for every n but 2 (N = 8, NP = NG = 16: also fits)
+        if _ng(nr) != np_:  # never for mHC's N = n^2 + 2n: N + 1 <= NP (n = 2: N = 8, NP = 16)
             raise ValueError(f"mapping backward: the packed gradient needs {_ng(nr)} columns, the projection has {np_}")
         gc = empty((m, np_), torch.float32, dev)
         ws = empty((nb, np_ + 4), torch.float32, dev)  # per block: bias partials, then alpha's

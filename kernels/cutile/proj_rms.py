@@ -102,6 +102,14 @@ BC_SUM = 512  # columns per program of the partials' sum
 BM_PACK = 128  # tokens per program of the gradient's packing
 
 
+def _packed_row(g, grt, rt, mt, kk, col, N, BM):
+    """The packed gradient of a token block (``_pack_grad``'s layout, also written by the mapping
+    backward): ``g`` (the projection's gradient) in columns [0, N), dx's factor of x ``-g_r r^2 /
+    (K rms)`` in column N (0 where rms is 0), zeros past it. ``kk``: K as a float."""
+    coef = ct.reshape(ct.where(mt > 0.0, -grt * rt * rt / (kk * ct.maximum(mt, 1e-38)), 0.0), (BM, 1))
+    return ct.where(col < N, g, ct.where(col == N, coef, 0.0))
+
+
 @ct.kernel
 def _pack_grad(x, gp, gr, r, rms, out, N: ConstInt, NG: ConstInt, BM: ConstInt):
     """The backward's per-token operand as one fp32 row of NG: ``g_proj`` in columns [0, N), dx's
@@ -114,9 +122,8 @@ def _pack_grad(x, gp, gr, r, rms, out, N: ConstInt, NG: ConstInt, BM: ConstInt):
     rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
     mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
     grt = ct.load(gr, index=(i,), shape=(BM,), padding_mode=ZERO)
-    coef = ct.reshape(ct.where(mt > 0.0, -grt * rt * rt / (kk * ct.maximum(mt, 1e-38)), 0.0), (BM, 1))
     col = ct.reshape(ct.arange(NG, dtype=ct.int32), (1, NG))
-    ct.store(out, index=(i, 0), tile=ct.where(col < N, g, ct.where(col == N, coef, 0.0)))
+    ct.store(out, index=(i, 0), tile=_packed_row(g, grt, rt, mt, kk, col, N, BM))
 
 
 @ct.kernel

@@ -24,7 +24,7 @@ import triton.language as tl
 from mhctool.poison import empty
 
 from ._common import cast, check_device, interpreted, next_pow2, pick_config, require_contiguous
-from .reduce import sum_rows, sum_rows_pair
+from .reduce import sum_rows
 
 
 @triton.jit
@@ -297,6 +297,20 @@ def _discard_l2(lo, hi, NL: tl.constexpr, dep):
 
 
 @triton.jit
+def _sum_rows_in_order(ptrs, stride, rows, mask, ROWS: tl.constexpr):
+    """``sum_r ptrs[r * stride]`` over ``rows`` rows, added one row after another in row order,
+    ``ROWS`` rows' loads issued at once (L2, bypassing L1); rows past the end load as -0.0, which
+    leaves every sum's bits as they are (-0.0 included)."""
+    acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for r0 in range(0, rows, ROWS):
+        for k in tl.static_range(ROWS):
+            acc += tl.load(ptrs + k * stride, mask=mask & (tl.full(ptrs.shape, r0 + k, tl.int32) < rows), other=-0.0,
+                           cache_modifier=".cg")
+        ptrs += ROWS * stride
+    return acc
+
+
+@triton.jit
 def _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T, C, SUPER, cb, tg, t_start, t_end,
                c, cmask, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, GH: tl.constexpr, GP: tl.constexpr,
                ROWS: tl.constexpr, DISCARD: tl.constexpr, NL_H: tl.constexpr, NL_P: tl.constexpr,
@@ -344,13 +358,7 @@ def _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T,
         lo = sup * SUPER
         hi = tl.minimum(lo + SUPER, n_tg)
         if tl.atomic_add(cnt_ptr + n_tg + cb * n_sup + sup, 1, sem="acq_rel") == hi - lo - 1:
-            acc = tl.zeros(c.shape, dtype=tl.float32)
-            ptrs = ws_b_ptr + lo.to(tl.int64) * C + c
-            for r0 in range(lo, hi, ROWS):
-                for k in tl.static_range(ROWS):
-                    acc += tl.load(ptrs + k * C, mask=cmask & (tl.full(c.shape, r0 + k, tl.int32) < hi), other=-0.0,
-                                   cache_modifier=".cg")
-                ptrs += ROWS * C
+            acc = _sum_rows_in_order(ws_b_ptr + lo.to(tl.int64) * C + c, C, hi - lo, cmask, ROWS)
             tl.store(ws_b2_ptr + sup.to(tl.int64) * C + c, acc, mask=cmask)
             if DISCARD:
                 dep = tl.sum(acc, axis=0)
@@ -360,13 +368,7 @@ def _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T,
                     row += C
             tl.debug_barrier()
             if tl.atomic_add(cnt_ptr + n_tg + n_cb * n_sup + cb, 1, sem="acq_rel") == n_sup - 1:
-                acc = tl.zeros(c.shape, dtype=tl.float32)
-                ptrs = ws_b2_ptr + c
-                for r0 in range(0, n_sup, ROWS):
-                    for k in tl.static_range(ROWS):
-                        acc += tl.load(ptrs + k * C, mask=cmask & (tl.full(c.shape, r0 + k, tl.int32) < n_sup),
-                                       other=-0.0, cache_modifier=".cg")
-                    ptrs += ROWS * C
+                acc = _sum_rows_in_order(ws_b2_ptr + c, C, n_sup, cmask, ROWS)
                 tl.store(db_ptr + c, cast(acc, db_ptr.dtype.element_ty), mask=cmask)
 
 

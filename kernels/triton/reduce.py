@@ -2,9 +2,10 @@
 
 The backward kernels write per-block partial sums (over C chunks or token blocks) to a small fp32
 workspace instead of using atomics, so their results do not depend on scheduling; this kernel
-finishes the reduction. ``sum_rows_pair`` finishes two workspaces in one launch (a backward's
-per-token partials and its bias partials): one launch instead of two, and the two sums' reads
-overlap instead of each paying its own ramp and tail.
+finishes the reduction. ``sum_rows_pair`` finishes two workspaces in one launch (the Triton
+mapping backward's alpha and bias partials): one launch instead of two, and the two sums' reads
+overlap instead of each paying its own ramp and tail. (The n = 4 h_post_bda tensor-core backward
+finishes its own partials inside the kernel.)
 """
 from __future__ import annotations
 
