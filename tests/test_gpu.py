@@ -226,3 +226,27 @@ def test_h_post_bda_tensor_core_backward_finishes_its_sums_deterministically():
         assert torch.isfinite(a).all(), name
         tol = 1e-5 if a.dtype == torch.float32 else 2 ** -8
         assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
+
+
+def test_cutile_projection_backward_halves_cover_odd_k():
+    """The cuTile projection backward takes each K block as two halves of 128 columns (bf16); where
+    K has an odd number of half blocks the last program's second half repeats its first. At such K
+    (300: three half blocks; 28800: 225, near the paper's 28672) and token counts off the 64-token
+    tile, into NaN-poisoned outputs: every element of dx and dW is written and both match float64."""
+    from mhctool.kernels.cutile import proj_rms as cpr
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k in ((1007, 300), (130, 28800)):
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
+        _, r, rms = cpr.forward(x, w, 1e-6)
+        dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
+        cpr.backward_into(x, w, gp, gr, r, rms, dx, dw)
+        xd = x.double()
+        want_dx = gp.double() @ w.double() - (gr.double() * r.double() ** 2 / (k * rms.double()))[:, None] * xd
+        want_dw = gp.double().T @ xd
+        for name, got, want in (("dx", dx, want_dx), ("dW", dw, want_dw)):
+            assert torch.isfinite(got).all(), (name, m, k)
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 2 ** -7, (name, m, k, err)  # bf16 outputs: one rounding, 2^-9 relative
