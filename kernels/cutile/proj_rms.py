@@ -129,7 +129,7 @@ def _pack_grad(x, gp, gr, r, rms, out, N: ConstInt, NG: ConstInt, BM: ConstInt):
     ct.store(out, index=(i, 0), tile=_packed_row(g, grt, rt, mt, kk, col, N, BM))
 
 
-def _bwd_half(x, gc, dx, wt, g, coef, i, kh, N, NG, BM, H, LOWP):
+def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP):
     """One half (``H`` columns, half block ``kh``) of a token block: stores ``dx = gP W + coef x`` and
     returns the half's ``gP^T x``."""
     xt = ct.load(x, index=(i, kh), shape=(BM, H), padding_mode=ZERO)
@@ -164,8 +164,8 @@ def _proj_rms_bwd(x, w, gc, dx, ws, N: ConstInt, NG: ConstInt, BM: ConstInt, BK:
         i = s * BLOCKS + b
         g = ct.load(gc, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
         coef = ct.extract(g, index=(0, N), shape=(BM, 1))
-        acc0 = acc0 + _bwd_half(x, gc, dx, w0, g, coef, i, k0, N, NG, BM, H, LOWP)
-        acc1 = acc1 + _bwd_half(x, gc, dx, w1, g, coef, i, k1, N, NG, BM, H, LOWP)
+        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP)
+        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP)
     ct.store(ws, index=(s, 0, k0), tile=ct.reshape(acc0, (1, NG, H)))
     ct.store(ws, index=(s, 0, k1), tile=ct.reshape(acc1, (1, NG, H)))
 
