@@ -18,7 +18,6 @@ two-halves form with none (docs/perf-notes.md).
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import subprocess
@@ -29,21 +28,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cuda.tile.compilation import CallingConvention, KernelSignature, export_kernel  # noqa: E402
-
 from kernels.cutile import mapping, proj_rms  # noqa: E402
-from kernels.cutile._common import array  # noqa: E402
+from kernels.cutile._common import array, tile_ir  # noqa: E402
 
 COUNTED = ("LDL", "STL", "HGMMA", "HMMA", "LDG", "STG", "LDGSTS", "UTMALDG", "UTMASTG", "LDS", "STS", "ATOMG")
 
 
 def sass(kernel, params: list, workdir: Path, name: str, gpu: str = "sm_90") -> str:
     """The SASS text of ``kernel`` compiled for one signature (``params`` as for ``tile_ir``)."""
-    buf = io.BytesIO()
-    export_kernel(kernel, [KernelSignature(params, CallingConvention.cutile_python_v1())], buf,
-                  output_format="tileir_bytecode", bytecode_version="13.3")
     bc, cubin = workdir / f"{name}.tileirbc", workdir / f"{name}.cubin"
-    bc.write_bytes(buf.getvalue())
+    bc.write_bytes(tile_ir(kernel, params))  # the bytecode the CPU tests compile
     subprocess.run([os.environ.get("TILEIRAS", "tileiras"), f"--gpu-name={gpu}", "-o", str(cubin), str(bc)],
                    check=True, capture_output=True, text=True)
     text = subprocess.run([os.environ.get("NVDISASM", "nvdisasm"), "-c", str(cubin)], check=True,

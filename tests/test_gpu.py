@@ -232,8 +232,11 @@ def test_cutile_projection_backward_halves_cover_odd_k():
     """The cuTile projection backward takes each K block as two halves of 128 columns (bf16); where
     K has an odd number of half blocks the last program's second half repeats its first. At such K
     (300: three half blocks; 28800: 225, near the paper's 28672) and token counts off the 64-token
-    tile, into NaN-poisoned outputs: every element of dx and dW is written and both match float64."""
+    tile, into NaN-poisoned outputs (and workspace): every element of dx and dW is written and both
+    match the float64 reference's gradients."""
     from mhctool.kernels.cutile import proj_rms as cpr
+    from mhctool.poison import poisoning
+    from mhctool.references import mhc as ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k in ((1007, 300), (130, 28800)):
@@ -242,10 +245,10 @@ def test_cutile_projection_backward_halves_cover_odd_k():
         gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
         _, r, rms = cpr.forward(x, w, 1e-6)
         dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
-        cpr.backward_into(x, w, gp, gr, r, rms, dx, dw)
-        xd = x.double()
-        want_dx = gp.double() @ w.double() - (gr.double() * r.double() ** 2 / (k * rms.double()))[:, None] * xd
-        want_dw = gp.double().T @ xd
+        with poisoning():
+            cpr.backward_into(x, w, gp, gr, r, rms, dx, dw)
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
         for name, got, want in (("dx", dx, want_dx), ("dW", dw, want_dw)):
             assert torch.isfinite(got).all(), (name, m, k)
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
