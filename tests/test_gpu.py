@@ -253,3 +253,35 @@ def test_cutile_projection_backward_halves_cover_odd_k():
             assert torch.isfinite(got).all(), (name, m, k)
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert err < 2 ** -7, (name, m, k, err)  # bf16 outputs: one rounding, 2^-9 relative
+
+
+def test_cutile_mapping_backward_sums_bias_and_alpha_beside_dw():
+    """The cuTile mapping backward: compute_h's backward gathers the three upstream gradients
+    without the gathers' own bounds checks (its token mask covers them), and the bias / alpha
+    partials are summed in the dW sum's launch (``sum_rows_pair``). At token counts off the
+    128-token tile, one with more than 128 token blocks (two steps of the bias sum), into
+    NaN-poisoned outputs: all four gradients match the float64 reference's and repeat bit for bit."""
+    from mhctool.kernels.cutile import mapping as cmp
+    from mhctool.poison import poisoning
+    from mhctool.references import mhc as ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k, dtype in ((1007, 300, torch.bfloat16), (16500, 96, torch.bfloat16), (333, 200, torch.float32)):
+        x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(dtype)
+        alpha = torch.rand(3, generator=g, device="cuda")
+        bias = torch.randn(24, generator=g, device="cuda")
+        ups = [torch.randn(m, 4, generator=g, device="cuda"), torch.randn(m, 4, generator=g, device="cuda"),
+               torch.randn(m, 4, 4, generator=g, device="cuda")]
+        leaves = [t.clone().requires_grad_() for t in (x, w, alpha, bias)]
+        with poisoning():
+            runs = [torch.autograd.grad(cmp.mapping(*leaves), leaves, ups) for _ in range(2)]
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), (m, k)
+        dd = [t.double().requires_grad_() for t in (x, w, alpha, bias)]
+        want = torch.autograd.grad(ref.mapping(*dd), dd, [u.double() for u in ups])
+        for name, got, ref_g in zip(("dx", "dW", "dalpha", "dbias"), runs[0], want):
+            assert torch.isfinite(got).all(), (name, m, k)
+            err = ((got.double() - ref_g).abs().max() / ref_g.abs().max()).item()
+            tol = 2 ** -7 if got.dtype == torch.bfloat16 else 1e-5
+            assert err < tol, (name, m, k, dtype, err)

@@ -67,6 +67,28 @@ def rows_a_step(rows: int, br: int = BR) -> int:
 sum_rows_occ2 = sum_rows.replace_hints(occupancy=2)
 
 
+@ct.kernel(occupancy=2)
+def sum_rows_pair(wa, oa, wb, ob, BRA: ct.Constant[int], BCA: ct.Constant[int], BRB: ct.Constant[int],
+                  BCB: ct.Constant[int]):
+    """``sum_rows`` of two partial arrays in one launch: programs [0, column tiles of ``wb``) sum
+    ``wb`` into ``ob``, the rest ``wa`` into ``oa``; each in a fixed order. The short sum goes first, so
+    that it runs beside the long one's first wave instead of after its last. The occupancy hint is
+    ``sum_rows_occ2``'s."""
+    c = ct.bid(0)
+    nb = ct.num_tiles(wb, axis=1, shape=(BRB, BCB))
+    if c < nb:
+        acc = ct.zeros((BCB,), dtype=ct.float32)
+        for r in range(ct.num_tiles(wb, axis=0, shape=(BRB, BCB))):
+            acc = acc + ct.sum(ct.load(wb, index=(r, c), shape=(BRB, BCB), padding_mode=ct.PaddingMode.ZERO), axis=0)
+        ct.store(ob, index=(c,), tile=acc.astype(ob.dtype))
+    else:
+        acc = ct.zeros((BCA,), dtype=ct.float32)
+        for r in range(ct.num_tiles(wa, axis=0, shape=(BRA, BCA))):
+            acc = acc + ct.sum(ct.load(wa, index=(r, c - nb), shape=(BRA, BCA), padding_mode=ct.PaddingMode.ZERO),
+                               axis=0)
+        ct.store(oa, index=(c - nb,), tile=acc.astype(oa.dtype))
+
+
 def sum_partials(ws: torch.Tensor, out: torch.Tensor, bc: int, br: int = BR, kernel=sum_rows) -> None:
     """``out[c] = sum_r ws[r, c]`` (``ws`` fp32 ``[rows, cols]``) with ``sum_rows`` (or ``kernel``, a
     hinted copy of it), ``bc`` columns and ``rows_a_step(rows, br)`` rows a step per program; columns
@@ -82,3 +104,11 @@ def tile_ir(kernel, params: list) -> bytes:
     sig = KernelSignature(params, CallingConvention.cutile_python_v1())
     export_kernel(kernel, [sig], buf, output_format="tileir_bytecode", bytecode_version="13.3")
     return buf.getvalue()
+
+
+def sum_partials_pair(long: tuple, short: tuple) -> None:
+    """Two ``sum_partials`` in one launch (``sum_rows_pair``): each of ``long`` and ``short`` is
+    ``(ws, out, bc, br)``; ``short`` (a few columns) is summed beside ``long``'s first wave."""
+    (wa, oa, bca, bra), (wb, ob, bcb, brb) = long, short
+    grid = cdiv(wa.shape[1], bca) + cdiv(wb.shape[1], bcb)
+    launch(sum_rows_pair, (grid,), (wa, oa, wb, ob, rows_a_step(wa.shape[0], bra), bca, rows_a_step(wb.shape[0], brb), bcb))

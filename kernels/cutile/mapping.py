@@ -9,7 +9,7 @@ Backward: one kernel per token block gathers the three upstream gradients into o
 tile, applies the activations' derivatives (recomputed from the kept projection), and writes
 ``d proj = dh * r * alpha_col`` and ``d r = sum_j dh * alpha_col * proj`` plus fp32 per-block
 partials of the alpha and bias gradients; then proj_rms's backward (dx and dW in one pass over x),
-and fixed-order sums of the partials.
+and fixed-order sums of the partials (dW's and the bias and alpha ones in one launch).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from mhctool.poison import empty
 
-from ._common import array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, tile_ir
+from ._common import array, cdiv, check_cuda, launch, require_contiguous, sum_rows_pair, tile_ir
 from ..schedule import next_pow2
 from .proj_rms import _lowp, _ng, _np, _packed_row, _proj_tile, _tiles, backward_packed
 
@@ -70,7 +70,10 @@ def _mapping_fwd(x, w, alpha, bias, pre, post, logits, proj, r, rms, eps: ConstF
 BWD_H_BM = 128
 
 
-@ct.kernel
+# two programs a SM asked for: alone at the paper shape on an H200 this kernel took 14.5 us without
+# the hint, 9.2 with the gathers' own bounds checks dropped (the token mask covers them) and 6.2
+# with both (docs/perf-notes.md, seventeenth session)
+@ct.kernel(occupancy=2)
 def _mapping_bwd_h(proj, r, rms, alpha, bias, g_pre, g_post, g_logits, gc, ws, n: ConstInt, N: ConstInt,
                    NP: ConstInt, BM: ConstInt, K: ConstInt):
     """compute_h's backward for a token block, written as proj_rms's packed gradient ``gc`` (fp32
@@ -86,9 +89,10 @@ def _mapping_bwd_h(proj, r, rms, alpha, bias, g_pre, g_post, g_logits, gc, ws, n
     mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
     h, ac = _h(p, rt, alpha, bias, cols, n, N, NP, BM)
     s = 1.0 / (1.0 + ct.exp(-h))
-    g = (ct.gather(g_pre, (rows, cols), mask=cols < n)
-         + ct.gather(g_post, (rows, cols - n), mask=(cols >= n) & (cols < 2 * n))
-         + ct.gather(g_logits, (rows, cols - 2 * n), mask=(cols >= 2 * n) & (cols < N)))
+    live = rows < ct.num_tiles(proj, axis=0, shape=(1, 1))  # tokens past M: masked, so no bounds checks
+    g = (ct.gather(g_pre, (rows, cols), mask=live & (cols < n), check_bounds=False)
+         + ct.gather(g_post, (rows, cols - n), mask=live & (cols >= n) & (cols < 2 * n), check_bounds=False)
+         + ct.gather(g_logits, (rows, cols - 2 * n), mask=live & (cols >= 2 * n) & (cols < N), check_bounds=False))
     dh = ct.where(cols < n, g * s * (1.0 - s), ct.where(cols < 2 * n, 2.0 * g * s * (1.0 - s), g))
     r2 = ct.reshape(rt, (BM, 1))
     grt = ct.sum(dh * ac * p, axis=1)
@@ -169,11 +173,11 @@ class _Mapping(torch.autograd.Function):
         if m:
             launch(_mapping_bwd_h, (nb,), (proj, r, rms, a3, bias, gp, gq, gl.view(m, n * n), gc, ws,
                                           n, nr, np_, bm, k))
-        backward_packed(x2d, weight, gc, dx, dw)  # dW = 0 without tokens
+        sums = empty((np_ + 4,), torch.float32, dev)
+        # the bias and alpha partials' sum (one program, 128 token blocks a step) in dW's sum's launch
+        backward_packed(x2d, weight, gc, dx, dw, side=(ws, sums, next_pow2(np_ + 4), 128))  # dW = 0 without tokens
         if not m:
             return dx, dw, torch.zeros_like(a3), torch.zeros_like(bias), None
-        sums = empty((np_ + 4,), torch.float32, dev)
-        sum_partials(ws, sums, next_pow2(np_ + 4), 128)  # one program, 128 token blocks a step
         return dx, dw, sums[np_:np_ + 3].to(a3.dtype), sums[:nr].to(bias.dtype), None
 
 
@@ -194,5 +198,6 @@ def compile_checks() -> dict[str, bytes]:
         out[f"bwd-{dtype}"] = tile_ir(_mapping_bwd_h, [array(f32, 2), array(f32, 1), array(f32, 1), array(f32, 1),
                                                        array(f32, 1), array(f32, 2), array(f32, 2), array(f32, 2),
                                                        array(f32, 2), array(f32, 2), 4, 24, 32, bm, 28672])
-    out["sum-bias-alpha"] = tile_ir(sum_rows, [array(f32, 2), array(f32, 1), 128, 64])
+    out["sum-dw-bias-alpha"] = tile_ir(sum_rows_pair, [array(f32, 2), array(torch.bfloat16, 1), array(f32, 2),
+                                                       array(f32, 1), 8, 1024, 128, 64])
     return out

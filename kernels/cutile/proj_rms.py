@@ -28,8 +28,8 @@ import torch
 from mhctool.poison import empty
 
 from ..schedule import next_pow2
-from ._common import (BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, sum_rows_occ2,
-                      tile_ir)
+from ._common import (BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_partials_pair, sum_rows,
+                      sum_rows_occ2, tile_ir)
 
 ConstInt = ct.Constant[int]
 ConstFloat = ct.Constant[float]
@@ -196,9 +196,10 @@ def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
     backward_packed(x2d, weight, gc, dx, dw, tile_)
 
 
-def backward_packed(x2d, weight, gc, dx, dw, tile_=None) -> None:
+def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None) -> None:
     """dx and dW from the packed gradient ``gc`` (fp32 ``[M, _ng(N)]`` in ``_pack_grad``'s layout;
-    the mapping path's backward writes it directly), into ``dx`` and ``dw``."""
+    the mapping path's backward writes it directly), into ``dx`` and ``dw``. ``side``: another
+    ``(ws, out, bc, br)`` partial sum (the mapping's bias and alpha), done in the dW sum's launch."""
     m, k = x2d.shape
     if not m:
         dw.zero_()
@@ -213,7 +214,10 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None) -> None:
     ws = empty((splits, n, k), torch.float32, x2d.device)  # rows past N of each partial are not stored
     launch(_proj_rms_bwd, (cdiv(k, bk), splits), (x2d, weight, gc, dx, ws, n, ng, bm, bk, blocks, lowp))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
-    sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
+    if side is None:
+        sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
+    else:
+        sum_partials_pair((ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits), side)
 
 
 def forward(x2d, weight, eps, tile_=None):
