@@ -4,31 +4,34 @@ shows up as ``unwritten`` instead of passing as whatever the allocator left ther
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 
 from .dtypes import poison
 
-_ENABLED = contextvars.ContextVar("mhctool_poison", default=False)
+# process-wide, not per thread or context: autograd runs a CUDA backward on its own device thread,
+# which a ContextVar set on the calling thread does not reach (an H200 with torch 2.11: a backward
+# inside ``poisoning()`` saw it off, so its gradients were allocated unpoisoned); the device
+# threads only read the flag while the caller waits in ``torch.autograd.grad``
+_state = {"on": False}
 
 
 @contextlib.contextmanager
 def poisoning(enabled: bool = True):
-    token = _ENABLED.set(enabled)
+    before, _state["on"] = _state["on"], enabled
     try:
         yield
     finally:
-        _ENABLED.reset(token)
+        _state["on"] = before
 
 
 def enabled() -> bool:
-    return _ENABLED.get()
+    return _state["on"]
 
 
 def empty(shape, dtype, device) -> torch.Tensor:
     t = torch.empty(shape, dtype=dtype, device=device)
-    if _ENABLED.get():
+    if _state["on"]:
         poison(t)
     return t
 

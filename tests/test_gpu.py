@@ -285,3 +285,28 @@ def test_cutile_mapping_backward_sums_bias_and_alpha_beside_dw():
             err = ((got.double() - ref_g).abs().max() / ref_g.abs().max()).item()
             tol = 2 ** -7 if got.dtype == torch.bfloat16 else 1e-5
             assert err < tol, (name, m, k, dtype, err)
+
+
+def test_poisoning_reaches_autograds_cuda_backward_thread():
+    """A CUDA backward runs on autograd's device thread: inside ``poisoning()`` the gradients it
+    allocates through ``mhctool.poison.empty`` must come poisoned, as the runner's backward
+    checks (``unwritten``) assume."""
+    from mhctool.poison import empty, poisoning
+
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            out = empty(g.shape, g.dtype, g.device)
+            seen["poisoned"] = bool(torch.isnan(out).all())
+            return out.copy_(g * 2)
+
+    x = torch.ones(8, device="cuda", requires_grad=True)
+    with poisoning():
+        (gx,) = torch.autograd.grad(Probe.apply(x).sum(), x)
+    assert seen["poisoned"] and torch.equal(gx, torch.full_like(x, 2.0))

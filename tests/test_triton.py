@@ -379,6 +379,35 @@ def test_unwritten_elements_are_caught(tmp_path):
     assert bad and all(r["value"] == 16 for r in bad if r["shape"] == "33x2x4x1" and r["direction"] == "fwd")
 
 
+def test_poisoning_reaches_other_threads():
+    """autograd runs a CUDA backward on its own device thread: the poisoning flag is process-wide,
+    or gradients allocated there come unpoisoned and an unwritten element passes unseen (a
+    ContextVar did not reach that thread on an H200; the GPU side: tests/test_gpu.py)."""
+    import threading
+
+    from mhctool.poison import empty, enabled, poisoning
+    seen = {}
+
+    def probe():
+        seen["on"], seen["t"] = enabled(), empty((4,), torch.float32, "cpu")
+
+    def in_thread():
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+
+    with poisoning():
+        in_thread()
+        assert seen["on"] and torch.isnan(seen["t"]).all()
+        with poisoning(False):
+            in_thread()
+            assert not seen["on"]
+        in_thread()
+        assert seen["on"]
+    in_thread()
+    assert not seen["on"]
+
+
 @pytest.mark.parametrize("n", [3, 5])
 def test_sinkhorn_backward_stays_finite_when_n_is_not_a_power_of_two(n):
     """Regression: padded entries of the [NP, NP] tile picked up (0 - sum) / eps per backward
