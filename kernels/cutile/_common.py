@@ -45,15 +45,20 @@ def array(dtype: torch.dtype, ndim: int):
 BR = 32  # rows per step of sum_rows
 
 
+def _column_sums(ws, c, BR, BC):
+    """fp32 sums of ``ws``'s column tile c over its rows, ``BR`` rows a step in row order."""
+    acc = ct.zeros((BC,), dtype=ct.float32)
+    for r in range(ct.num_tiles(ws, axis=0, shape=(BR, BC))):
+        acc = acc + ct.sum(ct.load(ws, index=(r, c), shape=(BR, BC), padding_mode=ct.PaddingMode.ZERO), axis=0)
+    return acc
+
+
 @ct.kernel
 def sum_rows(ws, out, BR: ct.Constant[int], BC: ct.Constant[int]):
     """``out[c] = sum_r ws[r, c]`` in a fixed order: fp32 partials (per token block or split)
     -> out's dtype. Deterministic, unlike atomics."""
     c = ct.bid(0)
-    acc = ct.zeros((BC,), dtype=ct.float32)
-    for r in range(ct.num_tiles(ws, axis=0, shape=(BR, BC))):
-        acc = acc + ct.sum(ct.load(ws, index=(r, c), shape=(BR, BC), padding_mode=ct.PaddingMode.ZERO), axis=0)
-    ct.store(out, index=(c,), tile=acc.astype(out.dtype))
+    ct.store(out, index=(c,), tile=_column_sums(ws, c, BR, BC).astype(out.dtype))
 
 
 def rows_a_step(rows: int, br: int = BR) -> int:
@@ -77,16 +82,9 @@ def sum_rows_pair(wa, oa, wb, ob, BRA: ct.Constant[int], BCA: ct.Constant[int], 
     c = ct.bid(0)
     nb = ct.num_tiles(wb, axis=1, shape=(BRB, BCB))
     if c < nb:
-        acc = ct.zeros((BCB,), dtype=ct.float32)
-        for r in range(ct.num_tiles(wb, axis=0, shape=(BRB, BCB))):
-            acc = acc + ct.sum(ct.load(wb, index=(r, c), shape=(BRB, BCB), padding_mode=ct.PaddingMode.ZERO), axis=0)
-        ct.store(ob, index=(c,), tile=acc.astype(ob.dtype))
+        ct.store(ob, index=(c,), tile=_column_sums(wb, c, BRB, BCB).astype(ob.dtype))
     else:
-        acc = ct.zeros((BCA,), dtype=ct.float32)
-        for r in range(ct.num_tiles(wa, axis=0, shape=(BRA, BCA))):
-            acc = acc + ct.sum(ct.load(wa, index=(r, c - nb), shape=(BRA, BCA), padding_mode=ct.PaddingMode.ZERO),
-                               axis=0)
-        ct.store(oa, index=(c - nb,), tile=acc.astype(oa.dtype))
+        ct.store(oa, index=(c - nb,), tile=_column_sums(wa, c - nb, BRA, BCA).astype(oa.dtype))
 
 
 def sum_partials(ws: torch.Tensor, out: torch.Tensor, bc: int, br: int = BR, kernel=sum_rows) -> None:
