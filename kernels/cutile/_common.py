@@ -94,6 +94,14 @@ def sum_partials(ws: torch.Tensor, out: torch.Tensor, bc: int, br: int = BR, ker
     launch(kernel, (cdiv(ws.shape[1], bc),), (ws, out, rows_a_step(ws.shape[0], br), bc))
 
 
+def sum_partials_pair(long: tuple, short: tuple) -> None:
+    """Two ``sum_partials`` in one launch (``sum_rows_pair``): each of ``long`` and ``short`` is
+    ``(ws, out, bc, br)``; ``short`` (a few columns) is summed beside ``long``'s first wave."""
+    (wa, oa, bca, bra), (wb, ob, bcb, brb) = long, short
+    grid = cdiv(wa.shape[1], bca) + cdiv(wb.shape[1], bcb)
+    launch(sum_rows_pair, (grid,), (wa, oa, wb, ob, rows_a_step(wa.shape[0], bra), bca, rows_a_step(wb.shape[0], brb), bcb))
+
+
 def tile_ir(kernel, params: list) -> bytes:
     """Compile ``kernel`` for one signature to Tile IR bytecode on the host (no GPU, no tileiras):
     the front end's type checking runs, so a kernel that would not compile fails here."""
@@ -102,11 +110,3 @@ def tile_ir(kernel, params: list) -> bytes:
     sig = KernelSignature(params, CallingConvention.cutile_python_v1())
     export_kernel(kernel, [sig], buf, output_format="tileir_bytecode", bytecode_version="13.3")
     return buf.getvalue()
-
-
-def sum_partials_pair(long: tuple, short: tuple) -> None:
-    """Two ``sum_partials`` in one launch (``sum_rows_pair``): each of ``long`` and ``short`` is
-    ``(ws, out, bc, br)``; ``short`` (a few columns) is summed beside ``long``'s first wave."""
-    (wa, oa, bca, bra), (wb, ob, bcb, brb) = long, short
-    grid = cdiv(wa.shape[1], bca) + cdiv(wb.shape[1], bcb)
-    launch(sum_rows_pair, (grid,), (wa, oa, wb, ob, rows_a_step(wa.shape[0], bra), bca, rows_a_step(wb.shape[0], brb), bcb))
