@@ -67,18 +67,18 @@ def rows_a_step(rows: int, br: int = BR) -> int:
     return min(next_pow2(br), next_pow2(max(1, rows)))
 
 
-# sum_rows with two programs a SM asked for: the projection backward's dW sum (8 rows of 688128
-# fp32 columns at the paper shape) took 10.1 us with it against 11.3 without on an H200, same bits
-sum_rows_occ2 = sum_rows.replace_hints(occupancy=2)
+# programs a SM asked for by the large sums: the projection backward's dW sum (8 rows of 688128
+# fp32 columns at the paper shape) took 10.1 us with 2 against 11.3 without on an H200, same bits
+SUM_OCCUPANCY = 2
+sum_rows_occ2 = sum_rows.replace_hints(occupancy=SUM_OCCUPANCY)
 
 
-@ct.kernel(occupancy=2)
+@ct.kernel(occupancy=SUM_OCCUPANCY)
 def sum_rows_pair(wa, oa, wb, ob, BRA: ct.Constant[int], BCA: ct.Constant[int], BRB: ct.Constant[int],
                   BCB: ct.Constant[int]):
     """``sum_rows`` of two partial arrays in one launch: programs [0, column tiles of ``wb``) sum
     ``wb`` into ``ob``, the rest ``wa`` into ``oa``; each in a fixed order. The short sum goes first, so
-    that it runs beside the long one's first wave instead of after its last. The occupancy hint is
-    ``sum_rows_occ2``'s."""
+    that it runs beside the long one's first wave instead of after its last."""
     c = ct.bid(0)
     nb = ct.num_tiles(wb, axis=1, shape=(BRB, BCB))
     if c < nb:
