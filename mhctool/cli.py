@@ -666,6 +666,15 @@ def doctor():
     gpu = environment.gpu_info()
     out.print(f"GPU: {gpu.get('gpu') or 'none visible'}" + (f" (sm_{gpu['sm']}, driver {gpu.get('driver')}, CUDA {gpu.get('cuda')})" if gpu.get("gpu") else ""))
     out.print(f"tileiras: {environment.tileiras_path() or 'not on PATH'}")
+    if environment.triton_interpreted():
+        from . import interpreter
+        errors = interpreter.prepare()
+        out.print("Triton interpreter: mhctool's kernels, library adapters and plain FILE:function or "
+                  "module:function implementations run through it (TRITON_INTERPRET=1 is set for them)")
+        for dt, err in errors.items():
+            state = ("right" if err <= interpreter.TOLERANCE else f"wrong (relative error {err:.2g}): {dt} cases skipped")
+            mend = " after mhctool's mend (bf16 operands widened to fp32)" if dt == "bf16" and interpreter.mended() else ""
+            out.print(f"  tl.dot on {dt}: {state}{mend}")
     for k in registry.KERNELS:
         names = ", ".join(f"{i.name}{'' if not i.unavailable() else ' (unavailable)'}" for i in registry.impls_for(k))
         out.print(f"{k}: {names}")

@@ -290,6 +290,10 @@ class Impl:
                 return "TRITON_INTERPRET=1 is set: Triton kernels run on the CPU only"
         if dtype not in self.dtypes:
             return f"{self.name} takes {', '.join(self.dtypes)}, not {dtype}"
+        if device == "cpu" and self.backend in ("triton", "external"):
+            # a 16-bit product the interpreter computes wrong would blame the kernel: skipped, said why
+            from . import interpreter
+            return interpreter.fault(dtype)
         return None
 
     @functools.cached_property
@@ -485,6 +489,8 @@ def load_external(spec: str, kernel: str) -> Impl:
     target, _, fn_name = spec.rpartition(":")
     if not target or not fn_name:
         raise UsageError(f"malformed --impl {spec!r}; expected module.path:function or file.py:function")
+    from .environment import ensure_triton_mode
+    ensure_triton_mode()  # before the file defines its Triton kernels: on a CPU, the interpreter
     if target.endswith(".py") or os.sep in target or "/" in target:
         path = Path(target)
         if not path.is_file():
