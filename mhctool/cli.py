@@ -118,7 +118,7 @@ def parity(
     seed: Optional[int] = typer.Option(None, "--seed", min=0, help="Input seed (default: the scenario's)."),
     out_path: Path = typer.Option(Path("mhctool-parity.parquet"), "--out", "-o", help="Parquet report to write."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots made from the report."),
-    matmul_precision: str = typer.Option("ieee", "--matmul-precision", help="ieee or tf32: the precision external kernels multiply at by design; they are judged against the native implementation at it."),
+    matmul_precision: str = typer.Option("ieee", "--matmul-precision", help="ieee, tf32 (rounded to nearest, cuBLAS), tf32_trunc (truncated operands, Triton's tl.dot default on fp32) or bf16: the precision external kernels multiply at by design; they are judged against the native implementation at it."),
     kappa: Optional[float] = typer.Option(None, "--kappa", min=1.0, help="Error may be kappa x the native error (default: scenario's, 2)."),
     top: int = typer.Option(20, "--top", min=1, help="Rows of the worst-cases table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),

@@ -38,7 +38,7 @@ def identify(
     top: int = typer.Option(8, "--top", min=1, help="Rows of the candidates table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the result lines."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run the implementation in a child process (default: on for an external one on a GPU)."),
-    matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="ieee or tf32: what the implementation multiplies at by design (default: what its adapter declares, else ieee); the native baseline computes at it."),
+    matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="ieee, tf32, tf32_trunc or bf16: what the implementation multiplies at by design (default: fitted with the conventions; an adapter's declared precision is where the fit starts)."),
 ):
     """Tell which convention a kernel computes: fit the family's convention knobs against the float64
     reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does."""

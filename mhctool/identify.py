@@ -321,9 +321,9 @@ class Identifier:
         self.seed, self.rule, self.isolation, self.judge_top = seed, rule or VerdictRule(), isolation, judge_top
         # the native baseline computes at the implementation's matmul precision by design (an
         # adapter's [tf32] kernel), or at the one asked for (a plain FILE:fn that multiplies in TF32)
-        self.precision = matmul_precision or impl.precision
-        if self.precision not in ("ieee", "tf32"):
-            raise UsageError(f"unknown matmul precision {self.precision!r}; accepted: ieee, tf32")
+        self.precision = matmul_precision or impl.precision_on(device)
+        from .parity import check_precision
+        check_precision(self.precision, "--matmul-precision")
         self.tried: dict[str, Candidate] = {}
         self.family_knobs = {k: v for k, v in asked.items() if k not in self._names()}  # e.g. interleave
 

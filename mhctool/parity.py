@@ -15,7 +15,7 @@ from . import environment, registry, report, runner
 from . import scenario as scenario_mod
 from .dtypes import parse_dtype
 from .errors import UsageError
-from .registry import Impl
+from .registry import PRECISIONS, Impl
 from .runner import Case
 from .scenario import Scenario
 
@@ -39,6 +39,13 @@ class Outcome:
     rows: list[dict]
     cases_run: int
     interrupted: bool
+
+
+def check_precision(precision: str, option: str = "matmul precision") -> str:
+    """``precision`` when it is one of :data:`PRECISIONS`; anything else is a UsageError."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"unknown {option} {precision!r}; accepted: {', '.join(PRECISIONS)}")
+    return precision
 
 
 def kernels_of(kernel: str | list[str]) -> list[str]:
@@ -82,8 +89,7 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
     checks = parse_checks(list(checks or []))
     if not (isinstance(repeats, int) and repeats >= 2):
         raise UsageError(f"repeats {repeats!r} for the determinism check must be an integer of at least 2")
-    if matmul_precision not in ("ieee", "tf32"):
-        raise UsageError(f"unknown --matmul-precision {matmul_precision!r}; accepted: ieee, tf32")
+    check_precision(matmul_precision, "--matmul-precision")
     given = list(impls or [])
     specs = [i for i in given if isinstance(i, str)]
     objects = [i for i in given if isinstance(i, Impl)]

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import UsageError
+from .kernels.torch.mhc import PRECISIONS  # noqa: F401 - the matmul precisions, named here for mhctool
 from .references import mhc as ref
 from .references import moe as moe_ref
 
@@ -254,7 +255,9 @@ class Impl:
     target: str | Callable  # "module:function" (resolved lazily) or the function
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
-    precision: str = "ieee"  # matmul precision it computes at by design (ieee or tf32)
+    # matmul precision it computes at by design (PRECISIONS), or {device: precision} where that
+    # differs by device (Triton's fp32 tl.dot: TF32 on a GPU, IEEE through the CPU interpreter)
+    precision: str | dict = "ieee"
     native: bool = False
     default: bool = True  # run when no --impl is given
     requires: Callable[[], str | None] = field(default=lambda: None)  # why unusable here, or None
@@ -275,6 +278,11 @@ class Impl:
 
     def unavailable(self) -> str | None:
         return self.requires()
+
+    def precision_on(self, device: str) -> str:
+        """The matmul precision it computes at on ``device``."""
+        p = self.precision
+        return p if isinstance(p, str) else p.get(device, p.get("cuda" if device.startswith("cuda") else device, "ieee"))
 
     def unsupported(self, device: str, dtype: str) -> str | None:
         why = self.unavailable()

@@ -11,7 +11,7 @@ Schema version 1 (one row per case x implementation x direction x tensor x metri
 | impl       | string  | implementation name (torch, compile, triton, cutile, module:fn;     |
 |            |         | ``float64``: the reference's own --check rows)                      |
 | backend    | string  | torch, compile, triton, cutile, external, reference                 |
-| precision  | string  | matmul precision the implementation is judged at (ieee, tf32)       |
+| precision  | string  | matmul precision judged at (ieee, tf32, tf32_trunc, bf16)           |
 | family     | string  | input family (random, large_logits, ...)                            |
 | dtype      | string  | case dtype of the activations (fp32, bf16, fp16)                    |
 | dtype_out  | string  | dtype of the tensor measured (null for error/unsupported rows)      |

@@ -258,7 +258,8 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     ordered = [native_impl(case.kernel)] + [i for i in impls if not i.native]
     for impl in ordered:
         external = impl.backend == "external"
-        prec = matmul_precision if external and impl.precision == "ieee" else impl.precision
+        declared = impl.precision_on(case.device)
+        prec = matmul_precision if external and declared == "ieee" else declared
         eff = {**knobs, **impl.conventions, **(conventions or {})} if external else knobs
         row_base = _row_base(case, shape, impl, prec, eff)
         why = (impl.unsupported(case.device, case.dtype) or (impl.limit and impl.limit(shape))

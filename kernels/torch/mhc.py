@@ -58,16 +58,17 @@ def _sinkhorn_log(logits, iters: int, order: str):
 
 
 def h_aggregate(x, h_pre, matmul_precision: str = "ieee"):
-    """``matmul_precision="tf32"``: both operands rounded to TF32 first (a kernel that multiplies
-    with TF32 tensor cores, as TransformerEngine's do by default), then summed at the input dtype."""
-    if matmul_precision == "tf32":
-        x, h_pre = _tf32_operands(x, h_pre)
+    """``matmul_precision`` other than ``ieee`` (:data:`PRECISIONS`): both operands rounded as such
+    a kernel's products take them (TF32 tensor cores, as TransformerEngine's multiply by default),
+    then summed at the input dtype."""
+    if matmul_precision != "ieee":
+        x, h_pre = _operands_at(matmul_precision, x, h_pre)
     return torch.einsum("sbnc,sbn->sbc", x, h_pre.to(x.dtype))
 
 
 def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, matmul_precision: str = "ieee"):
-    if matmul_precision == "tf32":
-        x, h_res = _tf32_operands(x, h_res)
+    if matmul_precision != "ieee":
+        x, h_res = _operands_at(matmul_precision, x, h_res)
     h = h_res.to(x.dtype)
     if transpose_res:
         h = h.transpose(-1, -2)
@@ -75,22 +76,46 @@ def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, matm
     return torch.matmul(h, x) + h_post.to(x.dtype).unsqueeze(-1) * branch.unsqueeze(-2)
 
 
-class _Tf32(torch.autograd.Function):
-    """An fp32 operand rounded to TF32 in the forward, its gradient rounded to TF32 in the
-    backward: the products a TF32 kernel computes, forward and backward, emulated."""
+# the precisions a kernel's matrix products may compute at (DESIGN.md: a convention, declared or
+# fitted): ``ieee`` full fp32; ``tf32`` operands rounded to TF32 (10 mantissa bits) to nearest
+# even, as cuBLAS and PyTorch's ``allow_tf32`` do; ``tf32_trunc`` operands truncated to TF32, as
+# the tensor cores take fp32 operands under Triton's ``tl.dot`` default (``input_precision="tf32"``,
+# measured by docs/tf32_rounding.py); ``bf16`` operands rounded to bf16 (a kernel that casts fp32
+# tiles to bf16 before its products). Sums stay fp32 in every one.
+PRECISIONS = ("ieee", "tf32", "tf32_trunc", "bf16")
+
+
+def round_operand(t: torch.Tensor, precision: str) -> torch.Tensor:
+    """An fp32 operand as a product at ``precision`` takes it (fp32 out)."""
+    if precision == "tf32":
+        return round_to_tf32(t)
+    if precision == "tf32_trunc":
+        return truncate_to_tf32(t)
+    if precision == "bf16":
+        return t.float().to(torch.bfloat16).float()
+    if precision == "ieee":
+        return t.float()
+    raise ValueError(f"matmul precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+class _Rounded(torch.autograd.Function):
+    """An fp32 operand rounded at a precision in the forward, its gradient rounded the same way in
+    the backward: the products such a kernel computes, forward and backward, emulated."""
 
     @staticmethod
-    def forward(ctx, t):
-        return round_to_tf32(t)
+    def forward(ctx, t, precision: str):
+        ctx.precision = precision
+        return round_operand(t, precision)
 
     @staticmethod
     def backward(ctx, g):
-        return round_to_tf32(g) if g.dtype == torch.float32 else g
+        return (round_operand(g, ctx.precision) if g.dtype == torch.float32 else g), None
 
 
-def _tf32_operands(*ts):
-    """fp32 operands rounded to TF32; lower-precision ones are TF32 values already."""
-    return tuple(_Tf32.apply(t) if t.dtype == torch.float32 else t for t in ts)
+def _operands_at(precision: str, *ts):
+    """fp32 operands rounded at ``precision``; lower-precision ones are representable already
+    (bf16 and fp16 values are TF32 values; an fp16 one rounded to bf16 is not, and stays fp16)."""
+    return tuple(_Rounded.apply(t, precision) if t.dtype == torch.float32 else t for t in ts)
 
 
 def _ieee_mm(a, b):
@@ -106,27 +131,35 @@ def _ieee_mm(a, b):
 
 
 class _MatmulNT(torch.autograd.Function):
-    """``a @ b^T`` in fp32, forward *and* backward at one precision, whatever the global
-    ``allow_tf32`` flags: ``tf32`` as a TF32 kernel computes it (every product's operands rounded
-    to TF32, the gradient too; sums in fp32), emulated the same way on every device so that a CPU
-    run and a GPU run judge against the same baseline; ``ieee`` in full fp32. (Setting
-    ``allow_tf32`` around the forward alone left PyTorch's backward at IEEE: a TF32 kernel's
-    gradients were judged against an IEEE baseline and failed at TF32's error, its design.)"""
+    """``a @ b^T`` in fp32, forward *and* backward at one precision (:data:`PRECISIONS`), whatever
+    the global ``allow_tf32`` flags: every product's operands rounded as such a kernel takes them,
+    the gradient too; sums in fp32. Emulated the same way on every device, so that a CPU run and a
+    GPU run judge against the same baseline. (Setting ``allow_tf32`` around the forward alone left
+    PyTorch's backward at IEEE: a TF32 kernel's gradients were judged against an IEEE baseline and
+    failed at TF32's error, its design.)"""
 
     @staticmethod
-    def forward(ctx, a, b, tf32: bool):
-        if tf32:
-            a, b = round_to_tf32(a), round_to_tf32(b)
-        ctx.tf32 = tf32
+    def forward(ctx, a, b, precision: str):
+        if precision != "ieee":
+            a, b = round_operand(a, precision), round_operand(b, precision)
+        ctx.precision = precision
         ctx.save_for_backward(a, b)
         return _ieee_mm(a, b.t())
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        if ctx.tf32:
-            g = round_to_tf32(g)
+        if ctx.precision != "ieee":
+            g = round_operand(g, ctx.precision)
         return _ieee_mm(g, b), _ieee_mm(g.t(), a), None
+
+
+def truncate_to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values with their 13 low mantissa bits dropped (toward zero): the TF32 operand a
+    tensor core takes from an fp32 register under Triton's ``tl.dot`` default."""
+    bits = t.float().contiguous().view(torch.int32)
+    finite = torch.isfinite(t.float())
+    return torch.where(finite, (bits & ~0x1FFF).view(torch.float32), t.float())
 
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
@@ -142,10 +175,11 @@ def proj_rms(x2d, weight, eps: float = 1e-6, matmul_precision: str = "ieee", rms
     """fp32 mapping path: ``proj = x W^T`` and ``r = 1 / (rms(x) + eps)``.
 
     ``matmul_precision="tf32"`` gives the products at TF32, the precision the mHC paper specifies,
-    forward and backward, emulated by rounding every operand to TF32 (:class:`_MatmulNT`).
+    forward and backward, emulated by rounding every operand to TF32 (:class:`_MatmulNT`); the
+    other :data:`PRECISIONS` likewise.
     """
     xf, wf = x2d.float(), weight.float()
-    proj = _MatmulNT.apply(xf, wf, matmul_precision == "tf32")
+    proj = _MatmulNT.apply(xf, wf, matmul_precision)
     if rms_eps == "inside":  # RMSNorm's placement: 1 / sqrt(mean(x^2) + eps)
         r = torch.rsqrt(xf.pow(2).mean(dim=-1) + eps)
     else:

@@ -36,7 +36,8 @@ class Binding:
     call: Callable  # call(module, *family inputs, **knobs) -> outputs in the family's order
     knobs: tuple[str, ...] = ()  # family knobs the function takes
     conventions: dict = field(default_factory=dict)  # convention knobs it computes
-    precision: str = "ieee"  # matmul precision it computes at by design
+    # matmul precision it computes at by design (registry.PRECISIONS), or {device: precision}
+    precision: str | dict = "ieee"
     variant: str = ""  # told apart in the implementation's name, e.g. "tf32"
     devices: tuple[str, ...] = ("cpu", "cuda")
     limit: Callable | None = None  # limit(shape) -> why it cannot run that shape, or None
