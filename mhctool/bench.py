@@ -90,6 +90,10 @@ def model(kernel: str, shape, dtype: str) -> Model:
         return Model(T * K * e + N * K * e + T * N * f,
                      2 * T * K * e + N * K * e + N * K * f + 2 * T * N * f,
                      2.0 * T * N * K, 4.0 * T * N * K)
+    if kernel == "mapping_sinkhorn":  # the mapping's x traffic; h_pre, h_post, h_res written
+        return Model(T * K * e + N * K * e + T * N * f,
+                     2 * T * K * e + N * K * e + N * K * f + 2 * T * N * f,
+                     2.0 * T * N * K, 4.0 * T * N * K)
     if kernel == "mix_aggregate":  # x read twice (projection, aggregation); out written
         return Model(2 * T * K * e + N * K * e + T * C * e + T * (n + n * n) * f,
                      3 * T * K * e + T * C * e + N * K * e + N * K * f + 2 * T * (n + n * n) * f,

@@ -341,11 +341,12 @@ def _as_streams(make):
     return gen
 
 
-# the pre-path in one (mapping, Sinkhorn, aggregation) takes the mapping families but long_k
-FAMILIES["mix_aggregate"] = {
-    name: InputFamily(name, f.doc, _as_streams(f.make), f.reshape)
-    for name, f in FAMILIES["mapping"].items() if name != "long_k"
-}
+# the composites (mapping then Sinkhorn; that then the aggregation) take the mapping families but long_k
+for _k in ("mapping_sinkhorn", "mix_aggregate"):
+    FAMILIES[_k] = {
+        name: InputFamily(name, f.doc, _as_streams(f.make), f.reshape)
+        for name, f in FAMILIES["mapping"].items() if name != "long_k"
+    }
 
 
 def families_for(kernel: str) -> dict[str, InputFamily]:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import inspect
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -126,6 +124,14 @@ def _ref_mapping(x2d, weight, alpha, h_bias, eps=1e-6, **kw):
 
 
 _RMS_EPS = Knob("outside", ref.RMS_EPS)
+# the mapping's knobs, then Sinkhorn's (its eps named sinkhorn_eps), for the composite families
+_COMPOSITE_KNOBS = {
+    "eps": Knob(1e-6, kind=float, zero_ok=True), "rms_eps": _RMS_EPS,
+    "compute_h_eps": Knob(0.0, kind=float, zero_ok=True), "iters": Knob(20, kind=int),
+    "sinkhorn_eps": Knob(1e-6, kind=float, zero_ok=True), "stabilize": Knob("rowmax", ref.STABILIZE),
+    "order": Knob("row_first", ref.ORDERS), "domain": Knob("linear", ref.DOMAINS),
+}
+_COMPOSITE_CONVENTIONS = ("eps", "rms_eps", "compute_h_eps", "sinkhorn_eps", "stabilize", "order", "domain")
 
 
 FAMILIES: dict[str, Family] = {
@@ -172,17 +178,18 @@ FAMILIES: dict[str, Family] = {
         optional_outputs=("rms",),
         conventions=("eps", "rms_eps", "compute_h_eps"),
     ),
+    # the composites: the mapping then Sinkhorn (the three mixing matrices: Liger-Kernel's
+    # coefficients), and that then the aggregation (the whole pre-path: TransformerEngine's
+    # mhc_generate_mix_and_aggregate)
+    "mapping_sinkhorn": Family(
+        "mapping_sinkhorn", ("x", "weight", "alpha", "h_bias"), ("x", "weight", "alpha", "h_bias"),
+        ("alpha", "h_bias"), ("h_pre", "h_post", "h_res"), dict(_COMPOSITE_KNOBS), (),
+        ref.mapping_sinkhorn, _alpha_term_scale("mapping_sinkhorn"), conventions=_COMPOSITE_CONVENTIONS,
+    ),
     "mix_aggregate": Family(
         "mix_aggregate", ("x", "weight", "alpha", "h_bias"), ("x", "weight", "alpha", "h_bias"),
-        ("alpha", "h_bias"), ("out", "h_post", "h_res"),
-        {"eps": Knob(1e-6, kind=float, zero_ok=True), "rms_eps": _RMS_EPS,
-         "compute_h_eps": Knob(0.0, kind=float, zero_ok=True), "iters": Knob(20, kind=int),
-         "sinkhorn_eps": Knob(1e-6, kind=float, zero_ok=True), "stabilize": Knob("rowmax", ref.STABILIZE),
-         "domain": Knob("linear", ref.DOMAINS)},
-        (),
-        ref.mix_aggregate,
-        _alpha_term_scale("mix_aggregate"),
-        conventions=("eps", "rms_eps", "compute_h_eps", "sinkhorn_eps", "stabilize", "domain"),
+        ("alpha", "h_bias"), ("out", "h_post", "h_res"), dict(_COMPOSITE_KNOBS), (),
+        ref.mix_aggregate, _alpha_term_scale("mix_aggregate"), conventions=_COMPOSITE_CONVENTIONS,
     ),
 }
 _INTERLEAVE = Knob(0, (0, 32), int)
@@ -221,7 +228,7 @@ MHC_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "mhc")
 MOE_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "moe")
 # kernels whose products may run at TF32 by design (DESIGN.md: the projection; TransformerEngine's
 # mixing kernels multiply with TF32 by default too)
-MATMUL_KERNELS = ("proj_rms", "mapping", "h_aggregate", "h_post_bda", "mix_aggregate")
+MATMUL_KERNELS = ("proj_rms", "mapping", "h_aggregate", "h_post_bda", "mapping_sinkhorn", "mix_aggregate")
 
 
 # names that stand for several kernels: every one, or every one that takes one form of shape
@@ -399,6 +406,7 @@ TRITON_KERNELS: dict[str, str] = {
     "h_post_bda": "mhctool.kernels.triton.h_post_bda:h_post_bda",
     "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms",
     "mapping": "mhctool.kernels.triton.mapping:mapping",
+    "mapping_sinkhorn": "mhctool.kernels.triton.mix_aggregate:mapping_sinkhorn",
     "mix_aggregate": "mhctool.kernels.triton.mix_aggregate:mix_aggregate",
     "swiglu": "mhctool.kernels.triton.glu:swiglu",
     "clamped_swiglu": "mhctool.kernels.triton.glu:clamped_swiglu",
@@ -474,9 +482,11 @@ def _absent(*args, **kwargs):  # the target of an implementation that does not e
 
 
 def is_library_spec(spec: str) -> bool:
-    """``NAME:FILE_OR_MODULE`` where NAME is a library adapter (``megatron:``, ``te:``)."""
-    from .libraries import NAMES
-    return spec.partition(":")[0] in NAMES
+    """``NAME:FILE_OR_MODULE`` where NAME is a library adapter (``megatron:``, ``te:``, ``liger:``,
+    an installed adapter's entry point, or an adapter file ``path/to/adapter.py``)."""
+    from .libraries import find
+    prefix, sep, _ = spec.partition(":")
+    return bool(sep) and find(prefix) is not None
 
 
 def is_function_spec(spec: str) -> bool:
@@ -503,14 +513,11 @@ def load_external(spec: str, kernel: str) -> Impl:
         path = Path(target)
         if not path.is_file():
             raise UsageError(f"--impl {spec!r}: no file {target}")
-        mod_name = f"mhctool_external_{abs(hash(str(path.resolve())))}"
-        spec_ = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(spec_)
-        sys.modules[mod_name] = module
+        from .libraries import load_file
         try:
-            spec_.loader.exec_module(module)
-        except Exception as e:  # the user's file failed to import: that is bad input
-            raise UsageError(f"--impl {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from e
+            module = load_file(path)
+        except UsageError as e:  # the user's file failed to import: that is bad input
+            raise UsageError(f"--impl {spec!r}: {e}") from e
     else:
         try:
             module = importlib.import_module(target)

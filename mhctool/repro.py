@@ -28,6 +28,7 @@ TOKEN_DIMS: dict[str, dict[str, int]] = {
     "h_post_bda": {"h_res": 2, "x": 2, "h_post": 2, "y": 2, "out": 2},
     "proj_rms": {"x2d": 1, "proj": 1, "r": 1},
     "mapping": {"x2d": 1, "h_pre": 1, "h_post": 1, "h_res_logits": 1, "rms": 1},
+    "mapping_sinkhorn": {"x": 2, "h_pre": 2, "h_post": 2, "h_res": 2},
     "mix_aggregate": {"x": 2, "out": 2, "h_post": 2, "h_res": 2},
     "swiglu": {"x": 1, "scale": 1, "out": 1},
     "clamped_swiglu": {"x": 1, "scale": 1, "out": 1},

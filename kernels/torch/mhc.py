@@ -207,12 +207,21 @@ def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6, matmul_precision: str
             xf.norm(dim=-1) / math.sqrt(xf.shape[-1]))
 
 
-def mix_aggregate(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6,
-                  matmul_precision: str = "ieee", rms_eps: str = "outside", compute_h_eps: float = 0.0,
-                  stabilize: str = "rowmax", domain: str = "linear"):
-    """The pre-path composed of the native pieces: mapping, Sinkhorn, aggregation."""
+def mapping_sinkhorn(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6,
+                     matmul_precision: str = "ieee", rms_eps: str = "outside", compute_h_eps: float = 0.0,
+                     stabilize: str = "rowmax", order: str = "row_first", domain: str = "linear"):
+    """The mixing matrices composed of the native pieces: mapping, then Sinkhorn."""
     s, b, n, c = x.shape
     h_pre, h_post, logits, _ = mapping(x.reshape(s * b, n * c), weight, alpha, h_bias, eps, matmul_precision,
                                        rms_eps, compute_h_eps)
-    h_res = sinkhorn(logits.reshape(s, b, n, n), iters, sinkhorn_eps, stabilize, domain=domain)
-    return h_aggregate(x, h_pre.reshape(s, b, n), matmul_precision), h_post.reshape(s, b, n), h_res
+    h_res = sinkhorn(logits.reshape(s, b, n, n), iters, sinkhorn_eps, stabilize, order=order, domain=domain)
+    return h_pre.reshape(s, b, n), h_post.reshape(s, b, n), h_res
+
+
+def mix_aggregate(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6,
+                  matmul_precision: str = "ieee", rms_eps: str = "outside", compute_h_eps: float = 0.0,
+                  stabilize: str = "rowmax", order: str = "row_first", domain: str = "linear"):
+    """The pre-path composed of the native pieces: mapping, Sinkhorn, aggregation."""
+    h_pre, h_post, h_res = mapping_sinkhorn(x, weight, alpha, h_bias, eps, iters, sinkhorn_eps, matmul_precision,
+                                            rms_eps, compute_h_eps, stabilize, order, domain)
+    return h_aggregate(x, h_pre, matmul_precision), h_post, h_res

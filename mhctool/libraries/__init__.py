@@ -1,6 +1,6 @@
 """Foreign kernel libraries, judged as they ship: one small adapter file per library.
 
-An adapter module (``megatron.py``, ``te.py``, ...) defines:
+An adapter is a module (or any object with these attributes) that defines:
 
 - ``NAME``: the prefix of its ``--impl NAME:FILE_OR_MODULE`` spec;
 - ``load(target) -> module``: the library's module from a file, a folder or an import path;
@@ -11,7 +11,18 @@ A :class:`Binding` states, for one public function, the family it implements, ho
 inputs (in the family's call order) become its arguments and how its outputs come back (``call``:
 permutes, pads, split scalars happen there, outside the library's own code), the family knobs it
 takes, the conventions it computes and the matmul precision it computes at. The library's code is
-called unchanged. Adding a library is one new file here and its name in ``NAMES``.
+called unchanged.
+
+Where mhctool finds adapters, first match wins:
+
+1. built in (``NAMES``: this folder's ``megatron``, ``te``, ``liger``);
+2. installed packages' entry points in the group ``mhctool.adapters`` (``name = "pkg.module"``
+   in the package's ``[project.entry-points."mhctool.adapters"]``), as pytest finds plugins;
+3. a file on the command line: ``--impl path/to/my_adapter.py:TARGET`` where the file defines
+   ``load`` and ``recognise`` (a file without them is a plain ``FILE.py:function``).
+
+The adapter API is public: :class:`Binding`, :func:`load_path_or_module` and :func:`n_of` are
+what an adapter of one's own imports from here.
 """
 from __future__ import annotations
 
@@ -26,7 +37,8 @@ from typing import Callable
 
 from ..errors import UsageError
 
-NAMES = ("megatron", "te")
+NAMES = ("megatron", "te", "liger")
+ENTRY_POINT_GROUP = "mhctool.adapters"
 
 
 @dataclass(frozen=True)
@@ -47,10 +59,59 @@ class Binding:
     layouts: dict = field(default_factory=dict)
 
 
+def _entry_points() -> dict:
+    from importlib.metadata import entry_points
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def is_adapter(obj) -> bool:
+    return callable(getattr(obj, "load", None)) and callable(getattr(obj, "recognise", None))
+
+
+@functools.lru_cache(maxsize=None)
+def find(prefix: str):
+    """The adapter that an ``--impl`` prefix names (built in, an entry point, or an adapter file),
+    or None when it names none (then the spec is a ``module:function`` or ``FILE.py:function``)."""
+    if prefix in NAMES:
+        return importlib.import_module(f"{__name__}.{prefix}")
+    eps = _entry_points()
+    if prefix in eps:
+        from ..environment import ensure_triton_mode
+        ensure_triton_mode()
+        try:
+            found = eps[prefix].load()
+        except Exception as e:  # noqa: BLE001 - the adapter's own import failed: bad input, said so
+            raise UsageError(f"the mhctool adapter {prefix!r} (entry point {eps[prefix].value}) failed to load: "
+                             f"{type(e).__name__}: {e}") from e
+        if not is_adapter(found):
+            raise UsageError(f"the entry point {prefix!r} = {eps[prefix].value} is no mhctool adapter "
+                             "(it defines no load and recognise)")
+        return found
+    path = Path(prefix)
+    if path.suffix == ".py" and path.is_file():
+        from ..environment import ensure_triton_mode
+        ensure_triton_mode()  # the file may define Triton kernels itself
+        module = load_file(path)
+        return module if is_adapter(module) else None
+    return None
+
+
+def names() -> list[str]:
+    """Every adapter name this environment knows: the built-in ones, then the entry points'."""
+    return [*NAMES, *sorted(n for n in _entry_points() if n not in NAMES)]
+
+
 def adapter(name: str):
-    if name not in NAMES:
-        raise UsageError(f"unknown kernel library {name!r}; accepted: {', '.join(NAMES)}")
-    return importlib.import_module(f"{__name__}.{name}")
+    found = find(name)
+    if found is None:
+        raise UsageError(f"unknown kernel library {name!r}; accepted: {', '.join(names())}, "
+                         "or an adapter file (path/to/adapter.py defining load and recognise)")
+    return found
+
+
+def label(name: str) -> str:
+    """How an adapter is named in implementation names: its ``NAME``, else the prefix itself."""
+    return getattr(find(name), "NAME", None) or name
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,14 +142,15 @@ def impls(spec: str, kernel: str) -> list:
     generation, bindings = recognised(spec)
     module = _load(name, spec.partition(":")[2])
     found = [b for b in bindings if b.family == kernel]
+    shown = label(name)
     if not found:
-        why = f"{name} ({generation}) has no {kernel} kernel"
-        return [Impl(f"{name}:{kernel}", kernel, "external", _absent, requires=lambda why=why: why,
+        why = f"{shown} ({generation}) has no {kernel} kernel"
+        return [Impl(f"{shown}:{kernel}", kernel, "external", _absent, requires=lambda why=why: why,
                      default=False, spec=spec, adapter=name)]
     out = []
     for b in found:
-        label = f"{name}[{generation}]:{b.function}" + (f"[{b.variant}]" if b.variant else "")
-        out.append(Impl(label, kernel, "external", _bound(module, b, kernel), devices=b.devices,
+        impl_name = f"{shown}[{generation}]:{b.function}" + (f"[{b.variant}]" if b.variant else "")
+        out.append(Impl(impl_name, kernel, "external", _bound(module, b, kernel), devices=b.devices,
                         precision=b.precision, default=False, conventions=dict(b.conventions), spec=spec,
                         adapter=name, limit=b.limit, requires=lambda why=b.unavailable: why,
                         staged=_staged(module, b, kernel) if b.layouts else None))
@@ -136,11 +198,11 @@ def load_path_or_module(target: str, module_name: str, file_name: str):
     if path.suffix == ".py":
         if not path.is_file():
             raise UsageError(f"no file {target}")
-        return _load_file(path)
+        return load_file(path)
     if path.is_dir():
         direct = path / file_name
         if direct.is_file():
-            return _load_file(direct)
+            return load_file(direct)
         top = module_name.split(".")[0]
         if (path / top).is_dir():
             _forget_other_copies(top, path / top)
@@ -176,8 +238,9 @@ def _import(module_name: str, target: str):
         raise UsageError(f"importing {module_name} from {target} failed: {type(e).__name__}: {e}") from e
 
 
-def _load_file(path: Path):
-    mod_name = f"mhctool_library_{abs(hash(str(path.resolve())))}"
+def load_file(path: Path):
+    """A Python file as a module (once per process and path), its folder first on ``sys.path``."""
+    mod_name = f"mhctool_file_{abs(hash(str(path.resolve())))}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     folder = str(path.parent.resolve())  # what a script's own imports see: its folder first
