@@ -69,9 +69,13 @@ def identify(
                 elif ident.best is not None and ident.passed and i.conventions and not asked:
                     declared = " ".join(f"{k}={ident_mod.fmt_value(v)}" for k, v in i.conventions.items())
                     out.print(f"as its adapter declares: {declared}", markup=False)
-                conv = ident.conventions()
-                if ident.passed and conv and ident.best.level != "likely a defect":
-                    flags = " ".join(f"--convention {k}={ident_mod.fmt_value(v)}" for k, v in conv.items())
+                if ident.best is not None and (note := ident.precision_note()):
+                    out.print(note, markup=False)
+                if ident.ties:
+                    out.print("fits as well (within native noise): "
+                              + "; ".join(ident_mod.fmt_knobs(c.knobs) for c in ident.ties), markup=False)
+                flags = ident.flags() if ident.best is not None else ""
+                if ident.passed and flags and ident.best.level != "likely a defect":
                     out.print(f"judge it with: mhctool parity --kernel {kernel} --impl {impl} {flags}", markup=False)
                 failed |= not ident.passed
     finally:
@@ -106,12 +110,15 @@ def parity_hint(kernel: str, impl: registry.Impl, short: str, device: str, isola
             iso.close()
     how = f"(mhctool identify --kernel {kernel} --impl {spec})"
     if not ident.passed:
-        return f"hint: no convention fits {short} on {kernel}: {ident.line()[len('no convention fits: '):]}; a defect {how}"
-    best, conv = ident.best, ident.conventions()
-    if best.level == "as asked":
+        line = ident.line()
+        if line.startswith("no convention fits: "):
+            return f"hint: no convention fits {short} on {kernel}: {line[len('no convention fits: '):]}; a defect {how}"
+        return f"hint: {short} on {kernel}: {line} {how}"
+    best, flags = ident.best, ident.flags()
+    notes = "; ".join(n for n in (best.note if best.level != "as asked" else None, ident.precision_note()) if n)
+    if best.level == "as asked" and not flags:
         return (f"hint: {short} computes {kernel}'s asked convention at fp32 {how}; the failure is not a "
                 "convention: see the rows above")
-    if best.level == "likely a defect" or not conv:
-        return f"hint: {short} on {kernel}: {best.note} {how}"
-    flags = " ".join(f"--convention {k}={ident_mod.fmt_value(v)}" for k, v in conv.items())
-    return f"hint: {short} fails on {kernel} but passes with {flags} ({best.note})"
+    if best.level == "likely a defect" or not flags:
+        return f"hint: {short} on {kernel}: {notes} {how}"
+    return f"hint: {short} fails on {kernel} but passes with {flags} ({notes})"

@@ -13,7 +13,9 @@ from rich.console import Console
 from . import environment
 from .errors import UsageError
 
-out = Console(highlight=False, soft_wrap=False, width=160)
+# soft_wrap: a line is never broken (a command or path copied from a CI log must work); tables still
+# lay out at the width
+out = Console(highlight=False, soft_wrap=True, width=160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 state = {"debug": False}
 

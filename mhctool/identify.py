@@ -126,6 +126,14 @@ def space(kernel: str, asked: dict) -> Space:
     if kernel == "mapping":
         return Space(("random", "tiny_norm"), "4x3x4x67", {"rms_eps": ref.RMS_EPS},
                      {"eps": EPS_GRID, "compute_h_eps": EPS_GRID})
+    if kernel in ("mapping_sinkhorn", "mix_aggregate"):
+        # the mapping's knobs and Sinkhorn's at once: the discrete ones exhaustively, the mapping's
+        # eps on the grid, Sinkhorn's eps batched, compute_h's eps at the values libraries use
+        return Space(("random", "tiny_norm"), "4x3x4x67",
+                     {"rms_eps": ref.RMS_EPS, "stabilize": ref.STABILIZE, "order": ref.ORDERS},
+                     {"eps": EPS_GRID, "compute_h_eps": (0.0, 1e-8, 1e-6, 1e-4), "sinkhorn_eps": EPS_GRID},
+                     batched="sinkhorn_eps",
+                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("sinkhorn_eps") == 0.0 else None)
     if kernel == "h_aggregate":
         return Space(("random",), "4x3x4x67")
     if kernel == "swiglu":
@@ -140,7 +148,8 @@ def space(kernel: str, asked: dict) -> Space:
     raise AssertionError(kernel)  # check_kernel first
 
 
-IDENTIFIABLE = ("sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping", "swiglu", "clamped_swiglu")
+IDENTIFIABLE = ("sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping", "mapping_sinkhorn", "mix_aggregate",
+                "swiglu", "clamped_swiglu")
 
 
 def checked_knobs(kernel: str, values: dict, from_text: bool = False) -> dict:
@@ -167,6 +176,8 @@ def check_kernel(kernel: str) -> str:
 # conventions real libraries use: (kernel, knob, value) -> who
 KNOWN = {
     ("sinkhorn", "stabilize", "softmax"): "as in Megatron-LM's dev branch (a row softmax plus eps first)",
+    ("sinkhorn", "stabilize", "colmax"): "max subtraction along the axis normalised first (x - x.amax(dim=-2) with "
+                                         "columns first, a common PyTorch form)",
     ("sinkhorn", "eps", 0.0): "as in TransformerEngine (log-domain iterations, no eps)",
     ("sinkhorn", "domain", "log"): "as in TransformerEngine (judged against the log-domain native baseline)",
     ("h_post_bda", "transpose_res", True): "as in Megatron-LM's dev branch and TransformerEngine (H_res^T)",
@@ -176,9 +187,29 @@ KNOWN = {
     ("mapping", "eps", FP32_EPS): "as in TransformerEngine (eps = fp32 machine epsilon)",
     ("mapping", "compute_h_eps", 1e-6): "as in Megatron-LM's dev branch (sigmoid + 1e-6)",
 }
+for _k in ("mapping_sinkhorn", "mix_aggregate"):  # the composites: the mapping's and Sinkhorn's conventions
+    KNOWN.update({
+        (_k, "rms_eps", "inside"): "as in TransformerEngine and Liger-Kernel (eps inside the square root)",
+        (_k, "eps", FP32_EPS): "as in TransformerEngine (eps = fp32 machine epsilon)",
+        (_k, "compute_h_eps", 1e-6): "as in Megatron-LM's dev branch (sigmoid + 1e-6)",
+        (_k, "stabilize", "softmax"): "as in Liger-Kernel and Megatron-LM's dev branch (a row softmax plus eps first)",
+        (_k, "stabilize", "colmax"): KNOWN[("sinkhorn", "stabilize", "colmax")],
+        (_k, "sinkhorn_eps", 0.0): "as in TransformerEngine (log-domain iterations, no eps)",
+        (_k, "domain", "log"): "as in TransformerEngine (judged against the log-domain native baseline)",
+    })
+# what a matrix product at each precision is (the hint names it; ieee is the contract)
+PRECISION_NOTES = {
+    "tf32": "multiplies at TF32 rounded to nearest (cuBLAS, PyTorch's allow_tf32)",
+    "tf32_trunc": ("multiplies at TF32 with truncated operands: Triton's default for tl.dot on fp32 "
+                   "(or build it with input_precision='ieee')"),
+    "bf16": "multiplies bf16 operands (fp32 values rounded to bf16 before the product)",
+}
 # knobs where a value other than the one asked for is no library's convention
-DEFECT_KNOBS = {"iters", "eps", "compute_h_eps", "limit", "bias", "scale_at"}
-SUSPICIOUS_VALUES = {("sinkhorn", "stabilize", "none"): "no max subtraction: exp overflows for large logits"}
+DEFECT_KNOBS = {"iters", "eps", "compute_h_eps", "limit", "bias", "scale_at", "sinkhorn_eps"}
+# values that would be a defect if the implementation's own outputs show it: (kernel, knob, value)
+# -> (the defect, the probe family that shows it); without that evidence the fit is a tie, not a claim
+SUSPICIOUS_VALUES = {("sinkhorn", "stabilize", "none"): ("no max subtraction: exp overflows for large logits",
+                                                        "large_logits")}
 
 
 def _same(a, b) -> bool:
@@ -205,21 +236,33 @@ def fmt_knobs(knobs: dict) -> str:
     return " ".join(f"{k}={fmt_value(v)}" for k, v in knobs.items())
 
 
-def classify(kernel: str, fitted: dict, asked: dict) -> tuple[str, str]:
-    """(``as asked`` | ``known convention`` | ``variant`` | ``likely a defect``, the sentence)."""
+def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = None) -> tuple[str, str]:
+    """(``as asked`` | ``known convention`` | ``variant`` | ``likely a defect``, the sentence).
+
+    ``evidence``: knob -> (shown, what was measured), from :meth:`Identifier.evidence` on the
+    implementation's own outputs. A value that would be a defect is called one only where its
+    evidence shows it; without evidence (the unit's own use) the sentence says it is unconfirmed.
+    In the log domain nothing is exponentiated raw, so no stabilisation is claimed at all."""
     diff = {k: v for k, v in fitted.items() if not _same(v, asked.get(k))}
+    if fitted.get("domain") == "log" and "stabilize" in diff:
+        del diff["stabilize"]  # a log-domain iteration never exponentiates the raw logits
     if not diff:
         return "as asked", "computes what it was asked for"
     notes, level = [], 0
     for k, v in diff.items():
         known = next((who for (kk, kn, kv), who in KNOWN.items() if kk == kernel and kn == k and _same(kv, v)), None)
         odd = SUSPICIOUS_VALUES.get((kernel, k, v))
+        shown, measured = (evidence or {}).get(k, (None, None))
         if known:
             notes.append(f"{k}={fmt_value(v)}: a known convention, {known}")
+        elif (odd or k in DEFECT_KNOBS) and shown is False:
+            level = max(level, 1)
+            notes.append(f"{k}={fmt_value(v)} fits, but no defect is shown: {measured}")
         elif odd or k in DEFECT_KNOBS:
             level = 2
-            notes.append(f"matches with {k}={fmt_value(v)} — asked for {fmt_value(asked.get(k))}: likely a defect"
-                         + (f" ({odd})" if odd else ""))
+            what = f" ({odd[0]})" if odd else ""
+            notes.append(f"matches with {k}={fmt_value(v)} — asked for {fmt_value(asked.get(k))}: likely a defect{what}"
+                         + (f"; shown: {measured}" if shown else "; not yet shown on its outputs"))
         else:
             level = max(level, 1)
             notes.append(f"{k}={fmt_value(v)}: a variant no library mhctool knows uses (check it is intended)")
@@ -246,6 +289,7 @@ class Candidate:
     worst: str | None = None  # the failing row, when judged and failed
     level: str | None = None
     note: str | None = None
+    fwd_passed: bool | None = None  # the forward alone passes the verdict (judged candidates)
 
     @property
     def key(self) -> str:
@@ -262,6 +306,9 @@ class Identification:
     error: str | None = None  # the implementation failed on a probe
     discrete: tuple[str, ...] = ()  # the knobs searched exhaustively
     fixed: dict = field(default_factory=dict)  # asked knobs held, not searched (Sinkhorn's domain)
+    precision: str = "ieee"  # the matmul precision it is judged at (fitted, or as asked / declared)
+    declared_precision: str = "ieee"  # what its adapter declares (or ieee)
+    ties: list = field(default_factory=list)  # other candidates that fit as well (within native noise)
 
     @property
     def asked_all(self) -> dict:
@@ -284,14 +331,34 @@ class Identification:
     def passed(self) -> bool:
         return self.best is not None and bool(self.best.passed)
 
+    def _knobs(self) -> str:
+        prec = f" matmul_precision={self.precision}" if self.precision != "ieee" else ""
+        return (fmt_knobs(self.best.knobs) + prec).strip() or "the contract"
+
     def line(self) -> str:
         if self.error:
             return f"no convention fits: the implementation failed: {self.error}"
         b = self.best
         if b.passed:
-            return f"best match: {fmt_knobs(b.knobs)} (max_rel {b.max_rel:.2g})"
-        return (f"no convention fits: closest {fmt_knobs(b.knobs)}, error {b.max_rel:.2g}"
-                + (f" ({b.worst})" if b.worst else ""))
+            return f"best match: {self._knobs()} (max_rel {b.max_rel:.2g})"
+        if b.fwd_passed:
+            return (f"forward matches {self._knobs()}; the backward is not the derivative of that forward"
+                    + (f" ({b.worst})" if b.worst else ""))
+        return (f"no convention fits: closest {self._knobs()}, error {b.max_rel:.2g}"
+                + (f"; the forward is off first: {b.worst}" if b.worst else ""))
+
+    def precision_note(self) -> str | None:
+        """What the fitted matmul precision is, where it is not what the implementation declares."""
+        if self.precision == self.declared_precision:
+            return None
+        return f"matmul_precision={self.precision}: {PRECISION_NOTES.get(self.precision, 'IEEE fp32 products')}"
+
+    def flags(self) -> str:
+        """The ``parity`` options that judge it as identified (conventions, then the precision)."""
+        out = [f"--convention {k}={fmt_value(v)}" for k, v in self.conventions().items()]
+        if self.precision != self.declared_precision:
+            out.append(f"--matmul-precision {self.precision}")
+        return " ".join(out)
 
     def conventions(self) -> dict:
         """The fitted knobs that ``--convention`` can declare and that differ from the asked ones."""
@@ -318,6 +385,10 @@ class Identifier:
         self.shape = parse_shape_for(self.fam.shape_kind, shape or self.space.shape)
         if impl.limit and (why := impl.limit(self.shape)):
             raise UsageError(f"--impl {impl.name} cannot run the probe shape {self.shape}: {why}")
+        from .registry import MATMUL_KERNELS
+        self.declared_precision = impl.precision_on(device)
+        # the precision is fitted where a product's precision can show: fp32 operands of a matmul kernel
+        self.fits_precision = matmul_precision is None and kernel in MATMUL_KERNELS and dtype == "fp32"
         self.seed, self.rule, self.isolation, self.judge_top = seed, rule or VerdictRule(), isolation, judge_top
         # the native baseline computes at the implementation's matmul precision by design (an
         # adapter's [tf32] kernel), or at the one asked for (a plain FILE:fn that multiplies in TF32)
@@ -477,9 +548,9 @@ class Identifier:
         also = None if c.passed else self.space.judge_also(cand.knobs)
         if also:
             other = self._judge(probes, cand, also)
-            if other.passed:
+            if other.passed or (other.fwd_passed and not c.fwd_passed):
                 c = replace(other, knobs={**other.knobs, **also})
-        c.level, c.note = classify(self.kernel, c.knobs, self.asked)
+        c.level, c.note = classify(self.kernel, c.knobs, self.asked, self.evidence(probes, c))
         self.tried[c.key] = c
         return c
 
@@ -487,19 +558,110 @@ class Identifier:
         knobs, ref_fn, nat_fn = self._split(cand.knobs)
         knobs.update(extra)
         nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
-        native_worst, failed = 0.0, None
+        native_worst, fwd_failed, bwd_failed = 0.0, None, None
         for p in probes:
             judged = runner.make_baseline(self.fam, p.case, p.base, knobs, native_impl_=nat, reference=ref_fn)
             for o, r in zip(judged.native.outputs, judged.ref_outs):
                 native_worst = max(native_worst, max_rel(o, r))
             rows = runner.judged_rows(judged, p.res, {}, self.rule, self.dtype)
             if p.res.bwd_error:
-                failed = failed or f"backward failed: {p.res.bwd_error}"
+                bwd_failed = bwd_failed or f"backward failed: {p.res.bwd_error}"
             for r in rows:
-                if r["passed"] is False and failed is None:
-                    failed = (f"{r['tensor']} {r['metric']} {r['value']:.2g} > {r['threshold']:.2g} "
-                              f"on {p.case.family}")
-        return replace(cand, stage="judged", native_score=native_worst, passed=failed is None, worst=failed)
+                if r["passed"] is False:
+                    msg = f"{r['tensor']} {r['metric']} {r['value']:.2g} > {r['threshold']:.2g} on {p.case.family}"
+                    if r["direction"] == "fwd":
+                        fwd_failed = fwd_failed or msg
+                    else:
+                        bwd_failed = bwd_failed or msg
+        failed = fwd_failed or bwd_failed
+        return replace(cand, stage="judged", native_score=native_worst, passed=failed is None, worst=failed,
+                       fwd_passed=fwd_failed is None)
+
+    # --- evidence for what would be a defect, on the implementation's own outputs ------------
+
+    def evidence(self, probes: list[Probe], cand: Candidate) -> dict:
+        """knob -> (shown, what was measured) for each fitted value that would be a defect."""
+        out = {}
+        for k, v in cand.knobs.items():
+            if _same(v, self.asked.get(k)):
+                continue
+            odd = SUSPICIOUS_VALUES.get((self.kernel, k, v))
+            if odd:
+                out[k] = self._nonfinite_evidence(odd[1], cand)
+            elif k in DEFECT_KNOBS:
+                out[k] = self._knob_evidence(probes, cand, k)
+        return out
+
+    def _nonfinite_evidence(self, family: str, cand: Candidate) -> tuple[bool, str]:
+        """Whether the implementation returns non-finite values on ``family`` where the float64
+        contract (what it was asked for) is finite."""
+        knobs = {**{k: v for k, v in self.asked.items() if k not in self.space.variants}, **self.family_knobs}
+        case = Case(self.kernel, family, self.dtype, self.shape, tuple(sorted(knobs.items())), self.seed,
+                    self.device, "identify")
+        _, raw = inputs_mod.generate(self.kernel, family, self.shape, self.seed, knobs)
+        base = runner.cast_inputs(self.fam, raw, self.dtype, self.device)
+        nat = runner.run_impl(self.fam, runner.native_at(self.kernel, self.precision), base, knobs,
+                              lambda outs: runner.upstream_for(self.fam, outs, self.seed))
+        upstream, expect = runner.upstream_for(self.fam, nat.outputs, self.seed), runner.output_specs(nat.outputs)
+        if self.isolation is not None and self.impl.backend == "external":
+            res = self.isolation.run(case, self.impl, base, knobs, upstream, expect)
+        else:
+            res = runner.run_impl(self.fam, self.impl, base, knobs, lambda outs: upstream, expect=expect)
+        doc = inputs_mod.get_family(self.kernel, family).doc
+        if res.fwd_error:
+            return True, f"it failed on {family} ({doc}): {res.fwd_error}"
+        with torch.no_grad():
+            refs = self.fam.call(self.fam.reference, _float64(base), self._split(self.asked)[0], lambda k: True)
+        bad = total = 0
+        for o, r in zip(res.outputs, refs):
+            fin = torch.isfinite(r.to(o.device))
+            bad += int((fin & ~torch.isfinite(o)).sum())
+            total += int(fin.sum())
+        if bad:
+            return True, f"{bad} of {total} outputs non-finite on {family} ({doc}) where the float64 contract is finite"
+        return False, (f"its outputs on {family} ({doc}) are finite, so it subtracts a max or works in logs; "
+                       "exact arithmetic cannot tell that from none where the first normalisation cancels it "
+                       "(a tie, not an overflow)")
+
+    def _knob_evidence(self, probes: list[Probe], cand: Candidate, knob: str) -> tuple[bool, str]:
+        """The probe where the asked value of ``knob`` (the rest as fitted) is furthest from the
+        implementation's outputs, against the fitted value there: shown unless the two fit alike."""
+        alt = {**cand.knobs, knob: self.asked[knob]}
+        worst = None
+        for p in probes:
+            fits = []
+            for c in (alt, cand.knobs):
+                kn, ref_fn, _ = self._split(c)
+                fits.append(self._fit([p], [c], kn, ref_fn, lambda outs: [o.unsqueeze(0) for o in outs], "evidence")[0])
+            if worst is None or fits[0].score - fits[1].score > worst[1].score - worst[2].score:
+                worst = (p, *fits)
+        p, at_asked, at_fit = worst
+        said = (f"on {p.case.family}: at {knob}={fmt_value(self.asked[knob])} the outputs are off by max_rel "
+                f"{at_asked.max_rel:.2g} ({at_asked.score:.3g}x native noise), at {knob}={fmt_value(cand.knobs[knob])} "
+                f"by {at_fit.max_rel:.2g} ({at_fit.score:.3g}x)")
+        return at_asked.score > self._tol(at_fit.score), said
+
+    # --- the matmul precision -----------------------------------------------------------------
+
+    def fit_precision(self, probes: list[Probe], cand: Candidate) -> dict[str, float]:
+        """For each precision, how far the implementation's outputs are from the native
+        implementation computing at it (under ``cand``'s knobs), normalised like the fit."""
+        from .registry import PRECISIONS
+        keep, dist = self.precision, {}
+        try:
+            for prec in PRECISIONS:
+                self.precision = prec
+                knobs, _, nat_fn = self._split(cand.knobs)
+                nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
+                worst = 0.0
+                for p in probes:
+                    res = runner.run_impl(self.fam, nat, p.base, knobs, lambda outs, p=p: p.upstream)
+                    for o, r in zip(p.res.outputs, res.outputs):
+                        worst = max(worst, _batched_errors(o, r.detach().double().unsqueeze(0))[0][0])
+                dist[prec] = _nan_inf(worst)
+        finally:
+            self.precision = keep
+        return dist
 
     def _combos(self, cands: list[Candidate], n: int) -> list[Candidate]:
         """The best candidate of each of the ``n`` best-fitting discrete combinations."""
@@ -522,13 +684,26 @@ class Identifier:
         # a sensitive knob (eps inside a square root) can sit between two grid points
         refined = [self.refine(probes, c) for c in self._combos(grid, self.judge_top)]
         first = self.pick(refined + [self.refine(probes, self.pick(grid))])
+        if self.fits_precision:
+            dist = self.fit_precision(probes, first)
+            closest = min(dist.values())
+            # the strictest precision whose emulation is as close as the closest (PRECISIONS' order)
+            self.precision = next(p for p, d in dist.items() if d <= 2.0 * closest + 1e-12)
         others = [c for c in self._combos(refined + grid, self.judge_top + 1) if c.key != first.key]
         judged = [self.judge(probes, c) for c in [first, *others][: self.judge_top]]
         passing = [c for c in judged if c.passed]
-        best = passing[0] if passing else judged[0]
+        best = passing[0] if passing else next((c for c in judged if c.fwd_passed), judged[0])
+        tol = self._tol(min(c.score for c in self.tried.values()))
+        seen, ties = {_signature(best.knobs, self.space.discrete)}, []
+        for c in sorted(self.tried.values(), key=lambda c: c.score):
+            sig = _signature(c.knobs, self.space.discrete)
+            if c.score <= tol and sig not in seen and c.stage != "judged":
+                seen.add(sig)
+                ties.append(c)
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
-                              fixed=self.family_knobs)
+                              fixed=self.family_knobs, precision=self.precision,
+                              declared_precision=self.declared_precision, ties=ties[:3])
 
 
 def _float64(base: dict) -> dict:

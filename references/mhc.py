@@ -18,7 +18,7 @@ import torch
 
 Trace = Callable[[str, torch.Tensor], None] | None
 
-STABILIZE = ("rowmax", "none", "softmax")
+STABILIZE = ("rowmax", "none", "softmax", "colmax")
 RMS_EPS = ("outside", "inside")
 EPS_MODES = ("add", "clamp")
 DOMAINS = ("linear", "log")
@@ -60,6 +60,8 @@ def sinkhorn(
     ``stabilize`` picks the starting matrix:
       * ``rowmax``: ``exp(L - max_j L[i, j])`` (max subtraction, per row);
       * ``none``: ``exp(L)`` (overflows for large logits: the bug this knob exists to show);
+      * ``colmax``: ``exp(L - max_i L[i, j])`` (max subtraction per column: a kernel that
+        normalises columns first subtracts the max along that axis);
       * ``softmax``: ``softmax(L, -1) + eps``. The softmax *is* the first row normalisation, so
         with ``row_first`` the sequence is softmax, col, then ``iters - 1`` (row, col) pairs
         (DeepSeek's order); with ``col_first`` it is softmax then ``iters`` (col, row) pairs.
@@ -79,6 +81,8 @@ def sinkhorn(
         p = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
     elif stabilize == "none":
         p = torch.exp(logits)
+    elif stabilize == "colmax":
+        p = torch.exp(logits - logits.amax(dim=-2, keepdim=True))
     else:
         p = torch.softmax(logits, dim=-1) + eps
     if trace:

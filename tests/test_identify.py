@@ -57,22 +57,36 @@ def test_each_convention_is_identified_with_its_knobs(kernel, target, knobs, lev
 def test_a_defect_that_is_no_convention_fits_nothing(target):
     ident = identify("sinkhorn", _impl("sinkhorn", target))
     assert not ident.passed
-    assert ident.line().startswith("no convention fits: closest ")
-    # the detached sum has a right forward: the backward gives it away
-    if "detached" in target:
-        assert "grad_logits" in ident.best.worst and ident.best.max_rel < 1e-4
+    if "detached" in target:  # a right forward: the backward gives it away, and the line says which
+        assert ident.line().startswith("forward matches stabilize=rowmax eps_mode=add order=row_first iters=20")
+        assert "the backward is not the derivative of that forward (grad_logits" in ident.line()
+        assert ident.best.max_rel < 1e-4 and ident.best.fwd_passed
+    else:
+        assert ident.line().startswith("no convention fits: closest ")
+        assert "the forward is off first: out " in ident.line()
 
 
 def test_classification_of_a_match_against_what_was_asked():
     asked = {"stabilize": "rowmax", "eps": 1e-6, "iters": 20, "order": "row_first"}
     assert classify("sinkhorn", dict(asked), asked)[0] == "as asked"
     level, note = classify("sinkhorn", {**asked, "iters": 19}, asked)
-    assert level == "likely a defect" and note == "matches with iters=19 — asked for 20: likely a defect"
+    assert level == "likely a defect"
+    assert note == "matches with iters=19 — asked for 20: likely a defect; not yet shown on its outputs"
+    shown = {"iters": (True, "on near_perm: ...")}
+    assert classify("sinkhorn", {**asked, "iters": 19}, asked, shown)[1].endswith("shown: on near_perm: ...")
+    # evidence that does not show it (a tie): no defect claimed
+    level, note = classify("sinkhorn", {**asked, "stabilize": "none"}, asked, {"stabilize": (False, "finite")})
+    assert level == "variant" and "defect" in note and "no defect is shown" in note
+    # in the log domain no stabilisation is claimed at all
+    assert classify("sinkhorn", {**asked, "stabilize": "none", "domain": "log"}, {**asked, "domain": "log"})[0] == \
+        "as asked"
     level, note = classify("sinkhorn", {**asked, "stabilize": "softmax"}, asked)
     assert level == "known convention" and "Megatron-LM" in note
     assert classify("sinkhorn", {**asked, "eps": 0.0}, asked)[0] == "known convention"
     assert classify("sinkhorn", {**asked, "order": "col_first"}, asked)[0] == "variant"
-    assert classify("sinkhorn", {**asked, "stabilize": "none"}, asked)[0] == "likely a defect"
+    assert classify("sinkhorn", {**asked, "stabilize": "none"}, asked, {"stabilize": (True, "3 of 16 non-finite")})[0] \
+        == "likely a defect"
+    assert classify("sinkhorn", {**asked, "stabilize": "colmax"}, asked)[0] == "known convention"
 
 
 def test_cli_prints_the_best_match_line_exits_0_and_reports_every_candidate(tmp_path):
@@ -153,17 +167,21 @@ def test_transformer_engines_real_sinkhorn_is_identified(monkeypatch):
 
 
 def test_a_tf32_kernel_is_judged_at_the_precision_it_declares(tmp_path):
-    # multiplies at TF32 by design: against the IEEE baseline no convention passes; told its
-    # precision, it computes what it was asked for
+    # multiplies at TF32 by design: the precision is fitted with the conventions and named; told
+    # another precision, nothing passes; told its own, it computes what it was asked for
     args = ["identify", "--kernel", "proj_rms", "--impl", f"{IMPLS / 'defects.py'}:proj_rms_tf32", "--device", "cpu",
             "-q", "-o", str(tmp_path / "id.parquet")]
     res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "best match: rms_eps=outside eps=1e-06 matmul_precision=tf32 " in res.output
+    assert "--matmul-precision tf32" in res.output
+    res = runner.invoke(app, args + ["--matmul-precision", "ieee"])
     assert res.exit_code == 1, res.output
     res = runner.invoke(app, args + ["--matmul-precision", "tf32"])
     assert res.exit_code == 0, res.output
     assert "best match: rms_eps=outside eps=1e-06" in res.output
     res = runner.invoke(app, args + ["--matmul-precision", "fp8"])
-    assert res.exit_code == 2 and "unknown matmul precision" in res.output
+    assert res.exit_code == 2 and "unknown --matmul-precision" in res.output
 
 
 def test_a_probe_shape_the_implementation_cannot_run_is_bad_input(tmp_path):
@@ -183,3 +201,61 @@ def test_the_hint_takes_what_the_adapter_declares_as_asked(tmp_path):
     hint = " ".join(res.output[res.output.index("hint:"):].split())
     assert "matches with iters=19 — asked for 20: likely a defect" in hint
     assert "eps=0" not in hint and "--convention" not in hint
+
+
+# Implementations written as public code writes them (tests/impls/variants.py): (kernel, function,
+# the best-match line's start, whether a defect is shown on its own outputs, exit code)
+VARIANTS = [
+    ("sinkhorn", "sinkhorn_colmax_col_first", "best match: stabilize=colmax eps_mode=add order=col_first iters=20 eps=0",
+     False, 0),
+    ("sinkhorn", "sinkhorn_log_col_first", "best match: stabilize=colmax eps_mode=add order=col_first iters=20 eps=0 "
+     "domain=log", False, 0),
+    ("sinkhorn", "sinkhorn_fixed_point_backward", "forward matches stabilize=rowmax eps_mode=add order=row_first "
+     "iters=20 eps=1e-06; the backward is not the derivative of that forward (grad_logits", False, 1),
+    ("proj_rms", "proj_rms_tf32_trunc", "best match: rms_eps=outside eps=1e-06 matmul_precision=tf32_trunc", False, 0),
+    ("mapping_sinkhorn", "mapping_sinkhorn_liger_like", "best match: rms_eps=inside stabilize=softmax order=row_first "
+     "eps=1e-06 compute_h_eps=0 sinkhorn_eps=1e-06", False, 0),
+    ("mix_aggregate", "mix_aggregate_te_like", "best match: rms_eps=inside", False, 0),
+    ("sinkhorn", "sinkhorn_exp_col_first", "best match: stabilize=none", True, 0),
+]
+
+
+@pytest.mark.parametrize("kernel,fn,line,defect,code", VARIANTS, ids=[v[1] for v in VARIANTS])
+def test_public_forms_are_named_and_only_shown_defects_are_claimed(tmp_path, kernel, fn, line, defect, code):
+    res = runner.invoke(app, ["identify", "--kernel", kernel, "--impl", f"{IMPLS / 'variants.py'}:{fn}",
+                              "--device", "cpu", "-q", "-o", str(tmp_path / "id.parquet")])
+    assert res.exit_code == code, res.output
+    assert res.output.startswith(line), res.output
+    assert ("defect" in res.output) == defect or (not defect and "no defect is shown" in res.output), res.output
+    if defect:  # the claim quotes what its outputs did on the probe that shows it
+        assert "shown: 1024 of 1024 outputs non-finite on large_logits" in res.output
+    if fn == "mix_aggregate_te_like":
+        assert "eps=1.19209e-07" in res.output and "sinkhorn_eps=0" in res.output
+
+
+def test_a_defect_in_a_composite_is_claimed_with_the_probe_that_shows_it():
+    ident = identify("mapping_sinkhorn", _impl("mapping_sinkhorn", "variants.py:mapping_sinkhorn_eps_1e8"))
+    assert ident.best.knobs["eps"] == pytest.approx(1e-8) and ident.best.level == "likely a defect"
+    assert "shown: on tiny_norm: at eps=1e-06 the outputs are off by" in ident.best.note
+
+
+def test_the_hint_after_a_failure_is_the_command_that_passes(tmp_path):
+    """parity prints the flags identify found; the same command with them passes (a legitimate
+    variant), and the line is whole at any width, with a long path in it."""
+    deep = tmp_path / ("a-folder-with-a-rather-long-name-" * 4) / "impls"
+    deep.mkdir(parents=True)
+    (deep / "variants.py").write_text((IMPLS / "variants.py").read_text())
+    spec = f"{deep / 'variants.py'}:proj_rms_tf32_trunc"
+    args = ["parity", "--kernel", "proj_rms", "--impl", spec, "--device", "cpu", "--dtype", "fp32", "-q",
+            "-o", str(tmp_path / "p.parquet")]
+    res = runner.invoke(app, args, terminal_width=60)
+    assert res.exit_code == 1, res.output
+    (hint,) = [ln for ln in res.output.splitlines() if ln.startswith("hint: ")]
+    assert "passes with --matmul-precision tf32_trunc (" in hint and spec.split(":")[0].split("/")[-1] in hint
+    flags = hint.split("passes with ", 1)[1].split(" (", 1)[0].split()
+    res = runner.invoke(app, args + flags, terminal_width=60)
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["identify", "--kernel", "proj_rms", "--impl", spec, "--device", "cpu", "-q",
+                              "-o", str(tmp_path / "id.parquet")], terminal_width=60)
+    (judge,) = [ln for ln in res.output.splitlines() if ln.startswith("judge it with: ")]
+    assert judge == f"judge it with: mhctool parity --kernel proj_rms --impl {spec} --matmul-precision tf32_trunc"

@@ -20,6 +20,8 @@ def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowma
         p = (logits - logits.max(dim=-1, keepdim=True).values).exp()
     elif stabilize == "none":
         p = logits.exp()
+    elif stabilize == "colmax":
+        p = (logits - logits.max(dim=-2, keepdim=True).values).exp()
     elif stabilize == "softmax":
         p = logits.softmax(dim=-1) + eps
     else:
