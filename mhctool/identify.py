@@ -197,6 +197,8 @@ for _k in ("mapping_sinkhorn", "mix_aggregate"):  # the composites: the mapping'
         (_k, "sinkhorn_eps", 0.0): "as in TransformerEngine (log-domain iterations, no eps)",
         (_k, "domain", "log"): "as in TransformerEngine (judged against the log-domain native baseline)",
     })
+# how loose a precision's baseline is (parity judges a kernel whose forward and backward differ at the looser)
+LOOSENESS = {"ieee": 0, "tf32": 1, "tf32_trunc": 1, "bf16": 2}
 # what a matrix product at each precision is (the hint names it; ieee is the contract)
 PRECISION_NOTES = {
     "tf32": "multiplies at TF32 rounded to nearest (cuBLAS, PyTorch's allow_tf32)",
@@ -290,6 +292,7 @@ class Candidate:
     level: str | None = None
     note: str | None = None
     fwd_passed: bool | None = None  # the forward alone passes the verdict (judged candidates)
+    bwd_worst: str | None = None  # the backward's first failing row, when it fails
 
     @property
     def key(self) -> str:
@@ -307,6 +310,7 @@ class Identification:
     discrete: tuple[str, ...] = ()  # the knobs searched exhaustively
     fixed: dict = field(default_factory=dict)  # asked knobs held, not searched (Sinkhorn's domain)
     precision: str = "ieee"  # the matmul precision it is judged at (fitted, or as asked / declared)
+    precision_bwd: str | None = None  # the backward's, where fitted apart from the forward's
     declared_precision: str = "ieee"  # what its adapter declares (or ieee)
     ties: list = field(default_factory=list)  # other candidates that fit as well (within native noise)
 
@@ -331,8 +335,21 @@ class Identification:
     def passed(self) -> bool:
         return self.best is not None and bool(self.best.passed)
 
+    @property
+    def split_precision(self) -> bool:
+        return self.precision_bwd is not None and self.precision_bwd != self.precision
+
+    def judged_precision(self) -> str:
+        """The one precision ``parity`` judges it at: the looser of the forward's and the backward's."""
+        if not self.split_precision:
+            return self.precision
+        return self.precision if LOOSENESS[self.precision] > LOOSENESS[self.precision_bwd] else self.precision_bwd
+
     def _knobs(self) -> str:
-        prec = f" matmul_precision={self.precision}" if self.precision != "ieee" else ""
+        if self.split_precision:
+            prec = f" matmul_precision={self.precision} (forward) / {self.precision_bwd} (backward)"
+        else:
+            prec = f" matmul_precision={self.precision}" if self.precision != "ieee" else ""
         return (fmt_knobs(self.best.knobs) + prec).strip() or "the contract"
 
     def line(self) -> str:
@@ -341,6 +358,8 @@ class Identification:
         b = self.best
         if b.passed:
             return f"best match: {self._knobs()} (max_rel {b.max_rel:.2g})"
+        if b.fwd_passed and b.worst and b.worst.startswith("backward failed: "):
+            return f"forward matches {self._knobs()}; the backward {b.worst[len('backward '):]}"
         if b.fwd_passed:
             return (f"forward matches {self._knobs()}; the backward is not the derivative of that forward"
                     + (f" ({b.worst})" if b.worst else ""))
@@ -349,6 +368,10 @@ class Identification:
 
     def precision_note(self) -> str | None:
         """What the fitted matmul precision is, where it is not what the implementation declares."""
+        if self.split_precision:
+            return (f"the forward {PRECISION_NOTES.get(self.precision, 'multiplies at IEEE fp32')}; the backward "
+                    f"{PRECISION_NOTES.get(self.precision_bwd, 'multiplies at IEEE fp32')}; parity takes one "
+                    f"precision for both: judge it at {self.judged_precision()}, the looser")
         if self.precision == self.declared_precision:
             return None
         return f"matmul_precision={self.precision}: {PRECISION_NOTES.get(self.precision, 'IEEE fp32 products')}"
@@ -356,8 +379,8 @@ class Identification:
     def flags(self) -> str:
         """The ``parity`` options that judge it as identified (conventions, then the precision)."""
         out = [f"--convention {k}={fmt_value(v)}" for k, v in self.conventions().items()]
-        if self.precision != self.declared_precision:
-            out.append(f"--matmul-precision {self.precision}")
+        if self.judged_precision() != self.declared_precision:
+            out.append(f"--matmul-precision {self.judged_precision()}")
         return " ".join(out)
 
     def conventions(self) -> dict:
@@ -393,6 +416,7 @@ class Identifier:
         # the native baseline computes at the implementation's matmul precision by design (an
         # adapter's [tf32] kernel), or at the one asked for (a plain FILE:fn that multiplies in TF32)
         self.precision = matmul_precision or impl.precision_on(device)
+        self.precision_bwd = self.precision  # the backward's (fitted apart from the forward's where they differ)
         from .parity import check_precision
         check_precision(self.precision, "--matmul-precision")
         self.tried: dict[str, Candidate] = {}
@@ -437,10 +461,11 @@ class Identifier:
 
     # --- candidates ---------------------------------------------------------------------------
 
-    def _split(self, cand: dict) -> tuple[dict, Callable, Callable]:
-        """A candidate's family knobs and its reference and native functions."""
+    def _split(self, cand: dict, precision: str | None = None) -> tuple[dict, Callable, Callable]:
+        """A candidate's family knobs and its reference and native functions (the native one at
+        ``precision``, else at the precision the forward is judged at)."""
         # the native baseline at the matmul precision the implementation computes at by design
-        ref_fn, nat_fn = self.fam.reference, runner.native_at(self.kernel, self.precision).fn
+        ref_fn, nat_fn = self.fam.reference, runner.native_at(self.kernel, precision or self.precision).fn
         knobs = dict(self.family_knobs)
         for k, v in cand.items():
             if k in self.space.variants:
@@ -555,7 +580,17 @@ class Identifier:
         return c
 
     def _judge(self, probes: list[Probe], cand: Candidate, extra: dict) -> Candidate:
-        knobs, ref_fn, nat_fn = self._split(cand.knobs)
+        """The verdict on every probe: the forward's rows against the native baseline at the
+        forward's precision, the backward's at the backward's (the same unless fitted apart)."""
+        fwd = self._judge_at(probes, cand, extra, self.precision)
+        if self.precision_bwd == self.precision:
+            return fwd
+        bwd = self._judge_at(probes, cand, extra, self.precision_bwd)
+        failed = (None if fwd.fwd_passed else fwd.worst) or bwd.bwd_worst
+        return replace(fwd, passed=failed is None, worst=failed, bwd_worst=bwd.bwd_worst)
+
+    def _judge_at(self, probes: list[Probe], cand: Candidate, extra: dict, precision: str) -> Candidate:
+        knobs, ref_fn, nat_fn = self._split(cand.knobs, precision)
         knobs.update(extra)
         nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
         native_worst, fwd_failed, bwd_failed = 0.0, None, None
@@ -575,7 +610,7 @@ class Identifier:
                         bwd_failed = bwd_failed or msg
         failed = fwd_failed or bwd_failed
         return replace(cand, stage="judged", native_score=native_worst, passed=failed is None, worst=failed,
-                       fwd_passed=fwd_failed is None)
+                       fwd_passed=fwd_failed is None, bwd_worst=bwd_failed)
 
     # --- evidence for what would be a defect, on the implementation's own outputs ------------
 
@@ -643,25 +678,35 @@ class Identifier:
 
     # --- the matmul precision -----------------------------------------------------------------
 
-    def fit_precision(self, probes: list[Probe], cand: Candidate) -> dict[str, float]:
-        """For each precision, how far the implementation's outputs are from the native
-        implementation computing at it (under ``cand``'s knobs), normalised like the fit."""
+    def fit_precision(self, probes: list[Probe], cand: Candidate) -> tuple[str, str]:
+        """The matmul precision of the forward and of the backward: for each precision the native
+        implementation computes at it (under ``cand``'s knobs); per output, the excess of the
+        implementation's distance to it over its distance to the closest one; the strictest
+        precision (in PRECISIONS' order) whose summed excess is within twice the least wins."""
         from .registry import PRECISIONS
-        keep, dist = self.precision, {}
-        try:
-            for prec in PRECISIONS:
-                self.precision = prec
-                knobs, _, nat_fn = self._split(cand.knobs)
-                nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
-                worst = 0.0
-                for p in probes:
-                    res = runner.run_impl(self.fam, nat, p.base, knobs, lambda outs, p=p: p.upstream)
-                    for o, r in zip(p.res.outputs, res.outputs):
-                        worst = max(worst, _batched_errors(o, r.detach().double().unsqueeze(0))[0][0])
-                dist[prec] = _nan_inf(worst)
-        finally:
-            self.precision = keep
-        return dist
+        fwd: dict[str, list[float]] = {}
+        bwd: dict[str, list[float]] = {}
+        for prec in PRECISIONS:
+            knobs, _, nat_fn = self._split(cand.knobs, prec)
+            nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
+            fwd[prec], bwd[prec] = [], []
+            for p in probes:
+                res = runner.run_impl(self.fam, nat, p.base, knobs, lambda outs, p=p: p.upstream)
+                for o, r in zip(p.res.outputs, res.outputs):
+                    fwd[prec].append(_nan_inf(_batched_errors(o, r.detach().double().unsqueeze(0))[0][0]))
+                for k, g in (p.res.grads or {}).items():
+                    r = (res.grads or {}).get(k)
+                    if r is not None:
+                        bwd[prec].append(_nan_inf(_batched_errors(g, r.detach().double().unsqueeze(0))[0][0]))
+
+        def closest(dist: dict[str, list[float]]) -> str:
+            if not any(dist.values()):
+                return self.precision
+            floor = [min(col) for col in zip(*dist.values())]
+            excess = {prec: sum(d - f for d, f in zip(ds, floor)) for prec, ds in dist.items()}
+            least = min(excess.values())
+            return next(prec for prec, e in excess.items() if e <= 2.0 * least + 1e-12)
+        return closest(fwd), closest(bwd)
 
     def _combos(self, cands: list[Candidate], n: int) -> list[Candidate]:
         """The best candidate of each of the ``n`` best-fitting discrete combinations."""
@@ -685,10 +730,7 @@ class Identifier:
         refined = [self.refine(probes, c) for c in self._combos(grid, self.judge_top)]
         first = self.pick(refined + [self.refine(probes, self.pick(grid))])
         if self.fits_precision:
-            dist = self.fit_precision(probes, first)
-            closest = min(dist.values())
-            # the strictest precision whose emulation is as close as the closest (PRECISIONS' order)
-            self.precision = next(p for p, d in dist.items() if d <= 2.0 * closest + 1e-12)
+            self.precision, self.precision_bwd = self.fit_precision(probes, first)
         others = [c for c in self._combos(refined + grid, self.judge_top + 1) if c.key != first.key]
         judged = [self.judge(probes, c) for c in [first, *others][: self.judge_top]]
         passing = [c for c in judged if c.passed]
@@ -702,7 +744,7 @@ class Identifier:
                 ties.append(c)
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
-                              fixed=self.family_knobs, precision=self.precision,
+                              fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
                               declared_precision=self.declared_precision, ties=ties[:3])
 
 

@@ -14,6 +14,7 @@ from .dtypes import FORMATS, fmt_of
 from .errors import UsageError
 from .isolation import system_exit_message
 from .metrics import finite_amax, measure
+from . import cuda_context
 from .poison import poisoning
 from .registry import MATMUL_KERNELS, Family, Impl, get_family, native_impl
 from .shapes import Shape
@@ -145,6 +146,7 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     res.outputs = [o.detach() for o in outs]
     if fam.forward_only:
         return res
+    outs = cuda_context.bound(outs)  # autograd's device thread gets the context before the impl's backward
     names = _grad_inputs(fam, args)
     if not any(o.requires_grad for o in outs):
         res.bwd_unsupported = "no backward: its outputs carry no autograd graph"

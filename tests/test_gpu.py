@@ -310,3 +310,22 @@ def test_poisoning_reaches_autograds_cuda_backward_thread():
     with poisoning():
         (gx,) = torch.autograd.grad(Probe.apply(x).sum(), x)
     assert seen["poisoned"] and torch.equal(gx, torch.full_like(x, 2.0))
+
+
+def test_a_backward_that_launches_cutile_and_triton_has_its_context_in_a_fresh_worker(tmp_path):
+    """Issue 39: under default isolation (an external implementation on a GPU runs in a worker),
+    from empty compile caches, a backward that launches a cuTile and a Triton kernel on autograd's
+    device thread is judged, never an error row of mhctool's own making."""
+    import os
+    env = {**os.environ, "CUDA_TILE_CACHE_DIR": str(tmp_path / "cutile-cache"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
+    out = tmp_path / "r.parquet"
+    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "parity", "--kernel", "h_aggregate", "--device", "cuda",
+                          "--impl", f"{IMPLS / 'gpu_backward_launch.py'}:h_aggregate", "--shape", "13x3x4x67", "-q",
+                          "-o", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    rows = pq.read_table(out).to_pylist()
+    mine = [r for r in rows if r["impl"].endswith(":h_aggregate")]
+    assert mine and not [r for r in mine if r["metric"] == "error"], [r["message"] for r in mine if r["metric"] == "error"]
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert {r["direction"] for r in mine if r["passed"]} == {"fwd", "bwd"}
+    assert "no current CUDA context" not in res.stderr

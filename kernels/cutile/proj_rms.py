@@ -41,7 +41,7 @@ def _tiles(lowp: bool) -> tuple[int, int]:
     """(BM, BK) of the forward (and of the fp32 backward): tensor-core tiles for bf16; smaller ones
     for the fp32 multiply-add path, whose products are a (BM, BK, N) tile. The bf16 backward's
     tile is ``BWD_TILE``. bf16: (64, 128) took 0.50 ms at the paper shape on an H200 against 0.71
-    for (64, 64) and 0.56 for (128, 64) (docs/bwd_sweep.py cutile_fwd); 32 or 16 tokens a
+    for (64, 64) and 0.56 for (128, 64) (dev/bwd_sweep.py cutile_fwd); 32 or 16 tokens a
     program were slower still."""
     return (64, 128) if lowp else (16, 32)
 
@@ -171,7 +171,7 @@ def _proj_rms_bwd(x, w, gc, dx, ws, N: ConstInt, NG: ConstInt, BM: ConstInt, BK:
 
 
 # the bf16 backward's (BM, BK, token splits): the fastest timed at the paper shape on an H200
-# (docs/bwd_sweep.py cutile, docs/perf-notes.md twelfth session: 1.08 ms with the packed gradient,
+# (dev/bwd_sweep.py cutile, docs/perf-notes.md twelfth session: 1.08 ms with the packed gradient,
 # against 1.14-1.18 for (128, 128, 4 or 8) and 1.28 for the unpacked kernel before)
 BWD_TILE = (64, 256, SPLITS)
 

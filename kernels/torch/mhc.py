@@ -82,7 +82,7 @@ def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, matm
 # fitted): ``ieee`` full fp32; ``tf32`` operands rounded to TF32 (10 mantissa bits) to nearest
 # even, as cuBLAS and PyTorch's ``allow_tf32`` do; ``tf32_trunc`` operands truncated to TF32, as
 # the tensor cores take fp32 operands under Triton's ``tl.dot`` default (``input_precision="tf32"``,
-# measured by docs/tf32_rounding.py); ``bf16`` operands rounded to bf16 (a kernel that casts fp32
+# measured by dev/tf32_rounding.py); ``bf16`` operands rounded to bf16 (a kernel that casts fp32
 # tiles to bf16 before its products). Sums stay fp32 in every one.
 PRECISIONS = ("ieee", "tf32", "tf32_trunc", "bf16")
 

@@ -498,7 +498,7 @@ def backward_tile4(dtype: torch.dtype, tc: bool = False) -> tuple:
     return BWD4_TILE_FP32 if dtype == torch.float32 else BWD4_TILE
 
 
-# the n = 4 backward's tiles on a GPU, from the sweeps at the paper shape (docs/bwd_sweep.py,
+# the n = 4 backward's tiles on a GPU, from the sweeps at the paper shape (dev/bwd_sweep.py,
 # docs/perf-notes.md). Pipelined loads (stages) made it fast on an H100, where the ninth session
 # shipped (4, 256, 256, 4, 3) for bf16 and (4, 128, 256, 4, 2) for fp32. On an H200 those sat at
 # 80% / 85% of copy (1.95 / 3.7 ms; ncu: 25% occupancy, limited by registers and shared memory,
@@ -510,7 +510,7 @@ BWD4_TILE = (1, 512, 64, 1, 3)  # bf16, fp16
 BWD4_TILE_FP32 = (1, 512, 64, 1, 3)
 # The tensor-core kernel (16-bit operands of one dtype), (BLOCK_C, GROUP, warps, stages): one warp
 # over one token and 512 channels a step, four stages (134 registers, 37 KB of shared memory: 6
-# programs a SM; docs/sass_offline.py). On an H200 the FMA kernel's 20 sums over C (100 shuffles a
+# programs a SM; dev/sass_offline.py). On an H200 the FMA kernel's 20 sums over C (100 shuffles a
 # step) and their workspace cost 100 us of its 1.71 ms; this kernel at this tile was 1.5-2% faster
 # than the FMA one, two and three stages in between (docs/perf-notes.md, thirteenth session). With
 # the sums finished in the kernel (fifteenth session), groups of 16 tokens took 1.579-1.584 ms

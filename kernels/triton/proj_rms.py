@@ -212,7 +212,7 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
 
 
 # the bf16 (fp16) backward's tile, fixed (BLOCK_M, BLOCK_K, SPLIT, warps, stages): the fastest
-# timed at the paper shape on an H100 (docs/bwd_sweep.py, docs/perf-notes.md: 2.19 ms against 3.08
+# timed at the paper shape on an H100 (dev/bwd_sweep.py, docs/perf-notes.md: 2.19 ms against 3.08
 # for the eighth session's tile); SPLIT decides the order of dW's sum over row blocks, so it is not
 # timed per token count
 LOWP_TILE = (64, 128, 8, 4, 2)

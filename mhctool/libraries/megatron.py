@@ -6,7 +6,8 @@ Two generations are recognised by their public functions:
   ``fused_h_aggregate(x, h_pre)``, ``fused_h_post_bda(h_res, original_residual, h_post, x, bias)``
   and ``fused_proj_rms(x, weight, eps) -> (proj, r [M, 1])``; the contract's conventions.
 - ``dev`` (Triton and cuTile, the later generation, recognised by ``fused_proj_rms_compute_h``):
-  its Sinkhorn starts from a row softmax plus eps (``stabilize=softmax``), its h_post_bda mixes
+  its Sinkhorn starts from a row softmax plus eps (``stabilize=softmax``; its Triton kernel takes n a
+  power of two, other n are skipped with that reason), its h_post_bda mixes
   with ``H_res^T`` (``transpose_res=true``), and ``fused_proj_rms_compute_h(x, weight, alpha_pre,
   alpha_post, alpha_res, bias, n, eps, compute_h_eps) -> (h_pre + compute_h_eps, h_post, h_res
   [M, n*n], r = ||x|| / sqrt(K) [M, 1])`` is the mapping family with ``compute_h_eps=1e-6``.
@@ -51,6 +52,12 @@ def _mapping(m, x2d, weight, alpha, h_bias, eps=1e-6, compute_h_eps=1e-6):
     return h_pre, h_post, h_res.reshape(h_res.shape[0], n, n), r
 
 
+def _power_of_two(shape) -> str | None:
+    """dev's Triton Sinkhorn takes ``tl.arange(0, n)``: Triton refuses a range that is not a power of two."""
+    n = shape.n
+    return None if n & (n - 1) == 0 else f"Megatron-LM dev's Triton Sinkhorn takes n a power of two, not {n}"
+
+
 def _cutile_check(m) -> tuple[bool, str | None]:
     """The module's own ``is_cutile_available()``: (its answer, or False where it has none; what it
     raised, if it did)."""
@@ -83,7 +90,7 @@ def recognise(m) -> tuple[str, list[Binding]]:
     found = []
     if hasattr(m, "fused_sinkhorn"):
         found.append(Binding("sinkhorn", "fused_sinkhorn", _sinkhorn, ("iters", "eps"),
-                             {"stabilize": "softmax"} if dev else {}))
+                             {"stabilize": "softmax"} if dev else {}, limit=_power_of_two if dev else None))
     if hasattr(m, "fused_h_aggregate"):
         found.append(Binding("h_aggregate", "fused_h_aggregate", _h_aggregate))
     if hasattr(m, "fused_h_post_bda"):

@@ -8,7 +8,7 @@ copy bandwidth measured in the same process for the bytes that must move, and th
 relative difference to the generic kernel (h_post_bda: float64 gradients at this shape would need
 30 GB) or to float64 (proj_rms). Best last.
 
-    python3 docs/bwd_sweep.py [h_post_bda|proj_rms|cutile|cutile_fwd|tf32|all] [--limit SECONDS]
+    python3 dev/bwd_sweep.py [h_post_bda|proj_rms|cutile|cutile_fwd|tf32|all] [--limit SECONDS]
 """
 from __future__ import annotations
 

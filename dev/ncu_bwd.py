@@ -1,7 +1,7 @@
 """One launch of each backward kernel at the paper shape, for Nsight Compute:
 
     ncu -k regex:"bwd" --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        --section MemoryWorkloadAnalysis python3 docs/ncu_bwd.py
+        --section MemoryWorkloadAnalysis python3 dev/ncu_bwd.py
 
 (every kernel is launched twice: the first compiles and picks tiles, the profile reads both;
 "h_post_bda", "proj_rms" or "cutile" (the cuTile projection backward, ``-k regex:_proj_rms_bwd``)

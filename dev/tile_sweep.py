@@ -3,7 +3,7 @@ shape, and check each tile for batch invariance (a token alone and in a prime-si
 the same token in the full batch, bitwise). The fixed tiles in kernels/triton/sinkhorn.py
 (``tile``) and h_post_bda.py (``backward_tile``) were chosen from this table.
 
-    python3 docs/tile_sweep.py [--shape 8192x4x4x7168] [--only sinkhorn|h_post_bda]
+    python3 dev/tile_sweep.py [--shape 8192x4x4x7168] [--only sinkhorn|h_post_bda]
 
 Needs a GPU. CUDA-graph replay (triton.testing.do_bench_cudagraph), median of its repeats.
 """

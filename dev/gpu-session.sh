@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU machine's steps, one call of the device tool per phase (each call has 10 minutes):
-#   run(command="source .device/setup.sh && bash docs/gpu-session.sh checks", carry=[".device", ".anchors"])
-#   run(command="source .device/setup.sh && bash docs/gpu-session.sh anchors", carry=[".device", ".anchors"])
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh checks", carry=[".device", ".anchors"])
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh anchors", carry=[".device", ".anchors"])
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh libraries", carry=[".device", ".anchors", ".wheels"])
 #   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table)
-#   run(command="source .device/setup.sh && bash docs/gpu-session.sh repro", carry=[".device"])
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh repro", carry=[".device"])
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
 #   "bwd" the backward tiles of issue 20; "verify" is the short check after a kernel change)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
@@ -41,12 +42,38 @@ anchors)
     done
     [ -n "${TE_ONLY:-}" ] && exit 0
     step "isolation cost at the paper shape (h_post_bda bf16 inputs and output through a worker)"
-    python3 docs/isolation_cost.py
+    python3 dev/isolation_cost.py
     step "megatron m3828 proj_rms (TF32 by design)"
     m parity --kernel proj_rms --impl megatron:.anchors/megatron/m3828 -o "$out/megatron-m3828-proj.parquet" --top 6
     step "megatron dev bf16"
     m parity --kernel mhc --impl megatron:.anchors/megatron/dev --dtype bf16 -o "$out/megatron-dev-bf16.parquet" --top 6
   } 2>&1 | tee "$out/anchors.log"
+  ;;
+libraries)
+  # issues 37-39: Liger-Kernel judged as shipped (its wheel carried in .wheels/: the machine has no
+  # network), the libraries identified with their precision, and the isolation worker from empty
+  # compile caches (no error row of mhctool's own making)
+  {
+    python3 -m pip install --no-deps -q .wheels/liger_kernel-*.whl 2>&1 | tail -1
+    step "pytest -m gpu -k context (a backward launching cuTile and Triton in a fresh worker)"
+    timeout --foreground -s INT 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k context 2>&1 | tail -3
+    step "megatron m3828 proj_rms, default isolation, empty compile caches"
+    CUDA_TILE_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" timeout --foreground -s INT 150 \
+      python3 -m mhctool.cli parity --kernel proj_rms --impl megatron:.anchors/megatron/m3828 -o "$out/m3828-proj.parquet" --top 6
+    step "megatron dev, every mHC kernel, default isolation"
+    timeout --foreground -s INT 150 python3 -m mhctool.cli parity --kernel mhc --impl megatron:.anchors/megatron/dev \
+      -o "$out/megatron-dev.parquet" --top 6
+    step "liger, every mHC kernel, bf16 and fp32"
+    timeout --foreground -s INT 200 python3 -m mhctool.cli parity --kernel mhc --impl liger:liger_kernel \
+      -o "$out/liger.parquet" --top 12
+    for spec in "mapping_sinkhorn liger:liger_kernel" "mix_aggregate liger:liger_kernel" "mix_aggregate te:.anchors/te" \
+                "mapping te:.anchors/te" "mapping megatron:.anchors/megatron/dev" "proj_rms megatron:.anchors/megatron/m3828"; do
+      set -- $spec
+      step "identify --kernel $1 --impl $2 (fp32)"
+      NVTE_DISABLE_TRITON_AUTOTUNING=1 timeout --foreground -s INT 90 python3 -m mhctool.cli identify --kernel "$1" --impl "$2" \
+        -q -o "$out/identify-$1-${2%%:*}.parquet"
+    done
+  } 2>&1 | tee "$out/libraries.log"
   ;;
 repro)
   {
@@ -56,7 +83,7 @@ repro)
     t0=$SECONDS; timeout --foreground -s INT "${REPRO_LIMIT:-420}" python3 -m mhctool.cli parity --scenario repro --impl "${REPRO_IMPL:-triton,cutile}" \
       --kernel "${REPRO_KERNELS:-all}" \
       --check determinism --check batch-invariance -o "$out/repro.parquet" --top 10; echo "repro wall $((SECONDS - t0)) s"
-    python3 docs/repro_table.py "$out/repro.parquet"
+    python3 dev/repro_table.py "$out/repro.parquet"
   } 2>&1 | tee "$out/repro.log"
   ;;
 verify)
@@ -78,17 +105,18 @@ verify)
   } 2>&1 | tee "$out/verify.log"
   ;;
 sweep)
-  python3 docs/tile_sweep.py 2>&1 | tee "$out/sweep.log"
+  python3 dev/tile_sweep.py 2>&1 | tee "$out/sweep.log"
   ;;
 bwd)
   # issue 20: the h_post_bda and proj_rms backward tiles (Triton, cuTile) side by side, one process
-  python3 docs/bwd_sweep.py all --limit "${BWD_LIMIT:-480}" 2>&1 | tee "$out/bwd.log"
+  python3 dev/bwd_sweep.py all --limit "${BWD_LIMIT:-480}" 2>&1 | tee "$out/bwd.log"
   ;;
 bench)
   # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is
   # skipped where it has no such kernel, and its layout conversions are not timed
+  ls .wheels/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m pip install --no-deps -q .wheels/liger_kernel-*.whl 2>&1 | tail -1
   timeout --foreground -s INT "${BENCH_LIMIT:-540}" python3 -m mhctool.cli bench --shape 8192x4x4x7168 \
-    --kernel "${BENCH_KERNELS:-mhc}" --impl "${BENCH_IMPL:-triton,triton-tf32,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828}" \
+    --kernel "${BENCH_KERNELS:-mhc}" --impl "${BENCH_IMPL:-triton,triton-tf32,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828,liger:liger_kernel}" \
     --no-isolate --graph --repeats 10 -o "$out/bench.parquet" 2>&1 | tee "$out/bench.log"
   ;;
 esac

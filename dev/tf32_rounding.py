@@ -1,5 +1,5 @@
 """Does Triton's tl.dot at input_precision="tf32" round fp32 operands to TF32 or truncate them? (GPU machine:
-`python3 docs/tf32_rounding.py`; against cuBLAS with allow_tf32 and both emulations, on one 64x256x64 product.)"""
+`python3 dev/tf32_rounding.py`; against cuBLAS with allow_tf32 and both emulations, on one 64x256x64 product.)"""
 import torch
 import triton
 import triton.language as tl

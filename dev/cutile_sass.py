@@ -7,7 +7,7 @@ cuTile's front end exports Tile IR bytecode on any machine (what tests/test_cuti
     mkdir -p /tmp/tt && tar xJf .device/tile-toolkit-*.tar.xz -C /tmp/tt
     pip download --no-deps -d /tmp/nvd nvidia-cuda-nvdisasm && unzip -q -o /tmp/nvd/*.whl -d /tmp/nvd/x
     TILEIRAS=/tmp/tt/nvidia/cu13/bin/tileiras NVDISASM=/tmp/nvd/x/nvidia/cu13/bin/nvdisasm \\
-        python3 docs/cutile_sass.py [--keep DIR]
+        python3 dev/cutile_sass.py [--keep DIR]
 
 Prints, for the projection backward at its shipped bf16 tile and compute_h's backward, the spill
 loads and stores (LDL / STL), the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync) and the

@@ -1,7 +1,7 @@
 """The README's reproducibility table from a parity report made with --check determinism
 --check batch-invariance (e.g. ``mhctool parity --scenario repro --impl triton,cutile ...``).
 
-    python docs/repro_table.py REPORT.parquet
+    python dev/repro_table.py REPORT.parquet
 """
 import sys
 from collections import defaultdict

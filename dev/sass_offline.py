@@ -5,7 +5,7 @@ machine can see what the device would run (with the device's Triton: 3.6 gave th
 registers and 18.7 KB of shared memory as ncu on the H200 for the FMA h_post_bda backward):
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
-    /tmp/t36/bin/python docs/sass_offline.py [--sass]
+    /tmp/t36/bin/python dev/sass_offline.py [--sass]
 
 Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias), the
 registers, shared memory and the instruction histogram of the main loop. Pointers and C are
