@@ -52,27 +52,35 @@ anchors)
 libraries)
   # issues 37-39: Liger-Kernel judged as shipped (its wheel carried in .wheels/: the machine has no
   # network), the libraries identified with their precision, and the isolation worker from empty
-  # compile caches (no error row of mhctool's own making)
+  # compile caches (no error row of mhctool's own making). LIB_STEPS picks steps (default: all).
   {
-    python3 -m pip install --no-deps -q .wheels/liger_kernel-*.whl 2>&1 | tail -1
-    step "pytest -m gpu -k context (a backward launching cuTile and Triton in a fresh worker)"
-    timeout --foreground -s INT 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k context 2>&1 | tail -3
-    step "megatron m3828 proj_rms, default isolation, empty compile caches"
-    CUDA_TILE_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" timeout --foreground -s INT 150 \
-      python3 -m mhctool.cli parity --kernel proj_rms --impl megatron:.anchors/megatron/m3828 -o "$out/m3828-proj.parquet" --top 6
-    step "megatron dev, every mHC kernel, default isolation"
-    timeout --foreground -s INT 150 python3 -m mhctool.cli parity --kernel mhc --impl megatron:.anchors/megatron/dev \
-      -o "$out/megatron-dev.parquet" --top 6
-    step "liger, every mHC kernel, bf16 and fp32"
-    timeout --foreground -s INT 200 python3 -m mhctool.cli parity --kernel mhc --impl liger:liger_kernel \
-      -o "$out/liger.parquet" --top 12
-    for spec in "mapping_sinkhorn liger:liger_kernel" "mix_aggregate liger:liger_kernel" "mix_aggregate te:.anchors/te" \
-                "mapping te:.anchors/te" "mapping megatron:.anchors/megatron/dev" "proj_rms megatron:.anchors/megatron/m3828"; do
-      set -- $spec
-      step "identify --kernel $1 --impl $2 (fp32)"
-      NVTE_DISABLE_TRITON_AUTOTUNING=1 timeout --foreground -s INT 90 python3 -m mhctool.cli identify --kernel "$1" --impl "$2" \
-        -q -o "$out/identify-$1-${2%%:*}.parquet"
-    done
+    python3 -m pip install --no-deps --no-index -q .wheels/liger_kernel-*.whl 2>&1 | grep -v "as the 'root' user"
+    for s in ${LIB_STEPS:-context m3828 dev liger identify}; do case $s in
+    context)
+      step "pytest -m gpu -k context (a backward launching cuTile and Triton in a fresh worker)"
+      timeout --foreground -s INT 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k context 2>&1 | tail -3 ;;
+    m3828)
+      step "megatron m3828 proj_rms, default isolation, empty compile caches"
+      CUDA_TILE_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" timeout --foreground -s INT 150 \
+        python3 -m mhctool.cli parity --kernel proj_rms --impl megatron:.anchors/megatron/m3828 -o "$out/m3828-proj.parquet" --top 6 ;;
+    dev)
+      step "megatron dev, every mHC kernel, default isolation"
+      timeout --foreground -s INT "${DEV_LIMIT:-150}" python3 -m mhctool.cli parity --kernel "${DEV_KERNELS:-mhc}" \
+        --impl megatron:.anchors/megatron/dev -o "$out/megatron-dev.parquet" --top 6 ;;
+    liger)
+      step "liger, every mHC kernel, bf16 and fp32"
+      timeout --foreground -s INT 200 python3 -m mhctool.cli parity --kernel mhc --impl liger:liger_kernel \
+        -o "$out/liger.parquet" --top 12 ;;
+    identify)
+      for spec in "mapping_sinkhorn liger:liger_kernel" "mix_aggregate liger:liger_kernel" "mix_aggregate te:.anchors/te" \
+                  "mapping te:.anchors/te" "mapping megatron:.anchors/megatron/dev 8x2x4x67" \
+                  "proj_rms megatron:.anchors/megatron/m3828"; do
+        set -- $spec
+        step "identify --kernel $1 --impl $2 ${3:+--shape $3} (fp32)"
+        NVTE_DISABLE_TRITON_AUTOTUNING=1 timeout --foreground -s INT 90 python3 -m mhctool.cli identify --kernel "$1" \
+          --impl "$2" ${3:+--shape $3} -q -o "$out/identify-$1-${2%%:*}.parquet"
+      done ;;
+    esac; done
   } 2>&1 | tee "$out/libraries.log"
   ;;
 repro)
@@ -114,7 +122,7 @@ bwd)
 bench)
   # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is
   # skipped where it has no such kernel, and its layout conversions are not timed
-  ls .wheels/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m pip install --no-deps -q .wheels/liger_kernel-*.whl 2>&1 | tail -1
+  ls .wheels/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m pip install --no-deps --no-index -q .wheels/liger_kernel-*.whl 2>&1 | tail -1
   timeout --foreground -s INT "${BENCH_LIMIT:-540}" python3 -m mhctool.cli bench --shape 8192x4x4x7168 \
     --kernel "${BENCH_KERNELS:-mhc}" --impl "${BENCH_IMPL:-triton,triton-tf32,cutile,te:.anchors/te,megatron:.anchors/megatron/m3828,liger:liger_kernel}" \
     --no-isolate --graph --repeats 10 -o "$out/bench.parquet" 2>&1 | tee "$out/bench.log"

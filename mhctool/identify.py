@@ -679,10 +679,26 @@ class Identifier:
     # --- the matmul precision -----------------------------------------------------------------
 
     def fit_precision(self, probes: list[Probe], cand: Candidate) -> tuple[str, str]:
-        """The matmul precision of the forward and of the backward: for each precision the native
-        implementation computes at it (under ``cand``'s knobs); per output, the excess of the
-        implementation's distance to it over its distance to the closest one; the strictest
-        precision (in PRECISIONS' order) whose summed excess is within twice the least wins."""
+        """The matmul precision of the forward and of the backward: the closest precision (below)
+        under which that direction passes the verdict, else the closest."""
+        order_f, order_b = self.closest_precisions(probes, cand)
+        verdicts = {p: self._judge_at(probes, cand, {}, p) for p in dict.fromkeys(order_f[:2] + order_b[:2])}
+
+        def first(order, ok):
+            for p in order:
+                if p not in verdicts:
+                    verdicts[p] = self._judge_at(probes, cand, {}, p)
+                if ok(verdicts[p]):
+                    return p
+            return order[0]
+        return (first(order_f, lambda c: c.fwd_passed),
+                first(order_b, lambda c: c.fwd_passed is not None and c.bwd_worst is None))
+
+    def closest_precisions(self, probes: list[Probe], cand: Candidate) -> tuple[list[str], list[str]]:
+        """The precisions ranked by how close the native implementation computing at each (under
+        ``cand``'s knobs) comes to the implementation's forward outputs, and to its gradients: per
+        output, the excess of the distance over the least distance, summed; among precisions
+        within twice the least excess, the strictest (PRECISIONS' order) first."""
         from .registry import PRECISIONS
         fwd: dict[str, list[float]] = {}
         bwd: dict[str, list[float]] = {}
@@ -699,14 +715,15 @@ class Identifier:
                     if r is not None:
                         bwd[prec].append(_nan_inf(_batched_errors(g, r.detach().double().unsqueeze(0))[0][0]))
 
-        def closest(dist: dict[str, list[float]]) -> str:
+        def ranked(dist: dict[str, list[float]]) -> list[str]:
             if not any(dist.values()):
-                return self.precision
+                return [self.precision, *(p for p in PRECISIONS if p != self.precision)]
             floor = [min(col) for col in zip(*dist.values())]
             excess = {prec: sum(d - f for d, f in zip(ds, floor)) for prec, ds in dist.items()}
             least = min(excess.values())
-            return next(prec for prec, e in excess.items() if e <= 2.0 * least + 1e-12)
-        return closest(fwd), closest(bwd)
+            near = [p for p, e in excess.items() if e <= 2.0 * least + 1e-12]
+            return near + sorted((p for p in PRECISIONS if p not in near), key=lambda p: excess[p])
+        return ranked(fwd), ranked(bwd)
 
     def _combos(self, cands: list[Candidate], n: int) -> list[Candidate]:
         """The best candidate of each of the ``n`` best-fitting discrete combinations."""

@@ -13,8 +13,10 @@ What differs from mhctool's contracts, and how it is met here:
   ``mhc_fused_scale(H, alpha (3,), beta (1, N), ms, n)``: the mapping path in two calls, with eps
   inside the square root (``rms_eps=inside``, ``eps`` = fp32 machine epsilon); the optional ``rms``
   output is ``sqrt(ms)``. The projection asks CUDA for TMA support: GPU only;
-- n = 4 only; ``use_tf32=True`` (as shipped) is judged under the TF32 contract, ``use_tf32=False``
-  under IEEE: each kernel with a ``use_tf32`` flag is offered as two implementations.
+- n = 4 only; ``use_tf32=True`` (as shipped) is judged at TF32 with truncated operands on a GPU
+  (``tf32_trunc``: Triton's tl.dot, as ``mhctool identify`` names it on an H100) and at IEEE through
+  the CPU interpreter (which multiplies fp32 at IEEE whatever it is asked), ``use_tf32=False`` at
+  IEEE: each kernel with a ``use_tf32`` flag is offered as two implementations.
 
 - ``mhc_generate_mix_and_aggregate(x, phi, alpha, beta)``: the whole pre-path in one call, judged
   as the ``mix_aggregate`` family against the float64 composite (mapping, Sinkhorn, aggregation),
@@ -30,6 +32,7 @@ from . import Binding, load_path_or_module, n_of
 NAME = "te"
 MODULE = "transformer_engine.pytorch.triton.mhc"
 FP32_EPS = float(torch.finfo(torch.float32).eps)
+TL_DOT_TF32 = {"cpu": "ieee", "cuda": "tf32_trunc"}
 
 
 def load(target: str):
@@ -101,7 +104,9 @@ def recognise(m) -> tuple[str, list[Binding]]:
         found.append(Binding("sinkhorn", "mhc_fused_sinkhorn", _sinkhorn, ("iters",),
                              {"eps": 0.0, "stabilize": "rowmax", "order": "row_first", "domain": "log"}, limit=_n4))
     for tf32 in (True, False):
-        precision, variant = ("tf32", "tf32") if tf32 else ("ieee", "ieee")
+        # use_tf32: Triton's tl.dot at TF32, whose operands the tensor cores truncate (identified on an
+        # H100: tf32_trunc); the CPU interpreter multiplies fp32 at IEEE whatever it is asked
+        precision, variant = (TL_DOT_TF32, "tf32") if tf32 else ("ieee", "ieee")
         if hasattr(m, "mhc_fused_aggregate"):
             found.append(Binding("h_aggregate", "mhc_fused_aggregate", _aggregate(tf32), (), {}, precision, variant,
                                  limit=_n4, layouts=STREAMS_INNER))
