@@ -46,7 +46,7 @@ class _Collector:
 
 def pytest_configure(config):
     path = config.getoption("--mhctool-report", default=None)
-    if path is None or hasattr(config, "workerinput"):  # pytest-xdist workers: see the README
+    if path is None or hasattr(config, "workerinput"):  # pytest-xdist workers: see docs/api.md
         return
     import pytest
 

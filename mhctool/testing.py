@@ -114,7 +114,7 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
     """Judge ``impl`` on ``kernel``'s parity cases and return the result (never raises on a failure).
 
     ``impl``: a callable with the family's signature (``sinkhorn(logits, iters=20, eps=1e-6)``, see
-    ``mhctool parity --help`` and the README's numerics contract) or an ``--impl`` spec string
+    ``mhctool parity --help`` and docs/concepts/contract.md) or an ``--impl`` spec string
     (``"triton"``, ``"path/to/file.py:fn"``, ``"te:.anchors/te"``). The other arguments narrow the
     scenario's cases (default scenario: parity-default, small odd shapes, every input family) the
     way ``mhctool parity``'s options do; ``convention``: ``{knob: value}`` the implementation
