@@ -432,24 +432,29 @@ class Identifier:
 
     # --- the implementation, once per probe ---------------------------------------------------
 
+    def _run_on(self, fam_name: str):
+        """The native implementation and the one under test on one input family, at the asked knobs:
+        (case, shape, base inputs, native result, upstream gradients, its result)."""
+        knobs = {**{k: v for k, v in self.asked.items() if k not in self.space.variants}, **self.family_knobs}
+        case = Case(self.kernel, fam_name, self.dtype, self.shape, tuple(sorted(knobs.items())), self.seed,
+                    self.device, "identify")
+        shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs)
+        base = runner.cast_inputs(self.fam, raw, self.dtype, self.device)
+        nat = runner.run_impl(self.fam, runner.native_at(self.kernel, self.precision), base, knobs,
+                              lambda outs: runner.upstream_for(self.fam, outs, self.seed))
+        if nat.fwd_error:
+            raise RuntimeError(f"the native {self.kernel} failed on {fam_name}: {nat.fwd_error}")
+        upstream, expect = runner.upstream_for(self.fam, nat.outputs, self.seed), runner.output_specs(nat.outputs)
+        if self.isolation is not None and self.impl.backend == "external":
+            res = self.isolation.run(case, self.impl, base, knobs, upstream, expect)
+        else:
+            res = runner.run_impl(self.fam, self.impl, base, knobs, lambda outs: upstream, expect=expect)
+        return case, shape, base, nat, upstream, res
+
     def probes(self) -> tuple[list[Probe], str | None]:
         out = []
-        knobs = {**{k: v for k, v in self.asked.items() if k not in self.space.variants}, **self.family_knobs}
         for fam_name in self.space.probes:
-            case = Case(self.kernel, fam_name, self.dtype, self.shape, tuple(sorted(knobs.items())), self.seed,
-                        self.device, "identify")
-            shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs)
-            base = runner.cast_inputs(self.fam, raw, self.dtype, self.device)
-            nat = runner.run_impl(self.fam, runner.native_at(self.kernel, self.precision), base, knobs,
-                                  lambda outs: runner.upstream_for(self.fam, outs, self.seed))
-            if nat.fwd_error:
-                raise RuntimeError(f"the native {self.kernel} failed on {fam_name}: {nat.fwd_error}")
-            upstream = runner.upstream_for(self.fam, nat.outputs, self.seed)
-            expect = runner.output_specs(nat.outputs)
-            if self.isolation is not None and self.impl.backend == "external":
-                res = self.isolation.run(case, self.impl, base, knobs, upstream, expect)
-            else:
-                res = runner.run_impl(self.fam, self.impl, base, knobs, lambda outs: upstream, expect=expect)
+            case, shape, base, nat, upstream, res = self._run_on(fam_name)
             if res.fwd_error:
                 return out, f"{res.fwd_error} (probe {fam_name})"
             with torch.no_grad():
@@ -630,18 +635,7 @@ class Identifier:
     def _nonfinite_evidence(self, family: str, cand: Candidate) -> tuple[bool, str]:
         """Whether the implementation returns non-finite values on ``family`` where the float64
         contract (what it was asked for) is finite."""
-        knobs = {**{k: v for k, v in self.asked.items() if k not in self.space.variants}, **self.family_knobs}
-        case = Case(self.kernel, family, self.dtype, self.shape, tuple(sorted(knobs.items())), self.seed,
-                    self.device, "identify")
-        _, raw = inputs_mod.generate(self.kernel, family, self.shape, self.seed, knobs)
-        base = runner.cast_inputs(self.fam, raw, self.dtype, self.device)
-        nat = runner.run_impl(self.fam, runner.native_at(self.kernel, self.precision), base, knobs,
-                              lambda outs: runner.upstream_for(self.fam, outs, self.seed))
-        upstream, expect = runner.upstream_for(self.fam, nat.outputs, self.seed), runner.output_specs(nat.outputs)
-        if self.isolation is not None and self.impl.backend == "external":
-            res = self.isolation.run(case, self.impl, base, knobs, upstream, expect)
-        else:
-            res = runner.run_impl(self.fam, self.impl, base, knobs, lambda outs: upstream, expect=expect)
+        _, _, base, _, _, res = self._run_on(family)
         doc = inputs_mod.get_family(self.kernel, family).doc
         if res.fwd_error:
             return True, f"it failed on {family} ({doc}): {res.fwd_error}"
