@@ -15,6 +15,7 @@ activation element, f = 4 for the fp32 mapping path), with T = s*b tokens, K = n
 | h_post_bda  | read x, y, h; write out: 2 T n C e + T C e + T (n^2+n) f + C e | read grad_out, x, y; write grad_x, grad_y (small grads reduced on chip): 3 T n C e + 2 T C e + ... | 2Tn(n+1)C / 4Tn(n+1)C |
 | proj_rms    | read x, W; write proj, r: T K e + N K e + T (N+1) f | read x, W, grad_proj, grad_r; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
 | mapping     | read x, W; write H_pre, H_post, logits: T K e + N K e + T N f | read x, W, the 3 grads; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
+| mapping_sinkhorn | as mapping (Sinkhorn runs on the n^2 logits on chip: no extra traffic) | as mapping | as mapping |
 | mix_aggregate | mapping + Sinkhorn + aggregation: x read twice, out written: 2 T K e + N K e + T C e + T (n+n^2) f | 3 T K e + T C e + ... | 2TNK + 2TK / twice |
 
 Grouped MLP kernels (shape TxHxFxE: T tokens, hidden H, ffn F, G = E experts; W = 2F for GLU):
@@ -86,11 +87,8 @@ def model(kernel: str, shape, dtype: str) -> Model:
         return Model(2 * T * n * C * e + T * C * e + small + C * e,
                      3 * T * n * C * e + 2 * T * C * e + 2 * small + 2 * C * e,
                      2.0 * T * n * (n + 1) * C, 4.0 * T * n * (n + 1) * C)
-    if kernel == "mapping":  # proj_rms + compute_h: the same x traffic, 2n + n^2 fp32 outputs
-        return Model(T * K * e + N * K * e + T * N * f,
-                     2 * T * K * e + N * K * e + N * K * f + 2 * T * N * f,
-                     2.0 * T * N * K, 4.0 * T * N * K)
-    if kernel == "mapping_sinkhorn":  # the mapping's x traffic; h_pre, h_post, h_res written
+    if kernel in ("mapping", "mapping_sinkhorn"):
+        # proj_rms + compute_h (then Sinkhorn on chip): the same x traffic, 2n + n^2 fp32 outputs
         return Model(T * K * e + N * K * e + T * N * f,
                      2 * T * K * e + N * K * e + N * K * f + 2 * T * N * f,
                      2.0 * T * N * K, 4.0 * T * N * K)

@@ -201,6 +201,7 @@ for _k in ("mapping_sinkhorn", "mix_aggregate"):  # the composites: the mapping'
 LOOSENESS = {"ieee": 0, "tf32": 1, "tf32_trunc": 1, "bf16": 2}
 # what a matrix product at each precision is (the hint names it; ieee is the contract)
 PRECISION_NOTES = {
+    "ieee": "multiplies at IEEE fp32",
     "tf32": "multiplies at TF32 rounded to nearest (cuBLAS, PyTorch's allow_tf32)",
     "tf32_trunc": ("multiplies at TF32 with truncated operands: Triton's default for tl.dot on fp32 "
                    "(or build it with input_precision='ieee')"),
@@ -369,12 +370,12 @@ class Identification:
     def precision_note(self) -> str | None:
         """What the fitted matmul precision is, where it is not what the implementation declares."""
         if self.split_precision:
-            return (f"the forward {PRECISION_NOTES.get(self.precision, 'multiplies at IEEE fp32')}; the backward "
-                    f"{PRECISION_NOTES.get(self.precision_bwd, 'multiplies at IEEE fp32')}; parity takes one "
+            return (f"the forward {PRECISION_NOTES[self.precision]}; the backward "
+                    f"{PRECISION_NOTES[self.precision_bwd]}; parity takes one "
                     f"precision for both: judge it at {self.judged_precision()}, the looser")
         if self.precision == self.declared_precision:
             return None
-        return f"matmul_precision={self.precision}: {PRECISION_NOTES.get(self.precision, 'IEEE fp32 products')}"
+        return f"matmul_precision={self.precision}: {PRECISION_NOTES[self.precision]}"
 
     def flags(self) -> str:
         """The ``parity`` options that judge it as identified (conventions, then the precision)."""
@@ -413,8 +414,8 @@ class Identifier:
         # the precision is fitted where a product's precision can show: fp32 operands of a matmul kernel
         self.fits_precision = matmul_precision is None and kernel in MATMUL_KERNELS and dtype == "fp32"
         self.seed, self.rule, self.isolation, self.judge_top = seed, rule or VerdictRule(), isolation, judge_top
-        # the native baseline computes at the implementation's matmul precision by design (an
-        # adapter's [tf32] kernel), or at the one asked for (a plain FILE:fn that multiplies in TF32)
+        # the native baseline starts at the precision asked for, else the one the implementation
+        # declares (an adapter's); ``run`` fits it, forward and backward, unless it was asked for
         self.precision = matmul_precision or impl.precision_on(device)
         self.precision_bwd = self.precision  # the backward's (fitted apart from the forward's where they differ)
         from .parity import check_precision
@@ -627,12 +628,12 @@ class Identifier:
                 continue
             odd = SUSPICIOUS_VALUES.get((self.kernel, k, v))
             if odd:
-                out[k] = self._nonfinite_evidence(odd[1], cand)
+                out[k] = self._nonfinite_evidence(odd[1])
             elif k in DEFECT_KNOBS:
                 out[k] = self._knob_evidence(probes, cand, k)
         return out
 
-    def _nonfinite_evidence(self, family: str, cand: Candidate) -> tuple[bool, str]:
+    def _nonfinite_evidence(self, family: str) -> tuple[bool, str]:
         """Whether the implementation returns non-finite values on ``family`` where the float64
         contract (what it was asked for) is finite."""
         _, _, base, _, _, res = self._run_on(family)
@@ -676,7 +677,7 @@ class Identifier:
         """The matmul precision of the forward and of the backward: the closest precision (below)
         under which that direction passes the verdict, else the closest."""
         order_f, order_b = self.closest_precisions(probes, cand)
-        verdicts = {p: self._judge_at(probes, cand, {}, p) for p in dict.fromkeys(order_f[:2] + order_b[:2])}
+        verdicts: dict[str, Candidate] = {}  # each precision judged once, where it is reached
 
         def first(order, ok):
             for p in order:

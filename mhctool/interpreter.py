@@ -88,6 +88,7 @@ def _mend_bf16_dot() -> None:
         return original(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     create_dot._mhctool_mend = True  # type: ignore[attr-defined]
+    create_dot.__wrapped__ = original  # type: ignore[attr-defined]
     InterpreterBuilder.create_dot = create_dot
     _state["mended"] = True
 

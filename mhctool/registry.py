@@ -289,7 +289,7 @@ class Impl:
     def precision_on(self, device: str) -> str:
         """The matmul precision it computes at on ``device``."""
         p = self.precision
-        return p if isinstance(p, str) else p.get(device, p.get("cuda" if device.startswith("cuda") else device, "ieee"))
+        return p if isinstance(p, str) else p.get("cuda" if device.startswith("cuda") else device, "ieee")
 
     def unsupported(self, device: str, dtype: str) -> str | None:
         why = self.unavailable()

@@ -29,9 +29,7 @@ def test_the_unmended_interpreter_is_what_the_mend_is_for():
     import torch
     import triton.language as tl
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-    create_dot = InterpreterBuilder.create_dot
-    original = getattr(create_dot, "__wrapped__", None) or create_dot.__closure__[0].cell_contents \
-        if getattr(create_dot, "_mhctool_mend", False) else create_dot
+    original = getattr(InterpreterBuilder.create_dot, "__wrapped__", InterpreterBuilder.create_dot)
     a = torch.randn(16, 32, dtype=torch.bfloat16)
     b = torch.randn(32, 16, dtype=torch.bfloat16)
     ha = TensorHandle(a.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)

@@ -39,6 +39,9 @@ from ..errors import UsageError
 
 NAMES = ("megatron", "te", "liger")
 ENTRY_POINT_GROUP = "mhctool.adapters"
+# Triton's tl.dot on fp32 operands at its default precision: TF32 with truncated operands on a GPU,
+# IEEE through the CPU interpreter (whatever input_precision asks); a Binding's precision
+TRITON_FP32_DOT = {"cpu": "ieee", "cuda": "tf32_trunc"}
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,10 @@ def find(prefix: str):
     or None when it names none (then the spec is a ``module:function`` or ``FILE.py:function``)."""
     if prefix in NAMES:
         return importlib.import_module(f"{__name__}.{prefix}")
+    from ..environment import ensure_triton_mode
+    ensure_triton_mode()  # an adapter's module or file may define Triton kernels as it is imported
     eps = _entry_points()
     if prefix in eps:
-        from ..environment import ensure_triton_mode
-        ensure_triton_mode()
         try:
             found = eps[prefix].load()
         except Exception as e:  # noqa: BLE001 - the adapter's own import failed: bad input, said so
@@ -89,8 +92,6 @@ def find(prefix: str):
         return found
     path = Path(prefix)
     if path.suffix == ".py" and path.is_file():
-        from ..environment import ensure_triton_mode
-        ensure_triton_mode()  # the file may define Triton kernels itself
         module = load_file(path)
         return module if is_adapter(module) else None
     return None

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import Binding, load_path_or_module
+from . import TRITON_FP32_DOT, Binding, load_path_or_module
 
 NAME = "liger"
 MODULE = "liger_kernel.transformers.functional"
@@ -83,8 +83,6 @@ def _coeffs_pre(m, x, phi, alpha, h_bias, **knobs):
 
 COEFF_KNOBS = ("eps", "iters", "sinkhorn_eps", "compute_h_eps")
 CONVENTIONS = {"rms_eps": "inside", "stabilize": "softmax", "order": "row_first"}
-# fp32 tl.dot: TF32 with truncated operands on a GPU (Triton's default), IEEE through the interpreter
-FP32_DOT = {"cpu": "ieee", "cuda": "tf32_trunc"}
 
 
 def recognise(m) -> tuple[str, list[Binding]]:
@@ -95,10 +93,10 @@ def recognise(m) -> tuple[str, list[Binding]]:
         found.append(Binding("h_post_bda", "liger_mhc_post_res", _post_res))
     if hasattr(m, "liger_mhc_coeffs"):
         found.append(Binding("mapping_sinkhorn", "liger_mhc_coeffs", _coeffs, COEFF_KNOBS, dict(CONVENTIONS),
-                             FP32_DOT, limit=_power_of_two, layouts={"weight": _phi}))
+                             TRITON_FP32_DOT, limit=_power_of_two, layouts={"weight": _phi}))
         if hasattr(m, "liger_mhc_pre"):
             found.append(Binding("mix_aggregate", "liger_mhc_coeffs+liger_mhc_pre", _coeffs_pre, COEFF_KNOBS,
-                                 dict(CONVENTIONS), FP32_DOT, limit=_power_of_two, layouts={"weight": _phi}))
+                                 dict(CONVENTIONS), TRITON_FP32_DOT, limit=_power_of_two, layouts={"weight": _phi}))
     return _version(m), found
 
 

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from . import Binding, load_path_or_module, n_of
+from . import TRITON_FP32_DOT, Binding, load_path_or_module, n_of
 
 NAME = "te"
 MODULE = "transformer_engine.pytorch.triton.mhc"
 FP32_EPS = float(torch.finfo(torch.float32).eps)
-TL_DOT_TF32 = {"cpu": "ieee", "cuda": "tf32_trunc"}
 
 
 def load(target: str):
@@ -106,7 +105,7 @@ def recognise(m) -> tuple[str, list[Binding]]:
     for tf32 in (True, False):
         # use_tf32: Triton's tl.dot at TF32, whose operands the tensor cores truncate (identified on an
         # H100: tf32_trunc); the CPU interpreter multiplies fp32 at IEEE whatever it is asked
-        precision, variant = (TL_DOT_TF32, "tf32") if tf32 else ("ieee", "ieee")
+        precision, variant = (TRITON_FP32_DOT, "tf32") if tf32 else ("ieee", "ieee")
         if hasattr(m, "mhc_fused_aggregate"):
             found.append(Binding("h_aggregate", "mhc_fused_aggregate", _aggregate(tf32), (), {}, precision, variant,
                                  limit=_n4, layouts=STREAMS_INNER))
