@@ -6,10 +6,15 @@ process (exits, a signal such as SIGSEGV or SIGABRT, a hang, a CUDA fault that p
 context) becomes a :class:`Failure` with one sentence saying what happened; the worker is then
 replaced and the next job runs in a fresh one.
 
-Tensors cross the process boundary through one of two transports:
+Tensors cross the process boundary through one of three transports:
 
-- ``shm`` (default): tensors are copied to host shared memory and only their handles are pickled
-  (torch.multiprocessing's reductions); the receiver copies them to its device;
+- ``shm`` (default): tensors stay where they are. A CUDA tensor travels as a CUDA IPC handle
+  (PyTorch's CUDA tensor sharing): the receiver maps the sender's device memory and copies it on
+  the device, so nothing goes through the host. A CPU tensor travels through host shared memory
+  (one copy into a shared segment; the receiver maps it). The sender's inputs are copied first,
+  so code under test never holds mhctool's own tensors;
+- ``host``: every tensor is copied to host shared memory and back to its device (what ``shm``
+  did for CUDA tensors before mhctool 0.x; kept to measure the difference);
 - ``file``: tensors are saved with ``torch.save`` into a temporary folder (``/dev/shm`` where it
   exists) and loaded onto the receiver's device.
 
@@ -31,7 +36,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
-TRANSPORTS = ("shm", "file")
+TRANSPORTS = ("shm", "host", "file")
 
 
 @dataclass(frozen=True)
@@ -78,34 +83,57 @@ def _devices(obj, out: set):
 class _Packed:
     """A payload whose tensors travel by the chosen transport; ``unpack`` restores their devices."""
 
-    def __init__(self, obj, transport: str, folder: str):
+    def __init__(self, obj, transport: str, folder: str, copy_cuda: bool = False, received: set | None = None):
+        """``copy_cuda``: send copies of CUDA tensors (the parent's inputs); ``received``: storage
+        addresses this process mapped from another one, which must be copied to be sent on (a
+        kernel that returns an input, or a view of one)."""
         self.transport = transport
         self.devices: list[str] = []
+        received = received or set()
+
+        def mapped(t: torch.Tensor) -> bool:
+            return t.untyped_storage().data_ptr() in received
 
         def strip(t: torch.Tensor):
             self.devices.append(str(t.device))
             return t.detach()
 
         plain = _map_tensors(obj, strip)
-        if transport == "shm":
+        self.path = self.payload = None
+        if transport == "shm":  # CUDA tensors as IPC handles (copied first where asked), CPU ones in shared memory
+            self.payload = _map_tensors(plain, lambda t: (t.clone() if copy_cuda or mapped(t) else t) if t.is_cuda
+                                        else _shared_copy(t) if copy_cuda else t.contiguous().share_memory_())
+        elif transport == "host":
             self.payload = _map_tensors(plain, lambda t: t.to("cpu").contiguous().share_memory_())
-            self.path = None
         else:
             fd, self.path = tempfile.mkstemp(prefix="mhctool-iso-", suffix=".pt", dir=folder)
             os.close(fd)
             torch.save(plain, self.path)
-            self.payload = None
 
-    def unpack(self):
-        if self.transport == "shm":
-            obj = self.payload
-        else:
+    def unpack(self, copy_cuda: bool = True):
+        """The payload on its devices; ``copy_cuda``: copy what was mapped from the sender's device
+        memory (the parent does: a worker that dies takes its memory with it)."""
+        if self.transport == "file":
             obj = torch.load(self.path, map_location="cpu", weights_only=True)
             Path(self.path).unlink(missing_ok=True)
+        else:
+            obj = self.payload
         devices = iter(self.devices)
-        return _map_tensors(obj, lambda t: t.to(next(devices)))
+        return _map_tensors(obj, lambda t: _own(t, next(devices), copy_cuda))
 
 
+def _shared_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied once into a new host shared-memory segment (``share_memory_`` would move the
+    sender's own storage there, and the receiver could write into it)."""
+    storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())
+    out = torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape)
+    return out.copy_(t)
+
+
+def _own(t: torch.Tensor, device: str, copy_cuda: bool) -> torch.Tensor:
+    if t.is_cuda and str(t.device) == device:
+        return t.clone() if copy_cuda else t
+    return t.to(device)
 def _folder() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
@@ -127,8 +155,9 @@ def _cuda_healthy() -> str | None:
         return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
-def _serve(conn, transport: str, folder: str) -> None:  # pragma: no cover - runs in the child
+def _serve(conn, transport: str, folder: str, env: dict | None = None) -> None:  # pragma: no cover - child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
+    os.environ.update(env or {})  # before anything initialises CUDA: the worker's GPU
     from .environment import ensure_triton_mode
     ensure_triton_mode()
     conn.send(("ready", os.getpid()))
@@ -137,13 +166,18 @@ def _serve(conn, transport: str, folder: str) -> None:  # pragma: no cover - run
             msg = conn.recv()
         except EOFError:
             return
+        except Exception as e:  # noqa: BLE001 - the inputs could not be mapped here (device memory full)
+            conn.send(("raised", f"the worker could not take its inputs: {type(e).__name__}: {str(e).splitlines()[0]}"))
+            continue
         if msg is None:
             return
         target, packed = msg
         try:
-            args, kwargs = packed.unpack()
+            args, kwargs = packed.unpack(copy_cuda=False)  # the parent sent copies of its own
+            received = set()
+            _map_tensors((args, kwargs), lambda t: received.add(t.untyped_storage().data_ptr()) if t.is_cuda else None)
             value = _resolve(target)(*args, **kwargs)
-            reply = ("ok", _Packed(value, transport, folder))
+            reply = ("ok", _Packed(value, transport, folder, received=received))
         except SystemExit as e:
             reply = ("raised", system_exit_message(e))
         except BaseException as e:  # noqa: BLE001 - everything the code under test raises is a result
@@ -153,16 +187,22 @@ def _serve(conn, transport: str, folder: str) -> None:  # pragma: no cover - run
             conn.send(("cuda", sick))
             os._exit(3)
         conn.send(reply)
+        msg = packed = args = kwargs = value = reply = None  # the parent's memory is released here
 
 
 # --- the parent --------------------------------------------------------------------------------
 
 class Worker:
-    """One spawned worker; ``call`` runs a job in it, replacing it after any failure."""
+    """One spawned worker; ``call`` runs a job in it, replacing it after any failure.
 
-    def __init__(self, transport: str = "shm", start_timeout: float = 300.0):
+    ``daemon`` False: a worker that may start workers of its own (:mod:`mhctool.pool`'s, which
+    isolate the implementations under test inside); ``env``: variables set in it first."""
+
+    def __init__(self, transport: str = "shm", start_timeout: float = 300.0, daemon: bool = True,
+                 env: dict | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}")
+        self.daemon, self.env = daemon, dict(env or {})
         self.transport = transport
         self.folder = _folder()
         self.start_timeout = start_timeout
@@ -172,7 +212,7 @@ class Worker:
     def _start(self) -> None:
         ctx = tmp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder), daemon=True)
+        proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, self.env), daemon=self.daemon)
         proc.start()
         child.close()
         try:
@@ -215,7 +255,7 @@ class Worker:
                 self._start()
             except RuntimeError as e:
                 return None, Failure("lost", str(e))
-        packed = _Packed((tuple(args), dict(kwargs or {})), self.transport, self.folder)
+        packed = _Packed((tuple(args), dict(kwargs or {})), self.transport, self.folder, copy_cuda=True)
         try:
             self._conn.send((target, packed))
         except (OSError, BrokenPipeError):

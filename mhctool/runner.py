@@ -281,6 +281,10 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
         if res.failure == "lost" and isolation is not None and isolation.interrupted():
             result.abandoned = True
             return result
+        if res.failure is not None:  # a worker that died may have written through the memory it shared
+            base = _cast_inputs(fam, inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)[1], case)
+            if repro is not None:
+                repro.base = base
         if res.fwd_error:
             for direction in ("fwd", "bwd"):
                 msg = res.fwd_error if direction == "fwd" else "not run: the forward failed"
