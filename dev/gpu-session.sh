@@ -4,6 +4,7 @@
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh anchors", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh libraries", carry=[".device", ".anchors", ".wheels"])
 #   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table)
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh isolation", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh repro", carry=[".device"])
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
 #   "bwd" the backward tiles of issue 20; "verify" is the short check after a kernel change)
@@ -82,6 +83,43 @@ libraries)
       done ;;
     esac; done
   } 2>&1 | tee "$out/libraries.log"
+  ;;
+isolation)
+  # issue 39: the worker from empty compile caches (Megatron PR 3828's proj_rms, default isolation:
+  # its fp32 tiny_norm backward must be a failed row, no error row), CUDA IPC's cost at the paper
+  # shape, and two workers on one GPU against one (the same rows). ISO_STEPS picks steps.
+  {
+    cmp_rows() { python3 -c "import sys, math, pyarrow.parquet as pq
+rows = [[{k: ('nan' if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in pq.read_table(p).drop(['run_id']).to_pylist()] for p in sys.argv[1:]]
+print('rows', [len(r) for r in rows], 'identical' if rows[0] == rows[1] else 'DIFFERENT')" "$@"; }
+    for s in ${ISO_STEPS:-tests m3828 cost workers}; do case $s in
+    tests)
+      step "pytest -m gpu -k 'context or cross' (a backward in a fresh worker; CUDA tensors to a worker by IPC)"
+      timeout --foreground -s INT 200 python3 -m pytest -m gpu -q -p no:cacheprovider -k "context or cross" 2>&1 | tail -3 ;;
+    m3828)
+      step "megatron m3828 proj_rms, default isolation (shm: CUDA IPC), empty compile caches"
+      t0=$SECONDS
+      CUDA_TILE_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)" timeout --foreground -s INT 200 \
+        python3 -m mhctool.cli parity --kernel proj_rms --impl megatron:.anchors/megatron/m3828 -o "$out/m3828-proj.parquet" --top 6
+      echo "wall $((SECONDS - t0)) s"
+      python3 -c "import pyarrow.parquet as pq
+rows = pq.read_table('$out/m3828-proj.parquet').to_pylist()
+print('error rows:', sum(r['metric'] == 'error' for r in rows))
+print('fp32 bwd failures:', sorted({(r['family'], r['tensor']) for r in rows if r['dtype'] == 'fp32' and r['direction'] == 'bwd' and r['passed'] is False and r['impl'] != 'torch'}))" ;;
+    cost)
+      step "isolation cost at the paper shape (h_post_bda bf16 through a worker, every transport)"
+      python3 dev/isolation_cost.py ;;
+    workers)
+      for w in 1 2; do
+        step "parity --scenario paper --kernel ${W_KERNELS:-h_aggregate,h_post_bda,proj_rms} --impl triton --workers $w"
+        t0=$SECONDS
+        timeout --foreground -s INT 280 python3 -m mhctool.cli parity --scenario paper --kernel "${W_KERNELS:-h_aggregate,h_post_bda,proj_rms}" \
+          --impl triton --no-isolate --workers $w -o "$out/paper-w$w.parquet" --quiet
+        echo "workers $w wall $((SECONDS - t0)) s"
+      done
+      cmp_rows "$out/paper-w1.parquet" "$out/paper-w2.parquet" ;;
+    esac; done
+  } 2>&1 | tee "$out/isolation.log"
   ;;
 repro)
   {

@@ -108,9 +108,26 @@ def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_t
         if case_timeout is not None:
             raise UsageError("--case-timeout needs --isolate (a time limit needs a child process to stop)")
         return None
-    if transport not in ("shm", "file"):
-        raise UsageError(f"unknown --isolate-transport {transport!r}; accepted: shm, file")
+    from .isolation import TRANSPORTS
+    if transport not in TRANSPORTS:
+        raise UsageError(f"unknown --isolate-transport {transport!r}; accepted: {', '.join(TRANSPORTS)}")
     return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts)
+
+
+def spread_for(workers: Optional[str], backend: str, device: str, cases: int, plan=None) -> tuple[int, str]:
+    """``--workers`` and ``--backend`` -> (worker processes, backend), checked before anything runs."""
+    from . import pool
+    if backend not in pool.BACKENDS:
+        raise UsageError(f"unknown --backend {backend!r}; accepted: {', '.join(pool.BACKENDS)}")
+    if backend == "ray":
+        pool._ray()  # installed, or one sentence saying how
+    n = pool.worker_count(pool.parse_workers(workers), device, max(cases, 1))
+    if (n > 1 or backend == "ray") and plan is not None:
+        from .parity import poolable
+        if not poolable(plan):
+            raise UsageError("--workers and --backend ray run implementations named by --impl specs; "
+                             "a Python callable exists in this process only")
+    return n, backend
 
 
 def knob_items(items: Optional[list[str]], flag: str, example: str) -> list[tuple[str, str]]:

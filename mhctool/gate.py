@@ -61,6 +61,7 @@ class Case:
     name: str
     passed: bool | None  # None: skipped
     message: str = ""
+    unit: int = 0  # the suite's unit it came from (a parity case, or a whole other entry): merge order
 
 
 @dataclass
@@ -179,11 +180,24 @@ def _impl_spec(base: Path, spec: str) -> str:
 
 
 def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
-              interrupted=lambda: False) -> list[Case]:
+              interrupted=lambda: False, shard: tuple[int, int] | None = None, workers: int | str = 1,
+              backend: str = "local", ray_address: str | None = None) -> list[Case]:
     """Run every entry; returns one JUnit case per verdict, metric check or configuration.
     ``isolation``: the runner's Isolation for the implementations under test (a crash fails its
-    entry's case and the suite goes on); ``interrupted()`` true: no new case or entry starts."""
+    entry's case and the suite goes on); ``interrupted()`` true: no new case or entry starts.
+
+    The suite is a list of units, numbered in the order they run: every case of every parity
+    entry, then each goldens, stability and goldens_check entry whole. ``shard`` (I, N) runs the
+    units whose number is I-1 modulo N; each JUnit case carries its unit, so ``mhctool report
+    merge`` puts the slices back in the order one run has. ``workers``/``backend``: parity cases
+    spread over processes (:mod:`mhctool.pool`)."""
+    from . import pool
     cases: list[Case] = []
+    unit = 0
+
+    def mine(k: int) -> bool:
+        return shard is None or k % shard[1] == shard[0] - 1
+
     for item in suite.parity:
         if interrupted():
             break
@@ -192,8 +206,15 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
                            device=item.get("device", device_default), scenario=item.get("scenario"),
                            dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None,
                            checks=item.get("checks"), strict=False)
+        units = {c.case_id: unit + j for j, c in enumerate(plan.cases)}
+        unit += len(plan.cases)
+        plan = replace(plan, cases=[c for c in plan.cases if mine(units[c.case_id])])
+        if not plan.cases:
+            continue
+        n = pool.worker_count(workers, plan.cases[0].device, len(plan.cases))
         item_rows = parity.execute(plan, isolation, interrupted,
-                                   progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}"))).rows
+                                   progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
+                                   n, backend, ray_address=ray_address).rows
         table = to_table(item_rows, "gate", "parity", {})
         for v in verdicts(table):
             if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
@@ -203,17 +224,23 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
                      f"{'/' + v['knobs'] if v['knobs'] != '{}' else ''}/{v['direction']}")
             msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
                                    f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
-            cases.append(Case(item["name"], "parity", label, v["passed"], msg))
+            cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
     for item in suite.goldens:
+        unit += 1
         if interrupted():
             break
+        if not mine(unit - 1):
+            continue
         metrics = item.get("metrics")
         for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),
                         bool(item.get("deterministic", False))):
-            cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message))
+            cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message, unit - 1))
     for item in suite.stability:
+        unit += 1
         if interrupted():
             break
+        if not mine(unit - 1):
+            continue
         spec = st.quick_spec() if item.get("quick", True) else st.full_spec()
         dtypes = tuple(parse_dtype(d).name for d in item.get("dtypes", [])) or spec.dtypes
         spec = replace(spec, dtypes=dtypes)
@@ -227,18 +254,26 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             ok = f["first_nonfinite_scale"] is None
             cases.append(Case(item["name"], "stability", label, ok,
                               "finite at every amplitude" if ok else
-                              f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}"))
+                              f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}", unit - 1))
     for item in suite.checks:
+        unit += 1
         if interrupted():
             break
+        if not mine(unit - 1):
+            continue
         found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
         cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
-                          "; ".join(a.message for a in found) or "no anomaly"))
+                          "; ".join(a.message for a in found) or "no anomaly", unit - 1))
     return cases
 
 
-def junit_xml(suite: Suite, cases: list[Case]) -> bytes:
-    root = ET.Element("testsuites", name=suite.name)
+def cases_from_rows(rows: list[dict]) -> list[Case]:
+    """A gate report's rows (report.GATE_SCHEMA) back as JUnit cases."""
+    return [Case(r["entry"], r["kind"], r["name"], r["passed"], r["message"] or "") for r in rows]
+
+
+def junit_xml(suite: Suite | str, cases: list[Case]) -> bytes:
+    root = ET.Element("testsuites", name=suite if isinstance(suite, str) else suite.name)
     by_item: dict[str, list[Case]] = {}
     for c in cases:
         by_item.setdefault(c.suite_item, []).append(c)
@@ -255,12 +290,13 @@ def junit_xml(suite: Suite, cases: list[Case]) -> bytes:
     return ET.tostring(root, encoding="utf-8", xml_declaration=True)
 
 
-def markdown(suite: Suite, cases: list[Case]) -> str:
+def markdown(suite: Suite | str, cases: list[Case]) -> str:
+    name = suite if isinstance(suite, str) else suite.name
     failed = [c for c in cases if c.passed is False]
     passed = sum(c.passed is True for c in cases)
     skipped = sum(c.passed is None for c in cases)
     head = "passed" if not failed else "FAILED"
-    lines = [f"## mhctool gate `{suite.name}`: {head}", "",
+    lines = [f"## mhctool gate `{name}`: {head}", "",
              f"{passed} passed, {len(failed)} failed, {skipped} skipped", "",
              "| entry | kind | checks | failed |", "|---|---|---|---|"]
     by_item: dict[str, list[Case]] = {}

@@ -32,6 +32,8 @@ class Plan:
     matmul_precision: str = "ieee"
     checks: tuple[str, ...] = ()  # reproducibility checks (mhctool.repro.CHECKS)
     repeats: int = 3  # runs in all for the determinism check
+    shard: tuple[int, int] | None = None  # (I, N): this run is the I-th of N slices of the cases
+    planned: list[str] | None = None  # with a shard: every case id of the whole run, in order
 
 
 @dataclass
@@ -122,10 +124,46 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
     return Plan(sc, cases, resolved, specs, conventions, matmul_precision, checks, repeats)
 
 
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """``--shard I/N`` -> (I, N), 1 <= I <= N; anything else is a UsageError."""
+    if text is None:
+        return None
+    i, sep, n = str(text).partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        shard = None
+    if not sep or shard is None or not 1 <= shard[0] <= shard[1]:
+        raise UsageError(f"malformed --shard {text!r}; expected I/N with 1 <= I <= N, e.g. 2/4")
+    return shard
+
+
+def sharded(p: Plan, shard: tuple[int, int] | None) -> Plan:
+    """The I-th of N deterministic slices of the plan's cases (every N-th case from the I-th, so
+    each slice gets a share of every kernel); the whole run's case ids stay in ``planned``, which
+    ``mhctool report merge`` orders the slices' rows by."""
+    if shard is None or shard == (1, 1):
+        return p
+    i, n = shard
+    return replace(p, cases=p.cases[i - 1::n], shard=shard, planned=[c.case_id for c in p.cases])
+
+
+def poolable(p: Plan) -> bool:
+    """A worker resolves the implementations from the ``--impl`` specs; callables handed to the
+    API (mhctool.testing) exist in this process only."""
+    return all(i.spec is not None or i.name in {x.name for x in registry.resolve_impls(i.kernel, p.specs)}
+               for lst in p.impls.values() for i in lst)
+
+
 def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Callable[[], bool] = lambda: False,
-            progress: Callable[[Case], None] | None = None) -> Outcome:
+            progress: Callable[[Case], None] | None = None, workers: int = 1, backend: str = "local",
+            finished: Callable[[Case], None] | None = None, ray_address: str | None = None) -> Outcome:
     """Run every case of the plan (the native implementation always, as the baseline); stops
-    before the next case once ``interrupted()`` is true. ``progress(case)``: called as each starts."""
+    before the next case once ``interrupted()`` is true. ``progress(case)``: called as each
+    starts, ``finished(case)`` as each ends. ``workers`` > 1 or ``backend`` ray: the cases are
+    spread over processes (:mod:`mhctool.pool`); the rows come back in the plan's order."""
+    if workers > 1 or backend != "local":
+        return _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address)
     rows: list[dict] = []
     done = 0
     for c in p.cases:
@@ -139,7 +177,27 @@ def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Cal
             break
         rows.extend(res.rows)
         done += 1
+        if finished:
+            finished(c)
     return Outcome(rows, done, interrupted())
+
+
+def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address) -> Outcome:
+    from . import pool
+    if not poolable(p):
+        raise UsageError("--workers and --backend ray run implementations named by --impl specs; "
+                         "a Python callable exists in this process only")
+    iso = None if isolation is None else pool.IsolationSettings(isolation.transport, isolation.case_timeout)
+    jobs = [pool.Job(c, tuple(p.specs), p.scenario.rule, p.matmul_precision, p.conventions.get(c.kernel),
+                     tuple(p.checks), p.repeats, iso) for c in p.cases]
+    names = [[(i.name, i.backend) for i in [registry.native_impl(c.kernel)] + [i for i in p.impls[c.kernel]
+                                                                                 if not i.native]]
+             for c in p.cases]
+    spread = pool.run_cases(jobs, names, workers, backend, interrupted,
+                            progress and (lambda i: progress(p.cases[i])),
+                            finished and (lambda i: finished(p.cases[i])), ray_address)
+    rows = [r for case_rows in spread.rows if case_rows is not None for r in case_rows]
+    return Outcome(rows, sum(r is not None for r in spread.rows), spread.interrupted)
 
 
 def settings(p: Plan, o: Outcome, **extra) -> dict:
@@ -149,7 +207,8 @@ def settings(p: Plan, o: Outcome, **extra) -> dict:
             "floor_roundoffs": p.scenario.rule.floor_roundoffs, "matmul_precision": p.matmul_precision,
             "conventions": p.conventions, "checks": list(p.checks), "repeats_determinism": p.repeats,
             "adapters": sorted({i.adapter for lst in p.impls.values() for i in lst if i.adapter}),
-            "interrupted": o.interrupted, "cases_run": o.cases_run, "cases_planned": len(p.cases), **extra}
+            "interrupted": o.interrupted, "cases_run": o.cases_run, "cases_planned": len(p.cases),
+            **({"shard": f"{p.shard[0]}/{p.shard[1]}", "planned": p.planned} if p.shard else {}), **extra}
 
 
 def table(p: Plan, o: Outcome, **extra) -> pa.Table:

@@ -321,3 +321,68 @@ def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1) -> list[dict]:
                     "passed_before": old["passed"], "passed_after": r["passed"]})
     out.sort(key=lambda d: (not (d["passed_before"] is True and d["passed_after"] is False), -d["ratio"]))
     return out
+
+
+# keys of a run's settings that differ between the slices of one run (``--shard``) by design
+_SLICE_KEYS = {"shard", "planned", "units", "interrupted", "cases_run", "cases_planned", "workers", "backend"}
+
+
+def merge(paths: list[str | os.PathLike]) -> pa.Table:
+    """The report one run would have written, from the reports of its ``--shard I/N`` slices
+    (parity or gate): every slice present once, the same settings, rows in the whole run's order
+    (parity: the planned case order; gate: the suite's units). A file that is no slice of the
+    same run is a UsageError naming it."""
+    if not paths:
+        raise UsageError("report merge needs the reports of a run's slices (--shard I/N)")
+    slices = []
+    for path in paths:
+        table, meta = read(path)
+        run = meta["run"]
+        if meta["kind"] not in ("parity", "gate"):
+            raise UsageError(f"{path} is a {meta['kind']} report; report merge joins parity and gate reports")
+        shard = str(run.get("shard", ""))
+        i, _, n = shard.partition("/")
+        if not (i.isdigit() and n.isdigit()):
+            raise UsageError(f"{path} is not a slice of a run (it was written without --shard I/N)")
+        slices.append((int(i), int(n), Path(path), table, meta))
+    first = slices[0]
+    kind, count = first[4]["kind"], first[1]
+    same = {k: v for k, v in first[4]["run"].items() if k not in _SLICE_KEYS}
+    seen: dict[int, Path] = {}
+    for i, n, path, table, meta in slices:
+        if meta["kind"] != kind or n != count:
+            raise UsageError(f"{path} is slice {i}/{n} of a {meta['kind']} run; {first[2]} is slice "
+                             f"{first[0]}/{count} of a {kind} run")
+        if i in seen:
+            raise UsageError(f"{path} and {seen[i]} are both slice {i}/{n}")
+        seen[i] = path
+        other = {k: v for k, v in meta["run"].items() if k not in _SLICE_KEYS}
+        if other != same or (kind == "parity" and meta["run"].get("planned") != first[4]["run"].get("planned")):
+            diff = sorted(k for k in set(other) | set(same) if other.get(k) != same.get(k)) or ["planned"]
+            raise UsageError(f"{path} is a slice of another run than {first[2]} (settings differ: {', '.join(diff)})")
+    missing = [f"{i}/{count}" for i in range(1, count + 1) if i not in seen]
+    if missing:
+        raise UsageError(f"slice(s) {', '.join(missing)} missing: a merged report has every slice of the run")
+    keyed = []
+    if kind == "parity":
+        order = {cid: k for k, cid in reversed(list(enumerate(first[4]["run"]["planned"])))}
+        for i, _, _, table, _ in sorted(slices, key=lambda s: s[0]):
+            keyed += [(order.get(r["case_id"], len(order)), i, j, r) for j, r in enumerate(table.to_pylist())]
+    else:
+        for i, _, path, table, meta in sorted(slices, key=lambda s: s[0]):
+            units = meta["run"].get("units") or []
+            if len(units) != table.num_rows:
+                raise UsageError(f"{path}: a gate slice without the units of its rows")
+            keyed += [(u, i, j, r) for j, (u, r) in enumerate(zip(units, table.to_pylist()))]
+    keyed.sort(key=lambda t: t[:3])
+    rows = [r for *_, r in keyed]
+    run = {**same, "interrupted": any(s[4]["run"].get("interrupted") for s in slices),
+           "merged_from": [{"shard": f"{s[0]}/{count}", "file": str(s[2]),
+                            "run_id": (s[3].column("run_id")[0].as_py() if s[3].num_rows else None),
+                            "gpu": s[4]["environment"].get("gpu"), "host": s[4]["environment"].get("host")}
+                           for s in sorted(slices, key=lambda s: s[0])]}
+    if kind == "parity":
+        run |= {"cases_run": sum(int(s[4]["run"].get("cases_run", 0)) for s in slices),
+                "cases_planned": len(first[4]["run"]["planned"])}
+    schema = pa.schema([f for f in first[3].schema])
+    return to_table(rows, new_run_id(), kind, first[4]["environment"], run, schema=schema)

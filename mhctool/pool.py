@@ -1,0 +1,351 @@
+"""Cases spread over worker processes, on this machine or on a Ray cluster.
+
+A parity run is a list of independent cases. :func:`run_cases` hands them to ``workers``
+processes (or to Ray tasks) and puts the rows back together in the plan's order, so a run with
+four workers writes the same report as a run with one.
+
+Each worker is an :class:`mhctool.isolation.Worker` that runs :func:`case_job`: it resolves the
+implementations from the same ``--impl`` specs as the parent, runs :func:`runner.run_case` and
+sends back plain rows. Where the run isolates the implementations under test, the worker isolates
+them too, in workers of its own, exactly as a single process would.
+
+What the code under test does to a case's worker (a crash, an exit, a hang past the case's time
+limit, a CUDA fault) costs that case only: the case is run again once, in a fresh worker that
+isolates every implementation, so the implementation that crashed gets its failed rows and the
+others their verdicts. Should that run die too (mhctool's own code, the native run or the
+reference, is what crashed), every implementation of the case gets one error row saying so.
+
+On a GPU machine each worker sees one GPU (``CUDA_VISIBLE_DEVICES``), round-robin over the
+visible ones; ``auto`` is one worker per visible GPU, or one per core on a CPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import UsageError
+
+BACKENDS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class IsolationSettings:
+    """What a worker needs to isolate the implementations under test as the parent would."""
+
+    transport: str = "shm"
+    case_timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One case, as a worker runs it: everything plain enough to pickle."""
+
+    case: object  # runner.Case
+    specs: tuple  # the --impl specs the parent resolved (empty: every default built-in)
+    rule: object  # verdict.VerdictRule
+    matmul_precision: str
+    conventions: dict | None
+    checks: tuple
+    repeats: int
+    isolation: IsolationSettings | None
+
+
+# --- how many workers, and where ---------------------------------------------------------------
+
+def parse_workers(value: str | int | None) -> str | int:
+    """``--workers``: a positive integer or ``auto``; anything else is a UsageError."""
+    if value is None:
+        return 1
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        text = str(value).strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            n = int(text)
+        except ValueError:
+            raise UsageError(f"malformed --workers {value!r}; expected a positive integer or auto") from None
+    if n < 1:
+        raise UsageError(f"--workers {value!r} must be at least 1 (or auto)")
+    return n
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries for a child."""
+    import torch
+    if not torch.cuda.is_available():
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = torch.cuda.device_count()
+    if listed is not None and listed.strip():
+        return [s.strip() for s in listed.split(",") if s.strip()][:count]
+    return [str(i) for i in range(count)]
+
+
+def worker_count(workers: str | int, device: str, cases: int) -> int:
+    """How many workers a run gets: ``auto`` is one per visible GPU (cuda) or per core (cpu);
+    never more than there are cases."""
+    if workers == "auto":
+        n = len(visible_gpus()) if device == "cuda" else (len(os.sched_getaffinity(0))
+                                                          if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    else:
+        n = int(workers)
+    return max(1, min(n, cases))
+
+
+def worker_env(index: int, device: str) -> dict[str, str]:
+    """The environment of worker ``index``: on a GPU machine, its GPU (round-robin)."""
+    gpus = visible_gpus() if device == "cuda" else []
+    return {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else {}
+
+
+# --- the job a worker runs -----------------------------------------------------------------------
+
+_isolations: dict = {}
+
+
+def case_job(job: Job) -> dict:
+    """Run one case in this (worker) process; the rows and whether an interrupt cut it short."""
+    from . import registry, runner
+    iso = None
+    if job.isolation is not None:
+        iso = _isolations.get(job.isolation)
+        if iso is None:
+            iso = _isolations[job.isolation] = runner.Isolation(transport=job.isolation.transport,
+                                                                case_timeout=job.isolation.case_timeout)
+    impls = registry.resolve_impls(job.case.kernel, list(job.specs))
+    res = runner.run_case(job.case, impls, job.rule, job.matmul_precision, iso, job.conventions,
+                          job.checks, job.repeats)
+    return {"rows": res.rows, "abandoned": res.abandoned}
+
+
+def job_timeout(job: Job, impls: int) -> float:
+    """How long one case may take in a worker: the isolation limit of each implementation, the
+    native run and the reference included (each one compiles and runs inside it)."""
+    from . import isolation, runner
+    if job.isolation is not None and job.isolation.case_timeout is not None:
+        per = job.isolation.case_timeout
+    else:
+        per = isolation.default_timeout(runner.footprint(job.case), job.case.device, external=bool(job.specs)
+                                        and any(":" in s for s in job.specs))
+    checks = 1 + (job.repeats if job.checks else 0)
+    return per * (impls + 2) * checks
+
+
+def lost_rows(job: Job, impl_names: list[tuple[str, str]], why: str) -> list[dict]:
+    """One error row per implementation and direction: the case's worker died twice, the second
+    time with every implementation isolated, so mhctool's own part of the case is what failed."""
+    from .runner import _row_base
+    from .registry import Impl
+    rows = []
+    for name, backend in impl_names:
+        base = _row_base(job.case, job.case.shape, Impl(name, job.case.kernel, backend, name), "ieee",
+                         job.case.knob_dict)
+        for direction in ("fwd", "bwd"):
+            rows.append({**base, "direction": direction, "tensor": "*", "metric": "error", "value": math.nan,
+                         "threshold": None, "passed": False, "rule": "lost",
+                         "message": f"the worker running this case died: {why}" if direction == "fwd"
+                         else "not run: the case's worker died"})
+    return rows
+
+
+# --- spreading the cases -----------------------------------------------------------------------
+
+@dataclass
+class Spread:
+    """What :func:`run_cases` returns: rows per case index (None: not finished)."""
+
+    rows: list
+    interrupted: bool
+
+
+def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers: int, backend: str = "local",
+              interrupted: Callable[[], bool] = lambda: False,
+              started: Callable[[int], None] | None = None, finished: Callable[[int], None] | None = None,
+              ray_address: str | None = None) -> Spread:
+    """Run ``jobs`` on ``workers`` processes (``backend`` local) or as Ray tasks; ``impl_names``:
+    per job, the (name, backend) pairs that get error rows if its case is lost."""
+    if backend == "ray":
+        return _run_ray(jobs, impl_names, interrupted, started, finished, ray_address)
+    if backend != "local":
+        raise UsageError(f"unknown --backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+    from .isolation import Worker
+    from .runner import device_memory
+    device = jobs[0].case.device if jobs else "cpu"
+    memory = _Memory(0.9 * device_memory(device))
+    results: list = [None] * len(jobs)
+    todo: queue.Queue = queue.Queue()
+    for i in range(len(jobs)):
+        todo.put(i)
+    abort = threading.Event()  # set when the run must stop at once: in-flight cases are abandoned
+
+    def serve(index: int) -> None:
+        env = worker_env(index, device)
+        place = env.get("CUDA_VISIBLE_DEVICES", device)  # the workers that share a device share its memory
+        pool_worker = Worker(daemon=False, env=env)
+        try:
+            while not (interrupted() or abort.is_set()):  # an interrupt: no new case, the ones in hand finish
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                if started:
+                    started(i)
+                value = _run_job(pool_worker, jobs[i], impl_names[i], abort.is_set, memory, place)
+                if value is None or value["abandoned"]:
+                    return
+                results[i] = value["rows"]
+                if finished:
+                    finished(i)
+        finally:
+            pool_worker.stop()
+
+    threads = [threading.Thread(target=serve, args=(k,), name=f"mhctool-worker-{k}", daemon=True)
+               for k in range(workers)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.1)
+    except BaseException:  # a second Ctrl-C: the workers are stopped before the run ends
+        abort.set()
+        for t in threads:
+            t.join(30)
+        raise
+    return Spread(results, interrupted())
+
+
+class _Memory:
+    """Cases start on a device only where their memory fits beside the cases running there: two
+    paper-shape cases at once need more than an 80 GB GPU has. A case alone always starts."""
+
+    def __init__(self, budget: float):
+        self.budget = budget
+        self.used: dict[str, float] = {}
+        self.cond = threading.Condition()
+
+    def take(self, place: str, need: float, aborted: Callable[[], bool]) -> float:
+        """Wait until ``need`` bytes fit on ``place`` (``inf``: the device alone); what was taken."""
+        with self.cond:
+            while True:
+                used = self.used.get(place, 0.0)
+                if used == 0.0 or used + need <= self.budget or aborted():
+                    break
+                self.cond.wait(0.2)
+            self.used[place] = used + need
+        return need
+
+    def give(self, place: str, need: float) -> None:
+        with self.cond:
+            left = self.used.get(place, 0.0) - need
+            self.used[place] = left if left >= 1.0 else 0.0
+            self.cond.notify_all()
+
+
+# what a case needs on its device, in float64-reference footprints: the reference, the native and
+# fused runs, autograd's saved tensors and the metrics (an H100 peaked at 1.7 for h_aggregate at the
+# paper shape)
+MEMORY_FACTOR = 2.0
+
+
+def _out_of_memory(rows: list[dict]) -> bool:
+    return any(r["metric"] == "error" and "out of memory" in (r["message"] or "").lower() for r in rows)
+
+
+def _call(pool_worker, job, timeout, aborted, memory, place, need):
+    taken = memory.take(place, need, aborted)
+    try:
+        return pool_worker.call("mhctool.pool:case_job", (job,), timeout=timeout, interrupted=aborted)
+    finally:
+        memory.give(place, taken)
+
+
+def _run_job(pool_worker, job: Job, impl_names: list, aborted: Callable[[], bool], memory: _Memory,
+             place: str) -> dict | None:
+    """One case in ``pool_worker``, once its memory fits on its device; a worker that dies (or a
+    case that fails in mhctool's own part, out of memory say) runs it again once, alone on the
+    device, with every implementation isolated; None: abandoned (the run is being stopped)."""
+    from .runner import footprint
+    timeout = job_timeout(job, len(impl_names))
+    value, failure = _call(pool_worker, job, timeout, aborted, memory, place, MEMORY_FACTOR * footprint(job.case))
+    if failure is None and not value["abandoned"] and _out_of_memory(value["rows"]):
+        # the cases beside it may have taken the memory: what it gets alone is its verdict
+        value, failure = _call(pool_worker, job, timeout, aborted, memory, place, memory.budget + 1.0)
+    if failure is None:
+        return value
+    if aborted():
+        return None
+    again = Job(**{**job.__dict__, "isolation": job.isolation or IsolationSettings()})
+    value, second = _call(pool_worker, again, timeout, aborted, memory, place, memory.budget + 1.0)
+    if second is None:
+        return value
+    if aborted():
+        return None
+    return {"rows": lost_rows(job, impl_names, f"{failure.message}; again with every implementation "
+                              f"isolated: {second.message}"), "abandoned": False}
+
+
+# --- Ray -----------------------------------------------------------------------------------------
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--backend ray needs Ray: pip install 'mhctool[ray]' (or pip install ray)") from None
+    return ray
+
+
+def _ray_task(job: Job) -> dict:  # runs in a Ray worker process
+    from .environment import ensure_triton_mode
+    ensure_triton_mode()
+    return case_job(job)
+
+
+def _run_ray(jobs, impl_names, interrupted, started, finished, address) -> Spread:
+    """One Ray task per case (``ray.init(address)``; a local cluster when None). A task whose
+    worker dies is run again with every implementation isolated, as in the local pool."""
+    ray = _ray()
+    owns = not ray.is_initialized()
+    if owns:
+        env = {"env_vars": {k: v for k, v in os.environ.items() if k in ("TRITON_INTERPRET", "PYTHONPATH")}}
+        ray.init(address=address, runtime_env=env, log_to_driver=False, include_dashboard=False)
+    try:
+        gpu = jobs and jobs[0].case.device == "cuda"
+        task = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_retries=0)(_ray_task)
+        results: list = [None] * len(jobs)
+        pending = {}
+        for i, job in enumerate(jobs):
+            pending[task.remote(job)] = (i, False)
+            if started:
+                started(i)
+        while pending:
+            if interrupted():
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
+            for ref in ready:
+                i, retried = pending.pop(ref)
+                try:
+                    value = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - the task's worker died or the task raised
+                    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    if not retried:
+                        again = Job(**{**jobs[i].__dict__, "isolation": jobs[i].isolation or IsolationSettings()})
+                        pending[task.remote(again)] = (i, why)
+                        continue
+                    value = {"rows": lost_rows(jobs[i], impl_names[i], f"{retried}; again with every "
+                                               f"implementation isolated: {why}"), "abandoned": False}
+                results[i] = value["rows"]
+                if finished:
+                    finished(i)
+        return Spread(results, interrupted())
+    finally:
+        if owns:
+            ray.shutdown()

@@ -1,0 +1,191 @@
+"""Cases spread over workers, slices of a run merged, Ray: the same report as one process."""
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mhctool import parity, pool, report
+from mhctool.cli import app
+from mhctool.errors import UsageError
+from mhctool.isolation import Worker
+
+PROCESS = Path(__file__).resolve().parent / "impls" / "process.py"
+cli = CliRunner()
+
+
+def _scenario(tmp_path, shapes=("8x2x4x1", "101x1x4x1", "9x1x4x3", "5x3x4x1", "7x1x4x2")):
+    """Cheap cases (Sinkhorn, fp32, PyTorch and a plain file): a worker start costs more than all."""
+    sc = tmp_path / "sc.toml"
+    listed = ", ".join(f'"{s}"' for s in shapes)
+    sc.write_text(f'name = "pool"\n[[cases]]\nkernel = "sinkhorn"\nshapes = [{listed}]\n'
+                  'families = ["random", "large_logits"]\ndtypes = ["fp32"]\n')
+    return sc
+
+
+def _rows(path):
+    """A report's rows without the run id, NaN made comparable."""
+    out = []
+    for r in pq.read_table(path).drop(["run_id"]).to_pylist():
+        out.append({k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
+    return out
+
+
+def _parity(tmp_path, name, *extra, impl=f"{PROCESS}:sinkhorn_crashes_on_large_inputs", shapes=None):
+    out = tmp_path / f"{name}.parquet"
+    sc = _scenario(tmp_path) if shapes is None else _scenario(tmp_path, shapes)
+    res = cli.invoke(app, ["parity", "--kernel", "sinkhorn", "--device", "cpu", "--scenario",
+                           str(sc), "--impl", impl, "-o", str(out), *extra])
+    return res, out
+
+
+def test_two_workers_write_the_rows_of_one_process_and_a_crash_fails_its_case_only(tmp_path):
+    """Without isolation the crash takes the case's worker down: the case is run again with the
+    implementation isolated, so its rows are those of an isolated single-process run."""
+    shapes = ("8x2x4x1", "101x1x4x1", "9x1x4x3")
+    one, one_out = _parity(tmp_path, "one", "--isolate", shapes=shapes)
+    two, two_out = _parity(tmp_path, "two", "--workers", "2", "--no-isolate", shapes=shapes)
+    assert one.exit_code == two.exit_code == 1, (one.output, two.output)
+    assert _rows(one_out) == _rows(two_out)
+    crashed = {r["shape"] for r in _rows(two_out) if r["passed"] is False}
+    assert crashed == {"101x1x4x1"}
+    assert any("crashed: signal 11" in (r["message"] or "") for r in _rows(two_out))
+    assert report.read(two_out)[1]["run"]["workers"] == 2
+
+
+def test_shards_merge_into_the_report_of_one_run(tmp_path):
+    _, whole = _parity(tmp_path, "whole", impl="torch")
+    slices = []
+    for i in (3, 1, 2):
+        res, out = _parity(tmp_path, f"s{i}", "--shard", f"{i}/3", impl="torch")
+        assert res.exit_code == 0, res.output
+        slices.append(out)
+    sizes = [len({r["case_id"] for r in _rows(s)}) for s in slices]
+    assert sorted(sizes) == [3, 3, 4]  # 10 cases, every third one
+    merged = tmp_path / "merged.parquet"
+    res = cli.invoke(app, ["report", "merge", *map(str, slices), "-o", str(merged)])
+    assert res.exit_code == 0, res.output
+    assert _rows(merged) == _rows(whole)
+    run = report.read(merged)[1]["run"]
+    assert run["cases_run"] == run["cases_planned"] == 10 and len(run["merged_from"]) == 3
+
+
+def test_merge_refuses_what_is_not_every_slice_of_one_run(tmp_path):
+    _, a = _parity(tmp_path, "a", "--shard", "1/2", impl="torch")
+    _, whole = _parity(tmp_path, "w", impl="torch")
+    other = tmp_path / "other"
+    other.mkdir()
+    _, b_other = _parity(other, "b", "--shard", "2/2", "--kappa", "3", impl="torch")
+    for paths, needle in (([a], "slice(s) 2/2 missing"), ([a, whole], "written without --shard"),
+                          ([a, a], "are both slice 1/2"), ([a, b_other], "settings differ: kappa")):
+        res = cli.invoke(app, ["report", "merge", *map(str, paths), "-o", str(tmp_path / "m.parquet")])
+        assert res.exit_code == 2 and needle in res.output, res.output
+        assert not (tmp_path / "m.parquet").exists()
+
+
+def test_gate_slices_merge_into_one_gate(tmp_path):
+    sc = _scenario(tmp_path, shapes=("8x2x4x1", "9x1x4x3", "5x3x4x1"))
+    gfile = next((Path(__file__).resolve().parent / "data" / "goldens").rglob("*.json"))
+    suite = tmp_path / "suite.toml"
+    suite.write_text(f'name = "g"\n[[parity]]\nname = "p"\nkernel = "sinkhorn"\nimpls = ["torch"]\n'
+                     f'scenario = "{sc.name}"\ndevice = "cpu"\n[[goldens_check]]\nfile = "{gfile}"\n')
+
+    def gate(tag, *extra):
+        paths = [tmp_path / f"{tag}.{ext}" for ext in ("parquet", "xml", "md")]
+        res = cli.invoke(app, ["gate", "--suite", str(suite), "--no-isolate", "-o", str(paths[0]),
+                               "--junit", str(paths[1]), "--summary", str(paths[2]), *extra])
+        return res, paths
+
+    res, whole = gate("whole")
+    assert res.exit_code in (0, 1), res.output
+    parts = [gate(f"s{i}", "--shard", f"{i}/2")[1][0] for i in (1, 2)]
+    merged = [tmp_path / f"m.{ext}" for ext in ("parquet", "xml", "md")]
+    res2 = cli.invoke(app, ["report", "merge", *map(str, parts), "-o", str(merged[0]),
+                            "--junit", str(merged[1]), "--summary", str(merged[2])])
+    assert res2.exit_code == res.exit_code, res2.output
+    assert _rows(merged[0]) == _rows(whole[0])
+    assert merged[1].read_bytes() == whole[1].read_bytes() and merged[2].read_text() == whole[2].read_text()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--workers", "0"], "--workers '0' must be at least 1"),
+    (["--workers", "two"], "malformed --workers 'two'"),
+    (["--shard", "3/2"], "malformed --shard '3/2'"),
+    (["--shard", "1"], "malformed --shard '1'"),
+    (["--backend", "mpi"], "unknown --backend 'mpi'"),
+])
+def test_bad_spread_options_are_one_sentence_and_exit_2(tmp_path, args, needle):
+    res, out = _parity(tmp_path, "bad", *args, impl="torch")
+    assert res.exit_code == 2 and needle in res.output, res.output
+    assert not out.exists()
+
+
+def test_ray_backend_without_ray_says_how_to_get_it(tmp_path, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_ray(name, *a, **k):
+        if name == "ray":
+            raise ImportError("no ray")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    res, _ = _parity(tmp_path, "ray", "--backend", "ray", impl="torch")
+    assert res.exit_code == 2 and "pip install ray" in res.output, res.output
+
+
+def test_auto_is_one_worker_per_core_on_a_cpu_and_never_more_than_the_cases():
+    assert pool.worker_count("auto", "cpu", 1000) >= 1
+    assert pool.worker_count(8, "cpu", 3) == 3
+    with pytest.raises(UsageError):
+        pool.parse_workers("-1")
+
+
+def test_a_python_callable_cannot_be_spread(tmp_path):
+    from mhctool.kernels.torch import mhc
+    from mhctool.registry import Impl
+    pl = parity.plan(["sinkhorn"], [Impl("mine", "sinkhorn", "external", mhc.sinkhorn)], device="cpu",
+                     scenario=str(_scenario(tmp_path)))
+    with pytest.raises(UsageError, match="exists in this process only"):
+        parity.execute(pl, workers=2)
+
+
+def test_ray_backend_writes_the_rows_of_one_process(tmp_path):
+    pytest.importorskip("ray")
+    one, one_out = _parity(tmp_path, "one", impl="triton")
+    ray_, ray_out = _parity(tmp_path, "ray", "--backend", "ray", impl="triton")
+    assert one.exit_code == ray_.exit_code == 0, (one.output, ray_.output)
+    assert _rows(one_out) == _rows(ray_out)
+
+
+def test_the_shm_transport_hands_a_worker_copies_of_the_inputs():
+    """Code under test that writes into its inputs never changes mhctool's own tensors."""
+    x = torch.arange(6, dtype=torch.float32)
+    with Worker("shm") as w:
+        value, failure = w.call("operator:iadd", (x, 1.0), timeout=120)
+    assert failure is None and torch.equal(value, torch.arange(6, dtype=torch.float32) + 1)
+    assert torch.equal(x, torch.arange(6, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_cross_to_a_worker_on_the_device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = torch.randn(1000, 37, device="cuda", dtype=torch.bfloat16)
+    with Worker("shm") as w:
+        value, failure = w.call("operator:imul", (x, 2.0), timeout=300)
+        again, _ = w.call("torch:clone", (value,), timeout=300)
+    assert failure is None and value.is_cuda and torch.equal(value, x * 2) and torch.equal(again, value)
+
+
+@pytest.mark.slow
+def test_every_kernel_on_two_workers_writes_the_report_of_one_process(tmp_path):
+    """The default run (every kernel, every built-in), as the isolation issue asks: the same rows."""
+    outs = []
+    for w in ("1", "2"):
+        out = tmp_path / f"w{w}.parquet"
+        res = cli.invoke(app, ["parity", "--kernel", "all", "--device", "cpu", "--workers", w, "-q", "-o", str(out)])
+        assert res.exit_code == 0, res.output
+        outs.append(out)
+    assert _rows(outs[0]) == _rows(outs[1])
