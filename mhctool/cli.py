@@ -4,6 +4,7 @@ Exit codes: 0 all checks passed, 1 a numerics or verdict failure, 2 bad usage or
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -124,10 +125,14 @@ def parity(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run each implementation under test in a child process, so exits, crashes, hangs and CUDA faults become failed rows. Default: on for an external --impl on a GPU or with --case-timeout, off otherwise."),
     case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: 120 s plus 30 s per GiB the case needs, 300 s more for an external one, which compiles inside the call; 4x that on the CPU)."),
-    isolate_transport: str = typer.Option("shm", "--isolate-transport", help="How tensors reach the child: shm (host shared memory) or file (torch.save in /dev/shm)."),
+    isolate_transport: str = typer.Option("shm", "--isolate-transport", help="How tensors reach the child: shm (CUDA tensors as CUDA IPC handles, CPU ones in host shared memory), host (everything through host shared memory) or file (torch.save in /dev/shm)."),
     check: Optional[list[str]] = typer.Option(None, "--check", help="Also compare bits: determinism (the same inputs, run after run) and/or batch-invariance (each token's result at other batch sizes). Repeat or comma-separate; a difference is a failed row."),
     repeats_determinism: int = typer.Option(3, "--repeats-determinism", min=2, help="Runs in all for --check determinism."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="KNOB=VALUE (repeat): the convention the external implementation computes (stabilize=softmax, transpose_res=true, eps_mode=clamp, eps=0, rms_eps=inside, compute_h_eps=1e-6); the reference and the native baseline compute it too."),
+    workers: Optional[str] = typer.Option(None, "--workers", help="N or auto: spread the cases over N worker processes (auto: one per visible GPU, or per core on a CPU); the report has the same rows in the same order as one process."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only the I-th of N deterministic slices of the cases (a CI matrix, a Slurm array); join the reports with mhctool report merge."),
+    backend: str = typer.Option("local", "--backend", help="local (worker processes here) or ray: one Ray task per case (needs pip install ray)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to join (ray.init's address; default: a local one)."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
     report.check_writable(out_path)
@@ -139,7 +144,9 @@ def parity(
                          dtypes=_split([dtype]) if dtype else None, shapes=[shape] if shape else None,
                          seeds=[seed] if seed is not None else None, conventions=declared, kappa=kappa,
                          matmul_precision=matmul_precision, checks=_split(check), repeats=repeats_determinism)
+    pl = parity_mod.sharded(pl, parity_mod.parse_shard(shard))
     cases = pl.cases
+    n_workers, backend = clikit.spread_for(workers, backend, dev, len(cases), pl)
 
     show = not quiet and out.is_terminal
     interrupts = clikit.Interrupts()
@@ -147,19 +154,16 @@ def parity(
     with interrupts, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
         task = bar.add_task("parity", total=len(cases))
-
-        def progress(c):
-            if c is not cases[0]:
-                bar.advance(task)
-            bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}")
         try:
-            o = parity_mod.execute(pl, iso, interrupts, progress)
+            o = parity_mod.execute(pl, iso, interrupts,
+                                   lambda c: bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}"),
+                                   n_workers, backend, lambda c: bar.advance(task), ray_address)
         finally:
             if iso is not None:
                 iso.close()
     done = o.cases_run
     table = parity_mod.table(pl, o, kernel=kernel, device=dev, isolate=iso is not None,
-                             case_timeout=case_timeout)
+                             case_timeout=case_timeout, workers=n_workers, backend=backend)
     path = report.write_atomic(table, out_path)
     vs = _ordered(report.verdicts(table))
     p, f, s = _summary(vs)
@@ -550,33 +554,52 @@ def gate(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     isolate: bool = typer.Option(True, "--isolate/--no-isolate", help="Run the implementations under test in child processes (default on: a crash, an exit or a hang fails its check and the suite goes on)."),
     case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: scaled with the case)."),
+    workers: Optional[str] = typer.Option(None, "--workers", help="N or auto: spread each parity entry's cases over N worker processes (auto: one per visible GPU, or per core)."),
+    shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only the I-th of N deterministic slices of the suite (a CI matrix); join the reports with mhctool report merge."),
+    backend: str = typer.Option("local", "--backend", help="local (worker processes here) or ray: one Ray task per parity case (needs pip install ray)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to join (default: a local one)."),
 ):
     """Run a suite of checks as one CI verdict: exit 0 pass, 1 a failure, 2 bad input."""
-    import os as _os
-
     from . import gate as gate_mod
     for path_, what in ((junit, "--junit"), (summary, "--summary"), (out_path, "--out")):
         report.check_writable(path_, what)
     s = gate_mod.load_suite(suite)
     dev = _device(device)
+    cut = parity_mod.parse_shard(shard)
+    from . import pool
+    n_workers = pool.parse_workers(workers)
+    clikit.spread_for(workers, backend, dev, 1)
     interrupts = clikit.Interrupts()
     iso = clikit.isolation_for(isolate, [], dev, case_timeout, "shm", interrupts, default_on=isolate)
     try:
         with interrupts:
-            cases = gate_mod.run_suite(s, dev, isolation=iso, interrupted=interrupts)
+            cases = gate_mod.run_suite(s, dev, isolation=iso, interrupted=interrupts, shard=cut,
+                                       workers=n_workers, backend=backend, ray_address=ray_address)
     finally:
         if iso is not None:
             iso.close()
-    run_id = report.new_run_id()
     rows = [{"suite": s.name, "entry": c.suite_item, "kind": c.kind, "name": c.name, "passed": c.passed,
              "message": c.message} for c in cases]
-    report.write_atomic(report.to_table(rows, run_id, "gate", environment.metadata(),
-                                        {"command": "gate", "suite": str(suite), "isolate": iso is not None,
-                                         "interrupted": interrupts.requested},
-                                        schema=report.GATE_SCHEMA), out_path)
-    xml = gate_mod.junit_xml(s, cases)
+    settings = {"command": "gate", "suite": str(suite), "suite_name": s.name, "isolate": iso is not None,
+                "interrupted": interrupts.requested, "workers": workers or 1, "backend": backend}
+    if cut is not None:
+        settings |= {"shard": f"{cut[0]}/{cut[1]}", "units": [c.unit for c in cases]}
+    table = report.to_table(rows, report.new_run_id(), "gate", environment.metadata(), settings,
+                            schema=report.GATE_SCHEMA)
+    _gate_outputs(table, s.name, cases, out_path, junit, summary, quiet, interrupts.requested)
+
+
+def _gate_outputs(table, suite_name: str, cases: list, out_path: Path, junit: Path, summary: Path, quiet: bool,
+                  interrupted: bool) -> None:
+    """A gate's report, JUnit XML and Markdown summary, written atomically, and its verdict line
+    and exit code (a gate run, or slices of one merged by mhctool report merge)."""
+    import os as _os
+
+    from . import gate as gate_mod
+    report.write_atomic(table, out_path)
+    xml = gate_mod.junit_xml(suite_name, cases)
     report.atomic(junit, lambda tmp: Path(tmp).write_bytes(xml))
-    md = gate_mod.markdown(s, cases)
+    md = gate_mod.markdown(suite_name, cases)
     report.atomic(summary, lambda tmp: Path(tmp).write_text(md))
     if _os.environ.get("GITHUB_STEP_SUMMARY"):
         with open(_os.environ["GITHUB_STEP_SUMMARY"], "a") as f:
@@ -586,13 +609,13 @@ def gate(
         for c in failed[:30]:
             out.print(f"[red]FAIL[/] {c.suite_item}: {c.name}: {c.message}")
     ok = sum(c.passed is True for c in cases)
-    if interrupts.requested:
+    if interrupted:
         out.print(f"[yellow]INTERRUPTED[/] {ok} passed, {len(failed)} failed before the stop "
-                  f"(suite {s.name}; {junit}, {summary}, {out_path})")
+                  f"(suite {suite_name}; {junit}, {summary}, {out_path})")
         raise typer.Exit(130)
     out.print(("[red]FAILED[/] " if failed else "[green]PASSED[/] ") +
               f"{ok} passed, {len(failed)} failed, {len(cases) - ok - len(failed)} skipped "
-              f"(suite {s.name}; {junit}, {summary}, {out_path})")
+              f"(suite {suite_name}; {junit}, {summary}, {out_path})")
     raise typer.Exit(1 if failed else 0)
 
 
@@ -624,6 +647,37 @@ def report_show(
         out.print(_bench_table(rows, f"bench {run.get('shape')} {run.get('dtype')} on {run.get('device')}"))
         for t in _bench_totals(bench_mod, rows):
             out.print(t)
+
+
+@report_app.command("merge")
+@_guard
+def report_merge(
+    paths: list[Path] = typer.Argument(..., help="The reports of every slice of one run (parity or gate --shard I/N)."),
+    out_path: Path = typer.Option(..., "--out", "-o", help="The merged Parquet report to write."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Gate slices: the JUnit XML of the merged run."),
+    summary: Optional[Path] = typer.Option(None, "--summary", help="Gate slices: the Markdown summary of the merged run."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+):
+    """Join the slices of a --shard run into the report one run would have written (exit 1 if a
+    verdict in it failed)."""
+    report.check_writable(out_path)
+    table = report.merge(paths)
+    _, meta = report.read(paths[0])
+    if meta["kind"] != "gate" and (junit or summary):
+        raise UsageError("--junit and --summary are for gate slices; these are parity reports")
+    if meta["kind"] == "gate":
+        from . import gate as gate_mod
+        cases = gate_mod.cases_from_rows(table.to_pylist())
+        name = meta["run"].get("suite_name") or (cases[0].suite_item if cases else "gate")
+        interrupted = json.loads(table.schema.metadata[b"mhctool.run"]).get("interrupted", False)
+        _gate_outputs(table, name, cases, out_path, junit or out_path.with_suffix(".xml"),
+                      summary or out_path.with_suffix(".md"), quiet, interrupted)
+    path = report.write_atomic(table, out_path)
+    vs = report.verdicts(table)
+    p, f, s = _summary(vs)
+    status = "[red]FAILED[/]" if f else "[green]PASSED[/]"
+    out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(paths)} slices merged; report {path})")
+    raise typer.Exit(1 if f else 0)
 
 
 @report_app.command("compare")
@@ -675,6 +729,11 @@ def doctor():
             state = ("right" if err <= interpreter.TOLERANCE else f"wrong (relative error {err:.2g}): {dt} cases skipped")
             mend = " after mhctool's mend (bf16 operands widened to fp32)" if dt == "bf16" and interpreter.mended() else ""
             out.print(f"  tl.dot on {dt}: {state}{mend}")
+        before, after, mended_casts = interpreter.casts()
+        state = "right" if not after else f"wrong ({after} of {interpreter.CAST_PROBES} probe casts): bf16 cases skipped"
+        mend = (f" after mhctool's mend (it truncated or misrounded {before} of {interpreter.CAST_PROBES}; now rounded "
+                "to nearest even)") if mended_casts else ""
+        out.print(f"  fp32 <-> bf16 casts: {state}{mend}")
     for k in registry.KERNELS:
         names = ", ".join(f"{i.name}{'' if not i.unavailable() else ' (unavailable)'}" for i in registry.impls_for(k))
         out.print(f"{k}: {names}")
