@@ -378,13 +378,15 @@ sinkhorn = sinkhorn_autograd(sinkhorn_forward, sinkhorn_backward)
 
 def compile_checks() -> dict[str, bytes]:
     """Tile IR for representative signatures, compiled on the host: the per-token path (n = 4, 3,
-    2) and the tile path (n = 8, and n = 4 launched on it directly), every knob."""
+    2) and the tile path (n = 8, and n = 4 launched on it directly), every knob. Few iterations:
+    the per-token path unrolls them, and 20 took 35 s of the test suite to compile on a CPU."""
     out = {}
-    cases = ((4, "rowmax", "add", "row_first", 20), (3, "softmax", "clamp", "row_first", 3),
+    cases = ((4, "rowmax", "add", "row_first", 4), (3, "softmax", "clamp", "row_first", 3),
              (2, "none", "clamp", "col_first", 2), (8, "none", "add", "col_first", 2))
     for dtype in (torch.float32, torch.bfloat16):
         a = array(dtype, 3)
-        for n, stab, mode, order, iters in cases:
+        # bf16: the loads and stores that differ, on n = 4 (n = 8's backward alone took 10 s a dtype)
+        for n, stab, mode, order, iters in (cases if dtype == torch.float32 else cases[:1]):
             fwd, bwd, _, cf, cb = _plan(n, 1, iters, 1e-6, stab, mode, order)
             key = f"{dtype}-{n}-{stab}-{mode}-{order}"
             out[f"fwd-{key}"] = tile_ir(fwd, [a, a, *cf])
