@@ -27,6 +27,7 @@ import importlib
 import os
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import torch
 import torch.multiprocessing as tmp
 
 TRANSPORTS = ("shm", "host", "file")
+_ENVIRON_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,17 @@ class Worker:
         ctx = tmp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, self.env), daemon=self.daemon)
-        proc.start()
+        with _ENVIRON_LOCK:  # the child starts with its variables (thread counts are read at import)
+            saved = {k: os.environ.get(k) for k in self.env}
+            os.environ.update(self.env)
+            try:
+                proc.start()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
         child.close()
         try:
             if not parent.poll(self.start_timeout):
