@@ -24,7 +24,7 @@ import math
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .errors import UsageError
@@ -291,7 +291,7 @@ def _run_job(pool_worker, job: Job, impl_names: list, aborted: Callable[[], bool
         return value
     if aborted():
         return None
-    again = Job(**{**job.__dict__, "isolation": job.isolation or IsolationSettings()})
+    again = replace(job, isolation=job.isolation or IsolationSettings())
     value, second = _call(pool_worker, again, timeout, aborted, memory, place, memory.budget + 1.0)
     if second is None:
         return value
@@ -347,7 +347,7 @@ def _run_ray(jobs, impl_names, interrupted, started, finished, address) -> Sprea
                 except Exception as e:  # noqa: BLE001 - the task's worker died or the task raised
                     why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     if not retried:
-                        again = Job(**{**jobs[i].__dict__, "isolation": jobs[i].isolation or IsolationSettings()})
+                        again = replace(jobs[i], isolation=jobs[i].isolation or IsolationSettings())
                         pending[task.remote(again)] = (i, why)
                         continue
                     value = {"rows": lost_rows(jobs[i], impl_names[i], f"{retried}; again with every "
