@@ -146,7 +146,7 @@ def parity(
                          matmul_precision=matmul_precision, checks=_split(check), repeats=repeats_determinism)
     pl = parity_mod.sharded(pl, parity_mod.parse_shard(shard))
     cases = pl.cases
-    n_workers, backend = clikit.spread_for(workers, backend, dev, len(cases), pl)
+    n_workers, backend = clikit.spread_for(workers, backend, dev, pl)
 
     show = not quiet and out.is_terminal
     interrupts = clikit.Interrupts()
@@ -567,8 +567,8 @@ def gate(
     dev = _device(device)
     cut = parity_mod.parse_shard(shard)
     from . import pool
-    n_workers = pool.parse_workers(workers)
-    clikit.spread_for(workers, backend, dev, 1)
+    n_workers = pool.parse_workers(workers)  # per parity entry: pool.worker_count of its cases
+    pool.check_backend(backend)
     interrupts = clikit.Interrupts()
     iso = clikit.isolation_for(isolate, [], dev, case_timeout, "shm", interrupts, default_on=isolate)
     try:

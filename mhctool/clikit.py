@@ -114,19 +114,15 @@ def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_t
     return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts)
 
 
-def spread_for(workers: Optional[str], backend: str, device: str, cases: int, plan=None) -> tuple[int, str]:
-    """``--workers`` and ``--backend`` -> (worker processes, backend), checked before anything runs."""
+def spread_for(workers: Optional[str], backend: str, device: str, plan) -> tuple[int, str]:
+    """``--workers`` and ``--backend`` for a parity plan -> (worker processes, backend), checked
+    before anything runs."""
     from . import pool
-    if backend not in pool.BACKENDS:
-        raise UsageError(f"unknown --backend {backend!r}; accepted: {', '.join(pool.BACKENDS)}")
-    if backend == "ray":
-        pool._ray()  # installed, or one sentence saying how
-    n = pool.worker_count(pool.parse_workers(workers), device, max(cases, 1))
-    if (n > 1 or backend == "ray") and plan is not None:
-        from .parity import poolable
-        if not poolable(plan):
-            raise UsageError("--workers and --backend ray run implementations named by --impl specs; "
-                             "a Python callable exists in this process only")
+    from .parity import check_poolable
+    pool.check_backend(backend)
+    n = pool.worker_count(pool.parse_workers(workers), device, max(len(plan.cases), 1))
+    if n > 1 or backend == "ray":
+        check_poolable(plan)
     return n, backend
 
 

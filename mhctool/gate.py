@@ -198,6 +198,15 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
     def mine(k: int) -> bool:
         return shard is None or k % shard[1] == shard[0] - 1
 
+    def whole(items):  # (unit, entry) of the entries that are one unit each, this slice's ones
+        nonlocal unit
+        for item in items:
+            unit += 1
+            if interrupted():
+                return
+            if mine(unit - 1):
+                yield unit - 1, item
+
     for item in suite.parity:
         if interrupted():
             break
@@ -225,22 +234,12 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
                                    f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
             cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
-    for item in suite.goldens:
-        unit += 1
-        if interrupted():
-            break
-        if not mine(unit - 1):
-            continue
+    for k, item in whole(suite.goldens):
         metrics = item.get("metrics")
         for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),
                         bool(item.get("deterministic", False))):
-            cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message, unit - 1))
-    for item in suite.stability:
-        unit += 1
-        if interrupted():
-            break
-        if not mine(unit - 1):
-            continue
+            cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message, k))
+    for k, item in whole(suite.stability):
         spec = st.quick_spec() if item.get("quick", True) else st.full_spec()
         dtypes = tuple(parse_dtype(d).name for d in item.get("dtypes", [])) or spec.dtypes
         spec = replace(spec, dtypes=dtypes)
@@ -254,16 +253,11 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             ok = f["first_nonfinite_scale"] is None
             cases.append(Case(item["name"], "stability", label, ok,
                               "finite at every amplitude" if ok else
-                              f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}", unit - 1))
-    for item in suite.checks:
-        unit += 1
-        if interrupted():
-            break
-        if not mine(unit - 1):
-            continue
+                              f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}", k))
+    for k, item in whole(suite.checks):
         found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
         cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
-                          "; ".join(a.message for a in found) or "no anomaly", unit - 1))
+                          "; ".join(a.message for a in found) or "no anomaly", k))
     return cases
 
 

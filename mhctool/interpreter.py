@@ -92,24 +92,34 @@ def _widened(handle):
     return TensorHandle(bits.view(np.float32), tl.float32)
 
 
+def _mend(owner, name: str, make) -> bool:
+    """Replace ``owner.name`` by ``make(original)``, once: the original stays reachable as the
+    replacement's ``__wrapped__``. False where it was mended already."""
+    original = getattr(owner, name)
+    if getattr(original, "_mhctool_mend", False):
+        return False
+    new = make(original)
+    new._mhctool_mend = True
+    new.__wrapped__ = original
+    setattr(owner, name, new)
+    return True
+
+
 def _mend_bf16_dot() -> None:
     import triton.language as tl
     from triton.runtime.interpreter import InterpreterBuilder
-    original = InterpreterBuilder.create_dot
-    if getattr(original, "_mhctool_mend", False):
-        return
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype == tl.bfloat16:
-            a = _widened(a)
-        if b.dtype == tl.bfloat16:
-            b = _widened(b)
-        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+    def make(original):
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            if a.dtype == tl.bfloat16:
+                a = _widened(a)
+            if b.dtype == tl.bfloat16:
+                b = _widened(b)
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return create_dot
 
-    create_dot._mhctool_mend = True  # type: ignore[attr-defined]
-    create_dot.__wrapped__ = original  # type: ignore[attr-defined]
-    InterpreterBuilder.create_dot = create_dot
-    _state["mended"] = True
+    if _mend(InterpreterBuilder, "create_dot", make):
+        _state["mended"] = True
 
 
 def _mend_repeated_patching() -> None:
@@ -119,38 +129,35 @@ def _mend_repeated_patching() -> None:
     import inspect
 
     from triton.runtime import interpreter as ti
-    original = ti._patch_lang
-    if getattr(original, "_mhctool_mend", False):
-        return
     launches: list[frozenset] = []  # the language modules patched by the launch in progress
 
     class _Unchanged:
         def restore(self) -> None:
             pass
 
-    def patch_lang(fn):
-        key = frozenset(id(v) for v in fn.__globals__.values()
-                        if inspect.ismodule(v) and (v is ti.tl or v is ti.tl.core))
-        if launches and key <= launches[-1]:
-            return _Unchanged()
-        scope = original(fn)
-        if launches:  # a helper that sees other modules (Triton's own tl.sum sees tl.core): patched, and
-            launches[-1] = launches[-1] | key  # left so until the launch ends, as Triton does
+    def make(original):
+        def patch_lang(fn):
+            key = frozenset(id(v) for v in fn.__globals__.values()
+                            if inspect.ismodule(v) and (v is ti.tl or v is ti.tl.core))
+            if launches and key <= launches[-1]:
+                return _Unchanged()
+            scope = original(fn)
+            if launches:  # a helper that sees other modules (Triton's own tl.sum sees tl.core): patched,
+                launches[-1] = launches[-1] | key  # and left so until the launch ends, as Triton does
+                return scope
+            launches.append(key)
+            restore = scope.restore
+
+            def restore_and_end():
+                try:
+                    restore()
+                finally:
+                    launches.pop()
+            scope.restore = restore_and_end
             return scope
-        launches.append(key)
-        restore = scope.restore
+        return patch_lang
 
-        def restore_and_end():
-            try:
-                restore()
-            finally:
-                launches.pop()
-        scope.restore = restore_and_end
-        return scope
-
-    patch_lang._mhctool_mend = True  # type: ignore[attr-defined]
-    patch_lang.__wrapped__ = original  # type: ignore[attr-defined]
-    ti._patch_lang = patch_lang
+    _mend(ti, "_patch_lang", make)
 
 
 def _bf16_bits(data):
@@ -173,9 +180,6 @@ def _mend_bf16_casts() -> None:
     import triton.language as tl
     from triton._C.libtriton import ir
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-    cast_impl, fp_to_fp = InterpreterBuilder.cast_impl, InterpreterBuilder.create_fp_to_fp
-    if getattr(cast_impl, "_mhctool_mend", False):
-        return
 
     def convert(src, dst_type, rounding_mode=None):
         a, b = src.dtype.scalar, dst_type.scalar
@@ -188,44 +192,34 @@ def _mend_bf16_casts() -> None:
             return TensorHandle(_fp32_of_bf16(src.data).reshape(np.shape(src.data)), b)
         return None
 
-    def new_cast_impl(self, src, dst_type):  # (a TensorHandle's truth is its elements': compare with None)
-        out = convert(src, dst_type)
-        return cast_impl(self, src, dst_type) if out is None else out
+    def make(original):  # cast_impl(self, src, dst_type) and create_fp_to_fp(..., rounding_mode)
+        def cast(self, src, dst_type, *rounding_mode):
+            out = convert(src, dst_type, *rounding_mode)  # (a TensorHandle's truth is its elements')
+            return original(self, src, dst_type, *rounding_mode) if out is None else out
+        return cast
 
-    def new_fp_to_fp(self, src, dst_type, rounding_mode):
-        out = convert(src, dst_type, rounding_mode)
-        return fp_to_fp(self, src, dst_type, rounding_mode) if out is None else out
-
-    for fn, original in ((new_cast_impl, cast_impl), (new_fp_to_fp, fp_to_fp)):
-        fn._mhctool_mend = True  # type: ignore[attr-defined]
-        fn.__wrapped__ = original  # type: ignore[attr-defined]
-    InterpreterBuilder.cast_impl = new_cast_impl
-    InterpreterBuilder.create_fp_to_fp = new_fp_to_fp
-    _state["casts_mended"] = True
+    if _mend(InterpreterBuilder, "cast_impl", make) | _mend(InterpreterBuilder, "create_fp_to_fp", make):
+        _state["casts_mended"] = True
 
 
 def _mend_sequential_sums() -> None:
     import numpy as np
     from triton.runtime.interpreter import ReduceOps
-    original = ReduceOps.sum
-    if getattr(original, "_mhctool_mend", False):
-        return
 
-    def pairwise_sum(self, input):
-        data = input.handle.data
-        axis = self.axis
-        if axis is None or not np.issubdtype(data.dtype, np.floating) or data.ndim < 2 or axis in (-1, data.ndim - 1):
-            return original(self, input)
-        last = np.ascontiguousarray(np.moveaxis(data, axis, -1))
-        total = np.sum(last, axis=-1)
-        if self.keep_dims:
-            total = np.expand_dims(total, axis)
-        return self.to_tensor(total, input.dtype)
+    def make(original):
+        def pairwise_sum(self, input):
+            data = input.handle.data
+            axis = self.axis
+            if axis is None or not np.issubdtype(data.dtype, np.floating) or data.ndim < 2 \
+                    or axis in (-1, data.ndim - 1):
+                return original(self, input)
+            total = np.sum(np.ascontiguousarray(np.moveaxis(data, axis, -1)), axis=-1)
+            if self.keep_dims:
+                total = np.expand_dims(total, axis)
+            return self.to_tensor(total, input.dtype)
+        return pairwise_sum
 
-    pairwise_sum._mhctool_mend = True  # type: ignore[attr-defined]
-    pairwise_sum.__wrapped__ = original  # type: ignore[attr-defined]
-    ReduceOps.sum = pairwise_sum
-    _state["sums_mended"] = True
+    _mend(ReduceOps, "sum", make)
 
 
 @functools.lru_cache(maxsize=1)

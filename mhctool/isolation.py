@@ -14,7 +14,7 @@ Tensors cross the process boundary through one of three transports:
   (one copy into a shared segment; the receiver maps it). The sender's inputs are copied first,
   so code under test never holds mhctool's own tensors;
 - ``host``: every tensor is copied to host shared memory and back to its device (what ``shm``
-  did for CUDA tensors before mhctool 0.x; kept to measure the difference);
+  did for CUDA tensors before it used CUDA IPC; kept to measure the difference);
 - ``file``: tensors are saved with ``torch.save`` into a temporary folder (``/dev/shm`` where it
   exists) and loaded onto the receiver's device.
 
@@ -136,6 +136,8 @@ def _own(t: torch.Tensor, device: str, copy_cuda: bool) -> torch.Tensor:
     if t.is_cuda and str(t.device) == device:
         return t.clone() if copy_cuda else t
     return t.to(device)
+
+
 def _folder() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
@@ -157,9 +159,8 @@ def _cuda_healthy() -> str | None:
         return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
-def _serve(conn, transport: str, folder: str, env: dict | None = None) -> None:  # pragma: no cover - child
+def _serve(conn, transport: str, folder: str) -> None:  # pragma: no cover - runs in the child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
-    os.environ.update(env or {})  # before anything initialises CUDA: the worker's GPU
     from .environment import ensure_triton_mode
     ensure_triton_mode()
     conn.send(("ready", os.getpid()))
@@ -214,7 +215,7 @@ class Worker:
     def _start(self) -> None:
         ctx = tmp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, self.env), daemon=self.daemon)
+        proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder), daemon=self.daemon)
         with _ENVIRON_LOCK:  # the child starts with its variables (thread counts are read at import)
             saved = {k: os.environ.get(k) for k in self.env}
             os.environ.update(self.env)

@@ -148,11 +148,13 @@ def sharded(p: Plan, shard: tuple[int, int] | None) -> Plan:
     return replace(p, cases=p.cases[i - 1::n], shard=shard, planned=[c.case_id for c in p.cases])
 
 
-def poolable(p: Plan) -> bool:
+def check_poolable(p: Plan) -> None:
     """A worker resolves the implementations from the ``--impl`` specs; callables handed to the
-    API (mhctool.testing) exist in this process only."""
-    return all(i.spec is not None or i.name in {x.name for x in registry.resolve_impls(i.kernel, p.specs)}
-               for lst in p.impls.values() for i in lst)
+    API (mhctool.testing) exist in this process only: spreading those is a UsageError."""
+    if not all(i.spec is not None or i.name in {x.name for x in registry.resolve_impls(i.kernel, p.specs)}
+               for lst in p.impls.values() for i in lst):
+        raise UsageError("--workers and --backend ray run implementations named by --impl specs; "
+                         "a Python callable exists in this process only")
 
 
 def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Callable[[], bool] = lambda: False,
@@ -184,9 +186,7 @@ def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Cal
 
 def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address) -> Outcome:
     from . import pool
-    if not poolable(p):
-        raise UsageError("--workers and --backend ray run implementations named by --impl specs; "
-                         "a Python callable exists in this process only")
+    check_poolable(p)
     iso = None if isolation is None else pool.IsolationSettings(isolation.transport, isolation.case_timeout)
     jobs = [pool.Job(c, tuple(p.specs), p.scenario.rule, p.matmul_precision, p.conventions.get(c.kernel),
                      tuple(p.checks), p.repeats, iso) for c in p.cases]

@@ -75,6 +75,15 @@ def parse_workers(value: str | int | None) -> str | int:
     return n
 
 
+def check_backend(backend: str) -> str:
+    """``--backend``: local, or ray where Ray is installed; anything else is a UsageError."""
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown --backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+    if backend == "ray":
+        _ray()  # installed, or one sentence saying how
+    return backend
+
+
 def visible_gpus() -> list[str]:
     """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries for a child."""
     import torch
@@ -141,8 +150,8 @@ def job_timeout(job: Job, impls: int) -> float:
     if job.isolation is not None and job.isolation.case_timeout is not None:
         per = job.isolation.case_timeout
     else:
-        per = isolation.default_timeout(runner.footprint(job.case), job.case.device, external=bool(job.specs)
-                                        and any(":" in s for s in job.specs))
+        per = isolation.default_timeout(runner.footprint(job.case), job.case.device,
+                                        external=any(":" in s for s in job.specs))
     checks = 1 + (job.repeats if job.checks else 0)
     return per * (impls + 2) * checks
 
@@ -180,10 +189,8 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
               ray_address: str | None = None) -> Spread:
     """Run ``jobs`` on ``workers`` processes (``backend`` local) or as Ray tasks; ``impl_names``:
     per job, the (name, backend) pairs that get error rows if its case is lost."""
-    if backend == "ray":
+    if check_backend(backend) == "ray":
         return _run_ray(jobs, impl_names, interrupted, started, finished, ray_address)
-    if backend != "local":
-        raise UsageError(f"unknown --backend {backend!r}; accepted: {', '.join(BACKENDS)}")
     from .isolation import Worker
     from .runner import device_memory
     device = jobs[0].case.device if jobs else "cpu"
@@ -241,7 +248,8 @@ class _Memory:
         self.cond = threading.Condition()
 
     def take(self, place: str, need: float, aborted: Callable[[], bool]) -> float:
-        """Wait until ``need`` bytes fit on ``place`` (``inf``: the device alone); what was taken."""
+        """Wait until ``need`` bytes fit on ``place`` (more than the budget: until the device is
+        free, and keep it alone); what was taken, for :meth:`give`."""
         with self.cond:
             while True:
                 used = self.used.get(place, 0.0)
@@ -254,7 +262,7 @@ class _Memory:
     def give(self, place: str, need: float) -> None:
         with self.cond:
             left = self.used.get(place, 0.0) - need
-            self.used[place] = left if left >= 1.0 else 0.0
+            self.used[place] = left if left >= 1.0 else 0.0  # float sums of byte counts: under a byte is none
             self.cond.notify_all()
 
 

@@ -44,6 +44,7 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -327,6 +328,18 @@ def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1) -> list[dict]:
 _SLICE_KEYS = {"shard", "planned", "units", "interrupted", "cases_run", "cases_planned", "workers", "backend"}
 
 
+class _Slice(NamedTuple):
+    index: int  # I of --shard I/N
+    count: int  # N
+    path: Path
+    table: pa.Table
+    meta: dict
+
+    @property
+    def run(self) -> dict:
+        return self.meta["run"]
+
+
 def merge(paths: list[str | os.PathLike]) -> pa.Table:
     """The report one run would have written, from the reports of its ``--shard I/N`` slices
     (parity or gate): every slice present once, the same settings, rows in the whole run's order
@@ -337,52 +350,50 @@ def merge(paths: list[str | os.PathLike]) -> pa.Table:
     slices = []
     for path in paths:
         table, meta = read(path)
-        run = meta["run"]
         if meta["kind"] not in ("parity", "gate"):
             raise UsageError(f"{path} is a {meta['kind']} report; report merge joins parity and gate reports")
-        shard = str(run.get("shard", ""))
-        i, _, n = shard.partition("/")
+        i, _, n = str(meta["run"].get("shard", "")).partition("/")
         if not (i.isdigit() and n.isdigit()):
             raise UsageError(f"{path} is not a slice of a run (it was written without --shard I/N)")
-        slices.append((int(i), int(n), Path(path), table, meta))
+        slices.append(_Slice(int(i), int(n), Path(path), table, meta))
+    slices.sort(key=lambda sl: sl.index)
     first = slices[0]
-    kind, count = first[4]["kind"], first[1]
-    same = {k: v for k, v in first[4]["run"].items() if k not in _SLICE_KEYS}
+    kind, count = first.meta["kind"], first.count
+    same = {k: v for k, v in first.run.items() if k not in _SLICE_KEYS}
     seen: dict[int, Path] = {}
-    for i, n, path, table, meta in slices:
-        if meta["kind"] != kind or n != count:
-            raise UsageError(f"{path} is slice {i}/{n} of a {meta['kind']} run; {first[2]} is slice "
-                             f"{first[0]}/{count} of a {kind} run")
-        if i in seen:
-            raise UsageError(f"{path} and {seen[i]} are both slice {i}/{n}")
-        seen[i] = path
-        other = {k: v for k, v in meta["run"].items() if k not in _SLICE_KEYS}
-        if other != same or (kind == "parity" and meta["run"].get("planned") != first[4]["run"].get("planned")):
+    for sl in slices:
+        if sl.meta["kind"] != kind or sl.count != count:
+            raise UsageError(f"{sl.path} is slice {sl.index}/{sl.count} of a {sl.meta['kind']} run; {first.path} "
+                             f"is slice {first.index}/{count} of a {kind} run")
+        if sl.index in seen:
+            raise UsageError(f"{sl.path} and {seen[sl.index]} are both slice {sl.index}/{count}")
+        seen[sl.index] = sl.path
+        other = {k: v for k, v in sl.run.items() if k not in _SLICE_KEYS}
+        if other != same or (kind == "parity" and sl.run.get("planned") != first.run.get("planned")):
             diff = sorted(k for k in set(other) | set(same) if other.get(k) != same.get(k)) or ["planned"]
-            raise UsageError(f"{path} is a slice of another run than {first[2]} (settings differ: {', '.join(diff)})")
+            raise UsageError(f"{sl.path} is a slice of another run than {first.path} (settings differ: {', '.join(diff)})")
     missing = [f"{i}/{count}" for i in range(1, count + 1) if i not in seen]
     if missing:
         raise UsageError(f"slice(s) {', '.join(missing)} missing: a merged report has every slice of the run")
-    keyed = []
+    keyed = []  # (position in the whole run, slice, row within the slice, row)
     if kind == "parity":
-        order = {cid: k for k, cid in reversed(list(enumerate(first[4]["run"]["planned"])))}
-        for i, _, _, table, _ in sorted(slices, key=lambda s: s[0]):
-            keyed += [(order.get(r["case_id"], len(order)), i, j, r) for j, r in enumerate(table.to_pylist())]
+        order = {cid: k for k, cid in reversed(list(enumerate(first.run["planned"])))}
+        for sl in slices:
+            keyed += [(order.get(r["case_id"], len(order)), sl.index, j, r) for j, r in enumerate(sl.table.to_pylist())]
     else:
-        for i, _, path, table, meta in sorted(slices, key=lambda s: s[0]):
-            units = meta["run"].get("units") or []
-            if len(units) != table.num_rows:
-                raise UsageError(f"{path}: a gate slice without the units of its rows")
-            keyed += [(u, i, j, r) for j, (u, r) in enumerate(zip(units, table.to_pylist()))]
+        for sl in slices:
+            units = sl.run.get("units") or []
+            if len(units) != sl.table.num_rows:
+                raise UsageError(f"{sl.path}: a gate slice without the units of its rows")
+            keyed += [(u, sl.index, j, r) for j, (u, r) in enumerate(zip(units, sl.table.to_pylist()))]
     keyed.sort(key=lambda t: t[:3])
-    rows = [r for *_, r in keyed]
-    run = {**same, "interrupted": any(s[4]["run"].get("interrupted") for s in slices),
-           "merged_from": [{"shard": f"{s[0]}/{count}", "file": str(s[2]),
-                            "run_id": (s[3].column("run_id")[0].as_py() if s[3].num_rows else None),
-                            "gpu": s[4]["environment"].get("gpu"), "host": s[4]["environment"].get("host")}
-                           for s in sorted(slices, key=lambda s: s[0])]}
+    run = {**same, "interrupted": any(sl.run.get("interrupted") for sl in slices),
+           "merged_from": [{"shard": f"{sl.index}/{count}", "file": str(sl.path),
+                            "run_id": sl.table.column("run_id")[0].as_py() if sl.table.num_rows else None,
+                            "gpu": sl.meta["environment"].get("gpu"), "host": sl.meta["environment"].get("host")}
+                           for sl in slices]}
     if kind == "parity":
-        run |= {"cases_run": sum(int(s[4]["run"].get("cases_run", 0)) for s in slices),
-                "cases_planned": len(first[4]["run"]["planned"])}
-    schema = pa.schema([f for f in first[3].schema])
-    return to_table(rows, new_run_id(), kind, first[4]["environment"], run, schema=schema)
+        run |= {"cases_run": sum(int(sl.run.get("cases_run", 0)) for sl in slices),
+                "cases_planned": len(first.run["planned"])}
+    return to_table([r for *_, r in keyed], new_run_id(), kind, first.meta["environment"], run,
+                    schema=pa.schema(list(first.table.schema)))

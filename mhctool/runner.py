@@ -240,8 +240,11 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     rule = rule or VerdictRule()
     fam = get_family(case.kernel)
     knobs = case.knob_dict
-    shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)
-    base = _cast_inputs(fam, raw, case)
+    def inputs():
+        shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)
+        return shape, _cast_inputs(fam, raw, case)
+
+    shape, base = inputs()
     result = CaseResult(case, shape)
     baselines: dict[tuple, _Baseline] = {}
     references: dict[str, tuple] = {}  # the float64 reference depends on the knobs, not the precision
@@ -282,7 +285,7 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             result.abandoned = True
             return result
         if res.failure is not None:  # a worker that died may have written through the memory it shared
-            base = _cast_inputs(fam, inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)[1], case)
+            _, base = inputs()
             if repro is not None:
                 repro.base = base
         if res.fwd_error:
