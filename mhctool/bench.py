@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from . import inputs as inputs_mod
-from .dtypes import FORMATS
+from .dtypes import FORMATS, fmt_of
 from .errors import UsageError
 from .registry import Family, Impl, get_family
 from .runner import _cast_inputs, _leaf, Case
@@ -209,6 +209,7 @@ class Measurement:
     model_flops: float
     graph: bool
     message: str | None = None
+    inputs: str | None = None  # the input dtypes it was timed at (input_dtypes)
 
     @property
     def median_ms(self) -> float:
@@ -225,6 +226,25 @@ def _inputs(kernel: str, shape: Shape, dtype: str, device: str, seed: int, copie
     return fam, out
 
 
+def used_dtypes(impl: Impl, sets: list[dict], activation: str) -> tuple[list[dict], str | None]:
+    """The input copies at the dtypes ``impl``'s library is used with (its adapter's
+    ``input_dtypes``: ``activation`` is the run's activation dtype), and a note of what changed."""
+    want = {k: FORMATS[activation if v == "activation" else v].torch_dtype
+            for k, v in impl.input_dtypes.items()}
+    changed = [k for k in sets[0] if k in want and sets[0][k] is not None and sets[0][k].dtype != want[k]]
+    if not changed:
+        return sets, None
+    sets = [{k: (t.to(want[k]) if k in changed else t) for k, t in s.items()} for s in sets]
+    dt = sorted({fmt_of(want[k]).name for k in changed})
+    return sets, f"{', '.join(changed)} at {'/'.join(dt)}, as the library is used"
+
+
+def input_dtypes(args: dict) -> str:
+    """``name=dtype`` for each floating input, in call order (``x=bf16,h_pre=fp32``)."""
+    return ",".join(f"{k}={fmt_of(t.dtype).name}" for k, t in args.items()
+                    if t is not None and t.is_floating_point())
+
+
 def _call(fam: Family, impl: Impl, args: dict):
     """``impl`` on ``args``: inputs already in its library's layouts where its adapter converts
     them (:func:`measure` stages them once, so the conversion is never timed)."""
@@ -239,19 +259,24 @@ def isolated_measure(kernel: str, spec: str, name: str, *args) -> Measurement:
 
 
 def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repeats: int,
-            direction: str, graph: bool, l2_bytes: int, seed: int = 0) -> Measurement:
-    dtype = bench_dtype(kernel, dtype)
+            direction: str, graph: bool, l2_bytes: int, seed: int = 0, contract: bool = False) -> Measurement:
+    """``contract``: the inputs at mhctool's contract dtypes even where the implementation's adapter
+    says its library is used with others."""
+    activation, dtype = dtype, bench_dtype(kernel, dtype)
     m = model(kernel, shape, dtype)
     nbytes = m.bytes_fwd if direction == "fwd" else m.bytes_bwd
     # rotate among enough input copies that their bytes exceed 4x the L2 cache
     copies = max(1, min(8, math.ceil(4 * l2_bytes / max(nbytes, 1)))) if device == "cuda" else 1
     fam, sets = _inputs(kernel, shape, dtype, device, seed, copies)
+    sets, used = (sets, None) if contract else used_dtypes(impl, sets, activation)
     base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction, dtype=dtype,
                 shape=str(shape), model_bytes=nbytes,
-                model_flops=m.flops_fwd if direction == "fwd" else m.flops_bwd, graph=graph)
+                model_flops=m.flops_fwd if direction == "fwd" else m.flops_bwd, graph=graph,
+                inputs=input_dtypes(sets[0]))
     if impl.staged is not None:  # the adapter's layout conversion, once per input copy, untimed
         sets = [impl.staged[0](s) for s in sets]
-    note = "the adapter's layout conversion is not timed" if impl.staged is not None else None
+    note = "; ".join(x for x in (used, "the adapter's layout conversion is not timed" if impl.staged is not None
+                                 else None) if x) or None
     timer = Timer(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
@@ -376,7 +401,7 @@ def rows(results, device: str, copy_bw: float, mm_bf16: float, mm_tf32: float) -
     out = []
     for status, kernel, impl, direction, payload, shape, graph in results:
         base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction,
-                    shape=str(shape), device=device)
+                    shape=str(shape), device=device, inputs=None if status == "skip" else payload.inputs)
         if status == "skip" or not payload.times_ms:
             msg = payload if status == "skip" else payload.message
             out.append({**base, "dtype": bench_dtype(kernel, "bf16"), "graph": graph, "metric": "skipped",

@@ -222,6 +222,7 @@ def bench(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Time each implementation in a child process, so a crash or a hang is reported and the others are still timed. Default: on for an external --impl on a GPU or with --case-timeout."),
     case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated measurement may take (default: scaled with the shape)."),
+    input_dtypes: str = typer.Option("library", "--input-dtypes", help="library: each library timed at the input dtypes its adapter says it is used with (Megatron-LM's h_res and h_post in the activations' dtype); contract: every implementation at mhctool's contract dtypes."),
 ):
     """Time kernels against the memory roofline measured in the same run."""
     from . import bench as bench_mod
@@ -230,6 +231,9 @@ def bench(
     report.check_writable(out_path)
     dev = _device(device)
     fmt = parse_dtype(dtype)
+    if input_dtypes not in ("library", "contract"):
+        raise UsageError(f"unknown --input-dtypes {input_dtypes!r}; accepted: library, contract")
+    contract = input_dtypes == "contract"
     kernels = parity_mod.kernels_of(_split([kernel]))
     kinds = {registry.get_family(k).shape_kind for k in kernels}
     if experts is not None:
@@ -304,7 +308,8 @@ def bench(
                     if why:
                         results.append(("skip", k, i, d, why, shp, g))
                     else:
-                        results.append(_bench_one(bench_mod, iso, k, i, shp, fmt.name, dev, repeats, d, g, l2))
+                        results.append(_bench_one(bench_mod, iso, k, i, shp, fmt.name, dev, repeats, d, g, l2,
+                                                  contract))
                     bar.advance(task)
         finally:
             if iso is not None:
@@ -313,7 +318,8 @@ def bench(
     shape_text = ", ".join(dict.fromkeys(str(p[2]) for p in plan))
     settings = {"command": "bench", "shape": shape_text, "dtype": fmt.name, "device": dev, "repeats": repeats,
                 "graph": graphs, "copy_bandwidth_Bps": copy_bw, "matmul_bf16_flops": mm_bf16,
-                "matmul_tf32_flops": mm_tf32, "isolate": iso is not None, "interrupted": interrupts.requested}
+                "matmul_tf32_flops": mm_tf32, "isolate": iso is not None, "input_dtypes": input_dtypes,
+                "interrupted": interrupts.requested}
     table = report.to_table(rows, report.new_run_id(), "bench", environment.metadata(), settings,
                             schema=report.BENCH_SCHEMA)
     path = report.write_atomic(table, out_path)
@@ -331,18 +337,18 @@ def bench(
         raise typer.Exit(130)
 
 
-def _bench_one(bench_mod, iso, k, i, shp, dtype, dev, repeats, d, g, l2) -> tuple:
+def _bench_one(bench_mod, iso, k, i, shp, dtype, dev, repeats, d, g, l2, contract=False) -> tuple:
     """One timed (kernel, implementation, direction): in-process, or in an isolation worker; a
     kernel that fails, crashes or hangs is reported and the others are still timed."""
     if iso is None or i.native:
         try:
-            return ("ok", k, i, d, bench_mod.measure(k, i, shp, dtype, dev, repeats, d, g, l2), shp, g)
+            return ("ok", k, i, d, bench_mod.measure(k, i, shp, dtype, dev, repeats, d, g, l2, 0, contract), shp, g)
         except SystemExit as e:
             return ("skip", k, i, d, f"failed: {isolation.system_exit_message(e)}", shp, g)
         except Exception as e:  # a kernel that fails to run is reported, the rest still run
             return ("skip", k, i, d, f"failed: {runner.short_error(e)}", shp, g)
     value, failure = iso.call(i, "mhctool.bench:isolated_measure",
-                              (k, i.spec or i.name, i.name, shp, dtype, dev, repeats, d, g, l2),
+                              (k, i.spec or i.name, i.name, shp, dtype, dev, repeats, d, g, l2, 0, contract),
                               bench_mod.footprint(k, shp, dtype), dev)
     if failure is not None:
         return ("skip", k, i, d, f"failed: {failure.message}", shp, g)
@@ -356,8 +362,8 @@ def torch_dtype(name: str):
 def _bench_table(rows: list[dict], title: str) -> Table:
     t = Table(title=title)
     shapes = len({r["shape"] for r in rows}) > 1
-    for c in ("kernel", *(("shape",) if shapes else ()), "dir", "impl", "ms", "p10-p90", "GB/s", "% copy", "TFLOP/s",
-              "bound", "host us", "vs eager", "vs compile", "peak MiB", "note"):
+    for c in ("kernel", *(("shape",) if shapes else ()), "dir", "impl", "inputs", "ms", "p10-p90", "GB/s", "% copy",
+              "TFLOP/s", "bound", "host us", "vs eager", "vs compile", "peak MiB", "note"):
         t.add_column(c)
     by = {}
     for r in rows:
@@ -367,7 +373,9 @@ def _bench_table(rows: list[dict], title: str) -> Table:
         note = next((r["message"] for r in m.values() if r.get("message")), "") or ""
         host = g("host_us")
         flag = " [yellow](host-bound)[/]" if note and "host-bound" in note else ""
-        t.add_row(k, *((shp,) if shapes else ()), d, _short_impl(i) + (" (graph)" if graphed else ""), _fmt(g("time_ms")),
+        inputs = next((r.get("inputs") for r in m.values() if r.get("inputs")), None)
+        t.add_row(k, *((shp,) if shapes else ()), d, _short_impl(i) + (" (graph)" if graphed else ""),
+                  _short_inputs(inputs), _fmt(g("time_ms")),
                   f"{_fmt(g('time_ms_p10'))}-{_fmt(g('time_ms_p90'))}" if g("time_ms") is not None else "-",
                   _fmt(g("gbps")), _fmt(g("pct_copy_bw")), _fmt(g("tflops")),
                   next((r["bound"] for r in m.values() if r.get("bound")), "-"), _fmt(host) + flag,
@@ -375,6 +383,19 @@ def _bench_table(rows: list[dict], title: str) -> Table:
                   _fmt(g("peak_bytes") / 2**20 if g("peak_bytes") is not None and g("peak_bytes") == g("peak_bytes") else None),
                   note)
     return t
+
+
+def _short_inputs(text: str | None) -> str:
+    """``x=bf16,h_pre=fp32,y=bf16`` -> ``bf16; fp32 h_pre``: the commonest dtype alone, then the
+    others with their inputs (the report's ``inputs`` column has them all)."""
+    if not text:
+        return "-"
+    by: dict = {}
+    for part in text.split(","):
+        name, _, dt = part.partition("=")
+        by.setdefault(dt, []).append(name)
+    common = max(by, key=lambda dt: len(by[dt]))
+    return "; ".join([common] + [f"{dt} {' '.join(names)}" for dt, names in by.items() if dt != common])
 
 
 def _bench_totals(bench_mod, rows: list[dict]) -> list[Table]:

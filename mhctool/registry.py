@@ -275,6 +275,9 @@ class Impl:
     # (stage, fn) where an adapter converts layouts: stage(inputs) -> the inputs in the library's
     # layouts, fn takes those (bench times fn alone; parity calls ``fn`` of the Impl, which converts)
     staged: tuple | None = None
+    # input name -> "activation" or a format name: the dtypes a library is used with where they
+    # differ from the contract's (declared by its adapter; bench times it at these)
+    input_dtypes: dict = field(default_factory=dict)
     _fn: Callable | None = None
 
     @property

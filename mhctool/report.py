@@ -51,7 +51,8 @@ import pyarrow.parquet as pq
 
 from .errors import UsageError
 
-SCHEMA_VERSION = 1
+# 2: bench reports gained ``inputs`` (the input dtypes each row was timed at)
+SCHEMA_VERSION = 2
 
 SCHEMA = pa.schema([
     ("run_id", pa.string()), ("scenario", pa.string()), ("case_id", pa.string()),
@@ -69,12 +70,15 @@ SCHEMA = pa.schema([
 # time_ms_p10, time_ms_p90, gbps (model bytes / median time), pct_copy_bw (of the copy bandwidth
 # measured in the same run), tflops, host_us (CPU time per call, no sync), peak_bytes, saved_bytes
 # (what autograd keeps for backward), speedup_vs_torch, speedup_vs_compile. ``bound`` says which
-# ceiling applies (memory or compute); the ceilings are in the ``mhctool.run`` metadata.
+# ceiling applies (memory or compute); the ceilings are in the ``mhctool.run`` metadata. ``dtype``
+# is the run's dtype for the kernel (fp32 for Sinkhorn's mapping path); ``inputs`` (schema 2) the
+# dtype of each floating input as timed, ``name=dtype`` in call order (a library's adapter may
+# state other dtypes than the contract's: ``h_res=bf16``); null on skipped rows.
 BENCH_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("kernel", pa.string()), ("impl", pa.string()), ("backend", pa.string()),
     ("direction", pa.string()), ("dtype", pa.string()), ("shape", pa.string()), ("device", pa.string()),
     ("graph", pa.bool_()), ("metric", pa.string()), ("value", pa.float64()), ("bound", pa.string()),
-    ("message", pa.string()),
+    ("message", pa.string()), ("inputs", pa.string()),
 ])
 
 

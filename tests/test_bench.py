@@ -204,3 +204,44 @@ def test_bench_prints_the_whole_path(tmp_path):
     shown = runner.invoke(app, ["report", "show", str(tmp_path / "b.parquet")])  # the same tables, from the report
     assert shown.exit_code == 0, shown.output
     assert "h_post_bda" in shown.output and "the whole mHC path" in shown.output
+
+
+def test_a_library_is_timed_at_the_dtypes_it_is_used_with(tmp_path):
+    """Megatron's HyperConnectionModule hands fused_h_post_bda h_res and h_post in the activations'
+    dtype (and its output follows h_res's): bench times it so, says so, and every row names the
+    input dtypes; ``--input-dtypes contract`` times it at mhctool's contract dtypes instead."""
+    spec = f"megatron:{IMPLS / 'megatron_pr3828'}"
+    out = tmp_path / "b.parquet"
+    inputs = {}
+    for mode in ("library", "contract"):
+        res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "3x2x4x40", "--kernel", "h_aggregate,h_post_bda",
+                                  "--impl", f"triton,{spec}", "--repeats", "3", "--direction", "fwd",
+                                  "--input-dtypes", mode, "-o", str(out)], terminal_width=250)
+        assert res.exit_code == 0, res.output
+        table, meta = report.read(out)
+        assert meta["run"]["input_dtypes"] == mode
+        rows = [r for r in table.to_pylist() if r["metric"] == "time_ms"]
+        inputs[mode] = {(r["kernel"], r["impl"].split("[")[0]): r["inputs"] for r in rows}
+        notes = {(r["kernel"], r["impl"].split("[")[0]): r["message"] or "" for r in rows}
+        assert all(r["inputs"] for r in rows)  # every timed row says its input dtypes
+        if mode == "library":
+            assert "h_res, h_post at bf16, as the library is used" in notes["h_post_bda", "megatron"]
+            assert "h_pre at bf16" in notes["h_aggregate", "megatron"]
+        else:
+            assert "as the library is used" not in "".join(notes.values())
+    assert inputs["library"]["h_post_bda", "megatron"] == "h_res=bf16,x=bf16,h_post=bf16,y=bf16,bias=bf16"
+    assert inputs["contract"]["h_post_bda", "megatron"] == "h_res=fp32,x=bf16,h_post=fp32,y=bf16,bias=bf16"
+    assert inputs["library"]["h_aggregate", "megatron"] == "x=bf16,h_pre=bf16"
+    # mhctool's own kernels are timed at the contract's dtypes either way
+    assert inputs["library"]["h_post_bda", "triton"] == inputs["contract"]["h_post_bda", "triton"] \
+        == "h_res=fp32,x=bf16,h_post=fp32,y=bf16,bias=bf16"
+    res = runner.invoke(app, ["bench", "--device", "cpu", "--shape", "3x2x4x40", "--kernel", "h_aggregate",
+                              "--input-dtypes", "mine", "-o", str(out)])
+    assert res.exit_code == 2 and "unknown --input-dtypes" in res.output
+
+
+def test_the_table_shows_input_dtypes_compactly():
+    from mhctool.cli import _short_inputs
+    assert _short_inputs("h_res=fp32,x=bf16,h_post=fp32,y=bf16,bias=bf16") == "bf16; fp32 h_res h_post"
+    assert _short_inputs("logits=fp32") == "fp32"
+    assert _short_inputs(None) == "-"

@@ -10,8 +10,9 @@ An adapter is a module (or any object with these attributes) that defines:
 A :class:`Binding` states, for one public function, the family it implements, how mhctool's
 inputs (in the family's call order) become its arguments and how its outputs come back (``call``:
 permutes, pads, split scalars happen there, outside the library's own code), the family knobs it
-takes, the conventions it computes and the matmul precision it computes at. The library's code is
-called unchanged.
+takes, the conventions it computes, the matmul precision it computes at and, where they differ
+from mhctool's contract, the dtypes its inputs have where it is used (bench times it at those).
+The library's code is called unchanged.
 
 Where mhctool finds adapters, first match wins:
 
@@ -60,6 +61,10 @@ class Binding:
     # input name -> its conversion to the library's layout; ``call`` takes the converted tensors.
     # Conversions run outside the library's code, and bench runs them outside the timed region
     layouts: dict = field(default_factory=dict)
+    # input name -> the dtype the library is used with where that differs from mhctool's contract:
+    # ``"activation"`` (the run's activation dtype) or a format name (fp32, bf16, fp16). bench times
+    # the library at these (parity keeps the contract's dtypes, which its reference is built on)
+    dtypes: dict = field(default_factory=dict)
 
 
 def _entry_points() -> dict:
@@ -154,7 +159,8 @@ def impls(spec: str, kernel: str) -> list:
         out.append(Impl(impl_name, kernel, "external", _bound(module, b, kernel), devices=b.devices,
                         precision=b.precision, default=False, conventions=dict(b.conventions), spec=spec,
                         adapter=name, limit=b.limit, requires=lambda why=b.unavailable: why,
-                        staged=_staged(module, b, kernel) if b.layouts else None))
+                        staged=_staged(module, b, kernel) if b.layouts else None,
+                        input_dtypes=dict(b.dtypes)))
     return out
 
 

@@ -14,6 +14,14 @@ Two generations are recognised by their public functions:
 
 The cuTile projections of both generations multiply in TF32, forward and backward: those kernels
 are judged under the TF32 contract.
+
+Where it is used, Megatron's ``HyperConnectionModule`` hands ``fused_h_aggregate`` its ``h_pre`` and
+``fused_h_post_bda`` its ``h_res`` and ``h_post`` in the activations' dtype, not fp32: PR 3828's
+``fused_proj_rms`` returns ``proj`` and ``r`` in ``x``'s dtype and ``_compute_h`` keeps them there
+(its parameters are bf16 under ``Float16Module``); dev's ``compute_mappings`` ends with
+``h_pre.to(dtype), h_post.to(dtype), h_res.to(dtype)``. ``fused_h_post_bda`` writes its output in
+``h_res``'s dtype, so fed fp32 ones it writes twice the bytes. ``USED_DTYPES`` says so; bench times
+the kernels at those dtypes (parity keeps the contract's).
 """
 from __future__ import annotations
 
@@ -27,6 +35,11 @@ MODULE = "megatron.core.fusions.fused_mhc_kernels"
 
 def load(target: str):
     return load_path_or_module(target, MODULE, "fused_mhc_kernels.py")
+
+
+# the inputs HyperConnectionModule passes in the activations' dtype (both generations)
+USED_DTYPES = {"h_aggregate": {"h_pre": "activation"},
+               "h_post_bda": {"h_res": "activation", "h_post": "activation"}}
 
 
 def _sinkhorn(m, logits, iters=20, eps=1e-6):
@@ -103,4 +116,5 @@ def recognise(m) -> tuple[str, list[Binding]]:
     # Megatron's own module launches CUDA kernels (cuTile, Triton) whatever the inputs' device; a
     # plain-PyTorch module with its signatures runs anywhere
     devices = ("cuda",) if hasattr(m, "is_cutile_available") else ("cpu", "cuda")
-    return generation, [replace(b, unavailable=why, devices=devices) for b in found]
+    return generation, [replace(b, unavailable=why, devices=devices, dtypes=USED_DTYPES.get(b.family, {}))
+                        for b in found]

@@ -22,10 +22,10 @@ def fused_h_aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
 
 def fused_h_post_bda(h_res: Tensor, original_residual: Tensor, h_post: Tensor, x: Tensor,
                      bias: Optional[Tensor]) -> Tensor:
-    """Returns the dtype of h_res (fp32), as PR 3828's does."""
+    """Returns the dtype of h_res, as PR 3828's does (fp32 ones: an fp32 output)."""
     branch = x.float() if bias is None else x.float() + bias.float()
     mixed = torch.einsum("sbij,sbjc->sbic", h_res.float(), original_residual.float())
-    return mixed + h_post.float().unsqueeze(-1) * branch.unsqueeze(-2)
+    return (mixed + h_post.float().unsqueeze(-1) * branch.unsqueeze(-2)).to(h_res.dtype)
 
 
 class _ProjRms(torch.autograd.Function):
