@@ -8,7 +8,7 @@ copy bandwidth measured in the same process for the bytes that must move, and th
 relative difference to the generic kernel (h_post_bda: float64 gradients at this shape would need
 30 GB) or to float64 (proj_rms). Best last.
 
-    python3 dev/bwd_sweep.py [h_post_bda|proj_rms|cutile|cutile_fwd|tf32|all] [--limit SECONDS]
+    python3 dev/bwd_sweep.py [h_post_bda|proj_rms|cutile|cutile_fwd|tf32|packed|all] [--limit SECONDS]
 """
 from __future__ import annotations
 
@@ -203,8 +203,51 @@ def sweep_tf32(bw: float, deadline: float) -> None:
            [(64, 128, 8, 4, 2), (64, 128, 16, 4, 2)], _errors(want), nbytes, bw, deadline)
 
 
+def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
+    """The Triton bf16 backward (over the packed gradient, issue 42) at candidate tiles, beside
+    cuTile's where it runs: each variant checked once against float64, then timed in paired rounds
+    (every variant once a round, the order reversed every other round); the median of each
+    variant's ratio to the shipped tile and its median time. (The unpacked kernel it replaced took
+    2.17-2.26 ms on an H100 in the same rounds: docs/perf-notes.md, twentieth session.)"""
+    x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
+    variants = {}
+    for cfg in TILES.get("packed") or [pr.LOWP_TILE, (128, 128, 4, 8, 3), (64, 128, 7, 4, 4), (64, 128, 8, 4, 4),
+                                       (128, 128, 4, 8, 4), (64, 64, 8, 4, 4)]:
+        variants[f"triton {cfg}"] = lambda cfg=cfg: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg)
+    try:
+        from kernels.cutile import proj_rms as cpr
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        variants[f"cutile {cpr.BWD_TILE}"] = lambda: (cpr.backward_into(x, w, gp, gr, r, rms, dx, dw), (dx, dw))[1]
+    except Exception as ex:  # noqa: BLE001 - no cuTile here: the Triton variants alone
+        print(f"  (cuTile not timed: {type(ex).__name__}: {str(ex)[:100]})", flush=True)
+    ok = {}
+    for name, fn in variants.items():
+        if time.time() > deadline:
+            break
+        try:
+            err = _errors(want)(fn())
+            ok[name] = fn
+            print(f"  {name}: {err}", flush=True)
+        except Exception as ex:  # noqa: BLE001 - a tile that does not compile is a line
+            print(f"  {name}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+    times = {name: [] for name in ok}
+    for i in range(rounds):
+        if time.time() > deadline:
+            break
+        for name in (list(ok) if i % 2 == 0 else list(ok)[::-1]):
+            times[name].append(timed(ok[name]))
+    base = times[next(iter(ok))]
+    res = []
+    for name, ts in times.items():
+        if ts:
+            ratios = sorted(t / b for t, b in zip(ts, base))
+            res.append((sorted(ts)[len(ts) // 2], name, ratios[len(ratios) // 2]))
+    for ms, name, ratio in sorted(res, reverse=True):
+        _line(f"{name} x{ratio:.3f} of the first", ms, nbytes, bw)
+
+
 SWEEPS = {"h_post_bda": sweep_h_post_bda, "proj_rms": sweep_proj_rms, "cutile": sweep_cutile,
-          "cutile_fwd": sweep_cutile_fwd, "tf32": sweep_tf32}
+          "cutile_fwd": sweep_cutile_fwd, "tf32": sweep_tf32, "packed": sweep_packed}
 
 
 def main() -> None:

@@ -155,7 +155,7 @@ sweep)
   ;;
 bwd)
   # issue 20: the h_post_bda and proj_rms backward tiles (Triton, cuTile) side by side, one process
-  python3 dev/bwd_sweep.py all --limit "${BWD_LIMIT:-480}" 2>&1 | tee "$out/bwd.log"
+  python3 dev/bwd_sweep.py "${BWD_WHAT:-all}" --limit "${BWD_LIMIT:-480}" 2>&1 | tee "$out/bwd.log"
   ;;
 bench)
   # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is

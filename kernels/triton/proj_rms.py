@@ -5,7 +5,8 @@ The mapping path is fp32 whatever the activation dtype. With bf16 (or fp16) x an
 runs on tensor cores in that dtype: the products are exact in fp32 and accumulate in fp32 (one
 fresh accumulator per K chunk), so the result is an fp32 product of the upcast inputs; in the
 backward the fp32 upstream gradient is split into two bf16 pieces for the same tensor cores
-(``_proj_rms_bwd_lowp``).
+(``_proj_rms_bwd_packed``, after ``_pack_grad`` has put each token's gradient and dx's factor of
+x into one fp32 row).
 Operands that are fp32 multiply as IEEE fp32 (see ``_precision``); so does everything under the
 interpreter, whose bf16 ``tl.dot`` is unreliable.
 
@@ -135,39 +136,58 @@ def _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K):
 
 
 @triton.jit
-def _proj_rms_bwd_lowp(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
-                       NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr = False):
-    """bf16 (fp16) x and W on tensor cores: ``dx = g W`` with the row block as its M, and the
-    split's ``dW += g^T x`` with x straight from its load as the product's B operand. x and W are
-    exact in their dtype; the fp32 upstream gradient goes in as two pieces of that dtype (16
-    significant bits for bf16), past what a bf16 (fp16) dx or dW keeps: a third piece, as in the
-    first version, changed no kept bit and cost 8% (docs/perf-notes.md). Keeping dW transposed
-    (``x^T g``, so that the product's M is the K block) was 40% slower at the best tile of each.
-    ``ROUND`` (the TF32 variant): the gradient rounded to TF32 first. Its 11 significant bits are
-    exactly the two pieces' (bf16: 8 + 3; fp16: 11 + 0) and x and W are exact in TF32, so every
-    product is the TF32 product, at this kernel's speed: a TF32 tensor-core product of fp32
-    operands (``_proj_rms_bwd``) took 3.0 ms at the paper shape on an H100 at its best tile."""
-    sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
-    dw = tl.zeros([NP, BLOCK_K], dtype=tl.float32)
-    zero = tl.zeros([NP, BLOCK_K], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant
+def _pack_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, gc_ptr, M, K, N, NG: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The packed backward's per-token operand, one fp32 row of NG a token: ``g_proj`` in columns
+    [0, N), dx's factor of x (``_coef``) in column N, zeros past it. The backward then loads one
+    contiguous 128-byte row a token (at NG = 32) instead of a 24-wide row and three scalars."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, NG)
+    rmask = rows < M
+    g = tl.load(gp_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N),
+                other=0.0)
+    coef = _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K)
+    packed = tl.where(cols[None, :] == N, coef[:, None], g)
+    tl.store(gc_ptr + rows.to(tl.int64)[:, None] * NG + cols[None, :], packed, mask=rmask[:, None])
+
+
+@triton.jit
+def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, M, K, N, NG: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                         STAGES: tl.constexpr, ROUND: tl.constexpr = False):
+    """bf16 (fp16) x and W on tensor cores, from the packed gradient (``_pack_grad``): for its K
+    block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
+    The fp32 gradient goes in as two pieces of x's dtype (16 significant bits for bf16, past what a
+    bf16 dx or dW keeps). dW is accumulated transposed, ``x^T g`` (``[BLOCK_K, NG]``): the product's
+    M is the K block, which the tensor cores' warpgroup products take (``g^T x`` has M = NG = 32,
+    below their 64). The factor's column is zeroed before the products (it multiplies W's zero
+    padding row, but a non-finite factor would turn that into NaN). ``ROUND`` (the TF32 variant):
+    the gradient rounded to TF32 first (11 significant bits: the two pieces hold it exactly)."""
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    cols = tl.arange(0, NG)
+    w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
+    sp = tl.program_id(1)
+    dwt = tl.zeros([BLOCK_K, NG], dtype=tl.float32)
+    zero = tl.zeros([BLOCK_K, NG], dtype=tl.float32) + (M * 0.0)  # not a compile-time constant (see _dot)
     for mb in tl.range(sp, tl.cdiv(M, BLOCK_M), SPLIT, num_stages=STAGES):
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         mask = rmask[:, None] & kmask[None, :]
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
         xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        gp = tl.load(gp_ptr + rows[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N), other=0.0)
-        coef = _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K)
+        g = tl.load(gc_ptr + rows.to(tl.int64)[:, None] * NG + cols[None, :], mask=rmask[:, None], other=0.0)
+        coef = tl.sum(tl.where(cols[None, :] == N, g, 0.0), axis=1)
+        g = tl.where(cols[None, :] < N, g, 0.0)
         if ROUND:
-            gp = round_tf32(gp)
-        g_hi = gp.to(xl.dtype)
-        g_lo = (gp - g_hi.to(tl.float32)).to(xl.dtype)
+            g = round_tf32(g)
+        g_hi = g.to(xl.dtype)
+        g_lo = (g - g_hi.to(tl.float32)).to(xl.dtype)
         prod = tl.dot(g_hi, w, tl.dot(g_lo, w))
-        dw += tl.dot(tl.trans(g_hi), xl, tl.dot(tl.trans(g_lo), xl, zero))  # a fresh accumulator per chunk (see _dot)
+        xt = tl.trans(xl)
+        dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
+    tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
 
 def _precision(tf32: bool = False) -> str:
@@ -211,11 +231,13 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
     return proj, r, rms
 
 
-# the bf16 (fp16) backward's tile, fixed (BLOCK_M, BLOCK_K, SPLIT, warps, stages): the fastest
-# timed at the paper shape on an H100 (dev/bwd_sweep.py, docs/perf-notes.md: 2.19 ms against 3.08
-# for the eighth session's tile); SPLIT decides the order of dW's sum over row blocks, so it is not
-# timed per token count
-LOWP_TILE = (64, 128, 8, 4, 2)
+# the bf16 (fp16) backward's tile, fixed (BLOCK_M, BLOCK_K, SPLIT, warps, stages): among the fastest
+# in paired rounds at the paper shape on an H100 (dev/bwd_sweep.py packed, docs/perf-notes.md
+# twentieth session: 1.57-1.59 ms against 2.17-2.26 for the unpacked kernel before it); SPLIT decides
+# the order of dW's sum over row blocks, so it is not timed per token count. PACK_M: tokens a
+# program of the gradient's packing
+LOWP_TILE = (128, 128, 8, 8, 4)
+PACK_M = 128
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False):
@@ -248,9 +270,12 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         bm, bk, split, warps, stages = tile_ or LOWP_TILE
         split, ws = workspace(bm, split)
         if M:
-            _proj_rms_bwd_lowp[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
-                                                           NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                           STAGES=stages, ROUND=tf32, num_warps=warps)
+            ng = max(16, next_pow2(N + 1))
+            gc = empty((M, ng), torch.float32, x2d.device)
+            _pack_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, gc, M, K, N, NG=ng, BLOCK_M=PACK_M)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, dx, ws, M, K, N, NG=ng, BLOCK_M=bm,
+                                                             BLOCK_K=bk, SPLIT=split, STAGES=stages, ROUND=tf32,
+                                                             num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
 
     def run(cfg):
