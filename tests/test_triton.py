@@ -493,3 +493,56 @@ def test_kernel_exp_is_accurate_far_from_zero():
     assert torch.equal(g[special], w32[special])
     rest = ~special & ~w.isnan()
     assert ((g[rest] - w[rest]).abs() <= 4 * 2.0**-24 * w[rest]).all(), (g[rest], w[rest])
+
+
+@pytest.mark.parametrize("lowp", [False, True])
+def test_proj_rms_backward_adds_another_gradient_of_x_in_its_pass(lowp):
+    """``add``: dx includes another gradient of x, added in fp32 before dx's one rounding, through
+    the generic kernel and the packed tensor-core one (forced on fp32 operands: exact pieces), at
+    odd sizes with NaN-poisoned outputs."""
+    m, k, n = 70, 300, 24
+    x, w = torch.randn(m, k), torch.randn(n, k) / k ** 0.5
+    _, r, rms = tpr.proj_rms_forward(x, w)
+    gp, gr, extra = torch.randn(m, n), torch.randn(m), torch.randn(m, k)
+    with poisoning():
+        gx, gw = tpr.proj_rms_backward(x, w, r, rms, gp, gr, lowp=lowp, add=extra)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    rp, rr = ref.proj_rms(xd, wd)
+    rx, rw = torch.autograd.grad((rp, rr), (xd, wd), (gp.double(), gr.double()))
+    for a, b_ in ((gx, rx + extra.double()), (gw, rw)):
+        assert torch.isfinite(a).all()
+        assert ((a.double() - b_).abs().max() / b_.abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="add must be like x2d"):
+        tpr.proj_rms_backward(x, w, r, rms, gp, gr, add=extra[:, :5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mix_aggregate_one_function_matches_float64_and_the_composition(dtype):
+    """mix_aggregate's own backward (the aggregation's part of dx added inside the projection's
+    pass) against the float64 composite, and against the same kernels composed by autograd."""
+    from mhctool.kernels.triton import mix_aggregate as tmix
+    s, b, n, c = 5, 3, 4, 37  # 15 tokens, K = 148: no tile multiple
+    x = torch.randn(s, b, n, c).to(dtype)
+    weight = (torch.randn(n * n + 2 * n, n * c) / (n * c) ** 0.5).to(dtype)
+    alpha, h_bias = torch.tensor([0.8, 1.1, 0.9]), 0.1 * torch.randn(n * n + 2 * n)
+    ups = [torch.randn(s, b, c).to(dtype), torch.randn(s, b, n), torch.randn(s, b, n, n)]
+
+    def grads(fn, cast):
+        leaves = [t.detach().to(cast(t)).requires_grad_() for t in (x, weight, alpha, h_bias)]
+        outs = fn(*leaves)
+        return outs, torch.autograd.grad(outs, leaves, [u.to(o.dtype) for u, o in zip(ups, outs)])
+
+    with poisoning():
+        outs, got = grads(tmix.mix_aggregate, lambda t: t.dtype)
+
+    def composed(x_, w_, a_, hb_):
+        h_pre, h_post, h_res = tmix.mapping_sinkhorn(x_, w_, a_, hb_)
+        return tha.h_aggregate(x_, h_pre), h_post, h_res
+    _, comp = grads(composed, lambda t: t.dtype)
+    _, want = grads(ref.mix_aggregate, lambda t: torch.float64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, g, c_, w_ in zip(("x", "weight", "alpha", "h_bias"), got, comp, want):
+        assert torch.isfinite(g).all(), name
+        scale = w_.abs().max()
+        assert (g.double() - w_).abs().max() / scale < tol, name
+        assert (g.double() - c_.double()).abs().max() / scale < tol, name

@@ -95,12 +95,12 @@ def _bwd_block(w_ptr, K, N, NP: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, M, K, N,
+def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, add_ptr, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr, HAS_ADD: tl.constexpr = False):
     """fp32 operands (and everything under the interpreter): products at ``PREC``; ``ROUND`` (the
     TF32 variant): their operands rounded to TF32 first (the gradient, W and x; the RMS term takes
-    x as it is)."""
+    x as it is). ``HAS_ADD``: another gradient of x (``add_ptr``, x's layout) added to dx in fp32."""
     sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
     w = w.to(tl.float32)
     if ROUND:
@@ -121,6 +121,8 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         part = tl.dot(tl.trans(gp), xm, zero, input_precision=PREC)
         prod = tl.dot(gp, w, input_precision=PREC)
         dx = prod + coef[:, None] * x
+        if HAS_ADD:
+            dx += tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += part
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
@@ -151,9 +153,9 @@ def _pack_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, gc_ptr, M, K, N, NG: tl.constexpr
 
 
 @triton.jit
-def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, M, K, N, NG: tl.constexpr,
+def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, add_ptr, M, K, N, NG: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         STAGES: tl.constexpr, ROUND: tl.constexpr = False):
+                         STAGES: tl.constexpr, ROUND: tl.constexpr = False, HAS_ADD: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the packed gradient (``_pack_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient goes in as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -161,7 +163,9 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, M, K, N, NG: tl.c
     M is the K block, which the tensor cores' warpgroup products take (``g^T x`` has M = NG = 32,
     below their 64). The factor's column is zeroed before the products (it multiplies W's zero
     padding row, but a non-finite factor would turn that into NaN). ``ROUND`` (the TF32 variant):
-    the gradient rounded to TF32 first (11 significant bits: the two pieces hold it exactly)."""
+    the gradient rounded to TF32 first (11 significant bits: the two pieces hold it exactly).
+    ``HAS_ADD``: another gradient of x (``add_ptr``, x's layout) added to dx in fp32 before its one
+    rounding (mix_aggregate's aggregation gradient: no separate pass adding the two)."""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NG)
@@ -186,6 +190,8 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, M, K, N, NG: tl.c
         xt = tl.trans(xl)
         dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
+        if HAS_ADD:
+            dx += tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
@@ -240,14 +246,19 @@ LOWP_TILE = (128, 128, 8, 8, 4)
 PACK_M = 128
 
 
-def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False):
+def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
+                      add=None):
     """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
     Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
     indexing through the interpreter. ``tile_``: (BLOCK_M, BLOCK_K, SPLIT, warps, stages) for
     sweeps, of whichever kernel runs (default: ``LOWP_TILE``, or the generic kernel's timed
     pick). ``tf32``: the TF32 variant, products of operands rounded to TF32 (bf16/fp16 ones
-    through the two-piece kernel, exact there; fp32 ones through ``_proj_rms_bwd``)."""
+    through the two-piece kernel, exact there; fp32 ones through ``_proj_rms_bwd``). ``add``: another
+    gradient of x (``x2d``'s shape) that dx includes, added in fp32 in the same pass."""
     weight = _check(x2d, weight)
+    if add is not None and (add.shape != x2d.shape or add.device != x2d.device):
+        raise ValueError(f"proj_rms_backward's add must be like x2d {tuple(x2d.shape)}; got {tuple(add.shape)}")
+    add_arg = x2d if add is None else add.contiguous()
     M, K = x2d.shape
     N = weight.shape[0]
     grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
@@ -273,18 +284,18 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
             ng = max(16, next_pow2(N + 1))
             gc = empty((M, ng), torch.float32, x2d.device)
             _pack_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, gc, M, K, N, NG=ng, BLOCK_M=PACK_M)
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, dx, ws, M, K, N, NG=ng, BLOCK_M=bm,
-                                                             BLOCK_K=bk, SPLIT=split, STAGES=stages, ROUND=tf32,
-                                                             num_warps=warps)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, dx, ws, add_arg, M, K, N, NG=ng,
+                                                             BLOCK_M=bm, BLOCK_K=bk, SPLIT=split, STAGES=stages,
+                                                             ROUND=tf32, HAS_ADD=add is not None, num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
 
     def run(cfg):
         bm, bk, split, warps, stages = (*cfg, 3)[:5]  # 3: Triton's default pipelining depth
         split, ws = workspace(bm, split)
-        _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, M, K, N,
+        _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, add_arg, M, K, N,
                                                    NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                   PREC=_precision(tf32), ROUND=tf32, num_warps=warps,
-                                                   num_stages=stages)
+                                                   PREC=_precision(tf32), ROUND=tf32, HAS_ADD=add is not None,
+                                                   num_warps=warps, num_stages=stages)
         return ws
 
     # (64, 128, 8, 4, 2): two stages; the TF32 products at the paper shape took 3.0 ms with them and
