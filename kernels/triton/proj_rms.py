@@ -244,6 +244,9 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
 # program of the gradient's packing
 LOWP_TILE = (128, 128, 8, 8, 4)
 PACK_M = 128
+# pipeline stages where another gradient of x is added (``add``): four stages of the x and added
+# tiles need 280 KB of shared memory at LOWP_TILE, past the 227 KB of an H100 or H200
+ADD_STAGES = 3
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
@@ -279,6 +282,8 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
 
     if lowp:
         bm, bk, split, warps, stages = tile_ or LOWP_TILE
+        if add is not None and tile_ is None:
+            stages = min(stages, ADD_STAGES)  # the added gradient's tiles take shared memory too
         split, ws = workspace(bm, split)
         if M:
             ng = max(16, next_pow2(N + 1))
