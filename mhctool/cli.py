@@ -21,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import clikit, environment, isolation, registry, report, runner
+from . import clikit, environment, isolation, registry, report, runner, sharded
 from . import parity as parity_mod
 from . import cli_identify
 from .cli_stability import stability_app
@@ -133,6 +133,8 @@ def parity(
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only the I-th of N deterministic slices of the cases (a CI matrix, a Slurm array); join the reports with mhctool report merge."),
     backend: str = typer.Option("local", "--backend", help="local (worker processes here) or ray: one Ray task per case (needs pip install ray)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to join (ray.init's address; default: a local one)."),
+    ranks: int = typer.Option(1, "--ranks", help="Split each case's tokens over R processes joined by torch.distributed (Gloo on the CPU, NCCL on GPUs, a GPU a rank), the parameter gradients all-reduced, as under data or sequence parallelism; the native baseline runs the same way."),
+    grad_reduce: str = typer.Option("fp32", "--grad-reduce", help="With --ranks: the dtype the parameter gradients are all-reduced in: fp32, or bf16 (as --grad-reduce-in-bf16 trains)."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
     report.check_writable(out_path)
@@ -147,6 +149,10 @@ def parity(
     pl = parity_mod.sharded(pl, parity_mod.parse_shard(shard))
     cases = pl.cases
     n_workers, backend = clikit.spread_for(workers, backend, dev, pl)
+    pl.sharding = sharded.parse(ranks, grad_reduce, sorted({c.kernel for c in pl.cases}), dev)
+    if pl.sharding is not None and (n_workers > 1 or backend != "local" or pl.checks):
+        raise UsageError("--ranks runs each case over its own processes: it takes neither --workers, "
+                         "--backend ray nor --check")
 
     show = not quiet and out.is_terminal
     interrupts = clikit.Interrupts()
@@ -161,6 +167,8 @@ def parity(
         finally:
             if iso is not None:
                 iso.close()
+            if pl.sharding is not None:
+                pl.sharding.close()
     done = o.cases_run
     table = parity_mod.table(pl, o, kernel=kernel, device=dev, isolate=iso is not None,
                              case_timeout=case_timeout, workers=n_workers, backend=backend)

@@ -34,6 +34,7 @@ class Plan:
     repeats: int = 3  # runs in all for the determinism check
     shard: tuple[int, int] | None = None  # (I, N): this run is the I-th of N slices of the cases
     planned: list[str] | None = None  # with a shard: every case id of the whole run, in order
+    sharding: object | None = None  # sharded.Sharding: the tokens split over ranks (--ranks)
 
 
 @dataclass
@@ -174,7 +175,7 @@ def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Cal
         if progress:
             progress(c)
         res = runner.run_case(c, p.impls[c.kernel], p.scenario.rule, p.matmul_precision, isolation,
-                              p.conventions.get(c.kernel), p.checks, p.repeats)
+                              p.conventions.get(c.kernel), p.checks, p.repeats, p.sharding)
         if res.abandoned:  # cut short by the interrupt: not a finished case
             break
         rows.extend(res.rows)
@@ -208,7 +209,8 @@ def settings(p: Plan, o: Outcome, **extra) -> dict:
             "conventions": p.conventions, "checks": list(p.checks), "repeats_determinism": p.repeats,
             "adapters": sorted({i.adapter for lst in p.impls.values() for i in lst if i.adapter}),
             "interrupted": o.interrupted, "cases_run": o.cases_run, "cases_planned": len(p.cases),
-            **({"shard": f"{p.shard[0]}/{p.shard[1]}", "planned": p.planned} if p.shard else {}), **extra}
+            **({"shard": f"{p.shard[0]}/{p.shard[1]}", "planned": p.planned} if p.shard else {}),
+            **(p.sharding.row() if p.sharding is not None else {}), **extra}
 
 
 def table(p: Plan, o: Outcome, **extra) -> pa.Table:

@@ -1,6 +1,7 @@
 """Rows <-> Parquet: the versioned long-format schema, environment metadata, atomic writes.
 
-Schema version 1 (one row per case x implementation x direction x tensor x metric):
+Schema version 2 (one row per case x implementation x direction x tensor x metric; version 1
+had every column but the last two):
 
 | column     | type    | meaning                                                             |
 |------------|---------|---------------------------------------------------------------------|
@@ -31,6 +32,8 @@ Schema version 1 (one row per case x implementation x direction x tensor x metri
 | rule       | string  | which rule decided (``kappa=2 x native``, ``dtype floor``, ``reduction floor``, |
 |            |         | ``determinism``, ``batch-invariance``, ...)                         |
 | message    | string  | error or skip reason                                                |
+| ranks      | int64   | ``--ranks``: processes the tokens were split over (null: one)       |
+| grad_reduce| string  | ``--grad-reduce``: the parameter gradients' all-reduce dtype        |
 
 File metadata: ``mhctool.schema_version``, ``mhctool.kind`` (parity, ...), ``mhctool.environment``
 (JSON: GPU, driver, torch, triton, cuda.tile, mhctool version, git commit) and ``mhctool.run``
@@ -51,7 +54,8 @@ import pyarrow.parquet as pq
 
 from .errors import UsageError
 
-# 2: bench reports gained ``inputs`` (the input dtypes each row was timed at)
+# 2: bench reports gained ``inputs`` (the input dtypes each row was timed at); parity reports gained
+# ``ranks`` and ``grad_reduce`` (``--ranks``; null in a one-process run)
 SCHEMA_VERSION = 2
 
 SCHEMA = pa.schema([
@@ -62,7 +66,7 @@ SCHEMA = pa.schema([
     ("seed", pa.int64()), ("device", pa.string()), ("direction", pa.string()),
     ("tensor", pa.string()), ("metric", pa.string()), ("value", pa.float64()),
     ("threshold", pa.float64()), ("passed", pa.bool_()), ("rule", pa.string()),
-    ("message", pa.string()),
+    ("message", pa.string()), ("ranks", pa.int64()), ("grad_reduce", pa.string()),
 ])
 
 

@@ -228,7 +228,8 @@ def native_at(kernel: str, precision: str) -> Impl:
 
 def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
              matmul_precision: str = "ieee", isolation: "Isolation | None" = None,
-             conventions: dict | None = None, checks: tuple[str, ...] = (), repeats: int = 3) -> CaseResult:
+             conventions: dict | None = None, checks: tuple[str, ...] = (), repeats: int = 3,
+             sharding=None) -> CaseResult:
     """Run every implementation of ``impls`` on one case; the native one always runs (baseline).
 
     With ``isolation``, every implementation but the native one runs in a worker process. An
@@ -236,7 +237,9 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     ``conventions`` from ``--convention``): the float64 reference and the native baseline it is
     judged against compute the same convention. ``checks`` (:data:`repro.CHECKS`): also compare
     bits across ``repeats`` runs (determinism) and across batch sizes (batch invariance), for
-    every implementation and the float64 reference."""
+    every implementation and the float64 reference. ``sharding`` (:class:`sharded.Sharding`):
+    every implementation, the native baseline too, runs on the case's tokens split over ranks, its
+    parameter gradients all-reduced (:mod:`mhctool.sharded`)."""
     rule = rule or VerdictRule()
     fam = get_family(case.kernel)
     knobs = case.knob_dict
@@ -252,9 +255,18 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     def baseline(precision: str, eff: dict) -> "_Baseline":
         knobs_key = json.dumps(eff, sort_keys=True, default=str)
         if (precision, knobs_key) not in baselines:
-            baselines[precision, knobs_key] = make_baseline(fam, case, base, eff, precision, references, knobs_key)
+            baselines[precision, knobs_key] = make_baseline(fam, case, base, eff, precision, references, knobs_key,
+                                                            sharding=sharding)
         return baselines[precision, knobs_key]
 
+    if sharding is not None:
+        from . import sharded
+        few = sharded.too_few_tokens(case.kernel, base, sharding)
+        if few:
+            result.rows.append({**_row_base(case, shape, native_impl(case.kernel), "ieee", knobs, sharding),
+                                "direction": "fwd", "tensor": "*", "metric": "unsupported", "value": math.nan,
+                                "threshold": None, "passed": None, "rule": "unsupported", "message": few})
+            return result
     nat_base = baseline("ieee", knobs)
     nat = nat_base.native
     repro = _Repro(fam, case, shape, base, nat_base, checks, repeats) if checks else None
@@ -266,7 +278,7 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
         declared = impl.precision_on(case.device)
         prec = matmul_precision if external and declared == "ieee" else declared
         eff = {**knobs, **impl.conventions, **(conventions or {})} if external else knobs
-        row_base = _row_base(case, shape, impl, prec, eff)
+        row_base = _row_base(case, shape, impl, prec, eff, sharding)
         why = (impl.unsupported(case.device, case.dtype) or (impl.limit and impl.limit(shape))
                or _knob_gap(fam, impl, eff, set(impl.conventions) | set(conventions or {}) if external else set()))
         if why:
@@ -277,6 +289,10 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
         judged = baseline(prec, eff)
         if impl.native:
             res = nat
+        elif sharding is not None:
+            from . import sharded
+            res = sharded.run(case.kernel, impl, base, eff, judged.upstream, sharding, case.device,
+                              _sharded_timeout(case, external), expect=output_specs(nat.outputs))
         elif isolation is not None:
             res = isolation.run(case, impl, base, eff, judged.upstream, output_specs(nat.outputs))
         else:
@@ -483,7 +499,7 @@ def upstream_for(fam: Family, outputs: list, seed: int) -> list:
 
 def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str = "ieee",
                   references: dict | None = None, knobs_key: str = "", native_impl_: Impl | None = None,
-                  reference=None) -> _Baseline:
+                  reference=None, sharding=None) -> _Baseline:
     """The native run and the float64 reference of one case under ``knobs``; ``references`` caches
     the reference by ``knobs_key`` across precisions. ``native_impl_`` and ``reference``: other
     native and float64 functions of the family's signature (mhctool identify's variants that are
@@ -494,6 +510,14 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
     if native.fwd_error or native.outputs is None:
         raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
     upstream = upstream_for(fam, native.outputs, case.seed)  # seeded from shapes: the same at every precision
+    if sharding is not None:  # the baseline is the native implementation sharded the same way
+        from . import sharded
+        native = sharded.run(case.kernel, native_impl_ or native_at(case.kernel, precision), base, knobs, upstream,
+                             sharding, case.device, _sharded_timeout(case), native_precision=precision,
+                             expect=output_specs(native.outputs))
+        if native.fwd_error or native.bwd_error:
+            raise RuntimeError(f"the native {case.kernel} failed on {case.family} over {sharding.ranks} ranks: "
+                               f"{native.fwd_error or native.bwd_error}")
     if knobs_key not in references:
         ref_outs, ref_grads = run_reference(fam, base, knobs, upstream, reference)
         term_scale = {}
@@ -504,6 +528,11 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
     b = _Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
     b.native_metrics = b.measured(native)
     return b
+
+
+def _sharded_timeout(case: Case, external: bool = False) -> float:
+    from .isolation import default_timeout
+    return default_timeout(footprint(case), case.device, external)
 
 
 @dataclass
@@ -601,10 +630,11 @@ def _knob_gap(fam: Family, impl: Impl, knobs: dict, declared: set = frozenset())
     return None
 
 
-def _row_base(case: Case, shape: Shape, impl: Impl, precision: str, knobs: dict) -> dict:
+def _row_base(case: Case, shape: Shape, impl: Impl, precision: str, knobs: dict, sharding=None) -> dict:
     return {
         "scenario": case.scenario, "case_id": case.case_id, "kernel": case.kernel,
         "impl": impl.name, "backend": impl.backend, "precision": precision,
         "family": case.family, "dtype": case.dtype, "dtype_out": None, "shape": str(shape),
         "knobs": json.dumps(knobs, sort_keys=True), "seed": case.seed, "device": case.device,
+        **(sharding.row() if sharding is not None else {}),
     }

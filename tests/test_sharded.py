@@ -1,0 +1,131 @@
+"""``parity --ranks R --grad-reduce fp32|bf16`` on the CPU: the tokens split over R processes
+joined by Gloo, the parameter gradients all-reduced, judged against the whole batch's float64
+reference beside the native implementation sharded the same way."""
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mhctool import inputs as inputs_mod
+from mhctool import runner, sharded
+from mhctool.cli import app
+from mhctool.registry import get_family, native_impl
+from mhctool.shapes import parse_shape_for
+
+IMPLS = Path(__file__).resolve().parent / "impls"
+cli = CliRunner()
+
+# 7 x 2 tokens: x2d has 14 rows (R = 3: 5, 5, 4), the 4-D x 7 along s (R = 3: 3, 2, 2)
+SCENARIO = """name = "ranks"
+[[cases]]
+kernel = "{kernel}"
+shapes = ["7x2x4x45"]
+dtypes = ["fp32", "bf16"]
+families = ["random"]
+"""
+
+
+def _scenario(tmp_path, kernels):
+    path = tmp_path / "ranks.toml"
+    path.write_text("\n".join(SCENARIO.format(kernel=k) if i == 0 else SCENARIO.format(kernel=k).split("\n", 1)[1]
+                              for i, k in enumerate(kernels)))
+    return path
+
+
+@pytest.mark.parametrize("ranks,reduce", [(2, "fp32"), (3, "bf16")])
+def test_sharded_parity_of_the_mapping_path_passes_with_every_parameter_gradient_judged(tmp_path, ranks, reduce):
+    out = tmp_path / "r.parquet"
+    res = cli.invoke(app, ["parity", "--scenario", str(_scenario(tmp_path, ["proj_rms", "mapping", "mix_aggregate"])),
+                           "--impl", "triton", "--device", "cpu", "--ranks", str(ranks), "--grad-reduce", reduce,
+                           "-o", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out).to_pylist()
+    assert {(r["ranks"], r["grad_reduce"]) for r in rows} == {(ranks, reduce)}
+    judged = {(r["kernel"], r["impl"], r["tensor"]) for r in rows if r["passed"] is not None and r["direction"] == "bwd"}
+    for kernel, params in (("proj_rms", ["grad_weight"]), ("mapping", ["grad_weight", "grad_alpha", "grad_h_bias"]),
+                           ("mix_aggregate", ["grad_weight", "grad_alpha", "grad_h_bias"])):
+        for impl in ("torch", "triton"):
+            assert {(kernel, impl, p) for p in params} <= judged, (kernel, impl)
+    meta = pq.read_schema(out).metadata
+    assert b'"ranks": %d' % ranks in meta[b"mhctool.run"]
+
+
+def _native_case(kernel, shape="7x2x4x45", dtype="fp32"):
+    case = runner.Case(kernel, "random", dtype, parse_shape_for("mhc", shape), (), 0, "cpu")
+    fam = get_family(kernel)
+    _, raw = inputs_mod.generate(kernel, "random", case.shape, case.seed, {})
+    base = runner.cast_inputs(fam, raw, dtype, "cpu")
+    nat = runner.run_impl(fam, native_impl(kernel), base, {}, lambda outs: runner.upstream_for(fam, outs, 0))
+    return fam, base, runner.upstream_for(fam, nat.outputs, 0), nat
+
+
+def test_the_ranks_partials_are_all_reduced_in_the_asked_dtype():
+    """Two ranks: each parameter gradient is the sum of the two slices' own gradients, added in the
+    reduce dtype (one addition: the same bits as adding them here); the outputs and x's gradient
+    are the slices' put back in order. One group of rank processes serves both dtypes."""
+    fam, base, ups, _ = _native_case("mapping")
+    parts = []
+    for r in range(2):
+        cut = {k: (torch.tensor_split(v, 2)[r] if k == "x2d" else v) for k, v in base.items()}
+        parts.append(runner.run_impl(fam, native_impl("mapping"), cut, {},
+                                     lambda outs, r=r: [torch.tensor_split(u, 2)[r] for u in ups]))
+    s = sharded.Sharding(2, "fp32")
+    try:
+        for reduce in ("fp32", "bf16"):
+            s.reduce = reduce
+            got = sharded.run("mapping", native_impl("mapping"), base, {}, ups, s, "cpu", 120)
+            assert got.fwd_error is None and got.bwd_error is None
+            dt = sharded.REDUCE_DTYPES[reduce]
+            for k in ("weight", "alpha", "h_bias"):
+                want = parts[0].grads[k].to(dt) + parts[1].grads[k].to(dt)
+                assert got.grads[k].dtype == dt and torch.equal(got.grads[k], want), (reduce, k)
+            assert torch.equal(got.grads["x2d"], torch.cat([p.grads["x2d"] for p in parts]))
+            for o, a, b in zip(got.outputs, parts[0].outputs, parts[1].outputs):
+                assert torch.equal(o, torch.cat([a, b]))
+            if reduce == "bf16":  # the bf16 sum is really bf16: not the fp32 one
+                exact = parts[0].grads["weight"].float() + parts[1].grads["weight"].float()
+                assert not torch.equal(got.grads["weight"].float(), exact)
+    finally:
+        s.close()
+
+
+def test_a_rank_that_dies_is_a_failed_row_and_the_next_case_still_runs(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('name = "dies"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["9x2x4x1", "5x2x4x1"]\n'
+                    'dtypes = ["fp32"]\nfamilies = ["random"]\n')
+    out = tmp_path / "r.parquet"
+    res = cli.invoke(app, ["parity", "--scenario", str(path), "--kernel", "sinkhorn",
+                           "--impl", f"{IMPLS / 'process.py'}:sinkhorn_os_exit",
+                           "--device", "cpu", "--ranks", "2", "-o", str(out), "--quiet"])
+    assert res.exit_code == 1, res.output
+    rows = pq.read_table(out).to_pylist()
+    errors = [r for r in rows if r["metric"] == "error" and r["direction"] == "fwd"]
+    assert len(errors) == 2 and all("ended without a result" in r["message"] for r in errors)
+    assert all(r["rule"] == "crashed" for r in errors)
+    # the native baseline of both cases ran over two ranks (the group was started again)
+    assert {r["case_id"] for r in rows if r["impl"] == "torch" and r["passed"]} == {r["case_id"] for r in errors}
+
+
+def test_more_ranks_than_token_rows_is_an_unsupported_row(tmp_path):
+    out = tmp_path / "r.parquet"
+    res = cli.invoke(app, ["parity", "--kernel", "mix_aggregate", "--impl", "torch", "--device", "cpu", "--shape",
+                           "3x2x4x45", "--dtype", "fp32", "--ranks", "4", "-o", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    msgs = {r["message"] for r in pq.read_table(out).to_pylist() if r["metric"] == "unsupported"}
+    assert any("4 ranks need at least 4 token rows; this case has 3" in (m or "") for m in msgs), msgs
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ranks", "0"], "at least 1"),
+    (["--ranks", "2", "--grad-reduce", "fp16"], "unknown --grad-reduce"),
+    (["--ranks", "2", "--kernel", "swiglu"], "not swiglu"),
+    (["--ranks", "2", "--workers", "2"], "takes neither --workers"),
+    (["--ranks", "2", "--check", "determinism"], "takes neither --workers"),
+])
+def test_bad_ranks_options_exit_2(tmp_path, args, needle):
+    base = [] if "--kernel" in args else ["--kernel", "proj_rms"]
+    res = cli.invoke(app, ["parity", *base, "--device", "cpu", *args, "-o", str(tmp_path / "r.parquet")])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
