@@ -1,4 +1,4 @@
-"""Triton mix_aggregate backward at the paper shape (bf16): ADD_STAGES 2 against 3 in paired rounds
+"""Triton mix_aggregate backward at the paper shape (bf16): AGG_STAGES 2 against 3 in paired rounds
 (events, median of 10 a round).  python3 dev/mix_sweep.py"""
 import sys, torch
 sys.path.insert(0, ".")
@@ -20,6 +20,6 @@ def timed(fn,reps=10):
 res={}
 for r in range(5):
     for st in ([2,3] if r%2==0 else [3,2]):
-        pr.ADD_STAGES=st
+        pr.AGG_STAGES=st
         res.setdefault(st,[]).append(timed(bwd))
-for st,ts in res.items(): print("ADD_STAGES",st,"median ms",sorted(ts)[len(ts)//2],flush=True)
+for st,ts in res.items(): print("AGG_STAGES",st,"median ms",sorted(ts)[len(ts)//2],flush=True)

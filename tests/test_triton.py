@@ -495,25 +495,38 @@ def test_kernel_exp_is_accurate_far_from_zero():
     assert ((g[rest] - w[rest]).abs() <= 4 * 2.0**-24 * w[rest]).all(), (g[rest], w[rest])
 
 
-@pytest.mark.parametrize("lowp", [False, True])
-def test_proj_rms_backward_adds_another_gradient_of_x_in_its_pass(lowp):
-    """``add``: dx includes another gradient of x, added in fp32 before dx's one rounding, through
-    the generic kernel and the packed tensor-core one (forced on fp32 operands: exact pieces), at
-    odd sizes with NaN-poisoned outputs."""
-    m, k, n = 70, 300, 24
-    x, w = torch.randn(m, k), torch.randn(n, k) / k ** 0.5
+@pytest.mark.parametrize("lowp,n,c", [(False, 4, 75), (True, 4, 75), (True, 3, 37), (False, 2, 200)])
+def test_proj_rms_backward_adds_the_aggregation_gradient_in_its_pass(lowp, n, c):
+    """``agg``: dx also holds ``h_pre[t, i] * grad_out[t, c]`` at column ``i * C + c``, added in
+    fp32 before dx's one rounding, through the generic kernel and the packed tensor-core one
+    (forced on fp32 operands: exact pieces); K blocks that span several streams (C < 128) or cut
+    one (C = 200), odd token counts, NaN-poisoned outputs."""
+    m, k = 70, n * c
+    nh = n * n + 2 * n
+    x, w = torch.randn(m, k), torch.randn(nh, k) / k ** 0.5
     _, r, rms = tpr.proj_rms_forward(x, w)
-    gp, gr, extra = torch.randn(m, n), torch.randn(m), torch.randn(m, k)
+    gp, gr = torch.randn(m, nh), torch.randn(m)
+    h_pre, g_out = torch.rand(m, n), torch.randn(m, c)
     with poisoning():
-        gx, gw = tpr.proj_rms_backward(x, w, r, rms, gp, gr, lowp=lowp, add=extra)
+        gx, gw = tpr.proj_rms_backward(x, w, r, rms, gp, gr, lowp=lowp, agg=(h_pre, g_out))
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     rp, rr = ref.proj_rms(xd, wd)
     rx, rw = torch.autograd.grad((rp, rr), (xd, wd), (gp.double(), gr.double()))
-    for a, b_ in ((gx, rx + extra.double()), (gw, rw)):
+    term = (h_pre.double()[:, :, None] * g_out.double()[:, None, :]).reshape(m, k)
+    for a, b_ in ((gx, rx + term), (gw, rw)):
         assert torch.isfinite(a).all()
         assert ((a.double() - b_).abs().max() / b_.abs().max()) < 1e-5
-    with pytest.raises(ValueError, match="add must be like x2d"):
-        tpr.proj_rms_backward(x, w, r, rms, gp, gr, add=extra[:, :5])
+    with pytest.raises(ValueError, match="agg takes h_pre"):
+        tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=(h_pre, g_out[:, :5]))
+
+
+def test_h_aggregate_backward_without_grad_x_gives_the_same_grad_h():
+    x, h = torch.randn(5, 3, 4, 67), torch.rand(5, 3, 4)
+    g = torch.randn(5, 3, 67)
+    with poisoning():
+        dx, dh = tha.h_aggregate_backward(x, h, g)
+        none, dh_only = tha.h_aggregate_backward(x, h, g, write_dx=False)
+    assert none is None and torch.equal(dh, dh_only)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -34,7 +34,9 @@ def _h_aggregate_fwd(x_ptr, h_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr
 
 @triton.jit
 def _h_aggregate_bwd(x_ptr, h_ptr, g_ptr, dx_ptr, dh_ptr, C, N: tl.constexpr, NP: tl.constexpr,
-                     BLOCK_C: tl.constexpr):
+                     BLOCK_C: tl.constexpr, WRITE_DX: tl.constexpr = True):
+    """grad_h_pre, and with ``WRITE_DX`` grad_x (without, x and the gradient are read, nothing but
+    grad_h_pre written: mix_aggregate's projection backward adds grad_x's term itself)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NP)
     h = tl.load(h_ptr + t * N + j, mask=j < N, other=0.0).to(tl.float32)
@@ -45,13 +47,15 @@ def _h_aggregate_bwd(x_ptr, h_ptr, g_ptr, dx_ptr, dh_ptr, C, N: tl.constexpr, NP
         g = tl.load(g_ptr + t * C + c, mask=c < C, other=0.0).to(tl.float32)
         offs = t * N * C + j[:, None] * C + c[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + offs, cast(h[:, None] * g[None, :], dx_ptr.dtype.element_ty), mask=mask)
+        if WRITE_DX:
+            tl.store(dx_ptr + offs, cast(h[:, None] * g[None, :], dx_ptr.dtype.element_ty), mask=mask)
         acc += tl.sum(x * g[None, :], axis=1)
     tl.store(dh_ptr + t * N + j, cast(acc, dh_ptr.dtype.element_ty), mask=j < N)
 
 
 _fwd_tuned = triton.autotune(_configs(), key=["C", "N"])(_h_aggregate_fwd)
 _bwd_tuned = triton.autotune(_configs(), key=["C", "N"], reset_to_zero=[])(_h_aggregate_bwd)
+_bwd_h_tuned = triton.autotune(_configs(), key=["C", "N"], reset_to_zero=[])(_h_aggregate_bwd)  # grad_h_pre alone
 
 
 def _block(C: int) -> dict:
@@ -81,18 +85,21 @@ def h_aggregate_forward(x, h_pre):
     return out
 
 
-def h_aggregate_backward(x, h_pre, grad_out):
+def h_aggregate_backward(x, h_pre, grad_out, write_dx: bool = True):
+    """``(grad_x, grad_h_pre)``; without ``write_dx`` grad_x is None (mix_aggregate's backward
+    computes it inside the projection's)."""
     x, h_pre = _check(x, h_pre)
     grad_out = grad_out.contiguous()
     s, b, n, C = x.shape
     T = s * b
-    dx = empty(x.shape, x.dtype, x.device)
+    dx = empty(x.shape, x.dtype, x.device) if write_dx else None
     dh = empty(h_pre.shape, h_pre.dtype, x.device)
     if T:
+        args = (x, h_pre, grad_out, x if dx is None else dx, dh, C)
         if interpreted():
-            _h_aggregate_bwd[(T,)](x, h_pre, grad_out, dx, dh, C, N=n, NP=next_pow2(n), **_block(C))
+            _h_aggregate_bwd[(T,)](*args, N=n, NP=next_pow2(n), WRITE_DX=write_dx, **_block(C))
         else:
-            _bwd_tuned[(T,)](x, h_pre, grad_out, dx, dh, C, N=n, NP=next_pow2(n))
+            (_bwd_tuned if write_dx else _bwd_h_tuned)[(T,)](*args, N=n, NP=next_pow2(n), WRITE_DX=write_dx)
     return dx, dh
 
 

@@ -131,8 +131,9 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False):
     return (pre, post, logits), (proj, r, rms)
 
 
-def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = False, add=None):
-    """dx, dW, d_alpha, d_bias; ``add``: another gradient of x that dx includes (proj_rms_backward)."""
+def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = False, agg=None):
+    """dx, dW, d_alpha, d_bias; ``agg``: the aggregation's gradient of x that dx includes too
+    (proj_rms_backward)."""
     n, weight, alpha, h_bias = _check(x2d, weight, alpha, h_bias)
     proj, r, rms = saved
     M, N = proj.shape
@@ -149,7 +150,7 @@ def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = Fals
         _compute_h_bwd[(nb,)](proj, r, alpha, h_bias, g_pre, g_post, g_log, dproj, dr, ws_a, ws_b, M, N,
                               n=n, NP=max(16, next_pow2(N)), BLOCK_M=bm, num_warps=4)
     d_alpha, d_bias = sum_rows_pair((ws_a, alpha.dtype, alpha.shape, False), (ws_b, h_bias.dtype, h_bias.shape, False))
-    dx, dw = proj_rms_backward(x2d, weight, r, rms, dproj, dr, tf32=tf32, add=add)
+    dx, dw = proj_rms_backward(x2d, weight, r, rms, dproj, dr, tf32=tf32, agg=agg)
     return dx, dw, d_alpha, d_bias
 
 

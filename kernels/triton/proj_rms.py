@@ -95,12 +95,12 @@ def _bwd_block(w_ptr, K, N, NP: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, add_ptr, M, K, N,
+def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr, HAS_ADD: tl.constexpr = False):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr, NS: tl.constexpr = 0):
     """fp32 operands (and everything under the interpreter): products at ``PREC``; ``ROUND`` (the
     TF32 variant): their operands rounded to TF32 first (the gradient, W and x; the RMS term takes
-    x as it is). ``HAS_ADD``: another gradient of x (``add_ptr``, x's layout) added to dx in fp32."""
+    x as it is). ``NS`` > 0: the aggregation's gradient of x added to dx (``_agg_term``)."""
     sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
     w = w.to(tl.float32)
     if ROUND:
@@ -121,8 +121,8 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         part = tl.dot(tl.trans(gp), xm, zero, input_precision=PREC)
         prod = tl.dot(gp, w, input_precision=PREC)
         dx = prod + coef[:, None] * x
-        if HAS_ADD:
-            dx += tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if NS > 0:
+            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += part
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
@@ -153,9 +153,24 @@ def _pack_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, gc_ptr, M, K, N, NG: tl.constexpr
 
 
 @triton.jit
-def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, add_ptr, M, K, N, NG: tl.constexpr,
+def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """mix_aggregate's aggregation part of x's gradient on a ``[rows, k]`` tile of x2d (columns k =
+    stream * C + channel): ``h_pre[t, stream] * grad_out[t, channel]``, in fp32. The stream of a
+    column is picked from the row's NS weights by a select per stream (a block may span several)."""
+    st = k // C
+    go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
+    hp = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for s in tl.static_range(NS):
+        hs = tl.load(hp_ptr + rows * NS + s, mask=rmask, other=0.0)
+        hp = tl.where(st[None, :] == s, hs[:, None], hp)
+    return hp * go.to(tl.float32)
+
+
+@triton.jit
+def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N, NG: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         STAGES: tl.constexpr, ROUND: tl.constexpr = False, HAS_ADD: tl.constexpr = False):
+                         STAGES: tl.constexpr, ROUND: tl.constexpr = False, NS: tl.constexpr = 0):
     """bf16 (fp16) x and W on tensor cores, from the packed gradient (``_pack_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient goes in as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -164,8 +179,9 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, add_ptr, M, K, N,
     below their 64). The factor's column is zeroed before the products (it multiplies W's zero
     padding row, but a non-finite factor would turn that into NaN). ``ROUND`` (the TF32 variant):
     the gradient rounded to TF32 first (11 significant bits: the two pieces hold it exactly).
-    ``HAS_ADD``: another gradient of x (``add_ptr``, x's layout) added to dx in fp32 before its one
-    rounding (mix_aggregate's aggregation gradient: no separate pass adding the two)."""
+    ``NS`` > 0 (n streams): mix_aggregate's aggregation gradient of x (``_agg_term``: ``h_pre`` and
+    the aggregate's upstream gradient ``grad_out``) added to dx in fp32 before its one rounding, so
+    that no pass writes that gradient and no other adds the two."""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NG)
@@ -190,8 +206,8 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, add_ptr, M, K, N,
         xt = tl.trans(xl)
         dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
-        if HAS_ADD:
-            dx += tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if NS > 0:
+            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
@@ -244,24 +260,30 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
 # program of the gradient's packing
 LOWP_TILE = (128, 128, 8, 8, 4)
 PACK_M = 128
-# pipeline stages where another gradient of x is added (``add``): four stages of the x and added
-# tiles need 280 KB of shared memory at LOWP_TILE, past the 227 KB of an H100 or H200
-ADD_STAGES = 3
+# pipeline stages with mix_aggregate's aggregation term (``agg``): four stages of the x and
+# grad_out-sized tiles need 280 KB of shared memory at LOWP_TILE, past the 227 KB of an H100 or H200
+AGG_STAGES = 3
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
-                      add=None):
+                      agg=None):
     """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
     Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
     indexing through the interpreter. ``tile_``: (BLOCK_M, BLOCK_K, SPLIT, warps, stages) for
     sweeps, of whichever kernel runs (default: ``LOWP_TILE``, or the generic kernel's timed
     pick). ``tf32``: the TF32 variant, products of operands rounded to TF32 (bf16/fp16 ones
-    through the two-piece kernel, exact there; fp32 ones through ``_proj_rms_bwd``). ``add``: another
-    gradient of x (``x2d``'s shape) that dx includes, added in fp32 in the same pass."""
+    through the two-piece kernel, exact there; fp32 ones through ``_proj_rms_bwd``). ``agg``:
+    ``(h_pre [M, n], grad_out [M, C])`` with n * C = K: dx also holds the aggregation's gradient
+    of x, ``h_pre[t, i] * grad_out[t, c]`` at column ``i * C + c``, added in fp32 in the same pass
+    (mix_aggregate's backward)."""
     weight = _check(x2d, weight)
-    if add is not None and (add.shape != x2d.shape or add.device != x2d.device):
-        raise ValueError(f"proj_rms_backward's add must be like x2d {tuple(x2d.shape)}; got {tuple(add.shape)}")
-    add_arg = x2d if add is None else add.contiguous()
+    ns, c_agg, hp_arg, go_arg = 0, 1, x2d, x2d
+    if agg is not None:
+        hp_arg, go_arg = agg[0].float().contiguous(), agg[1].contiguous()
+        ns, c_agg = hp_arg.shape[-1], go_arg.shape[-1]
+        if hp_arg.shape != (x2d.shape[0], ns) or go_arg.shape != (x2d.shape[0], c_agg) or ns * c_agg != x2d.shape[1]:
+            raise ValueError(f"proj_rms_backward's agg takes h_pre [M, n] and grad_out [M, C] with n * C = K for "
+                             f"x2d {tuple(x2d.shape)}; got {tuple(hp_arg.shape)} and {tuple(go_arg.shape)}")
     M, K = x2d.shape
     N = weight.shape[0]
     grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
@@ -282,24 +304,24 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
 
     if lowp:
         bm, bk, split, warps, stages = tile_ or LOWP_TILE
-        if add is not None and tile_ is None:
-            stages = min(stages, ADD_STAGES)  # the added gradient's tiles take shared memory too
+        if agg is not None and tile_ is None:
+            stages = min(stages, AGG_STAGES)  # grad_out's tiles take shared memory too
         split, ws = workspace(bm, split)
         if M:
             ng = max(16, next_pow2(N + 1))
             gc = empty((M, ng), torch.float32, x2d.device)
             _pack_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, gc, M, K, N, NG=ng, BLOCK_M=PACK_M)
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, dx, ws, add_arg, M, K, N, NG=ng,
-                                                             BLOCK_M=bm, BLOCK_K=bk, SPLIT=split, STAGES=stages,
-                                                             ROUND=tf32, HAS_ADD=add is not None, num_warps=warps)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, dx, ws, hp_arg, go_arg, c_agg, M, K, N,
+                                                             NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+                                                             STAGES=stages, ROUND=tf32, NS=ns, num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
 
     def run(cfg):
         bm, bk, split, warps, stages = (*cfg, 3)[:5]  # 3: Triton's default pipelining depth
         split, ws = workspace(bm, split)
-        _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, add_arg, M, K, N,
-                                                   NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                   PREC=_precision(tf32), ROUND=tf32, HAS_ADD=add is not None,
+        _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, hp_arg, go_arg,
+                                                   c_agg, M, K, N, NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+                                                   PREC=_precision(tf32), ROUND=tf32, NS=ns,
                                                    num_warps=warps, num_stages=stages)
         return ws
 
