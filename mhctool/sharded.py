@@ -6,11 +6,12 @@ rank computes its partial sum, and the partials are all-reduced, in fp32 or, whe
 gradients in bf16 (Megatron-LM's ``--grad-reduce-in-bf16``), in bf16. A one-process check never
 sees that sum.
 
-:func:`run` runs one implementation on one case that way: R processes (spawned for the case),
-joined by ``torch.distributed`` (Gloo on the CPU, NCCL on GPUs, one GPU a rank); rank r takes the
-r-th of R slices of the tokens (``torch.tensor_split`` along the first axis of the token inputs:
-uneven where R does not divide it), runs the implementation forward and backward with its slice of
-the upstream gradients, and all-reduces each parameter gradient (a sum) in the asked dtype. The
+:func:`run` runs one implementation on one case that way: R processes (started once for the run
+and serving every case), joined by ``torch.distributed`` (Gloo on the CPU, NCCL on GPUs, one GPU a
+rank); rank r takes the r-th of R slices of the tokens (``torch.tensor_split`` along the first axis
+of the token inputs: uneven where R does not divide it), runs the implementation forward and
+backward with its slice of the upstream gradients, and all-reduces each parameter gradient (a sum)
+in the asked dtype. The
 outputs and the token inputs' gradients are each rank's slice, put back in rank order; the
 parameter gradients are the reduced ones. The runner judges that against the float64 reference of
 the whole batch, with the native implementation run the same sharded way as the baseline, so the
@@ -18,14 +19,13 @@ verdict rule asks whether the kernel's partials plus the reduction stay within k
 partials plus the same reduction.
 
 A rank's process that dies or hangs is a failed row (the case's time limit), as in isolation; the
-others are stopped.
+others are stopped, and the next case starts R new ones.
 """
 from __future__ import annotations
 
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 
 import torch
 
