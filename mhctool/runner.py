@@ -291,8 +291,8 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             res = nat
         elif sharding is not None:
             from . import sharded
-            res = sharded.run(case.kernel, impl, base, eff, judged.upstream, sharding, case.device,
-                              _sharded_timeout(case, external), expect=output_specs(nat.outputs))
+            res = sharded.run(case.kernel, impl, base, eff, judged.upstream, sharding, _sharded_timeout(case, external),
+                              expect=output_specs(nat.outputs))
         elif isolation is not None:
             res = isolation.run(case, impl, base, eff, judged.upstream, output_specs(nat.outputs))
         else:
@@ -513,7 +513,7 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
     if sharding is not None:  # the baseline is the native implementation sharded the same way
         from . import sharded
         native = sharded.run(case.kernel, native_impl_ or native_at(case.kernel, precision), base, knobs, upstream,
-                             sharding, case.device, _sharded_timeout(case), native_precision=precision,
+                             sharding, _sharded_timeout(case), native_precision=precision,
                              expect=output_specs(native.outputs))
         if native.fwd_error or native.bwd_error:
             raise RuntimeError(f"the native {case.kernel} failed on {case.family} over {sharding.ranks} ranks: "

@@ -217,8 +217,8 @@ def _rank_job(rank: int, ranks: int, device: str, job: dict) -> dict:
     return out
 
 
-def run(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sharding, device: str,
-        timeout: float, native_precision: str | None = None, expect: list | None = None):
+def run(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sharding, timeout: float,
+        native_precision: str | None = None, expect: list | None = None):
     """``impl`` (or, with ``native_precision``, the native implementation at that precision) on the
     case's tokens split over ``sharding.ranks`` processes; an :class:`runner.ImplResult` of the
     whole batch (outputs and token gradients joined, parameter gradients all-reduced). ``expect``:
@@ -233,7 +233,7 @@ def run(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sh
     if parts is None:
         sharding.close()
         return ImplResult(fwd_error=why, failure=kind)
-    dev = device if device == "cpu" else "cuda"
+    dev = sharding.device if sharding.device == "cpu" else "cuda"
     for key in ("fwd_error", "bwd_unsupported", "bwd_error"):
         bad = next(((r, p[key]) for r, p in enumerate(parts) if p[key]), None)
         if bad:

@@ -75,7 +75,7 @@ def test_the_ranks_partials_are_all_reduced_in_the_asked_dtype():
     try:
         for reduce in ("fp32", "bf16"):
             s.reduce = reduce
-            got = sharded.run("mapping", native_impl("mapping"), base, {}, ups, s, "cpu", 120)
+            got = sharded.run("mapping", native_impl("mapping"), base, {}, ups, s, 120)
             assert got.fwd_error is None and got.bwd_error is None
             dt = sharded.REDUCE_DTYPES[reduce]
             for k in ("weight", "alpha", "h_bias"):

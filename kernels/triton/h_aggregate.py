@@ -54,8 +54,7 @@ def _h_aggregate_bwd(x_ptr, h_ptr, g_ptr, dx_ptr, dh_ptr, C, N: tl.constexpr, NP
 
 
 _fwd_tuned = triton.autotune(_configs(), key=["C", "N"])(_h_aggregate_fwd)
-_bwd_tuned = triton.autotune(_configs(), key=["C", "N"], reset_to_zero=[])(_h_aggregate_bwd)
-_bwd_h_tuned = triton.autotune(_configs(), key=["C", "N"], reset_to_zero=[])(_h_aggregate_bwd)  # grad_h_pre alone
+_bwd_tuned = triton.autotune(_configs(), key=["C", "N", "WRITE_DX"], reset_to_zero=[])(_h_aggregate_bwd)
 
 
 def _block(C: int) -> dict:
@@ -99,7 +98,7 @@ def h_aggregate_backward(x, h_pre, grad_out, write_dx: bool = True):
         if interpreted():
             _h_aggregate_bwd[(T,)](*args, N=n, NP=next_pow2(n), WRITE_DX=write_dx, **_block(C))
         else:
-            (_bwd_tuned if write_dx else _bwd_h_tuned)[(T,)](*args, N=n, NP=next_pow2(n), WRITE_DX=write_dx)
+            _bwd_tuned[(T,)](*args, N=n, NP=next_pow2(n), WRITE_DX=write_dx)
     return dx, dh
 
 
