@@ -1,6 +1,8 @@
-"""Triton mix_aggregate backward at the paper shape (bf16): AGG_STAGES 2 against 3 in paired rounds
-(events, median of 10 a round).  python3 dev/mix_sweep.py"""
-import sys, torch
+"""Triton mix_aggregate backward at the paper shape (bf16): variants of the projection backward's
+tile (LOWP_TILE) and AGG_STAGES in paired rounds (events, median of 10 a round).
+    python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages), ...]"]
+(default: the shipped tile at AGG_STAGES 2 and 3)"""
+import ast, sys, torch
 sys.path.insert(0, ".")
 from kernels.triton import proj_rms as pr, mix_aggregate as mx
 s,b,n,c=8192,4,4,7168
@@ -17,9 +19,10 @@ def timed(fn,reps=10):
         e0,e1=torch.cuda.Event(enable_timing=True),torch.cuda.Event(enable_timing=True)
         e0.record(); fn(); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
     return sorted(ts)[len(ts)//2]
+variants=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
 res={}
 for r in range(5):
-    for st in ([2,3] if r%2==0 else [3,2]):
-        pr.AGG_STAGES=st
-        res.setdefault(st,[]).append(timed(bwd))
-for st,ts in res.items(): print("AGG_STAGES",st,"median ms",sorted(ts)[len(ts)//2],flush=True)
+    for v in (variants if r%2==0 else variants[::-1]):
+        pr.LOWP_TILE,pr.AGG_STAGES=tuple(v[0]),v[1]
+        res.setdefault(repr(v),[]).append(timed(bwd))
+for v,ts in res.items(): print("tile, AGG_STAGES",v,"median ms",sorted(ts)[len(ts)//2],flush=True)

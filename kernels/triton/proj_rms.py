@@ -253,12 +253,12 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
     return proj, r, rms
 
 
-# the bf16 (fp16) backward's tile, fixed (BLOCK_M, BLOCK_K, SPLIT, warps, stages): among the fastest
-# in paired rounds at the paper shape on an H100 (dev/bwd_sweep.py packed, docs/perf-notes.md
-# twentieth session: 1.57-1.59 ms against 2.17-2.26 for the unpacked kernel before it); SPLIT decides
-# the order of dW's sum over row blocks, so it is not timed per token count. PACK_M: tokens a
-# program of the gradient's packing
-LOWP_TILE = (128, 128, 8, 8, 4)
+# the bf16 (fp16) backward's tile, fixed (BLOCK_M, BLOCK_K, SPLIT, warps, stages): the fastest in
+# paired rounds at the paper shape on an H200 (0.89x of (128, 128, 8, 8, 4), which an H100 timed within
+# noise of it; dev/bwd_sweep.py packed, docs/perf-notes.md twenty-first session); SPLIT decides the
+# order of dW's sum over row blocks, so it is not timed per token count. PACK_M: tokens a program of
+# the gradient's packing
+LOWP_TILE = (64, 128, 8, 4, 4)
 PACK_M = 128
 # pipeline stages with mix_aggregate's aggregation term (``agg``): four stages of the x and
 # grad_out-sized tiles need 280 KB of shared memory at LOWP_TILE, past the 227 KB of an H100 or H200
