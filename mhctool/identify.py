@@ -81,6 +81,10 @@ class Space:
     # a continuous knob the reference takes as a tensor along a new leading axis, so its whole grid
     # is one reference call (the reference is reused where only that knob changes)
     batched: str | None = None
+    # a discrete knob whose values share a prefix of the computation (Sinkhorn's iteration count):
+    # the reference takes the increasing values as a tuple and stacks its outputs along a leading
+    # axis in front of the batched knob's, so the values of both are one reference call
+    prefix: str | None = None
     # knobs that change no float64 value but the native baseline (how a kernel computes), tried when
     # a candidate fails the verdict: candidate knobs -> {knob: value} to judge it again with, or None
     judge_also: Callable[[dict], dict | None] = lambda knobs: None
@@ -115,7 +119,7 @@ def space(kernel: str, asked: dict) -> Space:
         return Space(("random", "eps_sweep", "dead_rows_cols", "near_perm"), "16x4x4x1",
                      {"stabilize": ref.STABILIZE, "eps_mode": ref.EPS_MODES, "order": ref.ORDERS,
                       "iters": tuple(range(max(1, it - 3), it + 4))},
-                     {"eps": EPS_GRID}, batched="eps",
+                     {"eps": EPS_GRID}, batched="eps", prefix="iters",
                      # without eps, as in the log domain: its rounding is the log-domain baseline's
                      judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None)
     if kernel == "h_post_bda":
@@ -508,17 +512,38 @@ class Identifier:
         b = self.space.batched
         if b is None:
             return [self.score(probes, c, "grid") for c in cands]
+        pre = self.space.prefix
         groups: dict[str, list[dict]] = {}
         for c in cands:
-            groups.setdefault(json.dumps({k: v for k, v in c.items() if k != b}, sort_keys=True), []).append(c)
-        return [c for group in groups.values() for c in self.score_batch(probes, group, b)]
+            groups.setdefault(json.dumps({k: v for k, v in c.items() if k not in (b, pre)}, sort_keys=True), []).append(c)
+        return [c for group in groups.values() for c in self._score_group(probes, group, b, pre)]
 
-    def score_batch(self, probes: list[Probe], cands: list[dict], knob: str) -> list[Candidate]:
+    def _score_group(self, probes: list[Probe], cands: list[dict], knob: str, pre: str | None) -> list[Candidate]:
+        """Candidates that differ only in ``knob`` and ``pre``: one reference call per probe where
+        every value of ``pre`` has the same values of ``knob``, else one a value of ``pre``."""
+        if pre is None:
+            return self.score_batch(probes, cands, knob)
+        by_pre: dict = {}
+        for c in cands:
+            by_pre.setdefault(c[pre], []).append(c)
+        rows = [by_pre[v] for v in sorted(by_pre)]
+        if all([c[knob] for c in r] == [c[knob] for c in rows[0]] for r in rows):
+            return self.score_batch(probes, [c for r in rows for c in r], knob, pre)
+        return [c for r in rows for c in self.score_batch(probes, r, knob)]
+
+    def score_batch(self, probes: list[Probe], cands: list[dict], knob: str, pre: str | None = None) -> list[Candidate]:
         """:meth:`score` of candidates that differ only in ``knob``, with one reference call per probe:
-        the reference takes the knob's values as a tensor along a new leading axis."""
+        the reference takes the knob's values as a tensor along a new leading axis. With ``pre``,
+        ``cands`` are the values of ``knob`` repeated for each increasing value of ``pre``, which the
+        reference takes as a tuple (an axis in front of ``knob``'s)."""
+        pv = sorted({c[pre] for c in cands}) if pre else []
+        per = len(cands) // max(1, len(pv))
         knobs, ref_fn, _ = self._split({**cands[0], knob: 0.0})
-        knobs[knob] = torch.tensor([c[knob] for c in cands], dtype=torch.float64)
-        out = self._fit(probes, cands, knobs, ref_fn, lambda outs: outs, "grid")
+        knobs[knob] = torch.tensor([c[knob] for c in cands[:per]], dtype=torch.float64)
+        if pre:
+            knobs[pre] = tuple(pv)
+        out = self._fit(probes, cands, knobs, ref_fn,
+                        (lambda outs: [o.flatten(0, 1) for o in outs]) if pre else (lambda outs: outs), "grid")
         for c in out:
             self.tried[c.key] = c
         return out

@@ -57,6 +57,9 @@ def sinkhorn(
     (and so in this float64 reference) both give the same matrix, so it changes nothing here: it
     picks the native baseline that a log-domain kernel is compared with.
 
+    ``iters`` may be a tuple of increasing counts: the matrices after each, stacked along a new
+    leading axis (one run to the largest count).
+
     ``stabilize`` picks the starting matrix:
       * ``rowmax``: ``exp(L - max_j L[i, j])`` (max subtraction, per row);
       * ``none``: ``exp(L)`` (overflows for large logits: the bug this knob exists to show);
@@ -87,12 +90,21 @@ def sinkhorn(
         p = torch.softmax(logits, dim=-1) + eps
     if trace:
         trace("exp", p)
-    steps = [row, col] * iters if order == "row_first" else [col, row] * iters
-    if stabilize == "softmax" and order == "row_first":
-        steps = steps[1:]  # the softmax was the first row step
-    for dim in steps:
+    # several iteration counts at once (mhctool identify's grid): one run to the largest, the matrix
+    # after each count stacked along a new leading axis, in the counts' order
+    counts = tuple(iters) if isinstance(iters, (tuple, list)) else None
+    if counts is not None and list(counts) != sorted(set(counts)):
+        raise ValueError(f"iteration counts must be increasing, got {counts}")
+    last = counts[-1] if counts else iters
+    steps = [row, col] * last if order == "row_first" else [col, row] * last
+    skip = 1 if stabilize == "softmax" and order == "row_first" else 0
+    steps = steps[skip:]  # the softmax was the first row step
+    snaps = []
+    for i, dim in enumerate(steps):
         p = _normalize(p, dim, eps, eps_mode, trace)
-    return p
+        if counts and (i + 1 + skip) % 2 == 0 and (i + 1 + skip) // 2 in counts:
+            snaps.append(p)
+    return torch.stack(snaps) if counts else p
 
 
 def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor, *, trace: Trace = None) -> torch.Tensor:

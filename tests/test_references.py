@@ -60,6 +60,22 @@ def test_sinkhorn_stabilize_variants():
     torch.testing.assert_close(ref.sinkhorn(L, 1, 1e-6, stabilize="softmax"), sm)
 
 
+@pytest.mark.parametrize("stabilize", ref.STABILIZE)
+@pytest.mark.parametrize("order", ref.ORDERS)
+@pytest.mark.parametrize("eps_mode", ref.EPS_MODES)
+def test_sinkhorn_takes_several_iteration_counts_at_once(stabilize, order, eps_mode):
+    """identify's and stability's grids: the matrices after 1, 3 and 6 iterations from one run,
+    bit for bit those of three runs, with an eps grid along a leading axis as well."""
+    L = torch.randn(5, 3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 4
+    eps = torch.tensor([1e-8, 1e-6, 1e-3], dtype=torch.float64).reshape(-1, 1, 1, 1, 1)
+    many = ref.sinkhorn(L, (1, 3, 6), eps, stabilize=stabilize, order=order, eps_mode=eps_mode)
+    assert many.shape == (3, 3, 5, 3, 4, 4)
+    for k, it in enumerate((1, 3, 6)):
+        assert torch.equal(many[k], ref.sinkhorn(L, it, eps, stabilize=stabilize, order=order, eps_mode=eps_mode))
+    with pytest.raises(ValueError, match="increasing"):
+        ref.sinkhorn(L, (3, 1), 1e-6)
+
+
 def test_sinkhorn_rejects_unknown_knob_values():
     with pytest.raises(ValueError):
         ref.sinkhorn(torch.zeros(2, 2, dtype=D), stabilize="log")
