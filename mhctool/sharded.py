@@ -23,6 +23,7 @@ others are stopped, and the next case starts R new ones.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -104,13 +105,17 @@ class _Group:
 
     def __init__(self, ranks: int, device: str):
         import torch.multiprocessing as mp
+
+        from .isolation import fork_context
         self.ranks = ranks
         self.folder = tempfile.mkdtemp(prefix="mhctool-ranks-")
-        ctx = mp.get_context("spawn")
+        ctx = fork_context()  # the ranks fork from a server that imported torch once
+        environ = dict(os.environ) if ctx is not None else None
+        ctx = ctx or mp.get_context("spawn")
         self.jobs = [ctx.Queue() for _ in range(ranks)]
         self.answers = ctx.Queue()
-        self.procs = [ctx.Process(target=_serve, args=(r, ranks, self.folder, device, self.jobs[r], self.answers),
-                                  daemon=True) for r in range(ranks)]
+        self.procs = [ctx.Process(target=_serve, args=(r, ranks, self.folder, device, self.jobs[r], self.answers,
+                                                       environ), daemon=True) for r in range(ranks)]
         for p in self.procs:
             p.start()
         self.broken = False
@@ -155,11 +160,13 @@ class _Group:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _serve(rank: int, ranks: int, folder: str, device: str, jobs, answers) -> None:
+def _serve(rank: int, ranks: int, folder: str, device: str, jobs, answers, environ: dict | None = None) -> None:
     """One rank's process: joins the group once, then runs each job it is handed until None."""
     import torch.distributed as dist
 
     from . import environment
+    from .isolation import adopt_environment
+    adopt_environment(environ)
     environment.ensure_triton_mode()
     if device != "cpu":
         torch.cuda.set_device(rank)

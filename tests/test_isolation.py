@@ -193,3 +193,15 @@ def test_external_libraries_get_time_to_compile_in_the_case_limit():
         iso.workers[impl.name] = _Probe()
         iso.call(impl, "x:y", (), gib, "cuda")
     assert seen == [150.0, 150.0 + COMPILE_ALLOWANCE_S]
+
+
+def test_a_worker_takes_the_environment_as_it_is_when_the_worker_starts(monkeypatch):
+    """Workers fork from a server started once: each still sees mhctool's variables of the moment
+    it starts (TRITON_INTERPRET set after the first worker must reach the next one)."""
+    from mhctool.isolation import Worker
+    monkeypatch.setenv("MHCTOOL_TEST_PROBE", "first")
+    with Worker("shm") as w:
+        assert w.call("os:getenv", ("MHCTOOL_TEST_PROBE",), timeout=120) == ("first", None)
+    monkeypatch.setenv("MHCTOOL_TEST_PROBE", "second")
+    with Worker("shm") as w:
+        assert w.call("os:getenv", ("MHCTOOL_TEST_PROBE",), timeout=120) == ("second", None)
