@@ -1,7 +1,13 @@
 import os
 
-import pytest
-import torch
+# pytest-xdist's workers (`pytest -n 2`): one intra-op thread each, set before torch is imported
+# and inherited by the workers and ranks the tests start, so that two test processes do not spin
+# OpenMP threads on the same cores, and every process of a test computes with one thread count
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels run through the interpreter on machines without a GPU. It must be set before any
 # kernel module is imported, so the tests set it here, not the user.
