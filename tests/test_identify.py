@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mhctool import registry, report
@@ -259,3 +260,24 @@ def test_the_hint_after_a_failure_is_the_command_that_passes(tmp_path):
                               "-o", str(tmp_path / "id.parquet")], terminal_width=60)
     (judge,) = [ln for ln in res.output.splitlines() if ln.startswith("judge it with: ")]
     assert judge == f"judge it with: mhctool parity --kernel proj_rms --impl {spec} --matmul-precision tf32_trunc"
+
+
+def test_the_iteration_counts_batched_in_the_grid_score_as_one_at_a_time():
+    """identify's grid scores every (iters, eps) of a Sinkhorn group with one reference call per
+    probe (the reference's iteration counts at once); each candidate's fit is the one it gets
+    alone, also where the counts do not share their eps values (one call per count then)."""
+    from mhctool.identify import Identifier
+    idr = Identifier("sinkhorn", _impl("sinkhorn", "conventions.py:sinkhorn_clamp"))
+    probes, _ = idr.probes()
+    base = {"stabilize": "rowmax", "eps_mode": "clamp", "order": "row_first"}
+    full = [{**base, "iters": it, "eps": e} for it in (19, 20, 21) for e in (1e-8, 1e-6)]
+    ragged = full[:-1]  # iters 21 without eps 1e-6
+    for group in (full, ragged):
+        got = {c.key: (c.score, c.max_rel) for c in idr._score_group(probes, group, "eps", "iters")}
+        assert len(got) == len(group)
+        for cand in group:
+            one = idr._fit(probes, [cand], {**cand, "eps": torch.tensor([cand["eps"]], dtype=torch.float64)},
+                           idr._split(cand)[1], lambda outs: outs, "grid")[0]
+            assert got[one.key] == pytest.approx((one.score, one.max_rel), rel=1e-9, abs=1e-12)
+    best = min(idr._score_group(probes, full, "eps", "iters"), key=lambda c: c.score)
+    assert (best.knobs["iters"], best.knobs["eps"]) == (20, 1e-6)
