@@ -59,15 +59,22 @@ def _line(name, ms, nbytes, bw, extra=""):
     print(f"  {name}: {ms:.3f} ms ({nbytes / (ms * 1e-3) / bw * 100:.0f}% of copy){extra}", flush=True)
 
 
-def sweep_h_post_bda(bw: float, deadline: float) -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
+def hpb_inputs(s: int, b: int, c: int, seed: int = 0) -> tuple:
+    """h_post_bda's inputs and upstream gradient, bf16 activations and fp32 h_res / h_post:
+    ``(h_res, x, h_post, y, bias, grad_out)``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     dt = torch.bfloat16
-    x = torch.randn(S, B, N, C, generator=g, device="cuda").to(dt)
-    go = torch.randn(S, B, N, C, generator=g, device="cuda").to(dt)
-    y = torch.randn(S, B, C, generator=g, device="cuda").to(dt)
-    bias = torch.randn(C, generator=g, device="cuda").to(dt)
-    h = torch.rand(S, B, N, N, generator=g, device="cuda")
-    hp = torch.rand(S, B, N, generator=g, device="cuda")
+    x = torch.randn(s, b, N, c, generator=g, device="cuda").to(dt)
+    go = torch.randn(s, b, N, c, generator=g, device="cuda").to(dt)
+    y = torch.randn(s, b, c, generator=g, device="cuda").to(dt)
+    bias = torch.randn(c, generator=g, device="cuda").to(dt)
+    h = torch.rand(s, b, N, N, generator=g, device="cuda")
+    hp = torch.rand(s, b, N, generator=g, device="cuda")
+    return h, x, hp, y, bias, go
+
+
+def sweep_h_post_bda(bw: float, deadline: float) -> None:
+    h, x, hp, y, bias, go = hpb_inputs(S, B, C)
     nbytes = 3 * T * N * C * 2 + 2 * T * C * 2
     generic = hpb.backward_tile(C, N)
     want = hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)

@@ -26,6 +26,9 @@ import cuda.tile as ct
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bwd_sweep import copy_bw, hpb_inputs as inputs, timed  # noqa: E402 - the same inputs and timing as the other sweeps
 
 from kernels.cutile import h_post_bda as chp  # noqa: E402
 from kernels.cutile._common import cdiv, launch, sum_partials  # noqa: E402
@@ -158,18 +161,6 @@ def bwd_variant(bc, steps, occ):
 # ---- checks and timing
 
 
-def inputs(s, b, c, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dt = torch.bfloat16
-    x = torch.randn(s, b, N, c, generator=gen, device="cuda").to(dt)
-    go = torch.randn(s, b, N, c, generator=gen, device="cuda").to(dt)
-    y = torch.randn(s, b, c, generator=gen, device="cuda").to(dt)
-    bias = torch.randn(c, generator=gen, device="cuda").to(dt)
-    h = torch.rand(s, b, N, N, generator=gen, device="cuda")
-    hp = torch.rand(s, b, N, generator=gen, device="cuda")
-    return h, x, hp, y, bias, go
-
-
 def reference(h, x, hp, y, bias, go, transpose):
     ts = [t.detach().double().requires_grad_() for t in (h, x, hp, y, bias)]
     hh, xx, pp, yy, bb = ts
@@ -184,26 +175,6 @@ def rel(a, b) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
-
-
-def timed(fn, reps=10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return sorted(ts)[len(ts) // 2]
-
-
-def copy_bw() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (timed(lambda: b.copy_(a), 20) * 1e-3)
 
 
 def paired(variants: dict, nbytes: int, bw: float, rounds: int, deadline: float) -> None:
