@@ -2,10 +2,10 @@
 
 A :class:`Worker` is a child Python process (CUDA initialised afresh there) that calls
 ``module:function`` jobs and sends the result back. It is forked from a fork server that has
-imported torch once (a worker starts in a tenth of a second instead of about 1.5 s), and takes
-the parent's environment as it is when the worker starts; a worker with variables of its own
-(``env``, read when torch is imported) is spawned from a fresh interpreter instead. Whatever the code under test does to its
-process (exits, a signal such as SIGSEGV or SIGABRT, a hang, a CUDA fault that poisons the
+imported torch once (a worker starts in about 0.3 s instead of 1.5 s on a 2-core CPU), and
+takes the parent's environment as it is when the worker starts; a worker with variables of its
+own (``env``, read when torch is imported) is spawned from a fresh interpreter instead. Whatever
+the code under test does to its process (exits, a signal such as SIGSEGV or SIGABRT, a hang, a CUDA fault that poisons the
 context) becomes a :class:`Failure` with one sentence saying what happened; the worker is then
 replaced and the next job runs in a fresh one.
 
@@ -162,15 +162,16 @@ def _cuda_healthy() -> str | None:
         return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
-def fork_context():
-    """The fork server's start context, with torch imported once in the server (children start in
-    a fraction of a second rather than importing torch each), or None where there is no fork server
-    (Windows). A child started from it takes the parent's variables with :func:`adopt_environment`."""
-    if "forkserver" not in tmp.get_all_start_methods():
-        return None
+def child_context(spawn: bool = False) -> tuple[Any, dict | None]:
+    """How to start a child process: ``(context, environ)``. The fork server's context, torch
+    imported once in the server (children start in a fraction of a second rather than importing
+    torch each), with the parent's variables of this moment for :func:`adopt_environment`; or,
+    with ``spawn`` or where there is no fork server (Windows), a fresh interpreter and None."""
+    if spawn or "forkserver" not in tmp.get_all_start_methods():
+        return tmp.get_context("spawn"), None
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(["mhctool.isolation"])
-    return ctx
+    return ctx, dict(os.environ)
 
 
 def adopt_environment(environ: dict | None) -> None:
@@ -237,12 +238,9 @@ class Worker:
 
     def _start(self) -> None:
         # variables of its own are read when torch is imported: a fresh interpreter for those
-        ctx = None if self.env else fork_context()
-        forked = ctx is not None
-        ctx = ctx or tmp.get_context("spawn")
+        ctx, environ = child_context(spawn=bool(self.env))
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, dict(os.environ) if forked else None),
-                           daemon=self.daemon)
+        proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, environ), daemon=self.daemon)
         with _ENVIRON_LOCK:  # the child starts with its variables (thread counts are read at import)
             saved = {k: os.environ.get(k) for k in self.env}
             os.environ.update(self.env)

@@ -23,7 +23,6 @@ others are stopped, and the next case starts R new ones.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -104,14 +103,10 @@ class _Group:
     """R processes joined by one process group, each serving jobs from its own queue."""
 
     def __init__(self, ranks: int, device: str):
-        import torch.multiprocessing as mp
-
-        from .isolation import fork_context
+        from .isolation import child_context
         self.ranks = ranks
         self.folder = tempfile.mkdtemp(prefix="mhctool-ranks-")
-        ctx = fork_context()  # the ranks fork from a server that imported torch once
-        environ = dict(os.environ) if ctx is not None else None
-        ctx = ctx or mp.get_context("spawn")
+        ctx, environ = child_context()  # the ranks fork from a server that imported torch once
         self.jobs = [ctx.Queue() for _ in range(ranks)]
         self.answers = ctx.Queue()
         self.procs = [ctx.Process(target=_serve, args=(r, ranks, self.folder, device, self.jobs[r], self.answers,
