@@ -512,7 +512,10 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
     upstream = upstream_for(fam, native.outputs, case.seed)  # seeded from shapes: the same at every precision
     if sharding is not None:  # the baseline is the native implementation sharded the same way
         from . import sharded
-        native = sharded.run(case.kernel, native_impl_ or native_at(case.kernel, precision), base, knobs, upstream,
+        if native_impl_ is not None:
+            raise ValueError("a sharded baseline runs the family's native implementation (the ranks resolve "
+                             "it by precision); native_impl_ is for identify's unsharded variants")
+        native = sharded.run(case.kernel, native_at(case.kernel, precision), base, knobs, upstream,
                              sharding, _sharded_timeout(case), native_precision=precision,
                              expect=output_specs(native.outputs))
         if native.fwd_error or native.bwd_error:

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .dtypes import FORMATS
 from .errors import UsageError
 from .registry import get_family
 
@@ -43,7 +44,8 @@ TOKEN_INPUTS = {
     "h_aggregate": ("x", "h_pre"),
     "sinkhorn": ("logits",),
 }
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the dtypes the parameter gradients may be all-reduced in (dtypes.FORMATS names)
+REDUCE_FORMATS = ("fp32", "bf16")
 
 
 class Sharding:
@@ -72,8 +74,8 @@ class Sharding:
 
 def parse(ranks: int, reduce: str, kernels: list[str], device: str) -> Sharding | None:
     """``--ranks`` and ``--grad-reduce``: None for one rank; bad values are a UsageError."""
-    if reduce not in REDUCE_DTYPES:
-        raise UsageError(f"unknown --grad-reduce {reduce!r}; accepted: {', '.join(REDUCE_DTYPES)}")
+    if reduce not in REDUCE_FORMATS:
+        raise UsageError(f"unknown --grad-reduce {reduce!r}; accepted: {', '.join(REDUCE_FORMATS)}")
     if ranks < 1:
         raise UsageError(f"--ranks {ranks}: at least 1")
     if ranks == 1:
@@ -209,7 +211,7 @@ def _rank_job(rank: int, ranks: int, device: str, job: dict) -> dict:
     if ok.item():
         for k, g in res.grads.items():
             if k not in token:
-                part = g.to(REDUCE_DTYPES[job["reduce"]]).contiguous()
+                part = g.to(FORMATS[job["reduce"]].torch_dtype).contiguous()
                 dist.all_reduce(part)
                 reduced[k] = part.cpu()
     out = res.to_dict()

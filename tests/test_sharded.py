@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from mhctool import inputs as inputs_mod
 from mhctool import runner, sharded
 from mhctool.cli import app
+from mhctool.dtypes import FORMATS
 from mhctool.registry import get_family, native_impl
 from mhctool.shapes import parse_shape_for
 
@@ -77,7 +78,7 @@ def test_the_ranks_partials_are_all_reduced_in_the_asked_dtype():
             s.reduce = reduce
             got = sharded.run("mapping", native_impl("mapping"), base, {}, ups, s, 120)
             assert got.fwd_error is None and got.bwd_error is None
-            dt = sharded.REDUCE_DTYPES[reduce]
+            dt = FORMATS[reduce].torch_dtype
             for k in ("weight", "alpha", "h_bias"):
                 want = parts[0].grads[k].to(dt) + parts[1].grads[k].to(dt)
                 assert got.grads[k].dtype == dt and torch.equal(got.grads[k], want), (reduce, k)
