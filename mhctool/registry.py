@@ -430,6 +430,7 @@ CUTILE_KERNELS: dict[str, str] = {
     "h_post_bda": "mhctool.kernels.cutile.h_post_bda:h_post_bda",
     "proj_rms": "mhctool.kernels.cutile.proj_rms:proj_rms",
     "mapping": "mhctool.kernels.cutile.mapping:mapping",
+    "mix_aggregate": "mhctool.kernels.cutile.mix_aggregate:mix_aggregate",
 }
 
 

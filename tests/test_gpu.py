@@ -23,7 +23,7 @@ def _parity(tmp_path, *args):
     return res, (pq.read_table(out).to_pylist() if out.exists() else [])
 
 
-CUTILE_FAMILIES = "sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping"
+CUTILE_FAMILIES = "sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping,mix_aggregate"
 DEFAULT_RUNS = {
     "triton": ["--kernel", "all", "--impl", "triton"],
     "cutile-fp32": ["--kernel", CUTILE_FAMILIES, "--impl", "cutile", "--dtype", "fp32"],
@@ -253,6 +253,27 @@ def test_cutile_projection_backward_halves_cover_odd_k():
             assert torch.isfinite(got).all(), (name, m, k)
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert err < 2 ** -7, (name, m, k, err)  # bf16 outputs: one rounding, 2^-9 relative
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cutile_mix_aggregate_adds_the_aggregation_gradient_on_both_paths(tmp_path, dtype):
+    """cuTile's mix_aggregate adds the aggregation's gradient of x inside the projection backward:
+    as tiles where C is a whole number of the backward's half blocks (C = 128 and 256: 128 and 16
+    columns for bf16 and fp32) and gathered otherwise (C = 67, 40). n = 3 at C = 128 gives K an
+    odd number of half blocks (the last one repeated); token counts off every tile; parity's
+    NaN-poisoned outputs and float64 reference judge every gradient."""
+    sc = tmp_path / "sc.toml"
+    sc.write_text('name = "mix"\n[[cases]]\nkernel = "mix_aggregate"\n'
+                  'shapes = ["37x1x3x128", "13x3x4x67", "9x2x2x40", "5x7x4x256"]\nfamilies = ["random"]\n')
+    res, rows = _parity(tmp_path, "--kernel", "mix_aggregate", "--impl", "cutile", "--dtype", dtype,
+                        "--scenario", str(sc), "--quiet")
+    assert res.exit_code == 0, res.output
+    ours = [r for r in rows if r["impl"] == "cutile"]
+    assert {r["shape"] for r in ours} == {"37x1x3x128", "13x3x4x67", "9x2x2x40", "5x7x4x256"}
+    assert {r["direction"] for r in ours} == {"fwd", "bwd"}
+    assert all(r["value"] == 0 for r in ours if r["metric"] == "unwritten")
+    verdicts = [r["passed"] for r in ours if r["passed"] is not None]
+    assert verdicts and all(verdicts)
 
 
 def test_cutile_mapping_backward_sums_bias_and_alpha_beside_dw():

@@ -41,14 +41,17 @@ def _h_aggregate_fwd(x, h, out, N: ConstInt, NP: ConstInt, BT: ConstInt, BC: Con
 
 
 @ct.kernel
-def _h_aggregate_bwd(x, h, g, dx, dh, NP: ConstInt, BT: ConstInt, BC: ConstInt):
+def _h_aggregate_bwd(x, h, g, dx, dh, NP: ConstInt, BT: ConstInt, BC: ConstInt, WRITE_DX: ct.Constant[bool]):
+    """grad_h_pre, and with ``WRITE_DX`` grad_x (without, x and the gradient are read and nothing
+    but grad_h_pre written: mix_aggregate's projection backward adds grad_x's term itself)."""
     i = ct.bid(0)
     ht = ct.reshape(ct.load(h, index=(i, 0), shape=(BT, NP), padding_mode=ZERO).astype(ct.float32), (BT, NP, 1))
     acc = ct.zeros((BT, NP), dtype=ct.float32)
     for c in range(ct.num_tiles(g, axis=1, shape=(BT, BC))):
         gt = ct.reshape(ct.load(g, index=(i, c), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32), (BT, 1, BC))
         xt = ct.load(x, index=(i, 0, c), shape=(BT, NP, BC), padding_mode=ZERO).astype(ct.float32)
-        ct.store(dx, index=(i, 0, c), tile=(ht * gt).astype(dx.dtype))
+        if WRITE_DX:
+            ct.store(dx, index=(i, 0, c), tile=(ht * gt).astype(dx.dtype))
         acc = acc + ct.sum(xt * gt, axis=2)
     ct.store(dh, index=(i, 0), tile=acc.astype(dh.dtype))
 
@@ -58,33 +61,45 @@ def _views(x: torch.Tensor):
     return x.view(s * b, n, c), s * b, n, c
 
 
+def h_aggregate_forward(x, h_pre):
+    """``out[s, b, C]`` (inputs checked here)."""
+    check_cuda(x, h_pre)
+    require_contiguous("x", x)
+    if x.dim() != 4 or h_pre.shape != x.shape[:3]:
+        raise ValueError(f"x must be [s, b, n, C] and h_pre [s, b, n]; got {tuple(x.shape)}, {tuple(h_pre.shape)}")
+    h = h_pre.contiguous()
+    x3, t, n, c = _views(x)
+    out = empty((x.shape[0], x.shape[1], c), x.dtype, x.device)
+    if t and c:
+        launch(_h_aggregate_fwd, (cdiv(t, BT), cdiv(cdiv(c, BC), CB)),
+               (x3, h.view(t, n), out.view(t, c), n, next_pow2(n), BT, BC, CB))
+    return out
+
+
 class _HAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h_pre):
-        check_cuda(x, h_pre)
-        require_contiguous("x", x)
-        if x.dim() != 4 or h_pre.shape != x.shape[:3]:
-            raise ValueError(f"x must be [s, b, n, C] and h_pre [s, b, n]; got {tuple(x.shape)}, {tuple(h_pre.shape)}")
-        h = h_pre.contiguous()
-        x3, t, n, c = _views(x)
-        out = empty((x.shape[0], x.shape[1], c), x.dtype, x.device)
-        if t and c:
-            launch(_h_aggregate_fwd, (cdiv(t, BT), cdiv(cdiv(c, BC), CB)),
-                   (x3, h.view(t, n), out.view(t, c), n, next_pow2(n), BT, BC, CB))
-        ctx.save_for_backward(x, h)
+        out = h_aggregate_forward(x, h_pre)
+        ctx.save_for_backward(x, h_pre.contiguous())
         return out
 
     @staticmethod
     def backward(ctx, g):
         x, h = ctx.saved_tensors
-        x3, t, n, c = _views(x)
-        g = g.contiguous()
-        dx = empty(x.shape, x.dtype, x.device)
-        dh = empty(h.shape, h.dtype, h.device)
-        if t:
-            launch(_h_aggregate_bwd, (cdiv(t, BT_BWD),),
-                   (x3, h.view(t, n), g.view(t, c), dx.view(t, n, c), dh.view(t, n), next_pow2(n), BT_BWD, BC_BWD))
-        return dx, dh
+        return backward(x, h, g)
+
+
+def backward(x, h, g, write_dx: bool = True):
+    """``(grad_x, grad_h_pre)`` of h_aggregate (h contiguous); without ``write_dx`` grad_x is None."""
+    x3, t, n, c = _views(x)
+    g = g.contiguous()
+    dx = empty(x.shape, x.dtype, x.device) if write_dx else None
+    dh = empty(h.shape, h.dtype, h.device)
+    if t:
+        launch(_h_aggregate_bwd, (cdiv(t, BT_BWD),),
+               (x3, h.view(t, n), g.view(t, c), x3 if dx is None else dx.view(t, n, c), dh.view(t, n), next_pow2(n),
+                BT_BWD, BC_BWD, write_dx))
+    return dx, dh
 
 
 def h_aggregate(x, h_pre):
@@ -99,7 +114,9 @@ def compile_checks() -> dict[str, bytes]:
             np_ = next_pow2(n)
             out[f"fwd-{dtype}-{n}"] = tile_ir(_h_aggregate_fwd, [array(dtype, 3), array(torch.float32, 2),
                                                                    array(dtype, 2), n, np_, BT, BC, CB])
-            out[f"bwd-{dtype}-{n}"] = tile_ir(_h_aggregate_bwd, [array(dtype, 3), array(torch.float32, 2),
-                                                                   array(dtype, 2), array(dtype, 3),
-                                                                   array(torch.float32, 2), np_, BT_BWD, BC_BWD])
+            for write_dx in (True, False):
+                out[f"bwd-{dtype}-{n}-{write_dx}"] = tile_ir(_h_aggregate_bwd, [array(dtype, 3), array(torch.float32, 2),
+                                                                               array(dtype, 2), array(dtype, 3),
+                                                                               array(torch.float32, 2), np_, BT_BWD,
+                                                                               BC_BWD, write_dx])
     return out

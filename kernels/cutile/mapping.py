@@ -121,64 +121,77 @@ def _check(x2d, weight, alpha, h_bias):
     return n
 
 
+def forward(x2d, weight, alpha, h_bias, eps):
+    """``((H_pre, H_post, logits), saved)``: the three outputs ``[M, n]``, ``[M, n]``, ``[M, n, n]``
+    (fp32) and what ``backward`` takes."""
+    n = _check(x2d, weight, alpha, h_bias)
+    m, k = x2d.shape
+    nr = weight.shape[0]
+    np_ = _np(nr)
+    lowp = _lowp(x2d, weight)
+    bm, bk = _tiles(lowp)
+    dev = x2d.device
+    a3, bias = alpha.contiguous(), h_bias.contiguous()
+    pre, post = empty((m, n), torch.float32, dev), empty((m, n), torch.float32, dev)
+    logits = empty((m, n, n), torch.float32, dev)
+    proj = empty((m, np_), torch.float32, dev)
+    r, rms = empty((m,), torch.float32, dev), empty((m,), torch.float32, dev)
+    if m:
+        launch(_mapping_fwd, (cdiv(m, bm),), (x2d, weight, a3, bias, pre, post, logits.view(m, n * n), proj, r, rms,
+                                             float(eps), n, nr, np_, bm, bk, lowp))
+    return (pre, post, logits), (x2d, weight, a3, bias, proj, r, rms)
+
+
+def backward(saved, g_pre, g_post, g_logits, agg=None):
+    """``(dx, dW, d alpha, d h_bias)`` from ``forward``'s ``saved`` and the outputs' gradients (None:
+    zero). ``agg``: mix_aggregate's aggregation term, added to dx in the projection's pass (see
+    ``proj_rms.backward_packed``)."""
+    x2d, weight, a3, bias, proj, r, rms = saved
+    m = x2d.shape[0]
+    nr = weight.shape[0]
+    n = round((nr + 1) ** 0.5 - 1)
+    np_ = proj.shape[1]
+    bm = BWD_H_BM
+    dev = x2d.device
+    zeros = {}
+
+    def grad(g, shape):
+        if g is None:
+            if shape not in zeros:
+                zeros[shape] = torch.zeros(shape, dtype=torch.float32, device=dev)
+            return zeros[shape]
+        return g.float().contiguous()
+
+    gp, gq, gl = grad(g_pre, (m, n)), grad(g_post, (m, n)), grad(g_logits, (m, n, n))
+    nb = cdiv(m, bm)
+    k = x2d.shape[1]
+    if _ng(nr) != np_:  # never for mHC's N = n^2 + 2n: N + 1 <= NP (n = 2: N = 8, NP = 16)
+        raise ValueError(f"mapping backward: the packed gradient needs {_ng(nr)} columns, the projection has {np_}")
+    gc = empty((m, np_), torch.float32, dev)
+    ws = empty((nb, np_ + 4), torch.float32, dev)  # per block: bias partials, then alpha's
+    dx = empty(x2d.shape, x2d.dtype, dev)
+    dw = empty(weight.shape, weight.dtype, dev)
+    if m:
+        launch(_mapping_bwd_h, (nb,), (proj, r, rms, a3, bias, gp, gq, gl.view(m, n * n), gc, ws,
+                                      n, nr, np_, bm, k))
+    sums = empty((np_ + 4,), torch.float32, dev)
+    # the bias and alpha partials' sum (one program, 128 token blocks a step) in dW's sum's launch
+    backward_packed(x2d, weight, gc, dx, dw, side=(ws, sums, next_pow2(np_ + 4), 128), agg=agg)  # dW = 0 without tokens
+    if not m:
+        return dx, dw, torch.zeros_like(a3), torch.zeros_like(bias)
+    return dx, dw, sums[np_:np_ + 3].to(a3.dtype), sums[:nr].to(bias.dtype)
+
+
 class _Mapping(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, alpha, h_bias, eps):
-        n = _check(x2d, weight, alpha, h_bias)
-        m, k = x2d.shape
-        nr = weight.shape[0]
-        np_ = _np(nr)
-        lowp = _lowp(x2d, weight)
-        bm, bk = _tiles(lowp)
-        dev = x2d.device
-        a3, bias = alpha.contiguous(), h_bias.contiguous()
-        pre, post = empty((m, n), torch.float32, dev), empty((m, n), torch.float32, dev)
-        logits = empty((m, n, n), torch.float32, dev)
-        proj = empty((m, np_), torch.float32, dev)
-        r, rms = empty((m,), torch.float32, dev), empty((m,), torch.float32, dev)
-        if m:
-            launch(_mapping_fwd, (cdiv(m, bm),), (x2d, weight, a3, bias, pre, post, logits.view(m, n * n), proj, r, rms,
-                                                 float(eps), n, nr, np_, bm, bk, lowp))
-        ctx.save_for_backward(x2d, weight, a3, bias, proj, r, rms)
-        ctx.n = n
-        return pre, post, logits
+        outs, saved = forward(x2d, weight, alpha, h_bias, eps)
+        ctx.save_for_backward(*saved)
+        return outs
 
     @staticmethod
     def backward(ctx, g_pre, g_post, g_logits):
-        x2d, weight, a3, bias, proj, r, rms = ctx.saved_tensors
-        n = ctx.n
-        m = x2d.shape[0]
-        nr = weight.shape[0]
-        np_ = proj.shape[1]
-        bm = BWD_H_BM
-        dev = x2d.device
-        zeros = {}
-
-        def grad(g, shape):
-            if g is None:
-                if shape not in zeros:
-                    zeros[shape] = torch.zeros(shape, dtype=torch.float32, device=dev)
-                return zeros[shape]
-            return g.float().contiguous()
-
-        gp, gq, gl = grad(g_pre, (m, n)), grad(g_post, (m, n)), grad(g_logits, (m, n, n))
-        nb = cdiv(m, bm)
-        k = x2d.shape[1]
-        if _ng(nr) != np_:  # never for mHC's N = n^2 + 2n: N + 1 <= NP (n = 2: N = 8, NP = 16)
-            raise ValueError(f"mapping backward: the packed gradient needs {_ng(nr)} columns, the projection has {np_}")
-        gc = empty((m, np_), torch.float32, dev)
-        ws = empty((nb, np_ + 4), torch.float32, dev)  # per block: bias partials, then alpha's
-        dx = empty(x2d.shape, x2d.dtype, dev)
-        dw = empty(weight.shape, weight.dtype, dev)
-        if m:
-            launch(_mapping_bwd_h, (nb,), (proj, r, rms, a3, bias, gp, gq, gl.view(m, n * n), gc, ws,
-                                          n, nr, np_, bm, k))
-        sums = empty((np_ + 4,), torch.float32, dev)
-        # the bias and alpha partials' sum (one program, 128 token blocks a step) in dW's sum's launch
-        backward_packed(x2d, weight, gc, dx, dw, side=(ws, sums, next_pow2(np_ + 4), 128))  # dW = 0 without tokens
-        if not m:
-            return dx, dw, torch.zeros_like(a3), torch.zeros_like(bias), None
-        return dx, dw, sums[np_:np_ + 3].to(a3.dtype), sums[:nr].to(bias.dtype), None
+        return (*backward(ctx.saved_tensors, g_pre, g_post, g_logits), None)
 
 
 def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6):

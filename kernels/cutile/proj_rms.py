@@ -129,22 +129,47 @@ def _pack_grad(x, gp, gr, r, rms, out, N: ConstInt, NG: ConstInt, BM: ConstInt):
     ct.store(out, index=(i, 0), tile=_packed_row(g, grt, rt, mt, kk, col, N, BM))
 
 
-def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP):
-    """One half (``H`` columns, half block ``kh``) of a token block: stores ``dx = gP W + coef x`` and
-    returns the half's ``gP^T x``."""
+def _agg_half(hp, go, i, kh, BM, H, AGG, HC, C):
+    """mix_aggregate's aggregation gradient of x on half block ``kh`` of token block ``i``, fp32
+    ``(BM, H)``: ``h_pre[t, s] * grad_out[t, c]`` at column ``s * C + c``. ``AGG`` 1 (C a whole
+    number ``HC`` of half blocks): the block lies in one stream, and grad_out comes as a tile; 2 (any
+    C): column by column, gathered (a block may span streams or cut one). Past the last token or
+    past K the gathers give zeros (those elements are not stored)."""
+    rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
+    if AGG == 1:
+        s = kh // HC
+        gt = ct.load(go, index=(i, kh - s * HC), shape=(BM, H), padding_mode=ZERO)
+        hs = ct.gather(hp, (rows, s))
+    else:
+        k = ct.reshape(kh * H + ct.arange(H, dtype=ct.int32), (1, H))
+        s = k // C
+        gt = ct.gather(go, (rows, k - s * C))
+        hs = ct.gather(hp, (rows, s))
+    return hs.astype(ct.float32) * gt.astype(ct.float32)
+
+
+def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, AGG, HC, C):
+    """One half (``H`` columns, half block ``kh``) of a token block: stores ``dx = gP W + coef x``
+    (plus the aggregation term with ``AGG``, in fp32 before dx's one rounding) and returns the
+    half's ``gP^T x``."""
     xt = ct.load(x, index=(i, kh), shape=(BM, H), padding_mode=ZERO)
     prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG)
-    ct.store(dx, index=(i, kh), tile=(prod + coef * xt.astype(ct.float32)).astype(dx.dtype))
+    d = prod + coef * xt.astype(ct.float32)
+    if AGG > 0:
+        d = d + _agg_half(hp, go, i, kh, BM, H, AGG, HC, C)
+    ct.store(dx, index=(i, kh), tile=d.astype(dx.dtype))
     return part
 
 
 @ct.kernel
-def _proj_rms_bwd(x, w, gc, dx, ws, N: ConstInt, NG: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
-                  LOWP: ConstBool):
+def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
+                  LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt):
     """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + coef x`` and the split's
     ``dW[:, k block] = sum gP^T x`` into ``ws[s]``, from the packed gradient ``gc`` (``_pack_grad``;
     W's rows past N load as zeros, so its factor column adds nothing to ``gP W``, and dW's rows
-    past N are not stored).
+    past N are not stored). ``AGG`` > 0 (mix_aggregate's backward): dx also holds the aggregation's
+    gradient of x from ``hp`` (h_pre, fp32 ``[M, n]``) and ``go`` (grad_out ``[M, C]``), see
+    ``_agg_half``; so no pass writes that gradient and no other adds the two.
 
     The K block goes as two halves of ``BK / 2`` columns, each with its own W tile and dW
     accumulator: the same products element by element (the same bits), but at (64, 256) the
@@ -164,8 +189,8 @@ def _proj_rms_bwd(x, w, gc, dx, ws, N: ConstInt, NG: ConstInt, BM: ConstInt, BK:
         i = s * BLOCKS + b
         g = ct.load(gc, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
         coef = ct.extract(g, index=(0, N), shape=(BM, 1))
-        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP)
-        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP)
+        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP, hp, go, AGG, HC, C)
+        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP, hp, go, AGG, HC, C)
     ct.store(ws, index=(s, 0, k0), tile=ct.reshape(acc0, (1, NG, H)))
     ct.store(ws, index=(s, 0, k1), tile=ct.reshape(acc1, (1, NG, H)))
 
@@ -196,10 +221,18 @@ def backward_into(x2d, weight, g_proj, g_r, r, rms, dx, dw, tile_=None) -> None:
     backward_packed(x2d, weight, gc, dx, dw, tile_)
 
 
-def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None) -> None:
+def _agg_mode(c: int, half: int) -> int:
+    """``_agg_half``'s path: 1 where C is a whole number of half blocks, else 2."""
+    return 1 if c % half == 0 else 2
+
+
+def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) -> None:
     """dx and dW from the packed gradient ``gc`` (fp32 ``[M, _ng(N)]`` in ``_pack_grad``'s layout;
     the mapping path's backward writes it directly), into ``dx`` and ``dw``. ``side``: another
-    ``(ws, out, bc, br)`` partial sum (the mapping's bias and alpha), done in the dW sum's launch."""
+    ``(ws, out, bc, br)`` partial sum (the mapping's bias and alpha), done in the dW sum's launch.
+    ``agg``: ``(h_pre fp32 [M, n], grad_out [M, C])`` with n * C = K, both contiguous: dx also
+    holds the aggregation's gradient of x, ``h_pre[t, i] * grad_out[t, c]`` at column ``i * C + c``
+    (mix_aggregate's backward)."""
     m, k = x2d.shape
     if not m:
         dw.zero_()
@@ -212,7 +245,17 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None) -> None:
     blocks = cdiv(nb, most)
     splits = cdiv(nb, blocks)  # at most ``most``, fewer where there are fewer token blocks
     ws = empty((splits, n, k), torch.float32, x2d.device)  # rows past N of each partial are not stored
-    launch(_proj_rms_bwd, (cdiv(k, bk), splits), (x2d, weight, gc, dx, ws, n, ng, bm, bk, blocks, lowp))
+    if agg is None:
+        hp, go, mode, c = x2d, x2d, 0, 1
+    else:
+        hp, go = agg
+        c = go.shape[1]
+        if hp.shape[0] != m or go.shape[0] != m or hp.shape[1] * c != k:
+            raise ValueError(f"the aggregation term takes h_pre [M, n] and grad_out [M, C] with n * C = K for x2d "
+                             f"{tuple(x2d.shape)}; got {tuple(hp.shape)} and {tuple(go.shape)}")
+        mode = _agg_mode(c, bk // 2)
+    launch(_proj_rms_bwd, (cdiv(k, bk), splits), (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode,
+                                                 max(1, c // (bk // 2)), c))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
     if side is None:
         sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
@@ -277,8 +320,13 @@ def compile_checks() -> dict[str, bytes]:
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
                                                       1e-6, 32, bm, bk, lowp])
         bbm, bbk = BWD_TILE[:2] if lowp else (bm, bk)  # the backward at the tile it runs at
-        out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3), 24, 32, bbm, bbk, 8,
-                                                     lowp])
+        out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3), a2, a2, 24, 32, bbm,
+                                                     bbk, 8, lowp, 0, 1, 1])
+        # mix_aggregate's aggregation term: grad_out as tiles (C = 7168) and gathered (C = 75)
+        for mode, c in ((1, 7168), (2, 75)):
+            out[f"bwd-agg{mode}-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3),
+                                                                    array(f32, 2), a2, 24, 32, bbm, bbk, 8, lowp, mode,
+                                                                    max(1, c // (bbk // 2)), c])
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
