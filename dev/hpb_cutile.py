@@ -78,6 +78,120 @@ def fwd_variant(lat, tma, occ, bc=1024):
     return run
 
 
+# ---- forward: a token block's four streams as one (BT, 4, BC) tile, one load and one store
+
+
+@ct.kernel(occupancy=8)
+def fwd3(h_res, x, h_post, y, bias, out, BT: ConstInt, BC: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
+    i, c = ct.bid(0), ct.bid(1)
+    h = ct.load(h_res, index=(i, 0, 0), shape=(BT, 4, 4), padding_mode=ZERO).astype(ct.float32)
+    if TRANSPOSE:
+        h = ct.permute(h, (0, 2, 1))
+    p = ct.reshape(ct.load(h_post, index=(i, 0), shape=(BT, 4), padding_mode=ZERO).astype(ct.float32), (BT, 4, 1))
+    z = ct.load(y, index=(i, c), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
+    if HAS_BIAS:
+        z = z + ct.reshape(ct.load(bias, index=(c,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
+    xt = ct.load(x, index=(i, 0, c), shape=(BT, 4, BC), padding_mode=ZERO).astype(ct.float32)
+    acc = p * ct.reshape(z, (BT, 1, BC))
+    for j in ct.static_iter(range(4)):  # out[:, r] += H[r, j] x[:, j]
+        acc = acc + ct.extract(h, (0, 0, j), shape=(BT, 4, 1)) * ct.extract(xt, (0, j, 0), shape=(BT, 1, BC))
+    ct.store(out, index=(i, 0, c), tile=acc.astype(out.dtype))
+
+
+def fwd3_variant(bt, bc, occ):
+    k = fwd3.replace_hints(occupancy=occ)
+
+    def run(h_res, x, h_post, y, bias, transpose):
+        s, b, n, c = x.shape
+        t = s * b
+        out = torch.full_like(x, float("nan"))
+        launch(k, (cdiv(t, bt), cdiv(c, bc)), (h_res.reshape(t, 4, 4), x.view(t, 4, c), h_post.reshape(t, 4),
+                                               y.view(t, c), bias, out.view(t, 4, c), bt, bc, True, transpose))
+        return out
+    return run
+
+
+# ---- backward: the shipped kernel with the next chunk's tiles loaded before this chunk's arithmetic
+
+
+def _raw(g, x, y, bias, i, c, BT, BC):
+    gs = ()
+    xs = ()
+    for j in ct.static_iter(range(4)):
+        gs = gs + (ct.reshape(ct.load(g, index=(i, j, c), shape=(BT, 1, BC), padding_mode=ZERO), (BT, BC)),)
+        xs = xs + (ct.reshape(ct.load(x, index=(i, j, c), shape=(BT, 1, BC), padding_mode=ZERO), (BT, BC)),)
+    z = ct.load(y, index=(i, c), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
+    z = z + ct.reshape(ct.load(bias, index=(c,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
+    return gs, xs, z
+
+
+@ct.kernel(occupancy=2)
+def bwd_pf(h_res, x, h_post, y, bias, g, dh_res, dx, dh_post, dy, ws, BT: ConstInt, BC: ConstInt,
+           TRANSPOSE: ConstBool):
+    i = ct.bid(0)
+    hc, pc = chp._weights(h_res, h_post, i, 4, 16, 4, BT)
+    acc_h = ()
+    for e in ct.static_iter(range(16)):
+        acc_h = acc_h + (ct.zeros((BT, BC), dtype=ct.float32),)
+    acc_p = ()
+    for r in ct.static_iter(range(4)):
+        acc_p = acc_p + (ct.zeros((BT, BC), dtype=ct.float32),)
+    nxt = _raw(g, x, y, bias, i, 0, BT, BC)
+    for c in range(ct.num_tiles(y, axis=1, shape=(BT, BC))):
+        graw, xraw, z = nxt
+        nxt = _raw(g, x, y, bias, i, c + 1, BT, BC)  # past C: zeros, never used
+        gs = ()
+        xs = ()
+        for j in ct.static_iter(range(4)):
+            gs = gs + (graw[j].astype(ct.float32),)
+            xs = xs + (xraw[j].astype(ct.float32),)
+        for j in ct.static_iter(range(4)):
+            d = hc[chp._hidx(0, j, 4, TRANSPOSE)] * gs[0]
+            for r in ct.static_iter(range(1, 4)):
+                d = d + hc[chp._hidx(r, j, 4, TRANSPOSE)] * gs[r]
+            chp._store_stream(dx, i, j, c, d, BT, BC)
+        gy = pc[0] * gs[0]
+        for r in ct.static_iter(range(1, 4)):
+            gy = gy + pc[r] * gs[r]
+        ct.store(dy, index=(i, c), tile=gy.astype(dy.dtype))
+        ct.store(ws, index=(i, c), tile=ct.reshape(ct.sum(gy, axis=0), (1, BC)))
+        new_h = ()
+        for e in ct.static_iter(range(16)):
+            new_h = new_h + (acc_h[e] + gs[e // 4] * xs[e % 4],)
+        acc_h = new_h
+        new_p = ()
+        for r in ct.static_iter(range(4)):
+            new_p = new_p + (acc_p[r] + gs[r] * z,)
+        acc_p = new_p
+    dh = ()
+    for e in ct.static_iter(range(16)):
+        dh = dh + (ct.sum(acc_h[chp._hidx(e // 4, e % 4, 4, TRANSPOSE)], axis=1, keepdims=True),)
+    ct.store(dh_res, index=(i, 0), tile=chp._assemble(dh, 16, BT).astype(dh_res.dtype))
+    dp = ()
+    for r in ct.static_iter(range(4)):
+        dp = dp + (ct.sum(acc_p[r], axis=1, keepdims=True),)
+    ct.store(dh_post, index=(i, 0), tile=chp._assemble(dp, 4, BT).astype(dh_post.dtype))
+
+
+def bwd_pf_variant(bt, bc, occ):
+    k = bwd_pf.replace_hints(occupancy=occ)
+
+    def run(h_res, x, h_post, y, bias, g, transpose):
+        s, b, n, c = x.shape
+        t = s * b
+        nan = float("nan")
+        dx, dy = torch.full_like(x, nan), torch.full_like(y, nan)
+        dh, dp, db = torch.full_like(h_res, nan), torch.full_like(h_post, nan), torch.full_like(bias, nan)
+        nb = cdiv(t, bt)
+        ws = torch.full((nb, c), nan, dtype=torch.float32, device=x.device)
+        launch(k, (nb,), (h_res.reshape(t, 16), x.view(t, 4, c), h_post.reshape(t, 4), y.view(t, c), bias,
+                          g.view(t, 4, c), dh.view(t, 16), dx.view(t, 4, c), dp.view(t, 4), dy.view(t, c), ws, bt, bc,
+                          transpose))
+        sum_partials(ws, db, 1024)
+        return dh, dx, dp, dy, db
+    return run
+
+
 # ---- backward: the 20 sums over C as one tensor-core product of four tokens
 
 
@@ -204,10 +318,9 @@ def main() -> None:
     big = inputs(S, B, C)
     h, x, hp, y, bias, go = big
     if a.what in ("fwd", "all"):
-        cands = {f"lat{lat} tma{int(tma)} occ{occ} bc{bc}": fwd_variant(lat, tma, occ, bc)
-                 for lat, tma, occ, bc in [(1, True, 8, 1024), (10, True, 8, 1024), (5, True, 8, 1024),
-                                           (10, False, 8, 1024), (1, False, 8, 1024), (10, True, 16, 1024),
-                                           (10, True, 4, 2048), (10, False, 16, 512)]}
+        cands = {f"3d bt{bt} bc{bc} occ{occ}": fwd3_variant(bt, bc, occ)
+                 for bt, bc, occ in [(1, 1024, 8), (1, 512, 8), (2, 512, 8), (1, 2048, 4), (4, 256, 8), (1, 1024, 4),
+                                     (1, 512, 16), (2, 1024, 4)]}
         print("forward, checks (111 tokens, C 1000; rel err to float64, transpose False / True):", flush=True)
         variants = {"shipped cuTile": lambda: chp.h_post_bda(h, x, hp, y, bias),
                     "triton": lambda: thp.h_post_bda_forward(h, x, hp, y, bias)}
@@ -225,9 +338,8 @@ def main() -> None:
         print("forward, paper shape, paired rounds:", flush=True)
         paired(variants, 9 * T * C * 2, bw, a.rounds, deadline)
     if a.what in ("bwd", "all"):
-        cands = {f"tc bc{bc} steps{st} occ{occ}": bwd_variant(bc, st, occ)
-                 for bc, st, occ in [(512, 4, 4), (512, 4, 2), (512, 4, 8), (256, 4, 4), (512, 8, 4), (1024, 4, 2),
-                                     (256, 8, 8), (512, 2, 4)]}
+        cands = {f"prefetch bt{bt} bc{bc} occ{occ}": bwd_pf_variant(bt, bc, occ)
+                 for bt, bc, occ in [(16, 64, 2), (8, 64, 4), (8, 128, 2), (16, 64, 1), (4, 128, 4), (32, 32, 2)]}
         print("backward, checks (rel err of dh_res, dx, dh_post, dy, dbias to float64; transpose False, True):",
               flush=True)
         hb, xb, pb, yb, bb, gb = big

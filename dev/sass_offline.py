@@ -32,13 +32,13 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted on
 _INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, divisible=()):
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, divisible=(), **options):
     """(cubin bytes, resource line, SASS text) of ``fn`` compiled for sm_90."""
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages, **options))
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
