@@ -1,7 +1,11 @@
 """Triton mix_aggregate backward at the paper shape (bf16): variants of the projection backward's
 tile (LOWP_TILE) and AGG_STAGES in paired rounds (events, median of 10 a round).
     python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages), ...]"]
-(default: the shipped tile at AGG_STAGES 2 and 3)"""
+(default: the shipped tile at AGG_STAGES 2 and 3)
+    python3 dev/mix_sweep.py cutile
+(cuTile's mix_aggregate backward beside Triton's. Ordering the projection backward's programs so that
+the n over the same channels of the n streams ran side by side changed neither: Triton 2.861 / 2.848
+ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
 import ast, sys, torch
 sys.path.insert(0, ".")
 from kernels.triton import proj_rms as pr, mix_aggregate as mx
@@ -19,10 +23,20 @@ def timed(fn,reps=10):
         e0,e1=torch.cuda.Event(enable_timing=True),torch.cuda.Event(enable_timing=True)
         e0.record(); fn(); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
     return sorted(ts)[len(ts)//2]
-variants=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
+if sys.argv[1:] == ["cutile"]:
+    from kernels.cutile import mix_aggregate as cmx
+    couts=cmx.mix_aggregate(x,w,a,hb)
+    def cbwd(): torch.autograd.grad(couts,[x,w,a,hb],ups,retain_graph=True)
+    variants={"triton":bwd,"cutile":cbwd}
+else:
+    def tile(v):
+        def run(): pr.LOWP_TILE,pr.AGG_STAGES=tuple(v[0]),v[1]; bwd()
+        return run
+    vs=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
+    variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
 res={}
+names=list(variants)
 for r in range(5):
-    for v in (variants if r%2==0 else variants[::-1]):
-        pr.LOWP_TILE,pr.AGG_STAGES=tuple(v[0]),v[1]
-        res.setdefault(repr(v),[]).append(timed(bwd))
-for v,ts in res.items(): print("tile, AGG_STAGES",v,"median ms",sorted(ts)[len(ts)//2],flush=True)
+    for v in (names if r%2==0 else names[::-1]):
+        res.setdefault(v,[]).append(timed(variants[v]))
+for v,ts in res.items(): print(v,"median ms",sorted(ts)[len(ts)//2],flush=True)
