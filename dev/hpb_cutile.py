@@ -1,13 +1,15 @@
 """Issue 42, item 2 on the GPU: candidate cuTile h_post_bda kernels beside the shipped ones and
 Triton's, at the paper shape (8192x4x4x7168, bf16 activations, fp32 h_res / h_post, with bias).
 
-- forward: the shipped kernel with DRAM-latency hints and TMA on or off on its loads and stores,
-  and other occupancies;
-- backward: a tensor-core kernel shaped like Triton's (``_h_post_bda_bwd4_tc``): a program owns a
-  C block and a group of tokens and walks them four at a time; the 20 sums over C of four tokens
-  are one ``(16, BC) x (BC, 32)`` product of 16-bit tiles (exact products, fp32 sums), so no
-  accumulator lives across C and nothing crosses lanes; dx and dy are elementwise. Partials per C
-  block (dH, dh_post) and per token group (bias) are summed in a fixed order by ``sum_rows``.
+- forward (``fwd_variant``, twenty-first session): the shipped kernel with DRAM-latency hints and
+  TMA on or off on its loads and stores, and other occupancies; (``fwd3_variant``, twenty-second,
+  the candidates timed now) a token block's four streams as one ``(BT, 4, BC)`` tile;
+- backward (``bwd_variant``, twenty-first): a tensor-core kernel shaped like Triton's
+  (``_h_post_bda_bwd4_tc``): a program owns a C block and a group of tokens and walks them four at
+  a time; the 20 sums over C of four tokens are one ``(16, BC) x (BC, 32)`` product of 16-bit
+  tiles; (``bwd_pf_variant``, twenty-second, timed now) the shipped backward with the next chunk's
+  tiles loaded before this chunk's arithmetic. Every one was slower than the shipped kernels
+  (docs/perf-notes.md).
 
 Each candidate is first checked against float64 at an odd shape (111 tokens, C = 1000, both
 ``transpose_res``) with NaN-poisoned outputs, then timed in paired rounds (every variant once a
