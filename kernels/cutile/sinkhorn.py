@@ -7,7 +7,8 @@ memory.
 
 - Per-token path (n <= ``EL_MAX_N`` = 4, mHC's case): a matrix is a tuple of n^2 ``(BT,)`` tiles,
   one entry across BT tokens, so row and column sums are adds of whole tiles and nothing is
-  reduced across lanes. 17.5 us / 37 us (fwd / bwd, graph replay) at 32768 tokens on an H200.
+  reduced across lanes. Its reciprocals are ``div.full`` ones, as Triton's (``RECIP``): 12 us / 21.5
+  us (fwd / bwd, graph replay) at 32768 tokens on an H200, from 15 / 35 correctly rounded.
 - Tile path (any n): every matrix of a block of BT tokens is a ``(BT, NP, NP)`` tile (NP = n
   rounded up to a power of two; the load pads with -inf, so padded entries exponentiate to zero,
   and a mask keeps them there). 52 us / 230 us at n = 4 on an H100: the reductions over the small
@@ -137,6 +138,11 @@ def _sinkhorn_bwd(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, NP: C
 # tile, gathered with the token stride; a matrix is the tuple of its n * n entries (index r * n + c).
 
 EL_MAX_N = 4
+# the per-token path's reciprocals as Triton compiles fp32 ``1.0 / d`` (div.full.f32, within 2 ulp)
+# rather than correctly rounded (RN): the backward is mostly its divisions. H200, n = 4, 32768 tokens,
+# graph replay: backward 35.3 -> 21.5 us (Triton 22.4), forward 15.1 -> 12.0; largest relative
+# error of the gradient against float64 3.44e-7 -> 3.64e-7 (Triton 3.42e-7); dev/sinkhorn_recip.py
+RECIP = ct.RoundingMode.FULL
 
 
 def _line(e, axis, N):
@@ -163,13 +169,17 @@ def _el_sums(p, axis, N):
     return s
 
 
+def _recip(d):
+    return ct.truediv(1.0, d, rounding_mode=RECIP)
+
+
 def _el_inv(s, eps, clamp, N):
     inv = ()
     for k in ct.static_iter(range(N)):
         if clamp:
-            inv = inv + (1.0 / ct.maximum(s[k], eps),)
+            inv = inv + (_recip(ct.maximum(s[k], eps)),)
         else:
-            inv = inv + (1.0 / (s[k] + eps),)
+            inv = inv + (_recip(s[k] + eps),)
     return inv
 
 
