@@ -5,6 +5,9 @@ once per process); run it for each mode, alternating:
 
     for r in 1 2 3; do for m in rn full; do python3 dev/sinkhorn_recip.py $m; done; done
 
+(a second argument, tile or gather, picks how the per-token path loads and stores, forward and
+backward alike: EL_TILE_IO)
+
 Prints the fwd / bwd times (a CUDA graph of 20 launches replayed, per launch: eager timings of one
 launch are mostly cuTile's launch overhead; 32768 tokens, n = 4, 20 iterations, fp32) and
 the largest relative errors of the output and the gradient against float64, and Triton's times."""
@@ -22,6 +25,8 @@ from kernels.triton import sinkhorn as ts  # noqa: E402
 from mhctool.references import mhc as ref  # noqa: E402
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "rn"
+io = sys.argv[2] if len(sys.argv) > 2 else "tile"  # the per-token path's loads and stores (EL_TILE_IO)
+cs.EL_TILE_IO = (io == "tile",) * 2  # forward and backward alike
 cs.RECIP = {"rn": ct.RoundingMode.RN, "full": ct.RoundingMode.FULL, "approx": ct.RoundingMode.APPROX}[mode]
 g = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(8192, 4, 4, 4, generator=g, device="cuda")
@@ -51,7 +56,7 @@ def rel(a, b):
 
 out = cs.sinkhorn_forward(x, 20, 1e-6)
 gr = cs.sinkhorn_backward(x, go, 20, 1e-6)
-line = f"cutile {mode}: fwd {graphed(lambda: cs.sinkhorn_forward(x, 20, 1e-6)) * 1e3:.1f} us, " \
+line = f"cutile {mode} {io}: fwd {graphed(lambda: cs.sinkhorn_forward(x, 20, 1e-6)) * 1e3:.1f} us, " \
        f"bwd {graphed(lambda: cs.sinkhorn_backward(x, go, 20, 1e-6)) * 1e3:.1f} us; " \
        f"err out {rel(out, want):.2e} grad {rel(gr, want_g):.2e}"
 tout, tgr = ts.sinkhorn_forward(x, 20, 1e-6), ts.sinkhorn_backward(x, go, 20, 1e-6)

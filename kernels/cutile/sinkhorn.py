@@ -7,8 +7,9 @@ memory.
 
 - Per-token path (n <= ``EL_MAX_N`` = 4, mHC's case): a matrix is a tuple of n^2 ``(BT,)`` tiles,
   one entry across BT tokens, so row and column sums are adds of whole tiles and nothing is
-  reduced across lanes. Its reciprocals are ``div.full`` ones, as Triton's (``RECIP``): 12 us / 21.5
-  us (fwd / bwd, graph replay) at 32768 tokens on an H200, from 15 / 35 correctly rounded.
+  reduced across lanes. Its reciprocals are ``div.full`` ones, as Triton's (``RECIP``); the forward
+  loads and stores a block as one ``(BT, NP, NP)`` tile, the backward gathers (``EL_TILE_IO``):
+  5.5 us / 21.5 us (fwd / bwd, graph replay) at 32768 tokens on an H200, from 15 / 35.
 - Tile path (any n): every matrix of a block of BT tokens is a ``(BT, NP, NP)`` tile (NP = n
   rounded up to a power of two; the load pads with -inf, so padded entries exponentiate to zero,
   and a mask keeps them there). 52 us / 230 us at n = 4 on an H100: the reductions over the small
@@ -143,6 +144,10 @@ EL_MAX_N = 4
 # graph replay: backward 35.3 -> 21.5 us (Triton 22.4), forward 15.1 -> 12.0; largest relative
 # error of the gradient against float64 3.44e-7 -> 3.64e-7 (Triton 3.42e-7); dev/sinkhorn_recip.py
 RECIP = ct.RoundingMode.FULL
+# the per-token path's loads and stores as one (BT, NP, NP) tile a block split into entries, or a
+# gather / scatter per entry: (forward, backward). H200, 32768 tokens, graph replay: the forward
+# 11.5 -> 5.5 us with tiles (Triton 6.0), the backward 21.3 -> 26.7 (dev/sinkhorn_recip.py)
+EL_TILE_IO = (True, False)
 
 
 def _line(e, axis, N):
@@ -219,16 +224,48 @@ def _el_pairs(p, eps, count, a, b, clamp, N):
     return p
 
 
-def _el_load(arr, tok, N):
+def _el_load(arr, i, tok, N, BT, TILE):
+    """Token block i's n^2 entries as ``(BT,)`` fp32 tiles: one ``(BT, NP, NP)`` tile load split
+    (``TILE``), or a gather per entry."""
     out = ()
+    if TILE:
+        NP = _np2(N)
+        t = ct.load(arr, index=(i, 0, 0), shape=(BT, NP, NP), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+        for e in ct.static_iter(range(N * N)):
+            out = out + (ct.reshape(ct.extract(t, (0, e // N, e % N), shape=(BT, 1, 1)), (BT,)),)
+        return out
     for e in ct.static_iter(range(N * N)):
         out = out + (ct.gather(arr, (tok, e // N, e % N)).astype(ct.float32),)
     return out
 
 
-def _el_store(arr, tok, p, N):
+def _el_store(arr, i, tok, p, N, BT, TILE):
+    if TILE:
+        NP = _np2(N)
+        zero = ct.zeros((BT, 1, 1), dtype=ct.float32)
+        rows = ()
+        for r in ct.static_iter(range(NP)):
+            row = ()
+            for c in ct.static_iter(range(NP)):
+                row = row + ((ct.reshape(p[r * N + c], (BT, 1, 1)) if r < N and c < N else zero),)
+            rows = rows + (_cat_tree(row, 2),)
+        ct.store(arr, index=(i, 0, 0), tile=_cat_tree(rows, 1).astype(arr.dtype))
+        return
     for e in ct.static_iter(range(N * N)):
         ct.scatter(arr, (tok, e // N, e % N), p[e].astype(arr.dtype))
+
+
+def _np2(n):
+    return 1 if n <= 1 else (2 if n <= 2 else 4)
+
+
+def _cat_tree(parts, axis):
+    """``ct.cat`` of 1, 2 or 4 tiles along ``axis``."""
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return ct.cat((parts[0], parts[1]), axis)
+    return ct.cat((ct.cat((parts[0], parts[1]), axis), ct.cat((parts[2], parts[3]), axis)), axis)
 
 
 def _el_rowmax(x, N):
@@ -267,19 +304,19 @@ def _el_init(x, eps, stab, N):
 def _sinkhorn_fwd_el(logits, out, eps: ConstFloat, N: ConstInt, BT: ConstInt, PAIRS: ConstInt, ODD: ConstBool,
                      A: ConstInt, B: ConstInt, STAB: ConstInt, CLAMP: ConstBool):
     tok = ct.bid(0) * BT + ct.arange(BT, dtype=ct.int32)
-    p, _ = _el_init(_el_load(logits, tok, N), eps, STAB, N)
+    p, _ = _el_init(_el_load(logits, ct.bid(0), tok, N, BT, EL_TILE_IO[0]), eps, STAB, N)
     if ODD:
         p = _el_norm(p, eps, B, CLAMP, N)
     p = _el_pairs(p, eps, PAIRS, A, B, CLAMP, N)
-    _el_store(out, tok, p, N)
+    _el_store(out, ct.bid(0), tok, p, N, BT, EL_TILE_IO[0])
 
 
 @ct.kernel
 def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT: ConstInt, PAIRS: ConstInt,
                      ODD: ConstBool, A: ConstInt, B: ConstInt, STAB: ConstInt, CLAMP: ConstBool, SEG: ConstInt):
     tok = ct.bid(0) * BT + ct.arange(BT, dtype=ct.int32)
-    x = _el_load(logits, tok, N)
-    g = _el_load(grad_out, tok, N)
+    x = _el_load(logits, ct.bid(0), tok, N, BT, EL_TILE_IO[1])
+    g = _el_load(grad_out, ct.bid(0), tok, N, BT, EL_TILE_IO[1])
     p0, sm = _el_init(x, eps, STAB, N)
     start = p0
     if ODD:
@@ -330,7 +367,7 @@ def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT
             for c in ct.static_iter(range(N)):
                 e = r * N + c
                 dx = dx + (sm[e] * (g[e] - tot),)
-    _el_store(grad_in, tok, dx, N)
+    _el_store(grad_in, ct.bid(0), tok, dx, N, BT, EL_TILE_IO[1])
 
 
 EL_BT = 128  # tokens per program of the per-token path (64: 18.6 / 69.5 us; 256 did not finish compiling)
