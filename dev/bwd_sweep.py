@@ -44,6 +44,18 @@ def timed(fn, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def paired_rounds(fns: dict, rounds: int, deadline: float = float("inf")) -> dict:
+    """Each callable's times (ms) over paired rounds: every one once a round, the order reversed
+    every other round, until ``rounds`` or the deadline (``time.time()``)."""
+    times = {name: [] for name in fns}
+    for i in range(rounds):
+        if time.time() > deadline:
+            break
+        for name in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            times[name].append(timed(fns[name]))
+    return times
+
+
 def copy_bw() -> float:
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -237,12 +249,7 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
             print(f"  {name}: {err}", flush=True)
         except Exception as ex:  # noqa: BLE001 - a tile that does not compile is a line
             print(f"  {name}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
-    times = {name: [] for name in ok}
-    for i in range(rounds):
-        if time.time() > deadline:
-            break
-        for name in (list(ok) if i % 2 == 0 else list(ok)[::-1]):
-            times[name].append(timed(ok[name]))
+    times = paired_rounds(ok, rounds, deadline)
     base = times[next(iter(ok))]
     res = []
     for name, ts in times.items():

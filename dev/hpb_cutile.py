@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bwd_sweep import copy_bw, hpb_inputs as inputs, timed  # noqa: E402 - the same inputs and timing as the other sweeps
+from bwd_sweep import copy_bw, hpb_inputs as inputs, paired_rounds  # noqa: E402 - the same inputs and timing as the other sweeps
 
 from kernels.cutile import h_post_bda as chp  # noqa: E402
 from kernels.cutile._common import cdiv, launch, sum_partials  # noqa: E402
@@ -78,6 +78,12 @@ def fwd_variant(lat, tma, occ, bc=1024):
                                       bias, out.view(t, 4, c), bc, lat, tma, True, transpose))
         return out
     return run
+
+
+def poisoned_grads(h_res, x, h_post, y, bias):
+    """NaN-filled ``(dh_res, dx, dh_post, dy, dbias)`` for a candidate backward to write into."""
+    nan = float("nan")
+    return tuple(torch.full_like(t, nan) for t in (h_res, x, h_post, y, bias))
 
 
 # ---- forward: a token block's four streams as one (BT, 4, BC) tile, one load and one store
@@ -181,11 +187,9 @@ def bwd_pf_variant(bt, bc, occ):
     def run(h_res, x, h_post, y, bias, g, transpose):
         s, b, n, c = x.shape
         t = s * b
-        nan = float("nan")
-        dx, dy = torch.full_like(x, nan), torch.full_like(y, nan)
-        dh, dp, db = torch.full_like(h_res, nan), torch.full_like(h_post, nan), torch.full_like(bias, nan)
+        dh, dx, dp, dy, db = poisoned_grads(h_res, x, h_post, y, bias)
         nb = cdiv(t, bt)
-        ws = torch.full((nb, c), nan, dtype=torch.float32, device=x.device)
+        ws = torch.full((nb, c), float("nan"), dtype=torch.float32, device=x.device)
         launch(k, (nb,), (h_res.reshape(t, 16), x.view(t, 4, c), h_post.reshape(t, 4), y.view(t, c), bias,
                           g.view(t, 4, c), dh.view(t, 16), dx.view(t, 4, c), dp.view(t, 4), dy.view(t, c), ws, bt, bc,
                           transpose))
@@ -256,9 +260,8 @@ def bwd_variant(bc, steps, occ):
     def run(h_res, x, h_post, y, bias, g, transpose):
         s, b, n, c = x.shape
         t = s * b
+        dh, dx, dp, dy, db = poisoned_grads(h_res, x, h_post, y, bias)
         nan = float("nan")
-        dx, dy = torch.full_like(x, nan), torch.full_like(y, nan)
-        dh, dp, db = torch.full_like(h_res, nan), torch.full_like(h_post, nan), torch.full_like(bias, nan)
         ncb, ntg = cdiv(c, bc), cdiv(t, 4 * steps)
         f32 = torch.float32
         wsh = torch.full((ncb, t, 16), nan, dtype=f32, device=x.device)
@@ -294,12 +297,7 @@ def rel(a, b) -> float:
 
 
 def paired(variants: dict, nbytes: int, bw: float, rounds: int, deadline: float) -> None:
-    times = {k: [] for k in variants}
-    for i in range(rounds):
-        if time.time() > deadline:
-            break
-        for name in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
-            times[name].append(timed(variants[name]))
+    times = paired_rounds(variants, rounds, deadline)
     for name, ts in sorted(times.items(), key=lambda kv: -sorted(kv[1])[len(kv[1]) // 2] if kv[1] else 0):
         if ts:
             ms = sorted(ts)[len(ts) // 2]

@@ -7,7 +7,9 @@ tile (LOWP_TILE) and AGG_STAGES in paired rounds (events, median of 10 a round).
 the n over the same channels of the n streams ran side by side changed neither: Triton 2.861 / 2.848
 ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
 import ast, sys, torch
-sys.path.insert(0, ".")
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1])); sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bwd_sweep import paired_rounds  # noqa: E402 - one form of the paired rounds and their timing
 from kernels.triton import proj_rms as pr, mix_aggregate as mx
 s,b,n,c=8192,4,4,7168
 g=torch.Generator(device="cuda").manual_seed(0)
@@ -17,12 +19,6 @@ a=torch.tensor([0.8,1.1,0.9],device="cuda",requires_grad=True); hb=(0.1*torch.ra
 outs=mx.mix_aggregate(x,w,a,hb)
 ups=[torch.randn_like(o) for o in outs]
 def bwd(): torch.autograd.grad(outs,[x,w,a,hb],ups,retain_graph=True)
-def timed(fn,reps=10):
-    fn(); torch.cuda.synchronize(); ts=[]
-    for _ in range(reps):
-        e0,e1=torch.cuda.Event(enable_timing=True),torch.cuda.Event(enable_timing=True)
-        e0.record(); fn(); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
-    return sorted(ts)[len(ts)//2]
 if sys.argv[1:] == ["cutile"]:
     from kernels.cutile import mix_aggregate as cmx
     couts=cmx.mix_aggregate(x,w,a,hb)
@@ -34,9 +30,4 @@ else:
         return run
     vs=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
-res={}
-names=list(variants)
-for r in range(5):
-    for v in (names if r%2==0 else names[::-1]):
-        res.setdefault(v,[]).append(timed(variants[v]))
-for v,ts in res.items(): print(v,"median ms",sorted(ts)[len(ts)//2],flush=True)
+for v,ts in paired_rounds(variants,5).items(): print(v,"median ms",sorted(ts)[len(ts)//2],flush=True)

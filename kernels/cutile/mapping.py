@@ -107,12 +107,17 @@ def _mapping_bwd_h(proj, r, rms, alpha, bias, g_pre, g_post, g_logits, gc, ws, n
     ct.store(ws, index=(i, NP // 4), tile=da)
 
 
+def _streams(n_rows: int) -> int:
+    """n from the mapping's n^2 + 2n weight rows."""
+    return round((n_rows + 1) ** 0.5 - 1)
+
+
 def _check(x2d, weight, alpha, h_bias):
     check_cuda(x2d, weight, alpha, h_bias)
     require_contiguous("x2d", x2d)
     require_contiguous("weight", weight)
     n_rows = weight.shape[0]
-    n = round((n_rows + 1) ** 0.5 - 1)
+    n = _streams(n_rows)
     if n * n + 2 * n != n_rows:
         raise ValueError(f"weight must have n^2 + 2n rows, got {n_rows}")
     if x2d.dim() != 2 or weight.shape[1] != x2d.shape[1] or alpha.shape != (3,) or h_bias.shape != (n_rows,):
@@ -149,7 +154,7 @@ def backward(saved, g_pre, g_post, g_logits, agg=None):
     x2d, weight, a3, bias, proj, r, rms = saved
     m = x2d.shape[0]
     nr = weight.shape[0]
-    n = round((nr + 1) ** 0.5 - 1)
+    n = _streams(nr)
     np_ = proj.shape[1]
     bm = BWD_H_BM
     dev = x2d.device

@@ -22,7 +22,7 @@ import torch
 
 from mhctool.poison import empty_like
 
-from ..schedule import STABILIZE, check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps
+from ..schedule import STABILIZE, check_knobs, next_pow2, recompute_segment, sinkhorn_autograd, sinkhorn_steps
 from ._common import array, cdiv, check_cuda, launch, tile_ir
 
 ConstInt = ct.Constant[int]
@@ -229,7 +229,7 @@ def _el_load(arr, i, tok, N, BT, TILE):
     (``TILE``), or a gather per entry."""
     out = ()
     if TILE:
-        NP = _np2(N)
+        NP = ct.static_eval(next_pow2(N))
         t = ct.load(arr, index=(i, 0, 0), shape=(BT, NP, NP), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
         for e in ct.static_iter(range(N * N)):
             out = out + (ct.reshape(ct.extract(t, (0, e // N, e % N), shape=(BT, 1, 1)), (BT,)),)
@@ -241,7 +241,7 @@ def _el_load(arr, i, tok, N, BT, TILE):
 
 def _el_store(arr, i, tok, p, N, BT, TILE):
     if TILE:
-        NP = _np2(N)
+        NP = ct.static_eval(next_pow2(N))
         zero = ct.zeros((BT, 1, 1), dtype=ct.float32)
         rows = ()
         for r in ct.static_iter(range(NP)):
@@ -253,10 +253,6 @@ def _el_store(arr, i, tok, p, N, BT, TILE):
         return
     for e in ct.static_iter(range(N * N)):
         ct.scatter(arr, (tok, e // N, e % N), p[e].astype(arr.dtype))
-
-
-def _np2(n):
-    return 1 if n <= 1 else (2 if n <= 2 else 4)
 
 
 def _cat_tree(parts, axis):
