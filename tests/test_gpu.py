@@ -228,6 +228,46 @@ def test_h_post_bda_tensor_core_backward_finishes_its_sums_deterministically():
         assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
 
 
+@pytest.mark.parametrize("n, transpose, with_bias", [(4, True, True), (3, False, False), (2, False, True)])
+def test_cutile_h_post_bda_backward_sums_c_blocks_in_order(n, transpose, with_bias):
+    """cuTile's h_post_bda backward runs a program per (C block, token group): the n^2 + n sums
+    over C leave as one partial per (C block, token), summed in C-block order by a second launch,
+    and the bias's as one per token group. At token counts off the tile and the token group (6001,
+    and a 5-token slice), C off the C block (1100 channels: five blocks, the last part-filled), n
+    = 3 (padded rows of partials), into NaN-poisoned outputs and workspaces: every gradient matches
+    float64, repeats bit for bit, and a token's gradients are those of the smaller batch."""
+    from mhctool.kernels.cutile import h_post_bda as chp
+    from mhctool.poison import poisoning
+    from mhctool.references import mhc as ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s, b, C = 353, 17, 1100
+    h, hp = torch.rand(s, b, n, n, generator=g, device="cuda"), torch.rand(s, b, n, generator=g, device="cuda")
+    x, go = (torch.randn(s, b, n, C, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    y = torch.randn(s, b, C, generator=g, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(C, generator=g, device="cuda").to(torch.bfloat16) if with_bias else None
+
+    def grads(*ins):
+        leaves = [t.clone().requires_grad_() for t in ins if t is not None]
+        args = list(leaves) + ([] if with_bias else [None])
+        return torch.autograd.grad(chp.h_post_bda(*args, transpose_res=transpose), leaves, go[:ins[0].shape[0]])
+
+    with poisoning():
+        runs = [grads(h, x, hp, y, bias) for _ in range(2)]
+        part = grads(h[:5], x[:5], hp[:5], y[:5], bias)
+    for a, b_ in zip(*runs):
+        assert torch.equal(a, b_)
+    for name, a, p in zip(("h_res", "x", "h_post", "y"), runs[0][:4], part[:4]):
+        assert torch.equal(a[:5], p), name
+    dd = [t.double().requires_grad_() for t in (h, x, hp, y, bias) if t is not None]
+    out = ref.h_post_bda(*dd, *([] if with_bias else [None]), transpose_res=transpose)
+    want = torch.autograd.grad(out, dd, go.double())
+    for name, a, w in zip(("h_res", "x", "h_post", "y", "bias"), runs[0], want):
+        assert torch.isfinite(a).all(), name
+        tol = 1e-5 if a.dtype == torch.float32 else 2 ** -8
+        assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
+
+
 def test_cutile_projection_backward_halves_cover_odd_k():
     """The cuTile projection backward takes each K block as two halves of 128 columns (bf16); where
     K has an odd number of half blocks the last program's second half repeats its first. At such K

@@ -2,14 +2,17 @@
 ``out[t, i, c] = sum_j H[t, i, j] x[t, j, c] + h_post[t, i] (y[t, c] + bias[c])``, with
 ``H = h_res`` or ``h_res^T`` (``transpose_res``).
 
-Every tile is two-dimensional, ``(BT, BC)``: one stream of a block of tokens over a chunk of C.
-The n x n mixing weights are loaded once per program as a ``(BT, NN)`` tile of h_res viewed as
-``[t, n * n]`` and split into ``(BT, 1)`` columns, so the mixing is n^2 broadcast multiply-adds of
-whole tiles (v1 mixed a ``(BT, NP, BC)`` tile through its middle axis: 35% / 56% of copy
-bandwidth on an H100). The forward walks CB chunks of C per program; the backward walks all of
-C per token block, accumulating grad_h_res and grad_h_post elementwise in fp32 and reducing over
-C once at the end. The bias gradient (a reduction over tokens) is written as fp32 partials per
-token block and summed by a second kernel, in a fixed order (no atomics).
+Every tile is two-dimensional, ``(BT, BC)``: one stream of a block of tokens over a block of C.
+The n x n mixing weights are loaded as a ``(BT, NN)`` tile of h_res viewed as ``[t, n * n]`` and
+split into ``(BT, 1)`` columns, so the mixing is n^2 broadcast multiply-adds of whole tiles (v1
+mixed a ``(BT, NP, BC)`` tile through its middle axis: 35% / 56% of copy bandwidth on an H100).
+A program owns one C block and walks a group of token blocks (Triton's n = 4 kernels are shaped
+so too). In the backward, dx and dy are elementwise; the n^2 + n sums over C (grad_h_res,
+grad_h_post) are reduced per token block over the program's C block and written as fp32
+partials per (C block, token), the bias gradient's as one per (token group, C block); second
+launches sum them in a fixed order (no atomics), so a token's gradients do not depend on the
+number of tokens. (The backward used to walk all of C per token block with the n^2 + n sums as
+elementwise accumulators, which capped its tile and occupancy: 55% of copy bandwidth.)
 """
 from __future__ import annotations
 
@@ -19,14 +22,21 @@ import torch
 from mhctool.poison import empty
 
 from ..schedule import next_pow2
-from ._common import BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_rows, tile_ir
+from ._common import (BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_partials_pair,
+                      sum_rows, sum_rows_pair, tile_ir)
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
-# tiles and occupancy picked on an H200 at 8192x4x4x7168 bf16 (docs/perf-notes.md has the sweep)
-BT, BC, CB = 1, 1024, 1  # forward tile and C chunks per program
-BT_BWD, BC_BWD = 16, 64  # backward tile
+# Both directions run a program per (C block, token group): C block cb over STEPS token blocks of BT
+# tokens. Picked on an H200 at 8192x4x4x7168 bf16 in paired rounds (dev/hpb_cutile.py,
+# docs/perf-notes.md twenty-third session): the forward at (1, 1024, 16), occupancy 4, 1.058 ms
+# against 1.285 for one (token, C block) a program (Triton 1.034 in the same rounds); the backward
+# at (4, 256, 32), occupancy 3, 1.740 ms (16 steps 1.791, a 4 x 128 tile 2.567; Triton
+# 1.772). The bench, graph replay: 1.02 / 1.65 ms (95.2% of copy), against 1.24 / 2.45 before.
+# STEPS_BWD token blocks are the tokens of one bias partial.
+BT, BC, STEPS = 1, 1024, 16
+BT_BWD, BC_BWD, STEPS_BWD = 4, 256, 32
 BC_SUM = 1024  # columns per program of the bias-gradient sum
 
 
@@ -71,20 +81,25 @@ def _store_stream(a, i, j, c, t, BT, BC):
     ct.store(a, index=(i, j, c), tile=ct.reshape(t.astype(a.dtype), (BT, 1, BC)))
 
 
-@ct.kernel(occupancy=8)
+@ct.kernel(occupancy=4)
 def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt,
-                    BC: ConstInt, CB: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
-    i, cb = ct.bid(0), ct.bid(1)
-    hc, pc = _weights(h_res, h_post, i, N, NN, NP, BT)
-    for k in range(CB):  # chunks past the end of C load zeros and store nothing
-        c = cb * CB + k
-        z = _branch(y, bias, i, c, BT, BC, HAS_BIAS)
-        xs = _streams(x, i, c, N, BT, BC)
+                    BC: ConstInt, STEPS: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
+    """Program (cb, tg): C block cb over ``STEPS`` token blocks of ``BT``, the bias loaded once."""
+    cb, tg = ct.bid(0), ct.bid(1)
+    if HAS_BIAS:
+        bz = ct.reshape(ct.load(bias, index=(cb,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
+    for s in range(STEPS):
+        i = tg * STEPS + s  # past the last token: zeros loaded, nothing stored
+        hc, pc = _weights(h_res, h_post, i, N, NN, NP, BT)
+        z = ct.load(y, index=(i, cb), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
+        if HAS_BIAS:
+            z = z + bz
+        xs = _streams(x, i, cb, N, BT, BC)
         for r in ct.static_iter(range(N)):
             acc = pc[r] * z
             for j in ct.static_iter(range(N)):
                 acc = acc + hc[_hidx(r, j, N, TRANSPOSE)] * xs[j]
-            _store_stream(out, i, r, c, acc, BT, BC)
+            _store_stream(out, i, r, cb, acc, BT, BC)
 
 
 def _assemble(vals, width, BT):
@@ -96,48 +111,49 @@ def _assemble(vals, width, BT):
     return out
 
 
-@ct.kernel(occupancy=2)
-def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dh_res, dx, dh_post, dy, ws, N: ConstInt, NN: ConstInt,
-                    NP: ConstInt, BT: ConstInt, BC: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
-    i = ct.bid(0)
-    hc, pc = _weights(h_res, h_post, i, N, NN, NP, BT)
-    acc_h = ()  # acc_h[r * N + j] = sum over C of g_r * x_j, elementwise until the end
-    for e in ct.static_iter(range(N * N)):
-        acc_h = acc_h + (ct.zeros((BT, BC), dtype=ct.float32),)
-    acc_p = ()
-    for r in ct.static_iter(range(N)):
-        acc_p = acc_p + (ct.zeros((BT, BC), dtype=ct.float32),)
-    for c in range(ct.num_tiles(y, axis=1, shape=(BT, BC))):
-        gs = _streams(g, i, c, N, BT, BC)
-        xs = _streams(x, i, c, N, BT, BC)
-        z = _branch(y, bias, i, c, BT, BC, HAS_BIAS)
+@ct.kernel(occupancy=3)
+def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, N: ConstInt, NN: ConstInt,
+                    NP: ConstInt, BT: ConstInt, BC: ConstInt, STEPS: ConstInt, HAS_BIAS: ConstBool,
+                    TRANSPOSE: ConstBool):
+    """Program (cb, tg): C block cb over ``STEPS`` token blocks of ``BT`` (Triton's n = 4 FMA form).
+    Per token block: dx and dy written; the n^2 + n sums over the block's channels reduced at once
+    and stored as this C block's partials, ``ws_h[cb, t]`` (dH where h_res keeps it) and
+    ``ws_p[cb, t]`` (dh_post); the bias's partial over the program's tokens stays in registers and
+    goes to ``ws_b[tg]``. No accumulator lives across C, so the tile is not bound by n^2 + n of them."""
+    cb, tg = ct.bid(0), ct.bid(1)
+    if HAS_BIAS:
+        bz = ct.reshape(ct.load(bias, index=(cb,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
+    acc_b = ct.zeros((BT, BC), dtype=ct.float32)
+    for s in range(STEPS):
+        i = tg * STEPS + s  # past the last token: zeros loaded, nothing stored
+        hc, pc = _weights(h_res, h_post, i, N, NN, NP, BT)
+        gs = _streams(g, i, cb, N, BT, BC)
         for j in ct.static_iter(range(N)):
             d = hc[_hidx(0, j, N, TRANSPOSE)] * gs[0]
             for r in ct.static_iter(range(1, N)):
                 d = d + hc[_hidx(r, j, N, TRANSPOSE)] * gs[r]
-            _store_stream(dx, i, j, c, d, BT, BC)
+            _store_stream(dx, i, j, cb, d, BT, BC)
         gy = pc[0] * gs[0]
         for r in ct.static_iter(range(1, N)):
             gy = gy + pc[r] * gs[r]
-        ct.store(dy, index=(i, c), tile=gy.astype(dy.dtype))
+        ct.store(dy, index=(i, cb), tile=gy.astype(dy.dtype))
+        acc_b = acc_b + gy
+        xs = _streams(x, i, cb, N, BT, BC)
+        z = ct.load(y, index=(i, cb), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
         if HAS_BIAS:
-            ct.store(ws, index=(i, c), tile=ct.reshape(ct.sum(gy, axis=0), (1, BC)))
-        new_h = ()
+            z = z + bz
+        dh = ()  # column e as h_res keeps it: H[r, j] at _hidx(r, j)
         for e in ct.static_iter(range(N * N)):
-            new_h = new_h + (acc_h[e] + gs[e // N] * xs[e % N],)
-        acc_h = new_h
-        new_p = ()
+            r, j = (e % N, e // N) if TRANSPOSE else (e // N, e % N)
+            dh = dh + (ct.sum(gs[r] * xs[j], axis=1, keepdims=True),)
+        dp = ()
         for r in ct.static_iter(range(N)):
-            new_p = new_p + (acc_p[r] + gs[r] * z,)
-        acc_p = new_p
-    dh = ()  # column _hidx(r, j) of dh_res holds sum_c g_r x_j
-    for e in ct.static_iter(range(N * N)):
-        dh = dh + (ct.sum(acc_h[_hidx(e // N, e % N, N, TRANSPOSE)], axis=1, keepdims=True),)
-    ct.store(dh_res, index=(i, 0), tile=_assemble(dh, NN, BT).astype(dh_res.dtype))
-    dp = ()
-    for r in ct.static_iter(range(N)):
-        dp = dp + (ct.sum(acc_p[r], axis=1, keepdims=True),)
-    ct.store(dh_post, index=(i, 0), tile=_assemble(dp, NP, BT).astype(dh_post.dtype))
+            dp = dp + (ct.sum(gs[r] * z, axis=1, keepdims=True),)
+        # (BT, NN) / (BT, NP) tiles into [cb, t, n^2] / [cb, t, n] rows: the padding columns fall outside
+        ct.store(ws_h, index=(cb, i, 0), tile=ct.reshape(_assemble(dh, NN, BT), (1, BT, NN)))
+        ct.store(ws_p, index=(cb, i, 0), tile=ct.reshape(_assemble(dp, NP, BT), (1, BT, NP)))
+    if HAS_BIAS:
+        ct.store(ws_b, index=(tg, cb), tile=ct.reshape(ct.sum(acc_b, axis=0), (1, BC)))
 
 
 def _check(h_res, x, h_post, y, bias):
@@ -164,10 +180,10 @@ class _HPostBda(torch.autograd.Function):
         bias_c = bias.contiguous() if bias is not None else None
         out = empty(x.shape, x.dtype, x.device)
         if out.numel():
-            launch(_h_post_bda_fwd, (cdiv(t, BT), cdiv(cdiv(c, BC), CB)),
+            launch(_h_post_bda_fwd, (cdiv(c, BC), cdiv(t, BT * STEPS)),
                    (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
                     bias_c if bias_c is not None else y.view(-1), out.view(t, n, c), n, next_pow2(n * n),
-                    next_pow2(n), BT, BC, CB, bias is not None, bool(transpose_res)))
+                    next_pow2(n), BT, BC, STEPS, bias is not None, bool(transpose_res)))
         ctx.save_for_backward(h_res, x, h_post, y, bias_c)
         ctx.transpose = bool(transpose_res)
         return out
@@ -182,18 +198,24 @@ class _HPostBda(torch.autograd.Function):
         dx = empty(x.shape, x.dtype, x.device)
         dp = empty(h_post.shape, h_post.dtype, x.device)
         dy = empty(y.shape, y.dtype, x.device)
-        nb = cdiv(t, BT_BWD)
-        ws = empty((nb, c), torch.float32, x.device) if bias is not None else dy.view(t, c)
+        db = empty(bias.shape, bias.dtype, x.device) if bias is not None else None
         if t:
-            launch(_h_post_bda_bwd, (nb,),
+            ncb, ntg = cdiv(c, BC_BWD), cdiv(t, BT_BWD * STEPS_BWD)
+            f32 = torch.float32
+            ws_h, ws_p = empty((ncb, t, n * n), f32, x.device), empty((ncb, t, n), f32, x.device)
+            ws_b = empty((ntg, c), f32, x.device) if bias is not None else dy.view(t, c)
+            launch(_h_post_bda_bwd, (ncb, ntg),
                    (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
-                    bias if bias is not None else y.view(-1), g.view(t, n, c), dh.view(t, n * n), dx.view(t, n, c),
-                    dp.view(t, n), dy.view(t, c), ws, n, next_pow2(n * n), next_pow2(n), BT_BWD, BC_BWD,
+                    bias if bias is not None else y.view(-1), g.view(t, n, c), dx.view(t, n, c), dy.view(t, c),
+                    ws_h, ws_p, ws_b, n, next_pow2(n * n), next_pow2(n), BT_BWD, BC_BWD, STEPS_BWD,
                     bias is not None, ctx.transpose))
-        db = None
-        if bias is not None:
-            db = empty(bias.shape, bias.dtype, x.device)
-            sum_partials(ws, db, BC_SUM)
+            # the C blocks' partials in C-block order: a token's sums do not depend on the token count
+            sum_partials_pair((ws_h.view(ncb, t * n * n), dh.view(-1), BC_SUM, BR),
+                              (ws_p.view(ncb, t * n), dp.view(-1), BC_SUM, BR))
+            if bias is not None:
+                sum_partials(ws_b, db, BC_SUM)
+        elif bias is not None:
+            db.zero_()
         return dh, dx, dp, dy, db, None
 
 
@@ -210,11 +232,14 @@ def compile_checks() -> dict[str, bytes]:
             nn, np_ = next_pow2(n * n), next_pow2(n)
             key = f"{dtype}-{n}-{has_bias}-{tr}"
             out[f"fwd-{key}"] = tile_ir(_h_post_bda_fwd, [array(f32, 2), array(dtype, 3), array(f32, 2), array(dtype, 2),
-                                                            array(dtype, 1), array(dtype, 3), n, nn, np_, BT, BC, CB,
+                                                            array(dtype, 1), array(dtype, 3), n, nn, np_, BT, BC, STEPS,
                                                             has_bias, tr])
             out[f"bwd-{key}"] = tile_ir(_h_post_bda_bwd, [array(f32, 2), array(dtype, 3), array(f32, 2), array(dtype, 2),
-                                                            array(dtype, 1), array(dtype, 3), array(f32, 2), array(dtype, 3),
-                                                            array(f32, 2), array(dtype, 2), array(f32, 2), n, nn, np_,
-                                                            BT_BWD, BC_BWD, has_bias, tr])
+                                                            array(dtype, 1), array(dtype, 3), array(dtype, 3), array(dtype, 2),
+                                                            array(f32, 3), array(f32, 3),
+                                                            array(f32 if has_bias else dtype, 2), n, nn, np_,
+                                                            BT_BWD, BC_BWD, STEPS_BWD, has_bias, tr])
         out[f"sum-{dtype}"] = tile_ir(sum_rows, [array(f32, 2), array(dtype, 1), BR, BC_SUM])
+        out[f"sum-pair-{dtype}"] = tile_ir(sum_rows_pair, [array(f32, 2), array(f32, 1), array(f32, 2), array(f32, 1),
+                                                           BR, BC_SUM, BR, BC_SUM])
     return out
