@@ -249,6 +249,10 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
             print(f"  {name}: {err}", flush=True)
         except Exception as ex:  # noqa: BLE001 - a tile that does not compile is a line
             print(f"  {name}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+    try:
+        compiled_resources(pr._proj_rms_bwd_packed)
+    except Exception as ex:  # noqa: BLE001 - Triton's cache layout moves between versions: a line, not a stop
+        print(f"  (resources not read: {type(ex).__name__}: {ex})", flush=True)
     times = paired_rounds(ok, rounds, deadline)
     base = times[next(iter(ok))]
     res = []
@@ -258,6 +262,19 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
             res.append((sorted(ts)[len(ts) // 2], name, ratios[len(ratios) // 2]))
     for ms, name, ratio in sorted(res, reverse=True):
         _line(f"{name} x{ratio:.3f} of the first", ms, nbytes, bw)
+
+
+def compiled_resources(jit_fn) -> None:
+    """Registers, spills and shared memory of each compiled specialisation of ``jit_fn`` (what the
+    device compiled, beside what ``dev/sass_offline.py`` reads offline)."""
+    for dev_cache in getattr(jit_fn, "device_caches", {}).values():
+        cache = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+        for k in cache.values():
+            meta = k.metadata
+            print(f"  compiled: warps {meta.num_warps} stages {meta.num_stages} {getattr(k, 'n_regs', '?')} registers, "
+                  f"{getattr(k, 'n_spills', '?')} spills, {meta.shared} B shared; constants "
+                  f"{ {kk: v for kk, v in getattr(k.src, 'constants', {}).items() if isinstance(v, (int, bool))} }",
+                  flush=True)
 
 
 SWEEPS = {"h_post_bda": sweep_h_post_bda, "proj_rms": sweep_proj_rms, "cutile": sweep_cutile,

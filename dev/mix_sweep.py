@@ -3,6 +3,9 @@ tile (LOWP_TILE) and AGG_STAGES in paired rounds (events, median of 10 a round).
     python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages), ...]"]
 (default: the shipped tile at AGG_STAGES 2 and 3)
     python3 dev/mix_sweep.py cutile
+    python3 dev/mix_sweep.py profile
+(each backward's launches under torch.profiler: device time per kernel, five backwards each)
+    python3 dev/mix_sweep.py cutile
 (cuTile's mix_aggregate backward beside Triton's. Ordering the projection backward's programs so that
 the n over the same channels of the n streams ran side by side changed neither: Triton 2.861 / 2.848
 ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
@@ -19,6 +22,21 @@ a=torch.tensor([0.8,1.1,0.9],device="cuda",requires_grad=True); hb=(0.1*torch.ra
 outs=mx.mix_aggregate(x,w,a,hb)
 ups=[torch.randn_like(o) for o in outs]
 def bwd(): torch.autograd.grad(outs,[x,w,a,hb],ups,retain_graph=True)
+if sys.argv[1:] == ["profile"]:
+    from torch.profiler import ProfilerActivity, profile
+    from kernels.cutile import mix_aggregate as cmx
+    couts=cmx.mix_aggregate(x,w,a,hb)
+    def cbwd(): torch.autograd.grad(couts,[x,w,a,hb],ups,retain_graph=True)
+    for name,fn in (("triton",bwd),("cutile",cbwd)):
+        fn(); torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5): fn()
+            torch.cuda.synchronize()
+        print(f"--- {name}: device us per backward, by kernel", flush=True)
+        rows=[(e.device_time_total/5,e.count//5,e.key) for e in prof.key_averages() if e.device_time_total>0]
+        for us,cnt,key in sorted(rows,reverse=True)[:12]: print(f"  {us:9.1f} us  x{cnt}  {key[:90]}",flush=True)
+        print(f"  total {sum(r[0] for r in rows):.1f} us",flush=True)
+    sys.exit(0)
 if sys.argv[1:] == ["cutile"]:
     from kernels.cutile import mix_aggregate as cmx
     couts=cmx.mix_aggregate(x,w,a,hb)

@@ -1,0 +1,46 @@
+"""Launches for Nsight Compute's stall reasons (issue 42): the Triton projection backward, and
+cuTile's h_post_bda forward and backward (shipped, and the C-block candidate of
+``dev/hpb_cutile.py``) beside Triton's, at the paper shape, bf16, each launched twice:
+
+    ncu --clock-control none -k regex:"_proj_rms_bwd_packed|_h_post_bda|bwd_cb" --launch-skip 0 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \\
+        python3 dev/ncu_stalls.py [proj|hpb|all]
+
+(a stall ratio is the warps stalled for that reason per issued instruction: their sum is the
+cycles between a warp's instructions, the figure to lower)."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bwd_sweep import hpb_inputs  # noqa: E402 - the sweeps' inputs
+
+S, B, N, C = 8192, 4, 4, 7168
+what = sys.argv[1] if len(sys.argv) > 1 else "all"
+if what in ("all", "proj"):
+    from kernels.triton import proj_rms as pr
+    T, K = S * B, N * C
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, K, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(24, K, generator=g, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    _, r, rms = pr.proj_rms_forward(x, w)
+    gp, gr = torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
+    for _ in range(2):
+        pr.proj_rms_backward(x, w, r, rms, gp, gr)
+    del x
+if what in ("all", "hpb"):
+    import hpb_cutile as hc
+    from kernels.cutile import h_post_bda as chp
+    from kernels.triton import h_post_bda as thp
+    h, x, hp, y, bias, go = hpb_inputs(S, B, C)
+    req = [t.detach().requires_grad_() for t in (h, x, hp, y, bias)]
+    for _ in range(2):
+        out = chp.h_post_bda(*req)
+        torch.autograd.grad(out, req, go)
+        thp.h_post_bda_forward(h, x, hp, y, bias)
+        thp.h_post_bda_backward(h, x, hp, y, bias, go)
+        hc.bwd_cb_variant(4, 256, 16, 2)(h, x, hp, y, bias, go, False)
+torch.cuda.synchronize()
