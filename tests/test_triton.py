@@ -495,12 +495,14 @@ def test_kernel_exp_is_accurate_far_from_zero():
     assert ((g[rest] - w[rest]).abs() <= 4 * 2.0**-24 * w[rest]).all(), (g[rest], w[rest])
 
 
-@pytest.mark.parametrize("lowp,n,c", [(False, 4, 75), (True, 4, 75), (True, 3, 37), (False, 2, 200)])
+@pytest.mark.parametrize("lowp,n,c", [(False, 4, 75), (True, 4, 75), (True, 3, 37), (False, 2, 200), (True, 3, 128),
+                                      (False, 2, 256)])
 def test_proj_rms_backward_adds_the_aggregation_gradient_in_its_pass(lowp, n, c):
     """``agg``: dx also holds ``h_pre[t, i] * grad_out[t, c]`` at column ``i * C + c``, added in
     fp32 before dx's one rounding, through the generic kernel and the packed tensor-core one
-    (forced on fp32 operands: exact pieces); K blocks that span several streams (C < 128) or cut
-    one (C = 200), odd token counts, NaN-poisoned outputs."""
+    (forced on fp32 operands: exact pieces); K blocks that span several streams (C < 128), cut
+    one (C = 200) or lie in one (C = 128, 256: a multiple of the 128-column K block, one h_pre
+    column a block), odd token counts, NaN-poisoned outputs."""
     m, k = 70, n * c
     nh = n * n + 2 * n
     x, w = torch.randn(m, k), torch.randn(nh, k) / k ** 0.5

@@ -97,7 +97,8 @@ def _bwd_block(w_ptr, K, N, NP: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr, NS: tl.constexpr = 0):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr, NS: tl.constexpr = 0,
+                  AGG_ONE: tl.constexpr = False):
     """fp32 operands (and everything under the interpreter): products at ``PREC``; ``ROUND`` (the
     TF32 variant): their operands rounded to TF32 first (the gradient, W and x; the RMS term takes
     x as it is). ``NS`` > 0: the aggregation's gradient of x added to dx (``_agg_term``)."""
@@ -122,7 +123,7 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         prod = tl.dot(gp, w, input_precision=PREC)
         dx = prod + coef[:, None] * x
         if NS > 0:
-            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K)
+            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += part
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
@@ -154,10 +155,17 @@ def _pack_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, gc_ptr, M, K, N, NG: tl.constexpr
 
 @triton.jit
 def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+              BLOCK_K: tl.constexpr, ONE: tl.constexpr):
     """mix_aggregate's aggregation part of x's gradient on a ``[rows, k]`` tile of x2d (columns k =
-    stream * C + channel): ``h_pre[t, stream] * grad_out[t, channel]``, in fp32. The stream of a
-    column is picked from the row's NS weights by a select per stream (a block may span several)."""
+    stream * C + channel): ``h_pre[t, stream] * grad_out[t, channel]``, in fp32. ``ONE`` (C a
+    multiple of BLOCK_K, the paper shape): the program's K block lies in one stream, whose h_pre
+    column is one load a row. Otherwise the stream of a column is picked from the row's NS weights
+    by a select per stream (a block may span several)."""
+    if ONE:
+        st = (tl.program_id(0) * BLOCK_K) // C
+        go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
+        hs = tl.load(hp_ptr + rows * NS + st, mask=rmask, other=0.0)
+        return hs[:, None] * go.to(tl.float32)
     st = k // C
     go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
     hp = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -170,7 +178,8 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M
 @triton.jit
 def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N, NG: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         STAGES: tl.constexpr, ROUND: tl.constexpr = False, NS: tl.constexpr = 0):
+                         STAGES: tl.constexpr, ROUND: tl.constexpr = False, NS: tl.constexpr = 0,
+                         AGG_ONE: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the packed gradient (``_pack_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient goes in as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -207,7 +216,7 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C
         dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
         if NS > 0:
-            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K)
+            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
@@ -314,7 +323,8 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
             _pack_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, gc, M, K, N, NG=ng, BLOCK_M=PACK_M)
             _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, dx, ws, hp_arg, go_arg, c_agg, M, K, N,
                                                              NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                             STAGES=stages, ROUND=tf32, NS=ns, num_warps=warps)
+                                                             STAGES=stages, ROUND=tf32, NS=ns,
+                                                             AGG_ONE=ns > 0 and c_agg % bk == 0, num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
 
     def run(cfg):
@@ -323,7 +333,8 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, hp_arg, go_arg,
                                                    c_agg, M, K, N, NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                    PREC=_precision(tf32), ROUND=tf32, NS=ns,
-                                                   num_warps=warps, num_stages=stages)
+                                                   AGG_ONE=ns > 0 and c_agg % bk == 0, num_warps=warps,
+                                                   num_stages=stages)
         return ws
 
     # (64, 128, 8, 4, 2): two stages; the TF32 products at the paper shape took 3.0 ms with them and
