@@ -2,13 +2,12 @@
 tile (LOWP_TILE) and AGG_STAGES in paired rounds (events, median of 10 a round).
     python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages), ...]"]
 (default: the shipped tile at AGG_STAGES 2 and 3)
-    python3 dev/mix_sweep.py cutile
     python3 dev/mix_sweep.py profile
 (each backward's launches under torch.profiler: device time per kernel, five backwards each)
-    python3 dev/mix_sweep.py cutile
-(cuTile's mix_aggregate backward beside Triton's. Ordering the projection backward's programs so that
-the n over the same channels of the n streams ran side by side changed neither: Triton 2.861 / 2.848
-ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
+    python3 dev/mix_sweep.py cutile ["[(bm, bk, splits), ...]"]
+(cuTile's mix_aggregate backward beside Triton's, at cuTile's AGG_TILE or the tiles given.
+Ordering the projection backward's programs so that the n over the same channels of the n
+streams ran side by side changed neither: Triton 2.861 / 2.848 ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
 import ast, sys, torch
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1])); sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,15 +36,23 @@ if sys.argv[1:] == ["profile"]:
         for us,cnt,key in sorted(rows,reverse=True)[:12]: print(f"  {us:9.1f} us  x{cnt}  {key[:90]}",flush=True)
         print(f"  total {sum(r[0] for r in rows):.1f} us",flush=True)
     sys.exit(0)
-if sys.argv[1:] == ["cutile"]:
-    from kernels.cutile import mix_aggregate as cmx
+if sys.argv[1:2] == ["cutile"]:
+    from kernels.cutile import mix_aggregate as cmx, proj_rms as cpr
     couts=cmx.mix_aggregate(x,w,a,hb)
-    def cbwd(): torch.autograd.grad(couts,[x,w,a,hb],ups,retain_graph=True)
-    variants={"triton":bwd,"cutile":cbwd}
+    def cbwd(tile):
+        def run(): cpr.AGG_TILE=tuple(tile); torch.autograd.grad(couts,[x,w,a,hb],ups,retain_graph=True)
+        return run
+    variants={"triton":bwd,**{f"cutile {t}":cbwd(t) for t in (ast.literal_eval(sys.argv[2]) if len(sys.argv)>2 else [cpr.AGG_TILE])}}
 else:
     def tile(v):
         def run(): pr.LOWP_TILE,pr.AGG_STAGES=tuple(v[0]),v[1]; bwd()
         return run
     vs=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
-for v,ts in paired_rounds(variants,5).items(): print(v,"median ms",sorted(ts)[len(ts)//2],flush=True)
+ok={}
+for v,fn in variants.items():  # compile each first: a variant that fails to compile is a line, not the end
+    try:
+        fn(); torch.cuda.synchronize(); ok[v]=fn
+    except Exception as ex:  # noqa: BLE001 - tileiras 13.4 died of SIGFPE (return code -8) on one cuTile tile
+        print(v,"failed:",type(ex).__name__,str(ex).splitlines()[0][:160],flush=True)
+for v,ts in paired_rounds(ok,5).items(): print(v,"median ms",sorted(ts)[len(ts)//2],flush=True)

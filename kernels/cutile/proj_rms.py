@@ -199,6 +199,8 @@ def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: Const
 # (dev/bwd_sweep.py cutile, docs/perf-notes.md twelfth session: 1.08 ms with the packed gradient,
 # against 1.14-1.18 for (128, 128, 4 or 8) and 1.28 for the unpacked kernel before)
 BWD_TILE = (64, 256, SPLITS)
+# the same kernel with mix_aggregate's aggregation term (``agg``): its tile (sweeps set it)
+AGG_TILE = BWD_TILE
 
 
 def _ng(n: int) -> int:
@@ -240,7 +242,7 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
     n = weight.shape[0]
     ng = _ng(n)
     lowp = _lowp(x2d, weight)
-    bm, bk, most = (tile_ or BWD_TILE) if lowp else (*_tiles(False), SPLITS)
+    bm, bk, most = (tile_ or (BWD_TILE if agg is None else AGG_TILE)) if lowp else (*_tiles(False), SPLITS)
     nb = cdiv(m, bm)
     blocks = cdiv(nb, most)
     splits = cdiv(nb, blocks)  # at most ``most``, fewer where there are fewer token blocks
