@@ -70,13 +70,6 @@ def _streams(a, i, c, N, BT, BC):
     return out
 
 
-def _branch(y, bias, i, c, BT, BC, HAS_BIAS):
-    z = ct.load(y, index=(i, c), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
-    if HAS_BIAS:
-        z = z + ct.reshape(ct.load(bias, index=(c,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
-    return z
-
-
 def _store_stream(a, i, j, c, t, BT, BC):
     ct.store(a, index=(i, j, c), tile=ct.reshape(t.astype(a.dtype), (BT, 1, BC)))
 
