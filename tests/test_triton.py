@@ -218,6 +218,26 @@ def test_h_post_bda_n4_forward_matches_float64(tile, dtype):
         assert ((out.double() - want).abs().max() / want.abs().max()) < tol
 
 
+def test_h_post_bda_n4_forward_grid_stays_within_cuda_limits(monkeypatch):
+    """CUDA takes at most 65535 blocks on a grid's second and third axes. The n = 4 forward runs one
+    token a program on a GPU and had the tokens on the second axis, so it failed to launch past
+    65535 tokens (the paper shape has 32768); its grid is now one axis, C blocks fastest. The
+    launch is recorded here, not run (the interpreter knows no grid limits)."""
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(thp, "_h_post_bda_fwd4", Recorder())
+    t, c = 70000, 1100
+    thp.h_post_bda_forward(torch.rand(t, 1, 4, 4), torch.randn(t, 1, 4, c), torch.rand(t, 1, 4), torch.randn(t, 1, c),
+                           tile_=thp.FWD4_TILE)
+    (grid,) = grids
+    assert len(grid) == 1 and grid[0] == 2 * t < 2 ** 31  # two C blocks of 1024 a token
+
+
 @pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 130, 8), (5, 40, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_proj_rms_matches_float64(mkn, dtype):

@@ -77,9 +77,12 @@ def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, GROUP: t
                      STAGES: tl.constexpr):
     """n = 4, shaped like the n = 4 backward: a program walks ``GROUP`` tokens over one C block, a
     token a step, its loads pipelined over ``STAGES`` steps; ``out_i = h_post_i (y + bias) +
-    sum_j Hm[i, j] x_j`` per (token, channel) in fp32, added in the generic kernel's order."""
-    cb = tl.program_id(0)
-    tg = tl.program_id(1)
+    sum_j Hm[i, j] x_j`` per (token, channel) in fp32, added in the generic kernel's order. The
+    grid is one-dimensional, C blocks fastest (the order a ``(C blocks, token groups)`` grid runs
+    in): a token group a program would put more than 65535 of them on CUDA's second grid axis."""
+    n_cb = tl.cdiv(C, BLOCK_C)
+    cb = tl.program_id(0) % n_cb
+    tg = tl.program_id(0) // n_cb
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
     if HAS_BIAS:
@@ -447,7 +450,7 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile
     def run(cfg):
         if len(cfg) == 4:  # the n = 4 kernel: (BLOCK_C, GROUP, warps, stages)
             bc, group, warps, stages = cfg
-            _h_post_bda_fwd4[(triton.cdiv(C, bc), triton.cdiv(T, group))](
+            _h_post_bda_fwd4[(triton.cdiv(C, bc) * triton.cdiv(T, group),)](
                 h_res, x, h_post, y, bias if bias is not None else y, out, T, C, GROUP=group, BLOCK_C=bc,
                 HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, num_warps=warps)
             return
