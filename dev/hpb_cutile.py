@@ -1,17 +1,17 @@
 """Issue 42, item 2 on the GPU: candidate cuTile h_post_bda kernels beside the shipped ones and
 Triton's, at the paper shape (8192x4x4x7168, bf16 activations, fp32 h_res / h_post, with bias).
 
-- forward (``fwd_cb_variant``, twenty-third session, timed by default): a program per (C block,
-  token group), ``(BT, BC, STEPS, occupancy)`` from ``--fwd-cb``: the form shipped since then;
-  (``fwd_variant``, twenty-first) the one-token kernel with DRAM-latency hints and TMA on or off;
-  (``fwd3_variant``, twenty-second) a token block's four streams as one ``(BT, 4, BC)`` tile;
-- backward (``bwd_cb_variant``, twenty-third, timed by default): Triton's FMA form, a program per
-  (C block, token group), the 16 + 4 sums over C reduced per token block and written as
-  partials per (C block, token), ``--cb`` candidates: the form shipped since then;
-  (``bwd_variant``, twenty-first) a tensor-core kernel shaped like Triton's
-  ``_h_post_bda_bwd4_tc``; (``bwd_pf_variant``, twenty-second) the old whole-C walk with the next
-  chunk's tiles loaded before this chunk's arithmetic. Those three were slower than what shipped
-  (docs/perf-notes.md).
+- forward (``fwd_cb_variant``, twenty-third session, timed by default): the shipped kernel (a
+  program per C block and token group, shipped since then) at ``(BT, BC, STEPS, occupancy)`` from
+  ``--fwd-cb``; (``fwd_variant``, twenty-first) the one-token kernel of that time with
+  DRAM-latency hints and TMA on or off; (``fwd3_variant``, twenty-second) a token block's four
+  streams as one ``(BT, 4, BC)`` tile;
+- backward (``bwd_cb_variant``, twenty-third, timed by default): the shipped kernel (Triton's FMA
+  form: the 16 + 4 sums over C reduced per token block and written as partials per (C block,
+  token)) at the ``--cb`` tiles; (``bwd_variant``, twenty-first) a tensor-core kernel shaped like
+  Triton's ``_h_post_bda_bwd4_tc``; (``bwd_pf_variant``, twenty-second) the old whole-C walk with
+  the next chunk's tiles loaded before this chunk's arithmetic. Those three were slower than what
+  shipped (docs/perf-notes.md).
 
 Each candidate is first checked against float64 at an odd shape (111 tokens, C = 1000, both
 ``transpose_res``) with NaN-poisoned outputs, then timed in paired rounds (every variant once a
@@ -38,6 +38,7 @@ from bwd_sweep import copy_bw, hpb_inputs as inputs, paired_rounds  # noqa: E402
 
 from kernels.cutile import h_post_bda as chp  # noqa: E402
 from kernels.cutile._common import cdiv, launch, sum_partials  # noqa: E402
+from mhctool.poison import empty, empty_like, poisoning  # noqa: E402
 from kernels.triton import h_post_bda as thp  # noqa: E402
 
 ConstInt = ct.Constant[int]
@@ -77,30 +78,19 @@ def fwd_variant(lat, tma, occ, bc=1024):
     def run(h_res, x, h_post, y, bias, transpose):
         s, b, n, c = x.shape
         t = s * b
-        out = buffer(None, like=x)
+        out = empty_like(x)
         launch(k, (t, cdiv(c, bc)), (h_res.reshape(t, 16), x.view(t, 4, c), h_post.reshape(t, 4), y.view(t, c),
                                       bias, out.view(t, 4, c), bc, lat, tma, True, transpose))
         return out
     return run
 
 
-POISON = True  # the checks' outputs NaN-filled; main() turns it off for the timing
-
-
-def buffer(shape, dtype=torch.float32, like=None):
-    """A candidate's output or workspace: NaN-filled while ``POISON`` (the checks), uninitialised
-    otherwise. (Until the twenty-third session the timing filled them too: 0.45 ms for one
-    x-sized output at the paper shape, which every candidate's time below that session carries.)"""
-    if like is not None:
-        shape, dtype = like.shape, like.dtype
-    if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-    return torch.empty(shape, dtype=dtype, device="cuda")
-
-
 def poisoned_grads(h_res, x, h_post, y, bias):
-    """``(dh_res, dx, dh_post, dy, dbias)`` for a candidate backward to write into (``buffer``)."""
-    return tuple(buffer(None, like=t) for t in (h_res, x, h_post, y, bias))
+    """``(dh_res, dx, dh_post, dy, dbias)`` for a candidate backward to write into: NaN-filled inside
+    ``poisoning()`` (the checks), uninitialised outside it (the timing). (Until the twenty-third
+    session the timing filled them too: 0.45 ms for one x-sized output at the paper shape, which
+    every candidate's time before that session carries.)"""
+    return tuple(empty_like(t) for t in (h_res, x, h_post, y, bias))
 
 
 # ---- forward: a token block's four streams as one (BT, 4, BC) tile, one load and one store
@@ -129,47 +119,29 @@ def fwd3_variant(bt, bc, occ):
     def run(h_res, x, h_post, y, bias, transpose):
         s, b, n, c = x.shape
         t = s * b
-        out = buffer(None, like=x)
+        out = empty_like(x)
         launch(k, (cdiv(t, bt), cdiv(c, bc)), (h_res.reshape(t, 4, 4), x.view(t, 4, c), h_post.reshape(t, 4),
                                                y.view(t, c), bias, out.view(t, 4, c), bt, bc, True, transpose))
         return out
     return run
 
 
-# ---- forward: a program walks STEPS token blocks over one C block (the backward's C-block form)
-
-
-@ct.kernel(occupancy=8)
-def fwd_cb(h_res, x, h_post, y, bias, out, BT: ConstInt, BC: ConstInt, STEPS: ConstInt, HAS_BIAS: ConstBool,
-           TRANSPOSE: ConstBool):
-    cb, tg = ct.bid(0), ct.bid(1)
-    if HAS_BIAS:
-        bz = ct.reshape(ct.load(bias, index=(cb,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
-    for s in range(STEPS):
-        i = tg * STEPS + s
-        hc, pc = chp._weights(h_res, h_post, i, 4, 16, 4, BT)
-        z = ct.load(y, index=(i, cb), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
-        if HAS_BIAS:
-            z = z + bz
-        xs = chp._streams(x, i, cb, 4, BT, BC)
-        for r in ct.static_iter(range(4)):
-            acc = pc[r] * z
-            for j in ct.static_iter(range(4)):
-                acc = acc + hc[chp._hidx(r, j, 4, TRANSPOSE)] * xs[j]
-            chp._store_stream(out, i, r, cb, acc, BT, BC)
+# ---- the shipped C-block kernels (a program per C block and token group) at other tiles
 
 
 def fwd_cb_variant(bt, bc, steps, occ):
-    k = fwd_cb.replace_hints(occupancy=occ)
+    k = chp._h_post_bda_fwd.replace_hints(occupancy=occ)
 
     def run(h_res, x, h_post, y, bias, transpose):
-        s, b, n, c = x.shape
-        t = s * b
-        out = buffer(None, like=x)
-        launch(k, (cdiv(c, bc), cdiv(t, bt * steps)), (h_res.reshape(t, 16), x.view(t, 4, c), h_post.reshape(t, 4),
-                                                        y.view(t, c), bias, out.view(t, 4, c), bt, bc, steps, True,
-                                                        transpose))
-        return out
+        return chp.forward(h_res, x, h_post, y, bias, transpose, tile=(bt, bc, steps), kernel=k)
+    return run
+
+
+def bwd_cb_variant(bt, bc, steps, occ):
+    k = chp._h_post_bda_bwd.replace_hints(occupancy=occ)
+
+    def run(h_res, x, h_post, y, bias, g, transpose):
+        return chp.backward(h_res, x, h_post, y, bias, g, transpose, tile=(bt, bc, steps), kernel=k)
     return run
 
 
@@ -207,15 +179,7 @@ def bwd_pf(h_res, x, h_post, y, bias, g, dh_res, dx, dh_post, dy, ws, BT: ConstI
         for j in ct.static_iter(range(4)):
             gs = gs + (graw[j].astype(ct.float32),)
             xs = xs + (xraw[j].astype(ct.float32),)
-        for j in ct.static_iter(range(4)):
-            d = hc[chp._hidx(0, j, 4, TRANSPOSE)] * gs[0]
-            for r in ct.static_iter(range(1, 4)):
-                d = d + hc[chp._hidx(r, j, 4, TRANSPOSE)] * gs[r]
-            chp._store_stream(dx, i, j, c, d, BT, BC)
-        gy = pc[0] * gs[0]
-        for r in ct.static_iter(range(1, 4)):
-            gy = gy + pc[r] * gs[r]
-        ct.store(dy, index=(i, c), tile=gy.astype(dy.dtype))
+        gy = chp.grad_streams_and_branch(hc, pc, gs, dx, dy, i, c, 4, BT, BC, TRANSPOSE)
         ct.store(ws, index=(i, c), tile=ct.reshape(ct.sum(gy, axis=0), (1, BC)))
         new_h = ()
         for e in ct.static_iter(range(16)):
@@ -243,7 +207,7 @@ def bwd_pf_variant(bt, bc, occ):
         t = s * b
         dh, dx, dp, dy, db = poisoned_grads(h_res, x, h_post, y, bias)
         nb = cdiv(t, bt)
-        ws = buffer((nb, c))
+        ws = empty((nb, c), torch.float32, x.device)
         launch(k, (nb,), (h_res.reshape(t, 16), x.view(t, 4, c), h_post.reshape(t, 4), y.view(t, c), bias,
                           g.view(t, 4, c), dh.view(t, 16), dx.view(t, 4, c), dp.view(t, 4), dy.view(t, c), ws, bt, bc,
                           transpose))
@@ -316,76 +280,13 @@ def bwd_variant(bc, steps, occ):
         t = s * b
         dh, dx, dp, dy, db = poisoned_grads(h_res, x, h_post, y, bias)
         ncb, ntg = cdiv(c, bc), cdiv(t, 4 * steps)
-        wsh, wsp, wsb = buffer((ncb, t, 16)), buffer((ncb, t, 4)), buffer((ntg, c))
+        f32 = torch.float32
+        wsh, wsp, wsb = (empty(shape, f32, x.device) for shape in ((ncb, t, 16), (ncb, t, 4), (ntg, c)))
         launch(k, (ncb, ntg), (h_res.reshape(t, 16), x.view(t, 4, c), h_post.reshape(t, 4), y.view(t, c), bias,
                                g.view(t, 4, c), dx.view(t, 4, c), dy.view(t, c), wsh, wsp, wsb, bc, steps, True,
                                transpose))
         sum_partials(wsh.view(ncb, t * 16), dh.view(-1), 1024)
         sum_partials(wsp.view(ncb, t * 4), dp.view(-1), 1024)
-        sum_partials(wsb, db, 1024)
-        return dh, dx, dp, dy, db
-    return run
-
-
-# ---- backward: Triton's FMA form (``_h_post_bda_bwd4``): a program owns a C block and a token group
-
-
-@ct.kernel(occupancy=4)
-def bwd_cb(h_res, x, h_post, y, bias, g, dx, dy, ws, wsb, BT: ConstInt, BC: ConstInt, STEPS: ConstInt,
-           HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
-    """A program owns C block ``cb`` and ``STEPS`` token blocks of ``BT``; per block: dx, dy written,
-    the 16 + 4 sums over the block's channels reduced at once (no accumulator lives across steps
-    but the bias's) and stored as one ``(BT, 32)`` row of partials per (C block, token): columns
-    0-15 where h_res keeps dH, 16-19 dh_post. A second pass sums the C blocks in order."""
-    cb, tg = ct.bid(0), ct.bid(1)
-    if HAS_BIAS:
-        bz = ct.reshape(ct.load(bias, index=(cb,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
-    accb = ct.zeros((BT, BC), dtype=ct.float32)
-    for s in range(STEPS):
-        i = tg * STEPS + s
-        hc, pc = chp._weights(h_res, h_post, i, 4, 16, 4, BT)
-        gs = chp._streams(g, i, cb, 4, BT, BC)
-        for j in ct.static_iter(range(4)):
-            d = hc[chp._hidx(0, j, 4, TRANSPOSE)] * gs[0]
-            for r in ct.static_iter(range(1, 4)):
-                d = d + hc[chp._hidx(r, j, 4, TRANSPOSE)] * gs[r]
-            chp._store_stream(dx, i, j, cb, d, BT, BC)
-        gy = pc[0] * gs[0]
-        for r in ct.static_iter(range(1, 4)):
-            gy = gy + pc[r] * gs[r]
-        ct.store(dy, index=(i, cb), tile=gy.astype(dy.dtype))
-        accb = accb + gy
-        xs = chp._streams(x, i, cb, 4, BT, BC)
-        z = ct.load(y, index=(i, cb), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
-        if HAS_BIAS:
-            z = z + bz
-        parts = ()
-        for e in ct.static_iter(range(16)):  # column e of h_res's layout: H[r, j] at _hidx(r, j)
-            r, j = (e % 4, e // 4) if TRANSPOSE else (e // 4, e % 4)
-            parts = parts + (ct.sum(gs[r] * xs[j], axis=1, keepdims=True),)
-        for r in ct.static_iter(range(4)):
-            parts = parts + (ct.sum(gs[r] * z, axis=1, keepdims=True),)
-        ct.store(ws, index=(cb, i, 0), tile=ct.reshape(chp._assemble(parts, 32, BT), (1, BT, 32)))
-    if HAS_BIAS:
-        ct.store(wsb, index=(tg, cb), tile=ct.reshape(ct.sum(accb, axis=0), (1, BC)))
-
-
-def bwd_cb_variant(bt, bc, steps, occ):
-    k = bwd_cb.replace_hints(occupancy=occ)
-
-    def run(h_res, x, h_post, y, bias, g, transpose):
-        s, b, n, c = x.shape
-        t = s * b
-        dh, dx, dp, dy, db = poisoned_grads(h_res, x, h_post, y, bias)
-        ncb, ntg = cdiv(c, bc), cdiv(t, bt * steps)
-        ws, wsb = buffer((ncb, t, 32)), buffer((ntg, c))
-        launch(k, (ncb, ntg), (h_res.reshape(t, 16), x.view(t, 4, c), h_post.reshape(t, 4), y.view(t, c), bias,
-                               g.view(t, 4, c), dx.view(t, 4, c), dy.view(t, c), ws, wsb, bt, bc, steps, True,
-                               transpose))
-        tot = buffer((t, 32))
-        sum_partials(ws.view(ncb, t * 32), tot.view(-1), 1024)
-        dh.view(t, 16).copy_(tot[:, :16])
-        dp.view(t, 4).copy_(tot[:, 16:20])
         sum_partials(wsb, db, 1024)
         return dh, dx, dp, dy, db
     return run
@@ -411,8 +312,6 @@ def rel(a, b) -> float:
 
 
 def paired(variants: dict, nbytes: int, bw: float, rounds: int, deadline: float) -> None:
-    global POISON
-    POISON = False  # time the kernels, not the checks' NaN fills
     times = paired_rounds(variants, rounds, deadline)
     for name, ts in sorted(times.items(), key=lambda kv: -sorted(kv[1])[len(kv[1]) // 2] if kv[1] else 0):
         if ts:
@@ -422,7 +321,6 @@ def paired(variants: dict, nbytes: int, bw: float, rounds: int, deadline: float)
 
 
 def main() -> None:
-    global POISON
     ap = argparse.ArgumentParser()
     ap.add_argument("what", nargs="?", default="all")
     ap.add_argument("--rounds", type=int, default=7)
@@ -449,7 +347,8 @@ def main() -> None:
                 errs = []
                 for tr in (False, True):
                     want, _ = reference(*small, tr)
-                    errs.append(rel(fn(*small[:5], tr), want))
+                    with poisoning():  # NaN-filled outputs: an element never written shows
+                        errs.append(rel(fn(*small[:5], tr), want))
                 print(f"  {name}: {errs[0]:.2e} / {errs[1]:.2e}", flush=True)
                 if max(errs) < 1e-2:  # timed without the NaN fill of the checks (0.45 ms of x's size)
                     variants[name] = lambda fn=fn: fn(h, x, hp, y, bias, False)
@@ -460,7 +359,6 @@ def main() -> None:
     if a.what in ("bwd", "all"):
         cands = {f"c-block bt{bt} bc{bc} steps{steps} occ{occ}": bwd_cb_variant(bt, bc, steps, occ)
                  for bt, bc, steps, occ in ast.literal_eval(a.cb)}
-        POISON = True
         print("backward, checks (rel err of dh_res, dx, dh_post, dy, dbias to float64; transpose False, True):",
               flush=True)
         hb, xb, pb, yb, bb, gb = big
@@ -475,7 +373,8 @@ def main() -> None:
                 line = []
                 for tr in (False, True):
                     _, want = reference(*small, tr)
-                    got = fn(*small, tr)
+                    with poisoning():
+                        got = fn(*small, tr)
                     line.append(" ".join(f"{rel(gg, w):.1e}" for gg, w in zip(got, want)))
                 print(f"  {name}: {line[0]} | {line[1]}", flush=True)
                 ok = all(float(v) < 2e-2 for part in line for v in part.split())

@@ -1,8 +1,9 @@
 """Launches for Nsight Compute's stall reasons (issue 42): the Triton projection backward, and
-cuTile's h_post_bda forward and backward (shipped, and the C-block candidate of
-``dev/hpb_cutile.py``) beside Triton's, at the paper shape, bf16, each launched twice:
+cuTile's h_post_bda forward and backward beside Triton's, at the paper shape, bf16, each
+launched twice (the twenty-third session's profiles, docs/perf-notes.md, also launched the
+C-block candidate that has shipped since):
 
-    ncu --clock-control none -k regex:"_proj_rms_bwd_packed|_h_post_bda|bwd_cb" --launch-skip 0 \\
+    ncu --clock-control none -k regex:"_proj_rms_bwd_packed|_h_post_bda" --launch-skip 0 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \\
         python3 dev/ncu_stalls.py [proj|hpb|all]
@@ -32,7 +33,6 @@ if what in ("all", "proj"):
         pr.proj_rms_backward(x, w, r, rms, gp, gr)
     del x
 if what in ("all", "hpb"):
-    import hpb_cutile as hc
     from kernels.cutile import h_post_bda as chp
     from kernels.triton import h_post_bda as thp
     h, x, hp, y, bias, go = hpb_inputs(S, B, C)
@@ -42,5 +42,4 @@ if what in ("all", "hpb"):
         torch.autograd.grad(out, req, go)
         thp.h_post_bda_forward(h, x, hp, y, bias)
         thp.h_post_bda_backward(h, x, hp, y, bias, go)
-        hc.bwd_cb_variant(4, 256, 16, 2)(h, x, hp, y, bias, go, False)
 torch.cuda.synchronize()

@@ -231,11 +231,11 @@ def test_h_post_bda_n4_forward_grid_stays_within_cuda_limits(monkeypatch):
             return lambda *args, **kwargs: None
 
     monkeypatch.setattr(thp, "_h_post_bda_fwd4", Recorder())
-    t, c = 70000, 1100
+    t, c = 70000, 8  # one C block a token (small inputs: nothing runs)
     thp.h_post_bda_forward(torch.rand(t, 1, 4, 4), torch.randn(t, 1, 4, c), torch.rand(t, 1, 4), torch.randn(t, 1, c),
                            tile_=thp.FWD4_TILE)
     (grid,) = grids
-    assert len(grid) == 1 and grid[0] == 2 * t < 2 ** 31  # two C blocks of 1024 a token
+    assert len(grid) == 1 and grid[0] == t < 2 ** 31
 
 
 @pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 130, 8), (5, 40, 80)])

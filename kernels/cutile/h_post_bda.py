@@ -95,6 +95,21 @@ def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, N: ConstInt, NN: ConstInt, N
             _store_stream(out, i, r, cb, acc, BT, BC)
 
 
+def grad_streams_and_branch(hc, pc, gs, dx, dy, i, c, N, BT, BC, TRANSPOSE):
+    """dx and dy of token block i over C block c, stored: stream j's ``sum_r H[r, j] g_r`` and the
+    branch's ``sum_r h_post[r] g_r``, which is returned (fp32, for the bias's partial)."""
+    for j in ct.static_iter(range(N)):
+        d = hc[_hidx(0, j, N, TRANSPOSE)] * gs[0]
+        for r in ct.static_iter(range(1, N)):
+            d = d + hc[_hidx(r, j, N, TRANSPOSE)] * gs[r]
+        _store_stream(dx, i, j, c, d, BT, BC)
+    gy = pc[0] * gs[0]
+    for r in ct.static_iter(range(1, N)):
+        gy = gy + pc[r] * gs[r]
+    ct.store(dy, index=(i, c), tile=gy.astype(dy.dtype))
+    return gy
+
+
 def _assemble(vals, width, BT):
     """``(BT, 1)`` tiles -> one ``(BT, width)`` tile (column e = vals[e], the rest zero)."""
     lanes = ct.reshape(ct.arange(width, dtype=ct.int32), (1, width))
@@ -121,15 +136,7 @@ def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, N: C
         i = tg * STEPS + s  # past the last token: zeros loaded, nothing stored
         hc, pc = _weights(h_res, h_post, i, N, NN, NP, BT)
         gs = _streams(g, i, cb, N, BT, BC)
-        for j in ct.static_iter(range(N)):
-            d = hc[_hidx(0, j, N, TRANSPOSE)] * gs[0]
-            for r in ct.static_iter(range(1, N)):
-                d = d + hc[_hidx(r, j, N, TRANSPOSE)] * gs[r]
-            _store_stream(dx, i, j, cb, d, BT, BC)
-        gy = pc[0] * gs[0]
-        for r in ct.static_iter(range(1, N)):
-            gy = gy + pc[r] * gs[r]
-        ct.store(dy, index=(i, cb), tile=gy.astype(dy.dtype))
+        gy = grad_streams_and_branch(hc, pc, gs, dx, dy, i, cb, N, BT, BC, TRANSPOSE)
         acc_b = acc_b + gy
         xs = _streams(x, i, cb, N, BT, BC)
         z = ct.load(y, index=(i, cb), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
@@ -163,53 +170,65 @@ def _check(h_res, x, h_post, y, bias):
         raise ValueError(f"bias must be [C] = ({c},), got {tuple(bias.shape)}")
 
 
+def forward(h_res, x, h_post, y, bias, transpose_res, tile=None, kernel=None):
+    """``out`` of contiguous inputs (checked by the caller). ``tile``: (BT, BC, STEPS) and
+    ``kernel``: the forward kernel with other hints (``replace_hints``), for sweeps."""
+    s, b, n, c = x.shape
+    t = s * b
+    bt, bc, steps = tile or (BT, BC, STEPS)
+    out = empty(x.shape, x.dtype, x.device)
+    if out.numel():
+        launch(kernel or _h_post_bda_fwd, (cdiv(c, bc), cdiv(t, bt * steps)),
+               (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
+                bias if bias is not None else y.view(-1), out.view(t, n, c), n, next_pow2(n * n), next_pow2(n),
+                bt, bc, steps, bias is not None, bool(transpose_res)))
+    return out
+
+
+def backward(h_res, x, h_post, y, bias, g, transpose_res, tile=None, kernel=None):
+    """``(dh_res, dx, dh_post, dy, dbias)`` of contiguous inputs and upstream gradient ``g``
+    (``dbias`` None without a bias). ``tile``: (BT, BC, STEPS) and ``kernel``, as for ``forward``."""
+    s, b, n, c = x.shape
+    t = s * b
+    bt, bc, steps = tile or (BT_BWD, BC_BWD, STEPS_BWD)
+    dh = empty(h_res.shape, h_res.dtype, x.device)
+    dx = empty(x.shape, x.dtype, x.device)
+    dp = empty(h_post.shape, h_post.dtype, x.device)
+    dy = empty(y.shape, y.dtype, x.device)
+    db = empty(bias.shape, bias.dtype, x.device) if bias is not None else None
+    if t:
+        ncb, ntg = cdiv(c, bc), cdiv(t, bt * steps)
+        f32 = torch.float32
+        ws_h, ws_p = empty((ncb, t, n * n), f32, x.device), empty((ncb, t, n), f32, x.device)
+        ws_b = empty((ntg, c), f32, x.device) if bias is not None else dy.view(t, c)
+        launch(kernel or _h_post_bda_bwd, (ncb, ntg),
+               (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
+                bias if bias is not None else y.view(-1), g.view(t, n, c), dx.view(t, n, c), dy.view(t, c),
+                ws_h, ws_p, ws_b, n, next_pow2(n * n), next_pow2(n), bt, bc, steps, bias is not None,
+                bool(transpose_res)))
+        # the C blocks' partials in C-block order: a token's sums do not depend on the token count
+        sum_partials_pair((ws_h.view(ncb, t * n * n), dh.view(-1), BC_SUM, BR),
+                          (ws_p.view(ncb, t * n), dp.view(-1), BC_SUM, BR))
+        if bias is not None:
+            sum_partials(ws_b, db, BC_SUM)
+    elif bias is not None:
+        db.zero_()
+    return dh, dx, dp, dy, db
+
+
 class _HPostBda(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_res, x, h_post, y, bias, transpose_res):
         _check(h_res, x, h_post, y, bias)
-        s, b, n, c = x.shape
-        t = s * b
         h_res, h_post = h_res.contiguous(), h_post.contiguous()
-        bias_c = bias.contiguous() if bias is not None else None
-        out = empty(x.shape, x.dtype, x.device)
-        if out.numel():
-            launch(_h_post_bda_fwd, (cdiv(c, BC), cdiv(t, BT * STEPS)),
-                   (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
-                    bias_c if bias_c is not None else y.view(-1), out.view(t, n, c), n, next_pow2(n * n),
-                    next_pow2(n), BT, BC, STEPS, bias is not None, bool(transpose_res)))
-        ctx.save_for_backward(h_res, x, h_post, y, bias_c)
+        bias = bias.contiguous() if bias is not None else None
+        ctx.save_for_backward(h_res, x, h_post, y, bias)
         ctx.transpose = bool(transpose_res)
-        return out
+        return forward(h_res, x, h_post, y, bias, transpose_res)
 
     @staticmethod
     def backward(ctx, g):
-        h_res, x, h_post, y, bias = ctx.saved_tensors
-        s, b, n, c = x.shape
-        t = s * b
-        g = g.contiguous()
-        dh = empty(h_res.shape, h_res.dtype, x.device)
-        dx = empty(x.shape, x.dtype, x.device)
-        dp = empty(h_post.shape, h_post.dtype, x.device)
-        dy = empty(y.shape, y.dtype, x.device)
-        db = empty(bias.shape, bias.dtype, x.device) if bias is not None else None
-        if t:
-            ncb, ntg = cdiv(c, BC_BWD), cdiv(t, BT_BWD * STEPS_BWD)
-            f32 = torch.float32
-            ws_h, ws_p = empty((ncb, t, n * n), f32, x.device), empty((ncb, t, n), f32, x.device)
-            ws_b = empty((ntg, c), f32, x.device) if bias is not None else dy.view(t, c)
-            launch(_h_post_bda_bwd, (ncb, ntg),
-                   (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
-                    bias if bias is not None else y.view(-1), g.view(t, n, c), dx.view(t, n, c), dy.view(t, c),
-                    ws_h, ws_p, ws_b, n, next_pow2(n * n), next_pow2(n), BT_BWD, BC_BWD, STEPS_BWD,
-                    bias is not None, ctx.transpose))
-            # the C blocks' partials in C-block order: a token's sums do not depend on the token count
-            sum_partials_pair((ws_h.view(ncb, t * n * n), dh.view(-1), BC_SUM, BR),
-                              (ws_p.view(ncb, t * n), dp.view(-1), BC_SUM, BR))
-            if bias is not None:
-                sum_partials(ws_b, db, BC_SUM)
-        elif bias is not None:
-            db.zero_()
-        return dh, dx, dp, dy, db, None
+        return (*backward(*ctx.saved_tensors, g.contiguous(), ctx.transpose), None)
 
 
 def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False):
