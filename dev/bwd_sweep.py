@@ -230,9 +230,12 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
     2.17-2.26 ms on an H100 in the same rounds: docs/perf-notes.md, twentieth session.)"""
     x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
     variants = {}
-    for cfg in TILES.get("packed") or [pr.LOWP_TILE, (128, 128, 4, 8, 3), (64, 128, 7, 4, 4), (64, 128, 8, 4, 4),
-                                       (128, 128, 4, 8, 4), (64, 64, 8, 4, 4)]:
-        variants[f"triton {cfg}"] = lambda cfg=cfg: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg)
+    # an entry: a tile, or (tile, dx_desc): dx stored through a tensor descriptor or not
+    for entry in TILES.get("packed") or [(pr.LOWP_TILE, False), (pr.LOWP_TILE, True), ((64, 128, 8, 4, 3), True),
+                                         ((128, 128, 4, 8, 3), True)]:
+        cfg, desc = (entry, None) if len(entry) == 5 else entry
+        variants[f"triton {cfg}{'' if desc is None else f' dx_desc={desc}'}"] = (
+            lambda cfg=cfg, desc=desc: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg, dx_desc=desc))
     try:
         from kernels.cutile import proj_rms as cpr
         dx, dw = torch.empty_like(x), torch.empty_like(w)

@@ -295,6 +295,41 @@ def test_cutile_projection_backward_halves_cover_odd_k():
             assert err < 2 ** -7, (name, m, k, err)  # bf16 outputs: one rounding, 2^-9 relative
 
 
+def test_triton_projection_backward_stores_dx_through_a_descriptor_or_pointers_alike():
+    """The Triton tensor-core projection backward stores dx through a TMA tensor descriptor where
+    dx's rows are 16-byte aligned (K a multiple of 8 in bf16), else by masked pointer stores. At
+    token counts off the 64-token tile and K off the 128-column block (304 and 28800: aligned; 300:
+    not, so the pointer path), with and without mix_aggregate's aggregation term, into
+    NaN-poisoned outputs: both ways give the same bits, and those match float64."""
+    from mhctool.kernels.triton import proj_rms as tpr
+    from mhctool.poison import poisoning
+    from mhctool.references import mhc as ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k, ns in ((1007, 304, 0), (1007, 304, 4), (1007, 300, 0), (130, 28800, 4)):
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
+        agg = None
+        if ns:
+            agg = (torch.rand(m, ns, generator=g, device="cuda"),
+                   torch.randn(m, k // ns, generator=g, device="cuda").to(torch.bfloat16))
+        _, r, rms = tpr.proj_rms_forward(x, w, 1e-6)
+        assert tpr._dx_target(torch.empty_like(x), 64, 128, True)[1] == (k % 8 == 0)
+        with poisoning():
+            by_desc = tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg, dx_desc=True)
+            by_ptr = tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg, dx_desc=False)
+        assert torch.equal(by_desc[0], by_ptr[0]) and torch.equal(by_desc[1], by_ptr[1]), (m, k, ns)
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
+        if agg is not None:
+            want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)
+        for name, got, want in (("dx", by_desc[0], want_dx), ("dW", by_desc[1], want_dw)):
+            assert torch.isfinite(got).all(), (name, m, k, ns)
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 2 ** -7, (name, m, k, ns, err)  # bf16 outputs: one rounding, 2^-9 relative
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_cutile_mix_aggregate_adds_the_aggregation_gradient_on_both_paths(tmp_path, dtype):
     """cuTile's mix_aggregate adds the aggregation's gradient of x inside the projection backward:

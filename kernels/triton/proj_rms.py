@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mhctool.poison import empty
 
@@ -179,7 +180,7 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M
 def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N, NG: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                          STAGES: tl.constexpr, ROUND: tl.constexpr = False, NS: tl.constexpr = 0,
-                         AGG_ONE: tl.constexpr = False):
+                         AGG_ONE: tl.constexpr = False, DX_DESC: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the packed gradient (``_pack_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient goes in as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -190,7 +191,9 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C
     the gradient rounded to TF32 first (11 significant bits: the two pieces hold it exactly).
     ``NS`` > 0 (n streams): mix_aggregate's aggregation gradient of x (``_agg_term``: ``h_pre`` and
     the aggregate's upstream gradient ``grad_out``) added to dx in fp32 before its one rounding, so
-    that no pass writes that gradient and no other adds the two."""
+    that no pass writes that gradient and no other adds the two. ``DX_DESC``: ``dx_ptr`` is a
+    tensor descriptor of dx with a ``[BLOCK_M, BLOCK_K]`` block, and each dx tile is stored
+    through it (the TMA engine clips the tile at M and K) instead of by masked pointer stores."""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NG)
@@ -217,7 +220,10 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C
         dx = prod + coef[:, None] * xl.to(tl.float32)
         if NS > 0:
             dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
-        tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
+        if DX_DESC:
+            dx_ptr.store([mb * BLOCK_M, tl.program_id(0) * BLOCK_K], cast(dx, xl.dtype))
+        else:
+            tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
 
@@ -273,10 +279,22 @@ PACK_M = 128
 # at LOWP_TILE four took 7.73 ms against 2.80 for three on an H200 (dev/mix_sweep.py), and at the
 # H100's (128, 128) tile four needed 280 KB of shared memory, past the 227 KB an SM has
 AGG_STAGES = 3
+# the bf16 backward stores dx through a TMA tensor descriptor where dx's rows allow one (16-byte
+# aligned): see ``_dx_target``
+DX_DESC = False
+
+
+def _dx_target(dx, bm: int, bk: int, want: bool):
+    """What the packed backward stores dx through: a host tensor descriptor of ``dx`` with a
+    ``[bm, bk]`` block where ``want`` and TMA can address it (base and row stride multiples of 16
+    bytes), else ``dx`` itself (masked pointer stores). Returns (target, is_descriptor)."""
+    if want and dx.data_ptr() % 16 == 0 and (dx.shape[1] * dx.element_size()) % 16 == 0:
+        return TensorDescriptor.from_tensor(dx, [bm, bk]), True
+    return dx, False
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
-                      agg=None):
+                      agg=None, dx_desc=None):
     """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
     Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
     indexing through the interpreter. ``tile_``: (BLOCK_M, BLOCK_K, SPLIT, warps, stages) for
@@ -285,7 +303,8 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     through the two-piece kernel, exact there; fp32 ones through ``_proj_rms_bwd``). ``agg``:
     ``(h_pre [M, n], grad_out [M, C])`` with n * C = K: dx also holds the aggregation's gradient
     of x, ``h_pre[t, i] * grad_out[t, c]`` at column ``i * C + c``, added in fp32 in the same pass
-    (mix_aggregate's backward)."""
+    (mix_aggregate's backward). ``dx_desc``: the tensor-core kernel stores dx through a tensor
+    descriptor where it can (default ``DX_DESC``; sweeps set it)."""
     weight = _check(x2d, weight)
     ns, c_agg, hp_arg, go_arg = 0, 1, x2d, x2d
     if agg is not None:
@@ -321,10 +340,12 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
             ng = max(16, next_pow2(N + 1))
             gc = empty((M, ng), torch.float32, x2d.device)
             _pack_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, gc, M, K, N, NG=ng, BLOCK_M=PACK_M)
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, dx, ws, hp_arg, go_arg, c_agg, M, K, N,
-                                                             NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+            target, by_desc = _dx_target(dx, bm, bk, DX_DESC if dx_desc is None else dx_desc)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, target, ws, hp_arg, go_arg, c_agg, M, K,
+                                                             N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, ROUND=tf32, NS=ns,
-                                                             AGG_ONE=ns > 0 and c_agg % bk == 0, num_warps=warps)
+                                                             AGG_ONE=ns > 0 and c_agg % bk == 0, DX_DESC=by_desc,
+                                                             num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
 
     def run(cfg):
