@@ -230,12 +230,11 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
     2.17-2.26 ms on an H100 in the same rounds: docs/perf-notes.md, twentieth session.)"""
     x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
     variants = {}
-    # an entry: a tile, or (tile, dx_desc): dx stored through a tensor descriptor or not
-    for entry in TILES.get("packed") or [(pr.LOWP_TILE, False), (pr.LOWP_TILE, True), ((64, 128, 8, 4, 3), True),
-                                         ((128, 128, 4, 8, 3), True)]:
-        cfg, desc = (entry, None) if len(entry) == 5 else entry
-        variants[f"triton {cfg}{'' if desc is None else f' dx_desc={desc}'}"] = (
-            lambda cfg=cfg, desc=desc: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg, dx_desc=desc))
+    # an entry: a tile, or (tile, {keyword: value}) for proj_rms_backward
+    for entry in TILES.get("packed") or [pr.LOWP_TILE, (64, 128, 8, 4, 3), (64, 128, 16, 4, 4)]:
+        cfg, opts = (entry, {}) if len(entry) == 5 else entry
+        variants[f"triton {cfg}{f' {opts}' if opts else ''}"] = (
+            lambda cfg=cfg, opts=opts: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg, **opts))
     try:
         from kernels.cutile import proj_rms as cpr
         dx, dw = torch.empty_like(x), torch.empty_like(w)

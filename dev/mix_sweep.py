@@ -1,6 +1,6 @@
 """Triton mix_aggregate backward at the paper shape (bf16): variants of the projection backward's
 tile (LOWP_TILE) and AGG_STAGES in paired rounds (events, median of 10 a round).
-    python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages[, dx_desc]), ...]"]
+    python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages[, {MODULE_FLAG: value}]), ...]"]
 (default: the shipped tile at AGG_STAGES 2 and 3)
     python3 dev/mix_sweep.py profile
 (each backward's launches under torch.profiler: device time per kernel, five backwards each)
@@ -45,7 +45,10 @@ if sys.argv[1:2] == ["cutile"]:
     variants={"triton":bwd,**{f"cutile {t}":cbwd(t) for t in (ast.literal_eval(sys.argv[2]) if len(sys.argv)>2 else [cpr.AGG_TILE])}}
 else:
     def tile(v):
-        def run(): pr.LOWP_TILE,pr.AGG_STAGES,pr.DX_DESC=tuple(v[0]),v[1],(v[2] if len(v)>2 else pr.DX_DESC); bwd()
+        def run():
+            pr.LOWP_TILE,pr.AGG_STAGES=tuple(v[0]),v[1]
+            for key,val in (v[2] if len(v)>2 else {}).items(): setattr(pr,key,val)  # e.g. {"PRESPLIT": True}
+            bwd()
         return run
     vs=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}

@@ -228,6 +228,27 @@ def test_h_post_bda_tensor_core_backward_finishes_its_sums_deterministically():
         assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
 
 
+def test_triton_h_post_bda_n4_forward_runs_past_65535_tokens():
+    """CUDA takes at most 65535 blocks on a grid's second axis; the n = 4 forward (a token a
+    program) keeps its grid on one axis. At 70001 tokens (and C = 300, off the C block), into a
+    NaN-poisoned output: every element written and within bf16's rounding of float64."""
+    from mhctool.kernels.triton import h_post_bda as thp
+    from mhctool.poison import poisoning
+    from mhctool.references import mhc as ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, c = 70001, 300
+    h, hp = torch.rand(t, 1, 4, 4, generator=g, device="cuda"), torch.rand(t, 1, 4, generator=g, device="cuda")
+    x = torch.randn(t, 1, 4, c, generator=g, device="cuda").to(torch.bfloat16)
+    y = torch.randn(t, 1, c, generator=g, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(c, generator=g, device="cuda").to(torch.bfloat16)
+    with poisoning():
+        out = thp.h_post_bda_forward(h, x, hp, y, bias, tile_=thp.FWD4_TILE)
+    want = ref.h_post_bda(*(v.double() for v in (h, x, hp, y, bias)))
+    assert torch.isfinite(out).all()
+    assert ((out.double() - want).abs().max() / want.abs().max()) < 2 ** -8
+
+
 @pytest.mark.parametrize("n, transpose, with_bias", [(4, True, True), (3, False, False), (2, False, True)])
 def test_cutile_h_post_bda_backward_sums_c_blocks_in_order(n, transpose, with_bias):
     """cuTile's h_post_bda backward runs a program per (C block, token group): the n^2 + n sums
@@ -295,12 +316,14 @@ def test_cutile_projection_backward_halves_cover_odd_k():
             assert err < 2 ** -7, (name, m, k, err)  # bf16 outputs: one rounding, 2^-9 relative
 
 
-def test_triton_projection_backward_stores_dx_through_a_descriptor_or_pointers_alike():
-    """The Triton tensor-core projection backward stores dx through a TMA tensor descriptor where
-    dx's rows are 16-byte aligned (K a multiple of 8 in bf16), else by masked pointer stores. At
-    token counts off the 64-token tile and K off the 128-column block (304 and 28800: aligned; 300:
-    not, so the pointer path), with and without mix_aggregate's aggregation term, into
-    NaN-poisoned outputs: both ways give the same bits, and those match float64."""
+@pytest.mark.parametrize("tf32", [False, True])
+def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
+    """The Triton bf16 projection backward (the gradient split once into two bf16 pieces by
+    ``_split_grad``, then the tensor-core kernel) at token counts off the 64-token tile and K off
+    the 128-column block (304, 300, 28800), with and without mix_aggregate's aggregation term, and
+    in the TF32 variant, into NaN-poisoned outputs: dx and dW match float64 (of the TF32-rounded
+    gradient for the variant; bf16 x and W are TF32 values already) and repeat bit for bit."""
+    from mhctool.kernels.torch.mhc import round_to_tf32
     from mhctool.kernels.triton import proj_rms as tpr
     from mhctool.poison import poisoning
     from mhctool.references import mhc as ref
@@ -315,16 +338,15 @@ def test_triton_projection_backward_stores_dx_through_a_descriptor_or_pointers_a
             agg = (torch.rand(m, ns, generator=g, device="cuda"),
                    torch.randn(m, k // ns, generator=g, device="cuda").to(torch.bfloat16))
         _, r, rms = tpr.proj_rms_forward(x, w, 1e-6)
-        assert tpr._dx_target(torch.empty_like(x), 64, 128, True)[1] == (k % 8 == 0)
         with poisoning():
-            by_desc = tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg, dx_desc=True)
-            by_ptr = tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg, dx_desc=False)
-        assert torch.equal(by_desc[0], by_ptr[0]) and torch.equal(by_desc[1], by_ptr[1]), (m, k, ns)
+            runs = [tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg, tf32=tf32) for _ in range(2)]
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (m, k, ns)
         xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
-        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
+        gpd = round_to_tf32(gp).double() if tf32 else gp.double()
+        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gpd, gr.double()))
         if agg is not None:
             want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)
-        for name, got, want in (("dx", by_desc[0], want_dx), ("dW", by_desc[1], want_dw)):
+        for name, got, want in (("dx", runs[0][0], want_dx), ("dW", runs[0][1], want_dw)):
             assert torch.isfinite(got).all(), (name, m, k, ns)
             err = ((got.double() - want).abs().max() / want.abs().max()).item()
             assert err < 2 ** -7, (name, m, k, ns, err)  # bf16 outputs: one rounding, 2^-9 relative

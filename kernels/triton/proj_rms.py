@@ -5,8 +5,8 @@ The mapping path is fp32 whatever the activation dtype. With bf16 (or fp16) x an
 runs on tensor cores in that dtype: the products are exact in fp32 and accumulate in fp32 (one
 fresh accumulator per K chunk), so the result is an fp32 product of the upcast inputs; in the
 backward the fp32 upstream gradient is split into two bf16 pieces for the same tensor cores
-(``_proj_rms_bwd_packed``, after ``_pack_grad`` has put each token's gradient and dx's factor of
-x into one fp32 row).
+(``_proj_rms_bwd_packed``, after ``_split_grad`` has made the pieces and dx's factor of x, once
+a token).
 Operands that are fp32 multiply as IEEE fp32 (see ``_precision``); so does everything under the
 interpreter, whose bf16 ``tl.dot`` is unreliable.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mhctool.poison import empty
 
@@ -140,18 +139,28 @@ def _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K):
 
 
 @triton.jit
-def _pack_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, gc_ptr, M, K, N, NG: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The packed backward's per-token operand, one fp32 row of NG a token: ``g_proj`` in columns
-    [0, N), dx's factor of x (``_coef``) in column N, zeros past it. The backward then loads one
-    contiguous 128-byte row a token (at NG = 32) instead of a 24-wide row and three scalars."""
+def _split_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, gs_ptr, cf_ptr, M, K, N, NG: tl.constexpr, BLOCK_M: tl.constexpr,
+                ROUND: tl.constexpr):
+    """The tensor-core backward's per-token operands, made once: ``g_proj`` (rounded to TF32
+    first with ``ROUND``) as two pieces of x's dtype, ``hi = g`` rounded and ``lo = g - hi``
+    rounded, in planes 0 and 1 of ``gs [2, M, NG]`` (columns past N zero: NG is the MMA's N), and
+    dx's factor of x (``_coef``) in ``cf [M]``. The backward loads the pieces straight into its
+    products' shared-memory operands. Split inside its loop instead (an fp32 row a token packed
+    with the factor, split in registers for every K block, then written to shared memory for the
+    products) the same bits took 1.13x as long on an H200 (docs/perf-notes.md)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, NG)
     rmask = rows < M
+    offs = rows.to(tl.int64)[:, None] * NG + cols[None, :]
     g = tl.load(gp_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N),
                 other=0.0)
-    coef = _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K)
-    packed = tl.where(cols[None, :] == N, coef[:, None], g)
-    tl.store(gc_ptr + rows.to(tl.int64)[:, None] * NG + cols[None, :], packed, mask=rmask[:, None])
+    if ROUND:
+        g = round_tf32(g)
+    hi = g.to(gs_ptr.dtype.element_ty)
+    lo = (g - hi.to(tl.float32)).to(gs_ptr.dtype.element_ty)
+    tl.store(gs_ptr + offs, hi, mask=rmask[:, None])
+    tl.store(gs_ptr + M.to(tl.int64) * NG + offs, lo, mask=rmask[:, None])
+    tl.store(cf_ptr + rows, _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K), mask=rmask)
 
 
 @triton.jit
@@ -177,23 +186,21 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M
 
 
 @triton.jit
-def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N, NG: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         STAGES: tl.constexpr, ROUND: tl.constexpr = False, NS: tl.constexpr = 0,
-                         AGG_ONE: tl.constexpr = False, DX_DESC: tl.constexpr = False):
-    """bf16 (fp16) x and W on tensor cores, from the packed gradient (``_pack_grad``): for its K
+def _proj_rms_bwd_packed(x_ptr, w_ptr, gs_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
+                         NG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                         STAGES: tl.constexpr, NS: tl.constexpr = 0, AGG_ONE: tl.constexpr = False):
+    """bf16 (fp16) x and W on tensor cores, from the split gradient (``_split_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
-    The fp32 gradient goes in as two pieces of x's dtype (16 significant bits for bf16, past what a
-    bf16 dx or dW keeps). dW is accumulated transposed, ``x^T g`` (``[BLOCK_K, NG]``): the product's
-    M is the K block, which the tensor cores' warpgroup products take (``g^T x`` has M = NG = 32,
-    below their 64). The factor's column is zeroed before the products (it multiplies W's zero
-    padding row, but a non-finite factor would turn that into NaN). ``ROUND`` (the TF32 variant):
-    the gradient rounded to TF32 first (11 significant bits: the two pieces hold it exactly).
+    The fp32 gradient comes as two pieces of x's dtype (16 significant bits for bf16, past what a
+    bf16 dx or dW keeps; the TF32 variant's gradient, rounded to 11 bits, exactly), each product
+    the sum of the two pieces' products. dW is accumulated transposed, ``x^T g``
+    (``[BLOCK_K, NG]``): the product's M is the K block, which the tensor cores' warpgroup
+    products take (``g^T x`` has M = NG = 32, below their 64).
     ``NS`` > 0 (n streams): mix_aggregate's aggregation gradient of x (``_agg_term``: ``h_pre`` and
     the aggregate's upstream gradient ``grad_out``) added to dx in fp32 before its one rounding, so
-    that no pass writes that gradient and no other adds the two. ``DX_DESC``: ``dx_ptr`` is a
-    tensor descriptor of dx with a ``[BLOCK_M, BLOCK_K]`` block, and each dx tile is stored
-    through it (the TMA engine clips the tile at M and K) instead of by masked pointer stores."""
+    that no pass writes that gradient and no other adds the two. (dx stored through a TMA tensor
+    descriptor instead of by masked pointer stores took 1.03x as long alone and 1.18x with the
+    aggregation term on an H200: docs/perf-notes.md.)"""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NG)
@@ -207,23 +214,17 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gc_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C
         mask = rmask[:, None] & kmask[None, :]
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
         xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(gc_ptr + rows.to(tl.int64)[:, None] * NG + cols[None, :], mask=rmask[:, None], other=0.0)
-        coef = tl.sum(tl.where(cols[None, :] == N, g, 0.0), axis=1)
-        g = tl.where(cols[None, :] < N, g, 0.0)
-        if ROUND:
-            g = round_tf32(g)
-        g_hi = g.to(xl.dtype)
-        g_lo = (g - g_hi.to(tl.float32)).to(xl.dtype)
+        goffs = rows.to(tl.int64)[:, None] * NG + cols[None, :]
+        g_hi = tl.load(gs_ptr + goffs, mask=rmask[:, None], other=0.0)
+        g_lo = tl.load(gs_ptr + M.to(tl.int64) * NG + goffs, mask=rmask[:, None], other=0.0)
+        coef = tl.load(cf_ptr + rows, mask=rmask, other=0.0)
         prod = tl.dot(g_hi, w, tl.dot(g_lo, w))
         xt = tl.trans(xl)
         dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
         if NS > 0:
             dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
-        if DX_DESC:
-            dx_ptr.store([mb * BLOCK_M, tl.program_id(0) * BLOCK_K], cast(dx, xl.dtype))
-        else:
-            tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
 
@@ -272,29 +273,17 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
 # paired rounds at the paper shape on an H200 (0.89x of (128, 128, 8, 8, 4), which an H100 timed within
 # noise of it; dev/bwd_sweep.py packed, docs/perf-notes.md twenty-first session); SPLIT decides the
 # order of dW's sum over row blocks, so it is not timed per token count. PACK_M: tokens a program of
-# the gradient's packing
+# the gradient's split (``_split_grad``)
 LOWP_TILE = (64, 128, 8, 4, 4)
 PACK_M = 128
 # pipeline stages with mix_aggregate's aggregation term (``agg``, grad_out-sized tiles beside x's):
 # at LOWP_TILE four took 7.73 ms against 2.80 for three on an H200 (dev/mix_sweep.py), and at the
 # H100's (128, 128) tile four needed 280 KB of shared memory, past the 227 KB an SM has
 AGG_STAGES = 3
-# the bf16 backward stores dx through a TMA tensor descriptor where dx's rows allow one (16-byte
-# aligned): see ``_dx_target``
-DX_DESC = False
-
-
-def _dx_target(dx, bm: int, bk: int, want: bool):
-    """What the packed backward stores dx through: a host tensor descriptor of ``dx`` with a
-    ``[bm, bk]`` block where ``want`` and TMA can address it (base and row stride multiples of 16
-    bytes), else ``dx`` itself (masked pointer stores). Returns (target, is_descriptor)."""
-    if want and dx.data_ptr() % 16 == 0 and (dx.shape[1] * dx.element_size()) % 16 == 0:
-        return TensorDescriptor.from_tensor(dx, [bm, bk]), True
-    return dx, False
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
-                      agg=None, dx_desc=None):
+                      agg=None):
     """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
     Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
     indexing through the interpreter. ``tile_``: (BLOCK_M, BLOCK_K, SPLIT, warps, stages) for
@@ -303,8 +292,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     through the two-piece kernel, exact there; fp32 ones through ``_proj_rms_bwd``). ``agg``:
     ``(h_pre [M, n], grad_out [M, C])`` with n * C = K: dx also holds the aggregation's gradient
     of x, ``h_pre[t, i] * grad_out[t, c]`` at column ``i * C + c``, added in fp32 in the same pass
-    (mix_aggregate's backward). ``dx_desc``: the tensor-core kernel stores dx through a tensor
-    descriptor where it can (default ``DX_DESC``; sweeps set it)."""
+    (mix_aggregate's backward)."""
     weight = _check(x2d, weight)
     ns, c_agg, hp_arg, go_arg = 0, 1, x2d, x2d
     if agg is not None:
@@ -338,13 +326,13 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         split, ws = workspace(bm, split)
         if M:
             ng = max(16, next_pow2(N + 1))
-            gc = empty((M, ng), torch.float32, x2d.device)
-            _pack_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, gc, M, K, N, NG=ng, BLOCK_M=PACK_M)
-            target, by_desc = _dx_target(dx, bm, bk, DX_DESC if dx_desc is None else dx_desc)
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gc, target, ws, hp_arg, go_arg, c_agg, M, K,
+            gs = empty((2, M, ng), x2d.dtype, x2d.device)
+            cf = empty((M,), torch.float32, x2d.device)
+            _split_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, gs, cf, M, K, N, NG=ng, BLOCK_M=PACK_M,
+                                                   ROUND=tf32)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gs, cf, dx, ws, hp_arg, go_arg, c_agg, M, K,
                                                              N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                             STAGES=stages, ROUND=tf32, NS=ns,
-                                                             AGG_ONE=ns > 0 and c_agg % bk == 0, DX_DESC=by_desc,
+                                                             STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
                                                              num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
 
