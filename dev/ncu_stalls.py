@@ -6,7 +6,10 @@ C-block candidate that has shipped since):
     ncu --clock-control none -k regex:"_proj_rms_bwd_packed|_h_post_bda" --launch-skip 0 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \\
-        python3 dev/ncu_stalls.py [proj|hpb|all]
+        python3 dev/ncu_stalls.py [proj|agg|hpb|all]
+
+("agg": the projection backward with mix_aggregate's aggregation term, Triton's and cuTile's
+(``-k regex:_proj_rms_bwd``), as mix_aggregate's backward launches them.)
 
 (a stall ratio is the warps stalled for that reason per issued instruction: their sum is the
 cycles between a warp's instructions, the figure to lower)."""
@@ -31,6 +34,23 @@ if what in ("all", "proj"):
     gp, gr = torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
     for _ in range(2):
         pr.proj_rms_backward(x, w, r, rms, gp, gr)
+    del x
+if what in ("all", "agg"):
+    from kernels.cutile import proj_rms as cpr
+    from kernels.triton import proj_rms as pr
+    T, K = S * B, N * C
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, K, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(24, K, generator=g, device="cuda") / K ** 0.5).to(torch.bfloat16)
+    _, r, rms = pr.proj_rms_forward(x, w)
+    gp, gr = torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
+    agg = (torch.rand(T, N, device="cuda"), torch.randn(T, C, device="cuda").to(torch.bfloat16))
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    gc = torch.empty(T, cpr._ng(24), device="cuda")
+    cpr.launch(cpr._pack_grad, (cpr.cdiv(T, cpr.BM_PACK),), (x, gp, gr, r, rms, gc, 24, cpr._ng(24), cpr.BM_PACK))
+    for _ in range(2):
+        pr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg)
+        cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
     del x
 if what in ("all", "hpb"):
     from kernels.cutile import h_post_bda as chp

@@ -144,8 +144,9 @@ def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = Fals
     nb = triton.cdiv(M, bm)
     dproj = torch.empty((M, N), dtype=torch.float32, device=dev)
     dr = torch.empty((M,), dtype=torch.float32, device=dev)
-    ws_a = torch.zeros((max(nb, 1), 3), dtype=torch.float32, device=dev)
-    ws_b = torch.zeros((max(nb, 1), N), dtype=torch.float32, device=dev)
+    alloc = empty if M else torch.zeros  # a row a program, each written (zeros where nothing runs)
+    ws_a = alloc((max(nb, 1), 3), dtype=torch.float32, device=dev)
+    ws_b = alloc((max(nb, 1), N), dtype=torch.float32, device=dev)
     if M:
         _compute_h_bwd[(nb,)](proj, r, alpha, h_bias, g_pre, g_post, g_log, dproj, dr, ws_a, ws_b, M, N,
                               n=n, NP=max(16, next_pow2(N)), BLOCK_M=bm, num_warps=4)

@@ -315,9 +315,10 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     NP = max(16, next_pow2(N))
 
     def workspace(bm, split):
-        """The dW partials: one per token split, at most one split per row block."""
+        """The dW partials: one per token split, at most one split per row block; every element is
+        written by the kernels (zeros only where there are no tokens and nothing runs)."""
         split = max(1, min(split, triton.cdiv(M, bm)))
-        return split, torch.zeros((split, N * K), dtype=torch.float32, device=x2d.device)
+        return split, (empty if M else torch.zeros)((split, N * K), dtype=torch.float32, device=x2d.device)
 
     if lowp:
         bm, bk, split, warps, stages = tile_ or LOWP_TILE
