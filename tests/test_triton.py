@@ -461,6 +461,22 @@ def test_ordered_row_sum_adds_rows_one_by_one_in_order():
         assert ((tree - ws.double().sum(0)).abs() <= 1e-6 * ws.double().abs().sum(0)).all()
 
 
+def test_tree_row_sum_of_a_few_partials_covers_every_column():
+    # dW's token-split partials: under 64 rows, all rows in one step over wide column blocks
+    # (the plan's other branch); every column written (a poisoned output) and as accurate
+    from mhctool.kernels.triton.reduce import _plan, sum_rows
+    from mhctool.poison import poisoning
+
+    g = torch.Generator().manual_seed(5)
+    for R, L in ((8, 70001), (3, 77), (63, 1000), (64, 1000)):
+        ws = torch.randn(R, L, generator=g)
+        with poisoning():
+            got = sum_rows(ws, torch.float32, (L,)).double()
+        block, block_r, ordered, progs = _plan(ws, False)
+        assert not ordered and block_r == min(64, 1 << (R - 1).bit_length()) and progs * block >= L
+        assert ((got - ws.double().sum(0)).abs() <= 1e-6 * ws.double().abs().sum(0)).all(), (R, L)
+
+
 def test_row_sum_pair_is_two_row_sums_in_one_launch():
     # the h_post_bda and mapping backward finish two workspaces (ordered per-token partials and a
     # tree sum of bias partials) in one launch: the bits must be those of two separate sums
