@@ -347,8 +347,8 @@ def test_cutile_projection_backward_halves_cover_odd_k():
 def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
     """The Triton bf16 projection backward (the gradient split once into two bf16 pieces by
     ``_split_grad``, then the tensor-core kernel) at token counts off the 64-token tile and K off
-    the 128-column block (304, 300, 28800), with and without mix_aggregate's aggregation term, and
-    in the TF32 variant, into NaN-poisoned outputs: dx and dW match float64 (of the TF32-rounded
+    the 128-column block (304, 300, 28800), one token (an integer argument of 1 is a compile-time
+    constant to Triton), with and without mix_aggregate's aggregation term, and in the TF32 variant, into NaN-poisoned outputs: dx and dW match float64 (of the TF32-rounded
     gradient for the variant; bf16 x and W are TF32 values already) and repeat bit for bit."""
     from mhctool.kernels.torch.mhc import round_to_tf32
     from mhctool.kernels.triton import proj_rms as tpr
@@ -356,7 +356,7 @@ def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
     from mhctool.references import mhc as ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for m, k, ns in ((1007, 304, 0), (1007, 304, 4), (1007, 300, 0), (130, 28800, 4)):
+    for m, k, ns in ((1007, 304, 0), (1007, 304, 4), (1007, 300, 0), (130, 28800, 4), (1, 304, 4)):
         x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
         gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")

@@ -255,14 +255,15 @@ def test_proj_rms_matches_float64(mkn, dtype):
         assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol
 
 
-@pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 300, 8), (130, 260, 80), (39, 267, 24)])
+@pytest.mark.parametrize("mkn", [(39, 268, 24), (70, 300, 8), (130, 260, 80), (39, 267, 24), (1, 268, 24)])
 def test_proj_rms_tensor_core_backward_indexing_matches_float64(mkn):
     """The bf16/fp16 backward (``_split_grad`` then ``_proj_rms_bwd_packed``: two pieces of the
     gradient on tensor cores) runs only on a GPU by default; forced on fp32 operands here, its
     pieces are exact and the interpreter's products fp32, so what is checked is its indexing and
     the split: row blocks that are not multiples of 128, K that is not a multiple of 128 (odd at
     267), two token splits, NaN-poisoned outputs (the split gradient and factor included), and a
-    small tile with several splits of several row blocks."""
+    small tile with several splits of several row blocks; and one token (Triton makes an integer
+    argument of 1 a compile-time constant: the batch-invariance check's one-token run)."""
     m, k, n = mkn
     x, w = torch.randn(m, k), torch.randn(n, k) / k ** 0.5
     _, r, rms = tpr.proj_rms_forward(x, w)

@@ -139,11 +139,11 @@ def _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K):
 
 
 @triton.jit
-def _split_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, gs_ptr, cf_ptr, M, K, N, NG: tl.constexpr, BLOCK_M: tl.constexpr,
-                ROUND: tl.constexpr):
+def _split_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, hi_ptr, lo_ptr, cf_ptr, M, K, N, NG: tl.constexpr,
+                BLOCK_M: tl.constexpr, ROUND: tl.constexpr):
     """The tensor-core backward's per-token operands, made once: ``g_proj`` (rounded to TF32
     first with ``ROUND``) as two pieces of x's dtype, ``hi = g`` rounded and ``lo = g - hi``
-    rounded, in planes 0 and 1 of ``gs [2, M, NG]`` (columns past N zero: NG is the MMA's N), and
+    rounded, in ``hi`` and ``lo`` (``[M, NG]`` each, columns past N zero: NG is the MMA's N), and
     dx's factor of x (``_coef``) in ``cf [M]``. The backward loads the pieces straight into its
     products' shared-memory operands. Split inside its loop instead (an fp32 row a token packed
     with the factor, split in registers for every K block, then written to shared memory for the
@@ -156,10 +156,10 @@ def _split_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, gs_ptr, cf_ptr, M, K, N, NG: tl.
                 other=0.0)
     if ROUND:
         g = round_tf32(g)
-    hi = g.to(gs_ptr.dtype.element_ty)
-    lo = (g - hi.to(tl.float32)).to(gs_ptr.dtype.element_ty)
-    tl.store(gs_ptr + offs, hi, mask=rmask[:, None])
-    tl.store(gs_ptr + M.to(tl.int64) * NG + offs, lo, mask=rmask[:, None])
+    hi = g.to(hi_ptr.dtype.element_ty)
+    lo = (g - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
+    tl.store(hi_ptr + offs, hi, mask=rmask[:, None])
+    tl.store(lo_ptr + offs, lo, mask=rmask[:, None])
     tl.store(cf_ptr + rows, _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K), mask=rmask)
 
 
@@ -186,7 +186,7 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M
 
 
 @triton.jit
-def _proj_rms_bwd_packed(x_ptr, w_ptr, gs_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
+def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                          NG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                          STAGES: tl.constexpr, NS: tl.constexpr = 0, AGG_ONE: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the split gradient (``_split_grad``): for its K
@@ -215,8 +215,8 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, gs_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, g
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
         xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
         goffs = rows.to(tl.int64)[:, None] * NG + cols[None, :]
-        g_hi = tl.load(gs_ptr + goffs, mask=rmask[:, None], other=0.0)
-        g_lo = tl.load(gs_ptr + M.to(tl.int64) * NG + goffs, mask=rmask[:, None], other=0.0)
+        g_hi = tl.load(hi_ptr + goffs, mask=rmask[:, None], other=0.0)
+        g_lo = tl.load(lo_ptr + goffs, mask=rmask[:, None], other=0.0)
         coef = tl.load(cf_ptr + rows, mask=rmask, other=0.0)
         prod = tl.dot(g_hi, w, tl.dot(g_lo, w))
         xt = tl.trans(xl)
@@ -327,12 +327,12 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         split, ws = workspace(bm, split)
         if M:
             ng = max(16, next_pow2(N + 1))
-            gs = empty((2, M, ng), x2d.dtype, x2d.device)
+            hi, lo = empty((M, ng), x2d.dtype, x2d.device), empty((M, ng), x2d.dtype, x2d.device)
             cf = empty((M,), torch.float32, x2d.device)
-            _split_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, gs, cf, M, K, N, NG=ng, BLOCK_M=PACK_M,
-                                                   ROUND=tf32)
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, gs, cf, dx, ws, hp_arg, go_arg, c_agg, M, K,
-                                                             N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+            _split_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, hi, lo, cf, M, K, N, NG=ng,
+                                                   BLOCK_M=PACK_M, ROUND=tf32)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, c_agg,
+                                                             M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
                                                              num_warps=warps)
         return dx, sum_rows(ws, weight.dtype, weight.shape)
