@@ -15,35 +15,6 @@ ROW, COL = 2, 1
 STABILIZE = {"rowmax": 0, "none": 1, "softmax": 2}
 
 
-_SIDE_STREAMS: dict = {}
-
-
-def overlapped(side: Callable, main: Callable, device: torch.device) -> tuple:
-    """``(side(), main())``, with ``side`` launched on a second CUDA stream of ``device`` while
-    ``main`` launches on the current one, for two independent pieces of a backward where one is
-    small and latency-bound (the Sinkhorn backward beside the aggregation's pass over x). The side
-    stream starts after the work queued so far and the current stream waits for it before going
-    on, so everything after sees both; the same fork and join is captured into a CUDA graph. The
-    side's results were allocated on the side stream: they are marked as used by the current one,
-    so that the allocator does not hand their memory out again until it has finished with them.
-    Off CUDA (the interpreter), one after the other."""
-    if device.type != "cuda":
-        return side(), main()
-    cur = torch.cuda.current_stream(device)
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    stream.wait_stream(cur)
-    with torch.cuda.stream(stream):
-        first = side()
-    second = main()
-    cur.wait_stream(stream)
-    for t in (first if isinstance(first, (tuple, list)) else (first,)):
-        if isinstance(t, torch.Tensor):
-            t.record_stream(cur)
-    return first, second
-
-
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): tile extents are powers of two."""
     return 1 << (max(int(n), 1) - 1).bit_length()

@@ -228,33 +228,6 @@ def test_h_post_bda_tensor_core_backward_finishes_its_sums_deterministically():
         assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
 
 
-def test_overlapped_side_stream_joins_before_what_follows():
-    """mix_aggregate's backward runs the Sinkhorn backward on a side stream beside the pass over x
-    (``schedule.overlapped``): what follows on the current stream must see the side's result even
-    when the side is slow (a sleep first), eagerly and replayed from a CUDA graph."""
-    from mhctool.kernels.schedule import overlapped
-
-    a = torch.ones(1 << 20, device="cuda")
-
-    def side():
-        torch.cuda._sleep(50_000_000)  # tens of milliseconds: the main work is long done
-        return a * 3
-
-    def step():
-        first, second = overlapped(side, lambda: a * 2, a.device)
-        return first + second
-
-    assert torch.equal(step(), torch.full_like(a, 5.0))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    a.fill_(2.0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, torch.full_like(a, 10.0))
-
-
 def test_triton_h_post_bda_n4_forward_runs_past_65535_tokens():
     """CUDA takes at most 65535 blocks on a grid's second axis; the n = 4 forward (a token a
     program) keeps its grid on one axis. At 70001 tokens (and C = 300, off the C block), into a

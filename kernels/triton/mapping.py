@@ -17,7 +17,6 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ..schedule import overlapped
 from ._common import check_device, next_pow2, require_contiguous
 from .proj_rms import _precision, _proj_tile, low_precision_operands, proj_rms_backward
 from .reduce import sum_rows_pair
@@ -151,10 +150,8 @@ def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = Fals
     if M:
         _compute_h_bwd[(nb,)](proj, r, alpha, h_bias, g_pre, g_post, g_log, dproj, dr, ws_a, ws_b, M, N,
                               n=n, NP=max(16, next_pow2(N)), BLOCK_M=bm, num_warps=4)
-    # the alpha and bias sums (a few microseconds, latency-bound) beside the projection backward
-    (d_alpha, d_bias), (dx, dw) = overlapped(
-        lambda: sum_rows_pair((ws_a, alpha.dtype, alpha.shape, False), (ws_b, h_bias.dtype, h_bias.shape, False)),
-        lambda: proj_rms_backward(x2d, weight, r, rms, dproj, dr, tf32=tf32, agg=agg), dev)
+    d_alpha, d_bias = sum_rows_pair((ws_a, alpha.dtype, alpha.shape, False), (ws_b, h_bias.dtype, h_bias.shape, False))
+    dx, dw = proj_rms_backward(x2d, weight, r, rms, dproj, dr, tf32=tf32, agg=agg)
     return dx, dw, d_alpha, d_bias
 
 
