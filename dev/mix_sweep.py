@@ -47,7 +47,7 @@ else:
     def tile(v):
         def run():
             pr.LOWP_TILE,pr.AGG_STAGES=tuple(v[0]),v[1]
-            for key,val in (v[2] if len(v)>2 else {}).items(): setattr(pr,key,val)  # e.g. {"PRESPLIT": True}
+            for key,val in (v[2] if len(v)>2 else {}).items(): setattr(pr,key,val)  # e.g. {"PACK_M": 64}
             bwd()
         return run
     vs=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]

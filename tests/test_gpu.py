@@ -321,8 +321,9 @@ def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
     """The Triton bf16 projection backward (the gradient split once into two bf16 pieces by
     ``_split_grad``, then the tensor-core kernel) at token counts off the 64-token tile and K off
     the 128-column block (304, 300, 28800), one token (an integer argument of 1 is a compile-time
-    constant to Triton), with and without mix_aggregate's aggregation term, and in the TF32 variant, into NaN-poisoned outputs: dx and dW match float64 (of the TF32-rounded
-    gradient for the variant; bf16 x and W are TF32 values already) and repeat bit for bit."""
+    constant to Triton), with and without mix_aggregate's aggregation term, and in the TF32
+    variant, into NaN-poisoned outputs: dx and dW match float64 (of the TF32-rounded gradient for
+    the variant; bf16 x and W are TF32 values already) and repeat bit for bit."""
     from mhctool.kernels.torch.mhc import round_to_tf32
     from mhctool.kernels.triton import proj_rms as tpr
     from mhctool.poison import poisoning

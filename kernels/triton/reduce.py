@@ -64,8 +64,8 @@ def _plan(ws: torch.Tensor, ordered: bool) -> tuple[int, int, bool, int]:
         return 1024, 1, True, triton.cdiv(L, 1024)
     if R < 64:
         # a few partials of many columns (dW's token splits: 8 rows of 688128 at the paper shape):
-        # all rows in one step and wide column blocks; 64 rows a step, 56 of them masked, spread
-        # those over 5376 programs and took about 18 us on an H200
+        # all rows in one step and wide column blocks. 64 rows a step (56 of them masked) over
+        # 5376 programs, mix_aggregate's backward spent 23.3 us in its two sums on an H200; 14.5 so
         block_r = next_pow2(R)
         block = max(32, min(8192 // block_r, next_pow2(triton.cdiv(L, 256))))
         return block, block_r, False, triton.cdiv(L, block)
