@@ -24,28 +24,33 @@ from bwd_sweep import hpb_inputs  # noqa: E402 - the sweeps' inputs
 
 S, B, N, C = 8192, 4, 4, 7168
 what = sys.argv[1] if len(sys.argv) > 1 else "all"
-if what in ("all", "proj"):
+
+
+def proj_inputs():
+    """The projection backward's inputs at the paper shape, bf16: ``(x, w, r, rms, g_proj, g_r)``."""
     from kernels.triton import proj_rms as pr
     T, K = S * B, N * C
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, K, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn(24, K, generator=g, device="cuda") / K ** 0.5).to(torch.bfloat16)
     _, r, rms = pr.proj_rms_forward(x, w)
-    gp, gr = torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
+    return x, w, r, rms, torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
+
+
+if what in ("all", "proj"):
+    from kernels.triton import proj_rms as pr
+    x, w, r, rms, gp, gr = proj_inputs()
     for _ in range(2):
         pr.proj_rms_backward(x, w, r, rms, gp, gr)
     del x
 if what in ("all", "agg"):
     from kernels.cutile import proj_rms as cpr
     from kernels.triton import proj_rms as pr
-    T, K = S * B, N * C
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, K, generator=g, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(24, K, generator=g, device="cuda") / K ** 0.5).to(torch.bfloat16)
-    _, r, rms = pr.proj_rms_forward(x, w)
-    gp, gr = torch.randn(T, 24, device="cuda"), torch.randn(T, device="cuda")
+    x, w, r, rms, gp, gr = proj_inputs()
+    T = x.shape[0]
     agg = (torch.rand(T, N, device="cuda"), torch.randn(T, C, device="cuda").to(torch.bfloat16))
     dx, dw = torch.empty_like(x), torch.empty_like(w)
+    # cuTile's packed gradient, as its mapping backward writes it for mix_aggregate
     gc = torch.empty(T, cpr._ng(24), device="cuda")
     cpr.launch(cpr._pack_grad, (cpr.cdiv(T, cpr.BM_PACK),), (x, gp, gr, r, rms, gc, 24, cpr._ng(24), cpr.BM_PACK))
     for _ in range(2):
