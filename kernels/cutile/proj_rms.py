@@ -85,17 +85,18 @@ def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstIn
     ct.store(rms, index=(i,), tile=m)
 
 
-def _grad_products(g, wt, xt, lowp, BM, BK, NG):
-    """``g W`` (dx's product, ``(BM, BK)``) and ``g^T x`` (this block's dW, ``(NG, BK)``) in fp32:
-    on tensor cores with the fp32 ``g`` in two bf16 pieces (16 significant bits, past what a bf16
-    dx or dW keeps; a third piece changed no kept bit and, at the 128 x 128 tile, cost 4x), or as
-    IEEE fp32 multiply-adds."""
+def _grad_products(g, wt, xt, lowp, BM, BK, NG, init=None):
+    """``init + g W`` (dx's product, ``(BM, BK)``; ``init`` an fp32 tile or None for zeros) and
+    ``g^T x`` (this block's dW, ``(NG, BK)``) in fp32: on tensor cores with the fp32 ``g`` in two
+    bf16 pieces (16 significant bits, past what a bf16 dx or dW keeps; a third piece changed no kept
+    bit and, at the 128 x 128 tile, cost 4x), or as IEEE fp32 multiply-adds."""
     if not lowp:
-        return _product(g, wt, False, BM, BK, NG), _product(ct.transpose(g), xt, False, NG, BK, BM)
+        prod = _product(g, wt, False, BM, BK, NG)
+        return (prod if init is None else prod + init), _product(ct.transpose(g), xt, False, NG, BK, BM)
     hi = g.astype(ct.bfloat16)
     lo = (g - hi.astype(ct.float32)).astype(ct.bfloat16)
     wb = wt.astype(ct.bfloat16)
-    prod = ct.mma(hi, wb, ct.mma(lo, wb, ct.zeros((BM, BK), dtype=ct.float32)))
+    prod = ct.mma(hi, wb, ct.mma(lo, wb, ct.zeros((BM, BK), dtype=ct.float32) if init is None else init))
     part = ct.mma(ct.transpose(hi), xt, ct.mma(ct.transpose(lo), xt, ct.zeros((NG, BK), dtype=ct.float32)))
     return prod, part
 
@@ -129,18 +130,21 @@ def _pack_grad(x, gp, gr, r, rms, out, N: ConstInt, NG: ConstInt, BM: ConstInt):
     ct.store(out, index=(i, 0), tile=_packed_row(g, grt, rt, mt, kk, col, N, BM))
 
 
-def _agg_half(hp, go, i, kh, BM, H, AGG, HC, C):
+def _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN):
     """mix_aggregate's aggregation gradient of x on half block ``kh`` of token block ``i``, fp32
     ``(BM, H)``: ``h_pre[t, s] * grad_out[t, c]`` at column ``s * C + c``. ``AGG`` 1 (C a whole
-    number ``HC`` of half blocks): the block lies in one stream, and grad_out comes as a tile; 2 (any
-    C): column by column, gathered (a block may span streams or cut one). Past the last token or
-    past K the gathers give zeros (those elements are not stored)."""
-    rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
+    number ``HC`` of half blocks): the block lies in one stream s, grad_out comes as a tile and
+    h_pre's column s is picked from ``hpt`` (the token block's h_pre, ``(BM, NPN)``, loaded once for
+    both halves) by a masked row sum; 2 (any C): column by column, gathered (a block may span
+    streams or cut one). Past the last token or past K the loads give zeros (those elements are
+    not stored)."""
     if AGG == 1:
         s = kh // HC
         gt = ct.load(go, index=(i, kh - s * HC), shape=(BM, H), padding_mode=ZERO)
-        hs = ct.gather(hp, (rows, s))
+        col = ct.reshape(ct.arange(NPN, dtype=ct.int32), (1, NPN))
+        hs = ct.sum(ct.where(col == s, hpt, 0.0), axis=1, keepdims=True)
     else:
+        rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
         k = ct.reshape(kh * H + ct.arange(H, dtype=ct.int32), (1, H))
         s = k // C
         gt = ct.gather(go, (rows, k - s * C))
@@ -148,22 +152,25 @@ def _agg_half(hp, go, i, kh, BM, H, AGG, HC, C):
     return hs.astype(ct.float32) * gt.astype(ct.float32)
 
 
-def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, AGG, HC, C):
+def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN):
     """One half (``H`` columns, half block ``kh``) of a token block: stores ``dx = gP W + coef x``
-    (plus the aggregation term with ``AGG``, in fp32 before dx's one rounding) and returns the
-    half's ``gP^T x``."""
+    (with ``AGG``, the aggregation term is the products' starting accumulator, so it is added in
+    fp32 before dx's one rounding) and returns the half's ``gP^T x``. (The term added after the
+    products instead, with h_pre gathered a half: 2.70 against 2.05 ms eager for mix_aggregate's
+    backward on an H200, 255 registers and spills in the offline SASS; coef x in the accumulator
+    too spilled and took 2x as long, with or without the term: docs/perf-notes.md.)"""
     xt = ct.load(x, index=(i, kh), shape=(BM, H), padding_mode=ZERO)
-    prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG)
-    d = prod + coef * xt.astype(ct.float32)
     if AGG > 0:
-        d = d + _agg_half(hp, go, i, kh, BM, H, AGG, HC, C)
-    ct.store(dx, index=(i, kh), tile=d.astype(dx.dtype))
+        prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG, _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN))
+    else:
+        prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG)
+    ct.store(dx, index=(i, kh), tile=(prod + coef * xt.astype(ct.float32)).astype(dx.dtype))
     return part
 
 
 @ct.kernel
 def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
-                  LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt):
+                  LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt, NPN: ConstInt):
     """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + coef x`` and the split's
     ``dW[:, k block] = sum gP^T x`` into ``ws[s]``, from the packed gradient ``gc`` (``_pack_grad``;
     W's rows past N load as zeros, so its factor column adds nothing to ``gP W``, and dW's rows
@@ -189,8 +196,11 @@ def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: Const
         i = s * BLOCKS + b
         g = ct.load(gc, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
         coef = ct.extract(g, index=(0, N), shape=(BM, 1))
-        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP, hp, go, AGG, HC, C)
-        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP, hp, go, AGG, HC, C)
+        hpt = None
+        if AGG == 1:
+            hpt = ct.load(hp, index=(i, 0), shape=(BM, NPN), padding_mode=ZERO)
+        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN)
+        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN)
     ct.store(ws, index=(s, 0, k0), tile=ct.reshape(acc0, (1, NG, H)))
     ct.store(ws, index=(s, 0, k1), tile=ct.reshape(acc1, (1, NG, H)))
 
@@ -257,7 +267,7 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
                              f"{tuple(x2d.shape)}; got {tuple(hp.shape)} and {tuple(go.shape)}")
         mode = _agg_mode(c, bk // 2)
     launch(_proj_rms_bwd, (cdiv(k, bk), splits), (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode,
-                                                 max(1, c // (bk // 2)), c))
+                                                 max(1, c // (bk // 2)), c, next_pow2(hp.shape[1]) if mode else 1))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
     if side is None:
         sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
@@ -323,12 +333,12 @@ def compile_checks() -> dict[str, bytes]:
                                                       1e-6, 32, bm, bk, lowp])
         bbm, bbk = BWD_TILE[:2] if lowp else (bm, bk)  # the backward at the tile it runs at
         out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3), a2, a2, 24, 32, bbm,
-                                                     bbk, 8, lowp, 0, 1, 1])
+                                                     bbk, 8, lowp, 0, 1, 1, 1])
         # mix_aggregate's aggregation term: grad_out as tiles (C = 7168) and gathered (C = 75)
         for mode, c in ((1, 7168), (2, 75)):
             out[f"bwd-agg{mode}-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3),
                                                                     array(f32, 2), a2, 24, 32, bbm, bbk, 8, lowp, mode,
-                                                                    max(1, c // (bbk // 2)), c])
+                                                                    max(1, c // (bbk // 2)), c, 4])
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
