@@ -8,7 +8,7 @@ copy bandwidth measured in the same process for the bytes that must move, and th
 relative difference to the generic kernel (h_post_bda: float64 gradients at this shape would need
 30 GB) or to float64 (proj_rms). Best last.
 
-    python3 dev/bwd_sweep.py [h_post_bda|proj_rms|cutile|cutile_fwd|tf32|packed|all] [--limit SECONDS]
+    python3 dev/bwd_sweep.py [h_post_bda|proj_rms|cutile|cutile_fwd|tf32|packed|mapping_fwd|all] [--limit SECONDS]
 """
 from __future__ import annotations
 
@@ -212,6 +212,43 @@ def sweep_cutile_fwd(bw: float, deadline: float) -> None:
            T * N * C * 2, bw, deadline)
 
 
+def sweep_mapping_fwd(bw: float, deadline: float, rounds: int = 7) -> None:
+    """cuTile's mapping forward (its projection forward with compute_h after it) under occupancy
+    hints, beside cuTile's proj_rms forward and Triton's mapping forward, in paired rounds; each
+    mapping variant's outputs against Triton's first."""
+    from kernels.cutile import mapping as cmap, proj_rms as cpr
+    from kernels.triton import mapping as tmap
+    x, w, *_ = _proj_inputs()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a = torch.tensor([0.8, 1.1, 0.9], device="cuda")
+    hb = 0.1 * torch.randn(w.shape[0], device="cuda", generator=g)
+    base = cmap._mapping_fwd
+
+    def hinted(occ):
+        def run():
+            cmap._mapping_fwd = base if occ is None else base.replace_hints(occupancy=occ)
+            return cmap.forward(x, w, a, hb, 1e-6)[0]
+        return run
+
+    variants = {"triton mapping fwd": lambda: tmap.mapping_forward(x, w, a, hb)[0],
+                "cutile proj_rms fwd": lambda: cpr.forward(x, w, 1e-6),
+                **{f"cutile mapping fwd, occupancy {o or 'unset'}": hinted(o) for o in TILES.get("occupancy", (None, 1, 2, 3, 4))}}
+    want = variants["triton mapping fwd"]()
+    ok = {}
+    for name, fn in variants.items():
+        try:
+            got = fn()
+            if "mapping" in name:
+                print(f"  {name}: max |d| against Triton {[float((u - v).abs().max()) for u, v in zip(got, want)]}",
+                      flush=True)
+            ok[name] = fn
+        except Exception as ex:  # noqa: BLE001 - a hint that does not compile is a line
+            print(f"  {name}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+    for name, ts in paired_rounds(ok, rounds, deadline).items():
+        if ts:
+            _line(name, sorted(ts)[len(ts) // 2], T * N * C * 2, bw)
+
+
 def sweep_tf32(bw: float, deadline: float) -> None:
     x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
     print("proj_rms bf16, the TF32 variant's backward: the two-piece kernel (default) and the generic one "
@@ -230,15 +267,35 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
     2.17-2.26 ms on an H100 in the same rounds: docs/perf-notes.md, twentieth session.)"""
     x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
     variants = {}
-    # an entry: a tile, or (tile, {keyword: value}) for proj_rms_backward
+    # an entry: a tile, or (tile, {keyword: value}) for proj_rms_backward; upper-case keys are
+    # proj_rms module flags, set before each call (e.g. {"AGG_ACC": 2})
+    def call(cfg, opts):
+        for key, val in opts.items():
+            if key.isupper():
+                setattr(pr, key, val)
+        return pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg, **{k: v for k, v in opts.items() if not k.isupper()})
+
+    # ("cutile", {FLAG: value}): cuTile's backward with its proj_rms module flags set
+    cutile_flags = [{}]
     for entry in TILES.get("packed") or [pr.LOWP_TILE, (64, 128, 8, 4, 3), (64, 128, 16, 4, 4)]:
+        if entry[0] == "cutile":
+            cutile_flags.append(entry[1])
+            continue
         cfg, opts = (entry, {}) if len(entry) == 5 else entry
-        variants[f"triton {cfg}{f' {opts}' if opts else ''}"] = (
-            lambda cfg=cfg, opts=opts: pr.proj_rms_backward(x, w, r, rms, gp, gr, tile_=cfg, **opts))
+        variants[f"triton {cfg}{f' {opts}' if opts else ''}"] = lambda cfg=cfg, opts=opts: call(cfg, opts)
     try:
         from kernels.cutile import proj_rms as cpr
         dx, dw = torch.empty_like(x), torch.empty_like(w)
-        variants[f"cutile {cpr.BWD_TILE}"] = lambda: (cpr.backward_into(x, w, gp, gr, r, rms, dx, dw), (dx, dw))[1]
+        shipped = {key: getattr(cpr, key) for flags in cutile_flags for key in flags}
+
+        def cutile(flags):
+            for key, val in {**shipped, **flags}.items():
+                setattr(cpr, key, val)
+            cpr.backward_into(x, w, gp, gr, r, rms, dx, dw)
+            return dx, dw
+
+        for flags in cutile_flags:
+            variants[f"cutile {cpr.BWD_TILE}{f' {flags}' if flags else ''}"] = lambda flags=flags: cutile(flags)
     except Exception as ex:  # noqa: BLE001 - no cuTile here: the Triton variants alone
         print(f"  (cuTile not timed: {type(ex).__name__}: {str(ex)[:100]})", flush=True)
     ok = {}
@@ -280,7 +337,8 @@ def compiled_resources(jit_fn) -> None:
 
 
 SWEEPS = {"h_post_bda": sweep_h_post_bda, "proj_rms": sweep_proj_rms, "cutile": sweep_cutile,
-          "cutile_fwd": sweep_cutile_fwd, "tf32": sweep_tf32, "packed": sweep_packed}
+          "cutile_fwd": sweep_cutile_fwd, "tf32": sweep_tf32, "packed": sweep_packed,
+          "mapping_fwd": sweep_mapping_fwd}
 
 
 def main() -> None:

@@ -1,14 +1,16 @@
 """Triton mix_aggregate backward at the paper shape (bf16): variants of the projection backward's
 tile (LOWP_TILE) and AGG_STAGES in paired rounds (events, median of 10 a round).
-    python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages[, {MODULE_FLAG: value}]), ...]"]
+    python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages[, {FLAG: value}]), ...]"]
+(FLAG: a proj_rms module flag, or "module.FLAG" of another kernels.triton module)
 (default: the shipped tile at AGG_STAGES 2 and 3)
     python3 dev/mix_sweep.py profile
 (each backward's launches under torch.profiler: device time per kernel, five backwards each)
-    python3 dev/mix_sweep.py cutile ["[(bm, bk, splits), ...]"]
-(cuTile's mix_aggregate backward beside Triton's, at cuTile's AGG_TILE or the tiles given.
+    python3 dev/mix_sweep.py cutile ["[(bm, bk, splits), ((bm, bk, splits), {MODULE_FLAG: value}), ...]"]
+(cuTile's mix_aggregate backward beside Triton's, at cuTile's AGG_TILE or the tiles given, each
+with proj_rms module flags set, e.g. {"AGG_FORM": 2}; dx of each against the first variant's.
 Ordering the projection backward's programs so that the n over the same channels of the n
 streams ran side by side changed neither: Triton 2.861 / 2.848 ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
-import ast, sys, torch
+import ast, importlib, sys, torch
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1])); sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bwd_sweep import paired_rounds  # noqa: E402 - one form of the paired rounds and their timing
@@ -39,15 +41,32 @@ if sys.argv[1:] == ["profile"]:
 if sys.argv[1:2] == ["cutile"]:
     from kernels.cutile import mix_aggregate as cmx, proj_rms as cpr
     couts=cmx.mix_aggregate(x,w,a,hb)
-    def cbwd(tile):
-        def run(): cpr.AGG_TILE=tuple(tile); torch.autograd.grad(couts,[x,w,a,hb],ups,retain_graph=True)
+    def cbwd(v):
+        tile,flags=(v if isinstance(v[0],tuple) else (v,{}))
+        def run():
+            cpr.AGG_TILE=tuple(tile)
+            for key,val in flags.items(): setattr(cpr,key,val)
+            return torch.autograd.grad(couts,[x,w,a,hb],ups,retain_graph=True)
         return run
-    variants={"triton":bwd,**{f"cutile {t}":cbwd(t) for t in (ast.literal_eval(sys.argv[2]) if len(sys.argv)>2 else [cpr.AGG_TILE])}}
+    cvs=ast.literal_eval(sys.argv[2]) if len(sys.argv)>2 else [cpr.AGG_TILE]
+    ref=None
+    bwd()  # the autograd thread's CUDA context first: a cuTile launch there before any other failed
+    for v in cvs:  # each variant's gradients against the first's (max abs difference, bits equal or not)
+        try:
+            gs=cbwd(v)()
+            if ref is None: ref=gs
+            print("cutile",v,"max |d| against the first:",[float((g-r).abs().max()) for g,r in zip(gs,ref)],
+                  "equal:",all(torch.equal(g,r) for g,r in zip(gs,ref)),flush=True)
+        except Exception as ex:  # noqa: BLE001
+            print("cutile",v,"failed:",type(ex).__name__,str(ex).splitlines()[0][:160],flush=True)
+    variants={"triton":bwd,**{f"cutile {v}":cbwd(v) for v in cvs}}
 else:
     def tile(v):
         def run():
             pr.LOWP_TILE,pr.AGG_STAGES=tuple(v[0]),v[1]
-            for key,val in (v[2] if len(v)>2 else {}).items(): setattr(pr,key,val)  # e.g. {"PACK_M": 64}
+            for key,val in (v[2] if len(v)>2 else {}).items():  # e.g. {"PACK_M": 64}, {"h_aggregate.REV": True}
+                mod,_,name=key.rpartition(".")
+                setattr(importlib.import_module(f"kernels.triton.{mod}") if mod else pr,name,val)
             bwd()
         return run
     vs=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
