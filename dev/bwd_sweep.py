@@ -213,26 +213,30 @@ def sweep_cutile_fwd(bw: float, deadline: float) -> None:
 
 
 def sweep_mapping_fwd(bw: float, deadline: float, rounds: int = 7) -> None:
-    """cuTile's mapping forward (its projection forward with compute_h after it) under occupancy
-    hints, beside cuTile's proj_rms forward and Triton's mapping forward, in paired rounds; each
-    mapping variant's outputs against Triton's first."""
+    """cuTile's mapping forward (proj_rms's forward kernel, then compute_h's) beside cuTile's
+    proj_rms forward and Triton's mapping forward, in paired rounds, with the mapping module's flags
+    of ``--tiles "{'mapping_flags': [{'BM_H': 64}]}"``; each mapping variant's outputs against
+    Triton's. (compute_h as the projection kernel's epilogue took 0.569 ms here against 0.535 as
+    two launches, and 57-61 ms with any occupancy hint: docs/perf-notes.md, twenty-fifth session.)"""
     from kernels.cutile import mapping as cmap, proj_rms as cpr
     from kernels.triton import mapping as tmap
     x, w, *_ = _proj_inputs()
     g = torch.Generator(device="cuda").manual_seed(1)
     a = torch.tensor([0.8, 1.1, 0.9], device="cuda")
     hb = 0.1 * torch.randn(w.shape[0], device="cuda", generator=g)
-    base = cmap._mapping_fwd
+    shipped = {key: getattr(cmap, key) for flags in TILES.get("mapping_flags", []) for key in flags}
 
-    def hinted(occ):
+    def flagged(flags):
         def run():
-            cmap._mapping_fwd = base if occ is None else base.replace_hints(occupancy=occ)
+            for key, val in {**shipped, **flags}.items():
+                setattr(cmap, key, val)
             return cmap.forward(x, w, a, hb, 1e-6)[0]
         return run
 
     variants = {"triton mapping fwd": lambda: tmap.mapping_forward(x, w, a, hb)[0],
                 "cutile proj_rms fwd": lambda: cpr.forward(x, w, 1e-6),
-                **{f"cutile mapping fwd, occupancy {o or 'unset'}": hinted(o) for o in TILES.get("occupancy", (None, 1, 2, 3, 4))}}
+                **{f"cutile mapping fwd {flags or 'shipped'}": flagged(flags)
+                   for flags in [{}, *TILES.get("mapping_flags", [])]}}
     want = variants["triton mapping fwd"]()
     ok = {}
     for name, fn in variants.items():
@@ -242,7 +246,7 @@ def sweep_mapping_fwd(bw: float, deadline: float, rounds: int = 7) -> None:
                 print(f"  {name}: max |d| against Triton {[float((u - v).abs().max()) for u, v in zip(got, want)]}",
                       flush=True)
             ok[name] = fn
-        except Exception as ex:  # noqa: BLE001 - a hint that does not compile is a line
+        except Exception as ex:  # noqa: BLE001 - a variant that does not compile is a line
             print(f"  {name}: {type(ex).__name__}: {str(ex)[:160]}", flush=True)
     for name, ts in paired_rounds(ok, rounds, deadline).items():
         if ts:

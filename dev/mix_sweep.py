@@ -2,6 +2,9 @@
 tile (LOWP_TILE) and AGG_STAGES in paired rounds (events, median of 10 a round).
     python3 dev/mix_sweep.py ["[((bm, bk, split, warps, stages), agg_stages[, {FLAG: value}]), ...]"]
 (FLAG: a proj_rms module flag, or "module.FLAG" of another kernels.triton module)
+    python3 dev/mix_sweep.py graph ["[...]"]
+(the same variants, each captured as a CUDA graph with its flags set, the replays timed: what
+the bench times, without the eager launches' host overhead)
 (default: the shipped tile at AGG_STAGES 2 and 3)
     python3 dev/mix_sweep.py profile
 (each backward's launches under torch.profiler: device time per kernel, five backwards each)
@@ -20,7 +23,12 @@ g=torch.Generator(device="cuda").manual_seed(0)
 x=torch.randn(s,b,n,c,device="cuda",generator=g).bfloat16().requires_grad_()
 w=(torch.randn(24,n*c,device="cuda",generator=g)/(n*c)**.5).bfloat16().requires_grad_()
 a=torch.tensor([0.8,1.1,0.9],device="cuda",requires_grad=True); hb=(0.1*torch.randn(24,device="cuda")).requires_grad_()
-outs=mx.mix_aggregate(x,w,a,hb)
+if sys.argv[1:2]==["graph"]:  # autograd runs a backward op on its forward's stream; the default one cannot join a capture
+    fs=torch.cuda.Stream(); fs.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(fs): outs=mx.mix_aggregate(x,w,a,hb)
+    torch.cuda.current_stream().wait_stream(fs)
+else:
+    outs=mx.mix_aggregate(x,w,a,hb)
 ups=[torch.randn_like(o) for o in outs]
 def bwd(): torch.autograd.grad(outs,[x,w,a,hb],ups,retain_graph=True)
 if sys.argv[1:] == ["profile"]:
@@ -69,8 +77,13 @@ else:
                 setattr(importlib.import_module(f"kernels.triton.{mod}") if mod else pr,name,val)
             bwd()
         return run
-    vs=ast.literal_eval(sys.argv[1]) if len(sys.argv)>1 else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
+    args=sys.argv[2:] if sys.argv[1:2]==["graph"] else sys.argv[1:]
+    vs=ast.literal_eval(args[0]) if args else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
+graph=sys.argv[1:2]==["graph"]  # each variant's backward captured as a CUDA graph (flags set at capture), replays timed
+if graph:
+    from mhctool.bench import _graphed
+    variants={k:_graphed(fn) for k,fn in variants.items()}
 ok={}
 for v,fn in variants.items():  # compile each first: a variant that fails to compile is a line, not the end
     try:
