@@ -1,9 +1,12 @@
 """The mHC mapping path in cuTile: proj_rms with compute_h fused after it, forward and backward.
 
-Forward, one launch: the projection and sum of squares of ``kernels/cutile/proj_rms.py`` for a
-block of tokens, then ``h = r * proj * alpha_col + h_bias`` on the ``(BM, NP)`` tile and the three
-outputs scattered to their own arrays: ``H_pre = sigmoid(h[:, :n])``, ``H_post = 2 sigmoid(h[:, n:2n])``,
-``logits = h[:, 2n:]``. The raw projection, r and the rms are kept for the backward.
+Forward: proj_rms's forward kernel (``kernels/cutile/proj_rms.py``: the projection and sum of
+squares, one pass over x), then a small kernel for ``h = r * proj * alpha_col + h_bias`` on
+``(BM, NP)`` tiles and the three outputs scattered to their own arrays: ``H_pre =
+sigmoid(h[:, :n])``, ``H_post = 2 sigmoid(h[:, n:2n])``, ``logits = h[:, 2n:]``. The raw projection,
+r and the rms are kept for the backward. (compute_h as the projection kernel's epilogue, one
+launch, took 0.512 ms at the paper shape on an H200 in graph replay against 0.488 as two launches,
+whose first is proj_rms's own forward at 0.477: docs/perf-notes.md.)
 
 Backward: one kernel per token block gathers the three upstream gradients into one ``(BM, NP)``
 tile, applies the activations' derivatives (recomputed from the kept projection), and writes
@@ -20,7 +23,7 @@ from mhctool.poison import empty
 
 from ._common import array, cdiv, check_cuda, launch, require_contiguous, sum_rows_pair, tile_ir
 from ..schedule import next_pow2
-from .proj_rms import _lowp, _ng, _np, _packed_row, _proj_tile, _tiles, backward_packed
+from .proj_rms import _lowp, _ng, _np, _packed_row, _proj_rms_fwd, _tiles, backward_packed
 
 ConstInt = ct.Constant[int]
 ConstFloat = ct.Constant[float]
@@ -45,16 +48,12 @@ def _h(proj_t, r_t, alpha, bias, cols, n, N, NP, BM):
 
 
 @ct.kernel
-def _mapping_fwd(x, w, alpha, bias, pre, post, logits, proj, r, rms, eps: ConstFloat, n: ConstInt, N: ConstInt,
-                 NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool):
+def _compute_h_fwd(proj, r, alpha, bias, pre, post, logits, n: ConstInt, N: ConstInt, NP: ConstInt, BM: ConstInt):
+    """compute_h on the projection forward's outputs for a token block: ``h = r * proj * alpha_col
+    + h_bias`` on the ``(BM, NP)`` tile, and the three outputs scattered to their own arrays."""
     i = ct.bid(0)
-    acc, ss = _proj_tile(x, w, i, NP, BM, BK, LOWP)
-    kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0
-    m = ct.sqrt(ss / kk)
-    rt = 1.0 / (m + eps)
-    ct.store(proj, index=(i, 0), tile=acc)
-    ct.store(r, index=(i,), tile=rt)
-    ct.store(rms, index=(i,), tile=m)
+    acc = ct.load(proj, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
+    rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
     cols = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, NP))
     rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
     h, _ = _h(acc, rt, alpha, bias, cols, n, N, NP, BM)
@@ -62,6 +61,10 @@ def _mapping_fwd(x, w, alpha, bias, pre, post, logits, proj, r, rms, eps: ConstF
     ct.scatter(pre, (rows, cols), s, mask=cols < n)
     ct.scatter(post, (rows, cols - n), 2.0 * s, mask=(cols >= n) & (cols < 2 * n))
     ct.scatter(logits, (rows, cols - 2 * n), h, mask=(cols >= 2 * n) & (cols < N))
+
+
+# tokens per program of compute_h's forward (64 and 128 timed alike on an H200, 256 a little slower)
+BM_H = 128
 
 
 # tokens per program of compute_h's backward (``_mapping_bwd_h``), whatever the dtype: with 128 the
@@ -142,8 +145,8 @@ def forward(x2d, weight, alpha, h_bias, eps):
     proj = empty((m, np_), torch.float32, dev)
     r, rms = empty((m,), torch.float32, dev), empty((m,), torch.float32, dev)
     if m:
-        launch(_mapping_fwd, (cdiv(m, bm),), (x2d, weight, a3, bias, pre, post, logits.view(m, n * n), proj, r, rms,
-                                             float(eps), n, nr, np_, bm, bk, lowp))
+        launch(_proj_rms_fwd, (cdiv(m, bm),), (x2d, weight, proj, r, rms, float(eps), np_, bm, bk, lowp))
+        launch(_compute_h_fwd, (cdiv(m, BM_H),), (proj, r, a3, bias, pre, post, logits.view(m, n * n), n, nr, np_, BM_H))
     return (pre, post, logits), (x2d, weight, a3, bias, proj, r, rms)
 
 
@@ -210,12 +213,13 @@ def compile_checks() -> dict[str, bytes]:
     for dtype, lowp in ((torch.bfloat16, True), (torch.float32, False)):
         bm, bk = _tiles(lowp)
         a2 = array(dtype, 2)
-        out[f"fwd-{dtype}"] = tile_ir(_mapping_fwd, [a2, a2, array(f32, 1), array(f32, 1), array(f32, 2), array(f32, 2),
-                                                     array(f32, 2), array(f32, 2), array(f32, 1), array(f32, 1),
-                                                     1e-6, 4, 24, 32, bm, bk, lowp])
+        out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1), 1e-6, 32,
+                                                      bm, bk, lowp])
         out[f"bwd-{dtype}"] = tile_ir(_mapping_bwd_h, [array(f32, 2), array(f32, 1), array(f32, 1), array(f32, 1),
                                                        array(f32, 1), array(f32, 2), array(f32, 2), array(f32, 2),
                                                        array(f32, 2), array(f32, 2), 4, 24, 32, bm, 28672])
+    out["fwd-h"] = tile_ir(_compute_h_fwd, [array(f32, 2), array(f32, 1), array(f32, 1), array(f32, 1), array(f32, 2),
+                                            array(f32, 2), array(f32, 2), 4, 24, 32, BM_H])
     out["sum-dw-bias-alpha"] = tile_ir(sum_rows_pair, [array(f32, 2), array(torch.bfloat16, 1), array(f32, 2),
                                                        array(f32, 1), 8, 1024, 128, 64])
     return out
