@@ -157,8 +157,9 @@ def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, 
     (with ``AGG``, the aggregation term is the products' starting accumulator, so it is added in
     fp32 before dx's one rounding) and returns the half's ``gP^T x``. (The term added after the
     products instead, with h_pre gathered a half: 2.70 against 2.05 ms eager for mix_aggregate's
-    backward on an H200, 255 registers and spills in the offline SASS; coef x in the accumulator
-    too spilled and took 2x as long, with or without the term: docs/perf-notes.md.)"""
+    backward on an H200, 255 registers and a stack frame in the offline SASS. ``coef x`` in the
+    accumulator as well spilled with the term, and without it took 2.12 against 1.04 ms:
+    docs/perf-notes.md.)"""
     xt = ct.load(x, index=(i, kh), shape=(BM, H), padding_mode=ZERO)
     if AGG > 0:
         prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG, _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN))
