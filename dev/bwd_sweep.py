@@ -212,6 +212,13 @@ def sweep_cutile_fwd(bw: float, deadline: float) -> None:
            T * N * C * 2, bw, deadline)
 
 
+def apply_flags(module, flags: dict, shipped: dict) -> None:
+    """A variant's module flags: its own, and the shipped value of any flag another variant sets
+    (so that no variant inherits the one timed before it)."""
+    for key, val in {**shipped, **flags}.items():
+        setattr(module, key, val)
+
+
 def sweep_mapping_fwd(bw: float, deadline: float, rounds: int = 7) -> None:
     """cuTile's mapping forward (proj_rms's forward kernel, then compute_h's) beside cuTile's
     proj_rms forward and Triton's mapping forward, in paired rounds, with the mapping module's flags
@@ -228,8 +235,7 @@ def sweep_mapping_fwd(bw: float, deadline: float, rounds: int = 7) -> None:
 
     def flagged(flags):
         def run():
-            for key, val in {**shipped, **flags}.items():
-                setattr(cmap, key, val)
+            apply_flags(cmap, flags, shipped)
             return cmap.forward(x, w, a, hb, 1e-6)[0]
         return run
 
@@ -272,7 +278,7 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
     x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
     variants = {}
     # an entry: a tile, or (tile, {keyword: value}) for proj_rms_backward; upper-case keys are
-    # proj_rms module flags, set before each call (e.g. {"AGG_ACC": 2})
+    # proj_rms module flags, set before each call (e.g. {"PACK_M": 64})
     def call(cfg, opts):
         for key, val in opts.items():
             if key.isupper():
@@ -293,8 +299,7 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
         shipped = {key: getattr(cpr, key) for flags in cutile_flags for key in flags}
 
         def cutile(flags):
-            for key, val in {**shipped, **flags}.items():
-                setattr(cpr, key, val)
+            apply_flags(cpr, flags, shipped)
             cpr.backward_into(x, w, gp, gr, r, rms, dx, dw)
             return dx, dw
 

@@ -10,7 +10,7 @@ the bench times, without the eager launches' host overhead)
 (each backward's launches under torch.profiler: device time per kernel, five backwards each)
     python3 dev/mix_sweep.py cutile ["[(bm, bk, splits), ((bm, bk, splits), {MODULE_FLAG: value}), ...]"]
 (cuTile's mix_aggregate backward beside Triton's, at cuTile's AGG_TILE or the tiles given, each
-with proj_rms module flags set, e.g. {"AGG_FORM": 2}; dx of each against the first variant's.
+with proj_rms module flags set, e.g. {"BC_SUM": 512}; dx of each against the first variant's.
 Ordering the projection backward's programs so that the n over the same channels of the n
 streams ran side by side changed neither: Triton 2.861 / 2.848 ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
 import ast, importlib, sys, torch
@@ -23,7 +23,8 @@ g=torch.Generator(device="cuda").manual_seed(0)
 x=torch.randn(s,b,n,c,device="cuda",generator=g).bfloat16().requires_grad_()
 w=(torch.randn(24,n*c,device="cuda",generator=g)/(n*c)**.5).bfloat16().requires_grad_()
 a=torch.tensor([0.8,1.1,0.9],device="cuda",requires_grad=True); hb=(0.1*torch.randn(24,device="cuda")).requires_grad_()
-if sys.argv[1:2]==["graph"]:  # autograd runs a backward op on its forward's stream; the default one cannot join a capture
+graph=sys.argv[1:2]==["graph"]  # each variant's backward captured as a CUDA graph (flags set at capture), replays timed
+if graph:  # autograd runs a backward op on its forward's stream; the default one cannot join a capture
     fs=torch.cuda.Stream(); fs.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(fs): outs=mx.mix_aggregate(x,w,a,hb)
     torch.cuda.current_stream().wait_stream(fs)
@@ -77,10 +78,9 @@ else:
                 setattr(importlib.import_module(f"kernels.triton.{mod}") if mod else pr,name,val)
             bwd()
         return run
-    args=sys.argv[2:] if sys.argv[1:2]==["graph"] else sys.argv[1:]
+    args=sys.argv[2:] if graph else sys.argv[1:]
     vs=ast.literal_eval(args[0]) if args else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
-graph=sys.argv[1:2]==["graph"]  # each variant's backward captured as a CUDA graph (flags set at capture), replays timed
 if graph:
     from mhctool.bench import _graphed
     variants={k:_graphed(fn) for k,fn in variants.items()}

@@ -1,4 +1,4 @@
-"""The mHC mapping path in cuTile: proj_rms with compute_h fused after it, forward and backward.
+"""The mHC mapping path in cuTile: proj_rms then compute_h, forward and backward.
 
 Forward: proj_rms's forward kernel (``kernels/cutile/proj_rms.py``: the projection and sum of
 squares, one pass over x), then a small kernel for ``h = r * proj * alpha_col + h_bias`` on
@@ -26,8 +26,6 @@ from ..schedule import next_pow2
 from .proj_rms import _lowp, _ng, _np, _packed_row, _proj_rms_fwd, _tiles, backward_packed
 
 ConstInt = ct.Constant[int]
-ConstFloat = ct.Constant[float]
-ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
 
 
