@@ -448,3 +448,43 @@ def test_a_backward_that_launches_cutile_and_triton_has_its_context_in_a_fresh_w
     assert res.returncode == 0, res.stdout + res.stderr
     assert {r["direction"] for r in mine if r["passed"]} == {"fwd", "bwd"}
     assert "no current CUDA context" not in res.stderr
+
+
+@pytest.mark.parametrize("s, b, n, c", [(37, 5, 4, 256), (9, 2, 2, 48), (256, 4, 4, 1024), (3, 1, 4, 7168)])
+def test_triton_mix_aggregate_one_launch_backward_on_gpu(s, b, n, c):
+    """The one-launch backward (every program resident, (A) and (B) interleaved with the waits
+    between programs) against the float64 composite and the two-pass backward, NaN-poisoned, at
+    token counts off the token block; no wait gave up."""
+    from mhctool.kernels.triton import mix_aggregate as tmix, mix_backward
+    from mhctool.poison import poisoning
+    from mhctool.references import mhc as ref
+    g = torch.Generator(device="cuda").manual_seed(s * 1000 + c)
+    x = torch.randn(s, b, n, c, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(n * n + 2 * n, n * c, device="cuda", generator=g) / (n * c) ** 0.5).bfloat16()
+    alpha = torch.tensor([0.8, 1.1, 0.9], device="cuda")
+    h_bias = 0.1 * torch.randn(n * n + 2 * n, device="cuda", generator=g)
+    ups = [torch.randn(s, b, c, device="cuda", generator=g).bfloat16(), torch.randn(s, b, n, device="cuda", generator=g),
+           torch.randn(s, b, n, n, device="cuda", generator=g)]
+
+    def grads(fn, cast):
+        leaves = [t.detach().to(cast(t)).requires_grad_() for t in (x, weight, alpha, h_bias)]
+        outs = fn(*leaves)
+        return torch.autograd.grad(outs, leaves, [u.to(o.dtype) for u, o in zip(ups, outs)])
+
+    with poisoning():
+        got = grads(tmix.mix_aggregate, lambda t: t.dtype)
+        torch.cuda.synchronize()
+        assert mix_backward.LAST["launches"] == 1 and int(mix_backward.LAST["lost"]) == 0
+        again = grads(tmix.mix_aggregate, lambda t: t.dtype)
+        mix_backward.ONE_PASS = False
+        try:
+            two = grads(tmix.mix_aggregate, lambda t: t.dtype)
+        finally:
+            mix_backward.ONE_PASS = True
+    want = grads(ref.mix_aggregate, lambda t: torch.float64)
+    for name, g1, g2, t_, w_ in zip(("x", "weight", "alpha", "h_bias"), got, again, two, want):
+        assert torch.equal(g1, g2), name  # run to run: the same bits
+        assert torch.isfinite(g1).all(), name
+        scale = w_.abs().max()
+        assert (g1.double() - w_).abs().max() / scale < 2e-2, name
+        assert (g1.double() - t_.double()).abs().max() / scale < 2e-2, name
