@@ -598,36 +598,3 @@ def test_mix_aggregate_one_function_matches_float64_and_the_composition(dtype):
         scale = w_.abs().max()
         assert (g.double() - w_).abs().max() / scale < tol, name
         assert (g.double() - c_.double()).abs().max() / scale < tol, name
-
-
-@pytest.mark.parametrize("dtype, n, c, s", [(torch.float32, 4, 48, 7), (torch.bfloat16, 4, 96, 5), (torch.float32, 2, 16, 9)])
-def test_mix_aggregate_one_pass_backward_matches_float64_and_the_two_passes(dtype, n, c, s, monkeypatch):
-    """The one-launch backward (``mix_backward``, C a multiple of 16: each K block in one stream;
-    under the interpreter its two phases run as two launches) against the float64 composite and
-    against the two-pass backward, at token counts past one block and not a multiple of it."""
-    from mhctool.kernels.triton import mix_aggregate as tmix, mix_backward
-    b = 10  # 50-90 tokens: a second, partial token block
-    x = torch.randn(s, b, n, c).to(dtype)
-    weight = (torch.randn(n * n + 2 * n, n * c) / (n * c) ** 0.5).to(dtype)
-    alpha, h_bias = torch.tensor([0.8, 1.1, 0.9]), 0.1 * torch.randn(n * n + 2 * n)
-    ups = [torch.randn(s, b, c).to(dtype), torch.randn(s, b, n), torch.randn(s, b, n, n)]
-    assert mix_backward.usable(x, ups[0])
-
-    def grads(cast):
-        leaves = [t.detach().to(cast(t)).requires_grad_() for t in (x, weight, alpha, h_bias)]
-        fn = tmix.mix_aggregate if cast(x) != torch.float64 else ref.mix_aggregate
-        outs = fn(*leaves)
-        return torch.autograd.grad(outs, leaves, [u.to(o.dtype) for u, o in zip(ups, outs)])
-
-    with poisoning():
-        got = grads(lambda t: t.dtype)
-        assert mix_backward.LAST["launches"] == 3 and int(mix_backward.LAST["lost"]) == 0  # the phases apart
-        monkeypatch.setattr(mix_backward, "ONE_PASS", False)
-        two = grads(lambda t: t.dtype)
-    want = grads(lambda t: torch.float64)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for name, g, t_, w_ in zip(("x", "weight", "alpha", "h_bias"), got, two, want):
-        assert g.dtype == t_.dtype and torch.isfinite(g).all(), name
-        scale = w_.abs().max()
-        assert (g.double() - w_).abs().max() / scale < tol, name
-        assert (g.double() - t_.double()).abs().max() / scale < tol, name

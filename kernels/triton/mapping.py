@@ -64,13 +64,13 @@ def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, 
 
 
 @triton.jit
-def h_block_vjp(proj_ptr, r_ptr, alpha_ptr, hb_ptr, g_pre, gpost_ptr, glogit_ptr, rows, rmask, N,
-                n: tl.constexpr, NP: tl.constexpr):
-    """compute_h's vector-Jacobian product on a block of rows, ``g_pre`` (``[rows, NP]``, H_pre's
-    gradient in columns ``< n``, zero elsewhere) given as a tile, the rest loaded: returns
-    ``(d proj [rows, NP], d r [rows], d alpha (length 4, the last 0), d h_bias [NP])``, the last
-    two this block's partials."""
+def _compute_h_bwd(proj_ptr, r_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glogit_ptr, dproj_ptr,
+                   dr_ptr, ws_a_ptr, ws_b_ptr, M, N, n: tl.constexpr, NP: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, NP)
+    rmask = rows < M
     cmask = cols < N
     row2 = rows[:, None]
     col2 = cols[None, :]
@@ -81,6 +81,7 @@ def h_block_vjp(proj_ptr, r_ptr, alpha_ptr, hb_ptr, g_pre, gpost_ptr, glogit_ptr
     hb = tl.load(hb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     h = proj * r[:, None] * scale[None, :] + hb[None, :]
     s = tl.sigmoid(h)
+    g_pre = tl.load(gpre_ptr + row2 * n + col2, mask=m2 & (col2 < n), other=0.0)
     g_post = tl.load(gpost_ptr + row2 * n + (col2 - n), mask=m2 & (col2 >= n) & (col2 < 2 * n), other=0.0)
     g_log = tl.load(glogit_ptr + row2 * (n * n) + (col2 - 2 * n), mask=m2 & (col2 >= 2 * n), other=0.0)
     ds = s * (1.0 - s)
@@ -89,34 +90,14 @@ def h_block_vjp(proj_ptr, r_ptr, alpha_ptr, hb_ptr, g_pre, gpost_ptr, glogit_ptr
     # products in the order of h = (proj * r) * scale: the alpha gradient is a sum with heavy
     # cancellation, where one extra rounding per term shows
     pr = proj * r[:, None]
-    dproj = dh * scale[None, :] * r[:, None]
-    dr = tl.sum(dh * scale[None, :] * proj, axis=1)
+    tl.store(dproj_ptr + row2 * N + col2, dh * scale[None, :] * r[:, None], mask=m2)
+    tl.store(dr_ptr + rows, tl.sum(dh * scale[None, :] * proj, axis=1), mask=rmask)
     dscale = tl.sum(dh * pr, axis=0)  # [NP]: d/d(scale column), this block
     a = tl.arange(0, 4)
     grp = tl.where(cols < n, 0, tl.where(cols < 2 * n, 1, 2))
     da = tl.sum(tl.where(grp[None, :] == a[:, None], dscale[None, :], 0.0), axis=1)  # [4]
-    return dproj, dr, da, tl.sum(dh, axis=0)
-
-
-@triton.jit
-def _compute_h_bwd(proj_ptr, r_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glogit_ptr, dproj_ptr,
-                   dr_ptr, ws_a_ptr, ws_b_ptr, M, N, n: tl.constexpr, NP: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, NP)
-    rmask = rows < M
-    row2 = rows[:, None]
-    col2 = cols[None, :]
-    m2 = rmask[:, None] & (col2 < n)
-    g_pre = tl.load(gpre_ptr + row2 * n + col2, mask=m2, other=0.0)
-    dproj, dr, da, db = h_block_vjp(proj_ptr, r_ptr, alpha_ptr, hb_ptr, g_pre, gpost_ptr, glogit_ptr, rows,
-                                    rmask, N, n, NP)
-    tl.store(dproj_ptr + row2 * N + col2, dproj, mask=rmask[:, None] & (col2 < N))
-    tl.store(dr_ptr + rows, dr, mask=rmask)
-    a = tl.arange(0, 4)
     tl.store(ws_a_ptr + pid * 3 + a, da, mask=a < 3)
-    tl.store(ws_b_ptr + pid * N + cols, db, mask=cols < N)
+    tl.store(ws_b_ptr + pid * N + cols, tl.sum(dh, axis=0), mask=cmask)
 
 
 def _check(x2d, weight, alpha, h_bias):

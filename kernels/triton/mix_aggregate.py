@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from . import mix_backward
 from .h_aggregate import h_aggregate_backward, h_aggregate_forward
 from .mapping import mapping, mapping_backward, mapping_forward
 from .sinkhorn import sinkhorn, sinkhorn_backward, sinkhorn_forward
@@ -47,11 +46,6 @@ class MixAggregateFunction(torch.autograd.Function):
         iters, sinkhorn_eps = ctx.knobs
         s, b, n, c = x.shape
         g_log = None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps)
-        if mix_backward.usable(x, g_out):
-            dx, dw, d_alpha, d_bias = mix_backward.backward(
-                x, weight, alpha, h_bias, pre.reshape(s * b, n), saved, g_out,
-                None if g_post is None else g_post.reshape(s * b, n), None if g_log is None else g_log.reshape(s * b, n, n))
-            return dx, dw, d_alpha, d_bias, None, None, None
         g_pre = None if g_out is None else h_aggregate_backward(x, pre, g_out, write_dx=False)[1]
         dx, dw, d_alpha, d_bias = mapping_backward(
             x.reshape(s * b, n * c), weight, alpha, h_bias, saved,

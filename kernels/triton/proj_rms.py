@@ -135,12 +135,6 @@ def _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K):
     gr = tl.load(gr_ptr + rows, mask=rmask, other=0.0)
     r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
     rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
-    return coef_of(gr, r, rms, rmask, K)
-
-
-@triton.jit
-def coef_of(gr, r, rms, rmask, K):
-    """``_coef`` from the row values in registers (rows outside ``rmask``: 0)."""
     return tl.where(rmask, -gr * r * r / (K * rms), 0.0)
 
 
