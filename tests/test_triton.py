@@ -367,6 +367,38 @@ def test_mapping_path_matches_float64(mkn):
         assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol, name
 
 
+@pytest.mark.parametrize("mkn, agg", [((39, 268, 4), False), ((130, 260, 2), False), ((70, 148, 4), True), ((1, 40, 2), True)])
+def test_mapping_backward_with_the_split_in_compute_h_matches_float64(mkn, agg):
+    """On the tensor-core path the mapping backward's compute_h kernel writes the projection
+    gradient's two pieces and dx's factor itself (no ``_split_grad``), and its alpha / bias
+    partials are summed in dW's sum's launch. Forced on fp32 operands under the interpreter (exact
+    pieces): against float64 and against the generic path, NaN-poisoned, at token counts off the
+    64-token block, with and without mix_aggregate's aggregation term (K = n C, C = 37 and 20)."""
+    m, k, n = mkn
+    nh = n * n + 2 * n
+    x, w = torch.randn(m, k), torch.randn(nh, k) / k ** 0.5
+    alpha, hb = 0.5 + torch.rand(3), 0.1 * torch.randn(nh)
+    (pre, post, logits), saved = tmap.mapping_forward(x, w, alpha, hb)
+    ups = (torch.randn(m, n), torch.randn(m, n), torch.randn(m, n, n))
+    ag = (pre, torch.randn(m, k // n)) if agg else None
+    with poisoning():
+        got = tmap.mapping_backward(x, w, alpha, hb, saved, ups, agg=ag, lowp=True)
+        generic = tmap.mapping_backward(x, w, alpha, hb, saved, ups, agg=ag, lowp=False)
+    dd = [t.double().requires_grad_() for t in (x, w, alpha, hb)]
+    outs = list(ref.mapping(*dd))
+    gouts = [u.double() for u in ups]
+    if agg:  # the aggregation's gradient of x enters dx as h_pre[t, i] * grad_out[t, c]
+        outs.append((dd[0].view(m, n, k // n) * pre.double()[:, :, None]).sum(1))
+        gouts.append(ag[1].double())
+    want = torch.autograd.grad(outs, dd, gouts)
+    for name, a, g_, b_ in zip(("dx", "dw", "d_alpha", "d_bias"), got, generic, want):
+        assert torch.isfinite(a).all(), name
+        tol = 2e-5 if name == "d_alpha" else 2e-6
+        assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol, name
+        assert ((a.double() - g_.double()).abs().max() / b_.abs().max()) < tol, name
+    assert torch.equal(got[2], generic[2]) and torch.equal(got[3], generic[3])  # one compute_h, one sum
+
+
 def test_mapping_refuses_a_weight_that_is_not_n2_plus_2n_rows():
     with pytest.raises(ValueError, match="n\\^2 \\+ 2n"):
         tmap.mapping(torch.randn(4, 8), torch.randn(7, 8), torch.ones(3), torch.zeros(7))

@@ -5,7 +5,9 @@ with ``h = r * proj * ([a_pre]*n ++ [a_post]*n ++ [a_res]*n^2) + h_bias``, ``H_p
 ``H_post = 2 sigmoid`` (DESIGN.md). The forward is one kernel: the projection tile of a block of
 rows stays in registers and leaves as the three mapping tensors (plus proj, r and rms, 100 bytes a
 token, kept for the backward). The backward runs compute_h's vector-Jacobian product in one kernel
-(grad of alpha and h_bias as deterministic per-block partials), then the proj_rms backward.
+(grad of alpha and h_bias as deterministic per-block partials; on the tensor-core path the
+projection's gradient leaves it already split for the tensor cores), then the proj_rms backward,
+whose dW sum's launch also sums the alpha and h_bias partials.
 """
 from __future__ import annotations
 
@@ -18,8 +20,13 @@ import triton.language as tl
 from mhctool.poison import empty
 
 from ._common import check_device, next_pow2, require_contiguous
-from .proj_rms import _precision, _proj_tile, low_precision_operands, proj_rms_backward
-from .reduce import sum_rows_pair
+from .proj_rms import (_precision, _proj_tile, coef_of, low_precision_operands, proj_rms_backward,
+                       round_tf32)
+
+
+# compute_h's backward writes the tensor-core backward's split gradient itself (one launch less
+# than ``proj_rms._split_grad`` after it); False: the split after it, for sweeps
+SPLIT_IN_COMPUTE_H = True
 
 
 def streams_of(n_h: int) -> int:
@@ -64,9 +71,14 @@ def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, 
 
 
 @triton.jit
-def _compute_h_bwd(proj_ptr, r_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glogit_ptr, dproj_ptr,
-                   dr_ptr, ws_a_ptr, ws_b_ptr, M, N, n: tl.constexpr, NP: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
+def _compute_h_bwd(proj_ptr, r_ptr, rms_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glogit_ptr, dproj_ptr,
+                   dr_ptr, hi_ptr, lo_ptr, cf_ptr, ws_ptr, M, K, N, n: tl.constexpr, NP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PIECES: tl.constexpr, ROUND: tl.constexpr):
+    """compute_h's backward on a block of rows; the block's alpha and h_bias partials in a row of
+    ``ws`` (``[3 alpha | N bias]``). The projection's gradient leaves as ``dproj [M, N]`` and
+    ``dr [M]``, or with ``PIECES`` (the tensor-core projection backward next) as
+    ``proj_rms._split_grad`` makes it from those (two pieces of x's dtype ``[M, NP]`` and dx's
+    factor of x), the same bits without that kernel's launch and its read of the fp32 gradient."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, NP)
@@ -90,14 +102,28 @@ def _compute_h_bwd(proj_ptr, r_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glog
     # products in the order of h = (proj * r) * scale: the alpha gradient is a sum with heavy
     # cancellation, where one extra rounding per term shows
     pr = proj * r[:, None]
-    tl.store(dproj_ptr + row2 * N + col2, dh * scale[None, :] * r[:, None], mask=m2)
-    tl.store(dr_ptr + rows, tl.sum(dh * scale[None, :] * proj, axis=1), mask=rmask)
+    dproj = dh * scale[None, :] * r[:, None]
+    dr = tl.sum(dh * scale[None, :] * proj, axis=1)
+    if PIECES:
+        g = dproj
+        if ROUND:
+            g = round_tf32(g)
+        hi = g.to(hi_ptr.dtype.element_ty)
+        lo = (g - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
+        offs = rows.to(tl.int64)[:, None] * NP + col2
+        tl.store(hi_ptr + offs, hi, mask=rmask[:, None])
+        tl.store(lo_ptr + offs, lo, mask=rmask[:, None])
+        rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
+        tl.store(cf_ptr + rows, coef_of(dr, r, rms, rmask, K), mask=rmask)
+    else:
+        tl.store(dproj_ptr + row2 * N + col2, dproj, mask=m2)
+        tl.store(dr_ptr + rows, dr, mask=rmask)
     dscale = tl.sum(dh * pr, axis=0)  # [NP]: d/d(scale column), this block
     a = tl.arange(0, 4)
     grp = tl.where(cols < n, 0, tl.where(cols < 2 * n, 1, 2))
     da = tl.sum(tl.where(grp[None, :] == a[:, None], dscale[None, :], 0.0), axis=1)  # [4]
-    tl.store(ws_a_ptr + pid * 3 + a, da, mask=a < 3)
-    tl.store(ws_b_ptr + pid * N + cols, tl.sum(dh, axis=0), mask=cmask)
+    tl.store(ws_ptr + pid * (3 + N) + a, da, mask=a < 3)
+    tl.store(ws_ptr + pid * (3 + N) + 3 + cols, tl.sum(dh, axis=0), mask=cmask)
 
 
 def _check(x2d, weight, alpha, h_bias):
@@ -131,28 +157,41 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False):
     return (pre, post, logits), (proj, r, rms)
 
 
-def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = False, agg=None):
+def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = False, agg=None, lowp=None):
     """dx, dW, d_alpha, d_bias; ``agg``: the aggregation's gradient of x that dx includes too
-    (proj_rms_backward)."""
+    (proj_rms_backward). ``lowp``: the tensor-core projection backward (default: for bf16/fp16
+    operands off the interpreter; forced on under the interpreter for the CPU tests, as there)."""
     n, weight, alpha, h_bias = _check(x2d, weight, alpha, h_bias)
     proj, r, rms = saved
     M, N = proj.shape
+    K = x2d.shape[1]
     dev = x2d.device
     g_pre, g_post, g_log = (torch.zeros(shape, dtype=torch.float32, device=dev) if g is None else g.float().contiguous()
                             for g, shape in zip(grads, ((M, n), (M, n), (M, n, n))))
+    if lowp is None:
+        lowp = low_precision_operands(x2d, weight)
     bm = 64
     nb = triton.cdiv(M, bm)
-    dproj = torch.empty((M, N), dtype=torch.float32, device=dev)
-    dr = torch.empty((M,), dtype=torch.float32, device=dev)
+    NP = max(16, next_pow2(N))
     alloc = empty if M else torch.zeros  # a row a program, each written (zeros where nothing runs)
-    ws_a = alloc((max(nb, 1), 3), dtype=torch.float32, device=dev)
-    ws_b = alloc((max(nb, 1), N), dtype=torch.float32, device=dev)
+    ws = alloc((max(nb, 1), 3 + N), dtype=torch.float32, device=dev)
+    pieces = dproj = dr = None
+    if lowp and SPLIT_IN_COMPUTE_H:  # the gradient split for the tensor cores here (``pieces``)
+        ng = max(16, next_pow2(N + 1))
+        assert ng == NP  # N = n^2 + 2n is never a power of two above 8, and both are 16 below
+        pieces = (empty((M, ng), x2d.dtype, dev), empty((M, ng), x2d.dtype, dev), empty((M,), torch.float32, dev))
+    else:
+        dproj = torch.empty((M, N), dtype=torch.float32, device=dev)
+        dr = torch.empty((M,), dtype=torch.float32, device=dev)
     if M:
-        _compute_h_bwd[(nb,)](proj, r, alpha, h_bias, g_pre, g_post, g_log, dproj, dr, ws_a, ws_b, M, N,
-                              n=n, NP=max(16, next_pow2(N)), BLOCK_M=bm, num_warps=4)
-    d_alpha, d_bias = sum_rows_pair((ws_a, alpha.dtype, alpha.shape, False), (ws_b, h_bias.dtype, h_bias.shape, False))
-    dx, dw = proj_rms_backward(x2d, weight, r, rms, dproj, dr, tf32=tf32, agg=agg)
-    return dx, dw, d_alpha, d_bias
+        out = pieces or (x2d, x2d, r)  # the pointers the other form does not write
+        _compute_h_bwd[(nb,)](proj, r, rms, alpha, h_bias, g_pre, g_post, g_log, dproj if dproj is not None else proj,
+                              dr if dr is not None else r, *out, ws, M, K, N, n=n, NP=NP, BLOCK_M=bm,
+                              PIECES=pieces is not None, ROUND=tf32, num_warps=4)
+    dx, dw, sums = proj_rms_backward(x2d, weight, r, rms, dproj, dr, lowp=lowp, tf32=tf32, agg=agg, pieces=pieces,
+                                     also=ws)
+    d_alpha, d_bias = sums[:3], sums[3:]
+    return dx, dw, d_alpha.to(alpha.dtype), d_bias.to(h_bias.dtype)
 
 
 class MappingFunction(torch.autograd.Function):

@@ -23,7 +23,7 @@ from mhctool.poison import empty
 
 from ._common import (cast, check_device, interpreted, next_pow2, pick_config, require_contiguous,
                       round_low_bits)
-from .reduce import sum_rows
+from .reduce import sum_rows, sum_rows_pair
 
 
 @triton.jit
@@ -135,6 +135,12 @@ def _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K):
     gr = tl.load(gr_ptr + rows, mask=rmask, other=0.0)
     r = tl.load(r_ptr + rows, mask=rmask, other=0.0)
     rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
+    return coef_of(gr, r, rms, rmask, K)
+
+
+@triton.jit
+def coef_of(gr, r, rms, rmask, K):
+    """``_coef`` from the row values in registers (rows outside ``rmask``: 0)."""
     return tl.where(rmask, -gr * r * r / (K * rms), 0.0)
 
 
@@ -283,7 +289,7 @@ AGG_STAGES = 3
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
-                      agg=None):
+                      agg=None, pieces=None, also=None):
     """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
     Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
     indexing through the interpreter. ``tile_``: (BLOCK_M, BLOCK_K, SPLIT, warps, stages) for
@@ -292,7 +298,10 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     through the two-piece kernel, exact there; fp32 ones through ``_proj_rms_bwd``). ``agg``:
     ``(h_pre [M, n], grad_out [M, C])`` with n * C = K: dx also holds the aggregation's gradient
     of x, ``h_pre[t, i] * grad_out[t, c]`` at column ``i * C + c``, added in fp32 in the same pass
-    (mix_aggregate's backward)."""
+    (mix_aggregate's backward). ``pieces``: the tensor-core kernel's operands already made
+    (``(hi, lo, cf)`` as ``_split_grad`` writes them; the mapping backward's compute_h kernel does):
+    ``grad_proj`` and ``grad_r`` are then unused. ``also``: another fp32 workspace ``[R, L]`` summed
+    over R in dW's sum's launch; its sum (fp32, ``[L]``) is returned third."""
     weight = _check(x2d, weight)
     ns, c_agg, hp_arg, go_arg = 0, 1, x2d, x2d
     if agg is not None:
@@ -303,8 +312,11 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                              f"x2d {tuple(x2d.shape)}; got {tuple(hp_arg.shape)} and {tuple(go_arg.shape)}")
     M, K = x2d.shape
     N = weight.shape[0]
-    grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
-    grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
+    if pieces is None:
+        grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
+        grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
+    elif not lowp:
+        raise ValueError("proj_rms_backward's pieces are the tensor-core kernel's operands (lowp=True)")
     if lowp is None:
         lowp = low_precision_operands(x2d, weight)
     elif lowp and not (low_precision_operands(x2d, weight) or interpreted()):
@@ -320,6 +332,12 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         split = max(1, min(split, triton.cdiv(M, bm)))
         return split, (empty if M else torch.zeros)((split, N * K), dtype=torch.float32, device=x2d.device)
 
+    def _finish(ws):
+        """dW from its partials, and ``also``'s sum in the same launch."""
+        if also is None:
+            return (sum_rows(ws, weight.dtype, weight.shape),)
+        return sum_rows_pair((ws, weight.dtype, weight.shape, False), (also, torch.float32, also.shape[1:], False))
+
     if lowp:
         bm, bk, split, warps, stages = tile_ or LOWP_TILE
         if agg is not None and tile_ is None:
@@ -327,15 +345,21 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         split, ws = workspace(bm, split)
         if M:
             ng = max(16, next_pow2(N + 1))
-            hi, lo = empty((M, ng), x2d.dtype, x2d.device), empty((M, ng), x2d.dtype, x2d.device)
-            cf = empty((M,), torch.float32, x2d.device)
-            _split_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, hi, lo, cf, M, K, N, NG=ng,
-                                                   BLOCK_M=PACK_M, ROUND=tf32)
+            if pieces is None:
+                hi, lo = empty((M, ng), x2d.dtype, x2d.device), empty((M, ng), x2d.dtype, x2d.device)
+                cf = empty((M,), torch.float32, x2d.device)
+                _split_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, hi, lo, cf, M, K, N, NG=ng,
+                                                       BLOCK_M=PACK_M, ROUND=tf32)
+            else:
+                hi, lo, cf = pieces
+                if hi.shape != (M, ng) or lo.shape != (M, ng) or cf.shape != (M,):
+                    raise ValueError(f"proj_rms_backward's pieces are [M, {ng}] twice and [M]; got "
+                                     f"{tuple(hi.shape)}, {tuple(lo.shape)} and {tuple(cf.shape)}")
             _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, c_agg,
                                                              M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
                                                              num_warps=warps)
-        return dx, sum_rows(ws, weight.dtype, weight.shape)
+        return (dx, *_finish(ws))
 
     def run(cfg):
         bm, bk, split, warps, stages = (*cfg, 3)[:5]  # 3: Triton's default pipelining depth
@@ -353,7 +377,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         (64, 128, 8, 4), (64, 128, 8, 4, 2), (128, 128, 4, 8), (64, 256, 8, 8), (128, 64, 8, 4), (64, 64, 16, 4),
         (128, 256, 4, 8)]
     best = tile_ or pick_config(("proj_rms_bwd", M, K, N, x2d.dtype, weight.dtype, tf32), configs, run, work=M * K)
-    return dx, sum_rows(run(best), weight.dtype, weight.shape)
+    return (dx, *_finish(run(best)))
 
 
 class ProjRmsFunction(torch.autograd.Function):
