@@ -178,7 +178,7 @@ def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = Fals
     pieces = dproj = dr = None
     if lowp and SPLIT_IN_COMPUTE_H:  # the gradient split for the tensor cores here (``pieces``)
         ng = max(16, next_pow2(N + 1))
-        assert ng == NP  # N = n^2 + 2n is never a power of two above 8, and both are 16 below
+        assert ng == NP  # they differ only where N is a power of two: N = n^2 + 2n is one only at n = 2 (8: both 16)
         pieces = (empty((M, ng), x2d.dtype, dev), empty((M, ng), x2d.dtype, dev), empty((M,), torch.float32, dev))
     else:
         dproj = torch.empty((M, N), dtype=torch.float32, device=dev)

@@ -312,17 +312,17 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                              f"x2d {tuple(x2d.shape)}; got {tuple(hp_arg.shape)} and {tuple(go_arg.shape)}")
     M, K = x2d.shape
     N = weight.shape[0]
-    if pieces is None:
-        grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
-        grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
-    elif not lowp:
-        raise ValueError("proj_rms_backward's pieces are the tensor-core kernel's operands (lowp=True)")
     if lowp is None:
         lowp = low_precision_operands(x2d, weight)
     elif lowp and not (low_precision_operands(x2d, weight) or interpreted()):
         # fp32 operands through the tensor-core kernel are exact only under the interpreter (on a
         # GPU its fp32 tl.dot would multiply at TF32)
         raise ValueError("proj_rms_backward(lowp=True) takes bf16/fp16 operands (fp32 ones only under the interpreter)")
+    if pieces is None:
+        grad_proj = torch.zeros((M, N), dtype=torch.float32, device=x2d.device) if grad_proj is None else grad_proj.float().contiguous()
+        grad_r = torch.zeros((M,), dtype=torch.float32, device=x2d.device) if grad_r is None else grad_r.float().contiguous()
+    elif not lowp:
+        raise ValueError("proj_rms_backward's pieces are the tensor-core kernel's operands (lowp=True)")
     dx = empty(x2d.shape, x2d.dtype, x2d.device)
     NP = max(16, next_pow2(N))
 
