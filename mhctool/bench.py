@@ -16,7 +16,7 @@ activation element, f = 4 for the fp32 mapping path), with T = s*b tokens, K = n
 | proj_rms    | read x, W; write proj, r: T K e + N K e + T (N+1) f | read x, W, grad_proj, grad_r; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
 | mapping     | read x, W; write H_pre, H_post, logits: T K e + N K e + T N f | read x, W, the 3 grads; write dx, dW: 2 T K e + ... | 2TNK / 4TNK |
 | mapping_sinkhorn | as mapping (Sinkhorn runs on the n^2 logits on chip: no extra traffic) | as mapping | as mapping |
-| mix_aggregate | mapping + Sinkhorn + aggregation: x read twice, out written: 2 T K e + N K e + T C e + T (n+n^2) f | 3 T K e + T C e + ... | 2TNK + 2TK / twice |
+| mix_aggregate | mapping + Sinkhorn + aggregation: x read twice, out written: 2 T K e + N K e + T C e + T (n+n^2) f | x twice, grad_out once (a two-pass backward reads it twice), dx: 3 T K e + T C e + ... | 2TNK + 2TK / twice |
 
 Grouped MLP kernels (shape TxHxFxE: T tokens, hidden H, ffn F, G = E experts; W = 2F for GLU):
 
