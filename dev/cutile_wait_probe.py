@@ -2,7 +2,7 @@
 other programs raise? Offline (no GPU), for the read-x-once mix_aggregate backward
 (docs/perf-notes.md, twenty-sixth session). Set up the tools as dev/cutile_sass.py says, then:
 
-    TILEIRAS=... NVDISASM=... python3 dev/cutile_wait_probe.py [--keep DIR]
+    TILEIRAS=... NVDISASM=... python3 dev/cutile_wait_probe.py [--keep DIR] [--worker]
 
 A probe kernel walks 512 (64, 128) bf16 tiles of one column block and sums them; before each
 load it waits (WAIT 1: ``ct.load(..., memory_order=ACQUIRE, memory_scope=DEVICE)`` polled in a
@@ -10,11 +10,20 @@ load it waits (WAIT 1: ``ct.load(..., memory_order=ACQUIRE, memory_scope=DEVICE)
 them (contiguous last axis, 16-element strides, 256-byte base, shapes of whole tiles): without
 that the loads are scalar ``LDG.U16`` and the figures mean nothing. Prints each form's TMA loads
 (UTMALDG), mbarrier operations (SYNCS), flag polls (``LDG.E.STRONG.GPU``) and L1 invalidations.
+
+``--worker``: the read-x-once backward's worker loop instead (one program a K block of BK
+columns; per token block, (A) x and grad_out tiles to a partial and a release count, then (B)
+after an acquire wait on another block's flag, the projection backward with the aggregation term
+from the packed gradient: ``proj_rms._grad_products``), with and without the waits, at BK 128
+and 256; with the cubin's registers, shared memory and stack (``CUOBJDUMP``, e.g. Triton's wheel's
+``backends/nvidia/bin/cuobjdump``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cutile_sass import sass  # noqa: E402
 from kernels.cutile._common import _CT_DTYPES  # noqa: E402
+from kernels.cutile.proj_rms import _grad_products  # noqa: E402
+
+CI = ct.Constant[int]
 
 
 def _poll(flags, s, order):
@@ -51,6 +63,36 @@ def probe(x, flags, out, NB: ct.Constant[int], WAIT: ct.Constant[int]):
     ct.store(out, index=(kb,), tile=acc)
 
 
+@ct.kernel
+def worker(x, go, gc, w, part, cnt, done, dx, dwout, NB: CI, BM: CI, BK: CI, NG: CI, N: CI, CB: CI, LAG: CI,
+           WAIT: CI):
+    k = ct.bid(0)
+    wt = ct.load(w, index=(0, k), shape=(NG, BK), padding_mode=ct.PaddingMode.ZERO)
+    acc = ct.zeros((NG, BK), dtype=ct.float32)
+    for s in range(NB + LAG):
+        if s < NB:  # (A): block s's partial, then its count
+            xt = ct.load(x, index=(s, k), shape=(BM, BK))
+            gt = ct.load(go, index=(s, k % CB), shape=(BM, BK))
+            p = ct.sum(xt.astype(ct.float32) * gt.astype(ct.float32), axis=1)
+            ct.store(part, index=(s, k, 0), tile=ct.reshape(p, (1, 1, BM)))
+            if WAIT:
+                ct.atomic_add(cnt, (s,), 1, memory_order=MemoryOrder.RELEASE, memory_scope=MemoryScope.DEVICE)
+        t = s - LAG
+        if t >= 0:  # (B): block t once its packed gradient is there
+            if WAIT:
+                f = _poll(done, t, MemoryOrder.ACQUIRE)
+                while ct.sum(f) == 0:
+                    f = _poll(done, t, MemoryOrder.ACQUIRE)
+            g = ct.load(gc, index=(t, 0), shape=(BM, NG))
+            coef = ct.extract(g, index=(0, N), shape=(BM, 1))
+            xb = ct.load(x, index=(t, k), shape=(BM, BK))
+            gb = ct.load(go, index=(t, k % CB), shape=(BM, BK))
+            prod, part2 = _grad_products(g, wt, xb, True, BM, BK, NG, gb.astype(ct.float32))
+            ct.store(dx, index=(t, k), tile=(prod + coef * xb.astype(ct.float32)).astype(dx.dtype))
+            acc = acc + part2
+    ct.store(dwout, index=(0, k), tile=acc)
+
+
 def _array(dtype, ndim):
     """A contiguous tensor as a launch specialises it."""
     return ArrayConstraint(_CT_DTYPES[dtype], ndim, index_dtype=ct.int32, stride_lower_bound_incl=0, alias_groups=(),
@@ -59,19 +101,41 @@ def _array(dtype, ndim):
                            shape_divisible_by=(64,) * ndim if ndim > 1 else 1, base_addr_divisible_by=256)
 
 
+_COUNTS = (("UTMALDG", r"UTMALDG"), ("SYNCS", r"SYNCS\."), ("polls", r"LDG\.E\.STRONG\.GPU"),
+           ("CCTL.IVALL", r"CCTL\.IVALL"), ("HGMMA", r"HGMMA"), ("LDL", r"\bLDL"), ("STL", r"\bSTL"))
+
+
+def _resources(cubin: Path) -> str:
+    tool = os.environ.get("CUOBJDUMP")
+    if not tool:
+        return ""
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    return " ".join(re.findall(r"REG:\d+|SHARED:\d+|STACK:\d+", res)) + "; "
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, help="write the bytecode, cubins and SASS here")
+    ap.add_argument("--worker", action="store_true", help="the read-x-once backward's worker loop")
     args = ap.parse_args()
-    params = [_array(torch.bfloat16, 2), _array(torch.int32, 1), _array(torch.float32, 1), 512]
+    bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+    if args.worker:
+        arrays = [_array(bf, 2), _array(bf, 2), _array(f32, 2), _array(bf, 2), _array(f32, 3), _array(i32, 1),
+                  _array(i32, 1), _array(bf, 2), _array(f32, 2)]
+        cases = {f"worker, BK {bk}, {'waits' if wait else 'no waits'}":
+                 (worker, [*arrays, 512, 64, bk, 32, 24, 7168 // bk, 3, wait]) for bk in (128, 256) for wait in (0, 1)}
+    else:
+        arrays = [_array(bf, 2), _array(i32, 1), _array(f32, 1), 512]
+        cases = {name: (probe, [*arrays, wait]) for wait, name in ((0, "no wait"), (1, "acquire poll"),
+                                                                   (2, "relaxed poll"))}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        for wait, name in ((0, "no wait"), (1, "acquire poll"), (2, "relaxed poll")):
-            text = sass(probe, [*params, wait], workdir, f"wait{wait}")
-            found = {k: len(re.findall(pat, text)) for k, pat in (
-                ("UTMALDG", r"UTMALDG"), ("SYNCS", r"SYNCS\."), ("polls", r"LDG\.E\.STRONG\.GPU"), ("CCTL.IVALL", r"CCTL\.IVALL"))}
-            print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
+        for i, (name, (kernel, params)) in enumerate(cases.items()):
+            text = sass(kernel, params, workdir, f"case{i}")
+            found = {k: len(re.findall(pat, text)) for k, pat in _COUNTS}
+            print(f"{name}: {_resources(workdir / f'case{i}.cubin')}" + ", ".join(f"{k} {v}" for k, v in found.items()),
+                  flush=True)
 
 
 if __name__ == "__main__":
