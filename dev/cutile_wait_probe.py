@@ -21,6 +21,7 @@ and 256; with the cubin's registers, shared memory and stack (``CUOBJDUMP``, e.g
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -31,12 +32,11 @@ from pathlib import Path
 import cuda.tile as ct
 import torch
 from cuda.tile._memory_model import MemoryOrder, MemoryScope
-from cuda.tile.compilation import ArrayConstraint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cutile_sass import sass  # noqa: E402
-from kernels.cutile._common import _CT_DTYPES  # noqa: E402
+from kernels.cutile._common import array  # noqa: E402
 from kernels.cutile.proj_rms import _grad_products  # noqa: E402
 
 CI = ct.Constant[int]
@@ -93,12 +93,7 @@ def worker(x, go, gc, w, part, cnt, done, dx, dwout, NB: CI, BM: CI, BK: CI, NG:
     ct.store(dwout, index=(0, k), tile=acc)
 
 
-def _array(dtype, ndim):
-    """A contiguous tensor as a launch specialises it."""
-    return ArrayConstraint(_CT_DTYPES[dtype], ndim, index_dtype=ct.int32, stride_lower_bound_incl=0, alias_groups=(),
-                           may_alias_internally=False, stride_constant=(None,) * (ndim - 1) + (1,),
-                           stride_divisible_by=(16,) * (ndim - 1) + (1,),
-                           shape_divisible_by=(64,) * ndim if ndim > 1 else 1, base_addr_divisible_by=256)
+_array = functools.partial(array, aligned=True)  # as a launch specialises the tensors
 
 
 _COUNTS = (("UTMALDG", r"UTMALDG"), ("SYNCS", r"SYNCS\."), ("polls", r"LDG\.E\.STRONG\.GPU"),

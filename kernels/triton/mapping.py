@@ -20,8 +20,8 @@ import triton.language as tl
 from mhctool.poison import empty
 
 from ._common import check_device, next_pow2, require_contiguous
-from .proj_rms import (_precision, _proj_tile, coef_of, low_precision_operands, proj_rms_backward,
-                       round_tf32)
+from .proj_rms import (_precision, _proj_tile, coef_of, low_precision_operands, piece_cols, proj_rms_backward,
+                       store_split)
 
 
 # compute_h's backward writes the tensor-core backward's split gradient itself (one launch less
@@ -105,16 +105,9 @@ def _compute_h_bwd(proj_ptr, r_ptr, rms_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_
     dproj = dh * scale[None, :] * r[:, None]
     dr = tl.sum(dh * scale[None, :] * proj, axis=1)
     if PIECES:
-        g = dproj
-        if ROUND:
-            g = round_tf32(g)
-        hi = g.to(hi_ptr.dtype.element_ty)
-        lo = (g - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
-        offs = rows.to(tl.int64)[:, None] * NP + col2
-        tl.store(hi_ptr + offs, hi, mask=rmask[:, None])
-        tl.store(lo_ptr + offs, lo, mask=rmask[:, None])
         rms = tl.load(rms_ptr + rows, mask=rmask, other=1.0)
-        tl.store(cf_ptr + rows, coef_of(dr, r, rms, rmask, K), mask=rmask)
+        store_split(dproj, coef_of(dr, r, rms, rmask, K), hi_ptr, lo_ptr, cf_ptr, rows, rmask,
+                    rows.to(tl.int64)[:, None] * NP + col2, ROUND)
     else:
         tl.store(dproj_ptr + row2 * N + col2, dproj, mask=m2)
         tl.store(dr_ptr + rows, dr, mask=rmask)
@@ -177,9 +170,10 @@ def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = Fals
     ws = alloc((max(nb, 1), 3 + N), dtype=torch.float32, device=dev)
     pieces = dproj = dr = None
     if lowp and SPLIT_IN_COMPUTE_H:  # the gradient split for the tensor cores here (``pieces``)
-        ng = max(16, next_pow2(N + 1))
-        assert ng == NP  # they differ only where N is a power of two: N = n^2 + 2n is one only at n = 2 (8: both 16)
-        pieces = (empty((M, ng), x2d.dtype, dev), empty((M, ng), x2d.dtype, dev), empty((M,), torch.float32, dev))
+        # compute_h's tile is NP wide; they differ only where N is a power of two: N = n^2 + 2n is
+        # one only at n = 2 (8: both 16)
+        assert piece_cols(N) == NP
+        pieces = (empty((M, NP), x2d.dtype, dev), empty((M, NP), x2d.dtype, dev), empty((M,), torch.float32, dev))
     else:
         dproj = torch.empty((M, N), dtype=torch.float32, device=dev)
         dr = torch.empty((M,), dtype=torch.float32, device=dev)

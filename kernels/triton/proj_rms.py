@@ -160,13 +160,21 @@ def _split_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, hi_ptr, lo_ptr, cf_ptr, M, K, N,
     offs = rows.to(tl.int64)[:, None] * NG + cols[None, :]
     g = tl.load(gp_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=rmask[:, None] & (cols[None, :] < N),
                 other=0.0)
+    store_split(g, _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K), hi_ptr, lo_ptr, cf_ptr, rows, rmask, offs, ROUND)
+
+
+@triton.jit
+def store_split(g, coef, hi_ptr, lo_ptr, cf_ptr, rows, rmask, offs, ROUND: tl.constexpr):
+    """``_split_grad``'s outputs from the gradient ``g`` (fp32, zero past N) and dx's factor
+    ``coef`` in registers, ``offs`` the ``[rows, NG]`` offsets (also the mapping backward's
+    compute_h kernel, which makes them itself)."""
     if ROUND:
         g = round_tf32(g)
     hi = g.to(hi_ptr.dtype.element_ty)
     lo = (g - hi.to(tl.float32)).to(lo_ptr.dtype.element_ty)
     tl.store(hi_ptr + offs, hi, mask=rmask[:, None])
     tl.store(lo_ptr + offs, lo, mask=rmask[:, None])
-    tl.store(cf_ptr + rows, _coef(gr_ptr, r_ptr, rms_ptr, rows, rmask, K), mask=rmask)
+    tl.store(cf_ptr + rows, coef, mask=rmask)
 
 
 @triton.jit
@@ -232,6 +240,11 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
             dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
+
+
+def piece_cols(n_rows: int) -> int:
+    """NG, the columns of the split gradient's pieces for W of ``n_rows`` rows (the MMA's N)."""
+    return max(16, next_pow2(n_rows + 1))
 
 
 def _precision(tf32: bool = False) -> str:
@@ -344,7 +357,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
             stages = min(stages, AGG_STAGES)  # grad_out's tiles take shared memory too
         split, ws = workspace(bm, split)
         if M:
-            ng = max(16, next_pow2(N + 1))
+            ng = piece_cols(N)
             if pieces is None:
                 hi, lo = empty((M, ng), x2d.dtype, x2d.device), empty((M, ng), x2d.dtype, x2d.device)
                 cf = empty((M,), torch.float32, x2d.device)
