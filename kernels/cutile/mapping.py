@@ -85,14 +85,24 @@ def _mapping_bwd_h(proj, r, rms, alpha, bias, g_pre, g_post, g_logits, gc, ws, n
     i = ct.bid(0)
     cols = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, NP))
     rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
+    live = rows < ct.num_tiles(proj, axis=0, shape=(1, 1))  # tokens past M: masked, so no bounds checks
+    g = ct.gather(g_pre, (rows, cols), mask=live & (cols < n), check_bounds=False)
+    bwd_h_block(proj, r, rms, alpha, bias, g_post, g_logits, gc, ws, g, i, n, N, NP, BM, K)
+
+
+def bwd_h_block(proj, r, rms, alpha, bias, g_post, g_logits, gc, ws, g, i, n, N, NP, BM, K):
+    """compute_h's backward for token block i (``_mapping_bwd_h``'s body): ``g`` is the block's
+    H_pre gradient as an fp32 ``(BM, NP)`` tile (columns [0, n), zeros elsewhere); H_post's and the
+    logits' are gathered here. Writes the packed gradient's rows and the block's row of ``ws``."""
+    cols = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, NP))
+    rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
     p = ct.load(proj, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
     rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
     mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
     h, ac = _h(p, rt, alpha, bias, cols, n, N, NP, BM)
     s = 1.0 / (1.0 + ct.exp(-h))
     live = rows < ct.num_tiles(proj, axis=0, shape=(1, 1))  # tokens past M: masked, so no bounds checks
-    g = (ct.gather(g_pre, (rows, cols), mask=live & (cols < n), check_bounds=False)
-         + ct.gather(g_post, (rows, cols - n), mask=live & (cols >= n) & (cols < 2 * n), check_bounds=False)
+    g = (g + ct.gather(g_post, (rows, cols - n), mask=live & (cols >= n) & (cols < 2 * n), check_bounds=False)
          + ct.gather(g_logits, (rows, cols - 2 * n), mask=live & (cols >= 2 * n) & (cols < N), check_bounds=False))
     dh = ct.where(cols < n, g * s * (1.0 - s), ct.where(cols < 2 * n, 2.0 * g * s * (1.0 - s), g))
     r2 = ct.reshape(rt, (BM, 1))
