@@ -16,7 +16,18 @@ import torch
 
 from . import h_aggregate as agg_
 from . import mapping as map_
+from . import mix_backward as once
 from .sinkhorn import sinkhorn_backward, sinkhorn_forward
+
+
+# the backward that reads x once (``mix_backward.py``) where its ``plan`` applies. Off until it has
+# run on a GPU: written and compiled offline in the twenty-seventh session, which had no device time
+# left (docs/perf-notes.md); ``dev/mix_once.py`` and the GPU test turn it on to check and time it
+ONE_PASS = False
+
+
+def _sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _MixAggregate(torch.autograd.Function):
@@ -41,6 +52,15 @@ class _MixAggregate(torch.autograd.Function):
         s, b, n, c = x.shape
         t = s * b
         g_log = None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps)
+        plan = None if g_out is None or not ONE_PASS else once.plan(t, n, c, x.dtype, saved[1].dtype, _sms(x.device))
+        if plan is not None:  # x read once from memory (mix_backward.py)
+            f32 = torch.float32
+            gq = torch.zeros((t, n), dtype=f32, device=x.device) if g_post is None else g_post.reshape(t, n).float()
+            gl = (torch.zeros((t, n, n), dtype=f32, device=x.device) if g_log is None
+                  else g_log.reshape(t, n, n).float())
+            dx, dw, d_alpha, d_bias = once.backward(saved, pre.reshape(t, n), g_out.contiguous().reshape(t, c),
+                                                   gq.contiguous(), gl.contiguous(), *plan)
+            return dx.reshape(x.shape), dw, d_alpha, d_bias, None, None, None
         g_pre = None if g_out is None else agg_.backward(x, pre, g_out, write_dx=False)[1]
         dx, dw, d_alpha, d_bias = map_.backward(
             saved, None if g_pre is None else g_pre.reshape(t, n), None if g_post is None else g_post.reshape(t, n),
@@ -62,4 +82,5 @@ def compile_checks() -> dict[str, bytes]:
     from . import proj_rms
     out.update({k: v for k, v in proj_rms.compile_checks().items() if "agg" in k})
     out["fwd-mapping"] = map_.compile_checks()["fwd-torch.bfloat16"]
+    out.update(once.compile_checks())
     return out
