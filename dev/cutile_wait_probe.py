@@ -2,7 +2,7 @@
 other programs raise? Offline (no GPU), for the read-x-once mix_aggregate backward
 (docs/perf-notes.md, twenty-sixth session). Set up the tools as dev/cutile_sass.py says, then:
 
-    TILEIRAS=... NVDISASM=... python3 dev/cutile_wait_probe.py [--keep DIR] [--worker]
+    TILEIRAS=... NVDISASM=... python3 dev/cutile_wait_probe.py [--keep DIR] [--worker | --once]
 
 A probe kernel walks 512 (64, 128) bf16 tiles of one column block and sums them; before each
 load it waits (WAIT 1: ``ct.load(..., memory_order=ACQUIRE, memory_scope=DEVICE)`` polled in a
@@ -17,6 +17,9 @@ after an acquire wait on another block's flag, the projection backward with the 
 from the packed gradient: ``proj_rms._grad_products``), with and without the waits, at BK 128
 and 256; with the cubin's registers, shared memory and stack (``CUOBJDUMP``, e.g. Triton's wheel's
 ``backends/nvidia/bin/cuobjdump``).
+
+``--once``: the kernel that ships (``kernels/cutile/mix_backward.py``, off by default) at the paper
+shape, at its eight worker warps and at four (the default, which spills).
 """
 from __future__ import annotations
 
@@ -112,9 +115,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, help="write the bytecode, cubins and SASS here")
     ap.add_argument("--worker", action="store_true", help="the read-x-once backward's worker loop")
+    ap.add_argument("--once", action="store_true", help="the read-x-once backward as it ships")
     args = ap.parse_args()
     bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
-    if args.worker:
+    if args.once:
+        from kernels.cutile import mix_backward as mb
+        f1, f2 = _array(f32, 1), _array(f32, 2)
+        params = [_array(bf, 2), _array(bf, 2), _array(bf, 2), f2, f2, f1, f1, f1, f1, f2, f2, _array(f32, 4),
+                  _array(i32, 1), _array(i32, 1), f2, f2, _array(bf, 2), _array(bf, 2), _array(i32, 1),
+                  4, 24, 32, 32, 4, mb.BM, mb.H, 112, 28, 32, 56, 7168, 20, 512, mb.LAG, 28672, mb.SPIN_LIMIT]
+        cases = {f"once, {w} worker warps": (mb._mix_bwd_once.replace_hints(num_worker_warps=w), params) for w in (8, 4)}
+    elif args.worker:
         arrays = [_array(bf, 2), _array(bf, 2), _array(f32, 2), _array(bf, 2), _array(f32, 3), _array(i32, 1),
                   _array(i32, 1), _array(bf, 2), _array(f32, 2)]
         cases = {f"worker, BK {bk}, {'waits' if wait else 'no waits'}":

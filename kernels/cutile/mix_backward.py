@@ -21,8 +21,8 @@ it (``mapping.bwd_h_block``: the packed gradient and the block's bias / alpha pa
 
 Every program must be resident at once, or a worker waits for a closer that never starts: the
 launch has at most one program a SM (``plan`` checks the SM count), and every wait gives up after
-``SPIN_LIMIT`` polls, counting the give-up in ``err`` (the results are then wrong, not hung; the
-GPU tests read ``err``). cuTile keeps its TMA loads pipelined around acquire polls (offline SASS,
+``SPIN_LIMIT`` polls, counting the give-up in ``err``, and once one has, no later wait polls (the
+results are then wrong, not hung; the GPU tests read ``err``). cuTile keeps its TMA loads pipelined around acquire polls (offline SASS,
 docs/perf-notes.md, twenty-sixth session), which Triton does not.
 """
 from __future__ import annotations
@@ -46,15 +46,16 @@ BM = 64  # tokens a block
 H = 128  # columns a half; a worker takes two
 LAG = 4  # token blocks between a worker's (A) and its (B)
 CLOSERS = 20  # at most; fewer where the SMs left over or the token blocks are fewer
-SPIN_LIMIT = 1 << 24  # polls before a wait gives up (seconds, far past any block's close)
+SPIN_LIMIT = 1 << 22  # polls before a wait gives up (about a second or more, far past any block's close)
 LAST_ERR = None  # the last launch's count of waits given up (an int32 [1] CUDA tensor; tests read it)
 
 
 def _wait(flags, t, want, err, LIMIT):
     """Poll ``flags[t]`` with acquire until it reaches ``want``; after ``LIMIT`` polls give up and
-    count it in ``err[0]``."""
+    count it in ``err[0]``. Once any wait has given up, later ones do not poll at all (so a fault
+    costs one ``LIMIT`` per program, not one per wait)."""
     f = ct.load(flags, index=(t,), shape=(1,), memory_order=ACQ, memory_scope=DEV)
-    spins = 0
+    spins = ct.minimum(ct.sum(ct.load(err, index=(0,), shape=(1,), memory_order=ACQ, memory_scope=DEV)), 1) * LIMIT
     while (ct.sum(f) < want) & (spins < LIMIT):
         f = ct.load(flags, index=(t,), shape=(1,), memory_order=ACQ, memory_scope=DEV)
         spins = spins + 1
