@@ -2,7 +2,10 @@
 two passes it replaces and float64:
 
     python3 dev/mix_once.py check        # small odd shapes and the paper shape: gradients, waits given up
-    python3 dev/mix_once.py time [LAGS]  # graph replay, paired: two passes vs one (LAGS e.g. 2,4,8)
+    python3 dev/mix_once.py time [LAGS]  # graph replay, paired: two passes (also with the projection
+                                         # backward at 8 worker warps) vs one (LAGS e.g. 2,4,8)
+    python3 dev/mix_once.py proj         # proj_rms's backward alone, graph replay: worker warps as
+                                         # tileiras picks vs 8
     python3 dev/mix_once.py profile      # each backward's launches under torch.profiler
 
 Inputs as the bench makes them (bf16 x and W, fp32 alpha and bias), upstream gradients random.
@@ -77,18 +80,21 @@ def timing(lags):
     from mhctool.bench import _graphed
     leaves, outs, ups = paper()
 
-    def variant(one_pass, lag=None):
+    from kernels.cutile import proj_rms as cpr
+
+    def variant(one_pass, lag=None, warps=None):
         def run():
-            old = once.LAG
-            if lag is not None:
-                once.LAG = lag
+            old = once.LAG, cpr.BWD_WORKER_WARPS
+            once.LAG = old[0] if lag is None else lag
+            cpr.BWD_WORKER_WARPS = warps
             try:
                 grads(leaves, outs, ups, one_pass)
             finally:
-                once.LAG = old
+                once.LAG, cpr.BWD_WORKER_WARPS = old
         return run
 
-    fns = {"two passes": variant(False), **{f"one pass, LAG {lag}": variant(True, lag) for lag in lags}}
+    fns = {"two passes": variant(False), "two passes, projection backward at 8 worker warps": variant(False, warps=8),
+           **{f"one pass, LAG {lag}": variant(True, lag) for lag in lags}}
     ok = {}
     for name, fn in fns.items():
         try:
@@ -102,6 +108,37 @@ def timing(lags):
             print(name, "failed:", type(ex).__name__, str(ex).splitlines()[0][:200], flush=True)
     for name, ts in paired_rounds(ok, 7).items():
         print(f"{name}: median {sorted(ts)[len(ts) // 2]:.3f} ms (graph replay)", flush=True)
+
+
+def proj():
+    """proj_rms's cuTile backward alone at the paper shape, worker warps as declared vs 8."""
+    from kernels.cutile import proj_rms as cpr
+    from mhctool.bench import _graphed
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(32768, 28672, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(24, 28672, device="cuda", generator=g) / 28672 ** .5).bfloat16()
+    gp, gr = torch.randn(32768, 24, device="cuda", generator=g), torch.randn(32768, device="cuda", generator=g)
+    _, r, rms = cpr.forward(x, w, 1e-6)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    outs = {}
+
+    def variant(warps):
+        def run():
+            old, cpr.BWD_WORKER_WARPS = cpr.BWD_WORKER_WARPS, warps
+            try:
+                cpr.backward_into(x, w, gp, gr, r, rms, dx, dw)
+            finally:
+                cpr.BWD_WORKER_WARPS = old
+        return run
+
+    fns = {}
+    for warps in (None, 8):
+        variant(warps)()
+        outs[warps] = (dx.clone(), dw.clone())
+        fns[f"worker warps {warps}"] = _graphed(variant(warps))
+    print("same bits:", all(torch.equal(a, b) for a, b in zip(outs[None], outs[8])), flush=True)
+    for name, ts in paired_rounds(fns, 9).items():
+        print(f"proj_rms backward, {name}: median {sorted(ts)[len(ts) // 2]:.3f} ms (graph replay)", flush=True)
 
 
 def profile():
@@ -124,6 +161,8 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "check"
     if what == "check":
         check([(37, 5, 4, 256), (9, 2, 2, 512), (1000, 1, 4, 768), (3, 1, 4, 7168), (8192, 4, 4, 7168)])
+    elif what == "proj":
+        proj()
     elif what == "time":
         timing([int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "4").split(",")])
     else:

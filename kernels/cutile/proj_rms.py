@@ -212,6 +212,23 @@ def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: Const
 BWD_TILE = (64, 256, SPLITS)
 # the same kernel with mix_aggregate's aggregation term (``agg``): its tile (sweeps set it)
 AGG_TILE = BWD_TILE
+# the backward's ``num_worker_warps`` hint: None (tileiras picks; four warps, where the bf16 kernel
+# keeps a 16-24 byte stack, 3-6 LDL / STL offline) or 8 (no stack, 25-33 KB less shared memory
+# offline); not yet timed, so None ships and sweeps set it (docs/perf-notes.md, twenty-seventh session)
+BWD_WORKER_WARPS = None
+
+
+_HINTED = {}
+
+
+def _bwd_kernel(warps):
+    """``_proj_rms_bwd`` with a ``num_worker_warps`` hint (None: as declared), one object a value
+    (a kernel compiles once an object)."""
+    if warps is None:
+        return _proj_rms_bwd
+    if warps not in _HINTED:
+        _HINTED[warps] = _proj_rms_bwd.replace_hints(num_worker_warps=warps)
+    return _HINTED[warps]
 
 
 def _ng(n: int) -> int:
@@ -267,7 +284,7 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
             raise ValueError(f"the aggregation term takes h_pre [M, n] and grad_out [M, C] with n * C = K for x2d "
                              f"{tuple(x2d.shape)}; got {tuple(hp.shape)} and {tuple(go.shape)}")
         mode = _agg_mode(c, bk // 2)
-    launch(_proj_rms_bwd, (cdiv(k, bk), splits), (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode,
+    launch(_bwd_kernel(BWD_WORKER_WARPS), (cdiv(k, bk), splits), (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode,
                                                  max(1, c // (bk // 2)), c, next_pow2(hp.shape[1]) if mode else 1))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
     if side is None:
