@@ -213,7 +213,7 @@ BWD_TILE = (64, 256, SPLITS)
 # the same kernel with mix_aggregate's aggregation term (``agg``): its tile (sweeps set it)
 AGG_TILE = BWD_TILE
 # the backward's ``num_worker_warps`` hint: None (tileiras picks; four warps, where the bf16 kernel
-# keeps a 16-24 byte stack, 3-6 LDL / STL offline) or 8 (no stack, 25-33 KB less shared memory
+# keeps a 16-24 byte stack, 3-6 LDL / STL offline) or 8 (no stack, 23-32 KB less shared memory
 # offline); not yet timed, so None ships and sweeps set it (docs/perf-notes.md, twenty-seventh session)
 BWD_WORKER_WARPS = None
 
