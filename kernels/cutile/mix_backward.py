@@ -64,8 +64,8 @@ def _wait(flags, t, want, err, LIMIT):
 
 
 # eight warps of CUDA-core work (``num_worker_warps``): with the default four, the (A) and (B) steps
-# in one loop body spilled (offline, tileiras 13.4, sm_90: 168 registers, a 272-byte stack, 118
-# LDL / 144 STL); with eight, 168 registers, no stack, 215 KB of shared memory
+# in one loop body spilled (offline, tileiras 13.4, sm_90: 168 registers, a 296-byte stack, 129
+# LDL / 156 STL); with eight, 168 registers, no stack, 215 KB of shared memory
 @ct.kernel(num_worker_warps=8)
 def _mix_bwd_once(x, go, w, hp, proj, r, rms, alpha, bias, g_post, g_logits, part, cnt, done, gc, ws, dx, dw, err,
                   n: CI, N: CI, NG: CI, NP: CI, NPN: CI, BM: CI, H: CI, WK: CI, KPS: CI, KP2: CI, HC: CI, C: CI,
