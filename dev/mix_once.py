@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bwd_sweep import paired_rounds  # noqa: E402
 from kernels.cutile import mix_aggregate as cmx, mix_backward as once  # noqa: E402
+from mhctool import cuda_context  # noqa: E402
 
 
 def inputs(s, b, n, c, seed=0):
@@ -46,7 +47,7 @@ def check(shapes):
         s, b, n, c = shape
         x, w, a, hb, g = inputs(*shape)
         leaves = [x, w, a, hb]
-        outs = cmx.mix_aggregate(x, w, a, hb)
+        outs = cuda_context.bound(list(cmx.mix_aggregate(x, w, a, hb)))  # the context on autograd's thread
         ups = [torch.randn(o.shape, device="cuda", generator=g).to(o.dtype) for o in outs]
         plan = once.plan(s * b, n, c, x.dtype, w.dtype, torch.cuda.get_device_properties(0).multi_processor_count)
         t0 = time.time()
@@ -70,7 +71,7 @@ def paper():
     fs = torch.cuda.Stream()
     fs.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(fs):  # autograd runs a backward op on its forward's stream
-        outs = cmx.mix_aggregate(x, w, a, hb)
+        outs = cuda_context.bound(list(cmx.mix_aggregate(x, w, a, hb)))
     torch.cuda.current_stream().wait_stream(fs)
     ups = [torch.randn(o.shape, device="cuda", generator=g).to(o.dtype) for o in outs]
     return [x, w, a, hb], outs, ups

@@ -380,6 +380,7 @@ def test_cutile_mix_aggregate_backward_reading_x_once_matches_float64(monkeypatc
     the closers' partial tile padded) and 7168 with one token block, into NaN-poisoned outputs: no
     wait gives up, every gradient is written, matches float64 and the two passes, and repeats bit
     for bit. Skips where the GPU has too few SMs for every program at once."""
+    from mhctool import cuda_context
     from mhctool.kernels.cutile import mix_aggregate as cmx
     from mhctool.kernels.cutile import mix_backward as once
     from mhctool.poison import poisoning
@@ -396,7 +397,7 @@ def test_cutile_mix_aggregate_backward_reading_x_once_matches_float64(monkeypatc
         alpha = torch.rand(3, generator=g, device="cuda")
         bias = 0.1 * torch.randn(nr, generator=g, device="cuda")
         leaves = [t.clone().requires_grad_() for t in (x, w, alpha, bias)]
-        outs = cmx.mix_aggregate(*leaves)
+        outs = cuda_context.bound(list(cmx.mix_aggregate(*leaves)))  # the context on autograd's thread
         ups = [torch.randn(o.shape, generator=g, device="cuda").to(o.dtype) for o in outs]
         runs = {}
         for one_pass in (True, False):
