@@ -1,5 +1,6 @@
 """mix_aggregate's backward reading x once from memory (cuTile): one launch of persistent programs,
-one a SM, that pass token blocks between them through flags.
+one a SM, that pass token blocks between them through flags. Off until it has run on a GPU
+(``mix_aggregate.ONE_PASS``; docs/perf-notes.md, twenty-seventh session).
 
 The two-pass backward (``mix_aggregate.py``) reads x and grad_out for ``grad_h_pre[t, i] =
 sum_c x[t, i, c] grad_out[t, c]``, and again in the projection backward that writes dx, because a
@@ -11,8 +12,9 @@ halves, the projection backward's form) and walks every token block ``s``:
   release count on ``cnt[s]``;
 - (B) block ``s - LAG`` once ``done`` says it is closed: the projection backward with the
   aggregation term (``proj_rms._bwd_half``), x's and grad_out's tiles read again, from L2 now
-  (LAG blocks back: at the paper shape 7 MB a block over all workers), dx written and dW
-  accumulated over all tokens in the worker's own fp32 accumulator (no token splits, no sum).
+  (at the paper shape a block's tiles over all workers are 4.6 MB: 18 MB for LAG 4), dx written
+  and dW accumulated over all tokens in the worker's own fp32 accumulator (no token splits, no
+  sum).
 
 ``CL`` closers take token blocks in turn (closer j: blocks j, j + CL, ...): wait for the block's
 WK counts (acquire), sum the partials per stream in a fixed order, run compute_h's backward on
@@ -20,10 +22,11 @@ it (``mapping.bwd_h_block``: the packed gradient and the block's bias / alpha pa
 ``done`` (release). Sinkhorn's backward does not need grad_out and runs before, as its own launch.
 
 Every program must be resident at once, or a worker waits for a closer that never starts: the
-launch has at most one program a SM (``plan`` checks the SM count), and every wait gives up after
-``SPIN_LIMIT`` polls, counting the give-up in ``err``, and once one has, no later wait polls (the
-results are then wrong, not hung; the GPU tests read ``err``). cuTile keeps its TMA loads pipelined around acquire polls (offline SASS,
-docs/perf-notes.md, twenty-sixth session), which Triton does not.
+launch has no more programs than SMs (``plan``; a program takes 215 KB of shared memory, so one
+a SM), and every wait gives up after ``SPIN_LIMIT`` polls, counting the give-up in ``err``; once
+one has, no later wait polls (the results are then wrong, not hung; the GPU test reads ``err``).
+cuTile keeps its TMA loads pipelined around acquire polls (offline SASS, docs/perf-notes.md,
+twenty-sixth session), which Triton does not.
 """
 from __future__ import annotations
 
