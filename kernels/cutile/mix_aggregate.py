@@ -77,7 +77,8 @@ def mix_aggregate(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, 
 
 def compile_checks() -> dict[str, bytes]:
     """The kernels this path launches beyond the families' own: the aggregation's backward without
-    dx and the projection backward with the aggregation term (both of its paths)."""
+    dx, the projection backward with the aggregation term (both of its paths) and the read-x-once
+    backward (``mix_backward.py``, off by default)."""
     out = {k: v for k, v in agg_.compile_checks().items() if k.startswith("bwd") and k.endswith("False")}
     from . import proj_rms
     out.update({k: v for k, v in proj_rms.compile_checks().items() if "agg" in k})
