@@ -120,10 +120,7 @@ def main() -> None:
     bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
     if args.once:
         from kernels.cutile import mix_backward as mb
-        f1, f2 = _array(f32, 1), _array(f32, 2)
-        params = [_array(bf, 2), _array(bf, 2), _array(bf, 2), f2, f2, f1, f1, f1, f1, f2, f2, _array(f32, 4),
-                  _array(i32, 1), _array(i32, 1), f2, f2, _array(bf, 2), _array(bf, 2), _array(i32, 1),
-                  4, 24, 32, 32, 4, mb.BM, mb.H, 112, 28, 32, 56, 7168, 20, 512, mb.LAG, 28672, mb.SPIN_LIMIT]
+        params = mb.paper_signature(_array)
         cases = {f"once, {w} worker warps": (mb._mix_bwd_once.replace_hints(num_worker_warps=w), params) for w in (8, 4)}
     elif args.worker:
         arrays = [_array(bf, 2), _array(bf, 2), _array(f32, 2), _array(bf, 2), _array(f32, 3), _array(i32, 1),

@@ -158,6 +158,11 @@ def forward(x2d, weight, alpha, h_bias, eps):
     return (pre, post, logits), (x2d, weight, a3, bias, proj, r, rms)
 
 
+def upstream(g, shape, device):
+    """An output's gradient as compute_h's backward takes it: fp32, contiguous, zeros for None."""
+    return torch.zeros(shape, dtype=torch.float32, device=device) if g is None else g.float().contiguous()
+
+
 def backward(saved, g_pre, g_post, g_logits, agg=None):
     """``(dx, dW, d alpha, d h_bias)`` from ``forward``'s ``saved`` and the outputs' gradients (None:
     zero). ``agg``: mix_aggregate's aggregation term, added to dx in the projection's pass (see
@@ -169,16 +174,7 @@ def backward(saved, g_pre, g_post, g_logits, agg=None):
     np_ = proj.shape[1]
     bm = BWD_H_BM
     dev = x2d.device
-    zeros = {}
-
-    def grad(g, shape):
-        if g is None:
-            if shape not in zeros:
-                zeros[shape] = torch.zeros(shape, dtype=torch.float32, device=dev)
-            return zeros[shape]
-        return g.float().contiguous()
-
-    gp, gq, gl = grad(g_pre, (m, n)), grad(g_post, (m, n)), grad(g_logits, (m, n, n))
+    gp, gq, gl = upstream(g_pre, (m, n), dev), upstream(g_post, (m, n), dev), upstream(g_logits, (m, n, n), dev)
     nb = cdiv(m, bm)
     k = x2d.shape[1]
     if _ng(nr) != np_:  # never for mHC's N = n^2 + 2n: N + 1 <= NP (n = 2: N = 8, NP = 16)

@@ -54,12 +54,10 @@ class _MixAggregate(torch.autograd.Function):
         g_log = None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps)
         plan = None if g_out is None or not ONE_PASS else once.plan(t, n, c, x.dtype, saved[1].dtype, _sms(x.device))
         if plan is not None:  # x read once from memory (mix_backward.py)
-            f32 = torch.float32
-            gq = torch.zeros((t, n), dtype=f32, device=x.device) if g_post is None else g_post.reshape(t, n).float()
-            gl = (torch.zeros((t, n, n), dtype=f32, device=x.device) if g_log is None
-                  else g_log.reshape(t, n, n).float())
+            gq = map_.upstream(None if g_post is None else g_post.reshape(t, n), (t, n), x.device)
+            gl = map_.upstream(None if g_log is None else g_log.reshape(t, n, n), (t, n, n), x.device)
             dx, dw, d_alpha, d_bias = once.backward(saved, pre.reshape(t, n), g_out.contiguous().reshape(t, c),
-                                                   gq.contiguous(), gl.contiguous(), *plan)
+                                                   gq, gl, *plan)
             return dx.reshape(x.shape), dw, d_alpha, d_bias, None, None, None
         g_pre = None if g_out is None else agg_.backward(x, pre, g_out, write_dx=False)[1]
         dx, dw, d_alpha, d_bias = map_.backward(

@@ -130,12 +130,11 @@ def plan(m: int, n: int, c: int, x_dtype, w_dtype, sms: int) -> tuple[int, int] 
     return (wk, cl) if cl >= 1 else None
 
 
-def backward(saved, pre, g_out, g_post, g_logits, workers: int, closers: int, err=None):
+def backward(saved, pre, g_out, g_post, g_logits, workers: int, closers: int):
     """``(dx, dW, d alpha, d h_bias)`` of mix_aggregate from the mapping forward's ``saved``
     (``mapping.forward``), ``pre`` (H_pre fp32 ``[M, n]``), ``g_out`` (``[M, C]``) and the fp32
     gradients of H_post ``[M, n]`` and the logits ``[M, n, n]`` (Sinkhorn's backward done); a
-    ``plan``'s workers and closers. ``err``: an int32 ``[1]`` tensor that counts waits given up
-    (a fresh one if None)."""
+    ``plan``'s workers and closers. The launch's count of waits given up is left in ``LAST_ERR``."""
     x2d, weight, a3, bias, proj, r, rms = saved
     m, k = x2d.shape
     nr = weight.shape[0]
@@ -150,7 +149,7 @@ def backward(saved, pre, g_out, g_post, g_logits, workers: int, closers: int, er
     kps = c // (2 * H)
     part = empty((nb, n, kps, BM), torch.float32, dev)
     flags = torch.zeros((2, nb), dtype=torch.int32, device=dev)
-    err = torch.zeros((1,), dtype=torch.int32, device=dev) if err is None else err
+    err = torch.zeros((1,), dtype=torch.int32, device=dev)
     gc = empty((m, ng), torch.float32, dev)
     ws = empty((nb, np_ + 4), torch.float32, dev)
     dx = empty(x2d.shape, x2d.dtype, dev)
@@ -166,10 +165,15 @@ def backward(saved, pre, g_out, g_post, g_logits, workers: int, closers: int, er
     return dx, dw, sums[np_:np_ + 3].to(a3.dtype), sums[:nr].to(bias.dtype)
 
 
-def compile_checks() -> dict[str, bytes]:
+def paper_signature(arr=array) -> list:
+    """The kernel's parameters at the paper shape (8192x4x4x7168, bf16) for ``tile_ir``: ``arr`` makes
+    each array's description (``_common.array``, or a launch-like aligned one for offline SASS)."""
     bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
-    f1, f2 = array(f32, 1), array(f32, 2)
-    params = [array(bf, 2), array(bf, 2), array(bf, 2), f2, f2, f1, f1, f1, f1, f2, f2, array(f32, 4), array(i32, 1),
-              array(i32, 1), f2, f2, array(bf, 2), array(bf, 2), array(i32, 1),
-              4, 24, 32, 32, 4, BM, H, 112, 28, 32, 56, 7168, 20, 512, LAG, 28672, SPIN_LIMIT]
-    return {"bwd-once": tile_ir(_mix_bwd_once, params)}
+    f1, f2 = arr(f32, 1), arr(f32, 2)
+    return [arr(bf, 2), arr(bf, 2), arr(bf, 2), f2, f2, f1, f1, f1, f1, f2, f2, arr(f32, 4), arr(i32, 1), arr(i32, 1),
+            f2, f2, arr(bf, 2), arr(bf, 2), arr(i32, 1),
+            4, 24, 32, 32, 4, BM, H, 112, 28, 32, 56, 7168, 20, 512, LAG, 28672, SPIN_LIMIT]
+
+
+def compile_checks() -> dict[str, bytes]:
+    return {"bwd-once": tile_ir(_mix_bwd_once, paper_signature())}

@@ -284,8 +284,9 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
             raise ValueError(f"the aggregation term takes h_pre [M, n] and grad_out [M, C] with n * C = K for x2d "
                              f"{tuple(x2d.shape)}; got {tuple(hp.shape)} and {tuple(go.shape)}")
         mode = _agg_mode(c, bk // 2)
-    launch(_bwd_kernel(BWD_WORKER_WARPS), (cdiv(k, bk), splits), (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode,
-                                                 max(1, c // (bk // 2)), c, next_pow2(hp.shape[1]) if mode else 1))
+    launch(_bwd_kernel(BWD_WORKER_WARPS), (cdiv(k, bk), splits),
+           (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode, max(1, c // (bk // 2)), c,
+            next_pow2(hp.shape[1]) if mode else 1))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
     if side is None:
         sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
