@@ -19,7 +19,9 @@ and 256; with the cubin's registers, shared memory and stack (``CUOBJDUMP``, e.g
 ``backends/nvidia/bin/cuobjdump``).
 
 ``--once``: the kernel that ships (``kernels/cutile/mix_backward.py``, off by default) at the paper
-shape, at its eight worker warps and at four (the default, which spills).
+shape, at its eight worker warps and at four (the default, which spills); then how long tileiras
+takes on it at the GPU tests' shapes and at LAG 2, 4 and 8 (each stopped after ``--timeout`` s).
+A compile that does not end is what a GPU run would see as a hang at the first launch.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import cuda.tile as ct
@@ -116,11 +119,12 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="write the bytecode, cubins and SASS here")
     ap.add_argument("--worker", action="store_true", help="the read-x-once backward's worker loop")
     ap.add_argument("--once", action="store_true", help="the read-x-once backward as it ships")
+    ap.add_argument("--timeout", type=float, default=120, help="seconds a --once shape's compile may take")
     args = ap.parse_args()
     bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
     if args.once:
         from kernels.cutile import mix_backward as mb
-        params = mb.paper_signature(_array)
+        params = mb.signature(_array)
         cases = {f"once, {w} worker warps": (mb._mix_bwd_once.replace_hints(num_worker_warps=w), params) for w in (8, 4)}
     elif args.worker:
         arrays = [_array(bf, 2), _array(bf, 2), _array(f32, 2), _array(bf, 2), _array(f32, 3), _array(i32, 1),
@@ -139,6 +143,34 @@ def main() -> None:
             found = {k: len(re.findall(pat, text)) for k, pat in _COUNTS}
             print(f"{name}: {_resources(workdir / f'case{i}.cubin')}" + ", ".join(f"{k} {v}" for k, v in found.items()),
                   flush=True)
+        if args.once:
+            _once_compile_times(workdir, args.timeout)
+
+
+def _once_compile_times(workdir: Path, timeout: float) -> None:
+    """tileiras's time on the read-x-once kernel at the GPU tests' shapes (132 SMs) and other LAGs."""
+    from kernels.cutile import mix_backward as mb
+    cases = [((s, b, n, c), mb.LAG) for s, b, n, c in ((37, 5, 4, 256), (9, 2, 2, 512), (1000, 1, 4, 768),
+                                                       (3, 1, 4, 7168))]
+    cases += [((8192, 4, 4, 7168), lag) for lag in (2, 4, 8)]
+    old = mb.LAG
+    try:
+        for i, ((s, b, n, c), lag) in enumerate(cases):
+            mb.LAG = lag
+            workers, closers = mb.plan(s * b, n, c, torch.bfloat16, torch.bfloat16, 132)
+            t0 = time.time()
+            try:
+                sass(mb._mix_bwd_once, mb.signature(_array, n, c, workers, closers), workdir, f"shape{i}",
+                     timeout=timeout)
+                took = f"{time.time() - t0:.1f} s"
+            except subprocess.TimeoutExpired:
+                took = f"not done in {timeout:.0f} s"
+            except subprocess.CalledProcessError as ex:
+                took = f"tileiras failed ({ex.returncode})"
+            print(f"once at {s}x{b}x{n}x{c}, LAG {lag} ({workers} workers, {closers} closers): compiled in {took}",
+                  flush=True)
+    finally:
+        mb.LAG = old
 
 
 if __name__ == "__main__":
