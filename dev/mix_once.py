@@ -7,6 +7,8 @@ two passes it replaces and float64:
     python3 dev/mix_once.py proj         # proj_rms's backward alone, graph replay: worker warps as
                                          # tileiras picks vs 8
     python3 dev/mix_once.py profile      # each backward's launches under torch.profiler
+    python3 dev/mix_once.py diag 0,1,4194304 [SxBxNxC]  # the kernel alone, waits giving up after that
+                                         # many polls (default 37x5x4x256): does it end, how far it got
 
 Inputs as the bench makes them (bf16 x and W, fp32 alpha and bias), upstream gradients random.
 """
@@ -51,7 +53,10 @@ def check(shapes):
         ups = [torch.randn(o.shape, device="cuda", generator=g).to(o.dtype) for o in outs]
         plan = once.plan(s * b, n, c, x.dtype, w.dtype, torch.cuda.get_device_properties(0).multi_processor_count)
         t0 = time.time()
-        one = grads(leaves, outs, ups, True)
+        one = grads(leaves, outs, ups, True)  # returns once every launch is queued (compiles done)
+        t1 = time.time()
+        torch.cuda.synchronize()
+        print(f"{shape}: one pass queued in {t1 - t0:.1f} s (compiles), ran in {time.time() - t1:.2f} s", flush=True)
         err = int(once.LAST_ERR.item()) if plan else None
         again = grads(leaves, outs, ups, True)
         two = grads(leaves, outs, ups, False)
@@ -158,10 +163,67 @@ def profile():
             print(f"  {us:9.1f} us  x{cnt}  {key[:90]}", flush=True)
 
 
+def diag(limits, shape=(37, 5, 4, 256), seconds=30.0):
+    """The read-x-once kernel alone (``mix_backward.start``, no autograd, no launch after it) at
+    ``shape``, once for each of ``limits``: every wait gives up after that many polls (0: no wait
+    polls at all). While it runs, a copy on another stream reads its flags each second: how many
+    token blocks have all their (A) counts, how many a closer has marked done, the waits given up.
+    Says whether it ended within ``seconds`` (the first that does not ends the process); where it
+    did, dx and dW against the two passes'. A hang at limit 0 is not in the waits."""
+    from kernels.cutile import h_aggregate as cagg
+    from kernels.cutile import mapping as cmap
+    s, b, n, c = shape
+    m = s * b
+    x, w, a, hb, g = inputs(*shape)
+    workers, closers = once.plan(m, n, c, x.dtype, w.dtype, torch.cuda.get_device_properties(0).multi_processor_count)
+    with torch.no_grad():
+        (pre, _, _), saved = cmap.forward(x.detach().reshape(m, n * c), w.detach(), a.detach(), hb.detach(), 1e-6)
+        g_out = torch.randn(m, c, device="cuda", generator=g).bfloat16()
+        g_post = torch.randn(m, n, device="cuda", generator=g)
+        g_log = torch.randn(m, n, n, device="cuda", generator=g)
+        g_pre = cagg.backward(x.detach(), pre.reshape(s, b, n), g_out.reshape(s, b, c), write_dx=False)[1]
+        two = cmap.backward(saved, g_pre.reshape(m, n), g_post, g_log, agg=(pre, g_out))  # the two passes
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        for limit in limits:
+            once.SPIN_LIMIT = limit
+            t0 = time.time()
+            dx, dw, ws, flags, err = once.start(saved, pre, g_out, g_post, g_log, workers, closers)
+            print(f"{shape}, {workers} workers, {closers} closers, {flags.shape[1]} token blocks, SPIN_LIMIT "
+                  f"{limit}: queued in {time.time() - t0:.1f} s", flush=True)
+            ended = torch.cuda.Event()
+            ended.record()
+            hf = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            he = torch.empty(err.shape, dtype=err.dtype, pin_memory=True)
+            t1 = time.time()
+            while not ended.query() and time.time() - t1 < seconds:
+                time.sleep(1.0)
+                with torch.cuda.stream(side):  # copies, no kernel: they run beside it, which may hold every SM
+                    hf.copy_(flags, non_blocking=True)
+                    he.copy_(err, non_blocking=True)
+                side.synchronize()
+                print(f"  {time.time() - t1:5.1f} s: blocks with all (A) counts {int((hf[0] == workers).sum())}, "
+                      f"counts {int(hf[0].sum())}, blocks closed {int(hf[1].sum())}, waits given up {int(he[0])}",
+                      flush=True)
+            if not ended.query():
+                print(f"  not ended after {seconds:.0f} s", flush=True)
+                import os
+                os._exit(3)  # a CUDA teardown would wait for the kernel
+            print(f"  ended in {time.time() - t1:.3f} s, waits given up {int(err.item())}", flush=True)
+            for name, o, t in zip(("dx", "dW"), (dx, dw), two):
+                print(f"  {name}: |one - two| {float((o.double() - t.double()).abs().max()):.3g} "
+                      f"(two's max {float(t.double().abs().max()):.3g})", flush=True)
+
+
 if __name__ == "__main__":
+    import faulthandler
+    faulthandler.dump_traceback_later(90, repeat=True)  # where a stuck run waits: a compile or the device
     what = sys.argv[1] if len(sys.argv) > 1 else "check"
     if what == "check":
         check([(37, 5, 4, 256), (9, 2, 2, 512), (1000, 1, 4, 768), (3, 1, 4, 7168), (8192, 4, 4, 7168)])
+    elif what == "diag":
+        diag([int(v) for v in sys.argv[2].split(",")],
+             tuple(int(v) for v in sys.argv[3].split("x")) if len(sys.argv) > 3 else (37, 5, 4, 256))
     elif what == "proj":
         proj()
     elif what == "time":

@@ -20,9 +20,9 @@ from . import mix_backward as once
 from .sinkhorn import sinkhorn_backward, sinkhorn_forward
 
 
-# the backward that reads x once (``mix_backward.py``) where its ``plan`` applies. Off until it has
-# run on a GPU: written and compiled offline in the twenty-seventh session, which had no device time
-# left (docs/perf-notes.md); ``dev/mix_once.py`` and the GPU test turn it on to check and time it
+# the backward that reads x once (``mix_backward.py``) where its ``plan`` applies. Off: its launch
+# did not end on an H100 in the twenty-eighth session (docs/perf-notes.md); ``dev/mix_once.py`` and
+# the GPU test (with MHCTOOL_TRY_ONE_PASS=1) turn it on to check and time it
 ONE_PASS = False
 
 
