@@ -7,8 +7,9 @@ two passes it replaces and float64:
     python3 dev/mix_once.py proj         # proj_rms's backward alone, graph replay: worker warps as
                                          # tileiras picks vs 8
     python3 dev/mix_once.py profile      # each backward's launches under torch.profiler
-    python3 dev/mix_once.py diag 0,1,4194304 [SxBxNxC]  # the kernel alone, waits giving up after that
-                                         # many polls (default 37x5x4x256): does it end, how far it got
+    python3 dev/mix_once.py diag 0,1,4194304 [SxBxNxC [workers|closers]]  # the kernel alone, waits
+                                         # giving up after that many polls (default 37x5x4x256): does
+                                         # it end, how far it got; optionally one side of it alone
 
 Inputs as the bench makes them (bf16 x and W, fp32 alpha and bias), upstream gradients random.
 """
@@ -163,13 +164,18 @@ def profile():
             print(f"  {us:9.1f} us  x{cnt}  {key[:90]}", flush=True)
 
 
-def diag(limits, shape=(37, 5, 4, 256), seconds=30.0):
+def diag(limits, shape=(37, 5, 4, 256), part="all", seconds=30.0):
     """The read-x-once kernel alone (``mix_backward.start``, no autograd, no launch after it) at
     ``shape``, once for each of ``limits``: every wait gives up after that many polls (0: no wait
     polls at all). While it runs, a copy on another stream reads its flags each second: how many
     token blocks have all their (A) counts, how many a closer has marked done, the waits given up.
     Says whether it ended within ``seconds`` (the first that does not ends the process); where it
-    did, dx and dW against the two passes'. A hang at limit 0 is not in the waits."""
+    did, dx and dW against the two passes'. A hang at limit 0 is not in the waits.
+
+    ``part``: ``all``; ``workers`` (the workers alone: the closers are not launched); ``closers``
+    (no workers: a kernel built for none, whose closers' waits are met at once). With either, the
+    gradients are not compared (what the other side writes is missing); limit 0 leaves no wait to
+    meet."""
     from kernels.cutile import h_aggregate as cagg
     from kernels.cutile import mapping as cmap
     s, b, n, c = shape
@@ -188,8 +194,10 @@ def diag(limits, shape=(37, 5, 4, 256), seconds=30.0):
         for limit in limits:
             once.SPIN_LIMIT = limit
             t0 = time.time()
-            dx, dw, ws, flags, err = once.start(saved, pre, g_out, g_post, g_log, workers, closers)
-            print(f"{shape}, {workers} workers, {closers} closers, {flags.shape[1]} token blocks, SPIN_LIMIT "
+            wk, cl, programs = {"all": (workers, closers, None), "workers": (workers, closers, workers),
+                                "closers": (0, closers, None)}[part]
+            dx, dw, ws, flags, err = once.start(saved, pre, g_out, g_post, g_log, wk, cl, programs)
+            print(f"{shape}, {part}: {wk} workers, {cl} closers, {flags.shape[1]} token blocks, SPIN_LIMIT "
                   f"{limit}: queued in {time.time() - t0:.1f} s", flush=True)
             ended = torch.cuda.Event()
             ended.record()
@@ -210,7 +218,7 @@ def diag(limits, shape=(37, 5, 4, 256), seconds=30.0):
                 import os
                 os._exit(3)  # a CUDA teardown would wait for the kernel
             print(f"  ended in {time.time() - t1:.3f} s, waits given up {int(err.item())}", flush=True)
-            for name, o, t in zip(("dx", "dW"), (dx, dw), two):
+            for name, o, t in zip(("dx", "dW"), (dx, dw), two if part == "all" else ()):
                 print(f"  {name}: |one - two| {float((o.double() - t.double()).abs().max()):.3g} "
                       f"(two's max {float(t.double().abs().max()):.3g})", flush=True)
 
@@ -223,7 +231,8 @@ if __name__ == "__main__":
         check([(37, 5, 4, 256), (9, 2, 2, 512), (1000, 1, 4, 768), (3, 1, 4, 7168), (8192, 4, 4, 7168)])
     elif what == "diag":
         diag([int(v) for v in sys.argv[2].split(",")],
-             tuple(int(v) for v in sys.argv[3].split("x")) if len(sys.argv) > 3 else (37, 5, 4, 256))
+             tuple(int(v) for v in sys.argv[3].split("x")) if len(sys.argv) > 3 else (37, 5, 4, 256),
+             sys.argv[4] if len(sys.argv) > 4 else "all")
     elif what == "proj":
         proj()
     elif what == "time":

@@ -158,11 +158,12 @@ def backward(saved, pre, g_out, g_post, g_logits, workers: int, closers: int):
     return dx, dw, sums[np_:np_ + 3].to(saved[2].dtype), sums[:nr].to(saved[3].dtype)
 
 
-def start(saved, pre, g_out, g_post, g_logits, workers: int, closers: int):
+def start(saved, pre, g_out, g_post, g_logits, workers: int, closers: int, programs: int | None = None):
     """Launch the kernel (``backward``'s arguments) and return what it writes, without waiting for
     it: ``(dx, dW, the bias / alpha rows a token block, flags, err)``. ``flags[0]`` counts each
     token block's workers done with (A), ``flags[1]`` marks blocks whose closer is done; a copy on
-    another stream reads them while the kernel runs (``dev/mix_once.py diag``)."""
+    another stream reads them while the kernel runs (``dev/mix_once.py diag``). ``programs``: launch
+    only the first so many (the workers alone, for ``diag``); the default launches all."""
     x2d, weight, a3, bias, proj, r, rms = saved
     m, k = x2d.shape
     n = pre.shape[1]
@@ -180,7 +181,7 @@ def start(saved, pre, g_out, g_post, g_logits, workers: int, closers: int):
     ws = empty((nb, np_ + 4), torch.float32, dev)
     dx = empty(x2d.shape, x2d.dtype, dev)
     dw = empty(weight.shape, weight.dtype, dev)
-    launch(_mix_bwd_once, (workers + closers,),
+    launch(_mix_bwd_once, (workers + closers if programs is None else programs,),
            (x2d, g_out, weight, pre, proj, r, rms, a3, bias, g_post, g_logits.reshape(m, n * n), part, flags[0],
             flags[1], gc, ws, dx, dw, err, *constants(n, c, workers, closers)))
     return dx, dw, ws, flags, err
