@@ -70,6 +70,33 @@ def probe(x, flags, out, NB: ct.Constant[int], WAIT: ct.Constant[int]):
 
 
 @ct.kernel
+def handoff(x, flags, out, WAIT: CI):
+    """Program 0 raises ``flags[s]`` for every token block s in order (release); program j > 0 walks
+    x's column block j - 1 and, before each tile, waits for its flag: WAIT 0 no wait, 1 a tile load
+    polled (each thread its own), 3 an atomic read polled (one result for the program). The
+    smallest cross-program wait around TMA loads: ``dev/mix_once.py handoff`` runs it on a GPU."""
+    b = ct.bid(0)
+    nb = ct.num_tiles(x, axis=0, shape=(64, 128))
+    if b == 0:
+        for s in range(nb):
+            ct.atomic_add(flags, (s,), 1, memory_order=MemoryOrder.RELEASE, memory_scope=MemoryScope.DEVICE)
+    else:
+        acc = ct.zeros((128,), dtype=ct.float32)
+        for s in range(nb):
+            if WAIT == 1:
+                f = _poll(flags, s, MemoryOrder.ACQUIRE)
+                while ct.sum(f) == 0:
+                    f = _poll(flags, s, MemoryOrder.ACQUIRE)
+            if WAIT == 3:
+                f = ct.atomic_add(flags, (s,), 0, memory_order=MemoryOrder.ACQUIRE, memory_scope=MemoryScope.DEVICE)
+                while f == 0:
+                    f = ct.atomic_add(flags, (s,), 0, memory_order=MemoryOrder.ACQUIRE,
+                                      memory_scope=MemoryScope.DEVICE)
+            acc = acc + ct.sum(ct.load(x, index=(s, b - 1), shape=(64, 128)).astype(ct.float32), axis=0)
+        ct.store(out, index=(b - 1,), tile=acc)
+
+
+@ct.kernel
 def worker(x, go, gc, w, part, cnt, done, dx, dwout, NB: CI, BM: CI, BK: CI, NG: CI, N: CI, CB: CI, LAG: CI,
            WAIT: CI):
     k = ct.bid(0)

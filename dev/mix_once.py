@@ -7,6 +7,7 @@ two passes it replaces and float64:
     python3 dev/mix_once.py proj         # proj_rms's backward alone, graph replay: worker warps as
                                          # tileiras picks vs 8
     python3 dev/mix_once.py profile      # each backward's launches under torch.profiler
+    python3 dev/mix_once.py handoff      # the smallest cross-program wait (cutile_wait_probe.handoff)
     python3 dev/mix_once.py diag 0,1,4194304 [SxBxNxC [workers|closers]]  # the kernel alone, waits
                                          # giving up after that many polls (default 37x5x4x256): does
                                          # it end, how far it got; optionally one side of it alone
@@ -164,6 +165,49 @@ def profile():
             print(f"  {us:9.1f} us  x{cnt}  {key[:90]}", flush=True)
 
 
+def watch(seconds, side, tensors, say):
+    """Wait up to ``seconds`` for the work queued so far on the current stream. Each second, copy
+    ``tensors`` to the host on ``side`` and print ``say(*copies)``. Copies, not kernels: they run
+    beside a kernel that holds every SM. If the work has not ended, say so and end the process:
+    a CUDA teardown would wait for the kernel."""
+    ended = torch.cuda.Event()
+    ended.record()
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    t0 = time.time()
+    while not ended.query() and time.time() - t0 < seconds:
+        time.sleep(1.0)
+        with torch.cuda.stream(side):
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)
+        side.synchronize()
+        print(f"  {time.time() - t0:5.1f} s: {say(*host)}", flush=True)
+    if not ended.query():
+        print(f"  not ended after {seconds:.0f} s", flush=True)
+        import os
+        os._exit(3)
+
+
+def handoff(seconds=20.0):
+    """``dev/cutile_wait_probe.py``'s ``handoff`` kernel: one program raises a flag per token block,
+    eight wait for each flag before loading that block's tile. With no wait, with atomic polls (the
+    read-x-once kernel's form) and with tile-load polls; each against torch's column sums."""
+    from cutile_wait_probe import handoff as kernel
+    from kernels.cutile._common import launch
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512 * 64, 8 * 128, device="cuda", generator=g).bfloat16()
+    want = x.float().sum(0)
+    side = torch.cuda.Stream()
+    for wait, name in ((0, "no wait"), (3, "atomic polls"), (1, "tile-load polls")):
+        flags = torch.zeros(512, dtype=torch.int32, device="cuda")
+        out = torch.full((8 * 128,), float("nan"), device="cuda")
+        t0 = time.time()
+        launch(kernel, (9,), (x, flags, out, wait))
+        print(f"handoff, {name}: queued in {time.time() - t0:.1f} s", flush=True)
+        watch(seconds, side, (flags,), lambda hf: f"flags raised {int((hf > 0).sum())} of 512")
+        print(f"  ended; max |out - torch| {float((out - want).abs().max()):.3g} (|torch| max "
+              f"{float(want.abs().max()):.3g})", flush=True)
+
+
 def diag(limits, shape=(37, 5, 4, 256), part="all", seconds=30.0):
     """The read-x-once kernel alone (``mix_backward.start``, no autograd, no launch after it) at
     ``shape``, once for each of ``limits``: every wait gives up after that many polls (0: no wait
@@ -199,24 +243,10 @@ def diag(limits, shape=(37, 5, 4, 256), part="all", seconds=30.0):
             dx, dw, ws, flags, err = once.start(saved, pre, g_out, g_post, g_log, wk, cl, programs)
             print(f"{shape}, {part}: {wk} workers, {cl} closers, {flags.shape[1]} token blocks, SPIN_LIMIT "
                   f"{limit}: queued in {time.time() - t0:.1f} s", flush=True)
-            ended = torch.cuda.Event()
-            ended.record()
-            hf = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            he = torch.empty(err.shape, dtype=err.dtype, pin_memory=True)
             t1 = time.time()
-            while not ended.query() and time.time() - t1 < seconds:
-                time.sleep(1.0)
-                with torch.cuda.stream(side):  # copies, no kernel: they run beside it, which may hold every SM
-                    hf.copy_(flags, non_blocking=True)
-                    he.copy_(err, non_blocking=True)
-                side.synchronize()
-                print(f"  {time.time() - t1:5.1f} s: blocks with all (A) counts {int((hf[0] == workers).sum())}, "
-                      f"counts {int(hf[0].sum())}, blocks closed {int(hf[1].sum())}, waits given up {int(he[0])}",
-                      flush=True)
-            if not ended.query():
-                print(f"  not ended after {seconds:.0f} s", flush=True)
-                import os
-                os._exit(3)  # a CUDA teardown would wait for the kernel
+            watch(seconds, side, (flags, err), lambda hf, he: (
+                f"blocks with all (A) counts {int((hf[0] == wk).sum())}, counts {int(hf[0].sum())}, "
+                f"blocks closed {int(hf[1].sum())}, waits given up {int(he[0])}"))
             print(f"  ended in {time.time() - t1:.3f} s, waits given up {int(err.item())}", flush=True)
             for name, o, t in zip(("dx", "dW"), (dx, dw), two if part == "all" else ()):
                 print(f"  {name}: |one - two| {float((o.double() - t.double()).abs().max()):.3g} "
@@ -229,6 +259,8 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "check"
     if what == "check":
         check([(37, 5, 4, 256), (9, 2, 2, 512), (1000, 1, 4, 768), (3, 1, 4, 7168), (8192, 4, 4, 7168)])
+    elif what == "handoff":
+        handoff()
     elif what == "diag":
         diag([int(v) for v in sys.argv[2].split(",")],
              tuple(int(v) for v in sys.argv[3].split("x")) if len(sys.argv) > 3 else (37, 5, 4, 256),
