@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cutile_sass import sass  # noqa: E402
 from kernels.cutile._common import array  # noqa: E402
+from kernels.cutile.mix_backward import _read  # noqa: E402
 from kernels.cutile.proj_rms import _grad_products  # noqa: E402
 
 CI = ct.Constant[int]
@@ -52,19 +53,27 @@ def _poll(flags, s, order):
     return ct.load(flags, index=(s,), shape=(1,), memory_order=order, memory_scope=MemoryScope.DEVICE)
 
 
+def _wait_for(flags, s, WAIT):
+    """Wait until ``flags[s]`` is set: WAIT 0 not at all, 1 a tile load polled with acquire (each
+    thread its own), 2 the same relaxed, 3 the read-x-once kernel's atomic read (``mix_backward._read``:
+    one result for the program)."""
+    if WAIT == 1 or WAIT == 2:
+        order = MemoryOrder.ACQUIRE if WAIT == 1 else MemoryOrder.RELAXED
+        f = _poll(flags, s, order)
+        while ct.sum(f) == 0:
+            f = _poll(flags, s, order)
+    if WAIT == 3:
+        f = _read(flags, s)
+        while f == 0:
+            f = _read(flags, s)
+
+
 @ct.kernel
 def probe(x, flags, out, NB: ct.Constant[int], WAIT: ct.Constant[int]):
     kb = ct.bid(0)
     acc = ct.zeros((128,), dtype=ct.float32)
     for s in range(NB):
-        if WAIT == 1:
-            f = _poll(flags, s, MemoryOrder.ACQUIRE)
-            while ct.sum(f) == 0:
-                f = _poll(flags, s, MemoryOrder.ACQUIRE)
-        if WAIT == 2:
-            f = _poll(flags, s, MemoryOrder.RELAXED)
-            while ct.sum(f) == 0:
-                f = _poll(flags, s, MemoryOrder.RELAXED)
+        _wait_for(flags, s, WAIT)
         acc = acc + ct.sum(ct.load(x, index=(s, kb), shape=(64, 128)).astype(ct.float32), axis=0)
     ct.store(out, index=(kb,), tile=acc)
 
@@ -72,8 +81,7 @@ def probe(x, flags, out, NB: ct.Constant[int], WAIT: ct.Constant[int]):
 @ct.kernel
 def handoff(x, flags, out, WAIT: CI):
     """Program 0 raises ``flags[s]`` for every token block s in order (release); program j > 0 walks
-    x's column block j - 1 and, before each tile, waits for its flag: WAIT 0 no wait, 1 a tile load
-    polled (each thread its own), 3 an atomic read polled (one result for the program). The
+    x's column block j - 1 and, before each tile, waits for its flag (WAIT as ``_wait_for`` takes it). The
     smallest cross-program wait around TMA loads: ``dev/mix_once.py handoff`` runs it on a GPU."""
     b = ct.bid(0)
     nb = ct.num_tiles(x, axis=0, shape=(64, 128))
@@ -83,15 +91,7 @@ def handoff(x, flags, out, WAIT: CI):
     else:
         acc = ct.zeros((128,), dtype=ct.float32)
         for s in range(nb):
-            if WAIT == 1:
-                f = _poll(flags, s, MemoryOrder.ACQUIRE)
-                while ct.sum(f) == 0:
-                    f = _poll(flags, s, MemoryOrder.ACQUIRE)
-            if WAIT == 3:
-                f = ct.atomic_add(flags, (s,), 0, memory_order=MemoryOrder.ACQUIRE, memory_scope=MemoryScope.DEVICE)
-                while f == 0:
-                    f = ct.atomic_add(flags, (s,), 0, memory_order=MemoryOrder.ACQUIRE,
-                                      memory_scope=MemoryScope.DEVICE)
+            _wait_for(flags, s, WAIT)
             acc = acc + ct.sum(ct.load(x, index=(s, b - 1), shape=(64, 128)).astype(ct.float32), axis=0)
         ct.store(out, index=(b - 1,), tile=acc)
 

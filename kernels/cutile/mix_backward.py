@@ -165,7 +165,7 @@ def start(saved, pre, g_out, g_post, g_logits, workers: int, closers: int, progr
     another stream reads them while the kernel runs (``dev/mix_once.py diag``). ``programs``: launch
     only the first so many (the workers alone, for ``diag``); the default launches all."""
     x2d, weight, a3, bias, proj, r, rms = saved
-    m, k = x2d.shape
+    m = x2d.shape[0]
     n = pre.shape[1]
     c = g_out.shape[1]
     np_ = proj.shape[1]
