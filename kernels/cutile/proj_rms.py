@@ -214,8 +214,12 @@ BWD_TILE = (64, 256, SPLITS)
 AGG_TILE = BWD_TILE
 # the backward's ``num_worker_warps`` hint: None (tileiras picks; four warps, where the bf16 kernel
 # keeps a 16-24 byte stack, 3-6 LDL / STL offline) or 8 (no stack, 23-32 KB less shared memory
-# offline); not yet timed, so None ships and sweeps set it (docs/perf-notes.md, twenty-seventh session)
+# offline). Graph replay on an H100 at the paper shape (docs/perf-notes.md, twenty-ninth session):
+# without the aggregation term 8 is slower (1.456 against 1.398 ms, the same bits), with it
+# (mix_aggregate's whole backward) faster (2.459 against 2.718 ms); so 8 for the term's bf16
+# kernel only. Sweeps set these.
 BWD_WORKER_WARPS = None
+AGG_WORKER_WARPS = 8
 
 
 _HINTED = {}
@@ -284,7 +288,8 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
             raise ValueError(f"the aggregation term takes h_pre [M, n] and grad_out [M, C] with n * C = K for x2d "
                              f"{tuple(x2d.shape)}; got {tuple(hp.shape)} and {tuple(go.shape)}")
         mode = _agg_mode(c, bk // 2)
-    launch(_bwd_kernel(BWD_WORKER_WARPS), (cdiv(k, bk), splits),
+    warps = AGG_WORKER_WARPS if agg is not None and lowp else BWD_WORKER_WARPS
+    launch(_bwd_kernel(warps), (cdiv(k, bk), splits),
            (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode, max(1, c // (bk // 2)), c,
             next_pow2(hp.shape[1]) if mode else 1))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
@@ -355,9 +360,10 @@ def compile_checks() -> dict[str, bytes]:
                                                      bbk, 8, lowp, 0, 1, 1, 1])
         # mix_aggregate's aggregation term: grad_out as tiles (C = 7168) and gathered (C = 75)
         for mode, c in ((1, 7168), (2, 75)):
-            out[f"bwd-agg{mode}-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3),
-                                                                    array(f32, 2), a2, 24, 32, bbm, bbk, 8, lowp, mode,
-                                                                    max(1, c // (bbk // 2)), c, 4])
+            kernel = _bwd_kernel(AGG_WORKER_WARPS if lowp else BWD_WORKER_WARPS)  # as backward_packed launches it
+            out[f"bwd-agg{mode}-{dtype}"] = tile_ir(kernel, [a2, a2, array(f32, 2), a2, array(f32, 3),
+                                                     array(f32, 2), a2, 24, 32, bbm, bbk, 8, lowp, mode,
+                                                     max(1, c // (bbk // 2)), c, 4])
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
