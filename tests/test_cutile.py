@@ -77,21 +77,3 @@ def test_partial_sums_step_over_a_power_of_two_rows():
     assert rows_a_step(3) == 4 and rows_a_step(8) == 8 and rows_a_step(500, 128) == 128 and rows_a_step(0) == 1
 
 
-def test_the_read_x_once_backward_plans_one_program_a_sm_or_stands_aside():
-    """cuTile mix_aggregate's read-x-once backward (off by default) runs only where every program
-    fits at once, one a SM, with at least one closer, and on its bf16 tensor-core path with a
-    worker's 256 columns inside one stream; elsewhere ``plan`` is None and the two passes run."""
-    from mhctool.kernels.cutile import mix_aggregate as cmx
-    from mhctool.kernels.cutile import mix_backward as once
-
-    bf, f32 = torch.bfloat16, torch.float32
-    assert cmx.ONE_PASS is False
-    assert once.plan(32768, 4, 7168, bf, bf, 132) == (112, 20)  # the paper shape on an H100 / H200
-    assert once.plan(32768, 4, 7168, bf, bf, 120) == (112, 8)
-    assert once.plan(100, 4, 7168, bf, bf, 132) == (112, 2)  # no more closers than token blocks
-    assert once.plan(185, 4, 256, bf, bf, 132) == (4, 3)
-    for args in ((32768, 4, 7168, bf, bf, 112),  # no SM left for a closer
-                 (32768, 4, 7168, f32, f32, 132), (32768, 4, 7168, bf, f32, 132),  # not the tensor-core path
-                 (32768, 4, 7040, bf, bf, 132),  # a worker's columns would cross streams
-                 (0, 4, 7168, bf, bf, 132)):
-        assert once.plan(*args) is None, args

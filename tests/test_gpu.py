@@ -375,55 +375,6 @@ def test_cutile_mix_aggregate_adds_the_aggregation_gradient_on_both_paths(tmp_pa
     assert verdicts and all(verdicts)
 
 
-@pytest.mark.skipif(os.environ.get("MHCTOOL_TRY_ONE_PASS") != "1",
-                    reason="the read-x-once cuTile backward's launch has not ended on an H100 (docs/perf-notes.md, "
-                           "twenty-eighth session): a hang, not a failure; MHCTOOL_TRY_ONE_PASS=1 runs it")
-def test_cutile_mix_aggregate_backward_reading_x_once_matches_float64(monkeypatch):
-    """cuTile mix_aggregate's read-x-once backward (``mix_backward.py``, off by default), turned on:
-    at token counts off the 64-token block, n = 2 and 4, C = 256, 512, 768 (three workers a stream:
-    the closers' partial tile padded) and 7168 with one token block, into NaN-poisoned outputs: no
-    wait gives up, every gradient is written, matches float64 and the two passes, and repeats bit
-    for bit. Skips where the GPU has too few SMs for every program at once, and unless asked for:
-    the kernel hangs on the GPU as it stands (run ``dev/mix_once.py diag`` under ``timeout``)."""
-    from mhctool import cuda_context
-    from mhctool.kernels.cutile import mix_aggregate as cmx
-    from mhctool.kernels.cutile import mix_backward as once
-    from mhctool.poison import poisoning
-    from mhctool.references import mhc as ref
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for s, b, n, c in ((37, 5, 4, 256), (9, 2, 2, 512), (1000, 1, 4, 768), (3, 1, 4, 7168)):
-        if once.plan(s * b, n, c, torch.bfloat16, torch.bfloat16, sms) is None:
-            pytest.skip(f"{sms} SMs: too few for the read-x-once backward at C = {c}")
-        nr = n * n + 2 * n
-        x = torch.randn(s, b, n, c, generator=g, device="cuda").to(torch.bfloat16)
-        w = (torch.randn(nr, n * c, generator=g, device="cuda") / (n * c) ** 0.5).to(torch.bfloat16)
-        alpha = torch.rand(3, generator=g, device="cuda")
-        bias = 0.1 * torch.randn(nr, generator=g, device="cuda")
-        leaves = [t.clone().requires_grad_() for t in (x, w, alpha, bias)]
-        outs = cuda_context.bound(list(cmx.mix_aggregate(*leaves)))  # the context on autograd's thread
-        ups = [torch.randn(o.shape, generator=g, device="cuda").to(o.dtype) for o in outs]
-        runs = {}
-        for one_pass in (True, False):
-            monkeypatch.setattr(cmx, "ONE_PASS", one_pass)
-            with poisoning():
-                runs[one_pass] = [torch.autograd.grad(outs, leaves, ups, retain_graph=True) for _ in range(2)]
-            if one_pass:
-                assert once.LAST_ERR is not None and int(once.LAST_ERR.item()) == 0, (s, b, n, c)
-        for a, a2 in zip(*runs[True]):
-            assert torch.equal(a, a2), (s, b, n, c)
-        dd = [t.detach().double().requires_grad_() for t in leaves]
-        want = torch.autograd.grad(ref.mix_aggregate(*dd), dd, [u.double() for u in ups])
-        for name, got, two, ref_g in zip(("dx", "dW", "dalpha", "dbias"), runs[True][0], runs[False][0], want):
-            assert torch.isfinite(got).all(), (name, s, b, n, c)
-            scale = ref_g.abs().max()
-            err = ((got.double() - ref_g).abs().max() / scale).item()
-            tol = 2 ** -7 if got.dtype == torch.bfloat16 else 1e-5
-            assert err < tol, (name, s, b, n, c, err)
-            assert ((got.double() - two.double()).abs().max() / scale).item() < tol, (name, s, b, n, c)
-
-
 def test_cutile_mapping_backward_sums_bias_and_alpha_beside_dw():
     """The cuTile mapping backward: compute_h's backward gathers the three upstream gradients
     without the gathers' own bounds checks (its token mask covers them), and the bias / alpha

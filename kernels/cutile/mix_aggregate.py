@@ -16,18 +16,7 @@ import torch
 
 from . import h_aggregate as agg_
 from . import mapping as map_
-from . import mix_backward as once
 from .sinkhorn import sinkhorn_backward, sinkhorn_forward
-
-
-# the backward that reads x once (``mix_backward.py``) where its ``plan`` applies. Off: its launch
-# did not end on an H100 in the twenty-eighth session (docs/perf-notes.md); ``dev/mix_once.py`` and
-# the GPU test (with MHCTOOL_TRY_ONE_PASS=1) turn it on to check and time it
-ONE_PASS = False
-
-
-def _sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _MixAggregate(torch.autograd.Function):
@@ -52,13 +41,6 @@ class _MixAggregate(torch.autograd.Function):
         s, b, n, c = x.shape
         t = s * b
         g_log = None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps)
-        plan = None if g_out is None or not ONE_PASS else once.plan(t, n, c, x.dtype, saved[1].dtype, _sms(x.device))
-        if plan is not None:  # x read once from memory (mix_backward.py)
-            gq = map_.upstream(None if g_post is None else g_post.reshape(t, n), (t, n), x.device)
-            gl = map_.upstream(None if g_log is None else g_log.reshape(t, n, n), (t, n, n), x.device)
-            dx, dw, d_alpha, d_bias = once.backward(saved, pre.reshape(t, n), g_out.contiguous().reshape(t, c),
-                                                   gq, gl, *plan)
-            return dx.reshape(x.shape), dw, d_alpha, d_bias, None, None, None
         g_pre = None if g_out is None else agg_.backward(x, pre, g_out, write_dx=False)[1]
         dx, dw, d_alpha, d_bias = map_.backward(
             saved, None if g_pre is None else g_pre.reshape(t, n), None if g_post is None else g_post.reshape(t, n),
@@ -75,11 +57,9 @@ def mix_aggregate(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, 
 
 def compile_checks() -> dict[str, bytes]:
     """The kernels this path launches beyond the families' own: the aggregation's backward without
-    dx, the projection backward with the aggregation term (both of its paths) and the read-x-once
-    backward (``mix_backward.py``, off by default)."""
+    dx and the projection backward with the aggregation term (both of its paths)."""
     out = {k: v for k, v in agg_.compile_checks().items() if k.startswith("bwd") and k.endswith("False")}
     from . import proj_rms
     out.update({k: v for k, v in proj_rms.compile_checks().items() if "agg" in k})
     out["fwd-mapping"] = map_.compile_checks()["fwd-torch.bfloat16"]
-    out.update(once.compile_checks())
     return out
