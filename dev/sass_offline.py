@@ -5,10 +5,11 @@ machine can see what the device would run (with the device's Triton: 3.6 gave th
 registers and 18.7 KB of shared memory as ncu on the H200 for the FMA h_post_bda backward):
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
-    /tmp/t36/bin/python dev/sass_offline.py [--sass]
+    /tmp/t36/bin/python dev/sass_offline.py [--sass | --proj-agg]
 
 Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias), the
-registers, shared memory and the instruction histogram of the main loop. Pointers and C are
+registers, shared memory and the instruction histogram of the main loop; with ``--proj-agg``, the
+projection backward with mix_aggregate's aggregation term at its shipped tile and others (spills). Pointers and C are
 declared 16-byte divisible, as Triton specialises them at launch: without that the loads are
 neither vectorised nor pipelined and the figures mean nothing.
 """
@@ -63,7 +64,28 @@ def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
     return best[0], ops
 
 
+def proj_agg() -> None:
+    """The bf16 projection backward (``proj_rms._proj_rms_bwd_packed``) with mix_aggregate's
+    aggregation term (n = 4, C a whole number of K blocks) at the shipped tile and at others:
+    registers, shared memory, spill loads / stores (the twenty-ninth session's candidates)."""
+    from kernels.triton import proj_rms as pr
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "hi_ptr": "*bf16", "lo_ptr": "*bf16", "cf_ptr": "*fp32",
+           "dx_ptr": "*bf16", "ws_ptr": "*fp32", "hp_ptr": "*fp32", "go_ptr": "*bf16", "C": "i32", "M": "i32",
+           "K": "i32", "N": "i32"}
+    bm, bk, split, warps, stages = pr.LOWP_TILE
+    shipped = (bm, bk, warps, min(stages, pr.AGG_STAGES))
+    for tile in (shipped, (bm, bk, 8, 3), (bm, bk, warps, 2), (32, bk, warps, 3), (bm, 64, warps, 3)):
+        b_m, b_k, w, st = tile
+        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True)
+        res, sass = compile_sm90(pr._proj_rms_bwd_packed, sig, ce, w, st,
+                                 divisible=[k for k in sig if k.endswith("_ptr")] + ["C", "K"])
+        print(f"(BLOCK_M, BLOCK_K, warps, stages) {tile}{' (shipped)' if tile == shipped else ''}: {res}; "
+              f"LDL {len(re.findall(r'[^A-Z]LDL', sass))}, STL {len(re.findall(r'[^A-Z]STL', sass))}")
+
+
 def main() -> None:
+    if "--proj-agg" in sys.argv:
+        return proj_agg()
     from kernels.triton import h_post_bda as hpb
     common = {"h_ptr": "*fp32", "x_ptr": "*bf16", "hp_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
               "g_ptr": "*bf16", "dx_ptr": "*bf16", "dy_ptr": "*bf16"}
