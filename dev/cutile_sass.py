@@ -34,13 +34,12 @@ from kernels.cutile._common import array, tile_ir  # noqa: E402
 COUNTED = ("LDL", "STL", "HGMMA", "HMMA", "LDG", "STG", "LDGSTS", "UTMALDG", "UTMASTG", "LDS", "STS", "ATOMG")
 
 
-def sass(kernel, params: list, workdir: Path, name: str, gpu: str = "sm_90", timeout: float | None = None) -> str:
-    """The SASS text of ``kernel`` compiled for one signature (``params`` as for ``tile_ir``);
-    ``timeout``: seconds tileiras may take (``subprocess.TimeoutExpired`` past it)."""
+def sass(kernel, params: list, workdir: Path, name: str, gpu: str = "sm_90") -> str:
+    """The SASS text of ``kernel`` compiled for one signature (``params`` as for ``tile_ir``)."""
     bc, cubin = workdir / f"{name}.tileirbc", workdir / f"{name}.cubin"
     bc.write_bytes(tile_ir(kernel, params))  # the bytecode the CPU tests compile
     subprocess.run([os.environ.get("TILEIRAS", "tileiras"), f"--gpu-name={gpu}", "-o", str(cubin), str(bc)],
-                   check=True, capture_output=True, text=True, timeout=timeout)
+                   check=True, capture_output=True, text=True)
     text = subprocess.run([os.environ.get("NVDISASM", "nvdisasm"), "-c", str(cubin)], check=True,
                           capture_output=True, text=True).stdout
     (workdir / f"{name}.sass").write_text(text)

@@ -9,9 +9,10 @@ registers and 18.7 KB of shared memory as ncu on the H200 for the FMA h_post_bda
 
 Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias), the
 registers, shared memory and the instruction histogram of the main loop; with ``--proj-agg``, the
-projection backward with mix_aggregate's aggregation term at its shipped tile and others (spills). Pointers and C are
-declared 16-byte divisible, as Triton specialises them at launch: without that the loads are
-neither vectorised nor pipelined and the figures mean nothing.
+projection backward with mix_aggregate's aggregation term at its shipped tile and others
+(registers, shared memory, spills). Pointers and C are declared 16-byte divisible, as Triton
+specialises them at launch: without that the loads are neither vectorised nor pipelined and the
+figures mean nothing.
 """
 from __future__ import annotations
 

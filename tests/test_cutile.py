@@ -75,5 +75,3 @@ def test_partial_sums_step_over_a_power_of_two_rows():
             elif rows > cap:
                 assert got == cap, (rows, br, got)
     assert rows_a_step(3) == 4 and rows_a_step(8) == 8 and rows_a_step(500, 128) == 128 and rows_a_step(0) == 1
-
-

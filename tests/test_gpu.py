@@ -1,5 +1,4 @@
 """GPU tests (``pytest -m gpu`` on a CUDA machine); they skip cleanly without one."""
-import os
 import subprocess
 import sys
 from pathlib import Path

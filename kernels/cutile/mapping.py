@@ -85,24 +85,14 @@ def _mapping_bwd_h(proj, r, rms, alpha, bias, g_pre, g_post, g_logits, gc, ws, n
     i = ct.bid(0)
     cols = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, NP))
     rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
-    live = rows < ct.num_tiles(proj, axis=0, shape=(1, 1))  # tokens past M: masked, so no bounds checks
-    g = ct.gather(g_pre, (rows, cols), mask=live & (cols < n), check_bounds=False)
-    bwd_h_block(proj, r, rms, alpha, bias, g_post, g_logits, gc, ws, g, i, n, N, NP, BM, K)
-
-
-def bwd_h_block(proj, r, rms, alpha, bias, g_post, g_logits, gc, ws, g, i, n, N, NP, BM, K):
-    """compute_h's backward for token block i (``_mapping_bwd_h``'s body): ``g`` is the block's
-    H_pre gradient as an fp32 ``(BM, NP)`` tile (columns [0, n), zeros elsewhere); H_post's and the
-    logits' are gathered here. Writes the packed gradient's rows and the block's row of ``ws``."""
-    cols = ct.reshape(ct.arange(NP, dtype=ct.int32), (1, NP))
-    rows = ct.reshape(i * BM + ct.arange(BM, dtype=ct.int32), (BM, 1))
     p = ct.load(proj, index=(i, 0), shape=(BM, NP), padding_mode=ZERO)
     rt = ct.load(r, index=(i,), shape=(BM,), padding_mode=ZERO)
     mt = ct.load(rms, index=(i,), shape=(BM,), padding_mode=ZERO)
     h, ac = _h(p, rt, alpha, bias, cols, n, N, NP, BM)
     s = 1.0 / (1.0 + ct.exp(-h))
     live = rows < ct.num_tiles(proj, axis=0, shape=(1, 1))  # tokens past M: masked, so no bounds checks
-    g = (g + ct.gather(g_post, (rows, cols - n), mask=live & (cols >= n) & (cols < 2 * n), check_bounds=False)
+    g = (ct.gather(g_pre, (rows, cols), mask=live & (cols < n), check_bounds=False)
+         + ct.gather(g_post, (rows, cols - n), mask=live & (cols >= n) & (cols < 2 * n), check_bounds=False)
          + ct.gather(g_logits, (rows, cols - 2 * n), mask=live & (cols >= 2 * n) & (cols < N), check_bounds=False))
     dh = ct.where(cols < n, g * s * (1.0 - s), ct.where(cols < 2 * n, 2.0 * g * s * (1.0 - s), g))
     r2 = ct.reshape(rt, (BM, 1))
@@ -158,11 +148,6 @@ def forward(x2d, weight, alpha, h_bias, eps):
     return (pre, post, logits), (x2d, weight, a3, bias, proj, r, rms)
 
 
-def upstream(g, shape, device):
-    """An output's gradient as compute_h's backward takes it: fp32, contiguous, zeros for None."""
-    return torch.zeros(shape, dtype=torch.float32, device=device) if g is None else g.float().contiguous()
-
-
 def backward(saved, g_pre, g_post, g_logits, agg=None):
     """``(dx, dW, d alpha, d h_bias)`` from ``forward``'s ``saved`` and the outputs' gradients (None:
     zero). ``agg``: mix_aggregate's aggregation term, added to dx in the projection's pass (see
@@ -174,7 +159,16 @@ def backward(saved, g_pre, g_post, g_logits, agg=None):
     np_ = proj.shape[1]
     bm = BWD_H_BM
     dev = x2d.device
-    gp, gq, gl = upstream(g_pre, (m, n), dev), upstream(g_post, (m, n), dev), upstream(g_logits, (m, n, n), dev)
+    zeros = {}
+
+    def grad(g, shape):
+        if g is None:
+            if shape not in zeros:
+                zeros[shape] = torch.zeros(shape, dtype=torch.float32, device=dev)
+            return zeros[shape]
+        return g.float().contiguous()
+
+    gp, gq, gl = grad(g_pre, (m, n)), grad(g_post, (m, n)), grad(g_logits, (m, n, n))
     nb = cdiv(m, bm)
     k = x2d.shape[1]
     if _ng(nr) != np_:  # never for mHC's N = n^2 + 2n: N + 1 <= NP (n = 2: N = 8, NP = 16)

@@ -225,9 +225,11 @@ AGG_WORKER_WARPS = 8
 _HINTED = {}
 
 
-def _bwd_kernel(warps):
-    """``_proj_rms_bwd`` with a ``num_worker_warps`` hint (None: as declared), one object a value
-    (a kernel compiles once an object)."""
+def _bwd_kernel(agg: bool, lowp: bool):
+    """``_proj_rms_bwd`` as it launches: with ``AGG_WORKER_WARPS`` for the bf16 kernel with the
+    aggregation term, else ``BWD_WORKER_WARPS`` (None: as declared); one object a hint (a kernel
+    compiles once an object)."""
+    warps = AGG_WORKER_WARPS if agg and lowp else BWD_WORKER_WARPS
     if warps is None:
         return _proj_rms_bwd
     if warps not in _HINTED:
@@ -288,8 +290,7 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
             raise ValueError(f"the aggregation term takes h_pre [M, n] and grad_out [M, C] with n * C = K for x2d "
                              f"{tuple(x2d.shape)}; got {tuple(hp.shape)} and {tuple(go.shape)}")
         mode = _agg_mode(c, bk // 2)
-    warps = AGG_WORKER_WARPS if agg is not None and lowp else BWD_WORKER_WARPS
-    launch(_bwd_kernel(warps), (cdiv(k, bk), splits),
+    launch(_bwd_kernel(agg is not None, lowp), (cdiv(k, bk), splits),
            (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode, max(1, c // (bk // 2)), c,
             next_pow2(hp.shape[1]) if mode else 1))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
@@ -360,10 +361,9 @@ def compile_checks() -> dict[str, bytes]:
                                                      bbk, 8, lowp, 0, 1, 1, 1])
         # mix_aggregate's aggregation term: grad_out as tiles (C = 7168) and gathered (C = 75)
         for mode, c in ((1, 7168), (2, 75)):
-            kernel = _bwd_kernel(AGG_WORKER_WARPS if lowp else BWD_WORKER_WARPS)  # as backward_packed launches it
-            out[f"bwd-agg{mode}-{dtype}"] = tile_ir(kernel, [a2, a2, array(f32, 2), a2, array(f32, 3),
-                                                     array(f32, 2), a2, 24, 32, bbm, bbk, 8, lowp, mode,
-                                                     max(1, c // (bbk // 2)), c, 4])
+            out[f"bwd-agg{mode}-{dtype}"] = tile_ir(_bwd_kernel(True, lowp),
+                                                     [a2, a2, array(f32, 2), a2, array(f32, 3), array(f32, 2), a2, 24,
+                                                      32, bbm, bbk, 8, lowp, mode, max(1, c // (bbk // 2)), c, 4])
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
