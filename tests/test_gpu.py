@@ -353,6 +353,44 @@ def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
             assert err < 2 ** -7, (name, m, k, ns, err)  # bf16 outputs: one rounding, 2^-9 relative
 
 
+def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch):
+    """With mix_aggregate's aggregation term and C a whole number of the 128-column K block, the
+    bf16 projection backward loads x, the gradient's pieces and grad_out through TMA tensor
+    descriptors (``AGG_TMA``, two stages): dx and dW the same bits as the pointer loads' (three
+    stages) and within bf16 rounding of float64, at token counts off the 64-token tile, one token,
+    n = 2, 3, 4, into NaN-poisoned outputs; the descriptors are what ran."""
+    from mhctool.kernels.triton import proj_rms as tpr
+    from mhctool.poison import poisoning
+    from mhctool.references import mhc as ref
+
+    made = []
+    real = tpr._tma_args
+    monkeypatch.setattr(tpr, "_tma_args", lambda *a: made.append(real(*a)) or made[-1])
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for m, n, c in ((1007, 4, 256), (1, 4, 128), (130, 3, 2048), (77, 2, 384)):
+        k = n * c
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
+        agg = (torch.rand(m, n, generator=g, device="cuda"), torch.randn(m, c, generator=g, device="cuda").to(torch.bfloat16))
+        _, r, rms = tpr.proj_rms_forward(x, w, 1e-6)
+        runs = []
+        for tma in (True, False):
+            monkeypatch.setattr(tpr, "AGG_TMA", tma)
+            made.clear()
+            with poisoning():
+                runs.append(tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg))
+            assert (made[-1] is not None) if tma else not made, (m, n, c, tma)
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (m, n, c)
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
+        want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)
+        for name, got, want in (("dx", runs[0][0], want_dx), ("dW", runs[0][1], want_dw)):
+            assert torch.isfinite(got).all(), (name, m, n, c)
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 2 ** -7, (name, m, n, c, err)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_cutile_mix_aggregate_adds_the_aggregation_gradient_on_both_paths(tmp_path, dtype):
     """cuTile's mix_aggregate adds the aggregation's gradient of x inside the projection backward:

@@ -591,6 +591,34 @@ def test_proj_rms_backward_adds_the_aggregation_gradient_in_its_pass(lowp, n, c)
         tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=(h_pre, g_out[:, :5]))
 
 
+@pytest.mark.parametrize("m,n,c,agg", [(70, 4, 128, True), (1, 2, 256, True), (39, 4, 67, False), (130, 2, 130, False),
+                                       (70, 3, 37, True)])
+def test_tensor_core_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch, m, n, c, agg):
+    """The packed projection backward's loads through TMA tensor descriptors (``AGG_TMA`` with the
+    aggregation term, ``PLAIN_TMA`` forced on without it) against its pointer loads, under the
+    interpreter on fp32 operands (the tensor-core path forced on): the same bits for dx and dW at
+    token counts off the 64-token block, one token and K off the 128-column block (the engine's
+    zero fill standing in for the masks), into NaN-poisoned outputs; where grad_out's K block would
+    span two streams (C = 37) the descriptors are not made and the pointer loads run."""
+    k, nh = n * c, n * n + 2 * n
+    x, w = torch.randn(m, k), torch.randn(nh, k) / k ** 0.5
+    _, r, rms = tpr.proj_rms_forward(x, w)
+    gp, gr = torch.randn(m, nh), torch.randn(m)
+    ag = (torch.rand(m, n), torch.randn(m, c)) if agg else None
+    made = []
+    real = tpr._tma_args
+    monkeypatch.setattr(tpr, "_tma_args", lambda *a: made.append(real(*a)) or made[-1])
+    runs = []
+    for tma in (True, False):
+        monkeypatch.setattr(tpr, "AGG_TMA", tma)
+        monkeypatch.setattr(tpr, "PLAIN_TMA", tma)
+        with poisoning():
+            runs.append(tpr.proj_rms_backward(x, w, r, rms, gp, gr, lowp=True, agg=ag))
+    assert len(made) == 1 and (made[0] is None) == (agg and c % 128 != 0)
+    for a, b_ in zip(*runs):
+        assert torch.isfinite(a).all() and torch.equal(a, b_)
+
+
 def test_h_aggregate_backward_without_grad_x_gives_the_same_grad_h():
     x, h = torch.randn(5, 3, 4, 67), torch.rand(5, 3, 4)
     g = torch.randn(5, 3, 67)

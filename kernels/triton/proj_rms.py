@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mhctool.poison import empty
 
@@ -179,30 +180,38 @@ def store_split(g, coef, hi_ptr, lo_ptr, cf_ptr, rows, rmask, offs, ROUND: tl.co
 
 @triton.jit
 def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_K: tl.constexpr, ONE: tl.constexpr):
+              BLOCK_K: tl.constexpr, ONE: tl.constexpr, TMA: tl.constexpr = False, m0=0):
     """mix_aggregate's aggregation part of x's gradient on a ``[rows, k]`` tile of x2d (columns k =
     stream * C + channel): ``h_pre[t, stream] * grad_out[t, channel]``, in fp32. ``ONE`` (C a
     multiple of BLOCK_K, the paper shape): the program's K block lies in one stream, whose h_pre
     column is one load a row. Otherwise the stream of a column is picked from the row's NS weights
-    by a select per stream (a block may span several)."""
+    by a select per stream (a block may span several). ``TMA`` (with ``ONE`` only): ``go_ptr`` is
+    a tensor descriptor of grad_out with a ``[BLOCK_M, BLOCK_K]`` block, ``m0`` the tile's first
+    row (the engine fills rows past M with zeros)."""
     if ONE:
         st = (tl.program_id(0) * BLOCK_K) // C
-        go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
+        if TMA:
+            go = go_ptr.load([m0, tl.program_id(0) * BLOCK_K - st * C])
+        else:
+            go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
         hs = tl.load(hp_ptr + rows * NS + st, mask=rmask, other=0.0)
-        return hs[:, None] * go.to(tl.float32)
-    st = k // C
-    go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
-    hp = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for s in tl.static_range(NS):
-        hs = tl.load(hp_ptr + rows * NS + s, mask=rmask, other=0.0)
-        hp = tl.where(st[None, :] == s, hs[:, None], hp)
-    return hp * go.to(tl.float32)
+        term = hs[:, None] * go.to(tl.float32)
+    else:  # (a branch, not code after a return: Triton compiles that too)
+        st = k // C
+        go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
+        hp = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for s in tl.static_range(NS):
+            hs = tl.load(hp_ptr + rows * NS + s, mask=rmask, other=0.0)
+            hp = tl.where(st[None, :] == s, hs[:, None], hp)
+        term = hp * go.to(tl.float32)
+    return term
 
 
 @triton.jit
 def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                          NG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                         STAGES: tl.constexpr, NS: tl.constexpr = 0, AGG_ONE: tl.constexpr = False):
+                         STAGES: tl.constexpr, NS: tl.constexpr = 0, AGG_ONE: tl.constexpr = False,
+                         TMA: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the split gradient (``_split_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient comes as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -214,7 +223,10 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
     the aggregate's upstream gradient ``grad_out``) added to dx in fp32 before its one rounding, so
     that no pass writes that gradient and no other adds the two. (dx stored through a TMA tensor
     descriptor instead of by masked pointer stores took 1.03x as long alone and 1.18x with the
-    aggregation term on an H200: docs/perf-notes.md.)"""
+    aggregation term on an H200: docs/perf-notes.md.) ``TMA``: ``x_ptr``, ``hi_ptr``, ``lo_ptr``
+    (and with the term ``go_ptr``, C a multiple of BLOCK_K) are host tensor descriptors with
+    ``[BLOCK_M, BLOCK_K]``, ``[BLOCK_M, NG]`` and ``[BLOCK_M, BLOCK_K]`` blocks, their tiles loaded
+    by the TMA engine (zeros past M and K, as the masked loads' ``other``: the same bits)."""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NG)
@@ -227,17 +239,22 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
         rmask = rows < M
         mask = rmask[:, None] & kmask[None, :]
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
-        xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        goffs = rows.to(tl.int64)[:, None] * NG + cols[None, :]
-        g_hi = tl.load(hi_ptr + goffs, mask=rmask[:, None], other=0.0)
-        g_lo = tl.load(lo_ptr + goffs, mask=rmask[:, None], other=0.0)
+        if TMA:
+            xl = x_ptr.load([mb * BLOCK_M, tl.program_id(0) * BLOCK_K])
+            g_hi = hi_ptr.load([mb * BLOCK_M, 0])
+            g_lo = lo_ptr.load([mb * BLOCK_M, 0])
+        else:
+            xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            goffs = rows.to(tl.int64)[:, None] * NG + cols[None, :]
+            g_hi = tl.load(hi_ptr + goffs, mask=rmask[:, None], other=0.0)
+            g_lo = tl.load(lo_ptr + goffs, mask=rmask[:, None], other=0.0)
         coef = tl.load(cf_ptr + rows, mask=rmask, other=0.0)
         prod = tl.dot(g_hi, w, tl.dot(g_lo, w))
         xt = tl.trans(xl)
         dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
         if NS > 0:
-            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
+            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE, TMA, mb * BLOCK_M)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
@@ -295,10 +312,35 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
 # the gradient's split (``_split_grad``)
 LOWP_TILE = (64, 128, 8, 4, 4)
 PACK_M = 128
-# pipeline stages with mix_aggregate's aggregation term (``agg``, grad_out-sized tiles beside x's):
-# at LOWP_TILE four took 7.73 ms against 2.80 for three on an H200 (dev/mix_sweep.py), and at the
-# H100's (128, 128) tile four needed 280 KB of shared memory, past the 227 KB an SM has
+# pipeline stages with mix_aggregate's aggregation term (``agg``, grad_out-sized tiles beside x's)
+# where its loads are pointer loads (cp.async): at LOWP_TILE four took 7.73 ms against 2.80 for three
+# on an H200 (dev/mix_sweep.py), and at the H100's (128, 128) tile four needed 280 KB of shared
+# memory, past the 227 KB an SM has
 AGG_STAGES = 3
+# Loads by the TMA engine through host tensor descriptors (``_tma_args``: x, the gradient's pieces
+# and grad_out), the same bits as the pointer loads. With the aggregation term (AGG_TMA) at two
+# stages: mix_aggregate's whole backward 2.69 -> 2.52 ms in graph replay on an H100 (twice; 223
+# registers and 66 KB a program, two a SM, no spills, where the pointer loads at three stages spill;
+# three TMA stages 1.10x and one 1.61x the two-stage kernel alone; docs/perf-notes.md thirtieth
+# session). Without the term (PLAIN_TMA: proj_rms, the mapping) TMA was slower at 2, 3 and 4 stages
+# (1.04-1.12x the pointer loads alone), so it is off there.
+AGG_TMA = True
+AGG_TMA_STAGES = 2
+PLAIN_TMA = False
+
+
+def _tma_args(x2d, hi, lo, go, bm: int, bk: int):
+    """The packed backward's x, pieces and grad_out (None without the term) as host tensor
+    descriptors, or None where TMA cannot address one of them (base or row pitch not a multiple of
+    16 bytes) or where grad_out's K block would span two streams (C not a multiple of ``bk``)."""
+    ts = [t for t in (x2d, hi, lo, go) if t is not None]
+    if any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(1) != 1 for t in ts):
+        return None
+    if go is not None and go.shape[1] % bk:
+        return None
+    descs = [TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(hi, [bm, hi.shape[1]]),
+             TensorDescriptor.from_tensor(lo, [bm, lo.shape[1]])]
+    return (*descs, None if go is None else TensorDescriptor.from_tensor(go, [bm, bk]))
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
@@ -353,8 +395,6 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
 
     if lowp:
         bm, bk, split, warps, stages = tile_ or LOWP_TILE
-        if agg is not None and tile_ is None:
-            stages = min(stages, AGG_STAGES)  # grad_out's tiles take shared memory too
         split, ws = workspace(bm, split)
         if M:
             ng = piece_cols(N)
@@ -368,10 +408,16 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                 if hi.shape != (M, ng) or lo.shape != (M, ng) or cf.shape != (M,):
                     raise ValueError(f"proj_rms_backward's pieces are [M, {ng}] twice and [M]; got "
                                      f"{tuple(hi.shape)}, {tuple(lo.shape)} and {tuple(cf.shape)}")
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, c_agg,
+            descs = (_tma_args(x2d, hi, lo, go_arg if agg is not None else None, bm, bk)
+                     if (AGG_TMA if agg is not None else PLAIN_TMA) else None)
+            if agg is not None and tile_ is None:  # grad_out's tiles take shared memory too
+                stages = AGG_TMA_STAGES if descs else min(stages, AGG_STAGES)
+            x_a, hi_a, lo_a, go_a = descs or (x2d, hi, lo, go_arg)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x_a, weight, hi_a, lo_a, cf, dx, ws, hp_arg,
+                                                             go_arg if go_a is None else go_a, c_agg,
                                                              M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
-                                                             num_warps=warps)
+                                                             TMA=descs is not None, num_warps=warps)
         return (dx, *_finish(ws))
 
     def run(cfg):
