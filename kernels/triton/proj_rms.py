@@ -320,10 +320,11 @@ AGG_STAGES = 3
 # Loads by the TMA engine through host tensor descriptors (``_tma_args``: x, the gradient's pieces
 # and grad_out), the same bits as the pointer loads. With the aggregation term (AGG_TMA) at two
 # stages: mix_aggregate's whole backward 2.69 -> 2.52 ms in graph replay on an H100 (twice; 223
-# registers and 66 KB a program, two a SM, no spills, where the pointer loads at three stages spill;
-# three TMA stages 1.10x and one 1.61x the two-stage kernel alone; docs/perf-notes.md thirtieth
-# session). Without the term (PLAIN_TMA: proj_rms, the mapping) TMA was slower at 2, 3 and 4 stages
-# (1.04-1.12x the pointer loads alone), so it is off there.
+# registers and 66 KB a program, two a SM, no spills; three TMA stages took 1.10x and one 1.61x the
+# two-stage kernel alone; the pointer loads at two stages, spill-free too, were within noise of
+# three in the twenty-fifth session: docs/perf-notes.md thirtieth session). Without the term
+# (PLAIN_TMA: proj_rms, the mapping) TMA was slower at 2, 3 and 4 stages (1.04-1.12x the pointer
+# loads alone), so it is off there.
 AGG_TMA = True
 AGG_TMA_STAGES = 2
 PLAIN_TMA = False
