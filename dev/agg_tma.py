@@ -5,8 +5,10 @@ CUDA-event timings of ``proj_rms_backward`` (the kernel and dW's sum) from given
 
     python3 dev/agg_tma.py ["[(agg, {FLAG: value, ...}), ...]"]
 
-(agg: True for the term; FLAG: a proj_rms module flag such as AGG_TMA, PLAIN_TMA, AGG_TMA_STAGES,
-LOWP_TILE; every variant sets the flags it relies on, since they persist.)
+(agg: True for the term; FLAG: a proj_rms module flag such as AGG_TMA, PLAIN_TMA, TMA_STORE,
+AGG_TMA_STAGES, LOWP_TILE; every variant sets the flags it relies on, since they persist. The
+default: the term's kernel by pointers, by TMA loads, by TMA loads and store; the kernel without
+it by pointers and by TMA loads and store.)
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ def main() -> None:
     pieces = (hi, (grad - hi.float()).bfloat16(), torch.randn(M, device="cuda", generator=g) * 1e-3)
     agg = (torch.rand(M, n, device="cuda", generator=g), torch.randn(M, C, device="cuda", generator=g).bfloat16())
     r = rms = torch.ones(M, device="cuda")
-    default = [(True, {"AGG_TMA": False}), (True, {"AGG_TMA": True}), (False, {"PLAIN_TMA": False}),
-               (False, {"PLAIN_TMA": True})]
+    default = [(True, {"AGG_TMA": False, "TMA_STORE": False}), (True, {"AGG_TMA": True, "TMA_STORE": False}),
+               (True, {"AGG_TMA": True, "TMA_STORE": True}), (False, {"PLAIN_TMA": False, "TMA_STORE": False}),
+               (False, {"PLAIN_TMA": True, "TMA_STORE": True})]
     cands = ast.literal_eval(sys.argv[1]) if len(sys.argv) > 1 else default
 
     def variant(with_agg, flags):

@@ -72,18 +72,20 @@ def proj_agg() -> None:
     memory, spill loads / stores."""
     from kernels.triton import proj_rms as pr
     bm, bk, split, warps, stages = pr.LOWP_TILE
-    shipped = (bm, bk, warps, pr.AGG_TMA_STAGES, True) if pr.AGG_TMA else (bm, bk, warps, min(stages, pr.AGG_STAGES), False)
-    for tile in (shipped, (bm, bk, warps, 3, True), (bm, bk, warps, 3, False), (bm, bk, 8, 3, False),
-                 (bm, bk, warps, 2, False), (32, bk, warps, 3, False), (bm, 64, warps, 3, False)):
-        b_m, b_k, w, st, tma = tile
+    shipped = ((bm, bk, warps, pr.AGG_TMA_STAGES, True, pr.TMA_STORE) if pr.AGG_TMA
+               else (bm, bk, warps, min(stages, pr.AGG_STAGES), False, False))
+    for tile in (shipped, (bm, bk, warps, 2, True, True), (bm, bk, warps, 3, True, False), (bm, bk, warps, 3, False, False),
+                 (bm, bk, 8, 3, False, False), (bm, bk, warps, 2, False, False), (32, bk, warps, 3, False, False),
+                 (bm, 64, warps, 3, False, False)):
+        b_m, b_k, w, st, tma, store = tile
         desc = (lambda cols: f"tensordesc<bf16[{b_m},{cols}]>") if tma else (lambda cols: "*bf16")
         sig = {"x_ptr": desc(b_k), "w_ptr": "*bf16", "hi_ptr": desc(32), "lo_ptr": desc(32), "cf_ptr": "*fp32",
-               "dx_ptr": "*bf16", "ws_ptr": "*fp32", "hp_ptr": "*fp32", "go_ptr": desc(b_k), "C": "i32", "M": "i32",
-               "K": "i32", "N": "i32"}
-        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True, TMA=tma)
+               "dx_ptr": desc(b_k) if store else "*bf16", "ws_ptr": "*fp32", "hp_ptr": "*fp32", "go_ptr": desc(b_k),
+               "C": "i32", "M": "i32", "K": "i32", "N": "i32"}
+        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True, TMA=tma, DX_TMA=store)
         res, sass = compile_sm90(pr._proj_rms_bwd_packed, sig, ce, w, st,
                                  divisible=[k for k in sig if k.endswith("_ptr")] + ["C", "K"])
-        print(f"(BLOCK_M, BLOCK_K, warps, stages, TMA) {tile}{' (shipped)' if tile == shipped else ''}: {res}; "
+        print(f"(BLOCK_M, BLOCK_K, warps, stages, TMA loads, TMA store) {tile}{' (shipped)' if tile == shipped else ''}: {res}; "
               f"LDL {len(re.findall(r'[^A-Z]LDL', sass))}, STL {len(re.findall(r'[^A-Z]STL', sass))}")
 
 

@@ -358,7 +358,8 @@ def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkey
     bf16 projection backward loads x, the gradient's pieces and grad_out through TMA tensor
     descriptors (``AGG_TMA``, two stages): dx and dW the same bits as the pointer loads' (three
     stages) and within bf16 rounding of float64, at token counts off the 64-token tile, one token,
-    n = 2, 3, 4, into NaN-poisoned outputs; the descriptors are what ran."""
+    n = 2, 3, 4, into NaN-poisoned outputs; the descriptors are what ran. dx stored through a
+    descriptor too (``TMA_STORE``, off by default): the same bits."""
     from mhctool.kernels.triton import proj_rms as tpr
     from mhctool.poison import poisoning
     from mhctool.references import mhc as ref
@@ -375,13 +376,15 @@ def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkey
         agg = (torch.rand(m, n, generator=g, device="cuda"), torch.randn(m, c, generator=g, device="cuda").to(torch.bfloat16))
         _, r, rms = tpr.proj_rms_forward(x, w, 1e-6)
         runs = []
-        for tma in (True, False):
+        for tma, store in ((True, False), (False, False), (True, True)):
             monkeypatch.setattr(tpr, "AGG_TMA", tma)
+            monkeypatch.setattr(tpr, "TMA_STORE", store)
             made.clear()
             with poisoning():
                 runs.append(tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg))
-            assert (made[-1] is not None) if tma else not made, (m, n, c, tma)
-        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (m, n, c)
+            assert (made[-1] is not None and (made[-1][4] is not None) == store) if tma else not made, (m, n, c, tma)
+        for run in runs[1:]:
+            assert torch.equal(runs[0][0], run[0]) and torch.equal(runs[0][1], run[1]), (m, n, c)
         xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
         want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
         want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)

@@ -595,11 +595,12 @@ def test_proj_rms_backward_adds_the_aggregation_gradient_in_its_pass(lowp, n, c)
                                        (70, 3, 37, True)])
 def test_tensor_core_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch, m, n, c, agg):
     """The packed projection backward's loads through TMA tensor descriptors (``AGG_TMA`` with the
-    aggregation term, ``PLAIN_TMA`` forced on without it) against its pointer loads, under the
-    interpreter on fp32 operands (the tensor-core path forced on): the same bits for dx and dW at
-    token counts off the 64-token block, one token and K off the 128-column block (the engine's
-    zero fill standing in for the masks), into NaN-poisoned outputs; where grad_out's K block would
-    span two streams (C = 37) the descriptors are not made and the pointer loads run."""
+    aggregation term, ``PLAIN_TMA`` forced on without it), and with dx stored through one too
+    (``TMA_STORE``), against its pointer loads and stores, under the interpreter on fp32 operands
+    (the tensor-core path forced on): the same bits for dx and dW at token counts off the 64-token
+    block, one token and K off the 128-column block (the engine's zero fill and clipping standing
+    in for the masks), into NaN-poisoned outputs; where grad_out's K block would span two streams
+    (C = 37) the descriptors are not made and the pointer loads run."""
     k, nh = n * c, n * n + 2 * n
     x, w = torch.randn(m, k), torch.randn(nh, k) / k ** 0.5
     _, r, rms = tpr.proj_rms_forward(x, w)
@@ -609,14 +610,17 @@ def test_tensor_core_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch,
     real = tpr._tma_args
     monkeypatch.setattr(tpr, "_tma_args", lambda *a: made.append(real(*a)) or made[-1])
     runs = []
-    for tma in (True, False):
+    for tma, store in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(tpr, "AGG_TMA", tma)
         monkeypatch.setattr(tpr, "PLAIN_TMA", tma)
+        monkeypatch.setattr(tpr, "TMA_STORE", store)
         with poisoning():
             runs.append(tpr.proj_rms_backward(x, w, r, rms, gp, gr, lowp=True, agg=ag))
-    assert len(made) == 1 and (made[0] is None) == (agg and c % 128 != 0)
-    for a, b_ in zip(*runs):
-        assert torch.isfinite(a).all() and torch.equal(a, b_)
+    assert len(made) == 2 and all((d is None) == (agg and c % 128 != 0) for d in made)
+    assert made[1] is None or made[1][4] is not None  # the store's descriptor where TMA runs
+    for run in runs[1:]:
+        for a, b_ in zip(run, runs[0]):
+            assert torch.isfinite(a).all() and torch.equal(a, b_)
 
 
 def test_h_aggregate_backward_without_grad_x_gives_the_same_grad_h():

@@ -211,7 +211,7 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M
 def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                          NG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                          STAGES: tl.constexpr, NS: tl.constexpr = 0, AGG_ONE: tl.constexpr = False,
-                         TMA: tl.constexpr = False):
+                         TMA: tl.constexpr = False, DX_TMA: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the split gradient (``_split_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient comes as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -226,7 +226,9 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
     aggregation term on an H200: docs/perf-notes.md.) ``TMA``: ``x_ptr``, ``hi_ptr``, ``lo_ptr``
     (and with the term ``go_ptr``, C a multiple of BLOCK_K) are host tensor descriptors with
     ``[BLOCK_M, BLOCK_K]``, ``[BLOCK_M, NG]`` and ``[BLOCK_M, BLOCK_K]`` blocks, their tiles loaded
-    by the TMA engine (zeros past M and K, as the masked loads' ``other``: the same bits)."""
+    by the TMA engine (zeros past M and K, as the masked loads' ``other``: the same bits).
+    ``DX_TMA`` (with ``TMA``): ``dx_ptr`` is a tensor descriptor of dx with a ``[BLOCK_M,
+    BLOCK_K]`` block, each tile stored through it (the engine clips it at M and K)."""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NG)
@@ -255,7 +257,10 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
         dx = prod + coef[:, None] * xl.to(tl.float32)
         if NS > 0:
             dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE, TMA, mb * BLOCK_M)
-        tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
+        if DX_TMA:
+            dx_ptr.store([mb * BLOCK_M, tl.program_id(0) * BLOCK_K], cast(dx, xl.dtype))
+        else:
+            tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
 
@@ -328,20 +333,25 @@ AGG_STAGES = 3
 AGG_TMA = True
 AGG_TMA_STAGES = 2
 PLAIN_TMA = False
+# dx stored through a tensor descriptor too, where the loads are (not timed: off until a GPU says;
+# offline with the term at two stages 216 registers and 74 KB, no spills, against 223 and 66 KB;
+# the twenty-fourth session's TMA store beside pointer loads at three stages took 1.18x)
+TMA_STORE = False
 
 
-def _tma_args(x2d, hi, lo, go, bm: int, bk: int):
-    """The packed backward's x, pieces and grad_out (None without the term) as host tensor
-    descriptors, or None where TMA cannot address one of them (base or row pitch not a multiple of
-    16 bytes) or where grad_out's K block would span two streams (C not a multiple of ``bk``)."""
-    ts = [t for t in (x2d, hi, lo, go) if t is not None]
+def _tma_args(x2d, hi, lo, go, dx, bm: int, bk: int):
+    """The packed backward's x, pieces, grad_out and dx (either None where not wanted) as host
+    tensor descriptors, or None where TMA cannot address one of them (base or row pitch not a
+    multiple of 16 bytes) or where grad_out's K block would span two streams (C not a multiple of
+    ``bk``)."""
+    ts = [t for t in (x2d, hi, lo, go, dx) if t is not None]
     if any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(1) != 1 for t in ts):
         return None
     if go is not None and go.shape[1] % bk:
         return None
     descs = [TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(hi, [bm, hi.shape[1]]),
              TensorDescriptor.from_tensor(lo, [bm, lo.shape[1]])]
-    return (*descs, None if go is None else TensorDescriptor.from_tensor(go, [bm, bk]))
+    return (*descs, *(None if t is None else TensorDescriptor.from_tensor(t, [bm, bk]) for t in (go, dx)))
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
@@ -409,16 +419,17 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                 if hi.shape != (M, ng) or lo.shape != (M, ng) or cf.shape != (M,):
                     raise ValueError(f"proj_rms_backward's pieces are [M, {ng}] twice and [M]; got "
                                      f"{tuple(hi.shape)}, {tuple(lo.shape)} and {tuple(cf.shape)}")
-            descs = (_tma_args(x2d, hi, lo, go_arg if agg is not None else None, bm, bk)
+            descs = (_tma_args(x2d, hi, lo, go_arg if agg is not None else None, dx if TMA_STORE else None, bm, bk)
                      if (AGG_TMA if agg is not None else PLAIN_TMA) else None)
             if agg is not None and tile_ is None:  # grad_out's tiles take shared memory too
                 stages = AGG_TMA_STAGES if descs else min(stages, AGG_STAGES)
-            x_a, hi_a, lo_a, go_a = descs or (x2d, hi, lo, go_arg)
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x_a, weight, hi_a, lo_a, cf, dx, ws, hp_arg,
-                                                             go_arg if go_a is None else go_a, c_agg,
+            x_a, hi_a, lo_a, go_a, dx_a = descs or (x2d, hi, lo, go_arg, dx)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x_a, weight, hi_a, lo_a, cf, dx if dx_a is None else dx_a,
+                                                             ws, hp_arg, go_arg if go_a is None else go_a, c_agg,
                                                              M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
-                                                             TMA=descs is not None, num_warps=warps)
+                                                             TMA=descs is not None, DX_TMA=descs is not None and TMA_STORE,
+                                                             num_warps=warps)
         return (dx, *_finish(ws))
 
     def run(cfg):
