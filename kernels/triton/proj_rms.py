@@ -423,12 +423,13 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                      if (AGG_TMA if agg is not None else PLAIN_TMA) else None)
             if agg is not None and tile_ is None:  # grad_out's tiles take shared memory too
                 stages = AGG_TMA_STAGES if descs else min(stages, AGG_STAGES)
-            x_a, hi_a, lo_a, go_a, dx_a = descs or (x2d, hi, lo, go_arg, dx)
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x_a, weight, hi_a, lo_a, cf, dx if dx_a is None else dx_a,
-                                                             ws, hp_arg, go_arg if go_a is None else go_a, c_agg,
+            # each operand as its descriptor where one was made, else the tensor
+            x_a, hi_a, lo_a, go_a, dx_a = (t if d is None else d
+                                           for d, t in zip(descs or (None,) * 5, (x2d, hi, lo, go_arg, dx)))
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x_a, weight, hi_a, lo_a, cf, dx_a, ws, hp_arg, go_a, c_agg,
                                                              M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
-                                                             TMA=descs is not None, DX_TMA=descs is not None and TMA_STORE,
+                                                             TMA=descs is not None, DX_TMA=dx_a is not dx,
                                                              num_warps=warps)
         return (dx, *_finish(ws))
 
