@@ -6,9 +6,9 @@ CUDA-event timings of ``proj_rms_backward`` (the kernel and dW's sum) from given
     python3 dev/agg_tma.py ["[(agg, {FLAG: value, ...}), ...]"]
 
 (agg: True for the term; FLAG: a proj_rms module flag such as AGG_TMA, PLAIN_TMA, TMA_STORE,
-AGG_TMA_STAGES, LOWP_TILE; every variant sets the flags it relies on, since they persist. The
-default: the term's kernel by pointers, by TMA loads, by TMA loads and store; the kernel without
-it by pointers and by TMA loads and store.)
+GROUP_STREAMS, AGG_TMA_STAGES, LOWP_TILE; every variant sets the flags it relies on, since they
+persist. The default: the term's kernel by pointers and by TMA loads, the streams' programs side by
+side and in the plain order; the kernel without it by pointers and by TMA loads and store.)
 """
 from __future__ import annotations
 
@@ -36,9 +36,11 @@ def main() -> None:
     pieces = (hi, (grad - hi.float()).bfloat16(), torch.randn(M, device="cuda", generator=g) * 1e-3)
     agg = (torch.rand(M, n, device="cuda", generator=g), torch.randn(M, C, device="cuda", generator=g).bfloat16())
     r = rms = torch.ones(M, device="cuda")
-    default = [(True, {"AGG_TMA": False, "TMA_STORE": False}), (True, {"AGG_TMA": True, "TMA_STORE": False}),
-               (True, {"AGG_TMA": True, "TMA_STORE": True}), (False, {"PLAIN_TMA": False, "TMA_STORE": False}),
-               (False, {"PLAIN_TMA": True, "TMA_STORE": True})]
+    default = [(True, {"AGG_TMA": False, "TMA_STORE": False, "GROUP_STREAMS": True}),
+               (True, {"AGG_TMA": True, "TMA_STORE": False, "GROUP_STREAMS": True}),
+               (True, {"AGG_TMA": False, "TMA_STORE": False, "GROUP_STREAMS": False}),
+               (True, {"AGG_TMA": True, "TMA_STORE": False, "GROUP_STREAMS": False}),
+               (False, {"PLAIN_TMA": False, "TMA_STORE": False}), (False, {"PLAIN_TMA": True, "TMA_STORE": True})]
     cands = ast.literal_eval(sys.argv[1]) if len(sys.argv) > 1 else default
 
     def variant(with_agg, flags):

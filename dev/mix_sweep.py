@@ -10,7 +10,8 @@ the bench times, without the eager launches' host overhead)
 (each backward's launches under torch.profiler: device time per kernel, five backwards each)
     python3 dev/mix_sweep.py cutile ["[(bm, bk, splits), ((bm, bk, splits), {MODULE_FLAG: value}), ...]"]
 (cuTile's mix_aggregate backward beside Triton's, at cuTile's AGG_TILE or the tiles given, each
-with proj_rms module flags set, e.g. {"BC_SUM": 512}; dx of each against the first variant's.
+with proj_rms module flags set, e.g. {"BC_SUM": 512}; dx of each against the first variant's;
+"graph cutile [...]" replays each captured)
 Ordering the projection backward's programs so that the n over the same channels of the n
 streams ran side by side changed neither: Triton 2.861 / 2.848 ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
 import ast, importlib, sys, torch
@@ -47,9 +48,14 @@ if sys.argv[1:] == ["profile"]:
         for us,cnt,key in sorted(rows,reverse=True)[:12]: print(f"  {us:9.1f} us  x{cnt}  {key[:90]}",flush=True)
         print(f"  total {sum(r[0] for r in rows):.1f} us",flush=True)
     sys.exit(0)
-if sys.argv[1:2] == ["cutile"]:
+rest=sys.argv[2:] if graph else sys.argv[1:]
+if rest[:1] == ["cutile"]:
     from kernels.cutile import mix_aggregate as cmx, proj_rms as cpr
-    couts=cmx.mix_aggregate(x,w,a,hb)
+    if graph:  # the forward on the side stream, as Triton's above
+        with torch.cuda.stream(fs): couts=cmx.mix_aggregate(x,w,a,hb)
+        torch.cuda.current_stream().wait_stream(fs)
+    else:
+        couts=cmx.mix_aggregate(x,w,a,hb)
     def cbwd(v):
         tile,flags=(v if isinstance(v[0],tuple) else (v,{}))
         def run():
@@ -57,7 +63,7 @@ if sys.argv[1:2] == ["cutile"]:
             for key,val in flags.items(): setattr(cpr,key,val)
             return torch.autograd.grad(couts,[x,w,a,hb],ups,retain_graph=True)
         return run
-    cvs=ast.literal_eval(sys.argv[2]) if len(sys.argv)>2 else [cpr.AGG_TILE]
+    cvs=ast.literal_eval(rest[1]) if len(rest)>1 else [cpr.AGG_TILE]
     ref=None
     bwd()  # the autograd thread's CUDA context first: a cuTile launch there before any other failed
     for v in cvs:  # each variant's gradients against the first's (max abs difference, bits equal or not)
@@ -78,8 +84,7 @@ else:
                 setattr(importlib.import_module(f"kernels.triton.{mod}") if mod else pr,name,val)
             bwd()
         return run
-    args=sys.argv[2:] if graph else sys.argv[1:]
-    vs=ast.literal_eval(args[0]) if args else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
+    vs=ast.literal_eval(rest[0]) if rest else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
 if graph:
     from mhctool.bench import _graphed

@@ -316,6 +316,44 @@ def test_cutile_projection_backward_halves_cover_odd_k():
             assert err < 2 ** -7, (name, m, k, err)  # bf16 outputs: one rounding, 2^-9 relative
 
 
+def test_cutile_projection_backward_streams_side_by_side_give_the_same_bits(monkeypatch):
+    """cuTile's projection backward with mix_aggregate's aggregation term, where C is a whole number
+    of the 256-column K block: its programs launched with the n streams over the same channels side
+    by side (``GROUP_STREAMS``) give dx and dW the same bits as the plain order (a permutation of
+    the same programs), at token counts off the 64-token tile, n = 2, 3, 4 and C of 1, 2 and 3
+    blocks, into NaN-poisoned outputs, within bf16 rounding of float64; at C = 384 (not a whole
+    block) the plain order runs either way."""
+    from mhctool.kernels.cutile import proj_rms as cpr
+    from mhctool.poison import poisoning
+    from mhctool.references import mhc as ref
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for m, n, c in ((1007, 4, 256), (130, 3, 768), (77, 2, 512), (65, 4, 384)):
+        k = n * c
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
+        agg = (torch.rand(m, n, generator=g, device="cuda"), torch.randn(m, c, generator=g, device="cuda").to(torch.bfloat16))
+        _, r, rms = cpr.forward(x, w, 1e-6)
+        gc = torch.empty(m, cpr._ng(24), device="cuda")
+        cpr.launch(cpr._pack_grad, (cpr.cdiv(m, cpr.BM_PACK),), (x, gp, gr, r, rms, gc, 24, cpr._ng(24), cpr.BM_PACK))
+        runs = []
+        for group in (False, True):
+            monkeypatch.setattr(cpr, "GROUP_STREAMS", group)
+            dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
+            with poisoning():
+                cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
+            runs.append((dx, dw))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (m, n, c)
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
+        want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)
+        for name, got, want in (("dx", runs[1][0], want_dx), ("dW", runs[1][1], want_dw)):
+            assert torch.isfinite(got).all(), (name, m, n, c)
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 2 ** -7, (name, m, n, c, err)
+
+
 @pytest.mark.parametrize("tf32", [False, True])
 def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
     """The Triton bf16 projection backward (the gradient split once into two bf16 pieces by
@@ -356,10 +394,12 @@ def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
 def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch):
     """With mix_aggregate's aggregation term and C a whole number of the 128-column K block, the
     bf16 projection backward loads x, the gradient's pieces and grad_out through TMA tensor
-    descriptors (``AGG_TMA``, two stages): dx and dW the same bits as the pointer loads' (three
-    stages) and within bf16 rounding of float64, at token counts off the 64-token tile, one token,
-    n = 2, 3, 4, into NaN-poisoned outputs; the descriptors are what ran. dx stored through a
-    descriptor too (``TMA_STORE``, off by default): the same bits."""
+    descriptors (``AGG_TMA``, two stages; off by default): dx and dW the same bits as the pointer
+    loads' (three stages) and within bf16 rounding of float64, at token counts off the 64-token
+    tile, one token, n = 2, 3, 4, into NaN-poisoned outputs; the descriptors are what ran. dx
+    stored through a descriptor too (``TMA_STORE``, off by default), and the streams' programs
+    in the plain order or side by side (``GROUP_STREAMS``, on by default), by either load: the
+    same bits."""
     from mhctool.kernels.triton import proj_rms as tpr
     from mhctool.poison import poisoning
     from mhctool.references import mhc as ref
@@ -376,9 +416,11 @@ def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkey
         agg = (torch.rand(m, n, generator=g, device="cuda"), torch.randn(m, c, generator=g, device="cuda").to(torch.bfloat16))
         _, r, rms = tpr.proj_rms_forward(x, w, 1e-6)
         runs = []
-        for tma, store in ((True, False), (False, False), (True, True)):
+        for tma, store, group in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
+                                  (False, False, True)):
             monkeypatch.setattr(tpr, "AGG_TMA", tma)
             monkeypatch.setattr(tpr, "TMA_STORE", store)
+            monkeypatch.setattr(tpr, "GROUP_STREAMS", group)
             made.clear()
             with poisoning():
                 runs.append(tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg))

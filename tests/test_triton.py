@@ -591,12 +591,13 @@ def test_proj_rms_backward_adds_the_aggregation_gradient_in_its_pass(lowp, n, c)
         tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=(h_pre, g_out[:, :5]))
 
 
-@pytest.mark.parametrize("m,n,c,agg", [(70, 4, 128, True), (1, 2, 256, True), (39, 4, 67, False), (130, 2, 130, False),
+@pytest.mark.parametrize("m,n,c,agg", [(70, 4, 256, True), (1, 2, 256, True), (39, 4, 67, False), (130, 2, 130, False),
                                        (70, 3, 37, True)])
 def test_tensor_core_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch, m, n, c, agg):
     """The packed projection backward's loads through TMA tensor descriptors (``AGG_TMA`` with the
     aggregation term, ``PLAIN_TMA`` forced on without it), and with dx stored through one too
-    (``TMA_STORE``), against its pointer loads and stores, under the interpreter on fp32 operands
+    (``TMA_STORE``), and with the streams' programs side by side (``GROUP_STREAMS``, by either
+    load), against its pointer loads and stores, under the interpreter on fp32 operands
     (the tensor-core path forced on): the same bits for dx and dW at token counts off the 64-token
     block, one token and K off the 128-column block (the engine's zero fill and clipping standing
     in for the masks), into NaN-poisoned outputs; where grad_out's K block would span two streams
@@ -610,13 +611,15 @@ def test_tensor_core_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch,
     real = tpr._tma_args
     monkeypatch.setattr(tpr, "_tma_args", lambda *a: made.append(real(*a)) or made[-1])
     runs = []
-    for tma, store in ((False, False), (True, False), (True, True)):
+    for tma, store, group in ((False, False, False), (True, False, False), (True, True, False), (False, False, True),
+                              (True, False, True)):
         monkeypatch.setattr(tpr, "AGG_TMA", tma)
         monkeypatch.setattr(tpr, "PLAIN_TMA", tma)
         monkeypatch.setattr(tpr, "TMA_STORE", store)
+        monkeypatch.setattr(tpr, "GROUP_STREAMS", group)
         with poisoning():
             runs.append(tpr.proj_rms_backward(x, w, r, rms, gp, gr, lowp=True, agg=ag))
-    assert len(made) == 2 and all((d is None) == (agg and c % 128 != 0) for d in made)
+    assert len(made) == 3 and all((d is None) == (agg and c % 128 != 0) for d in made)
     assert made[1] is None or made[1][4] is not None  # the store's descriptor where TMA runs
     for run in runs[1:]:
         for a, b_ in zip(run, runs[0]):

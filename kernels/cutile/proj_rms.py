@@ -171,7 +171,7 @@ def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, 
 
 @ct.kernel
 def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
-                  LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt, NPN: ConstInt):
+                  LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt, NPN: ConstInt, GROUP: ConstInt = 0):
     """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + coef x`` and the split's
     ``dW[:, k block] = sum gP^T x`` into ``ws[s]``, from the packed gradient ``gc`` (``_pack_grad``;
     W's rows past N load as zeros, so its factor column adds nothing to ``gP W``, and dW's rows
@@ -184,8 +184,13 @@ def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: Const
     whole-block form kept more live than 168 registers hold and spilled in its loop (32 LDL / 13
     STL in the SASS, 10 M local-memory requests a launch under ncu); the halves spill nothing.
     Where K has an odd number of half blocks, the last program's second half is its first again
-    (the same values written twice), so no tile lies wholly past K."""
+    (the same values written twice), so no tile lies wholly past K. ``GROUP`` > 0 (the n streams,
+    with the term and C a multiple of BK): the n programs over the same channels of the n streams
+    are launched side by side, so that grad_out's tile, which each of them reads, is still in L2
+    for the others."""
     k, s = ct.bid(0), ct.bid(1)
+    if GROUP > 0:
+        k = (k % GROUP) * (C // BK) + k // GROUP
     H = BK // 2
     k0 = 2 * k
     k1 = ct.minimum(2 * k + 1, ct.num_tiles(x, axis=1, shape=(BM, H)) - 1)
@@ -220,6 +225,9 @@ AGG_TILE = BWD_TILE
 # kernel only. Sweeps set these.
 BWD_WORKER_WARPS = None
 AGG_WORKER_WARPS = 8
+# with the term and C a multiple of the K block: the n streams' programs side by side (``GROUP``)
+# (not timed: off until a GPU says)
+GROUP_STREAMS = False
 
 
 _HINTED = {}
@@ -290,9 +298,10 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
             raise ValueError(f"the aggregation term takes h_pre [M, n] and grad_out [M, C] with n * C = K for x2d "
                              f"{tuple(x2d.shape)}; got {tuple(hp.shape)} and {tuple(go.shape)}")
         mode = _agg_mode(c, bk // 2)
+    group = hp.shape[1] if GROUP_STREAMS and mode and c % bk == 0 else 0
     launch(_bwd_kernel(agg is not None, lowp), (cdiv(k, bk), splits),
            (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode, max(1, c // (bk // 2)), c,
-            next_pow2(hp.shape[1]) if mode else 1))
+            next_pow2(hp.shape[1]) if mode else 1, group))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
     if side is None:
         sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
@@ -358,12 +367,13 @@ def compile_checks() -> dict[str, bytes]:
                                                       1e-6, 32, bm, bk, lowp])
         bbm, bbk = BWD_TILE[:2] if lowp else (bm, bk)  # the backward at the tile it runs at
         out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3), a2, a2, 24, 32, bbm,
-                                                     bbk, 8, lowp, 0, 1, 1, 1])
-        # mix_aggregate's aggregation term: grad_out as tiles (C = 7168) and gathered (C = 75)
-        for mode, c in ((1, 7168), (2, 75)):
+                                                     bbk, 8, lowp, 0, 1, 1, 1, 0])
+        # mix_aggregate's aggregation term: grad_out as tiles (C = 7168, the streams' programs side
+        # by side) and gathered (C = 75)
+        for mode, c, group in ((1, 7168, 4), (2, 75, 0)):
             out[f"bwd-agg{mode}-{dtype}"] = tile_ir(_bwd_kernel(True, lowp),
                                                      [a2, a2, array(f32, 2), a2, array(f32, 3), array(f32, 2), a2, 24,
-                                                      32, bbm, bbk, 8, lowp, mode, max(1, c // (bbk // 2)), c, 4])
+                                                      32, bbm, bbk, 8, lowp, mode, max(1, c // (bbk // 2)), c, 4, group])
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])

@@ -124,7 +124,8 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         prod = tl.dot(gp, w, input_precision=PREC)
         dx = prod + coef[:, None] * x
         if NS > 0:
-            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
+            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, tl.program_id(0) * BLOCK_K, mask, C, NS, BLOCK_M, BLOCK_K,
+                            AGG_ONE)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += part
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
@@ -179,19 +180,20 @@ def store_split(g, coef, hi_ptr, lo_ptr, cf_ptr, rows, rmask, offs, ROUND: tl.co
 
 
 @triton.jit
-def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_K: tl.constexpr, ONE: tl.constexpr, TMA: tl.constexpr = False, m0=0):
     """mix_aggregate's aggregation part of x's gradient on a ``[rows, k]`` tile of x2d (columns k =
-    stream * C + channel): ``h_pre[t, stream] * grad_out[t, channel]``, in fp32. ``ONE`` (C a
+    stream * C + channel, from ``k0``, the K block's first): ``h_pre[t, stream] * grad_out[t,
+    channel]``, in fp32. ``ONE`` (C a
     multiple of BLOCK_K, the paper shape): the program's K block lies in one stream, whose h_pre
     column is one load a row. Otherwise the stream of a column is picked from the row's NS weights
     by a select per stream (a block may span several). ``TMA`` (with ``ONE`` only): ``go_ptr`` is
     a tensor descriptor of grad_out with a ``[BLOCK_M, BLOCK_K]`` block, ``m0`` the tile's first
     row (the engine fills rows past M with zeros)."""
     if ONE:
-        st = (tl.program_id(0) * BLOCK_K) // C
+        st = k0 // C
         if TMA:
-            go = go_ptr.load([m0, tl.program_id(0) * BLOCK_K - st * C])
+            go = go_ptr.load([m0, k0 - st * C])
         else:
             go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
         hs = tl.load(hp_ptr + rows * NS + st, mask=rmask, other=0.0)
@@ -211,7 +213,7 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS: tl.constexpr, BLOCK_M
 def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                          NG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                          STAGES: tl.constexpr, NS: tl.constexpr = 0, AGG_ONE: tl.constexpr = False,
-                         TMA: tl.constexpr = False, DX_TMA: tl.constexpr = False):
+                         TMA: tl.constexpr = False, DX_TMA: tl.constexpr = False, GROUP: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the split gradient (``_split_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient comes as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -228,8 +230,14 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
     ``[BLOCK_M, BLOCK_K]``, ``[BLOCK_M, NG]`` and ``[BLOCK_M, BLOCK_K]`` blocks, their tiles loaded
     by the TMA engine (zeros past M and K, as the masked loads' ``other``: the same bits).
     ``DX_TMA`` (with ``TMA``): ``dx_ptr`` is a tensor descriptor of dx with a ``[BLOCK_M,
-    BLOCK_K]`` block, each tile stored through it (the engine clips it at M and K)."""
-    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    BLOCK_K]`` block, each tile stored through it (the engine clips it at M and K). ``GROUP``
+    (with the term, C a multiple of BLOCK_K): program i takes K block ``(i % NS) * C / BLOCK_K + i //
+    NS``, the NS streams' blocks over the same channels side by side (``GROUP_STREAMS``)."""
+    kb = tl.program_id(0)
+    if GROUP:  # the NS streams' programs over the same channels side by side (C a multiple of BLOCK_K)
+        kb = (kb % NS) * (C // BLOCK_K) + kb // NS
+    k0 = kb * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)
     kmask = k < K
     cols = tl.arange(0, NG)
     w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & kmask[None, :], other=0.0)
@@ -242,7 +250,7 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
         mask = rmask[:, None] & kmask[None, :]
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
         if TMA:
-            xl = x_ptr.load([mb * BLOCK_M, tl.program_id(0) * BLOCK_K])
+            xl = x_ptr.load([mb * BLOCK_M, k0])
             g_hi = hi_ptr.load([mb * BLOCK_M, 0])
             g_lo = lo_ptr.load([mb * BLOCK_M, 0])
         else:
@@ -256,9 +264,9 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
         dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
         if NS > 0:
-            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE, TMA, mb * BLOCK_M)
+            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE, TMA, mb * BLOCK_M)
         if DX_TMA:
-            dx_ptr.store([mb * BLOCK_M, tl.program_id(0) * BLOCK_K], cast(dx, xl.dtype))
+            dx_ptr.store([mb * BLOCK_M, k0], cast(dx, xl.dtype))
         else:
             tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
@@ -322,20 +330,25 @@ PACK_M = 128
 # on an H200 (dev/mix_sweep.py), and at the H100's (128, 128) tile four needed 280 KB of shared
 # memory, past the 227 KB an SM has
 AGG_STAGES = 3
+# With the term and C a multiple of the K block: the n streams' programs over the same channels
+# launched side by side (``GROUP``), so that grad_out's tile, which each of them reads, is still in
+# L2 for the others. In the plain order a stream's programs start up to a wave apart and grad_out
+# came from memory again: under ncu on an H100 the kernel read 2.89 GB, side by side 2.39 (x and
+# grad_out once: 2.35). mix_aggregate's whole backward in graph replay on an H100 (thirty-first
+# session, docs/perf-notes.md): 2.52 -> 2.37 ms with the pointer loads, 2.42 with the TMA loads.
+GROUP_STREAMS = True
 # Loads by the TMA engine through host tensor descriptors (``_tma_args``: x, the gradient's pieces
-# and grad_out), the same bits as the pointer loads. With the aggregation term (AGG_TMA) at two
-# stages: mix_aggregate's whole backward 2.69 -> 2.52 ms in graph replay on an H100 (twice; 223
-# registers and 66 KB a program, two a SM, no spills; three TMA stages took 1.10x and one 1.61x the
-# two-stage kernel alone; the pointer loads at two stages, spill-free too, were within noise of
-# three in the twenty-fifth session: docs/perf-notes.md thirtieth session). Without the term
-# (PLAIN_TMA: proj_rms, the mapping) TMA was slower at 2, 3 and 4 stages (1.04-1.12x the pointer
-# loads alone), so it is off there.
-AGG_TMA = True
+# and grad_out), the same bits as the pointer loads. With the term (AGG_TMA) at two stages they
+# took mix_aggregate's whole backward from 2.69 to 2.52 ms on an H100 in the plain order
+# (thirtieth session), but with the streams side by side the pointer loads at three stages are
+# faster (2.37 against 2.42 ms, both twice in one process). Without the term (PLAIN_TMA: proj_rms,
+# the mapping) TMA was slower at 2, 3 and 4 stages (1.04-1.12x the pointer loads alone). Both off;
+# kept for the sweeps (an H200 may weigh them otherwise) and tested on both paths.
+AGG_TMA = False
 AGG_TMA_STAGES = 2
 PLAIN_TMA = False
-# dx stored through a tensor descriptor too, where the loads are (not timed: off until a GPU says;
-# offline with the term at two stages 216 registers and 74 KB, no spills, against 223 and 66 KB;
-# the twenty-fourth session's TMA store beside pointer loads at three stages took 1.18x)
+# dx stored through a tensor descriptor too, where the loads are: 1.002x the TMA loads alone with
+# the term on an H100 (dev/agg_tma.py, thirty-first session), so off
 TMA_STORE = False
 
 
@@ -430,6 +443,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                                                              M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
                                                              TMA=descs is not None, DX_TMA=dx_a is not dx,
+                                                             GROUP=GROUP_STREAMS and ns > 0 and c_agg % bk == 0,
                                                              num_warps=warps)
         return (dx, *_finish(ws))
 
