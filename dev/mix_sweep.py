@@ -13,7 +13,9 @@ the bench times, without the eager launches' host overhead)
 with proj_rms module flags set, e.g. {"BC_SUM": 512}; dx of each against the first variant's;
 "graph cutile [...]" replays each captured)
 Ordering the projection backward's programs so that the n over the same channels of the n
-streams ran side by side changed neither: Triton 2.861 / 2.848 ms, cuTile 2.628 / 2.635 eager on an H200, docs/perf-notes.md twenty-second session)"""
+streams run side by side (GROUP_STREAMS) read as nothing in eager rounds on an H200 (twenty-second
+session); in graph replay on an H100 it took Triton's backward from 2.52 to 2.37 ms and cuTile's
+from 2.462 to 2.454 (docs/perf-notes.md, thirty-first session))"""
 import ast, importlib, sys, torch
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1])); sys.path.insert(0, str(Path(__file__).resolve().parent))

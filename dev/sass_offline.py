@@ -82,7 +82,8 @@ def proj_agg() -> None:
         sig = {"x_ptr": desc(b_k), "w_ptr": "*bf16", "hi_ptr": desc(32), "lo_ptr": desc(32), "cf_ptr": "*fp32",
                "dx_ptr": desc(b_k) if store else "*bf16", "ws_ptr": "*fp32", "hp_ptr": "*fp32", "go_ptr": desc(b_k),
                "C": "i32", "M": "i32", "K": "i32", "N": "i32"}
-        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True, TMA=tma, DX_TMA=store)
+        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True, TMA=tma, DX_TMA=store,
+                  GROUP=pr.GROUP_STREAMS)
         res, sass = compile_sm90(pr._proj_rms_bwd_packed, sig, ce, w, st,
                                  divisible=[k for k in sig if k.endswith("_ptr")] + ["C", "K"])
         spills = f"LDL {len(re.findall(r'[^A-Z]LDL', sass))}, STL {len(re.findall(r'[^A-Z]STL', sass))}"

@@ -225,8 +225,9 @@ AGG_TILE = BWD_TILE
 # kernel only. Sweeps set these.
 BWD_WORKER_WARPS = None
 AGG_WORKER_WARPS = 8
-# with the term and C a multiple of the K block: the n streams' programs side by side (``GROUP``)
-# (not timed: off until a GPU says)
+# with the term and C a multiple of the K block: the n streams' programs side by side (``GROUP``),
+# as Triton's run; the same bits, and mix_aggregate's whole backward 2.454 against 2.462 ms in
+# graph replay on an H100 (docs/perf-notes.md, thirty-first session): within noise, so off
 GROUP_STREAMS = False
 
 

@@ -184,12 +184,11 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS: tl.constexpr, BLO
               BLOCK_K: tl.constexpr, ONE: tl.constexpr, TMA: tl.constexpr = False, m0=0):
     """mix_aggregate's aggregation part of x's gradient on a ``[rows, k]`` tile of x2d (columns k =
     stream * C + channel, from ``k0``, the K block's first): ``h_pre[t, stream] * grad_out[t,
-    channel]``, in fp32. ``ONE`` (C a
-    multiple of BLOCK_K, the paper shape): the program's K block lies in one stream, whose h_pre
-    column is one load a row. Otherwise the stream of a column is picked from the row's NS weights
-    by a select per stream (a block may span several). ``TMA`` (with ``ONE`` only): ``go_ptr`` is
-    a tensor descriptor of grad_out with a ``[BLOCK_M, BLOCK_K]`` block, ``m0`` the tile's first
-    row (the engine fills rows past M with zeros)."""
+    channel]``, in fp32. ``ONE`` (C a multiple of BLOCK_K, the paper shape): the program's K block
+    lies in one stream, whose h_pre column is one load a row. Otherwise the stream of a column is
+    picked from the row's NS weights by a select per stream (a block may span several). ``TMA``
+    (with ``ONE`` only): ``go_ptr`` is a tensor descriptor of grad_out with a ``[BLOCK_M,
+    BLOCK_K]`` block, ``m0`` the tile's first row (the engine fills rows past M with zeros)."""
     if ONE:
         st = k0 // C
         if TMA:
@@ -234,7 +233,7 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
     (with the term, C a multiple of BLOCK_K): program i takes K block ``(i % NS) * C / BLOCK_K + i //
     NS``, the NS streams' blocks over the same channels side by side (``GROUP_STREAMS``)."""
     kb = tl.program_id(0)
-    if GROUP:  # the NS streams' programs over the same channels side by side (C a multiple of BLOCK_K)
+    if GROUP:
         kb = (kb % NS) * (C // BLOCK_K) + kb // NS
     k0 = kb * BLOCK_K
     k = k0 + tl.arange(0, BLOCK_K)
