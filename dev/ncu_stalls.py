@@ -6,10 +6,11 @@ C-block candidate that has shipped since):
     ncu --clock-control none -k regex:"_proj_rms_bwd_packed|_h_post_bda" --launch-skip 0 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \\
-        python3 dev/ncu_stalls.py [proj|agg|hpb|all]
+        python3 dev/ncu_stalls.py [proj|agg|agg-orders|hpb|all]
 
 ("agg": the projection backward with mix_aggregate's aggregation term, Triton's and cuTile's
-(``-k regex:_proj_rms_bwd``), as mix_aggregate's backward launches them.)
+(``-k regex:_proj_rms_bwd``), as mix_aggregate's backward launches them; "agg-orders": cuTile's
+alone, its programs in the plain order and then with the streams side by side, ``GROUP_STREAMS``.)
 
 (a stall ratio is the warps stalled for that reason per issued instruction: their sum is the
 cycles between a warp's instructions, the figure to lower)."""
@@ -43,7 +44,7 @@ if what in ("all", "proj"):
     for _ in range(2):
         pr.proj_rms_backward(x, w, r, rms, gp, gr)
     del x
-if what in ("all", "agg"):
+if what in ("all", "agg", "agg-orders"):
     from kernels.cutile import proj_rms as cpr
     from kernels.triton import proj_rms as pr
     x, w, r, rms, gp, gr = proj_inputs()
@@ -53,9 +54,14 @@ if what in ("all", "agg"):
     # cuTile's packed gradient, as its mapping backward writes it for mix_aggregate
     gc = torch.empty(T, cpr._ng(24), device="cuda")
     cpr.launch(cpr._pack_grad, (cpr.cdiv(T, cpr.BM_PACK),), (x, gp, gr, r, rms, gc, 24, cpr._ng(24), cpr.BM_PACK))
-    for _ in range(2):
-        pr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg)
-        cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
+    if what == "agg-orders":  # cuTile's kernel in the plain order, then the streams side by side
+        for group in (False, True):
+            cpr.GROUP_STREAMS = group
+            cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
+    else:
+        for _ in range(2):
+            pr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg)
+            cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
     del x
 if what in ("all", "hpb"):
     from kernels.cutile import h_post_bda as chp
