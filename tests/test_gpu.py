@@ -289,6 +289,36 @@ def test_cutile_h_post_bda_backward_sums_c_blocks_in_order(n, transpose, with_bi
         assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
 
 
+def _proj_inputs(g, m, k, ns=0):
+    """The projection backward's inputs on the GPU from generator ``g``: bf16 x ``[m, k]`` and W
+    ``[24, k]``, fp32 upstream gradients of proj and r, and (``ns`` > 0) mix_aggregate's aggregation
+    term ``(h_pre [m, ns], bf16 grad_out [m, k / ns])``, else None."""
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
+    agg = None
+    if ns:
+        agg = (torch.rand(m, ns, generator=g, device="cuda"),
+               torch.randn(m, k // ns, generator=g, device="cuda").to(torch.bfloat16))
+    return x, w, gp, gr, agg
+
+
+def _assert_proj_grads(x, w, gp, gr, agg, dx, dw, where):
+    """dx and dW finite and within bf16 rounding of float64 proj_rms's gradients for upstream ``gp``
+    and ``gr`` (dx plus the aggregation term's ``h_pre[t, i] * grad_out[t, c]`` where ``agg``)."""
+    from mhctool.references import mhc as ref
+
+    m, k = x.shape
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
+    if agg is not None:
+        want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)
+    for name, got, want in (("dx", dx, want_dx), ("dW", dw, want_dw)):
+        assert torch.isfinite(got).all(), (name, *where)
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err < 2 ** -7, (name, *where, err)  # bf16 outputs: one rounding, 2^-9 relative
+
+
 def test_cutile_projection_backward_halves_cover_odd_k():
     """The cuTile projection backward takes each K block as two halves of 128 columns (bf16); where
     K has an odd number of half blocks the last program's second half repeats its first. At such K
@@ -297,23 +327,15 @@ def test_cutile_projection_backward_halves_cover_odd_k():
     match the float64 reference's gradients."""
     from mhctool.kernels.cutile import proj_rms as cpr
     from mhctool.poison import poisoning
-    from mhctool.references import mhc as ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k in ((1007, 300), (130, 28800)):
-        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
-        gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
+        x, w, gp, gr, _ = _proj_inputs(g, m, k)
         _, r, rms = cpr.forward(x, w, 1e-6)
         dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
         with poisoning():
             cpr.backward_into(x, w, gp, gr, r, rms, dx, dw)
-        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
-        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
-        for name, got, want in (("dx", dx, want_dx), ("dW", dw, want_dw)):
-            assert torch.isfinite(got).all(), (name, m, k)
-            err = ((got.double() - want).abs().max() / want.abs().max()).item()
-            assert err < 2 ** -7, (name, m, k, err)  # bf16 outputs: one rounding, 2^-9 relative
+        _assert_proj_grads(x, w, gp, gr, None, dx, dw, (m, k))
 
 
 def test_cutile_projection_backward_streams_side_by_side_give_the_same_bits(monkeypatch):
@@ -325,15 +347,10 @@ def test_cutile_projection_backward_streams_side_by_side_give_the_same_bits(monk
     block) the plain order runs either way."""
     from mhctool.kernels.cutile import proj_rms as cpr
     from mhctool.poison import poisoning
-    from mhctool.references import mhc as ref
 
     g = torch.Generator(device="cuda").manual_seed(2)
     for m, n, c in ((1007, 4, 256), (130, 3, 768), (77, 2, 512), (65, 4, 384)):
-        k = n * c
-        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
-        gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
-        agg = (torch.rand(m, n, generator=g, device="cuda"), torch.randn(m, c, generator=g, device="cuda").to(torch.bfloat16))
+        x, w, gp, gr, agg = _proj_inputs(g, m, n * c, n)
         _, r, rms = cpr.forward(x, w, 1e-6)
         gc = torch.empty(m, cpr._ng(24), device="cuda")
         cpr.launch(cpr._pack_grad, (cpr.cdiv(m, cpr.BM_PACK),), (x, gp, gr, r, rms, gc, 24, cpr._ng(24), cpr.BM_PACK))
@@ -345,13 +362,7 @@ def test_cutile_projection_backward_streams_side_by_side_give_the_same_bits(monk
                 cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
             runs.append((dx, dw))
         assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (m, n, c)
-        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
-        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
-        want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)
-        for name, got, want in (("dx", runs[1][0], want_dx), ("dW", runs[1][1], want_dw)):
-            assert torch.isfinite(got).all(), (name, m, n, c)
-            err = ((got.double() - want).abs().max() / want.abs().max()).item()
-            assert err < 2 ** -7, (name, m, n, c, err)
+        _assert_proj_grads(x, w, gp, gr, agg, *runs[1], (m, n, c))
 
 
 @pytest.mark.parametrize("tf32", [False, True])
@@ -365,30 +376,15 @@ def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
     from mhctool.kernels.torch.mhc import round_to_tf32
     from mhctool.kernels.triton import proj_rms as tpr
     from mhctool.poison import poisoning
-    from mhctool.references import mhc as ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k, ns in ((1007, 304, 0), (1007, 304, 4), (1007, 300, 0), (130, 28800, 4), (1, 304, 4)):
-        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
-        gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
-        agg = None
-        if ns:
-            agg = (torch.rand(m, ns, generator=g, device="cuda"),
-                   torch.randn(m, k // ns, generator=g, device="cuda").to(torch.bfloat16))
+        x, w, gp, gr, agg = _proj_inputs(g, m, k, ns)
         _, r, rms = tpr.proj_rms_forward(x, w, 1e-6)
         with poisoning():
             runs = [tpr.proj_rms_backward(x, w, r, rms, gp, gr, agg=agg, tf32=tf32) for _ in range(2)]
         assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (m, k, ns)
-        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
-        gpd = round_to_tf32(gp).double() if tf32 else gp.double()
-        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gpd, gr.double()))
-        if agg is not None:
-            want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)
-        for name, got, want in (("dx", runs[0][0], want_dx), ("dW", runs[0][1], want_dw)):
-            assert torch.isfinite(got).all(), (name, m, k, ns)
-            err = ((got.double() - want).abs().max() / want.abs().max()).item()
-            assert err < 2 ** -7, (name, m, k, ns, err)  # bf16 outputs: one rounding, 2^-9 relative
+        _assert_proj_grads(x, w, round_to_tf32(gp) if tf32 else gp, gr, agg, *runs[0], (m, k, ns))
 
 
 def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch):
@@ -402,18 +398,13 @@ def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkey
     same bits."""
     from mhctool.kernels.triton import proj_rms as tpr
     from mhctool.poison import poisoning
-    from mhctool.references import mhc as ref
 
     made = []
     real = tpr._tma_args
     monkeypatch.setattr(tpr, "_tma_args", lambda *a: made.append(real(*a)) or made[-1])
     g = torch.Generator(device="cuda").manual_seed(1)
     for m, n, c in ((1007, 4, 256), (1, 4, 128), (130, 3, 2048), (77, 2, 384)):
-        k = n * c
-        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-        w = (torch.randn(24, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
-        gp, gr = torch.randn(m, 24, generator=g, device="cuda"), torch.randn(m, generator=g, device="cuda")
-        agg = (torch.rand(m, n, generator=g, device="cuda"), torch.randn(m, c, generator=g, device="cuda").to(torch.bfloat16))
+        x, w, gp, gr, agg = _proj_inputs(g, m, n * c, n)
         _, r, rms = tpr.proj_rms_forward(x, w, 1e-6)
         runs = []
         for tma, store, group in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
@@ -427,13 +418,7 @@ def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkey
             assert (made[-1] is not None and (made[-1][4] is not None) == store) if tma else not made, (m, n, c, tma)
         for run in runs[1:]:
             assert torch.equal(runs[0][0], run[0]) and torch.equal(runs[0][1], run[1]), (m, n, c)
-        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
-        want_dx, want_dw = torch.autograd.grad(ref.proj_rms(xd, wd, 1e-6), (xd, wd), (gp.double(), gr.double()))
-        want_dx = want_dx + (agg[0].double()[:, :, None] * agg[1].double()[:, None, :]).reshape(m, k)
-        for name, got, want in (("dx", runs[0][0], want_dx), ("dW", runs[0][1], want_dw)):
-            assert torch.isfinite(got).all(), (name, m, n, c)
-            err = ((got.double() - want).abs().max() / want.abs().max()).item()
-            assert err < 2 ** -7, (name, m, n, c, err)
+        _assert_proj_grads(x, w, gp, gr, agg, *runs[0], (m, n, c))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
