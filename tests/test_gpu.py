@@ -338,13 +338,14 @@ def test_cutile_projection_backward_halves_cover_odd_k():
         _assert_proj_grads(x, w, gp, gr, None, dx, dw, (m, k))
 
 
-def test_cutile_projection_backward_streams_side_by_side_give_the_same_bits(monkeypatch):
+def test_cutile_projection_backward_orders_and_worker_warps_give_the_same_bits(monkeypatch):
     """cuTile's projection backward with mix_aggregate's aggregation term, where C is a whole number
     of the 256-column K block: its programs launched with the n streams over the same channels side
-    by side (``GROUP_STREAMS``) give dx and dW the same bits as the plain order (a permutation of
-    the same programs), at token counts off the 64-token tile, n = 2, 3, 4 and C of 1, 2 and 3
-    blocks, into NaN-poisoned outputs, within bf16 rounding of float64; at C = 384 (not a whole
-    block) the plain order runs either way."""
+    by side (``GROUP_STREAMS``) or in the plain order (a permutation of the same programs), each
+    with tileiras's worker warps and with eight (the hint is chosen by device, so every device must
+    get the bits of every other), give dx and dW the same bits, at token counts off the 64-token
+    tile, n = 2, 3, 4 and C of 1, 2 and 3 blocks, into NaN-poisoned outputs, within bf16 rounding of
+    float64; at C = 384 (not a whole block) the plain order runs either way."""
     from mhctool.kernels.cutile import proj_rms as cpr
     from mhctool.poison import poisoning
 
@@ -356,13 +357,16 @@ def test_cutile_projection_backward_streams_side_by_side_give_the_same_bits(monk
         cpr.launch(cpr._pack_grad, (cpr.cdiv(m, cpr.BM_PACK),), (x, gp, gr, r, rms, gc, 24, cpr._ng(24), cpr.BM_PACK))
         runs = []
         for group in (False, True):
-            monkeypatch.setattr(cpr, "GROUP_STREAMS", group)
-            dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
-            with poisoning():
-                cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
-            runs.append((dx, dw))
-        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), (m, n, c)
-        _assert_proj_grads(x, w, gp, gr, agg, *runs[1], (m, n, c))
+            for warps in (None, 8):
+                monkeypatch.setattr(cpr, "GROUP_STREAMS", group)
+                monkeypatch.setattr(cpr, "AGG_WORKER_WARPS", warps)
+                dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
+                with poisoning():
+                    cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
+                runs.append((dx, dw))
+        for dx, dw in runs[1:]:
+            assert torch.equal(runs[0][0], dx) and torch.equal(runs[0][1], dw), (m, n, c)
+        _assert_proj_grads(x, w, gp, gr, agg, *runs[0], (m, n, c))
 
 
 @pytest.mark.parametrize("tf32", [False, True])
@@ -516,3 +520,16 @@ def test_a_backward_that_launches_cutile_and_triton_has_its_context_in_a_fresh_w
     assert res.returncode == 0, res.stdout + res.stderr
     assert {r["direction"] for r in mine if r["passed"]} == {"fwd", "bwd"}
     assert "no current CUDA context" not in res.stderr
+
+
+def test_hold_gpu_keeps_the_stream_busy():
+    """``bench.hold_gpu`` (what lets a graph replay be timed by its device work alone) holds the
+    current stream for at least the time asked at clocks up to 2 GHz."""
+    from mhctool.bench import hold_gpu
+
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    hold_gpu(0.02)
+    e1.record()
+    torch.cuda.synchronize()
+    assert e0.elapsed_time(e1) >= 15.0
