@@ -75,3 +75,22 @@ def test_partial_sums_step_over_a_power_of_two_rows():
             elif rows > cap:
                 assert got == cap, (rows, br, got)
     assert rows_a_step(3) == 4 and rows_a_step(8) == 8 and rows_a_step(500, 128) == 128 and rows_a_step(0) == 1
+
+
+def test_the_aggregation_terms_worker_warps_go_by_device(monkeypatch):
+    """The bf16 projection backward with mix_aggregate's term takes eight worker warps on an H100
+    and tileiras's pick elsewhere (an H200 ran it 24% slower with eight); the kernels without the
+    term, and the fp32 one, launch as declared; a sweep's setting wins over the table."""
+    from mhctool.kernels.cutile import proj_rms as cpr
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert cpr.agg_worker_warps(h100) == 8 and cpr.agg_worker_warps(h200) is None
+    assert cpr._bwd_kernel(True, True, h200) is cpr._proj_rms_bwd
+    assert cpr._bwd_kernel(True, True, h100) is not cpr._proj_rms_bwd
+    assert cpr._bwd_kernel(True, True, h100) is cpr._bwd_kernel(True, True, h100)  # compiled once
+    assert cpr._bwd_kernel(False, True, h100) is cpr._proj_rms_bwd
+    assert cpr._bwd_kernel(True, False, h100) is cpr._proj_rms_bwd
+    monkeypatch.setattr(cpr, "AGG_WORKER_WARPS", 4)
+    assert cpr.agg_worker_warps(h100) == 4 and cpr.agg_worker_warps(h200) == 4
+    monkeypatch.setattr(cpr, "AGG_WORKER_WARPS", None)
+    assert cpr.agg_worker_warps(h100) is None

@@ -23,7 +23,7 @@ from mhctool.poison import empty
 
 from ._common import array, cdiv, check_cuda, launch, require_contiguous, sum_rows_pair, tile_ir
 from ..schedule import next_pow2
-from .proj_rms import _lowp, _ng, _np, _packed_row, _proj_rms_fwd, _tiles, backward_packed
+from .proj_rms import _lowp, _ng, _np, _packed_row, _proj_rms_fwd, _tiles, backward_packed, launch_forward
 
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
@@ -143,7 +143,7 @@ def forward(x2d, weight, alpha, h_bias, eps):
     proj = empty((m, np_), torch.float32, dev)
     r, rms = empty((m,), torch.float32, dev), empty((m,), torch.float32, dev)
     if m:
-        launch(_proj_rms_fwd, (cdiv(m, bm),), (x2d, weight, proj, r, rms, float(eps), np_, bm, bk, lowp))
+        launch_forward(x2d, weight, proj, r, rms, eps, np_, bm, bk, lowp)
         launch(_compute_h_fwd, (cdiv(m, BM_H),), (proj, r, a3, bias, pre, post, logits.view(m, n * n), n, nr, np_, BM_H))
     return (pre, post, logits), (x2d, weight, a3, bias, proj, r, rms)
 
@@ -212,7 +212,7 @@ def compile_checks() -> dict[str, bytes]:
         bm, bk = _tiles(lowp)
         a2 = array(dtype, 2)
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1), 1e-6, 32,
-                                                      bm, bk, lowp])
+                                                      bm, bk, lowp, 0])
         out[f"bwd-{dtype}"] = tile_ir(_mapping_bwd_h, [array(f32, 2), array(f32, 1), array(f32, 1), array(f32, 1),
                                                        array(f32, 1), array(f32, 2), array(f32, 2), array(f32, 2),
                                                        array(f32, 2), array(f32, 2), 4, 24, 32, bm, 28672])
