@@ -90,7 +90,11 @@ else:
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
 if graph:
     from mhctool.bench import _graphed
-    variants={k:_graphed(fn) for k,fn in variants.items()}
+    def _try_graph(k,fn):  # a variant that fails to compile is a line, not the end
+        try: return _graphed(fn)
+        except Exception as ex:  # noqa: BLE001
+            print(k,"failed:",type(ex).__name__,str(ex).splitlines()[0][:160],flush=True)
+    variants={k:g for k,g in ((k,_try_graph(k,fn)) for k,fn in variants.items()) if g is not None}
 ok={}
 for v,fn in variants.items():  # compile each first: a variant that fails to compile is a line, not the end
     try:
