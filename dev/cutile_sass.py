@@ -9,7 +9,9 @@ cuTile's front end exports Tile IR bytecode on any machine (what tests/test_cuti
     TILEIRAS=/tmp/tt/nvidia/cu13/bin/tileiras NVDISASM=/tmp/nvd/x/nvidia/cu13/bin/nvdisasm \\
         python3 dev/cutile_sass.py [--keep DIR]
 
-Prints, for the projection backward at its shipped bf16 tile and compute_h's backward, the spill
+Prints, for the projection backward at its shipped bf16 tile (without and with mix_aggregate's
+aggregation term, the latter with the hints it takes on an H200 and on an H100) and compute_h's
+backward, the spill
 loads and stores (LDL / STL), the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync) and the
 global / shared memory instructions. The sixteenth session found the whole-block projection
 backward at (64, 256) with 32 LDL / 13 STL (ncu: 10 M local-memory requests a launch) and the
@@ -58,10 +60,15 @@ def main() -> None:
     args = ap.parse_args()
     f32, bf16 = torch.float32, torch.bfloat16
     a2, f2, f1 = array(bf16, 2), array(f32, 2), array(f32, 1)
+    A2, F2 = array(bf16, 2, True), array(f32, 2, True)  # as a launch specialises aligned tensors
     bm, bk, _ = proj_rms.BWD_TILE
     cases = {
         "proj_rms backward, bf16 (64, 256), 64 token blocks a split": (
             proj_rms._proj_rms_bwd, [a2, a2, f2, a2, array(f32, 3), a2, a2, 24, 32, bm, bk, 64, True, 0, 1, 1, 1, 0, 0]),
+        **{f"proj_rms backward with mix_aggregate's term, bf16 (64, 256), C 7168, on an {dev[7:11]}": (
+            proj_rms._bwd_kernel(True, True, dev), [A2, A2, F2, A2, array(f32, 3, True), F2, A2, 24, 32, bm, bk, 64,
+                                                    True, 1, 7168 // (bk // 2), 7168, 4, 0, 0])
+           for dev in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")},
         f"mapping compute_h backward, {mapping.BWD_H_BM} tokens": (
             mapping._mapping_bwd_h, [f2, f1, f1, f1, f1, f2, f2, f2, f2, f2, 4, 24, 32, mapping.BWD_H_BM, 28672]),
     }
