@@ -64,10 +64,10 @@ def main() -> None:
     bm, bk, _ = proj_rms.BWD_TILE
     cases = {
         "proj_rms backward, bf16 (64, 256), 64 token blocks a split": (
-            proj_rms._proj_rms_bwd, [a2, a2, f2, a2, array(f32, 3), a2, a2, 24, 32, bm, bk, 64, True, 0, 1, 1, 1, 0, 0]),
+            proj_rms._proj_rms_bwd, [a2, a2, f2, a2, array(f32, 3), a2, a2, 24, 32, bm, bk, 64, True, 0, 1, 1, 1, 0]),
         **{f"proj_rms backward with mix_aggregate's term, bf16 (64, 256), C 7168, on an {dev[7:11]}": (
             proj_rms._bwd_kernel(True, True, dev), [A2, A2, F2, A2, array(f32, 3, True), F2, A2, 24, 32, bm, bk, 64,
-                                                    True, 1, 7168 // (bk // 2), 7168, 4, 0, 0])
+                                                    True, 1, 7168 // (bk // 2), 7168, 4, 0])
            for dev in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")},
         f"mapping compute_h backward, {mapping.BWD_H_BM} tokens": (
             mapping._mapping_bwd_h, [f2, f1, f1, f1, f1, f2, f2, f2, f2, f2, 4, 24, 32, mapping.BWD_H_BM, 28672]),

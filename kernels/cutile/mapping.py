@@ -212,7 +212,7 @@ def compile_checks() -> dict[str, bytes]:
         bm, bk = _tiles(lowp)
         a2 = array(dtype, 2)
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1), 1e-6, 32,
-                                                      bm, bk, lowp, 0])
+                                                      bm, bk, lowp])
         out[f"bwd-{dtype}"] = tile_ir(_mapping_bwd_h, [array(f32, 2), array(f32, 1), array(f32, 1), array(f32, 1),
                                                        array(f32, 1), array(f32, 2), array(f32, 2), array(f32, 2),
                                                        array(f32, 2), array(f32, 2), 4, 24, 32, bm, 28672])

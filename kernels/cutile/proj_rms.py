@@ -42,7 +42,8 @@ ZERO = ct.PaddingMode.ZERO
 # (dev/bwd_sweep.py cutile_fwd); 32 or 16 tokens a program were slower still. With two programs a
 # SM asked for (thirty-second session, dev/cutile_fwd_hints.py, graph replay, the same bits each
 # way), H200: (64, 128) 0.494 -> 0.439 ms, (128, 128) 0.454 -> 0.426 (the mapping's forward 0.504
-# -> 0.435); occupancy 3 or 4 and (256, 128) were slower, latency hints no faster.
+# -> 0.435); occupancy 3 or 4 and (256, 128) were slower, and a DRAM latency hint on x's loads
+# (4 or 10, tried and removed) no faster.
 FWD_TILE = (128, 128)
 FWD_OCCUPANCY = 2
 
@@ -65,13 +66,13 @@ def _product(a, b, lowp, M_, N_, K_):
     return ct.sum(ct.reshape(a.astype(ct.float32), (M_, K_, 1)) * ct.reshape(b.astype(ct.float32), (1, K_, N_)), axis=1)
 
 
-def _proj_tile(x, w, i, NP, BM, BK, LOWP, LAT=0):
+def _proj_tile(x, w, i, NP, BM, BK, LOWP):
     """``x W^T`` for token block i (fp32 ``(BM, NP)``) and the rows' sums of squares."""
     acc = ct.zeros((BM, NP), dtype=ct.float32)
     ss = ct.zeros((BM,), dtype=ct.float32)
     comp = ct.zeros((BM,), dtype=ct.float32)  # Kahan: hundreds of chunk sums at K = 28672
     for k in range(ct.num_tiles(x, axis=1, shape=(BM, BK))):
-        xt = _heavy(x, (i, k), (BM, BK), LAT)
+        xt = ct.load(x, index=(i, k), shape=(BM, BK), padding_mode=ZERO)
         wt = ct.load(w, index=(0, k), shape=(NP, BK), padding_mode=ZERO)
         acc = acc + _product(xt, ct.transpose(wt), LOWP, BM, NP, BK)
         xf = xt.astype(ct.float32)
@@ -83,10 +84,9 @@ def _proj_tile(x, w, i, NP, BM, BK, LOWP, LAT=0):
 
 
 @ct.kernel
-def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool,
-                  LAT: ConstInt = 0):
+def _proj_rms_fwd(x, w, proj, r, rms, eps: ConstFloat, NP: ConstInt, BM: ConstInt, BK: ConstInt, LOWP: ConstBool):
     i = ct.bid(0)
-    acc, ss = _proj_tile(x, w, i, NP, BM, BK, LOWP, LAT)
+    acc, ss = _proj_tile(x, w, i, NP, BM, BK, LOWP)
     kk = ct.num_tiles(x, axis=1, shape=(1, 1)) * 1.0  # K, as a float
     m = ct.sqrt(ss / kk)
     ct.store(proj, index=(i, 0), tile=acc)
@@ -139,15 +139,7 @@ def _pack_grad(x, gp, gr, r, rms, out, N: ConstInt, NG: ConstInt, BM: ConstInt):
     ct.store(out, index=(i, 0), tile=_packed_row(g, grt, rt, mt, kk, col, N, BM))
 
 
-def _heavy(arr, index, shape, LAT):
-    """A tile of x or grad_out (zeros past the edges), with the load's DRAM latency hint ``LAT``
-    where it is > 0 (0: the compiler's own)."""
-    if LAT > 0:
-        return ct.load(arr, index=index, shape=shape, padding_mode=ZERO, latency=LAT)
-    return ct.load(arr, index=index, shape=shape, padding_mode=ZERO)
-
-
-def _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN, LAT=0):
+def _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN):
     """mix_aggregate's aggregation gradient of x on half block ``kh`` of token block ``i``, fp32
     ``(BM, H)``: ``h_pre[t, s] * grad_out[t, c]`` at column ``s * C + c``. ``AGG`` 1 (C a whole
     number ``HC`` of half blocks): the block lies in one stream s, grad_out comes as a tile and
@@ -157,7 +149,7 @@ def _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN, LAT=0):
     not stored)."""
     if AGG == 1:
         s = kh // HC
-        gt = _heavy(go, (i, kh - s * HC), (BM, H), LAT)
+        gt = ct.load(go, index=(i, kh - s * HC), shape=(BM, H), padding_mode=ZERO)
         col = ct.reshape(ct.arange(NPN, dtype=ct.int32), (1, NPN))
         hs = ct.sum(ct.where(col == s, hpt, 0.0), axis=1, keepdims=True)
     else:
@@ -169,7 +161,7 @@ def _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN, LAT=0):
     return hs.astype(ct.float32) * gt.astype(ct.float32)
 
 
-def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN, LAT=0):
+def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN):
     """One half (``H`` columns, half block ``kh``) of a token block: stores ``dx = gP W + coef x``
     (with ``AGG``, the aggregation term is the products' starting accumulator, so it is added in
     fp32 before dx's one rounding) and returns the half's ``gP^T x``. (The term added after the
@@ -177,9 +169,9 @@ def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, 
     backward on an H200, 255 registers and a stack frame in the offline SASS. ``coef x`` in the
     accumulator as well spilled with the term, and without it took 2.12 against 1.04 ms:
     docs/perf-notes.md.)"""
-    xt = _heavy(x, (i, kh), (BM, H), LAT)
+    xt = ct.load(x, index=(i, kh), shape=(BM, H), padding_mode=ZERO)
     if AGG > 0:
-        prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG, _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN, LAT))
+        prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG, _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN))
     else:
         prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG)
     ct.store(dx, index=(i, kh), tile=(prod + coef * xt.astype(ct.float32)).astype(dx.dtype))
@@ -188,8 +180,7 @@ def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, 
 
 @ct.kernel
 def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
-                  LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt, NPN: ConstInt, GROUP: ConstInt = 0,
-                  LAT: ConstInt = 0):
+                  LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt, NPN: ConstInt, GROUP: ConstInt = 0):
     """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + coef x`` and the split's
     ``dW[:, k block] = sum gP^T x`` into ``ws[s]``, from the packed gradient ``gc`` (``_pack_grad``;
     W's rows past N load as zeros, so its factor column adds nothing to ``gP W``, and dW's rows
@@ -223,8 +214,8 @@ def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: Const
         hpt = None
         if AGG == 1:
             hpt = ct.load(hp, index=(i, 0), shape=(BM, NPN), padding_mode=ZERO)
-        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN, LAT)
-        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN, LAT)
+        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN)
+        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN)
     ct.store(ws, index=(s, 0, k0), tile=ct.reshape(acc0, (1, NG, H)))
     ct.store(ws, index=(s, 0, k1), tile=ct.reshape(acc1, (1, NG, H)))
 
@@ -257,12 +248,21 @@ AGG_OCCUPANCY = None
 # graph replay on an H100 (docs/perf-notes.md, thirty-first session), 1.784 against 1.786 on an
 # H200 (thirty-second): within noise, so off
 GROUP_STREAMS = False
-# the DRAM latency hint of x's and grad_out's loads in the kernel with the term (0: tileiras's own;
-# 3, 6 and 10 were no faster on an H200, thirty-second session). Sweeps set it.
-AGG_LATENCY = 0
 
 
 _HINTED = {}
+
+
+def _hinted(kernel, **hints):
+    """``kernel`` with the hints that are not None (itself where none is), one object per kernel
+    and hints: a kernel compiles once an object."""
+    hints = {k: v for k, v in hints.items() if v is not None}
+    if not hints:
+        return kernel
+    key = (kernel, tuple(sorted(hints.items())))
+    if key not in _HINTED:
+        _HINTED[key] = kernel.replace_hints(**hints)
+    return _HINTED[key]
 
 
 def agg_worker_warps(device_name: str):
@@ -277,14 +277,9 @@ def agg_worker_warps(device_name: str):
 def _bwd_kernel(agg: bool, lowp: bool, device_name: str = ""):
     """``_proj_rms_bwd`` as it launches on a device of this name: with ``agg_worker_warps`` and
     ``AGG_OCCUPANCY`` for the bf16 kernel with the aggregation term, else ``BWD_WORKER_WARPS`` and
-    ``BWD_OCCUPANCY`` (None: as declared); one object a hint (a kernel compiles once an object)."""
+    ``BWD_OCCUPANCY`` (None: as declared)."""
     warps, occ = (agg_worker_warps(device_name), AGG_OCCUPANCY) if agg and lowp else (BWD_WORKER_WARPS, BWD_OCCUPANCY)
-    if warps is None and occ is None:
-        return _proj_rms_bwd
-    if (warps, occ) not in _HINTED:
-        hints = {k: v for k, v in (("num_worker_warps", warps), ("occupancy", occ)) if v is not None}
-        _HINTED[warps, occ] = _proj_rms_bwd.replace_hints(**hints)
-    return _HINTED[warps, occ]
+    return _hinted(_proj_rms_bwd, num_worker_warps=warps, occupancy=occ)
 
 
 def _ng(n: int) -> int:
@@ -344,7 +339,7 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
     name = torch.cuda.get_device_name(x2d.device) if agg is not None and lowp else ""
     launch(_bwd_kernel(agg is not None, lowp, name), (cdiv(k, bk), splits),
            (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode, max(1, c // (bk // 2)), c,
-            next_pow2(hp.shape[1]) if mode else 1, group, AGG_LATENCY if mode else 0))
+            next_pow2(hp.shape[1]) if mode else 1, group))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
     if side is None:
         sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
@@ -352,21 +347,11 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
         sum_partials_pair((ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits), side)
 
 
-# the DRAM latency hint of the forward's loads of x (0: tileiras's own; 4 and 10 were no faster on
-# an H200, thirty-second session). Sweeps set it.
-FWD_LATENCY = 0
-_FWD_HINTED = {}
-
-
 def launch_forward(x2d, weight, proj, r, rms, eps, np_, bm, bk, lowp) -> None:
     """``_proj_rms_fwd`` over token blocks of ``bm`` (also the mapping's first launch), with the
     forward's hints."""
-    kernel = _proj_rms_fwd
-    if FWD_OCCUPANCY is not None:
-        if FWD_OCCUPANCY not in _FWD_HINTED:
-            _FWD_HINTED[FWD_OCCUPANCY] = _proj_rms_fwd.replace_hints(occupancy=FWD_OCCUPANCY)
-        kernel = _FWD_HINTED[FWD_OCCUPANCY]
-    launch(kernel, (cdiv(x2d.shape[0], bm),), (x2d, weight, proj, r, rms, float(eps), np_, bm, bk, lowp, FWD_LATENCY))
+    launch(_hinted(_proj_rms_fwd, occupancy=FWD_OCCUPANCY), (cdiv(x2d.shape[0], bm),),
+           (x2d, weight, proj, r, rms, float(eps), np_, bm, bk, lowp))
 
 
 def forward(x2d, weight, eps, tile_=None):
@@ -424,10 +409,10 @@ def compile_checks() -> dict[str, bytes]:
         a2 = array(dtype, 2)
         bm, bk = _tiles(lowp)
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
-                                                      1e-6, 32, bm, bk, lowp, 0])
+                                                      1e-6, 32, bm, bk, lowp])
         bbm, bbk = BWD_TILE[:2] if lowp else (bm, bk)  # the backward at the tile it runs at
         out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3), a2, a2, 24, 32, bbm,
-                                                     bbk, 8, lowp, 0, 1, 1, 1, 0, 0])
+                                                     bbk, 8, lowp, 0, 1, 1, 1, 0])
         # mix_aggregate's aggregation term: grad_out as tiles (C = 7168, the streams' programs side
         # by side) and gathered (C = 75), each with the hints it launches with on an H100 and on
         # other devices
@@ -435,7 +420,7 @@ def compile_checks() -> dict[str, bytes]:
             for tag, dev in ((("", "NVIDIA H200"), ("-h100", "NVIDIA H100 80GB HBM3")) if lowp else (("", ""),)):
                 out[f"bwd-agg{mode}-{dtype}{tag}"] = tile_ir(
                     _bwd_kernel(True, lowp, dev), [a2, a2, array(f32, 2), a2, array(f32, 3), array(f32, 2), a2, 24,
-                                                   32, bbm, bbk, 8, lowp, mode, max(1, c // (bbk // 2)), c, 4, group, 0])
+                                                   32, bbm, bbk, 8, lowp, mode, max(1, c // (bbk // 2)), c, 4, group])
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
