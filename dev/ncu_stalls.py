@@ -6,12 +6,14 @@ C-block candidate that has shipped since):
     ncu --clock-control none -k regex:"_proj_rms_bwd_packed|_h_post_bda" --launch-skip 0 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \\
-        python3 dev/ncu_stalls.py [proj|agg|agg-orders|agg-warps|hpb|all]
+        python3 dev/ncu_stalls.py [proj|agg|agg-orders|agg-warps|agg-forms|hpb|all]
 
 ("agg": the projection backward with mix_aggregate's aggregation term, Triton's and cuTile's
 (``-k regex:_proj_rms_bwd``), as mix_aggregate's backward launches them; "agg-orders": cuTile's
 alone, its programs in the plain order and then with the streams side by side, ``GROUP_STREAMS``;
-"agg-warps": cuTile's alone with tileiras's worker warps and then with eight, ``AGG_WORKER_WARPS``.)
+"agg-warps": cuTile's alone with tileiras's worker warps and then with eight, ``AGG_WORKER_WARPS``;
+"agg-forms": cuTile's alone, a program per K block and then a program per channel block of the n
+streams, ``AGG_STREAMS``, each with tileiras's worker warps: ``-k regex:_proj_rms_bwd``.)
 
 (a stall ratio is the warps stalled for that reason per issued instruction: their sum is the
 cycles between a warp's instructions, the figure to lower)."""
@@ -45,7 +47,7 @@ if what in ("all", "proj"):
     for _ in range(2):
         pr.proj_rms_backward(x, w, r, rms, gp, gr)
     del x
-if what in ("all", "agg", "agg-orders", "agg-warps"):
+if what in ("all", "agg", "agg-orders", "agg-warps", "agg-forms"):
     from kernels.cutile import proj_rms as cpr
     from kernels.triton import proj_rms as pr
     x, w, r, rms, gp, gr = proj_inputs()
@@ -58,6 +60,11 @@ if what in ("all", "agg", "agg-orders", "agg-warps"):
     if what == "agg-orders":  # cuTile's kernel in the plain order, then the streams side by side
         for group in (False, True):
             cpr.GROUP_STREAMS = group
+            cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
+    elif what == "agg-forms":  # cuTile's kernel a program per K block, then per channel block of the streams
+        cpr.AGG_WORKER_WARPS = None
+        for streams in (False, True):
+            cpr.AGG_STREAMS = streams
             cpr.backward_packed(x, w, gc, dx, dw, agg=agg)
     elif what == "agg-warps":  # cuTile's kernel with tileiras's worker warps, then with eight
         for warps in (None, 8):

@@ -94,3 +94,20 @@ def test_the_aggregation_terms_worker_warps_go_by_device(monkeypatch):
     assert cpr.agg_worker_warps(h100) == 4 and cpr.agg_worker_warps(h200) == 4
     monkeypatch.setattr(cpr, "AGG_WORKER_WARPS", None)
     assert cpr.agg_worker_warps(h100) is None
+
+
+def test_the_aggregation_terms_streams_form_goes_where_its_tiles_fit(monkeypatch):
+    """The projection backward with mix_aggregate's term takes a program per channel block of all n
+    streams (bf16, n a power of two, C a multiple of 256 / n; the paper's n = 4, C = 7168) and the
+    per-K-block kernel elsewhere (n = 3, C = 75, fp32, or with the form switched off)."""
+    from mhctool.kernels.cutile import proj_rms as cpr
+
+    bk = cpr.AGG_TILE[1]
+    assert cpr._streams_form(4, 7168, bk, True) and cpr._streams_form(2, 512, bk, True)
+    assert cpr._streams_form(8, 96, bk, True) and cpr._streams_form(4, 384, bk, True)
+    assert not cpr._streams_form(3, 768, bk, True) and not cpr._streams_form(4, 75, bk, True)
+    assert not cpr._streams_form(4, 7168, bk, False) and not cpr._streams_form(1, 7168, bk, True)
+    for dev in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):  # tileiras's worker warps on either device
+        assert cpr._bwd_kernel(True, True, dev, True) is cpr._proj_rms_bwd_streams
+    monkeypatch.setattr(cpr, "AGG_STREAMS", False)
+    assert not cpr._streams_form(4, 7168, bk, True)

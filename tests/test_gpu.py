@@ -338,26 +338,29 @@ def test_cutile_projection_backward_halves_cover_odd_k():
         _assert_proj_grads(x, w, gp, gr, None, dx, dw, (m, k))
 
 
-def test_cutile_projection_backward_orders_and_worker_warps_give_the_same_bits(monkeypatch):
-    """cuTile's projection backward with mix_aggregate's aggregation term, where C is a whole number
-    of the 256-column K block: its programs launched with the n streams over the same channels side
-    by side (``GROUP_STREAMS``) or in the plain order (a permutation of the same programs), each
-    with tileiras's worker warps and with eight (the hint is chosen by device, so every device must
-    get the bits of every other), give dx and dW the same bits, at token counts off the 64-token
-    tile, n = 2, 3, 4 and C of 1, 2 and 3 blocks, into NaN-poisoned outputs, within bf16 rounding of
-    float64; at C = 384 (not a whole block) the plain order runs either way."""
+def test_cutile_projection_backward_orders_forms_and_worker_warps_give_the_same_bits(monkeypatch):
+    """cuTile's projection backward with mix_aggregate's aggregation term: a program per K block
+    with its programs launched in the plain order or, where C is a whole number of the 256-column
+    block, with the n streams over the same channels side by side (``GROUP_STREAMS``, a
+    permutation of the same programs), or a program per channel block of all n streams
+    (``AGG_STREAMS``, where n is a power of two and C a multiple of 256 / n), each with tileiras's
+    worker warps and with eight (the hint is chosen by device, so every device must get the bits of
+    every other), give dx and dW the same bits, at token counts off the 64-token tile, n = 2, 3, 4,
+    8 and C of 1, 2 and 3 blocks, C = 384 (not a whole block, a whole number of channel blocks) and
+    C = 96 at n = 8, into NaN-poisoned outputs, within bf16 rounding of float64."""
     from mhctool.kernels.cutile import proj_rms as cpr
     from mhctool.poison import poisoning
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    for m, n, c in ((1007, 4, 256), (130, 3, 768), (77, 2, 512), (65, 4, 384)):
+    for m, n, c in ((1007, 4, 256), (130, 3, 768), (77, 2, 512), (65, 4, 384), (200, 8, 96)):
         x, w, gp, gr, agg = _proj_inputs(g, m, n * c, n)
         _, r, rms = cpr.forward(x, w, 1e-6)
         gc = torch.empty(m, cpr._ng(24), device="cuda")
         cpr.launch(cpr._pack_grad, (cpr.cdiv(m, cpr.BM_PACK),), (x, gp, gr, r, rms, gc, 24, cpr._ng(24), cpr.BM_PACK))
         runs = []
-        for group in (False, True):
+        for streams, group in ((False, False), (False, True), (True, False)):
             for warps in (None, 8):
+                monkeypatch.setattr(cpr, "AGG_STREAMS", streams)
                 monkeypatch.setattr(cpr, "GROUP_STREAMS", group)
                 monkeypatch.setattr(cpr, "AGG_WORKER_WARPS", warps)
                 dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))

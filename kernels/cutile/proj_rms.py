@@ -220,6 +220,50 @@ def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: Const
     ct.store(ws, index=(s, 0, k1), tile=ct.reshape(acc1, (1, NG, H)))
 
 
+@ct.kernel
+def _proj_rms_bwd_streams(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: ConstInt, Q: ConstInt,
+                          NH: ConstInt, BLOCKS: ConstInt, LOWP: ConstBool):
+    """``_proj_rms_bwd`` with mix_aggregate's term, a program per channel block of all n streams:
+    x, dx and W as ``[rows, n, C]`` views, ws as ``[splits, N, n, C]``; program (c, s) takes
+    channels ``[c Q, (c + 1) Q)`` of every stream (``2 NH`` = n of them) for the token blocks of
+    split s, as two halves of ``NH`` streams (``NH Q`` columns each, the two-halves form of
+    ``_proj_rms_bwd``). Each element's products are the ones that kernel computes, so the bits are
+    the same; what changes is that grad_out's tile of a token block is loaded once for the n
+    streams (the K-block form loads it once a stream, n times over from L2), and h_pre's stream
+    factor is a slice of the token block's h_pre instead of a masked row sum. Needs n a power of
+    two and C a multiple of Q."""
+    c, s = ct.bid(0), ct.bid(1)
+    H = NH * Q
+    w0 = ct.reshape(ct.load(w, index=(0, 0, c), shape=(NG, NH, Q), padding_mode=ZERO), (NG, H))
+    w1 = ct.reshape(ct.load(w, index=(0, 1, c), shape=(NG, NH, Q), padding_mode=ZERO), (NG, H))
+    acc0 = ct.zeros((NG, H), dtype=ct.float32)
+    acc1 = ct.zeros((NG, H), dtype=ct.float32)
+    for b in range(BLOCKS):  # blocks past the last token load zeros and store nothing
+        i = s * BLOCKS + b
+        g = ct.load(gc, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
+        coef = ct.extract(g, index=(0, N), shape=(BM, 1))
+        hpt = ct.load(hp, index=(i, 0), shape=(BM, 2 * NH), padding_mode=ZERO)
+        gt = ct.reshape(ct.load(go, index=(i, c), shape=(BM, Q), padding_mode=ZERO).astype(ct.float32), (BM, 1, Q))
+        acc0 = acc0 + _streams_half(x, dx, w0, g, coef, hpt, gt, i, c, 0, NG, BM, Q, NH, LOWP)
+        acc1 = acc1 + _streams_half(x, dx, w1, g, coef, hpt, gt, i, c, 1, NG, BM, Q, NH, LOWP)
+    ct.store(ws, index=(s, 0, 0, c), tile=ct.reshape(acc0, (1, NG, NH, Q)))
+    ct.store(ws, index=(s, 0, 1, c), tile=ct.reshape(acc1, (1, NG, NH, Q)))
+
+
+def _streams_half(x, dx, wt, g, coef, hpt, gt, i, c, h, NG, BM, Q, NH, LOWP):
+    """Half h (streams ``[h NH, (h + 1) NH)``) of ``_proj_rms_bwd_streams``'s token block i: stores
+    its dx and returns its ``gP^T x``, as ``_bwd_half`` with the term ``h_pre[t, s] grad_out[t, c]``
+    as the products' starting accumulator."""
+    H = NH * Q
+    hs = ct.reshape(ct.extract(hpt, index=(0, h), shape=(BM, NH)), (BM, NH, 1))
+    term = ct.reshape(hs * gt, (BM, H))
+    xt = ct.reshape(ct.load(x, index=(i, h, c), shape=(BM, NH, Q), padding_mode=ZERO), (BM, H))
+    prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG, term)
+    out = (prod + coef * xt.astype(ct.float32)).astype(dx.dtype)
+    ct.store(dx, index=(i, h, c), tile=ct.reshape(out, (BM, NH, Q)))
+    return part
+
+
 # the bf16 backward's (BM, BK, token splits): the fastest timed at the paper shape on an H200
 # (dev/bwd_sweep.py cutile, docs/perf-notes.md twelfth session: 1.08 ms with the packed gradient,
 # against 1.14-1.18 for (128, 128, 4 or 8) and 1.28 for the unpacked kernel before)
@@ -248,6 +292,9 @@ AGG_OCCUPANCY = None
 # graph replay on an H100 (docs/perf-notes.md, thirty-first session), 1.784 against 1.786 on an
 # H200 (thirty-second): within noise, so off
 GROUP_STREAMS = False
+# with the term, bf16, n a power of two and C a multiple of BK / n: a program per channel block of
+# all n streams (``_proj_rms_bwd_streams``), grad_out's tile loaded once for the n of them
+AGG_STREAMS = True
 
 
 _HINTED = {}
@@ -265,21 +312,33 @@ def _hinted(kernel, **hints):
     return _HINTED[key]
 
 
-def agg_worker_warps(device_name: str):
+def agg_worker_warps(device_name: str, streams: bool = False):
     """The worker-warp hint of the bf16 kernel with the aggregation term on a device of this name:
-    ``AGG_WORKER_WARPS`` where a sweep set it, else the first entry of
-    ``AGG_WORKER_WARPS_BY_DEVICE`` whose key is part of the name, else None (tileiras's pick)."""
+    ``AGG_WORKER_WARPS`` where a sweep set it; else, for the per-K-block kernel, the first entry of
+    ``AGG_WORKER_WARPS_BY_DEVICE`` whose key is part of the name; else None (tileiras's pick). The
+    streams form (``streams``) takes tileiras's pick everywhere: eight warps made it slower on an
+    H100 too (2.477 against 2.389 ms for mix_aggregate's backward, thirty-third session)."""
     if AGG_WORKER_WARPS != BY_DEVICE:
         return AGG_WORKER_WARPS
+    if streams:
+        return None
     return next((w for key, w in AGG_WORKER_WARPS_BY_DEVICE.items() if key in device_name), None)
 
 
-def _bwd_kernel(agg: bool, lowp: bool, device_name: str = ""):
-    """``_proj_rms_bwd`` as it launches on a device of this name: with ``agg_worker_warps`` and
-    ``AGG_OCCUPANCY`` for the bf16 kernel with the aggregation term, else ``BWD_WORKER_WARPS`` and
-    ``BWD_OCCUPANCY`` (None: as declared)."""
-    warps, occ = (agg_worker_warps(device_name), AGG_OCCUPANCY) if agg and lowp else (BWD_WORKER_WARPS, BWD_OCCUPANCY)
-    return _hinted(_proj_rms_bwd, num_worker_warps=warps, occupancy=occ)
+def _bwd_kernel(agg: bool, lowp: bool, device_name: str = "", streams: bool = False):
+    """``_proj_rms_bwd`` (``_proj_rms_bwd_streams`` with ``streams``) as it launches on a device of
+    this name: with ``agg_worker_warps`` and ``AGG_OCCUPANCY`` for the bf16 kernel with the
+    aggregation term, else ``BWD_WORKER_WARPS`` and ``BWD_OCCUPANCY`` (None: as declared)."""
+    warps, occ = ((agg_worker_warps(device_name, streams), AGG_OCCUPANCY) if agg and lowp
+                  else (BWD_WORKER_WARPS, BWD_OCCUPANCY))
+    return _hinted(_proj_rms_bwd_streams if streams else _proj_rms_bwd, num_worker_warps=warps, occupancy=occ)
+
+
+def _streams_form(n: int, c: int, bk: int, lowp: bool) -> bool:
+    """Whether the term's backward takes ``_proj_rms_bwd_streams``: ``AGG_STREAMS`` on, bf16, n a
+    power of two of at least 2 that divides the K block, and C a multiple of its Q = BK / n."""
+    return (AGG_STREAMS and lowp and n >= 2 and n & (n - 1) == 0 and bk % n == 0 and bk // n >= 16
+            and c % (bk // n) == 0)
 
 
 def _ng(n: int) -> int:
@@ -335,11 +394,18 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
             raise ValueError(f"the aggregation term takes h_pre [M, n] and grad_out [M, C] with n * C = K for x2d "
                              f"{tuple(x2d.shape)}; got {tuple(hp.shape)} and {tuple(go.shape)}")
         mode = _agg_mode(c, bk // 2)
-    group = hp.shape[1] if GROUP_STREAMS and mode and c % bk == 0 else 0
     name = torch.cuda.get_device_name(x2d.device) if agg is not None and lowp else ""
-    launch(_bwd_kernel(agg is not None, lowp, name), (cdiv(k, bk), splits),
-           (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode, max(1, c // (bk // 2)), c,
-            next_pow2(hp.shape[1]) if mode else 1, group))
+    streams = hp.shape[1]
+    if mode and _streams_form(streams, c, bk, lowp):
+        q = bk // streams
+        launch(_bwd_kernel(True, lowp, name, True), (c // q, splits),
+               (x2d.view(m, streams, c), weight.view(n, streams, c), gc, dx.view(m, streams, c),
+                ws.view(splits, n, streams, c), hp, go, n, ng, bm, q, streams // 2, blocks, lowp))
+    else:
+        group = streams if GROUP_STREAMS and mode and c % bk == 0 else 0
+        launch(_bwd_kernel(agg is not None, lowp, name), (cdiv(k, bk), splits),
+               (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode, max(1, c // (bk // 2)), c,
+                next_pow2(streams) if mode else 1, group))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
     if side is None:
         sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
@@ -421,6 +487,11 @@ def compile_checks() -> dict[str, bytes]:
                 out[f"bwd-agg{mode}-{dtype}{tag}"] = tile_ir(
                     _bwd_kernel(True, lowp, dev), [a2, a2, array(f32, 2), a2, array(f32, 3), array(f32, 2), a2, 24,
                                                    32, bbm, bbk, 8, lowp, mode, max(1, c // (bbk // 2)), c, 4, group])
+        if lowp:  # the term's kernel a program per channel block of the n = 4 streams (C = 7168)
+            a3 = array(dtype, 3)
+            out[f"bwd-agg-streams-{dtype}"] = tile_ir(
+                _bwd_kernel(True, True, "NVIDIA H200", True), [a3, a3, array(f32, 2), a3, array(f32, 4), array(f32, 2),
+                                                               a2, 24, 32, bbm, bbk // 4, 2, 8, True])
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])
