@@ -10,7 +10,8 @@ cuTile's front end exports Tile IR bytecode on any machine (what tests/test_cuti
         python3 dev/cutile_sass.py [--keep DIR]
 
 Prints, for the projection backward at its shipped bf16 tile (without and with mix_aggregate's
-aggregation term, the latter with the hints it takes on an H200 and on an H100) and compute_h's
+aggregation term, the latter per K block with the hints it takes on an H200 and on an H100, and
+a program per channel block of the streams) and compute_h's
 backward, the spill
 loads and stores (LDL / STL), the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync) and the
 global / shared memory instructions. The sixteenth session found the whole-block projection
@@ -61,6 +62,7 @@ def main() -> None:
     f32, bf16 = torch.float32, torch.bfloat16
     a2, f2, f1 = array(bf16, 2), array(f32, 2), array(f32, 1)
     A2, F2 = array(bf16, 2, True), array(f32, 2, True)  # as a launch specialises aligned tensors
+    X3, W3 = array(bf16, 3, True, (64, 4, 64)), array(bf16, 3, True, (8, 4, 64))  # [rows, n, C] views (W: 24 rows)
     bm, bk, _ = proj_rms.BWD_TILE
     cases = {
         "proj_rms backward, bf16 (64, 256), 64 token blocks a split": (
@@ -69,6 +71,10 @@ def main() -> None:
             proj_rms._bwd_kernel(True, True, dev), [A2, A2, F2, A2, array(f32, 3, True), F2, A2, 24, 32, bm, bk, 64,
                                                     True, 1, 7168 // (bk // 2), 7168, 4, 0])
            for dev in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")},
+        "the same, a program per channel block of the 4 streams (the streams form, both devices)": (
+            proj_rms._bwd_kernel(True, True, "NVIDIA H200", True),
+            [X3, W3, F2, X3, array(f32, 4, True, (1, 8, 4, 64)), array(f32, 2, True, (64, 4)), A2, 24, 32, bm,
+             bk // 4, 2, 64, True]),
         f"mapping compute_h backward, {mapping.BWD_H_BM} tokens": (
             mapping._mapping_bwd_h, [f2, f1, f1, f1, f1, f2, f2, f2, f2, f2, 4, 24, 32, mapping.BWD_H_BM, 28672]),
     }

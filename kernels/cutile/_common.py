@@ -35,19 +35,22 @@ _CT_DTYPES = {torch.float32: ct.float32, torch.bfloat16: ct.bfloat16, torch.floa
               torch.int64: ct.int64, torch.int32: ct.int32}
 
 
-def array(dtype: torch.dtype, ndim: int, aligned: bool = False):
+def array(dtype: torch.dtype, ndim: int, aligned: bool = False, shape_divisible_by=None):
     """The compile-time description of a contiguous torch tensor argument (for ``tile_ir``).
     ``aligned``: as a launch specialises a contiguous, aligned tensor (last stride 1, other strides
-    multiples of 16 elements, base 256-byte aligned, shapes of whole 64-element tiles past 1-D),
-    which offline SASS needs to show the loads a launch gets (TMA instead of scalar loads)."""
+    multiples of 16 elements, base 256-byte aligned, shapes of whole 64-element tiles past 1-D, or
+    ``shape_divisible_by`` per dimension), which offline SASS needs to show the loads a launch gets
+    (TMA instead of scalar loads)."""
     from cuda.tile.compilation import ArrayConstraint
     if not aligned:
         return ArrayConstraint(_CT_DTYPES[dtype], ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
                                alias_groups=(), may_alias_internally=False)
+    if shape_divisible_by is None:
+        shape_divisible_by = (64,) * ndim if ndim > 1 else 1
     return ArrayConstraint(_CT_DTYPES[dtype], ndim, index_dtype=ct.int32, stride_lower_bound_incl=0, alias_groups=(),
                            may_alias_internally=False, stride_constant=(None,) * (ndim - 1) + (1,),
-                           stride_divisible_by=(16,) * (ndim - 1) + (1,),
-                           shape_divisible_by=(64,) * ndim if ndim > 1 else 1, base_addr_divisible_by=256)
+                           stride_divisible_by=(16,) * (ndim - 1) + (1,), shape_divisible_by=shape_divisible_by,
+                           base_addr_divisible_by=256)
 
 
 BR = 32  # rows per step of sum_rows
