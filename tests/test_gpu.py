@@ -449,6 +449,51 @@ def test_cutile_mix_aggregate_adds_the_aggregation_gradient_on_both_paths(tmp_pa
     assert verdicts and all(verdicts)
 
 
+@pytest.mark.parametrize("backend", ["triton", "cutile"])
+def test_mix_aggregate_backward_with_sinkhorn_beside_gives_the_in_order_bits(monkeypatch, backend):
+    """mix_aggregate's backward runs Sinkhorn's backward on a side stream beside the aggregation's
+    (``schedule.beside``): all four gradients the same bits as the two in order, eagerly and
+    replayed from a CUDA graph (the side stream joins the capture), at n = 4 (the projection's
+    streams form in cuTile) and n = 3, with only g_res or only g_out given too."""
+    import importlib
+
+    from mhctool.bench import _graphed
+
+    mod = importlib.import_module(f"mhctool.kernels.{backend}.mix_aggregate")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for s, b, n, c in ((37, 3, 4, 256), (5, 7, 3, 67)):
+        x = torch.randn(s, b, n, c, generator=g, device="cuda").bfloat16().requires_grad_()
+        w = (torch.randn(n * n + 2 * n, n * c, generator=g, device="cuda") / (n * c) ** 0.5).bfloat16().requires_grad_()
+        a = torch.tensor([0.8, 1.1, 0.9], device="cuda", requires_grad=True)
+        hb = (0.1 * torch.randn(n * n + 2 * n, generator=g, device="cuda")).requires_grad_()
+        fs = torch.cuda.Stream()  # a forward off the default stream, so that its backward can be captured
+        fs.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(fs):
+            outs = mod.mix_aggregate(x, w, a, hb)
+        torch.cuda.current_stream().wait_stream(fs)
+        ups = [torch.randn(o.shape, generator=g, device="cuda").to(o.dtype) for o in outs]
+        for pick in ((0, 1, 2), (2,), (0,)):
+            def grads():
+                return torch.autograd.grad([outs[i] for i in pick], [x, w, a, hb], [ups[i] for i in pick],
+                                           retain_graph=True, allow_unused=True)
+            with monkeypatch.context() as m:
+                m.setattr(mod, "beside", lambda side, main, device: (side(), main()))
+                want = grads()
+            got = grads()
+            res = {}
+
+            def captured():
+                res["g"] = grads()
+            _graphed(captured)()
+            torch.cuda.synchronize()
+            for name, wt, gt, ct in zip(("x", "weight", "alpha", "h_bias"), want, got, res["g"]):
+                if wt is None:
+                    assert gt is None and ct is None, (backend, n, pick, name)
+                    continue
+                assert torch.isfinite(wt).all(), (backend, n, pick, name)
+                assert torch.equal(wt, gt) and torch.equal(wt, ct), (backend, n, pick, name)
+
+
 def test_cutile_mapping_backward_sums_bias_and_alpha_beside_dw():
     """The cuTile mapping backward: compute_h's backward gathers the three upstream gradients
     without the gathers' own bounds checks (its token mask covers them), and the bias / alpha

@@ -665,3 +665,13 @@ def test_mix_aggregate_one_function_matches_float64_and_the_composition(dtype):
         scale = w_.abs().max()
         assert (g.double() - w_).abs().max() / scale < tol, name
         assert (g.double() - c_.double()).abs().max() / scale < tol, name
+
+
+def test_beside_runs_both_in_order_off_cuda():
+    """``schedule.beside`` (Sinkhorn's backward beside the aggregation's in mix_aggregate) returns
+    both results; off CUDA (the interpreter) it runs the side callable first, then the main one."""
+    from mhctool.kernels.schedule import beside
+    calls = []
+    got = beside(lambda: calls.append("side") or torch.ones(2), lambda: calls.append("main") or None,
+                 torch.device("cpu"))
+    assert calls == ["side", "main"] and torch.equal(got[0], torch.ones(2)) and got[1] is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..schedule import beside
 from . import h_aggregate as agg_
 from . import mapping as map_
 from .sinkhorn import sinkhorn_backward, sinkhorn_forward
@@ -40,8 +41,10 @@ class _MixAggregate(torch.autograd.Function):
         iters, sinkhorn_eps = ctx.knobs
         s, b, n, c = x.shape
         t = s * b
-        g_log = None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps)
-        g_pre = None if g_out is None else agg_.backward(x, pre, g_out, write_dx=False)[1]
+        # Sinkhorn's backward (latency-bound, tens of us) beside the aggregation's (memory-bound)
+        g_log, g_pre = beside(
+            lambda: None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps),
+            lambda: None if g_out is None else agg_.backward(x, pre, g_out, write_dx=False)[1], x.device)
         dx, dw, d_alpha, d_bias = map_.backward(
             saved, None if g_pre is None else g_pre.reshape(t, n), None if g_post is None else g_post.reshape(t, n),
             None if g_log is None else g_log.reshape(t, n, n),

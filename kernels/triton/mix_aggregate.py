@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..schedule import beside
 from .h_aggregate import h_aggregate_backward, h_aggregate_forward
 from .mapping import mapping, mapping_backward, mapping_forward
 from .sinkhorn import sinkhorn, sinkhorn_backward, sinkhorn_forward
@@ -45,8 +46,10 @@ class MixAggregateFunction(torch.autograd.Function):
         x, weight, alpha, h_bias, pre, logits, *saved = ctx.saved_tensors
         iters, sinkhorn_eps = ctx.knobs
         s, b, n, c = x.shape
-        g_log = None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps)
-        g_pre = None if g_out is None else h_aggregate_backward(x, pre, g_out, write_dx=False)[1]
+        # Sinkhorn's backward (latency-bound, tens of us) beside the aggregation's (memory-bound)
+        g_log, g_pre = beside(
+            lambda: None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps),
+            lambda: None if g_out is None else h_aggregate_backward(x, pre, g_out, write_dx=False)[1], x.device)
         dx, dw, d_alpha, d_bias = mapping_backward(
             x.reshape(s * b, n * c), weight, alpha, h_bias, saved,
             (None if g_pre is None else g_pre.reshape(s * b, n), None if g_post is None else g_post.reshape(s * b, n),
