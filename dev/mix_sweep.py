@@ -10,7 +10,9 @@ the bench times, without the eager launches' host overhead)
 (each backward's launches under torch.profiler: device time per kernel, five backwards each)
     python3 dev/mix_sweep.py cutile ["[(bm, bk, splits), ((bm, bk, splits), {MODULE_FLAG: value}), ...]"]
 (cuTile's mix_aggregate backward beside Triton's, at cuTile's AGG_TILE or the tiles given, each
-with proj_rms module flags set, e.g. {"BC_SUM": 512}; dx of each against the first variant's;
+with proj_rms module flags set, e.g. {"BC_SUM": 512}, or another cuTile module's, e.g.
+{"h_aggregate.BT_BWD": 4}, or "schedule.SIDE_STREAM" (both backends' Sinkhorn backward beside the
+aggregation's): a flag stays set for the variants after; dx of each against the first variant's;
 "graph cutile [...]" replays each captured)
 Ordering the projection backward's programs so that the n over the same channels of the n
 streams run side by side (GROUP_STREAMS) read as nothing in eager rounds on an H200 (twenty-second
@@ -26,6 +28,8 @@ g=torch.Generator(device="cuda").manual_seed(0)
 x=torch.randn(s,b,n,c,device="cuda",generator=g).bfloat16().requires_grad_()
 w=(torch.randn(24,n*c,device="cuda",generator=g)/(n*c)**.5).bfloat16().requires_grad_()
 a=torch.tensor([0.8,1.1,0.9],device="cuda",requires_grad=True); hb=(0.1*torch.randn(24,device="cuda")).requires_grad_()
+def _module(backend,mod):  # a flag's module: "schedule" (shared), else one of the backend's
+    return importlib.import_module("kernels.schedule" if mod=="schedule" else f"kernels.{backend}.{mod}")
 graph=sys.argv[1:2]==["graph"]  # each variant's backward captured as a CUDA graph (flags set at capture), replays timed
 if graph:  # autograd runs a backward op on its forward's stream; the default one cannot join a capture
     fs=torch.cuda.Stream(); fs.wait_stream(torch.cuda.current_stream())
@@ -62,7 +66,9 @@ if rest[:1] == ["cutile"]:
         tile,flags=(v if isinstance(v[0],tuple) else (v,{}))
         def run():
             cpr.AGG_TILE=tuple(tile)
-            for key,val in flags.items(): setattr(cpr,key,val)
+            for key,val in flags.items():  # proj_rms's, or "module.FLAG" of another kernels.cutile module
+                mod,_,name=key.rpartition(".")
+                setattr(_module("cutile",mod) if mod else cpr,name,val)
             return torch.autograd.grad(couts,[x,w,a,hb],ups,retain_graph=True)
         return run
     cvs=ast.literal_eval(rest[1]) if len(rest)>1 else [cpr.AGG_TILE]
@@ -83,7 +89,7 @@ else:
             pr.LOWP_TILE,pr.AGG_STAGES=tuple(v[0]),v[1]
             for key,val in (v[2] if len(v)>2 else {}).items():  # e.g. {"PACK_M": 64}, {"h_aggregate.REV": True}
                 mod,_,name=key.rpartition(".")
-                setattr(importlib.import_module(f"kernels.triton.{mod}") if mod else pr,name,val)
+                setattr(_module("triton",mod) if mod else pr,name,val)
             bwd()
         return run
     vs=ast.literal_eval(rest[0]) if rest else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
