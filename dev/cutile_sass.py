@@ -11,10 +11,9 @@ cuTile's front end exports Tile IR bytecode on any machine (what tests/test_cuti
 
 Prints, for the projection backward at its shipped bf16 tile (without and with mix_aggregate's
 aggregation term, the latter per K block with the hints it takes on an H200 and on an H100, and
-a program per channel block of the streams) and compute_h's
-backward, the spill
-loads and stores (LDL / STL), the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync) and the
-global / shared memory instructions. The sixteenth session found the whole-block projection
+a program per channel block of the streams) and compute_h's backward, the spill loads and stores
+(LDL / STL), the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync) and the global / shared
+memory instructions. The sixteenth session found the whole-block projection
 backward at (64, 256) with 32 LDL / 13 STL (ncu: 10 M local-memory requests a launch) and the
 two-halves form with none (docs/perf-notes.md).
 """

@@ -173,12 +173,24 @@ def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, 
     accumulator as well spilled with the term, and without it took 2.12 against 1.04 ms:
     docs/perf-notes.md.)"""
     xt = ct.load(x, index=(i, kh), shape=(BM, H), padding_mode=ZERO)
-    if AGG > 0:
-        prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG, _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN))
-    else:
-        prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG)
-    ct.store(dx, index=(i, kh), tile=(prod + coef * xt.astype(ct.float32)).astype(dx.dtype))
+    term = _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN) if AGG > 0 else None
+    out, part = _dx_and_part(g, wt, xt, coef, term, dx.dtype, LOWP, BM, H, NG)
+    ct.store(dx, index=(i, kh), tile=out)
     return part
+
+
+def _dx_and_part(g, wt, xt, coef, init, dtype, LOWP, BM, H, NG):
+    """A half block's dx, ``gP W + coef x`` (plus ``init``, fp32 or None, in the products'
+    accumulator) rounded once to ``dtype``, and its ``gP^T x``; x's tile ``xt`` is ``(BM, H)``."""
+    prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG, init)
+    return (prod + coef * xt.astype(ct.float32)).astype(dtype), part
+
+
+def _packed_block(gc, i, N, NG, BM):
+    """Token block i's packed gradient ``(BM, NG)`` (``_pack_grad``'s layout) and its column N, dx's
+    factor of x ``(BM, 1)``."""
+    g = ct.load(gc, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
+    return g, ct.extract(g, index=(0, N), shape=(BM, 1))
 
 
 @ct.kernel
@@ -212,8 +224,7 @@ def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: Const
     acc1 = ct.zeros((NG, H), dtype=ct.float32)
     for b in range(BLOCKS):  # blocks past the last token load zeros and store nothing
         i = s * BLOCKS + b
-        g = ct.load(gc, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
-        coef = ct.extract(g, index=(0, N), shape=(BM, 1))
+        g, coef = _packed_block(gc, i, N, NG, BM)
         hpt = None
         if AGG == 1:
             hpt = ct.load(hp, index=(i, 0), shape=(BM, NPN), padding_mode=ZERO)
@@ -243,8 +254,7 @@ def _proj_rms_bwd_streams(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, B
     acc1 = ct.zeros((NG, H), dtype=ct.float32)
     for b in range(BLOCKS):  # blocks past the last token load zeros and store nothing
         i = s * BLOCKS + b
-        g = ct.load(gc, index=(i, 0), shape=(BM, NG), padding_mode=ZERO)
-        coef = ct.extract(g, index=(0, N), shape=(BM, 1))
+        g, coef = _packed_block(gc, i, N, NG, BM)
         hpt = ct.load(hp, index=(i, 0), shape=(BM, 2 * NH), padding_mode=ZERO)
         gt = ct.reshape(ct.load(go, index=(i, c), shape=(BM, Q), padding_mode=ZERO).astype(ct.float32), (BM, 1, Q))
         acc0 = acc0 + _streams_half(x, dx, w0, g, coef, hpt, gt, i, c, 0, NG, BM, Q, NH, LOWP)
@@ -261,8 +271,7 @@ def _streams_half(x, dx, wt, g, coef, hpt, gt, i, c, h, NG, BM, Q, NH, LOWP):
     hs = ct.reshape(ct.extract(hpt, index=(0, h), shape=(BM, NH)), (BM, NH, 1))
     term = ct.reshape(hs * gt, (BM, H))
     xt = ct.reshape(ct.load(x, index=(i, h, c), shape=(BM, NH, Q), padding_mode=ZERO), (BM, H))
-    prod, part = _grad_products(g, wt, xt, LOWP, BM, H, NG, term)
-    out = (prod + coef * xt.astype(ct.float32)).astype(dx.dtype)
+    out, part = _dx_and_part(g, wt, xt, coef, term, dx.dtype, LOWP, BM, H, NG)
     ct.store(dx, index=(i, h, c), tile=ct.reshape(out, (BM, NH, Q)))
     return part
 
