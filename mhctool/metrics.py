@@ -1,7 +1,9 @@
 """Error metrics: one pure function each, ``(out, ref) -> float``.
 
 ``out`` is an implementation's tensor at its own dtype, ``ref`` the float64 reference. Errors are
-measured where the reference is finite; a non-finite output there makes the error infinite.
+measured where the reference is finite; a non-finite output there makes the error infinite, except
+an infinity of the reference's sign where the reference lies past the largest finite value of the
+output's dtype (the correctly rounded result: the contract's value is not finite in that dtype).
 """
 from __future__ import annotations
 
@@ -35,10 +37,22 @@ def finite_amax(t: torch.Tensor) -> float:
     return float(fin.abs().max()) if fin.numel() else 0.0
 
 
+def _rounded_overflow(o: torch.Tensor, r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where ``o`` is the infinity that rounding the finite ``r`` to ``dtype`` gives."""
+    if not dtype.is_floating_point or dtype == torch.float64:
+        return torch.zeros_like(o, dtype=torch.bool)
+    big = torch.finfo(dtype).max
+    return torch.isinf(o) & (r.abs() > big) & (torch.sign(o) == torch.sign(r))
+
+
 def _abs_err(out, ref):
     o, r = _pair(out, ref)
     d = (o - r).abs_()
-    return d.masked_fill_(~torch.isfinite(o), math.inf), r
+    bad = ~torch.isfinite(o)
+    if bool(bad.any()):
+        over = _rounded_overflow(o, r, out.dtype)
+        d = torch.where(over, 0.0, d.masked_fill_(bad, math.inf))
+    return d, r
 
 
 def max_abs(out, ref) -> float:
@@ -82,9 +96,13 @@ def ulp(out, ref) -> float:
 
 
 def nonfinite(out, ref) -> float:
-    """Non-finite output elements where the reference is finite (poisoned ones excluded)."""
+    """Non-finite output elements where the reference is finite in the output's dtype (poisoned
+    ones excluded; an infinity that rounding the reference to that dtype gives is not counted)."""
     r, o = ref.detach(), out.detach()
-    return float((~torch.isfinite(o) & torch.isfinite(r) & ~is_poison(o)).sum())
+    bad = ~torch.isfinite(o) & torch.isfinite(r) & ~is_poison(o)
+    if not bool(bad.any()):
+        return 0.0
+    return float((bad & ~_rounded_overflow(o.double(), r.double(), o.dtype)).sum())
 
 
 def unwritten(out, ref) -> float:

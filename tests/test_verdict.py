@@ -38,8 +38,33 @@ def test_nan_error_fails_and_counts_are_gated():
     r = VerdictRule()
     assert not r.judge("max_abs", math.nan, FP32, 1.0, NATIVE).passed
     assert not r.judge("unwritten", 1, FP32, 1.0, NATIVE).passed
-    assert r.judge("nonfinite", 3, FP32, 1.0, dict(NATIVE, nonfinite=3)).passed
     assert r.judge("max_rel", 1.0, FP32, 1.0, NATIVE).passed is None
+
+
+def test_an_overflow_is_never_excused_by_the_native_one():
+    """Non-finite where the float64 contract is finite fails whatever the native baseline (of any
+    declared convention) does: its infinite error does not pass an infinite threshold."""
+    r = VerdictRule()
+    j = r.judge("nonfinite", 3, FP32, 1.0, dict(NATIVE, nonfinite=3))
+    assert not j.passed and j.rule == "non-finite where the contract is finite"
+    j = r.judge("max_abs", math.inf, FP32, 1.0, dict(NATIVE, max_abs=math.inf))
+    assert not j.passed and j.threshold == math.inf and j.rule == "non-finite where the contract is finite"
+    assert not r.judge("rel_l2", math.inf, FP32, 1.0, None).passed  # the baseline's own row too
+
+
+def test_an_infinity_that_rounding_gives_is_no_overflow():
+    """A reference past fp16's largest value rounds to inf: an fp16 inf of its sign is correct."""
+    import torch
+
+    from mhctool.metrics import max_abs, nonfinite
+
+    ref = torch.tensor([1.0, 7e4, -7e4, 3.0], dtype=torch.float64)
+    out = torch.tensor([1.0, float("inf"), float("-inf"), 3.0], dtype=torch.float16)
+    assert nonfinite(out, ref) == 0 and max_abs(out, ref) == 0
+    wrong_sign = torch.tensor([1.0, float("-inf"), float("-inf"), 3.0], dtype=torch.float16)
+    assert nonfinite(wrong_sign, ref) == 1 and max_abs(wrong_sign, ref) == math.inf
+    in_range = torch.tensor([float("inf"), 7e4, -7e4, 3.0], dtype=torch.float32)
+    assert nonfinite(in_range, ref) == 1 and max_abs(in_range, ref) == math.inf
 
 
 def test_finite_amax_ignores_nonfinite_and_copies_nothing_when_all_finite():
