@@ -11,7 +11,15 @@ convention sets the threshold), so a match is a pass, and a kernel that no conve
 defect.
 
 The implementation is always called with the knobs asked for (``--knob``, else the family's
-defaults); only the reference and the native baseline change with the candidate.
+defaults); only the reference and the native baseline change with the candidate. A knob whose
+asked value does not change its outputs (a function that takes no iteration count, or takes one
+and runs its own) is said to be ignored, and its value is fitted over its whole range like any
+other.
+
+Some probes are guards (Sinkhorn's large logits): never fitted, but judged. An implementation that
+returns non-finite values there, where the float64 contract is finite, fits no convention,
+whatever its finite outputs match: an overflow is never a convention. A candidate whose native
+baseline overflows on a guard where the implementation stays finite is not what it computes.
 """
 from __future__ import annotations
 
@@ -24,18 +32,20 @@ from typing import Callable
 import torch
 
 from . import inputs as inputs_mod
-from . import runner
+from . import names, runner
 from .dtypes import FORMATS
 from .errors import UsageError
-from .metrics import max_rel
+from .metrics import max_rel, nonfinite
 from .registry import Family, Impl, get_family, native_impl
 from .runner import Case, ImplResult
 from .shapes import parse_shape_for
 from .verdict import VerdictRule
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
-# eps: zero, then 1e-10 .. 1e-3 by half decades
-EPS_GRID = (0.0,) + tuple(10.0 ** (e / 2) for e in range(-20, -5))
+# eps: zero, then 1e-12 .. 1e-3 by half decades
+EPS_GRID = (0.0,) + tuple(10.0 ** (e / 2) for e in range(-24, -5))
+# Sinkhorn's iteration counts: 1 to 64 (a kernel may fix any of them), and around the asked value
+ITERS_MAX = 64
 LIMIT_GRID = (1.0, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0, 1e9)
 
 
@@ -88,6 +98,9 @@ class Space:
     # knobs that change no float64 value but the native baseline (how a kernel computes), tried when
     # a candidate fails the verdict: candidate knobs -> {knob: value} to judge it again with, or None
     judge_also: Callable[[dict], dict | None] = lambda knobs: None
+    # input families run and judged but never fitted: where an overflow shows (a non-finite output
+    # fits nothing, so fitting on it would blur every candidate's score)
+    guards: tuple[str, ...] = ()
 
 
 def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
@@ -118,10 +131,11 @@ def space(kernel: str, asked: dict) -> Space:
         it = int(asked.get("iters", 20))
         return Space(("random", "eps_sweep", "dead_rows_cols", "near_perm"), "16x4x4x1",
                      {"stabilize": ref.STABILIZE, "eps_mode": ref.EPS_MODES, "order": ref.ORDERS,
-                      "iters": tuple(range(max(1, it - 3), it + 4))},
+                      "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
                      {"eps": EPS_GRID}, batched="eps", prefix="iters",
                      # without eps, as in the log domain: its rounding is the log-domain baseline's
-                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None)
+                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None,
+                     guards=("large_logits",))
     if kernel == "h_post_bda":
         return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
                      variants={"bias": Variant((True, False), _drop_bias)})
@@ -152,8 +166,7 @@ def space(kernel: str, asked: dict) -> Space:
     raise AssertionError(kernel)  # check_kernel first
 
 
-IDENTIFIABLE = ("sinkhorn", "h_aggregate", "h_post_bda", "proj_rms", "mapping", "mapping_sinkhorn", "mix_aggregate",
-                "swiglu", "clamped_swiglu")
+IDENTIFIABLE = names.IDENTIFIABLE
 
 
 def checked_knobs(kernel: str, values: dict, from_text: bool = False) -> dict:
@@ -243,37 +256,55 @@ def fmt_knobs(knobs: dict) -> str:
     return " ".join(f"{k}={fmt_value(v)}" for k, v in knobs.items())
 
 
-def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = None) -> tuple[str, str]:
+def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = None,
+             ignored: dict | None = None, shown_only: bool = False) -> tuple[str, str]:
     """(``as asked`` | ``known convention`` | ``variant`` | ``likely a defect``, the sentence).
 
     ``evidence``: knob -> (shown, what was measured), from :meth:`Identifier.evidence` on the
     implementation's own outputs. A value that would be a defect is called one only where its
     evidence shows it; without evidence (the unit's own use) the sentence says it is unconfirmed.
-    In the log domain nothing is exponentiated raw, so no stabilisation is claimed at all."""
+    ``ignored``: knob -> how (``takes no`` / ``ignores``): the implementation runs its own value
+    whatever it is asked, which the sentence says first. ``shown_only``: only the claims that
+    evidence shows (a candidate that fails its own judging explains nothing else). In the log
+    domain nothing is exponentiated raw, so no stabilisation is claimed at all."""
+    ignored = ignored or {}
     diff = {k: v for k, v in fitted.items() if not _same(v, asked.get(k))}
     if fitted.get("domain") == "log" and "stabilize" in diff:
         del diff["stabilize"]  # a log-domain iteration never exponentiates the raw logits
+    fixed = [f"ignores {k}: runs {fmt_value(fitted[k])} whatever it is asked, which is what was asked"
+             + _param_note(k, ignored[k]) for k in fitted if k in ignored and k not in diff]
     if not diff:
-        return "as asked", "computes what it was asked for"
+        return "as asked", "; ".join(["computes what it was asked for", *fixed])
     notes, level = [], 0
     for k, v in diff.items():
         known = next((who for (kk, kn, kv), who in KNOWN.items() if kk == kernel and kn == k and _same(kv, v)), None)
         odd = SUSPICIOUS_VALUES.get((kernel, k, v))
         shown, measured = (evidence or {}).get(k, (None, None))
+        own = (f"ignores {k}: runs {fmt_value(v)} whatever it is asked (asked for {fmt_value(asked.get(k))}"
+               f"{_param_note(k, ignored[k])})") if k in ignored else None
+        if shown_only and not (odd and shown):
+            continue
         if known:
-            notes.append(f"{k}={fmt_value(v)}: a known convention, {known}")
+            notes.append(f"{own}: a known convention, {known}" if own else f"{k}={fmt_value(v)}: a known convention, {known}")
         elif (odd or k in DEFECT_KNOBS) and shown is False:
             level = max(level, 1)
-            notes.append(f"{k}={fmt_value(v)} fits, but no defect is shown: {measured}")
+            notes.append(f"{own}; no difference shows on its outputs: {measured}" if own
+                         else f"{k}={fmt_value(v)} fits, but no defect is shown: {measured}")
         elif odd or k in DEFECT_KNOBS:
             level = 2
             what = f" ({odd[0]})" if odd else ""
-            notes.append(f"matches with {k}={fmt_value(v)} — asked for {fmt_value(asked.get(k))}: likely a defect{what}"
+            head = own or f"matches with {k}={fmt_value(v)} — asked for {fmt_value(asked.get(k))}"
+            notes.append(f"{head}: likely a defect{what}"
                          + (f"; shown: {measured}" if shown else "; not yet shown on its outputs"))
         else:
             level = max(level, 1)
-            notes.append(f"{k}={fmt_value(v)}: a variant no library mhctool knows uses (check it is intended)")
-    return ("known convention", "variant", "likely a defect")[level], "; ".join(notes)
+            notes.append(f"{own}: a variant no library mhctool knows uses (check it is intended)" if own
+                         else f"{k}={fmt_value(v)}: a variant no library mhctool knows uses (check it is intended)")
+    return ("known convention", "variant", "likely a defect")[level], "; ".join(notes + fixed)
+
+
+def _param_note(knob: str, how: str) -> str:
+    return f"; it takes no {knob} parameter" if how == "takes no" else ""
 
 
 @dataclass
@@ -283,6 +314,7 @@ class Probe:
     upstream: list
     res: ImplResult
     noise: list  # per output: the native implementation's error at the asked knobs (normalised max abs)
+    refs: list = field(default_factory=list)  # the float64 reference's outputs at the asked knobs
 
 
 @dataclass
@@ -298,10 +330,13 @@ class Candidate:
     note: str | None = None
     fwd_passed: bool | None = None  # the forward alone passes the verdict (judged candidates)
     bwd_worst: str | None = None  # the backward's first failing row, when it fails
+    # judged candidates: its native baseline is non-finite on a guard where the implementation is
+    # (it explains an overflow, which is still no convention)
+    overflows: bool | None = None
 
     @property
-    def key(self) -> str:
-        return json.dumps(self.knobs, sort_keys=True, default=str)
+    def key(self) -> tuple:
+        return _key(self.knobs)
 
 
 @dataclass
@@ -318,6 +353,10 @@ class Identification:
     precision_bwd: str | None = None  # the backward's, where fitted apart from the forward's
     declared_precision: str = "ieee"  # what its adapter declares (or ieee)
     ties: list = field(default_factory=list)  # other candidates that fit as well (within native noise)
+    # guard probes where it returned non-finite values and the float64 contract is finite:
+    # (family, its description, non-finite outputs, outputs where the contract is finite)
+    overflow: list = field(default_factory=list)
+    ignored: dict = field(default_factory=dict)  # knob -> "takes no" / "ignores": it runs its own value
 
     @property
     def asked_all(self) -> dict:
@@ -357,10 +396,22 @@ class Identification:
             prec = f" matmul_precision={self.precision}" if self.precision != "ieee" else ""
         return (fmt_knobs(self.best.knobs) + prec).strip() or "the contract"
 
+    def overflow_sentence(self) -> str | None:
+        """The non-finite outputs it returned where the float64 contract is finite, or None."""
+        if not self.overflow:
+            return None
+        parts = [f"{bad} of {total} outputs non-finite on {fam} ({doc})" for fam, doc, bad, total in self.overflow]
+        return "; ".join(parts) + " where the float64 contract is finite"
+
     def line(self) -> str:
         if self.error:
             return f"no convention fits: the implementation failed: {self.error}"
         b = self.best
+        if self.overflow:
+            why = next((SUSPICIOUS_VALUES[(self.kernel, k, v)][0] for k, v in b.knobs.items()
+                        if (self.kernel, k, v) in SUSPICIOUS_VALUES), None) if b.overflows else None
+            return (f"no convention fits: {self.overflow_sentence()}; its finite outputs fit {self._knobs()}"
+                    + (f" ({why})" if why else "") + "; a defect: an overflow is never a convention")
         if b.passed:
             return f"best match: {self._knobs()} (max_rel {b.max_rel:.2g})"
         if b.fwd_passed and b.worst and b.worst.startswith("backward failed: "):
@@ -389,10 +440,13 @@ class Identification:
         return " ".join(out)
 
     def conventions(self) -> dict:
-        """The fitted knobs that ``--convention`` can declare and that differ from the asked ones."""
+        """The fitted knobs that ``--convention`` can declare and that differ from the asked ones.
+        Not a knob the implementation takes and follows (a declared value is passed to it, so it
+        would compute something else again): those are what it was asked for, or a defect."""
         fam = get_family(self.kernel)
         return {k: v for k, v in (self.best.knobs if self.best else {}).items()
-                if k in fam.conventions and not _same(v, self.asked.get(k))}
+                if k in fam.conventions and not _same(v, self.asked.get(k))
+                and (k in self.ignored or not (fam.knobs[k].passed and self.impl.accepts(k)))}
 
 
 class Identifier:
@@ -426,6 +480,10 @@ class Identifier:
         check_precision(self.precision, "--matmul-precision")
         self.tried: dict[str, Candidate] = {}
         self.family_knobs = {k: v for k, v in asked.items() if k not in self._names()}  # e.g. interleave
+        self.guards: list[Probe] = []  # the space's guard probes, run by probes()
+        self._stacks: dict = {}  # probes -> their float64 inputs, stacked where the kernel allows
+        self.overflow: list = []  # Identification.overflow
+        self.ignored: dict = {}  # Identification.ignored
 
     def _names(self) -> list[str]:
         return [*self.space.discrete, *self.space.continuous]
@@ -437,10 +495,20 @@ class Identifier:
 
     # --- the implementation, once per probe ---------------------------------------------------
 
+    def _impl_knobs(self) -> dict:
+        """The knobs the implementation is called with: the asked ones (variants are no knobs)."""
+        return {**{k: v for k, v in self.asked.items() if k not in self.space.variants}, **self.family_knobs}
+
+    def _call(self, case: Case, base: dict, knobs: dict, upstream: list, expect: list) -> ImplResult:
+        """The implementation under test on one probe's inputs (in its worker, where isolated)."""
+        if self.isolation is not None and self.impl.backend == "external":
+            return self.isolation.run(case, self.impl, base, knobs, upstream, expect)
+        return runner.run_impl(self.fam, self.impl, base, knobs, lambda outs: upstream, expect=expect)
+
     def _run_on(self, fam_name: str):
         """The native implementation and the one under test on one input family, at the asked knobs:
         (case, shape, base inputs, native result, upstream gradients, its result)."""
-        knobs = {**{k: v for k, v in self.asked.items() if k not in self.space.variants}, **self.family_knobs}
+        knobs = self._impl_knobs()
         case = Case(self.kernel, fam_name, self.dtype, self.shape, tuple(sorted(knobs.items())), self.seed,
                     self.device, "identify")
         shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs)
@@ -450,24 +518,73 @@ class Identifier:
         if nat.fwd_error:
             raise RuntimeError(f"the native {self.kernel} failed on {fam_name}: {nat.fwd_error}")
         upstream, expect = runner.upstream_for(self.fam, nat.outputs, self.seed), runner.output_specs(nat.outputs)
-        if self.isolation is not None and self.impl.backend == "external":
-            res = self.isolation.run(case, self.impl, base, knobs, upstream, expect)
-        else:
-            res = runner.run_impl(self.fam, self.impl, base, knobs, lambda outs: upstream, expect=expect)
-        return case, shape, base, nat, upstream, res
+        return case, shape, base, nat, upstream, self._call(case, base, knobs, upstream, expect)
+
+    def _probe(self, fam_name: str) -> tuple[Probe | None, str | None]:
+        case, shape, base, nat, upstream, res = self._run_on(fam_name)
+        if res.fwd_error:
+            return None, f"{res.fwd_error} (probe {fam_name})"
+        with torch.no_grad():
+            refs = self.fam.call(self.fam.reference, _float64(base), self._split(self.asked)[0], lambda k: True)
+        floor = 2 * FORMATS[self.dtype].unit_roundoff
+        noise = [max(_batched_errors(o, r.unsqueeze(0))[0][0], floor) for o, r in zip(nat.outputs, refs)]
+        return Probe(replace(case, shape=shape), base, upstream, res, noise, list(refs)), None
 
     def probes(self) -> tuple[list[Probe], str | None]:
+        """The probes the fit is made on; also runs the guards (``self.guards``, ``self.overflow``)
+        and finds the knobs the implementation ignores (``self.ignored``)."""
         out = []
         for fam_name in self.space.probes:
-            case, shape, base, nat, upstream, res = self._run_on(fam_name)
-            if res.fwd_error:
-                return out, f"{res.fwd_error} (probe {fam_name})"
-            with torch.no_grad():
-                refs = self.fam.call(self.fam.reference, _float64(base), self._split(self.asked)[0], lambda k: True)
-            floor = 2 * FORMATS[self.dtype].unit_roundoff
-            noise = [max(_batched_errors(o, r.unsqueeze(0))[0][0], floor) for o, r in zip(nat.outputs, refs)]
-            out.append(Probe(replace(case, shape=shape), base, upstream, res, noise))
+            p, error = self._probe(fam_name)
+            if error:
+                return out, error
+            out.append(p)
+        self.guards = []
+        for fam_name in self.space.guards:
+            p, error = self._probe(fam_name)
+            if error:
+                return out, error
+            self.guards.append(p)
+        self.overflow = self._overflow()
+        self.ignored = self._ignored(out)
         return out, None
+
+    def _overflow(self) -> list:
+        """Per guard where the implementation returned non-finite values that the float64 contract
+        (what it was asked for) does not have: (family, its description, how many, of how many)."""
+        out = []
+        for p in self.guards:
+            bad = sum(int(nonfinite(o, r)) for o, r in zip(p.res.outputs, p.refs))
+            if bad:
+                total = sum(int(torch.isfinite(r).sum()) for r in p.refs)
+                out.append((p.case.family, inputs_mod.get_family(self.kernel, p.case.family).doc, bad, total))
+        return out
+
+    def _ignored(self, probes: list[Probe]) -> dict:
+        """The numeric knobs whose asked value does not change an external implementation's outputs:
+        knob -> ``takes no`` (no such parameter) or ``ignores`` (the outputs are bit for bit the same
+        at another value, far from the asked one, on every probe)."""
+        if self.impl.backend != "external":
+            return {}
+        out = {}
+        knobs = self._impl_knobs()
+        for k in self._names():
+            knob = self.fam.knobs.get(k)
+            if k in self.space.variants or knob is None or not knob.passed or knob.kind not in (int, float):
+                continue
+            if not self.impl.accepts(k):
+                out[k] = "takes no"
+                continue
+            alt = _far_from(knob.kind, self.asked[k])
+            same = True
+            for p in probes:
+                res = self._call(p.case, p.base, {**knobs, k: alt}, p.upstream, runner.output_specs(p.res.outputs))
+                if res.fwd_error or not all(torch.equal(a, b) for a, b in zip(res.outputs, p.res.outputs)):
+                    same = False
+                    break
+            if same:
+                out[k] = "ignores"
+        return out
 
     # --- candidates ---------------------------------------------------------------------------
 
@@ -487,11 +604,22 @@ class Identifier:
 
     def score(self, probes: list[Probe], cand: dict, stage: str) -> Candidate:
         """The candidate's fit (cached): its reference on every probe against the implementation's outputs."""
-        key = json.dumps(cand, sort_keys=True, default=str)
+        key = _key(cand)
         if key not in self.tried:
             knobs, ref_fn, _ = self._split(cand)
             self.tried[key] = self._fit(probes, [cand], knobs, ref_fn, lambda outs: [o.unsqueeze(0) for o in outs], stage)[0]
         return self.tried[key]
+
+    def _scores(self, probes: list[Probe], cands: list[dict], name: str, stage: str) -> list[Candidate]:
+        """:meth:`score` of candidates that differ only in the continuous knob ``name``: those not
+        yet scored in one reference call per probe where the space batches that knob."""
+        if name != self.space.batched:
+            return [self.score(probes, c, stage) for c in cands]
+        new = [c for c in {_key(c): c for c in cands}.values() if _key(c) not in self.tried]
+        if new:
+            for c in self.score_batch(probes, new, name):
+                self.tried[c.key] = replace(c, stage=stage)
+        return [self.tried[_key(c)] for c in cands]
 
     def _tol(self, best: float) -> float:
         """Scores within this of the best are the same fit (one unit of native rounding noise)."""
@@ -516,7 +644,21 @@ class Identifier:
         groups: dict[str, list[dict]] = {}
         for c in cands:
             groups.setdefault(json.dumps({k: v for k, v in c.items() if k not in (b, pre)}, sort_keys=True), []).append(c)
-        return [c for group in groups.values() for c in self._score_group(probes, group, b, pre)]
+        if pre is None:
+            return [c for group in groups.values() for c in self._score_group(probes, group, b, pre)]
+        # the prefix knob's values up to just past the asked one for every combination, then the
+        # rest of its range for the combinations that fit best there (Sinkhorn: every iteration
+        # count to 64 for the four best of sixteen, a third of the work of all sixteen)
+        near = self.asked[pre] + 3
+        first = [c for group in groups.values()
+                 for c in self._score_group(probes, [c for c in group if c[pre] <= near], b, pre)]
+        ranked = dict.fromkeys(json.dumps({k: v for k, v in c.knobs.items() if k not in (b, pre)}, sort_keys=True)
+                               for c in sorted(first, key=lambda c: c.score))
+        rest = []
+        for sig in list(ranked)[: self.judge_top + 1]:
+            far = [c for c in groups[sig] if c[pre] > near]
+            rest += self._score_group(probes, far, b, pre) if far else []
+        return first + rest
 
     def _score_group(self, probes: list[Probe], cands: list[dict], knob: str, pre: str | None) -> list[Candidate]:
         """Candidates that differ only in ``knob`` and ``pre``: one reference call per probe where
@@ -549,20 +691,47 @@ class Identifier:
         return out
 
     def _fit(self, probes: list[Probe], cands: list[dict], knobs: dict, ref_fn: Callable, stacked: Callable, stage: str) -> list[Candidate]:
-        """Candidates from one reference call per probe; ``stacked(outs)`` gives each output with the
-        candidates along a leading axis. Ranked by error in units of the native noise."""
+        """Candidates from one reference call per probe (per stack of probes, where the space
+        stacks them); ``stacked(outs)`` gives each output with the candidates along a leading axis.
+        Ranked by error in units of the native noise."""
         ratio, rel = [0.0] * len(cands), [0.0] * len(cands)
         with torch.no_grad():
-            for p in probes:
-                args = _float64(p.base)
+            for group, args in self._stacked(probes):
                 first = next(t for t in args.values() if t is not None)
                 kn = {k: (v.to(first.device).reshape(-1, *([1] * first.dim())) if torch.is_tensor(v) else v)
                       for k, v in knobs.items()}
-                for o, r, noise in zip(p.res.outputs, stacked(self.fam.call(ref_fn, args, kn, lambda k: True)), p.noise):
-                    q, m = _batched_errors(o, r)
-                    ratio = [max(a, b / noise) for a, b in zip(ratio, q)]
-                    rel = [max(a, b) for a, b in zip(rel, m)]
+                outs = stacked(self.fam.call(ref_fn, args, kn, lambda k: True))
+                at = 0
+                for p in group:
+                    rows = next(t for t in p.base.values() if t is not None).shape[0]
+                    for o, r, noise in zip(p.res.outputs, outs, p.noise):
+                        if r.dim() == o.dim():  # an output the batched knob does not change: one fit for all
+                            r = r.unsqueeze(0)
+                        q, m = _batched_errors(o, r.narrow(1, at, rows) if len(group) > 1 else r)
+                        if len(q) == 1 < len(cands):
+                            q, m = q * len(cands), m * len(cands)
+                        if len(q) != len(cands):
+                            raise AssertionError(f"{len(q)} fits for {len(cands)} candidates")
+                        ratio = [max(a, b / noise) for a, b in zip(ratio, q)]
+                        rel = [max(a, b) for a, b in zip(rel, m)]
+                    at += rows
         return [Candidate(dict(c), _nan_inf(q), _nan_inf(m), stage) for c, q, m in zip(cands, ratio, rel)]
+
+    def _stacked(self, probes: list[Probe]) -> list[tuple[list[Probe], dict]]:
+        """The probes as (group, its float64 inputs): a kernel whose outputs are per leading row
+        (Sinkhorn: a matrix each) takes probes of one shape as one input along that axis, so one
+        reference call serves them all; any other kernel takes each probe alone."""
+        key = tuple(id(p) for p in probes)
+        if key not in self._stacks:
+            if self.kernel != "sinkhorn":
+                self._stacks[key] = [([p], _float64(p.base)) for p in probes]
+            else:
+                groups: dict = {}
+                for p in probes:
+                    groups.setdefault(tuple(p.base["logits"].shape[1:]), []).append(p)
+                self._stacks[key] = [(g, {"logits": torch.cat([_float64(p.base)["logits"] for p in g])})
+                                     for g in groups.values()]
+        return self._stacks[key]
 
     def _known(self, name: str) -> list:
         return [kv for (kk, kn, kv) in KNOWN if kk == self.kernel and kn == name]
@@ -583,13 +752,14 @@ class Identifier:
                 continue
             for half_width in (0.5, 0.05):
                 lv = math.log10(cur.knobs[name])
-                trial = [self.score(probes, {**cur.knobs, name: 10 ** (lv + half_width * (i / 10 - 1))}, "refine")
-                         for i in range(21)]
+                trial = self._scores(probes, [{**cur.knobs, name: 10 ** (lv + half_width * (i / 10 - 1))}
+                                              for i in range(21)], name, "refine")
                 cur = min(trial + [cur], key=lambda c: c.score)
             preferred = [self.asked[name], *self._known(name)]
             e = math.floor(math.log10(cur.knobs[name]))
             around = preferred + [m * 10.0 ** p for p in (e - 1, e, e + 1) for m in (1, 2, 5)]
-            snaps = [self.score(probes, {**cur.knobs, name: float(a)}, "snap") for a in around if a]
+            snaps = self._scores(probes, [{**cur.knobs, name: float(a)} for a in dict.fromkeys(around) if a], name,
+                                 "snap")
             tol = self._tol(cur.score)
             fits = [s for s in snaps if s.score <= tol]
             if fits:
@@ -597,16 +767,18 @@ class Identifier:
         return cur
 
     def judge(self, probes: list[Probe], cand: Candidate) -> Candidate:
-        """The verdict rule on every probe, forward and backward, under the candidate; failing, once
-        more with the space's ``judge_also`` knobs (the float64 reference is the same, the native
-        baseline computes the way such a kernel does), which join the fit when that passes."""
+        """The verdict rule on every probe and guard, forward and backward, under the candidate;
+        failing, once more with the space's ``judge_also`` knobs (the float64 reference is the same,
+        the native baseline computes the way such a kernel does), which join the fit when that
+        passes. A candidate that fails explains nothing but what its evidence shows."""
         c = self._judge(probes, cand, {})
         also = None if c.passed else self.space.judge_also(cand.knobs)
         if also:
             other = self._judge(probes, cand, also)
             if other.passed or (other.fwd_passed and not c.fwd_passed):
                 c = replace(other, knobs={**other.knobs, **also})
-        c.level, c.note = classify(self.kernel, c.knobs, self.asked, self.evidence(probes, c))
+        c.level, c.note = classify(self.kernel, c.knobs, self.asked, self.evidence(probes, c), self.ignored,
+                                   shown_only=not (c.passed or c.fwd_passed))
         self.tried[c.key] = c
         return c
 
@@ -624,12 +796,22 @@ class Identifier:
         knobs, ref_fn, nat_fn = self._split(cand.knobs, precision)
         knobs.update(extra)
         nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
-        native_worst, fwd_failed, bwd_failed = 0.0, None, None
-        for p in probes:
+        native_worst, fwd_failed, bwd_failed, overflows = 0.0, None, None, None
+        for p, guard in [*((p, False) for p in probes), *((g, True) for g in self.guards)]:
             judged = runner.make_baseline(self.fam, p.case, p.base, knobs, native_impl_=nat, reference=ref_fn)
-            for o, r in zip(judged.native.outputs, judged.ref_outs):
-                native_worst = max(native_worst, max_rel(o, r))
-            rows = runner.judged_rows(judged, p.res, {}, self.rule, self.dtype)
+            if guard:  # does the candidate overflow where the implementation does, and only there?
+                nat_bad = any(nonfinite(o, r) for o, r in zip(judged.native.outputs, judged.ref_outs))
+                own_bad = any(nonfinite(o, r) for o, r in zip(p.res.outputs, judged.ref_outs))
+                overflows = bool(overflows) or (nat_bad and own_bad)
+                if nat_bad and not own_bad:
+                    fwd_failed = fwd_failed or (f"its native baseline overflows on {p.case.family} where the "
+                                                "implementation stays finite: not what it computes")
+            else:
+                for o, r in zip(judged.native.outputs, judged.ref_outs):
+                    native_worst = max(native_worst, max_rel(o, r))
+            # a non-finite count says what an infinite error does
+            rows = sorted(runner.judged_rows(judged, p.res, {}, self.rule, self.dtype),
+                          key=lambda r: r["metric"] != "nonfinite")
             if p.res.bwd_error:
                 bwd_failed = bwd_failed or f"backward failed: {p.res.bwd_error}"
             for r in rows:
@@ -641,7 +823,7 @@ class Identifier:
                         bwd_failed = bwd_failed or msg
         failed = fwd_failed or bwd_failed
         return replace(cand, stage="judged", native_score=native_worst, passed=failed is None, worst=failed,
-                       fwd_passed=fwd_failed is None, bwd_worst=bwd_failed)
+                       fwd_passed=fwd_failed is None, bwd_worst=bwd_failed, overflows=overflows)
 
     # --- evidence for what would be a defect, on the implementation's own outputs ------------
 
@@ -659,19 +841,16 @@ class Identifier:
         return out
 
     def _nonfinite_evidence(self, family: str) -> tuple[bool, str]:
-        """Whether the implementation returns non-finite values on ``family`` where the float64
-        contract (what it was asked for) is finite."""
-        _, _, base, _, _, res = self._run_on(family)
+        """Whether the implementation returns non-finite values on ``family`` (a guard, else run
+        now) where the float64 contract (what it was asked for) is finite."""
         doc = inputs_mod.get_family(self.kernel, family).doc
-        if res.fwd_error:
-            return True, f"it failed on {family} ({doc}): {res.fwd_error}"
-        with torch.no_grad():
-            refs = self.fam.call(self.fam.reference, _float64(base), self._split(self.asked)[0], lambda k: True)
-        bad = total = 0
-        for o, r in zip(res.outputs, refs):
-            fin = torch.isfinite(r.to(o.device))
-            bad += int((fin & ~torch.isfinite(o)).sum())
-            total += int(fin.sum())
+        p = next((g for g in self.guards if g.case.family == family), None)
+        if p is None:
+            p, error = self._probe(family)
+            if error:
+                return True, f"it failed on {family} ({doc}): {error}"
+        bad = sum(int(nonfinite(o, r)) for o, r in zip(p.res.outputs, p.refs))
+        total = sum(int(torch.isfinite(r).sum()) for r in p.refs)
         if bad:
             return True, f"{bad} of {total} outputs non-finite on {family} ({doc}) where the float64 contract is finite"
         return False, (f"its outputs on {family} ({doc}) are finite, so it subtracts a max or works in logs; "
@@ -770,19 +949,64 @@ class Identifier:
             self.precision, self.precision_bwd = self.fit_precision(probes, first)
         others = [c for c in self._combos(refined + grid, self.judge_top + 1) if c.key != first.key]
         judged = [self.judge(probes, c) for c in [first, *others][: self.judge_top]]
+        if self.overflow and not any(c.overflows for c in judged):
+            # the candidate whose native baseline overflows as it does (no max subtraction): what its
+            # finite outputs fit, judged so that the line can say so (it fails, as every one does)
+            odd = [c for c in self.tried.values() if c.stage != "judged" and self._suspicious(c.knobs)]
+            if odd:
+                judged.append(self.judge(probes, min(odd, key=lambda c: c.score)))
         passing = [c for c in judged if c.passed]
-        best = passing[0] if passing else next((c for c in judged if c.fwd_passed), judged[0])
-        tol = self._tol(min(c.score for c in self.tried.values()))
-        seen, ties = {_signature(best.knobs, self.space.discrete)}, []
-        for c in sorted(self.tried.values(), key=lambda c: c.score):
-            sig = _signature(c.knobs, self.space.discrete)
-            if c.score <= tol and sig not in seen and c.stage != "judged":
-                seen.add(sig)
-                ties.append(c)
+        if passing:
+            best = passing[0]
+        elif self.overflow:
+            best = next((c for c in judged if c.overflows), judged[0])
+        else:
+            best = next((c for c in judged if c.fwd_passed), judged[0])
+        ties = self._ties(best) if (best.passed or best.fwd_passed) else []
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
                               fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
-                              declared_precision=self.declared_precision, ties=ties[:3])
+                              declared_precision=self.declared_precision, ties=ties, overflow=self.overflow,
+                              ignored=self.ignored)
+
+    def _suspicious(self, knobs: dict) -> bool:
+        return any((self.kernel, k, v) in SUSPICIOUS_VALUES for k, v in knobs.items())
+
+    def _ties(self, best: Candidate) -> list[Candidate]:
+        """Other discrete combinations that fit as well: every judged candidate that passed, then,
+        of each other combination within native noise of the best fit, the candidate nearest what
+        was asked. Where the guards showed the implementation finite, no candidate that would
+        overflow there (the guard tells the two apart)."""
+        tol = self._tol(min(c.score for c in self.tried.values()))
+        seen = {_signature(best.knobs, self.space.discrete)}
+        judged: list[Candidate] = []
+        close: dict[tuple, list[Candidate]] = {}
+        for c in sorted(self.tried.values(), key=lambda c: c.score):
+            sig = _signature(c.knobs, self.space.discrete)
+            if sig in seen or c is best or (self.guards and self._suspicious(c.knobs)):
+                continue  # (judged in the log domain, no stabilisation is one: the same tie again)
+            if c.stage == "judged" and c.passed:
+                seen.add(sig)
+                judged.append(c)
+            elif c.stage != "judged" and c.score <= tol:
+                close.setdefault(sig, []).append(c)
+        nearest = [min(cs, key=lambda c: (self._cost(c.knobs), c.score)) for sig, cs in close.items() if sig not in seen]
+        return (judged + sorted(nearest, key=lambda c: c.score))[:4]
+
+
+def _key(knobs: dict) -> tuple:
+    """A candidate's identity: its knob values by name (the cache of fits, the table's rows)."""
+    return tuple(sorted((k, str(v)) for k, v in knobs.items()))
+
+
+def _far_from(kind: type, v):
+    """A value of a knob far from ``v``: one iteration (two where ``v`` is one), or 1e-3 times
+    (1e3 times, for values under 1e-4; 1e-3 for zero) a float."""
+    if kind is int:
+        return 1 if v != 1 else 2
+    if v == 0:
+        return 1e-3
+    return v * 1e3 if abs(v) < 1e-4 else v * 1e-3
 
 
 def _float64(base: dict) -> dict:
@@ -793,7 +1017,17 @@ def _batched_errors(out: torch.Tensor, refs: torch.Tensor) -> tuple[list[float],
     """The normalised max error (max |out - ref| / max |ref|) and ``metrics.max_rel`` of ``out``
     against each ``refs[i]`` at once; inf where a reference is non-finite and the output is not,
     or the output is non-finite where the reference is finite."""
-    o = out.detach().double().expand_as(refs)
+    o = out.detach().double()
+    flat = refs.flatten(1)
+    d = (o.expand_as(refs).flatten(1) - flat).abs_()
+    dmax = d.amax(1)  # NaN and inf carry into the max
+    if bool(torch.isfinite(dmax).all()):  # the usual case: every value finite, no masks
+        mag = flat.abs()
+        amax = mag.amax(1)
+        norm = torch.where(amax > 0, dmax / amax.clamp_min(1e-300), dmax)
+        rel = d.div_(mag.clamp_min(1e-300)).masked_fill_(mag <= (amax * 1e-6)[:, None], 0.0).amax(1)
+        return norm.tolist(), rel.tolist()
+    o = o.expand_as(refs)
     fin = torch.isfinite(refs)
     breaks = (~fin & torch.isfinite(o)).flatten(1).any(1)
     d = torch.where(fin, (o - refs).abs(), 0.0)
