@@ -14,6 +14,8 @@ A suite (TOML)::
     device = "cpu"                  # optional (default: cuda when present)
     kappa = 2.0                     # optional
     checks = ["determinism"]        # optional: determinism, batch-invariance (bits, see repro.py)
+    conventions = { iters = 10 }    # optional: what the external implementations compute (--convention)
+    input_dtypes = { h_pre = "activation" }   # optional: the dtypes they take inputs in (--input-dtypes)
 
     [[goldens]]                     # any number: Megatron's golden-value checks, one case per metric
     golden = "golden.json"          # paths relative to the suite file
@@ -45,11 +47,12 @@ from . import stability as st
 from . import scenario as scenario_mod
 from .dtypes import parse_dtype
 from .errors import UsageError
-from .report import verdicts, to_table
+from .report import judged_nothing, to_table, verdicts
 
 SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability"}
 STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}
-PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa", "checks"}
+PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa", "checks", "conventions",
+               "input_dtypes"}
 GOLDEN_KEYS = {"name", "golden", "actual", "metrics", "deterministic", "rtol"}
 CHECK_KEYS = {"name", "file", "factor"}
 
@@ -123,6 +126,28 @@ def load_suite(path: str | os.PathLike) -> Suite:
             parse_checks(checks)
         except (UsageError, TypeError) as e:
             raise _err(src, f"{where}.checks", str(e)) from None
+        for key in ("conventions", "input_dtypes"):
+            if not isinstance(item.get(key, {}), dict):
+                raise _err(src, f"{where}.{key}", f"must be a table, e.g. {key} = {{ "
+                           + ('iters = 10' if key == 'conventions' else 'h_pre = "activation"') + " }")
+        try:
+            kernels = parity.kernels_of(kernel)
+            declared = {k: parity.check_conventions(k, {n: v for n, v in item.get("conventions", {}).items()
+                                                        if n in registry.get_family(k).conventions})
+                        for k in kernels}
+            dtypes_in = {k: parity.check_input_dtypes(k, {n: v for n, v in item.get("input_dtypes", {}).items()
+                                                          if n in registry.get_family(k).inputs})
+                         for k in kernels}
+            for key, taken in (("conventions", {n for d in declared.values() for n in d}),
+                               ("input_dtypes", {n for d in dtypes_in.values() for n in d})):
+                unknown_names = set(item.get(key, {})) - taken
+                if unknown_names:
+                    raise UsageError(f"{sorted(unknown_names)[0]} is no {'convention' if key == 'conventions' else 'input'}"
+                                     f" of {kernel}")
+        except UsageError as e:
+            raise _err(src, f"{where}.conventions", str(e)) from None
+        item = {**item, "conventions": {k: v for k, v in declared.items() if v},
+                "input_dtypes": {k: v for k, v in dtypes_in.items() if v}}
         suite.parity.append({"name": item.get("name", f"parity-{kernel}"), **item})
     for i, item in enumerate(data.get("goldens", [])):
         where = f"goldens[{i}]"
@@ -214,7 +239,8 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
         plan = parity.plan(parity.kernels_of(item.get("kernel", "all")), item.get("impls"),
                            device=item.get("device", device_default), scenario=item.get("scenario"),
                            dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None,
-                           checks=item.get("checks"), strict=False)
+                           checks=item.get("checks"), strict=False, conventions=item.get("conventions"),
+                           input_dtypes=item.get("input_dtypes"))
         units = {c.case_id: unit + j for j, c in enumerate(plan.cases)}
         unit += len(plan.cases)
         plan = replace(plan, cases=[c for c in plan.cases if mine(units[c.case_id])])
@@ -234,6 +260,11 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
                                    f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
             cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
+        for spec, why in judged_nothing(table, parity.asked_outside(plan)).items():
+            # asked for and judged on no case: no pass (the native rows are no verdict on it)
+            cases.append(Case(item["name"], "parity", f"{item.get('kernel', 'all')}/{spec}/judged",
+                              False, f"judged on no case: every row of it was skipped ({why})",
+                              units[plan.cases[0].case_id]))
     for k, item in whole(suite.goldens):
         metrics = item.get("metrics")
         for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),

@@ -6,7 +6,7 @@ cases, inputs or verdicts is written twice. The command line parses its options 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import pyarrow as pa
@@ -35,6 +35,9 @@ class Plan:
     shard: tuple[int, int] | None = None  # (I, N): this run is the I-th of N slices of the cases
     planned: list[str] | None = None  # with a shard: every case id of the whole run, in order
     sharding: object | None = None  # sharded.Sharding: the tokens split over ranks (--ranks)
+    # kernel -> {input: activation | fp32 | bf16 | fp16}: the dtypes external implementations take
+    # their inputs in (--input-dtypes); the reference and the baseline see the same rounded values
+    input_dtypes: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -73,12 +76,29 @@ def check_conventions(kernel: str, conventions: dict | None) -> dict:
     return out
 
 
+def check_input_dtypes(kernel: str, declared: dict | None) -> dict:
+    """``{input: dtype}`` declared for ``kernel``'s external implementation, each checked: an
+    input of the family, and ``activation`` (the case's dtype) or a format name."""
+    from .runner import INPUT_DTYPES
+    fam = registry.get_family(kernel)
+    out = {}
+    for name, value in (declared or {}).items():
+        if name not in fam.inputs:
+            raise UsageError(f"--input-dtypes {name}={value}: {name} is no input of {kernel}; accepted: "
+                             + ", ".join(fam.inputs))
+        if value not in INPUT_DTYPES:
+            raise UsageError(f"--input-dtypes {name}={value}: unknown dtype {value!r}; accepted: "
+                             + ", ".join(INPUT_DTYPES))
+        out[name] = value
+    return out
+
+
 def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
          scenario: str | Scenario | None = None, dtypes: list[str] | None = None,
          shapes: list[str] | None = None, seeds: list[int] | None = None,
          families: list[str] | None = None, conventions: dict[str, dict] | None = None,
          kappa: float | None = None, matmul_precision: str = "ieee", checks: list[str] | None = None,
-         repeats: int = 3, strict: bool = True) -> Plan:
+         repeats: int = 3, strict: bool = True, input_dtypes: dict[str, dict] | None = None) -> Plan:
     """The cases of ``scenario`` (default: parity-default) for ``kernels``, narrowed by the
     dtypes, shapes, seeds and input families given, and the implementations to judge.
 
@@ -104,6 +124,10 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
     conventions = {k: v for k, v in (conventions or {}).items() if v}
     if conventions and not (objects or any(":" in s for s in specs)):
         raise UsageError("--convention declares what an external implementation computes; name one with --impl")
+    input_dtypes = {k: check_input_dtypes(k, v) for k, v in (input_dtypes or {}).items() if v}
+    if input_dtypes and not (objects or any(":" in s for s in specs)):
+        raise UsageError("--input-dtypes declares how an external implementation takes its inputs; "
+                         "name one with --impl")
     sc = scenario if isinstance(scenario, Scenario) else scenario_mod.resolve(scenario)
     if kappa is not None:
         if not kappa >= 1.0:
@@ -122,7 +146,7 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
         resolved[obj.kernel].append(obj)
     if given and strict:  # asked for by name: unusable for every case is an input error, not skipped rows
         runner.check_runnable(resolved, cases)
-    return Plan(sc, cases, resolved, specs, conventions, matmul_precision, checks, repeats)
+    return Plan(sc, cases, resolved, specs, conventions, matmul_precision, checks, repeats, input_dtypes=input_dtypes)
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -175,7 +199,8 @@ def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Cal
         if progress:
             progress(c)
         res = runner.run_case(c, p.impls[c.kernel], p.scenario.rule, p.matmul_precision, isolation,
-                              p.conventions.get(c.kernel), p.checks, p.repeats, p.sharding)
+                              p.conventions.get(c.kernel), p.checks, p.repeats, p.sharding,
+                              p.input_dtypes.get(c.kernel))
         if res.abandoned:  # cut short by the interrupt: not a finished case
             break
         rows.extend(res.rows)
@@ -190,7 +215,7 @@ def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backen
     check_poolable(p)
     iso = None if isolation is None else pool.IsolationSettings(isolation.transport, isolation.case_timeout)
     jobs = [pool.Job(c, tuple(p.specs), p.scenario.rule, p.matmul_precision, p.conventions.get(c.kernel),
-                     tuple(p.checks), p.repeats, iso) for c in p.cases]
+                     tuple(p.checks), p.repeats, iso, p.input_dtypes.get(c.kernel)) for c in p.cases]
     names = [[(i.name, i.backend) for i in [registry.native_impl(c.kernel)] + [i for i in p.impls[c.kernel]
                                                                                  if not i.native]]
              for c in p.cases]
@@ -201,12 +226,27 @@ def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backen
     return Outcome(rows, sum(r is not None for r in spread.rows), spread.interrupted)
 
 
+def asked_outside(p: Plan) -> dict[str, list[str]]:
+    """Each implementation asked for from outside mhctool (an ``--impl`` spec of a function or a
+    library, or a callable) -> the names of what it stands for that exist (a library's functions;
+    a kernel it lacks is no part of it)."""
+    out: dict[str, list[str]] = {}
+    for impls in p.impls.values():
+        for i in impls:
+            if i.backend == "external":
+                names = out.setdefault(i.spec or i.name, [])
+                if i.exists and i.name not in names:
+                    names.append(i.name)
+    return out
+
+
 def settings(p: Plan, o: Outcome, **extra) -> dict:
     """The run's settings as the report's ``mhctool.run`` metadata records them."""
     return {"command": "parity", "impl": p.specs or [i.name for lst in p.impls.values() for i in lst],
             "scenario": p.scenario.name, "scenario_source": p.scenario.source, "kappa": p.scenario.rule.kappa,
             "floor_roundoffs": p.scenario.rule.floor_roundoffs, "matmul_precision": p.matmul_precision,
-            "conventions": p.conventions, "checks": list(p.checks), "repeats_determinism": p.repeats,
+            "conventions": p.conventions, "input_dtypes": p.input_dtypes, "checks": list(p.checks),
+            "repeats_determinism": p.repeats,
             "adapters": sorted({i.adapter for lst in p.impls.values() for i in lst if i.adapter}),
             "interrupted": o.interrupted, "cases_run": o.cases_run, "cases_planned": len(p.cases),
             **({"shard": f"{p.shard[0]}/{p.shard[1]}", "planned": p.planned} if p.shard else {}),

@@ -52,6 +52,7 @@ class Job:
     checks: tuple
     repeats: int
     isolation: IsolationSettings | None
+    input_dtypes: dict | None = None  # the external implementations' declared input dtypes
 
 
 # --- how many workers, and where ---------------------------------------------------------------
@@ -139,7 +140,7 @@ def case_job(job: Job) -> dict:
                                                                 case_timeout=job.isolation.case_timeout)
     impls = registry.resolve_impls(job.case.kernel, list(job.specs))
     res = runner.run_case(job.case, impls, job.rule, job.matmul_precision, iso, job.conventions,
-                          job.checks, job.repeats)
+                          job.checks, job.repeats, input_dtypes=job.input_dtypes)
     return {"rows": res.rows, "abandoned": res.abandoned}
 
 

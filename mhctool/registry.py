@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import names
 from .errors import UsageError
 from .kernels.torch.mhc import PRECISIONS  # noqa: F401 - the matmul precisions, named here for mhctool
 from .references import mhc as ref
@@ -98,6 +99,54 @@ class Family:
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
+def signature(fam: "Family") -> str:
+    """How a plain function of the family is called and what it returns, for error messages:
+    ``sinkhorn(logits, iters=20, eps=1e-06, ...) -> out``."""
+    knobs = [f"{k}={fam.knobs[k].default!r}" for k in fam.positional_knobs]
+    by_name = [k for k, kn in fam.knobs.items() if kn.passed and k not in fam.positional_knobs]
+    args = [*fam.inputs, *knobs] + ([f"*, any of {', '.join(by_name)} it takes"] if by_name else [])
+    outs = ", ".join(f"{o} (optional)" if o in fam.optional_outputs else o for o in fam.outputs)
+    return f"{fam.name}({', '.join(args)}) -> {outs}"
+
+
+# what a call that cannot fit the family's signature says (a TypeError binding the arguments, or
+# outputs the contract cannot take): bad input, not a numerics failure
+CALL_PROBLEMS = ("outputs, expected", "TypeError: ", "not a tensor")
+
+
+def call_problem(message: str | None) -> bool:
+    """Whether a failed call's message says it cannot take or give the family's signature."""
+    m = message or ""
+    if m.startswith("TypeError: "):
+        return any(w in m for w in ("positional argument", "required argument", "unexpected keyword",
+                                    "takes no arguments", "missing", "got multiple values"))
+    return m.startswith("returned ") and "outputs, expected" in m or " is " in m and m.endswith(", not a tensor")
+
+
+def check_callable(impl: "Impl") -> None:
+    """A UsageError naming the family's signature when ``impl`` cannot be called with the family's
+    inputs and the knobs it takes (Python binds the parameters before it runs: no case would
+    judge anything)."""
+    fam = FAMILIES[impl.kernel]
+    try:
+        sig = inspect.signature(impl.fn)
+    except (TypeError, ValueError):
+        return
+    pos, kw, at = list(fam.inputs), {}, {}
+    for k, knob in fam.knobs.items():  # as Family.call passes them
+        if knob.passed and impl.accepts(k):
+            target = impl.bind(k)
+            if isinstance(target, int):
+                at[target] = k
+            elif target is not None:
+                kw[target] = k
+    try:
+        sig.bind(*pos, *(at[i] for i in sorted(at)), **kw)
+    except TypeError as e:
+        raise UsageError(f"--impl {impl.name} cannot be called as {impl.kernel}: {e}; expected {signature(fam)}") \
+            from None
+
+
 def _alpha_term_scale(family: str) -> Callable:
     """grad_alpha[k] sums g_h * (r * proj) over every token and the k-th group of columns: its
     terms are far larger than the result when they cancel. The family's reference, traced, gives
@@ -131,7 +180,7 @@ _COMPOSITE_KNOBS = {
     "sinkhorn_eps": Knob(1e-6, kind=float, zero_ok=True), "stabilize": Knob("rowmax", ref.STABILIZE),
     "order": Knob("row_first", ref.ORDERS), "domain": Knob("linear", ref.DOMAINS),
 }
-_COMPOSITE_CONVENTIONS = ("eps", "rms_eps", "compute_h_eps", "sinkhorn_eps", "stabilize", "order", "domain")
+_COMPOSITE_CONVENTIONS = ("eps", "rms_eps", "compute_h_eps", "sinkhorn_eps", "stabilize", "order", "domain", "iters")
 
 
 FAMILIES: dict[str, Family] = {
@@ -147,7 +196,9 @@ FAMILIES: dict[str, Family] = {
         },
         ("iters", "eps"),
         _ref_sinkhorn,
-        conventions=("stabilize", "eps_mode", "eps", "order", "domain"),
+        # iters too: a kernel may fix its own count (declared, it is judged at it, called without it
+        # where it takes no such parameter)
+        conventions=("stabilize", "eps_mode", "eps", "order", "domain", "iters"),
     ),
     "h_aggregate": Family(
         "h_aggregate", ("x", "h_pre"), ("x", "h_pre"), ("h_pre",), ("out",), {}, (), ref.h_aggregate,
@@ -226,6 +277,8 @@ FAMILIES.update({
 KERNELS = tuple(FAMILIES)
 MHC_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "mhc")
 MOE_KERNELS = tuple(k for k, f in FAMILIES.items() if f.shape_kind == "moe")
+if (KERNELS, MHC_KERNELS, MOE_KERNELS) != (names.KERNELS, names.MHC_KERNELS, names.MOE_KERNELS):
+    raise AssertionError("mhctool.names lists other kernels than the registry's families")
 # kernels whose products may run at TF32 by design (DESIGN.md: the projection; TransformerEngine's
 # mixing kernels multiply with TF32 by default too)
 MATMUL_KERNELS = ("proj_rms", "mapping", "h_aggregate", "h_post_bda", "mapping_sinkhorn", "mix_aggregate")
@@ -278,6 +331,7 @@ class Impl:
     # input name -> "activation" or a format name: the dtypes a library is used with where they
     # differ from the contract's (declared by its adapter; bench times it at these)
     input_dtypes: dict = field(default_factory=dict)
+    exists: bool = True  # False: it stands for a kernel its backend or library does not have (skipped, said why)
     _fn: Callable | None = None
 
     @property
@@ -471,7 +525,7 @@ def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:
             chosen.append(load_external(spec, kernel))
         elif any(spec == i.name for k in KERNELS for i in impls_for(k)):
             why = f"mhctool has no {BACKEND_NAMES.get(spec, spec)} implementation of {kernel}"
-            chosen.append(Impl(spec, kernel, spec, _absent, requires=lambda why=why: why, default=False))
+            chosen.append(Impl(spec, kernel, spec, _absent, requires=lambda why=why: why, default=False, exists=False))
         else:
             names = sorted({i.name for k in KERNELS for i in impls_for(k)})
             raise UsageError(
@@ -530,4 +584,6 @@ def load_external(spec: str, kernel: str) -> Impl:
     fn = getattr(module, fn_name, None)
     if fn is None or not callable(fn):
         raise UsageError(f"--impl {spec!r}: {target} has no function {fn_name}")
-    return Impl(spec, kernel, "external", fn)
+    impl = Impl(spec, kernel, "external", fn)
+    check_callable(impl)
+    return impl

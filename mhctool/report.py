@@ -295,6 +295,44 @@ def skipped_everywhere(table: pa.Table) -> dict[str, str]:
     return {k: v for k, v in reasons.items() if k not in ran}
 
 
+def outside_impls(table: pa.Table) -> list[str]:
+    """The implementations from outside mhctool (a plain function, a library through its adapter)
+    in a parity report, in the order they first appear."""
+    if "backend" not in table.column_names:
+        return []
+    return list(dict.fromkeys(r["impl"] for r in table.select(["impl", "backend"]).to_pylist()
+                              if r["backend"] == "external"))
+
+
+def counts(vs: list[dict], impl: str) -> tuple[int, int, int]:
+    """(passed, failed, skipped) verdicts of one implementation."""
+    mine = [v for v in vs if v["impl"] == impl]
+    p = sum(v["passed"] is True for v in mine)
+    f = sum(v["passed"] is False for v in mine)
+    return p, f, len(mine) - p - f
+
+
+def judged_nothing(table: pa.Table, groups: dict[str, list[str]] | None = None) -> dict[str, str]:
+    """What was asked for from outside mhctool and judged on no case (every row skipped or
+    unsupported), with the first reason given: a run that judged nothing of it is no pass.
+    ``groups``: what was asked for (an ``--impl`` spec) -> the implementations it stands for (a
+    library: one per function it has); default: each outside implementation alone."""
+    outside = outside_impls(table)
+    groups = groups if groups is not None else {name: [name] for name in outside}
+    judged: set[str] = set()
+    reasons: dict[str, str] = {}
+    for r in table.select(["impl", "metric", "passed", "message"]).to_pylist():
+        if r["passed"] is not None:
+            judged.add(r["impl"])
+        elif r["metric"] == "unsupported":
+            reasons.setdefault(r["impl"], r["message"] or "unsupported")
+    out = {}
+    for spec, names in groups.items():
+        if names and not any(n in judged for n in names):
+            out[spec] = next((reasons[n] for n in names if n in reasons), "no row of it was judged")
+    return out
+
+
 def _margin(r: dict) -> float:
     """value / threshold, the share of the allowed error used (inf for a failed zero threshold)."""
     if r["passed"] is False and r["metric"] == "error":

@@ -229,7 +229,7 @@ def native_at(kernel: str, precision: str) -> Impl:
 def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
              matmul_precision: str = "ieee", isolation: "Isolation | None" = None,
              conventions: dict | None = None, checks: tuple[str, ...] = (), repeats: int = 3,
-             sharding=None) -> CaseResult:
+             sharding=None, input_dtypes: dict | None = None) -> CaseResult:
     """Run every implementation of ``impls`` on one case; the native one always runs (baseline).
 
     With ``isolation``, every implementation but the native one runs in a worker process. An
@@ -239,7 +239,9 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     bits across ``repeats`` runs (determinism) and across batch sizes (batch invariance), for
     every implementation and the float64 reference. ``sharding`` (:class:`sharded.Sharding`):
     every implementation, the native baseline too, runs on the case's tokens split over ranks, its
-    parameter gradients all-reduced (:mod:`mhctool.sharded`)."""
+    parameter gradients all-reduced (:mod:`mhctool.sharded`). ``input_dtypes`` (``--input-dtypes``):
+    input name -> ``activation`` or a format name, the dtypes an external implementation takes its
+    inputs in (:func:`declared_inputs`)."""
     rule = rule or VerdictRule()
     fam = get_family(case.kernel)
     knobs = case.knob_dict
@@ -252,11 +254,11 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     baselines: dict[tuple, _Baseline] = {}
     references: dict[str, tuple] = {}  # the float64 reference depends on the knobs, not the precision
 
-    def baseline(precision: str, eff: dict) -> "_Baseline":
-        knobs_key = json.dumps(eff, sort_keys=True, default=str)
+    def baseline(precision: str, eff: dict, rounded: dict | None = None, cast: dict | None = None) -> "_Baseline":
+        knobs_key = json.dumps([eff, cast or {}], sort_keys=True, default=str)
         if (precision, knobs_key) not in baselines:
-            baselines[precision, knobs_key] = make_baseline(fam, case, base, eff, precision, references, knobs_key,
-                                                            sharding=sharding)
+            baselines[precision, knobs_key] = make_baseline(fam, case, rounded or base, eff, precision, references,
+                                                            knobs_key, sharding=sharding)
         return baselines[precision, knobs_key]
 
     if sharding is not None:
@@ -286,17 +288,21 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                 "value": math.nan, "threshold": None, "passed": None,
                                 "rule": "unsupported", "message": why})
             continue
-        judged = baseline(prec, eff)
+        cast = (input_dtypes or {}) if external else {}
+        given, rounded = declared_inputs(base, cast, case.dtype) if cast else (base, None)
+        judged = baseline(prec, eff, rounded, cast)
         if impl.native:
             res = nat
         elif sharding is not None:
             from . import sharded
-            res = sharded.run(case.kernel, impl, base, eff, judged.upstream, sharding, _sharded_timeout(case, external),
-                              expect=output_specs(nat.outputs))
+            res = sharded.run(case.kernel, impl, given, eff, judged.upstream, sharding,
+                              _sharded_timeout(case, external), expect=output_specs(nat.outputs))
         elif isolation is not None:
-            res = isolation.run(case, impl, base, eff, judged.upstream, output_specs(nat.outputs))
+            res = isolation.run(case, impl, given, eff, judged.upstream, output_specs(nat.outputs))
         else:
-            res = run_impl(fam, impl, base, eff, lambda outs: judged.upstream, expect=output_specs(nat.outputs))
+            res = run_impl(fam, impl, given, eff, lambda outs: judged.upstream, expect=output_specs(nat.outputs))
+        if cast:
+            res = contract_grads(res, base)
         if res.failure == "lost" and isolation is not None and isolation.interrupted():
             result.abandoned = True
             return result
@@ -330,6 +336,35 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     if case.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+INPUT_DTYPES = ("activation", "fp32", "bf16", "fp16")
+
+
+def declared_inputs(base: dict, cast: dict, dtype: str) -> tuple[dict, dict]:
+    """(the inputs an implementation is given, the same values at the contract's dtypes): each
+    input named in ``cast`` (name -> ``activation``, the case's dtype, or a format name) converted,
+    so that the float64 reference and the native baseline see the values it sees (its rounding of
+    an input is no error of its own)."""
+    given, rounded = dict(base), dict(base)
+    for name, want in cast.items():
+        t = base.get(name)
+        if t is None or not t.is_floating_point():
+            continue
+        given[name] = t.to(FORMATS[dtype if want == "activation" else want].torch_dtype)
+        rounded[name] = given[name].to(t.dtype)
+    return given, rounded
+
+
+def contract_grads(res: ImplResult, base: dict) -> ImplResult:
+    """Gradients of inputs given in another dtype, converted to the contract's (each judged by the
+    contract's threshold: a lower precision is not excused), the dtype they came in recorded."""
+    for name, g in (res.grads or {}).items():
+        want = base[name].dtype
+        if g.dtype != want:
+            res.returned[f"grad_{name}"] = fmt_of(g.dtype).name
+            res.grads[name] = g.to(want)
+    return res
 
 
 class _Repro:
@@ -622,14 +657,17 @@ def check_fits(cases: list[Case]) -> None:
 
 
 def _knob_gap(fam: Family, impl: Impl, knobs: dict, declared: set = frozenset()) -> str | None:
-    """A knob the implementation cannot take, set to a value other than its default; knobs its
-    declared convention fixes are what it computes by construction."""
+    """A knob the implementation cannot take (it ignores it), set to a value other than its
+    default: judging it at that value would judge what it never computed. Knobs its declared
+    convention fixes are what it computes by construction."""
     for name, value in knobs.items():
         if name in declared:
             continue
         knob = fam.knobs[name]
         if knob.passed and not impl.accepts(name) and value != knob.default:
-            return f"{impl.name} does not take the knob {name}; it runs only at {name}={knob.default!r}"
+            how = (f"; declare the value it runs with --convention {name}=VALUE to judge it (mhctool identify "
+                   "finds it)") if name in fam.conventions else ""
+            return f"{impl.name} takes no {name} parameter, so it ignores {name}={value!r}: not judged at it{how}"
     return None
 
 

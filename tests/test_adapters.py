@@ -57,9 +57,12 @@ def test_liger_takes_n_a_power_of_two(tmp_path):
     scenario.write_text('name = "n3"\n[[cases]]\nkernel = "mapping_sinkhorn"\nshapes = ["5x2x3x40"]\n'
                         'dtypes = ["fp32"]\nfamilies = ["random"]\n')
     res, rows = parity(tmp_path, "--impl", f"liger:{LIGER_STANDIN}", kernel="mapping_sinkhorn", scenario=scenario)
-    assert res.exit_code == 0, res.output
     (skip,) = [r for r in rows if r["impl"].startswith("liger[")]
     assert skip["metric"] == "unsupported" and "n a power of two, not 3" in skip["message"]
+    # skipped on every case: the library was judged on nothing, which is no pass
+    assert res.exit_code == 1, res.output
+    assert "was judged on no case: every row of it was skipped (Liger-Kernel's mHC kernels take n a power of two" \
+        in " ".join(res.output.split())
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("liger_kernel") or

@@ -150,7 +150,7 @@ def test_external_without_backward_is_unsupported_not_failed(tmp_path):
     assert any(r["direction"] == "fwd" and r["passed"] is True for r in rows)
 
 
-def test_external_missing_a_knob_runs_only_at_its_default(tmp_path):
+def test_an_external_that_takes_no_knob_is_said_to_ignore_it(tmp_path):
     sc = tmp_path / "s.toml"
     sc.write_text('name = "k"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["9x1x4x1"]\nfamilies = ["random"]\n'
                   '[cases.knobs]\norder = ["row_first", "col_first"]\n')
@@ -160,7 +160,8 @@ def test_external_missing_a_knob_runs_only_at_its_default(tmp_path):
     assert res.exit_code == 0, res.output
     rows = [r for r in pq.read_table(out).to_pylist() if r["impl"].endswith("no_backward")]
     skipped = [r for r in rows if r["metric"] == "unsupported" and json.loads(r["knobs"])["order"] == "col_first"]
-    assert skipped and "does not take the knob order" in skipped[0]["message"]
+    assert skipped and "takes no order parameter, so it ignores order='col_first'" in skipped[0]["message"]
+    assert "--convention order=VALUE" in skipped[0]["message"]
 
 
 def test_tf32_external_is_judged_against_native_at_tf32(tmp_path):

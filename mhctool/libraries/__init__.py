@@ -152,7 +152,7 @@ def impls(spec: str, kernel: str) -> list:
     if not found:
         why = f"{shown} ({generation}) has no {kernel} kernel"
         return [Impl(f"{shown}:{kernel}", kernel, "external", _absent, requires=lambda why=why: why,
-                     default=False, spec=spec, adapter=name)]
+                     default=False, spec=spec, adapter=name, exists=False)]
     out = []
     for b in found:
         impl_name = f"{shown}[{generation}]:{b.function}" + (f"[{b.variant}]" if b.variant else "")
