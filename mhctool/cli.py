@@ -21,17 +21,24 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import clikit, environment, isolation, registry, report, runner, sharded
-from . import parity as parity_mod
-from . import cli_identify
+from . import __version__, cli_identify, clikit, names
 from .cli_stability import stability_app
 from .clikit import device as _device
-from .clikit import err, out
+from .clikit import err, lazy, out
 from .clikit import fmt as _fmt
 from .clikit import guard as _guard
 from .clikit import split as _split
-from .dtypes import parse_dtype
 from .errors import UsageError
+
+# the engines, imported when a command runs (so --help and usage errors answer without torch)
+environment, isolation, registry, report, runner, sharded = (
+    lazy(m) for m in ("environment", "isolation", "registry", "report", "runner", "sharded"))
+parity_mod = lazy("parity")
+
+
+def parse_dtype(name: str):
+    from .dtypes import parse_dtype as parse
+    return parse(name)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Numerics validation for fused mHC and grouped-MLP kernels.")
@@ -55,8 +62,16 @@ def main() -> None:
         sys.exit(130)
 
 
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"mhctool {__version__}", markup=False)
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")):
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print mhctool's version and exit.")):
     clikit.state["debug"] = debug
 
 
@@ -87,18 +102,34 @@ def _ordered(vs: list[dict]) -> list[dict]:
     return sorted(vs, key=lambda v: (rank[v["passed"]], -(v["worst_margin"] if v["worst_margin"] == v["worst_margin"] else math.inf)))
 
 
-def _failed_externals(vs: list[dict]) -> dict[str, list[str]]:
-    """Per kernel, the external implementations that failed on a measurement (an error, a nonfinite
-    or zero count), never on an exception, a crash or a reproducibility check: those a convention
-    cannot explain, and identifying them would only run them again."""
-    failed = [v for v in vs if v["passed"] is False and ":" in v["impl"] and v["worst"] is not None]
-    broken = {(v["kernel"], v["impl"]) for v in failed
-              if v["worst"]["metric"] not in ("max_abs", "rel_l2", "nonfinite", "extra_zeros")}
-    out: dict[str, list[str]] = {}
-    for v in failed:
-        if (v["kernel"], v["impl"]) not in broken and v["impl"] not in out.get(v["kernel"], []):
-            out.setdefault(v["kernel"], []).append(v["impl"])
+def _failed_externals(vs: list[dict]) -> dict[tuple[str, str], set[str]]:
+    """(kernel, external implementation) -> how it failed: ``measured`` (an error, a non-finite or
+    zero count: what a convention may explain, so identify is asked) and/or ``raised`` (the
+    implementation raised: its cases say why, and the hint comes from the cases that ran). A crash
+    or a reproducibility check failure gets no hint."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for v in vs:
+        if v["passed"] is not False or ":" not in v["impl"] or v["worst"] is None:
+            continue
+        metric = v["worst"]["metric"]
+        kind = ("measured" if metric in ("max_abs", "rel_l2", "nonfinite", "extra_zeros")
+                else "raised" if metric == "error" and v["worst"].get("rule") == "raised" and v["direction"] == "fwd"
+                else None)
+        if kind:
+            out.setdefault((v["kernel"], v["impl"]), set()).add(kind)
     return out
+
+
+def _check_call_shape(vs: list[dict], outside: list[str]) -> None:
+    """An outside implementation whose every case failed because it cannot be called with the
+    family's signature, or returns what the contract cannot take, is bad input: one sentence
+    naming the signature (the report keeps its rows)."""
+    for name in outside:
+        mine = [v for v in vs if v["impl"] == name and v["direction"] == "fwd" and v["passed"] is not None]
+        if mine and all(v["passed"] is False and registry.call_problem(v["message"]) for v in mine):
+            k = mine[0]["kernel"]
+            raise UsageError(f"--impl {_short_impl(name)} cannot be judged as {k}: {mine[0]['message']}; "
+                             f"expected {registry.signature(registry.get_family(k))}")
 
 
 def _summary(vs: list[dict]) -> tuple[int, int, int]:
@@ -110,7 +141,7 @@ def _summary(vs: list[dict]) -> tuple[int, int, int]:
 @app.command()
 @_guard
 def parity(
-    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or a group (all; mhc or moe: every kernel of one kind): " + ", ".join(registry.KERNELS) + "."),
+    kernel: Optional[str] = typer.Option(None, "--kernel", "-k", help="A kernel, a comma-separated list, or a group (all; mhc or moe: every kernel of one kind): " + ", ".join(names.KERNELS) + ". Default: the kernels of --scenario, else all."),
     impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementation(s): torch, compile, triton, cutile, module.path:function or file.py:function. Repeat or comma-separate. Default: every available built-in one."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Comma-separated dtypes (fp32, bf16, fp16); default: the scenario's."),
     shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC for mHC kernels (e.g. 8192x4x4x7168), TxHxFxE for grouped-MLP ones (e.g. 4096x2048x1024x8); default: the scenario's."),
@@ -128,7 +159,8 @@ def parity(
     isolate_transport: str = typer.Option("shm", "--isolate-transport", help="How tensors reach the child: shm (CUDA tensors as CUDA IPC handles, CPU ones in host shared memory), host (everything through host shared memory) or file (torch.save in /dev/shm)."),
     check: Optional[list[str]] = typer.Option(None, "--check", help="Also compare bits: determinism (the same inputs, run after run) and/or batch-invariance (each token's result at other batch sizes). Repeat or comma-separate; a difference is a failed row."),
     repeats_determinism: int = typer.Option(3, "--repeats-determinism", min=2, help="Runs in all for --check determinism."),
-    convention: Optional[list[str]] = typer.Option(None, "--convention", help="KNOB=VALUE (repeat): the convention the external implementation computes (stabilize=softmax, transpose_res=true, eps_mode=clamp, eps=0, rms_eps=inside, compute_h_eps=1e-6); the reference and the native baseline compute it too."),
+    convention: Optional[list[str]] = typer.Option(None, "--convention", help="KNOB=VALUE (repeat): the convention the external implementation computes (stabilize=softmax, transpose_res=true, eps_mode=clamp, eps=0, iters=10, rms_eps=inside, compute_h_eps=1e-6); the reference and the native baseline compute it too, and a function that takes no such parameter is called without it."),
+    input_dtypes: Optional[list[str]] = typer.Option(None, "--input-dtypes", help="NAME=DTYPE (repeat or comma-separate): the dtype the external implementation takes an input in: activation (the case's dtype), fp32, bf16 or fp16, e.g. h_pre=activation for a function that multiplies in one dtype. The float64 reference and the native baseline see the same rounded values; its gradients are judged at the contract's threshold."),
     workers: Optional[str] = typer.Option(None, "--workers", help="N or auto: spread the cases over N worker processes (auto: one per visible GPU, or per core on a CPU); the report has the same rows in the same order as one process."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only the I-th of N deterministic slices of the cases (a CI matrix, a Slurm array); join the reports with mhctool report merge."),
     backend: str = typer.Option("local", "--backend", help="local (worker processes here) or ray: one Ray task per case (needs pip install ray)."),
@@ -137,15 +169,21 @@ def parity(
     grad_reduce: str = typer.Option("fp32", "--grad-reduce", help="With --ranks: the dtype the parameter gradients are all-reduced in: fp32, or bf16 (as --grad-reduce-in-bf16 trains)."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
+    clikit.precheck(kernel, _split([dtype]) if dtype else None, shape, device)
     report.check_writable(out_path)
     dev = _device(device)
+    if kernel is None and scenario is not None:  # the scenario's kernels
+        from . import scenario as scenario_mod
+        kernel = ",".join(dict.fromkeys(spec.kernel for spec in scenario_mod.resolve(scenario).specs)) or "all"
+    kernel = kernel or "all"
     kernels = parity_mod.kernels_of(kernel)
     specs = _split(impl)
     declared = clikit.conventions(convention, kernels)
     pl = parity_mod.plan(kernels, specs, device=dev, scenario=scenario,
                          dtypes=_split([dtype]) if dtype else None, shapes=[shape] if shape else None,
                          seeds=[seed] if seed is not None else None, conventions=declared, kappa=kappa,
-                         matmul_precision=matmul_precision, checks=_split(check), repeats=repeats_determinism)
+                         matmul_precision=matmul_precision, checks=_split(check), repeats=repeats_determinism,
+                         input_dtypes=clikit.input_dtypes(input_dtypes, kernels))
     pl = parity_mod.sharded(pl, parity_mod.parse_shard(shard))
     cases = pl.cases
     n_workers, backend = clikit.spread_for(workers, backend, dev, pl)
@@ -174,6 +212,7 @@ def parity(
                              case_timeout=case_timeout, workers=n_workers, backend=backend)
     path = report.write_atomic(table, out_path)
     vs = _ordered(report.verdicts(table))
+    _check_call_shape(vs, report.outside_impls(table))
     p, f, s = _summary(vs)
     if not quiet:
         out.print(_verdict_table(vs, top, f"parity: worst of {len(vs)} (case x impl x direction)"))
@@ -186,8 +225,15 @@ def parity(
         out.print(f"[yellow]INTERRUPTED[/] after {done} of {len(cases)} cases: {p} passed, {f} failed, {s} skipped "
                   f"(report {path}, marked interrupted)")
         raise typer.Exit(130)
-    status = "[red]FAILED[/]" if f else "[green]PASSED[/]"
+    unjudged = report.judged_nothing(table, parity_mod.asked_outside(pl))
+    status = "[red]FAILED[/]" if f or unjudged else "[green]PASSED[/]"
     out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(cases)} cases on {dev}; report {path})")
+    for name in report.outside_impls(table):  # the implementations under test, apart from the baselines
+        pp, ff, ss = report.counts(vs, name)
+        out.print(f"  of them {_short_impl(name)}: {pp} passed, {ff} failed, {ss} skipped", markup=False)
+    for name, why in unjudged.items():
+        out.print(f"FAILED: {_short_impl(name)} was judged on no case: every row of it was skipped ({why}); "
+                  "the native rows are no verdict on it", markup=False)
     findings = report.baseline_findings(table) if pl.checks else {}
     for (name, k, rule), n in sorted(findings.items()):
         out.print(f"note: {name} (not gated: baseline) fails {rule} on {k} in {n} row(s); see the report's messages",
@@ -198,23 +244,66 @@ def parity(
     if not specs:  # a default run that judged no kernel of a built-in backend says so
         for name, why in report.skipped_everywhere(table).items():
             out.print(f"note: {name} skipped for every case: {why}", markup=False)
-    for k, names in _failed_externals(vs).items():
-        for name in names:
-            impl_ = next((i for i in pl.impls.get(k, []) if i.name == name), None)
-            hint = None
-            if impl_ is not None and not interrupts.requested:
-                hint = cli_identify.parity_hint(k, impl_, _short_impl(name), dev, iso is not None, isolate_transport,
-                                                case_timeout, asked=pl.conventions.get(k))
+    for (k, name), kind in _failed_externals(vs).items():
+        impl_ = next((i for i in pl.impls.get(k, []) if i.name == name), None)
+        if impl_ is None or interrupts.requested:
+            continue
+        if "raised" in kind:
+            out.print(_raised_hint(pl, vs, k, impl_), markup=False)
+        if "measured" in kind:
+            hint = cli_identify.parity_hint(k, impl_, _short_impl(name), dev, iso is not None, isolate_transport,
+                                            case_timeout, asked=pl.conventions.get(k),
+                                            verify=_verifier(pl, k, impl_, isolate_transport, case_timeout, iso))
             if hint:
                 out.print(hint, markup=False)
-    raise typer.Exit(1 if f else 0)
+    raise typer.Exit(1 if f or unjudged else 0)
+
+
+def _verifier(pl, kernel: str, impl, transport: str, case_timeout, iso):
+    """What a hint's flags do: the run's cases of ``kernel`` for ``impl`` again with the conventions
+    and precision found -> (every case passes, the first failure)."""
+    from dataclasses import replace
+
+    def verify(conventions: dict, precision: str | None) -> tuple[bool, str | None]:
+        sub = replace(pl, cases=[c for c in pl.cases if c.kernel == kernel], impls={kernel: [impl]}, checks=(),
+                      conventions={**pl.conventions, kernel: {**pl.conventions.get(kernel, {}), **conventions}},
+                      matmul_precision=precision or pl.matmul_precision, shard=None, planned=None)
+        o = parity_mod.execute(sub, iso)
+        bad = [v for v in report.verdicts(report.to_table(o.rows, "hint", "parity", {}))
+               if v["impl"] == impl.name and v["passed"] is False]
+        if not bad:
+            return True, None
+        v, w = bad[0], bad[0]["worst"] or {}
+        what = f"{w.get('tensor')}.{w.get('metric')} {_fmt(w.get('value'))} > {_fmt(w.get('threshold'))}" if w \
+            else (v["message"] or "failed")
+        return False, f"{len(bad)} verdicts fail, first {v['family']} {v['dtype']} {v['shape']} {v['direction']}: {what}"
+    return verify
+
+
+def _raised_hint(pl, vs: list[dict], kernel: str, impl) -> str:
+    """What a plain function's raising cases have in common, and the flag that may let them run."""
+    mine = [v for v in vs if v["impl"] == impl.name and v["kernel"] == kernel and v["direction"] == "fwd"]
+    raised = [v for v in mine if v["passed"] is False and v["worst"] is not None and v["worst"]["metric"] == "error"]
+    dtypes = sorted({v["dtype"] for v in raised})
+    everyone = {v["dtype"] for v in mine if v["passed"] is not None}
+    where = (f"every {'/'.join(dtypes)} case" if all(v["dtype"] not in dtypes or v in raised for v in mine)
+             and set(dtypes) != everyone else f"{len(raised)} of {len(mine)} cases")
+    msg = raised[0]["message"] or ""
+    hint = f"hint: {_short_impl(impl.name)} raised on {where} of {kernel}: {msg[:300]}"
+    fam = registry.get_family(kernel)
+    dtype_error = any(w in msg for w in ("scalar type", "dtype", "BFloat16", "Half", "same type"))
+    if dtype_error and fam.mapping and impl.backend == "external" and dtypes != ["fp32"]:
+        names = ",".join(f"{n}=activation" for n in fam.mapping)
+        hint += (f"; if it takes its {', '.join(fam.mapping)} in the activations' dtype, say so: --input-dtypes {names} "
+                 "(the reference then sees the same rounded values)")
+    return hint
 
 
 @app.command()
 @_guard
 def bench(
     shape: Optional[str] = typer.Option(None, "--shape", help="SxBxNxC for mHC kernels (default 8192x4x4x7168 on a GPU, 64x2x4x512 on the CPU), TxHxFxE for grouped-MLP ones (default 4096x2048x1024x8, 64x64x96x4 on the CPU)."),
-    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or a group (all; mhc or moe: every kernel of one kind): " + ", ".join(registry.KERNELS) + "."),
+    kernel: str = typer.Option("all", "--kernel", "-k", help="A kernel, a comma-separated list, or a group (all; mhc or moe: every kernel of one kind): " + ", ".join(names.KERNELS) + "."),
     impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="Implementations (default: every available one: torch, compile, triton, cutile), or module:function."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype (sinkhorn always runs on the fp32 mapping path)."),
     direction: str = typer.Option("fwd,bwd", "--direction", help="fwd, bwd or both (comma-separated)."),
@@ -233,6 +322,7 @@ def bench(
     input_dtypes: str = typer.Option("library", "--input-dtypes", help="library: each library timed at the input dtypes its adapter says it is used with (Megatron-LM's h_res and h_post in the activations' dtype); contract: every implementation at mhctool's contract dtypes."),
 ):
     """Time kernels against the memory roofline measured in the same run."""
+    clikit.precheck(kernel, [dtype], shape, device)
     from . import bench as bench_mod
     from .shapes import MOE_PAPER_SHAPE, PAPER_SHAPE, MoeShape, parse_shape_for
 

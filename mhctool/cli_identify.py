@@ -7,11 +7,18 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from . import environment, registry, report
+from . import names
+from .clikit import lazy
 from .clikit import device as parse_device
 from .clikit import Interrupts, fmt, isolation_for, knob_items, out
-from .dtypes import parse_dtype
 from .errors import UsageError
+
+environment, registry, report = (lazy(m) for m in ("environment", "registry", "report"))
+
+
+def parse_dtype(name: str):
+    from .dtypes import parse_dtype as parse
+    return parse(name)
 
 
 def _table(ident, top: int) -> Table:
@@ -27,7 +34,7 @@ def _table(ident, top: int) -> Table:
 
 
 def identify(
-    kernel: str = typer.Option(..., "--kernel", "-k", help="One kernel: sinkhorn, h_aggregate, h_post_bda, proj_rms, mapping, swiglu, clamped_swiglu."),
+    kernel: str = typer.Option(..., "--kernel", "-k", help="One kernel: " + ", ".join(names.IDENTIFIABLE) + "."),
     impl: str = typer.Option(..., "--impl", "-i", help="The implementation: a built-in name, module.path:function, file.py:function, or a library (te:DIR, megatron:DIR)."),
     dtype: str = typer.Option("fp32", "--dtype", help="Probe dtype (fp32 separates the candidates best)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
@@ -42,6 +49,11 @@ def identify(
 ):
     """Tell which convention a kernel computes: fit the family's convention knobs against the float64
     reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does."""
+    from .clikit import precheck
+    precheck(kernel, [dtype], shape, device)
+    if kernel not in names.IDENTIFIABLE:
+        raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "
+                         + ", ".join(names.IDENTIFIABLE))
     from . import identify as ident_mod
     report.check_writable(out_path)
     ident_mod.check_kernel(kernel)
@@ -60,11 +72,14 @@ def identify(
             for i in impls:
                 ident = ident_mod.identify(kernel, i, dtype=dt, device=dev, shape=shape, asked=asked, seed=seed,
                                            isolation=iso, matmul_precision=matmul_precision)
+                if ident.error and registry.call_problem(ident.error.rsplit(" (probe ", 1)[0]):
+                    raise UsageError(f"--impl {i.name} cannot be judged as {kernel}: {ident.error}; expected "
+                                     f"{registry.signature(registry.get_family(kernel))}")
                 rows.extend(ident_mod.rows(ident, dt, dev))
                 if not quiet and ident.candidates:
                     out.print(_table(ident, top))
                 out.print(ident.line(), markup=False)
-                if ident.best is not None and ident.best.note and ident.best.level != "as asked":
+                if ident.best is not None and ident.best.note and ident.best.level != "as asked" and not ident.overflow:
                     out.print(ident.best.note, markup=False)
                 elif ident.best is not None and ident.passed and i.conventions and not asked:
                     declared = " ".join(f"{k}={ident_mod.fmt_value(v)}" for k, v in i.conventions.items())
@@ -75,7 +90,7 @@ def identify(
                     out.print("fits as well (within native noise): "
                               + "; ".join(ident_mod.fmt_knobs(c.knobs) for c in ident.ties), markup=False)
                 flags = ident.flags() if ident.best is not None else ""
-                if ident.passed and flags and ident.best.level != "likely a defect":
+                if ident.passed and flags:  # a defect too: judged as it computes, the rest may still fail
                     out.print(f"judge it with: mhctool parity --kernel {kernel} --impl {impl} {flags}", markup=False)
                 failed |= not ident.passed
     finally:
@@ -91,10 +106,12 @@ def identify(
 
 
 def parity_hint(kernel: str, impl: registry.Impl, short: str, device: str, isolated: bool, transport: str,
-                case_timeout: float | None = None, asked: dict | None = None) -> str | None:
+                case_timeout: float | None = None, asked: dict | None = None, verify=None) -> str | None:
     """What ``parity`` says under a failed external implementation: a quick identification (fp32,
     the default probes) tells a convention it passes under from a defect. ``asked``: the
-    conventions declared with ``--convention`` (an adapter's own are the implementation's)."""
+    conventions declared with ``--convention`` (an adapter's own are the implementation's).
+    ``verify(conventions, precision) -> (passed, first failure)``: the run again with the flags
+    found; a flag is offered as passing only where that run passes."""
     from . import identify as ident_mod
     from .runner import Isolation
     spec = impl.spec or impl.name
@@ -112,13 +129,21 @@ def parity_hint(kernel: str, impl: registry.Impl, short: str, device: str, isola
     if not ident.passed:
         line = ident.line()
         if line.startswith("no convention fits: "):
-            return f"hint: no convention fits {short} on {kernel}: {line[len('no convention fits: '):]}; a defect {how}"
+            rest = line[len('no convention fits: '):]
+            return f"hint: no convention fits {short} on {kernel}: {rest}{'' if 'a defect' in rest else '; a defect'} {how}"
         return f"hint: {short} on {kernel}: {line} {how}"
     best, flags = ident.best, ident.flags()
     notes = "; ".join(n for n in (best.note if best.level != "as asked" else None, ident.precision_note()) if n)
     if best.level == "as asked" and not flags:
         return (f"hint: {short} computes {kernel}'s asked convention at fp32 {how}; the failure is not a "
                 "convention: see the rows above")
-    if best.level == "likely a defect" or not flags:
+    if not flags:
         return f"hint: {short} on {kernel}: {notes} {how}"
+    precision = ident.judged_precision() if ident.judged_precision() != ident.declared_precision else None
+    ok, failure = verify(ident.conventions(), precision) if verify is not None else (True, None)
+    if not ok:
+        return (f"hint: {short} on {kernel}: identify fits {flags} ({notes}), but with them this run still fails: "
+                f"{failure} {how}")
+    if best.level == "likely a defect":
+        return f"hint: {short} on {kernel}: {notes}; judged as it computes, it passes with {flags} {how}"
     return f"hint: {short} fails on {kernel} but passes with {flags} ({notes})"

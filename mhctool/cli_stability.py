@@ -9,12 +9,22 @@ import typer
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
-from . import environment, registry, report
+from .clikit import lazy
 from .clikit import device as parse_device
 from .clikit import err, fmt, guard, out, split
-from .dtypes import parse_dtype
 from .errors import UsageError
-from .knob_shift import typed_value
+
+environment, registry, report = (lazy(m) for m in ("environment", "registry", "report"))
+
+
+def typed_value(kind, name, value):
+    from .knob_shift import typed_value as typed
+    return typed(kind, name, value)
+
+
+def parse_dtype(name: str):
+    from .dtypes import parse_dtype as parse
+    return parse(name)
 
 stability_app = typer.Typer(no_args_is_help=True, help="Where and why a computation breaks: sweeps and analyses.")
 

@@ -7,10 +7,11 @@ import signal
 import threading
 from typing import Optional
 
+import importlib
+
 import typer
 from rich.console import Console
 
-from . import environment
 from .errors import UsageError
 
 # soft_wrap: a line is never broken (a command or path copied from a CI log must work); tables still
@@ -41,7 +42,46 @@ def split(values: Optional[list[str]]) -> list[str]:
     return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
 
 
+class lazy:
+    """A module of mhctool imported on its first attribute: the command line's modules name the
+    engines they call at the top, and ``--help`` or a usage error still answers without torch."""
+
+    def __init__(self, name: str):
+        self._name = f"mhctool.{name}"
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def precheck(kernel: Optional[str] = None, dtypes: Optional[list[str]] = None, shape: Optional[str] = None,
+             device_name: Optional[str] = None) -> None:
+    """The options a command's arguments alone decide, checked before torch is imported, so that
+    such a usage error answers at once: kernel names and groups, dtype names, the shape's form for
+    the kernels' kind, the device's name (whether it is present is asked later)."""
+    from . import names
+    kernels: list[str] = []
+    for k in ([x.strip() for x in kernel.split(",") if x.strip()] if kernel else []):
+        if k in names.GROUPS:
+            kernels += list(names.KERNELS if k == "all" else names.MHC_KERNELS if k == "mhc" else names.MOE_KERNELS)
+        elif k in names.KERNELS:
+            kernels.append(k)
+        else:
+            raise UsageError(f"unknown kernel {k!r}; accepted: {', '.join(names.KERNELS)}, or a group: "
+                             f"{', '.join(names.GROUPS)}")
+    for d in dtypes or []:
+        if names.DTYPE_ALIASES.get(d.strip().lower(), d.strip().lower()) not in names.DTYPES:
+            raise UsageError(f"unknown dtype {d!r}; accepted: {', '.join(names.DTYPES)}")
+    if shape is not None and kernels:
+        kinds = {"moe" if k in names.MOE_KERNELS else "mhc" for k in kernels}
+        if len(kinds) == 1:
+            from .shapes import parse_shape_for
+            parse_shape_for(kinds.pop(), shape)
+    if device_name is not None and device_name not in names.DEVICES:
+        raise UsageError(f"unknown device {device_name!r}; accepted: {', '.join(names.DEVICES)}")
+
+
 def device(name: Optional[str]) -> str:
+    from . import environment
     if name is None:
         return "cuda" if environment.cuda_available() else "cpu"
     if name not in ("cpu", "cuda"):
@@ -152,4 +192,20 @@ def conventions(items: Optional[list[str]], kernels: list[str]) -> dict[str, dic
         for k in takers:
             knob = get_family(k).knobs[name]
             out.setdefault(k, {})[name] = knob.check(k, name, typed_value(knob.kind, name, raw))
+    return out
+
+
+def input_dtypes(items: Optional[list[str]], kernels: list[str]) -> dict[str, dict]:
+    """``--input-dtypes NAME=DTYPE`` items -> {kernel: {input: dtype}} for the kernels that have the
+    input (each checked by parity.check_input_dtypes); an input none of them has is an error."""
+    from .parity import check_input_dtypes
+    from .registry import get_family
+    out: dict[str, dict] = {}
+    for name, raw in knob_items(items, "--input-dtypes", "h_pre=activation"):
+        takers = [k for k in kernels if name in get_family(k).inputs]
+        if not takers:
+            known = sorted({i for k in kernels for i in get_family(k).inputs})
+            raise UsageError(f"--input-dtypes {name} is no input of {', '.join(kernels)}; accepted: {', '.join(known)}")
+        for k in takers:
+            out.setdefault(k, {}).update(check_input_dtypes(k, {name: raw}))
     return out

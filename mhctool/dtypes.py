@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import UsageError
+from .names import DTYPE_ALIASES
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ FORMATS = {
 }
 _BY_TORCH = {f.torch_dtype: f for f in FORMATS.values()}
 _INT_VIEW = {1: None, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float64": "fp64"}
+ALIASES = DTYPE_ALIASES
 
 
 def parse_dtype(name: str, allowed=("fp32", "bf16", "fp16")) -> FloatFormat:

@@ -1,0 +1,67 @@
+"""mHC code as strangers write it (issue 60's table): plain PyTorch, fp32, each a form that
+public code takes. mhctool must call the overflow a defect whatever is declared, find the knobs a
+kernel fixes for itself, claim nothing its outputs do not show, and say in one sentence what it
+cannot call."""
+import torch
+
+
+def sinkhorn_raw_exp(logits, iters=20):
+    """No max subtraction, rows first, no eps: every output NaN once a logit passes about 88."""
+    p = torch.exp(logits)
+    for _ in range(iters):
+        p = p / p.sum(-1, keepdim=True)
+        p = p / p.sum(-2, keepdim=True)
+    return p
+
+
+def _rowmax_iterations(logits, iters, eps):
+    p = torch.exp(logits - logits.amax(-1, keepdim=True))
+    for _ in range(iters):
+        p = p / (p.sum(-1, keepdim=True) + eps)
+        p = p / (p.sum(-2, keepdim=True) + eps)
+    return p
+
+
+def sinkhorn_fixed_knobs(logits):
+    """Takes neither an iteration count nor an eps: 10 iterations and eps 1e-9 inside."""
+    return _rowmax_iterations(logits, 10, 1e-9)
+
+
+def sinkhorn_fixed_eps(logits, iters=20):
+    """Takes its iteration count; eps 1e-9 fixed."""
+    return _rowmax_iterations(logits, iters, 1e-9)
+
+
+def sinkhorn_global_max(logits, iters=20, eps=1e-6):
+    """Subtracts the whole matrix's max, not each row's: tiny rows underflow to eps's mercy."""
+    p = torch.exp(logits - logits.amax(dim=(-1, -2), keepdim=True))
+    for _ in range(iters):
+        p = p / (p.sum(-1, keepdim=True) + eps)
+        p = p / (p.sum(-2, keepdim=True) + eps)
+    return p
+
+
+def sinkhorn_col_clamp(logits, iters=20):
+    """Columns first, each sum clamped at 1e-6 (never active after a column max subtraction)."""
+    p = torch.exp(logits - logits.amax(-2, keepdim=True))
+    for _ in range(iters):
+        p = p / p.sum(-2, keepdim=True).clamp_min(1e-6)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-6)
+    return p
+
+
+def h_aggregate_bmm(x, h_pre):
+    """One batched product: torch.bmm takes its operands in one dtype."""
+    s, b, n, c = x.shape
+    return torch.bmm(h_pre.reshape(s * b, 1, n), x.reshape(s * b, n, c)).reshape(s, b, c)
+
+
+def sinkhorn_wrong_signature(logits, temperature, iters):
+    """Takes two required parameters the family does not pass."""
+    return torch.softmax(logits / temperature, -1)
+
+
+def sinkhorn_two_outputs(logits, iters=20, eps=1e-6):
+    """Returns the matrix and its log: one output more than the family's."""
+    p = _rowmax_iterations(logits, iters, eps)
+    return p, p.log()
