@@ -21,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import __version__, cli_identify, clikit, names
+from . import __version__, cli_identify, cli_train, clikit, names
 from .cli_stability import stability_app
 from .clikit import device as _device
 from .clikit import err, lazy, out
@@ -48,6 +48,7 @@ app.add_typer(stability_app, name="stability")
 goldens_app = typer.Typer(no_args_is_help=True, help="Megatron golden-value files and training logs: show, diff, check, extract.")
 app.add_typer(goldens_app, name="goldens")
 app.command()(_guard(cli_identify.identify))
+app.command()(_guard(cli_train.train))
 
 
 

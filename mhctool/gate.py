@@ -27,6 +27,14 @@ A suite (TOML)::
     [[goldens_check]]               # any number: anomalies inside one run (fails on any)
     file = "run.json"
 
+    [[train]]                       # any number: mhctool train, its golden values diffed against stored ones
+    impls = ["triton"]              # as mhctool train's --impl (file.py:fn relative to the suite file)
+    golden = "train-golden.json"    # the stored golden values (Megatron's rules, as [[goldens]])
+    steps = 6                       # optional: steps, layers, streams, hidden, heads, seq, batch, vocab,
+    layers = 2                      #   lr, dtype, seed (mhctool train's defaults otherwise)
+    metrics = ["lm loss", "num-zeros"]   # optional; deterministic, rtol as in [[goldens]]
+    compare = true                  # optional: also train natively and in float64; the drift is one more case
+
     [[stability]]                   # any number: a Sinkhorn stability sweep, one case per configuration
     kernel = "sinkhorn"             # the only kernel with a sweep so far
     impls = ["torch"]               # default: the native implementation
@@ -49,12 +57,15 @@ from .dtypes import parse_dtype
 from .errors import UsageError
 from .report import judged_nothing, to_table, verdicts
 
-SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability"}
+SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train"}
 STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}
 PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa", "checks", "conventions",
                "input_dtypes"}
 GOLDEN_KEYS = {"name", "golden", "actual", "metrics", "deterministic", "rtol"}
 CHECK_KEYS = {"name", "file", "factor"}
+TRAIN_CONFIG_KEYS = {"steps", "layers", "streams", "hidden", "heads", "seq", "batch", "vocab", "lr", "dtype", "seed"}
+TRAIN_KEYS = {"name", "impls", "kernel", "golden", "metrics", "deterministic", "rtol", "compare", "device", "knobs",
+              "conventions"} | TRAIN_CONFIG_KEYS
 
 
 @dataclass
@@ -75,6 +86,7 @@ class Suite:
     goldens: list[dict] = field(default_factory=list)
     checks: list[dict] = field(default_factory=list)
     stability: list[dict] = field(default_factory=list)
+    train: list[dict] = field(default_factory=list)
 
 
 def _err(src, key, msg):
@@ -184,8 +196,30 @@ def load_suite(path: str | os.PathLike) -> Suite:
             if f not in ("rowmax", "none", "softmax"):
                 raise _err(src, f"{where}.finite", f"unknown stabilize {f!r}; accepted: rowmax, none, softmax")
         suite.stability.append({"name": item.get("name", f"stability-{i}"), **item})
-    if not (suite.parity or suite.goldens or suite.checks or suite.stability):
-        raise _err(src, "parity", "the suite has no [[parity]], [[goldens]], [[goldens_check]] or [[stability]] entry")
+    for i, item in enumerate(data.get("train", [])):
+        where = f"train[{i}]"
+        bad = set(item) - TRAIN_KEYS
+        if bad:
+            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(TRAIN_KEYS))}")
+        for k in ("impls", "golden"):
+            if k not in item:
+                raise _err(src, f"{where}.{k}", "required")
+        impls = item["impls"] if isinstance(item["impls"], list) else [item["impls"]]
+        item = {**item, "impls": [_impl_spec(base, spec) for spec in impls],
+                "golden": _resolve(base, item["golden"], src, f"{where}.golden")}
+        try:
+            from . import train as T
+            T.config(item.get("device", "cpu"), **{k: item[k] for k in TRAIN_CONFIG_KEYS if k in item})
+            T.assign(item["impls"], item.get("kernel"))
+            for key in ("knobs", "conventions"):
+                T.parse_knobs([(k, str(v).lower() if isinstance(v, bool) else str(v))
+                               for k, v in item.get(key, {}).items()], key, key == "conventions")
+        except UsageError as e:
+            raise _err(src, where, str(e)) from None
+        suite.train.append({"name": item.get("name", f"train-{'+'.join(item['impls'])}"), **item})
+    if not (suite.parity or suite.goldens or suite.checks or suite.stability or suite.train):
+        raise _err(src, "parity", "the suite has no [[parity]], [[goldens]], [[goldens_check]], [[stability]] or "
+                   "[[train]] entry")
     return suite
 
 
@@ -212,7 +246,7 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
     entry's case and the suite goes on); ``interrupted()`` true: no new case or entry starts.
 
     The suite is a list of units, numbered in the order they run: every case of every parity
-    entry, then each goldens, stability and goldens_check entry whole. ``shard`` (I, N) runs the
+    entry, then each goldens, stability, train and goldens_check entry whole. ``shard`` (I, N) runs the
     units whose number is I-1 modulo N; each JUnit case carries its unit, so ``mhctool report
     merge`` puts the slices back in the order one run has. ``workers``/``backend``: parity cases
     spread over processes (:mod:`mhctool.pool`)."""
@@ -285,11 +319,44 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             cases.append(Case(item["name"], "stability", label, ok,
                               "finite at every amplitude" if ok else
                               f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}", k))
+    for k, item in whole(suite.train):
+        cases.extend(_train_cases(item, device_default, k, isolation, interrupted))
     for k, item in whole(suite.checks):
         found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
         cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
                           "; ".join(a.message for a in found) or "no anomaly", k))
     return cases
+
+
+def _train_cases(item: dict, device_default: str, unit: int, isolation, interrupted) -> list[Case]:
+    """A [[train]] entry: the implementation's run diffed against the stored golden values with
+    Megatron's rules (a case per metric), and with ``compare`` the drift from the float64 run."""
+    from . import train as T
+    device = item.get("device", device_default)
+    cfg = T.config(device, **{k: item[k] for k in TRAIN_CONFIG_KEYS if k in item})
+    knobs, conventions = ({} if not item.get(key) else T.parse_knobs(
+        [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in item[key].items()], key,
+        key == "conventions") for key in ("knobs", "conventions"))
+    worker = None
+    if isolation is not None:
+        from .isolation import Worker
+        worker = Worker(isolation.transport)
+    try:
+        o = T.session(cfg, T.assign(item["impls"], item.get("kernel")), knobs, conventions,
+                      compare=bool(item.get("compare", False)), trace=False, isolation=worker, interrupted=interrupted)
+    finally:
+        if worker is not None:
+            worker.stop()
+    out = []
+    for v in G.diff(read_run(item["golden"]), T.to_golden(o.impl), item.get("metrics"), item.get("rtol"),
+                    bool(item.get("deterministic", False))):
+        out.append(Case(item["name"], "train", f"{v.metric} ({v.check})", v.passed, v.message, unit))
+    if o.impl.error and o.impl.error != "interrupted":
+        out.append(Case(item["name"], "train", "run", False, f"the run ended at {o.impl.error}", unit))
+    if o.compared:
+        msg = o.nonfinite or "; ".join(f"{d.metric}: {d.message}" for d in o.drifts)
+        out.append(Case(item["name"], "train", "drift from the float64 run", o.passed, msg, unit))
+    return out
 
 
 def cases_from_rows(rows: list[dict]) -> list[Case]:

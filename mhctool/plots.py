@@ -241,3 +241,80 @@ def gain_figure(table: pa.Table, out_dir: str | Path) -> Path:
     axes[0].set_ylabel("Amax gain of prod H_res (mean over tokens; dotted: max)")
     axes[1].legend(fontsize=6)
     return _save(fig, out_dir / "stability-gain.png", 100)
+
+
+# the trajectories of a train report: the reference in black, native in grey, the implementation
+# in blue (red is kept for what failed), native runs with a knob dashed
+_TRAIN_STYLE = {"reference": dict(color="black", lw=2.2, zorder=1), "native": dict(color="0.55", lw=1.6, zorder=2),
+                "impl": dict(color="tab:blue", lw=1.3, zorder=3)}
+
+
+def train_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
+    """Two PNGs from a ``mhctool train`` report: the golden-value metrics per trajectory (lm loss,
+    grad-norm, num-zeros; the implementation's distance from the reference against native's, the
+    step where it parted marked), and H_res's health per layer (the largest Sinkhorn logit, the
+    row-sum deviation) for the implementation and the reference."""
+    out_dir = _folder(out_dir)
+    rows = table.to_pylist()
+    runs = list(dict.fromkeys(r["run"] for r in rows if r["step"] is not None and not r["metric"].startswith("drift:")))
+    parted = {r["metric"][len("drift:"):]: r["step"] for r in rows if r["metric"].startswith("drift:") and r["step"]}
+
+    def series(run, metric, layer=None):
+        pts = sorted((r["step"], r["value"]) for r in rows if r["run"] == run and r["metric"] == metric
+                     and r["layer"] == layer and r["step"] is not None)
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), sharex=True)
+    for col, metric in enumerate(("lm loss", "grad-norm", "num-zeros")):
+        ax = axes[0, col]
+        for run in runs:
+            xs, ys = series(run, metric)
+            style = _TRAIN_STYLE.get(run, dict(color="tab:purple", lw=1.0, ls="--", zorder=2))
+            ax.plot(xs, ys, label=run, **style)
+        ax.set_title(metric)
+        dist = axes[1, col]
+        rx, ry = series("reference", metric)
+        ref = dict(zip(rx, ry))
+        drawn = False
+        for run in (r for r in runs if r != "reference"):
+            xs, ys = series(run, metric)
+            # a step where the two are equal has no place on a log scale: left out, not drawn at a floor
+            d = [(x, abs(y - ref[x])) for x, y in zip(xs, ys) if x in ref and math.isfinite(y) and math.isfinite(ref[x])
+                 and y != ref[x]]
+            if d:
+                style = _TRAIN_STYLE.get(run, dict(color="tab:purple", lw=1.0, ls="--"))
+                dist.plot([p[0] for p in d], [p[1] for p in d], marker=".", label=run, **style)
+                drawn = True
+        if drawn:
+            dist.set_yscale("log")
+        else:
+            dist.text(0.5, 0.5, "equal to the reference at every step", ha="center", va="center",
+                      transform=dist.transAxes)
+        dist.set_title(f"{metric}: distance from the reference (equal steps left out)")
+        dist.set_xlabel("step")
+        if metric in parted:
+            for ax_ in (ax, dist):
+                ax_.axvline(parted[metric], color="tab:red", ls=":", lw=1.2)
+            ax.annotate(f"parts at step {parted[metric]}", (parted[metric], ax.get_ylim()[1]), color="tab:red",
+                        fontsize=8, ha="left", va="top", xytext=(3, -3), textcoords="offset points")
+    axes[0, 0].legend(fontsize=8)
+    written = [_save(fig, out_dir / "train-metrics.png", 110)]
+    layers = sorted({r["layer"] for r in rows if r["layer"] is not None})
+    if layers:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+        for ax, metric in zip(axes, ("largest logit", "row-sum deviation")):
+            for run, ls in (("reference", "-"), ("impl", "--")):
+                for k, layer in enumerate(layers):
+                    xs, ys = series(run, metric, layer)
+                    if xs:
+                        ax.plot(xs, [max(y, 1e-12) if math.isfinite(y) else float("nan") for y in ys], ls=ls,
+                                color=plt.cm.viridis(k / max(1, len(layers) - 1)), label=f"{run} layer {layer}")
+            ax.set_title(metric)
+            ax.set_xlabel("step")
+            if metric != "largest logit":
+                ax.set_yscale("log")
+        if axes[0].get_ylim()[1] > 44:  # where exp overflows fp32 without a max subtracted, where that is near
+            axes[0].axhline(88.0, color="k", ls=":", lw=1)
+        axes[1].legend(fontsize=7, ncol=2)
+        written.append(_save(fig, out_dir / "train-health.png", 110))
+    return written

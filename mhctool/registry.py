@@ -560,8 +560,9 @@ def resolve_one(kernel: str, spec: str, name: str) -> Impl:
     raise UsageError(f"--impl {spec!r} has no implementation {name!r} for kernel {kernel}")
 
 
-def load_external(spec: str, kernel: str) -> Impl:
-    """``module.path:function`` or ``path/to/file.py:function`` -> an external Impl."""
+def load_external(spec: str, kernel: str, check: bool = True) -> Impl:
+    """``module.path:function`` or ``path/to/file.py:function`` -> an external Impl (``check``:
+    that it can be called with ``kernel``'s signature)."""
     target, _, fn_name = spec.rpartition(":")
     if not target or not fn_name:
         raise UsageError(f"malformed --impl {spec!r}; expected module.path:function or file.py:function")
@@ -585,5 +586,6 @@ def load_external(spec: str, kernel: str) -> Impl:
     if fn is None or not callable(fn):
         raise UsageError(f"--impl {spec!r}: {target} has no function {fn_name}")
     impl = Impl(spec, kernel, "external", fn)
-    check_callable(impl)
+    if check:
+        check_callable(impl)
     return impl

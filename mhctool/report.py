@@ -145,6 +145,21 @@ IDENTIFY_SCHEMA = pa.schema([
     ("classification", pa.string()), ("message", pa.string()),
 ])
 
+# `mhctool train` reports: per trajectory (``run``: impl, native, reference, or native with a knob
+# such as ``native:h_post_bda.transpose_res=True``), step and metric: Megatron's golden-value
+# metrics (lm loss, grad-norm, num-zeros, iteration-time, memory on a GPU), ``zeros:PARAM`` (the
+# exact zeros of one parameter's gradient), and per ``layer`` the mHC health (``row-sum deviation``,
+# ``col-sum deviation``, ``smallest entry`` of H_res, ``largest logit`` of Sinkhorn's input,
+# ``nonfinite:FAMILY.OUTPUT`` counts; ``first non-finite`` names it in ``message``). The verdict
+# rows: ``drift:METRIC`` per judged trajectory (``value`` its largest distance from the reference,
+# ``threshold`` kappa times the native trajectory's plus the floor, ``step`` where it parted,
+# ``passed``), ``nonfinite`` and ``traced:FAMILY.KNOB`` (the attribution, in ``message``).
+TRAIN_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("run", pa.string()), ("step", pa.int64()), ("layer", pa.int64()),
+    ("metric", pa.string()), ("value", pa.float64()), ("threshold", pa.float64()), ("passed", pa.bool_()),
+    ("message", pa.string()),
+])
+
 # `mhctool gate` reports: one row per JUnit case.
 GATE_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("suite", pa.string()), ("entry", pa.string()), ("kind", pa.string()),

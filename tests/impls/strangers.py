@@ -65,3 +65,13 @@ def sinkhorn_two_outputs(logits, iters=20, eps=1e-6):
     """Returns the matrix and its log: one output more than the family's."""
     p = _rowmax_iterations(logits, iters, eps)
     return p, p.log()
+
+
+def h_aggregate_streams_reversed(x, h_pre):
+    """Correct, in another order: the streams summed last to first in fp32, rounded once to x's
+    dtype (its error is the dtype's rounding, as the native one's)."""
+    xf, hf = x.float(), h_pre.float()
+    out = xf[..., -1, :] * hf[..., -1:]
+    for j in range(x.shape[-2] - 2, -1, -1):
+        out = out + xf[..., j, :] * hf[..., j:j + 1]
+    return out.to(x.dtype)
