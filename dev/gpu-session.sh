@@ -6,6 +6,7 @@
 #   (TE_DTYPES=bf16 TE_ONLY=1 for TE's bf16 run; "bench" is the side-by-side table)
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh isolation", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh repro", carry=[".device"])
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh train", carry=[".device", ".anchors"])
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
 #   "bwd" the backward tiles of issue 20; "verify" is the short check after a kernel change)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
@@ -73,9 +74,10 @@ libraries)
       timeout --foreground -s INT 200 python3 -m mhctool.cli parity --kernel mhc --impl liger:liger_kernel \
         -o "$out/liger.parquet" --top 12 ;;
     identify)
-      for spec in "mapping_sinkhorn liger:liger_kernel" "mix_aggregate liger:liger_kernel" "mix_aggregate te:.anchors/te" \
+      for spec in ${ID_SPECS:-"mapping_sinkhorn liger:liger_kernel" "mix_aggregate liger:liger_kernel" "mix_aggregate te:.anchors/te" \
                   "mapping te:.anchors/te" "mapping megatron:.anchors/megatron/dev 8x2x4x67" \
-                  "proj_rms megatron:.anchors/megatron/m3828"; do
+                  "proj_rms megatron:.anchors/megatron/m3828" "sinkhorn megatron:.anchors/megatron/dev" \
+                  "sinkhorn megatron:.anchors/megatron/m3828" "sinkhorn te:.anchors/te" "h_post_bda te:.anchors/te"}; do
         set -- $spec
         step "identify --kernel $1 --impl $2 ${3:+--shape $3} (fp32)"
         NVTE_DISABLE_TRITON_AUTOTUNING=1 timeout --foreground -s INT 90 python3 -m mhctool.cli identify --kernel "$1" \
@@ -149,6 +151,35 @@ verify)
     timeout --foreground -s INT 80 python3 -m mhctool.cli parity --kernel proj_rms,mapping --impl triton-tf32 \
       --shape 8192x4x4x7168 --dtype bf16 -o "$out/tf32.parquet" --quiet
   } 2>&1 | tee "$out/verify.log"
+  ;;
+train)
+  # issue 61: mhctool train on the GPU (mhctool's kernels, the default GPU model), and Megatron PR
+  # 3828's kernels at bf16 with Sinkhorn eps 1e-6 and 1e-8, at the default lr and one that grows the
+  # logits: do num-zeros jump between two levels? TRAIN_STEPS picks steps (default: all).
+  {
+    for s in ${TRAIN_STEPS:-tests ours m3828}; do case $s in
+    tests)
+      step "pytest -m gpu -k train"
+      timeout --foreground -s INT 240 python3 -m pytest -m gpu -q -p no:cacheprovider -k train 2>&1 | tail -3 ;;
+    ours)
+      for impl in triton cutile; do
+        step "train --impl $impl --device cuda (the default GPU model, bf16)"
+        t0=$SECONDS
+        timeout --foreground -s INT 200 python3 -m mhctool.cli train --impl $impl --device cuda --dtype bf16 --every 20 \
+          -o "$out/train-$impl.parquet" --goldens "$out/train-$impl.json"
+        echo "wall $((SECONDS - t0)) s"
+      done ;;
+    m3828)
+      for cfg in ${M3828_CONFIGS:-"1e-6 0.01" "1e-8 0.01" "1e-6 0.05" "1e-8 0.05" "1e-6 0.1"}; do
+        set -- $cfg
+        step "train --impl megatron m3828 bf16, sinkhorn eps $1, lr $2"
+        timeout --foreground -s INT 150 python3 -m mhctool.cli train --impl megatron:.anchors/megatron/m3828 \
+          --device cuda --dtype bf16 --knob sinkhorn.eps=$1 --lr $2 --no-trace --every 10 --no-isolate \
+          -o "$out/m3828-eps$1-lr$2.parquet"
+        python3 dev/zeros_table.py "$out/m3828-eps$1-lr$2.parquet"
+      done ;;
+    esac; done
+  } 2>&1 | tee "$out/train.log"
   ;;
 sweep)
   python3 dev/tile_sweep.py 2>&1 | tee "$out/sweep.log"

@@ -142,11 +142,46 @@ class Piece:
     name: str  # e.g. "triton", "torch", "float64", "megatron[m3828]:fused_sinkhorn"
     call: Callable[[dict], tuple]
     note: str = ""  # why it runs what it runs (a family the implementation lacks: natively)
+    # the matmul precision it computes at by design (an adapter's declaration): the native
+    # trajectory computes the family at it too, as parity's baseline does
+    precision: str = "ieee"
 
 
 def _family_call(family: str, fn, knobs: dict, accepts=lambda k: True, bind=lambda k: k) -> Callable[[dict], tuple]:
     fam = registry.get_family(family)
     return lambda args: fam.call(fn, args, knobs, accepts, bind)
+
+
+def _expected(family: str, args: dict) -> list[tuple]:
+    """(shape, dtype) of each output the model takes from ``family``, as the native one gives them:
+    the mapping path in fp32, the streams at theirs."""
+    if family == "mapping":
+        t, n = args["x2d"].shape[0], int(round((args["weight"].shape[0] + 1) ** 0.5 - 1))
+        return [((t, n), torch.float32), ((t, n), torch.float32), ((t, n, n), torch.float32)]
+    if family == "sinkhorn":
+        return [(tuple(args["logits"].shape), torch.float32)]
+    x = args["x"]
+    return [((*x.shape[:-2], x.shape[-1]) if family == "h_aggregate" else tuple(x.shape), x.dtype)]
+
+
+def _conformed(family: str, call: Callable[[dict], tuple]) -> Callable[[dict], tuple]:
+    """Outputs taken by value, as parity takes them: size-1 dimensions and another dtype (Megatron's
+    h_post_bda writes in h_res's dtype) conformed to what the model expects, so the rest of the
+    model computes as in the other trajectories; an output that cannot be is an error."""
+    def run(args: dict) -> tuple:
+        outs = call(args)
+        want = _expected(family, args)
+        if len(outs) < len(want):
+            raise RuntimeError(f"{family} returned {len(outs)} outputs, expected {len(want)}")
+        fixed = []
+        for o, (shape, dtype) in zip(outs, want):
+            if tuple(o.shape) != shape:
+                if o.numel() != math.prod(shape):
+                    raise RuntimeError(f"{family} returned an output of shape {tuple(o.shape)}, expected {shape}")
+                o = o.reshape(shape)
+            fixed.append(o if o.dtype == dtype else o.to(dtype))
+        return tuple(fixed)
+    return run
 
 
 def native_piece(family: str, knobs: dict, precision: str = "ieee") -> Piece:
@@ -224,13 +259,13 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
         eff[family] = {**knobs.get(family, {}), **(impl.conventions if impl and impl.backend == "external" else {}),
                        **conventions.get(family, {})}
         if impl is not None:
-            pieces[family] = Piece(family, impl.name, _family_call(family, impl.fn, eff[family], impl.accepts,
-                                                                    impl.bind))
+            pieces[family] = Piece(family, impl.name, _conformed(family, _family_call(
+                family, impl.fn, eff[family], impl.accepts, impl.bind)), precision=impl.precision_on(device))
             continue
         proj = _pick("proj_rms", spec_, device, dtype)[0] if family == "mapping" and \
             not registry.is_function_spec(spec_) else None
         if proj is not None:
-            pieces[family] = _projection_mapping(proj, eff[family])
+            pieces[family] = replace(_projection_mapping(proj, eff[family]), precision=proj.precision_on(device))
             continue
         pieces[family] = replace(native_piece(family, eff[family]), note=f"natively: {why}")
     return pieces, eff
@@ -257,8 +292,8 @@ def _projection_mapping(proj, knobs: dict) -> Piece:
         w = args["weight"]
         n = int(round((w.shape[0] + 1) ** 0.5 - 1))
         p, r = fam.call(proj.fn, {"x2d": args["x2d"], "weight": w}, pk, proj.accepts, proj.bind)[:2]
-        return compute_h(p.float(), r.float(), args["alpha"].float(), args["h_bias"].float(), n,
-                         knobs.get("compute_h_eps", 0.0))
+        return compute_h(p.float(), r.float().reshape(p.shape[0]), args["alpha"].float(), args["h_bias"].float(),
+                         n, knobs.get("compute_h_eps", 0.0))
     return Piece("mapping", f"{proj.name}+torch:compute_h", run, note="its proj_rms with the native compute_h")
 
 
@@ -606,16 +641,19 @@ def candidate_knobs(specs: dict[str, str], eff: dict[str, dict], pieces: dict[st
 
 def attribute(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: TrainConfig,
               eff: dict[str, dict], candidates: list[tuple], rule: VerdictRule, params: int,
-              interrupted: Callable[[], bool] = lambda: False) -> tuple[list[Attribution], list[Trajectory]]:
+              interrupted: Callable[[], bool] = lambda: False,
+              precision: dict[str, str] | None = None) -> tuple[list[Attribution], list[Trajectory]]:
     """Rerun the native implementation with each candidate knob; it reproduces the drift where
     the implementation's trajectory stays with that run as it would with the reference (every
     judged metric within kappa times the native noise)."""
     found, runs = [], []
+    prec = precision or {}
     for family, knob, value, why in candidates:
         if interrupted():
             break
         pieces = {f: (native_piece(f, eff[f], value) if knob == "matmul_precision" and f == family
-                      else native_piece(f, {**eff[f], knob: value}) if f == family else native_piece(f, eff[f]))
+                      else native_piece(f, {**eff[f], knob: value}, prec.get(f, "ieee")) if f == family
+                      else native_piece(f, eff[f], prec.get(f, "ieee")))
                   for f in FAMILIES}
         role = f"native:{family}.{knob}={value}"
         alt = run(cfg, pieces, role, interrupted)
@@ -782,8 +820,8 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
         impl = run(cfg, pieces, "impl", interrupted, say("impl"))
     out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [impl], eff)
     if compare and not interrupted():
-        out.trajectories.append(run(cfg, {f: native_piece(f, eff[f]) for f in FAMILIES}, "native", interrupted,
-                                    say("native")))
+        out.trajectories.append(run(cfg, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES},
+                                    "native", interrupted, say("native")))
         out.trajectories.append(run(cfg, {f: reference_piece(f, eff[f]) for f in FAMILIES}, "reference",
                                     interrupted, say("reference")))
         native, reference = out.trajectories[1], out.trajectories[2]
@@ -793,7 +831,9 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
         if trace and not out.nonfinite and impl.error is None and not all(d.passed for d in out.drifts) \
                 and not interrupted():
             cands = candidate_knobs(specs, eff, pieces, cfg.device)
-            out.attributions, alts = attribute(impl, native, reference, cfg, eff, cands, rule, params, interrupted)
+            precision = {f: p.precision for f, p in pieces.items()}
+            out.attributions, alts = attribute(impl, native, reference, cfg, eff, cands, rule, params, interrupted,
+                                               precision)
             out.trajectories.extend(alts)
     out.interrupted = interrupted() or any(t.error == "interrupted" for t in out.trajectories)
     return out

@@ -581,3 +581,23 @@ def test_hold_gpu_keeps_the_stream_busy():
     e1.record()
     torch.cuda.synchronize()
     assert e0.elapsed_time(e1) >= 15.0
+
+
+@pytest.mark.parametrize("impl", ["triton", "cutile"])
+def test_train_on_gpu_stays_with_the_float64_run(tmp_path, impl):
+    """mhctool train on the GPU (a small model, bf16 activations): mhctool's kernels in every mHC
+    family they have stay with the float64 trajectory within kappa of native's drift."""
+    if impl == "cutile":
+        from mhctool.environment import cutile_status
+        if cutile_status().reason:
+            pytest.skip(cutile_status().reason)
+    res = runner.invoke(app, ["train", "--impl", impl, "--device", "cuda", "--steps", "8", "--layers", "2",
+                              "--hidden", "128", "--seq", "128", "--batch", "2", "--dtype", "bf16", "-q",
+                              "-o", str(tmp_path / "t.parquet")])
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    import json
+    meta = json.loads(pq.read_schema(tmp_path / "t.parquet").metadata[b"mhctool.run"])
+    ran = set(meta["pieces"].values())
+    assert impl in ran, meta["pieces"]
+    assert any(r["metric"] == "mem-max-allocated-bytes" for r in rows)
