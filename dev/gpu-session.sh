@@ -81,7 +81,7 @@ libraries)
         set -- $spec
         step "identify --kernel $1 --impl $2 ${3:+--shape $3} (fp32)"
         NVTE_DISABLE_TRITON_AUTOTUNING=1 timeout --foreground -s INT 90 python3 -m mhctool.cli identify --kernel "$1" \
-          --impl "$2" ${3:+--shape $3} -q -o "$out/identify-$1-${2%%:*}.parquet"
+          --impl "$2" ${3:+--shape $3} -q -o "/tmp/identify-$1-${2%%:*}.parquet"
       done ;;
     esac; done
   } 2>&1 | tee "$out/libraries.log"
@@ -166,16 +166,17 @@ train)
         step "train --impl $impl --device cuda (the default GPU model, bf16)"
         t0=$SECONDS
         timeout --foreground -s INT 200 python3 -m mhctool.cli train --impl $impl --device cuda --dtype bf16 --every 20 \
-          -o "$out/train-$impl.parquet" --goldens "$out/train-$impl.json"
+          -o "$out/train-$impl.parquet" --goldens "/tmp/train-$impl.json"
         echo "wall $((SECONDS - t0)) s"
       done ;;
     m3828)
-      for cfg in ${M3828_CONFIGS:-"1e-6 0.01" "1e-8 0.01" "1e-6 0.05" "1e-8 0.05" "1e-6 0.1"}; do
+      # the inputs as Megatron's HyperConnectionModule hands them over (h_pre, h_res, h_post in bf16)
+      for cfg in ${M3828_CONFIGS:-"1e-6 0.01" "1e-8 0.01" "1e-6 0.05" "1e-8 0.05"}; do
         set -- $cfg
-        step "train --impl megatron m3828 bf16, sinkhorn eps $1, lr $2"
+        step "train --impl megatron m3828 bf16, sinkhorn eps $1, lr $2, --input-dtypes library"
         timeout --foreground -s INT 150 python3 -m mhctool.cli train --impl megatron:.anchors/megatron/m3828 \
           --device cuda --dtype bf16 --knob sinkhorn.eps=$1 --lr $2 --no-trace --every 10 --no-isolate \
-          -o "$out/m3828-eps$1-lr$2.parquet"
+          --input-dtypes library -o "$out/m3828-eps$1-lr$2.parquet"
         python3 dev/zeros_table.py "$out/m3828-eps$1-lr$2.parquet"
       done ;;
     esac; done

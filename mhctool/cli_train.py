@@ -52,7 +52,8 @@ def train(
     seed: int = typer.Option(0, "--seed", min=0, help="Seeds the initial model and the synthetic tokens."),
     knob: Optional[list[str]] = typer.Option(None, "--knob", help="FAMILY.KNOB=VALUE or KNOB=VALUE (every family that has it): what every trajectory asks for, e.g. sinkhorn.eps=1e-8."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="FAMILY.KNOB=VALUE or KNOB=VALUE: a convention the implementation computes; the native and float64 trajectories compute it too."),
-    kappa: float = typer.Option(2.0, "--kappa", min=1.0, help="The drift may be kappa x the native trajectory's."),
+    input_dtypes: str = typer.Option("contract", "--input-dtypes", help="contract: every family's inputs at mhctool's contract dtypes (the mapping path fp32); library: a library's at the dtypes its adapter says it is used with (Megatron-LM's h_pre, h_res, h_post in the activations' dtype)."),
+    kappa: float = typer.Option(2.0, "--kappa", min=1.0, help="The drift may be kappa x the native trajectory's (its median distance from the float64 run)."),
     compare: bool = typer.Option(True, "--compare/--no-compare", help="Also train natively and with the mHC pieces in float64, and judge the drift (--no-compare: the implementation's run alone)."),
     trace: bool = typer.Option(True, "--trace/--no-trace", help="Trace a drift to the convention that reproduces it (reruns the native implementation with each one identify fits)."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Train the implementation in a child process, so a crash or a hang ends its run with the steps so far (default: on for an external --impl on a GPU)."),
@@ -68,6 +69,8 @@ def train(
     from .clikit import device as parse_device
     from .clikit import isolation_for, precheck
     precheck(dtypes=[dtype], device_name=device)
+    if input_dtypes not in ("contract", "library"):
+        raise UsageError(f"unknown --input-dtypes {input_dtypes!r}; accepted: contract, library")
     for name, v in (("steps", steps), ("layers", layers), ("streams", streams), ("hidden", hidden), ("heads", heads),
                     ("seq", seq), ("batch", batch), ("vocab", vocab)):
         if v is not None and v < (2 if name in ("streams", "seq", "vocab") else 1):
@@ -113,12 +116,12 @@ def train(
             def progress(role, step):
                 bar.update(task, advance=1, description=f"{role} step {step.step} loss {step.metrics['lm loss']:.4g}")
             o = T.session(cfg, assigned, knobs, conventions, VerdictRule(kappa=kappa), compare, trace, worker,
-                          interrupts, progress)
+                          interrupts, progress, as_used=input_dtypes == "library")
     finally:
         if worker is not None:
             worker.stop()
     table = report.to_table(T.report_rows(o), report.new_run_id(), "train", environment.metadata(),
-                            T.settings(o, kappa=kappa), schema=report.TRAIN_SCHEMA)
+                            T.settings(o, kappa=kappa, input_dtypes=input_dtypes), schema=report.TRAIN_SCHEMA)
     path = report.write_atomic(table, out_path)
     if goldens is not None:
         from .goldens import dump

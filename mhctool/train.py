@@ -239,8 +239,15 @@ def assign(specs: list[str], kernel: str | None = None) -> dict[str, str]:
     return out
 
 
+def _as_used(call: Callable[[dict], tuple], dtypes: dict, activation: str) -> Callable[[dict], tuple]:
+    """The inputs a library takes in other dtypes than the contract's (its adapter's
+    ``Binding.dtypes``: Megatron's h_pre, h_res, h_post in the activations' dtype) converted first."""
+    want = {k: FORMATS[activation if v == "activation" else v].torch_dtype for k, v in dtypes.items()}
+    return lambda args: call({k: (v.to(want[k]) if k in want and torch.is_tensor(v) else v) for k, v in args.items()})
+
+
 def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions: dict[str, dict], device: str,
-                dtype: str) -> tuple[dict[str, Piece], dict[str, dict]]:
+                dtype: str, as_used: bool = False) -> tuple[dict[str, Piece], dict[str, dict]]:
     """The pieces the ``--impl`` specs give the model (``spec``: one for every family, or per
     family as :func:`assign` gives them), and each family's knobs with what it declares: a family
     no spec has (or cannot run here) runs natively, and says so; a mapping a library lacks beside
@@ -259,8 +266,12 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
         eff[family] = {**knobs.get(family, {}), **(impl.conventions if impl and impl.backend == "external" else {}),
                        **conventions.get(family, {})}
         if impl is not None:
-            pieces[family] = Piece(family, impl.name, _conformed(family, _family_call(
-                family, impl.fn, eff[family], impl.accepts, impl.bind)), precision=impl.precision_on(device))
+            call = _family_call(family, impl.fn, eff[family], impl.accepts, impl.bind)
+            if as_used and impl.input_dtypes:
+                call = _as_used(call, impl.input_dtypes, dtype)
+            pieces[family] = Piece(family, impl.name, _conformed(family, call), precision=impl.precision_on(device),
+                                   note="its inputs at the dtypes its library is used with" if as_used and
+                                   impl.input_dtypes else "")
             continue
         proj = _pick("proj_rms", spec_, device, dtype)[0] if family == "mapping" and \
             not registry.is_function_spec(spec_) else None
@@ -478,11 +489,11 @@ def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Call
     return traj
 
 
-def trajectory_job(cfg_dict: dict, spec: dict, knobs: dict, conventions: dict, log: str) -> dict:
+def trajectory_job(cfg_dict: dict, spec: dict, knobs: dict, conventions: dict, log: str, as_used: bool = False) -> dict:
     """What an isolation worker runs: the implementation's trajectory, every step also appended to
     ``log`` (JSON lines), so the steps before a crash or a hang are kept."""
     cfg = from_dict(cfg_dict)
-    pieces, _ = impl_pieces(spec, knobs, conventions, cfg.device, cfg.dtype)
+    pieces, _ = impl_pieces(spec, knobs, conventions, cfg.device, cfg.dtype, as_used)
     with open(log, "a") as f:
         def progress(step: Step) -> None:
             f.write(json.dumps(asdict(step)) + "\n")
@@ -506,11 +517,12 @@ class Drift:
 
     metric: str
     passed: bool
-    worst: float  # the largest distance from the reference
-    threshold: float  # kappa times the native trajectory's largest distance, plus the floor
-    parted_at: int | None  # the first step past its threshold
+    median: float  # the median distance from the reference over the steps (what is judged)
+    threshold: float  # kappa times the native trajectory's median distance, plus the floor
+    largest: float  # the largest distance
+    parted_at: int | None  # where it first left native's envelope (kappa x native's largest so far)
     parted_by: float | None  # the distance there
-    allowed: float | None  # its threshold there
+    allowed: float | None  # the envelope there
     message: str
 
 
@@ -528,47 +540,76 @@ def _distances(a: Trajectory, b: Trajectory, metric: str) -> dict[int, float]:
 
 
 def _floor(metric: str, value: float, cfg: TrainConfig, rule: VerdictRule, params: int) -> float:
-    """What two correct runs may differ by at the first step: the dtype's rounding of the value
-    (``rule.floor_roundoffs`` unit roundoffs), and for a zero count that share of the elements."""
-    u = rule.floor_roundoffs * FORMATS[cfg.dtype].unit_roundoff
+    """What two correct runs may differ by at the first step: the activations' rounding of the value
+    (``rule.floor_roundoffs`` unit roundoffs), and for a zero count that share of the gradients'
+    elements at their dtype (fp32: the parameters' and the gradients')."""
     if metric == "num-zeros":
-        return math.ceil(u * params)
+        return math.ceil(rule.floor_roundoffs * FORMATS["fp32"].unit_roundoff * params)
+    u = rule.floor_roundoffs * FORMATS[cfg.dtype].unit_roundoff
     return u * abs(value) if math.isfinite(value) else 0.0
 
 
 def judge(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: TrainConfig,
           rule: VerdictRule | None = None, params: int = 0) -> list[Drift]:
-    """The drift of ``traj`` from the reference trajectory, per metric: at step t its distance may
-    be at most ``kappa`` times the native trajectory's largest distance up to t, plus the floor.
-    A trajectory that ended before the reference's last step (a raise, a crash) fails."""
+    """The drift of ``traj`` from the reference trajectory, per metric: its median distance over
+    the steps may be at most ``kappa`` times the native trajectory's, plus the floor. Training is
+    chaotic (two correct runs part a little more every step, and the largest distance of one run is
+    a noisy maximum), so the median is judged; where the verdict fails, the first step where the
+    run left native's envelope (kappa times native's largest distance so far, plus the floor) says
+    where it parted and by how much. A trajectory that ended before the reference's last step
+    fails; so does a zero-count series with two levels or jumps the reference's has not."""
+    import statistics
     rule = rule or VerdictRule()
     out = []
-    ref = reference.series("lm loss")
+    ref_steps = len(reference.steps)
     for metric in JUDGED:
         d_own, d_nat = _distances(traj, reference, metric), _distances(native, reference, metric)
         refs = reference.series(metric)
-        worst_nat, worst, parted, thr_at = 0.0, 0.0, None, 0.0
-        for k in sorted(d_own):
-            if math.isfinite(d_nat.get(k, 0.0)):  # a native run gone non-finite bounds nothing
+        steps = sorted(d_own)
+        scale = statistics.median([abs(v) for v in refs.values() if math.isfinite(v)] or [0.0])
+        floor = _floor(metric, scale, cfg, rule, params)
+        nat = [d_nat[k] for k in steps if k in d_nat and math.isfinite(d_nat[k])]  # non-finite bounds nothing
+        med_own = statistics.median(d_own.values()) if d_own else 0.0
+        med_nat = statistics.median(nat) if nat else 0.0
+        threshold = rule.kappa * med_nat + floor
+        worst_nat, parted, at, allowed_at = 0.0, None, None, None
+        for k in steps:
+            if math.isfinite(d_nat.get(k, 0.0)):
                 worst_nat = max(worst_nat, d_nat.get(k, 0.0))
             allowed = rule.kappa * worst_nat + _floor(metric, refs.get(k, math.nan), cfg, rule, params)
-            worst = max(worst, d_own[k])
             if parted is None and not d_own[k] <= allowed:
-                parted, thr_at = k, allowed
-        threshold = rule.kappa * worst_nat + _floor(metric, refs.get(max(refs, default=0), math.nan), cfg, rule,
-                                                    params)
-        short = len(traj.steps) < len(ref) and traj.error != "interrupted"
-        passed = parted is None and not short
-        if parted is not None:
-            msg = (f"parts from the reference at step {parted}: {metric} off by {d_own[parted]:.3g} against "
-                   f"{thr_at:.3g} allowed (native: {d_nat.get(parted, math.nan):.3g})")
-        elif short:
-            msg = f"ended at step {len(traj.steps)} of {len(ref)}: {traj.error}"
+                parted, at, allowed_at = k, d_own[k], allowed
+        short = len(traj.steps) < ref_steps and traj.error != "interrupted"
+        anomaly = _zero_anomaly(traj, reference) if metric == "num-zeros" else None
+        passed = med_own <= threshold and not short and anomaly is None
+        largest = max(d_own.values(), default=0.0)
+        judged = (f"median distance {med_own:.3g} over {len(steps)} steps against {threshold:.3g} allowed "
+                  f"(kappa x native's {med_nat:.3g}, plus the floor)")
+        if short:
+            msg = f"ended at step {len(traj.steps)} of {ref_steps}: {traj.error}"
+        elif anomaly:
+            msg = f"{anomaly}, which the reference's has not; {judged}"
+        elif passed:
+            msg = f"stays with the reference: {judged}; largest {largest:.3g}, native's {worst_nat:.3g}"
         else:
-            msg = f"stays with the reference: largest distance {worst:.3g}, native's {worst_nat:.3g}"
-        out.append(Drift(metric, passed, worst, threshold, parted, d_own.get(parted) if parted else None,
-                         thr_at if parted else None, msg))
+            where = (f"; parts from the reference at step {parted}: off by {at:.3g} against {allowed_at:.3g} allowed "
+                     f"there (native: {d_nat.get(parted, math.nan):.3g})") if parted is not None else ""
+            msg = f"{judged}{where}"
+        out.append(Drift(metric, passed, med_own, threshold, largest, parted if not passed else None,
+                         at if not passed else None, allowed_at if not passed else None, msg))
     return out
+
+
+def _zero_anomaly(traj: Trajectory, reference: Trajectory) -> str | None:
+    """A num-zeros series with two levels or jumps (``goldens check``) where the reference's has none
+    of that kind: the kernel's own zero-count anomaly, whatever its median."""
+    from .goldens import check
+    if len(traj.steps) < 4:
+        return None
+    ref_kinds = {a.kind for a in check(to_golden(reference)) if a.metric == "num-zeros"}
+    own = [a for a in check(to_golden(traj)) if a.metric == "num-zeros" and a.kind in ("bimodal", "jump")
+           and a.kind not in ref_kinds]
+    return own[0].message if own else None
 
 
 def nonfinite_sentence(traj: Trajectory, reference: Trajectory) -> str | None:
@@ -620,7 +661,7 @@ def candidate_knobs(specs: dict[str, str], eff: dict[str, dict], pieces: dict[st
     from .identify import IDENTIFIABLE, Identifier, fmt_value
     out = []
     for family, piece in pieces.items():
-        if piece.note or family not in IDENTIFIABLE:
+        if piece.note.startswith(("natively", "its proj_rms")) or family not in IDENTIFIABLE:
             continue
         impl, _ = _pick(family, specs[family], device, "fp32")
         if impl is None:
@@ -707,7 +748,7 @@ def rows(trajs: list[Trajectory]) -> list[dict]:
 
 
 def verdict_rows(role: str, drifts: list[Drift]) -> list[dict]:
-    return [{"run": role, "step": d.parted_at, "layer": None, "metric": f"drift:{d.metric}", "value": d.worst,
+    return [{"run": role, "step": d.parted_at, "layer": None, "metric": f"drift:{d.metric}", "value": d.median,
              "threshold": d.threshold, "passed": d.passed, "message": d.message} for d in drifts]
 
 
@@ -805,17 +846,17 @@ def parse_knobs(items: list[tuple[str, str]], flag: str, conventions_only: bool 
 def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict] | None = None,
             conventions: dict[str, dict] | None = None, rule: VerdictRule | None = None, compare: bool = True,
             trace: bool = True, isolation=None, interrupted: Callable[[], bool] = lambda: False,
-            progress: Callable[[str, Step], None] | None = None) -> Outcome:
+            progress: Callable[[str, Step], None] | None = None, as_used: bool = False) -> Outcome:
     """The implementation's trajectory, then (``compare``) the native and float64 ones, the
     verdict, and (``trace``) the attribution of a drift. ``isolation``: an isolation Worker the
     implementation's trajectory runs in (a crash or a hang ends it with its steps kept)."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
-    pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype)
+    pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
     say = (lambda role: (lambda step: progress(role, step))) if progress else (lambda role: None)
     if isolation is not None:
-        impl = _isolated(cfg, specs, knobs, conventions, pieces, isolation, interrupted)
+        impl = _isolated(cfg, specs, knobs, conventions, pieces, isolation, interrupted, as_used)
     else:
         impl = run(cfg, pieces, "impl", interrupted, say("impl"))
     out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [impl], eff)
@@ -840,11 +881,12 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
 
 
 def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pieces: dict[str, Piece], worker,
-              interrupted) -> Trajectory:
+              interrupted, as_used: bool = False) -> Trajectory:
     import tempfile
     with tempfile.TemporaryDirectory(prefix="mhctool-train-") as d:
         log = str(Path(d) / "steps.jsonl")
-        value, failure = worker.call("mhctool.train:trajectory_job", (to_dict(cfg), spec, knobs, conventions, log),
+        value, failure = worker.call("mhctool.train:trajectory_job", (to_dict(cfg), spec, knobs, conventions, log,
+                                                                       as_used),
                                      timeout=None, interrupted=interrupted)
         if failure is None:
             return Trajectory.from_dict(value)
@@ -875,3 +917,32 @@ def settings(out: Outcome, **extra) -> dict:
     return {"command": "train", "impl": out.spec, "config": to_dict(out.cfg), "knobs": out.eff,
             "pieces": out.impl.pieces, "notes": out.impl.notes, "traced": out.traced(),
             "interrupted": out.interrupted, **extra}
+
+
+def from_rows(rows: list[dict]) -> list[Trajectory]:
+    """The trajectories a train report holds, back from its rows (judging them again, plotting)."""
+    trajs: dict[str, Trajectory] = {}
+    steps: dict[tuple, Step] = {}
+    for r in rows:
+        if r["step"] is None or r["metric"].startswith(("drift:", "traced:")) or r["metric"] in ("nonfinite", "error"):
+            continue
+        t = trajs.setdefault(r["run"], Trajectory(r["run"], {}))
+        key = (r["run"], r["step"])
+        if key not in steps:
+            steps[key] = Step(r["step"], {}, {}, [])
+            t.steps.append(steps[key])
+        st = steps[key]
+        if r["layer"] is not None:
+            while len(st.health) <= r["layer"]:
+                st.health.append({})
+            if r["metric"] == "first non-finite":
+                st.first_nonfinite = [r["layer"], *r["message"].split(".", 1)]
+            else:
+                st.health[r["layer"]][r["metric"]] = r["value"]
+        elif r["metric"].startswith("zeros:"):
+            st.zeros[r["metric"][6:]] = int(r["value"])
+        else:
+            st.metrics[r["metric"]] = r["value"]
+    for t in trajs.values():
+        t.steps.sort(key=lambda s: s.step)
+    return list(trajs.values())
