@@ -790,6 +790,7 @@ class Outcome:
     nonfinite: str | None = None  # where the implementation went non-finite and the reference did not
     attributions: list[Attribution] = field(default_factory=list)
     interrupted: bool = False
+    traced_asked: bool = True  # the drift was to be traced (--trace)
 
     @property
     def impl(self) -> Trajectory:
@@ -809,7 +810,8 @@ class Outcome:
 
     def traced(self) -> str | None:
         """The sentence that names the knob a drift comes from, or says it is the kernel's own."""
-        if not self.drifts or all(d.passed for d in self.drifts) or self.nonfinite or self.impl.error:
+        if not self.traced_asked or not self.drifts or all(d.passed for d in self.drifts) or self.nonfinite \
+                or self.impl.error:
             return None
         hits = [a for a in self.attributions if a.reproduces]
         if hits:
@@ -859,7 +861,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
         impl = _isolated(cfg, specs, knobs, conventions, pieces, isolation, interrupted, as_used)
     else:
         impl = run(cfg, pieces, "impl", interrupted, say("impl"))
-    out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [impl], eff)
+    out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [impl], eff, traced_asked=trace)
     if compare and not interrupted():
         out.trajectories.append(run(cfg, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES},
                                     "native", interrupted, say("native")))
