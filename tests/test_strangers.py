@@ -171,3 +171,10 @@ def test_the_command_line_answers_without_torch():
                         (["identify", "--kernel", "grouped_gemm", "--impl", "x"], 2)):
         res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
         assert res.stdout.split()[-2:] == ["NO-TORCH", str(code_)], (args, res.stdout, res.stderr)
+
+
+def test_identify_help_lists_every_family_it_takes():
+    res = runner.invoke(app, ["identify", "--help"], terminal_width=200)
+    text = " ".join(res.output.split())
+    for k in ("mapping_sinkhorn", "mix_aggregate", "clamped_swiglu"):
+        assert k in text, text
