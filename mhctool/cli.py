@@ -767,6 +767,51 @@ def report_show(
         out.print(_bench_table(rows, f"bench {run.get('shape')} {run.get('dtype')} on {run.get('device')}"))
         for t in _bench_totals(bench_mod, rows):
             out.print(t)
+    else:
+        _show_rows(meta["kind"], table.to_pylist(), top)
+
+
+def _show_rows(kind: str, rows: list[dict], top: int) -> None:
+    """``report show`` of the kinds whose rows are their verdicts: the failed ones first."""
+    if kind == "gate":
+        failed = [r for r in rows if r["passed"] is False]
+        t = Table(title=f"gate: {len(failed)} of {len(rows)} checks failed (failures first)")
+        for col in ("entry", "kind", "name", "verdict", "message"):
+            t.add_column(col, overflow="fold")
+        for r in sorted(rows, key=lambda r: {False: 0, None: 1, True: 2}[r["passed"]])[:top]:
+            t.add_row(r["entry"], r["kind"], _short(r["name"]), {True: "pass", False: "[red]FAIL[/]", None: "skip"}[r["passed"]],
+                      r["message"] or "")
+        out.print(t)
+        p = sum(r["passed"] is True for r in rows)
+        out.print(f"{p} passed, {len(failed)} failed, {len(rows) - p - len(failed)} skipped")
+    elif kind == "identify":
+        for r in rows:
+            if r["best"] or r["stage"] == "error":
+                out.print(f"{r['kernel']} {_short(r['impl'])}: best {r['candidate']} max_rel {_fmt(r['max_rel'])} "
+                          f"{'passes' if r['passed'] else 'fails'}; {r['classification'] or ''} {r['message'] or ''}",
+                          markup=False)
+        judged = [r for r in rows if r["stage"] == "judged"]
+        out.print(f"{len(rows)} candidates tried, {len(judged)} judged, {sum(bool(r['passed']) for r in judged)} passed")
+    elif kind == "train":
+        for r in rows:
+            if r["step"] is None or r["metric"].startswith(("drift:", "traced:")) or r["metric"] in ("nonfinite", "error"):
+                if r["metric"].startswith(("drift:", "traced:")) or r["metric"] in ("nonfinite", "error"):
+                    verdict = {True: "ok", False: "FAIL", None: "-"}[r["passed"]]
+                    out.print(f"{verdict} {r['run']} {r['metric']}: {r['message']}", markup=False)
+        runs = {}
+        for r in rows:
+            if r["metric"] == "lm loss":
+                runs.setdefault(r["run"], []).append((r["step"], r["value"]))
+        for run, pts in runs.items():
+            pts.sort()
+            out.print(f"{run}: lm loss {pts[0][1]:.4f} -> {pts[-1][1]:.4f} over {len(pts)} steps", markup=False)
+    elif kind == "stability":
+        bad = [r for r in rows if r["metric"] == "nonfinite_rate" and r["value"]]
+        out.print(f"{len(rows)} rows; {len(bad)} with non-finite outputs" + (
+            ": first " + "; ".join(f"{r['impl']} {r['family']} {r['dtype']} scale {r['scale']:g} {r['stabilize']}"
+                                   for r in bad[:top]) if bad else ""), markup=False)
+    else:
+        out.print(f"{len(rows)} rows (no summary for {kind} reports: read them with pyarrow, see the reports page)")
 
 
 @report_app.command("merge")
@@ -807,24 +852,50 @@ def report_compare(
     after: Path = typer.Argument(..., help="The later report."),
     tolerance: float = typer.Option(0.1, "--tolerance", min=0.0, help="Relative growth below which a value is not 'worse'."),
     top: int = typer.Option(30, "--top", min=1),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the comparison as JSON here (what got worse, what either report has alone)."),
 ):
-    """What got worse from BEFORE to AFTER, and by how much (exit 1 if a verdict flipped to fail)."""
-    a, _ = report.read(before)
-    b, _ = report.read(after)
-    worse = report.compare(a, b, tolerance)
-    flipped = [w for w in worse if w["passed_before"] is True and w["passed_after"] is False]
-    if not worse:
-        out.print(f"nothing got worse (tolerance {tolerance:g}) across {b.num_rows} rows")
-        raise typer.Exit(0)
-    t = Table(title=f"{len(worse)} rows worse, {len(flipped)} now failing")
-    for c in ("kernel", "impl", "family", "dtype", "dir", "tensor", "metric", "before", "after", "x", "verdict"):
-        t.add_column(c)
-    for w in worse[:top]:
-        verdict = "[red]pass->FAIL[/]" if w in flipped else str(w["passed_after"])
-        t.add_row(w["kernel"], w["impl"], w["family"], w["dtype"], w["direction"], w["tensor"], w["metric"],
-                  _fmt(w["before"]), _fmt(w["after"]), _fmt(w["ratio"]), verdict)
-    out.print(t)
+    """What got worse from BEFORE to AFTER, and by how much, for reports of one kind (parity, gate,
+    identify, stability, train, bench); rows either has alone are counted and listed. Exit 1 if a
+    verdict flipped to fail, 2 for reports that cannot be compared."""
+    a, ma = report.read(before)
+    b, mb = report.read(after)
+    kind = ma["kind"]
+    if kind != mb["kind"]:
+        raise UsageError(f"{before} is a {kind} report and {after} a {mb['kind']} report; report compare "
+                         "compares two reports of one kind")
+    if kind not in report.COMPARE_KEYS:
+        raise UsageError(f"report compare does not compare {kind} reports; it compares "
+                         + ", ".join(report.COMPARE_KEYS))
+    c = report.compare(a, b, tolerance, kind)
+    flipped = [w for w in c.worse if w["passed_before"] is True and w["passed_after"] is False]
+    if json_path is not None:
+        payload = {"kind": kind, "before": str(before), "after": str(after), "tolerance": tolerance,
+                   "matched": c.matched, "worse": c.worse, "flipped": len(flipped),
+                   "only_before": [list(k) for k in c.only_before], "only_after": [list(k) for k in c.only_after]}
+        report.atomic(json_path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2, default=str)))
+    keys = report.COMPARE_KEYS[kind]
+    if c.worse:
+        t = Table(title=f"{kind}: {len(c.worse)} rows worse, {len(flipped)} now failing")
+        for col in (*keys, "before", "after", "x", "verdict"):
+            t.add_column(col, overflow="fold")
+        for w in c.worse[:top]:
+            verdict = "[red]pass->FAIL[/]" if w in flipped else str(w["passed_after"])
+            t.add_row(*(_fmt(w["key"][k]) if not isinstance(w["key"][k], str) else _short(w["key"][k]) for k in keys),
+                      _fmt(w["before"]), _fmt(w["after"]), _fmt(w["ratio"]), verdict)
+        out.print(t)
+    else:
+        out.print(f"nothing got worse (tolerance {tolerance:g}) across the {c.matched} rows both {kind} reports have")
+    for side, rows in (("before", c.only_before), ("after", c.only_after)):
+        if rows:
+            out.print(f"{len(rows)} rows only in the {'earlier' if side == 'before' else 'later'} report, not compared; "
+                      "first: " + "; ".join("/".join(str(v) for v in k if v is not None) for k in rows[:3]),
+                      markup=False)
     raise typer.Exit(1 if flipped else 0)
+
+
+def _short(text: str) -> str:
+    """Paths in a cell reduced to their file name (the report keeps them whole)."""
+    return report.stable(text)
 
 
 @app.command()

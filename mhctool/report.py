@@ -362,27 +362,70 @@ def _margin(r: dict) -> float:
     return v / t if v == v else float("inf")
 
 
-def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1) -> list[dict]:
-    """Rows of B that got worse than in A (same case, impl, direction, tensor, metric): the verdict
-    flipped to failed, or the value grew by more than ``tolerance`` (relative)."""
-    keys = ("kernel", "impl", "family", "dtype", "shape", "knobs", "seed", "direction", "tensor", "metric")
-    before = {tuple(r[k] for k in keys): r for r in a.to_pylist()}
+# what identifies a row across two runs, per report kind (a path in an implementation's name is
+# reduced to its file name: one suite from two checkouts matches), and which way is worse
+COMPARE_KEYS = {
+    "parity": ("kernel", "impl", "family", "dtype", "shape", "knobs", "seed", "direction", "tensor", "metric"),
+    "gate": ("entry", "kind", "name"),
+    "identify": ("kernel", "impl", "dtype", "candidate"),
+    "stability": ("impl", "family", "dtype", "scale", "stabilize", "eps", "eps_mode", "order", "iters", "metric"),
+    "train": ("run", "step", "layer", "metric"),
+    "bench": ("kernel", "impl", "direction", "dtype", "shape", "graph", "metric"),
+    "stability-eps": ("kernel", "knob", "setting_a", "setting_b", "level", "family", "dtype", "impl", "tensor",
+                      "depth", "metric"),
+    "stability-overflow": ("kernel", "impl", "family", "scale", "dtype", "intermediate", "metric"),
+    "stability-gain": ("config", "kind", "impl", "dtype", "iters", "depth", "metric"),
+}
+# bench metrics where a smaller value is worse (the rest: a larger one is)
+_HIGHER_IS_BETTER = ("gbps", "pct_copy_bw", "tflops", "speedup_vs_torch", "speedup_vs_compile")
+_ABSOLUTE = __import__("re").compile(r"(?:[A-Za-z]:)?(?:/[^/\s:]+)+/([^/\s:]+)")
+
+
+def stable(value):
+    """A row's value as two runs can match it: absolute paths reduced to their file name."""
+    return _ABSOLUTE.sub(r"\1", value) if isinstance(value, str) else value
+
+
+class Comparison(NamedTuple):
+    worse: list[dict]  # rows of B worse than in A (flipped to failed, or grown past the tolerance)
+    matched: int
+    only_before: list[tuple]  # keys of rows A has and B has not
+    only_after: list[tuple]
+
+
+def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1, kind: str = "parity") -> Comparison:
+    """Rows of B that got worse than in A (the same key of ``kind``, :data:`COMPARE_KEYS`): the
+    verdict flipped to failed, or the value grew by more than ``tolerance`` (relative; for a bench
+    throughput, shrank); and the rows either has alone."""
+    keys = COMPARE_KEYS[kind]
+    cols = set(a.column_names) & set(b.column_names)
+
+    def key(r):
+        return tuple(stable(r.get(k)) for k in keys)
+    before = {key(r): r for r in a.to_pylist()}
+    after = {key(r): r for r in b.to_pylist()}
     out = []
-    for r in b.to_pylist():
-        k = tuple(r[c] for c in keys)
+    for k, r in after.items():
         old = before.get(k)
-        if old is None or r["value"] is None or old["value"] is None:
+        if old is None:
             continue
-        va, vb = old["value"], r["value"]
-        flipped = old["passed"] is True and r["passed"] is False
-        worse = (vb == vb and vb > va * (1 + tolerance) and vb > 0) or (va == va and vb != vb)
-        if not (flipped or worse):
-            continue
-        ratio = (vb / va) if (va and va == va and vb == vb and va != 0) else float("inf")
-        out.append({**{c: r[c] for c in keys}, "before": va, "after": vb, "ratio": ratio,
-                    "passed_before": old["passed"], "passed_after": r["passed"]})
-    out.sort(key=lambda d: (not (d["passed_before"] is True and d["passed_after"] is False), -d["ratio"]))
-    return out
+        pa_, pb_ = old.get("passed"), r.get("passed")
+        flipped = pa_ is True and pb_ is False
+        va, vb = (old.get("value"), r.get("value")) if "value" in cols else (None, None)
+        worse = False
+        ratio = float("nan")
+        if va is not None and vb is not None:
+            up = not (kind == "bench" and r.get("metric") in _HIGHER_IS_BETTER)
+            grown = (vb > va * (1 + tolerance) and vb > 0) if up else (vb < va / (1 + tolerance))
+            worse = (vb == vb and grown) or (va == va and vb != vb)
+            ratio = (vb / va) if (va and va == va and vb == vb) else float("inf")
+        if flipped or worse:
+            out.append({"key": dict(zip(keys, k)), "before": va, "after": vb, "ratio": ratio,
+                        "passed_before": pa_, "passed_after": pb_, "message": r.get("message")})
+    out.sort(key=lambda d: (not (d["passed_before"] is True and d["passed_after"] is False),
+                            -(d["ratio"] if d["ratio"] == d["ratio"] else 0.0)))
+    return Comparison(out, len(set(before) & set(after)), sorted(set(before) - set(after), key=str),
+                      sorted(set(after) - set(before), key=str))
 
 
 # keys of a run's settings that differ between the slices of one run (``--shard``) by design

@@ -90,7 +90,8 @@ def test_verdicts_worst_and_failure():
 def test_compare_reports_what_got_worse():
     a = report.to_table([_row(), _row(metric="rel_l2", value=1e-7)], "a", "parity", {})
     b = report.to_table([_row(value=5e-7, passed=False), _row(metric="rel_l2", value=1.05e-7)], "b", "parity", {})
-    worse = report.compare(a, b, tolerance=0.1)
-    assert len(worse) == 1
-    assert worse[0]["metric"] == "max_abs" and worse[0]["ratio"] == pytest.approx(5.0)
+    c = report.compare(a, b, tolerance=0.1)
+    worse = c.worse
+    assert len(worse) == 1 and c.matched == 2 and not c.only_before and not c.only_after
+    assert worse[0]["key"]["metric"] == "max_abs" and worse[0]["ratio"] == pytest.approx(5.0)
     assert worse[0]["passed_before"] is True and worse[0]["passed_after"] is False
