@@ -196,13 +196,20 @@ def parity(
     show = not quiet and out.is_terminal
     interrupts = clikit.Interrupts()
     iso = clikit.isolation_for(isolate, specs, dev, case_timeout, isolate_transport, interrupts)
-    with interrupts, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
+    log = clikit.LogProgress("parity", len(cases), enabled=not quiet and not out.is_terminal, unit="cases done")
+
+    def started(c):
+        bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}")
+        log.now = f"{c.kernel} {c.family} {c.dtype} {c.shape}"
+
+    def finished(c):
+        bar.advance(task)
+        log.done += 1
+    with interrupts, log, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                   TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
         task = bar.add_task("parity", total=len(cases))
         try:
-            o = parity_mod.execute(pl, iso, interrupts,
-                                   lambda c: bar.update(task, description=f"{c.kernel} {c.family} {c.dtype}"),
-                                   n_workers, backend, lambda c: bar.advance(task), ray_address)
+            o = parity_mod.execute(pl, iso, interrupts, started, n_workers, backend, finished, ray_address)
         finally:
             if iso is not None:
                 iso.close()
@@ -691,9 +698,14 @@ def gate(
     pool.check_backend(backend)
     interrupts = clikit.Interrupts()
     iso = clikit.isolation_for(isolate, [], dev, case_timeout, "shm", interrupts, default_on=isolate)
+    log = clikit.LogProgress("gate", None, enabled=not quiet and not out.is_terminal, unit="checks started")
+
+    def progress(what: str) -> None:
+        log.done += 1
+        log.now = what
     try:
-        with interrupts:
-            cases = gate_mod.run_suite(s, dev, isolation=iso, interrupted=interrupts, shard=cut,
+        with interrupts, log:
+            cases = gate_mod.run_suite(s, dev, progress=progress, isolation=iso, interrupted=interrupts, shard=cut,
                                        workers=n_workers, backend=backend, ray_address=ray_address)
     finally:
         if iso is not None:

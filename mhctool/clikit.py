@@ -106,6 +106,50 @@ class Interrupted(BaseException):
     BaseException, so that nothing on the way swallows it and atomic writers still clean up."""
 
 
+class LogProgress:
+    """Progress for a log that is no terminal (a CI job's): a line on stderr every ``every``
+    seconds while the work runs, from a background thread, so a case that compiles for a minute
+    still shows the run is alive: what is done of how much, the time, the failures so far and what
+    runs now. Silent where ``enabled`` is false (a terminal has the progress bar; --quiet).
+    ``MHCTOOL_PROGRESS_SECONDS`` sets how often (default 10)."""
+
+    def __init__(self, label: str, total: int | None, enabled: bool, every: float | None = None, unit: str = "done"):
+        import os
+        # MHCTOOL_PROGRESS_SECONDS: how often (default 10 s)
+        every = every if every is not None else float(os.environ.get("MHCTOOL_PROGRESS_SECONDS", "10"))
+        self.label, self.total, self.every, self.enabled, self.unit = label, total, every, enabled, unit
+        self.done, self.failed, self.now = 0, 0, ""
+        self._stop = threading.Event()
+        self._thread = None
+        self._t0 = 0.0
+
+    def __enter__(self):
+        import time
+        self._t0 = time.monotonic()
+        if self.enabled:
+            self._thread = threading.Thread(target=self._beat, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+            self.line()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            self.line()
+
+    def line(self) -> None:
+        import time
+        of = f"/{self.total}" if self.total is not None else ""
+        failed = f", {self.failed} failed so far" if self.failed else ""
+        now = f"; now {self.now}" if self.now and not self._stop.is_set() else ""
+        err.print(f"{self.label}: {self.done}{of} {self.unit}, {time.monotonic() - self._t0:.0f} s{failed}{now}",
+                  markup=False)
+
+
 class Interrupts:
     """SIGINT and SIGTERM during a long run: the first one asks the run to stop starting new cases
     (``requested``), so what was measured is written; the second one raises :class:`Interrupted`."""

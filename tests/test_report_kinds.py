@@ -79,3 +79,17 @@ def test_rows_one_report_has_alone_are_counted(tmp_path):
     res, text = _run("report", "compare", tmp_path / "a.parquet", tmp_path / "b.parquet")
     assert res.exit_code == 0, text
     assert "rows only in the later report, not compared; first: sinkhorn/correct.py:sinkhorn/" in text
+
+
+def test_a_log_that_is_no_terminal_gets_progress_lines(tmp_path):
+    """In a CI log (stderr no terminal), a line every few seconds: cases done of how many, the
+    time, what runs now; and one at the end."""
+    import subprocess
+    import sys
+    import os
+    res = subprocess.run([sys.executable, "-c", "from mhctool.cli import main; main()", "parity", "--kernel", "sinkhorn",
+                          "--impl", "torch", "--dtype", "fp32", "--device", "cpu", "-o", str(tmp_path / "p.parquet")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MHCTOOL_PROGRESS_SECONDS": "0.2"})
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("parity: ")]
+    assert lines and lines[-1].startswith("parity: 20/20 cases done"), res.stderr
