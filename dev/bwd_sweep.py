@@ -94,7 +94,7 @@ def sweep_h_post_bda(bw: float, deadline: float) -> None:
           f"stages) shipped {hpb.BWD4_TILE_TC}, FMA (BLOCK_T, BLOCK_C, GROUP, warps, stages) {hpb.BWD4_TILE}:", flush=True)
     _line("generic", timed(lambda: hpb.h_post_bda_backward(h, x, hp, y, bias, go, tile_=generic)), nbytes, bw)
     # the H100's tile (ninth session) and the one-warp ones around the H200's best (eleventh; the
-    # earlier candidates and their figures are in docs/perf-notes.md)
+    # earlier candidates and their figures are in dev/perf-notes.md)
     # 4 entries: the tensor-core kernel (BLOCK_C, GROUP, warps, stages), the default for bf16
     tiles = TILES.get("bf16") or [hpb.BWD4_TILE_TC, (512, 32, 1, 2), (512, 48, 1, 3), (512, 16, 1, 4),
                                   (256, 32, 1, 2), hpb.BWD4_TILE, (1, 512, 128, 1, 3), (1, 512, 64, 1, 4),
@@ -185,7 +185,7 @@ def sweep_cutile(bw: float, deadline: float) -> None:
         return dx, dw
 
     print(f"proj_rms bf16 (cuTile), shipped tile {cpr.BWD_TILE} (BM, BK, splits):", flush=True)
-    # not swept (H200, docs/perf-notes.md): the occupancy hint (1 equals the default, 2-4 took 2.7x
+    # not swept (H200, dev/perf-notes.md): the occupancy hint (1 equals the default, 2-4 took 2.7x
     # longer), num_worker_warps 4 or 8 (30-80x), a DRAM-latency hint on the x and gradient loads
     # (4 or 8: 4-8% slower), the next block's tiles loaded by hand before this block's products
     # (2x: the compiler's own pipelining is lost); 2, 3 or 6 splits (tails of the last wave)
@@ -206,7 +206,7 @@ def sweep_cutile_fwd(bw: float, deadline: float) -> None:
         return proj, rr
 
     print(f"proj_rms forward bf16 (cuTile), shipped tile {cpr._tiles(True)} (BM, BK):", flush=True)
-    # (32, *) and (16, *) were 1.5-5x slower on an H200 (docs/perf-notes.md, eleventh session)
+    # (32, *) and (16, *) were 1.5-5x slower on an H200 (dev/perf-notes.md, eleventh session)
     cfgs = TILES.get("cutile_fwd") or [cpr._tiles(True), (64, 64), (128, 64), (32, 128), (128, 128), (64, 256)]
     _sweep("cutile fwd", run, cfgs, lambda got: f"rel err proj {rel(got[0], want):.2e} r {rel(got[1], r):.2e}",
            T * N * C * 2, bw, deadline)
@@ -224,7 +224,7 @@ def sweep_mapping_fwd(bw: float, deadline: float, rounds: int = 7) -> None:
     proj_rms forward and Triton's mapping forward, in paired rounds, with the mapping module's flags
     of ``--tiles "{'mapping_flags': [{'BM_H': 64}]}"``; each mapping variant's outputs against
     Triton's. (compute_h as the projection kernel's epilogue took 0.569 ms here against 0.535 as
-    two launches, and 57-61 ms with any occupancy hint: docs/perf-notes.md, twenty-fifth session.)"""
+    two launches, and 57-61 ms with any occupancy hint: dev/perf-notes.md, twenty-fifth session.)"""
     from kernels.cutile import mapping as cmap, proj_rms as cpr
     from kernels.triton import mapping as tmap
     x, w, *_ = _proj_inputs()
@@ -274,7 +274,7 @@ def sweep_packed(bw: float, deadline: float, rounds: int = 7) -> None:
     cuTile's where it runs: each variant checked once against float64, then timed in paired rounds
     (every variant once a round, the order reversed every other round); the median of each
     variant's ratio to the shipped tile and its median time. (The unpacked kernel it replaced took
-    2.17-2.26 ms on an H100 in the same rounds: docs/perf-notes.md, twentieth session.)"""
+    2.17-2.26 ms on an H100 in the same rounds: dev/perf-notes.md, twentieth session.)"""
     x, w, r, rms, gp, gr, want, nbytes = _proj_inputs()
     variants = {}
     # an entry: a tile, or (tile, {keyword: value}) for proj_rms_backward; upper-case keys are

@@ -15,7 +15,7 @@ a program per channel block of the streams) and compute_h's backward, the spill 
 (LDL / STL), the tensor-core instructions (HGMMA: wgmma; HMMA: mma.sync) and the global / shared
 memory instructions. The sixteenth session found the whole-block projection
 backward at (64, 256) with 32 LDL / 13 STL (ncu: 10 M local-memory requests a launch) and the
-two-halves form with none (docs/perf-notes.md).
+two-halves form with none (dev/perf-notes.md).
 """
 from __future__ import annotations
 

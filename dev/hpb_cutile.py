@@ -11,7 +11,7 @@ Triton's, at the paper shape (8192x4x4x7168, bf16 activations, fp32 h_res / h_po
   token)) at the ``--cb`` tiles; (``bwd_variant``, twenty-first) a tensor-core kernel shaped like
   Triton's ``_h_post_bda_bwd4_tc``; (``bwd_pf_variant``, twenty-second) the old whole-C walk with
   the next chunk's tiles loaded before this chunk's arithmetic. Those three were slower than what
-  shipped (docs/perf-notes.md).
+  shipped (dev/perf-notes.md).
 
 Each candidate is first checked against float64 at an odd shape (111 tokens, C = 1000, both
 ``transpose_res``) with NaN-poisoned outputs, then timed in paired rounds (every variant once a

@@ -17,7 +17,7 @@ aggregation's): a flag stays set for the variants after; dx of each against the 
 Ordering the projection backward's programs so that the n over the same channels of the n
 streams run side by side (GROUP_STREAMS) read as nothing in eager rounds on an H200 (twenty-second
 session); in graph replay on an H100 it took Triton's backward from 2.52 to 2.37 ms and cuTile's
-from 2.462 to 2.454 (docs/perf-notes.md, thirty-first session))"""
+from 2.462 to 2.454 (dev/perf-notes.md, thirty-first session))"""
 import ast, importlib, sys, torch
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1])); sys.path.insert(0, str(Path(__file__).resolve().parent))

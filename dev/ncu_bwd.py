@@ -6,7 +6,7 @@
 (every kernel is launched twice: the first compiles and picks tiles, the profile reads both;
 "h_post_bda", "proj_rms" or "cutile" (the cuTile projection backward, ``-k regex:_proj_rms_bwd``)
 as the argument runs one). The profiles (eighth, eleventh and twelfth sessions) are in
-docs/perf-notes.md."""
+dev/perf-notes.md."""
 import sys
 from pathlib import Path
 

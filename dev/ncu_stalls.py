@@ -1,6 +1,6 @@
 """Launches for Nsight Compute's stall reasons (issue 42): the Triton projection backward, and
 cuTile's h_post_bda forward and backward beside Triton's, at the paper shape, bf16, each
-launched twice (the twenty-third session's profiles, docs/perf-notes.md, also launched the
+launched twice (the twenty-third session's profiles, dev/perf-notes.md, also launched the
 C-block candidate that has shipped since):
 
     ncu --clock-control none -k regex:"_proj_rms_bwd_packed|_h_post_bda" --launch-skip 0 \\
