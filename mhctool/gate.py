@@ -55,7 +55,7 @@ from . import stability as st
 from . import scenario as scenario_mod
 from .dtypes import parse_dtype
 from .errors import UsageError
-from .report import judged_nothing, to_table, verdicts
+from .report import judged_nothing, stable, to_table, verdicts
 
 SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train"}
 STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}
@@ -398,6 +398,27 @@ def markdown(suite: Suite | str, cases: list[Case]) -> str:
         nf = sum(c.passed is False for c in cs)
         lines.append(f"| {item} | {cs[0].kind} | {len(cs)} | {'❌ ' + str(nf) if nf else '✅ 0'} |")
     if failed:
-        lines += ["", "### Failures", ""]
-        lines += [f"- **{c.suite_item}** `{c.name}`: {c.message}" for c in failed[:50]]
+        lines += ["", "### Failures"]
+        groups: dict[tuple, list[Case]] = {}
+        for c in failed:
+            groups.setdefault((c.suite_item, *_group(c)), []).append(c)
+        for (item, impl, kernel), cs in groups.items():
+            lines += ["", f"**{item}**" + (f": `{stable(impl)}` on {kernel}" if impl else "")
+                      + f" ({len(cs)} failed)", ""]
+            lines += [f"- `{stable(c.name)}`: {c.message}" for c in cs[:MARKDOWN_CAP]]
+            if len(cs) > MARKDOWN_CAP:
+                lines.append(f"- ... and {len(cs) - MARKDOWN_CAP} more (the JUnit XML and the report have every one)")
     return "\n".join(lines) + "\n"
+
+
+MARKDOWN_CAP = 10  # failures listed per implementation and family in the summary
+
+
+def _group(c: Case) -> tuple[str, str]:
+    """(implementation, kernel) of a parity case's name ``kernel/impl/family/...``; else empty."""
+    if c.kind != "parity":
+        return "", ""
+    kernel, _, rest = c.name.partition("/")
+    parts = rest.split("/")  # impl (its path may hold slashes), family, dtype, shape, [knobs,] direction
+    trailing = 5 if len(parts) > 5 and parts[-2].startswith("{") else 4
+    return "/".join(parts[:-trailing]), kernel

@@ -378,7 +378,8 @@ COMPARE_KEYS = {
 }
 # bench metrics where a smaller value is worse (the rest: a larger one is)
 _HIGHER_IS_BETTER = ("gbps", "pct_copy_bw", "tflops", "speedup_vs_torch", "speedup_vs_compile")
-_ABSOLUTE = __import__("re").compile(r"(?:[A-Za-z]:)?(?:/[^/\s:]+)+/([^/\s:]+)")
+# an absolute path to a file (``/abs/dir/k.py``), not the slashes of a name (``kernel/impl/family``)
+_ABSOLUTE = __import__("re").compile(r"(?<![\w.])/(?:[^/\s:]+/)+([^/\s:]+\.\w+)")
 
 
 def stable(value):

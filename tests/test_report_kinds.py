@@ -93,3 +93,14 @@ def test_a_log_that_is_no_terminal_gets_progress_lines(tmp_path):
                          env={**os.environ, "MHCTOOL_PROGRESS_SECONDS": "0.2"})
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("parity: ")]
     assert lines and lines[-1].startswith("parity: 20/20 cases done"), res.stderr
+
+
+def test_the_gate_summary_groups_failures_by_implementation_and_caps_them():
+    from mhctool.gate import MARKDOWN_CAP, Case, markdown
+    cases = [Case("p", "parity", f"sinkhorn//abs/dir/my_k.py:sk/random/fp32/{s}x2x4x1/fwd", False, "worst")
+             for s in range(MARKDOWN_CAP + 3)]
+    cases.append(Case("p", "parity", 'h_post_bda/triton/random/bf16/13x3x4x67/{"bias": true}/bwd', False, "x"))
+    md = markdown("s", cases)
+    assert f"**p**: `my_k.py:sk` on sinkhorn ({MARKDOWN_CAP + 3} failed)" in md
+    assert "... and 3 more" in md and "/abs/dir" not in md
+    assert "**p**: `triton` on h_post_bda (1 failed)" in md
