@@ -93,6 +93,16 @@ def _err(src, key, msg):
     return UsageError(f"{src}: {key}: {msg}")
 
 
+def _check_keys(src: str, where: str, item: dict, allowed: set, required: tuple = ()) -> None:
+    """An entry's keys: one it does not know, or a required one missing, is a UsageError."""
+    bad = set(item) - allowed
+    if bad:
+        raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(allowed))}")
+    for k in required:
+        if k not in item:
+            raise _err(src, f"{where}.{k}", "required")
+
+
 def _resolve(base: Path, p: str, src: str, key: str) -> Path:
     path = (base / p) if not Path(p).is_absolute() else Path(p)
     if not path.is_file():
@@ -110,9 +120,7 @@ def load_suite(path: str | os.PathLike) -> Suite:
     suite = Suite(str(data.get("name", path.stem)), path)
     for i, item in enumerate(data.get("parity", [])):
         where = f"parity[{i}]"
-        bad = set(item) - PARITY_KEYS
-        if bad:
-            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(PARITY_KEYS))}")
+        _check_keys(src, where, item, PARITY_KEYS)
         kernel = item.get("kernel", "all")
         if kernel != "all":
             try:
@@ -163,28 +171,17 @@ def load_suite(path: str | os.PathLike) -> Suite:
         suite.parity.append({"name": item.get("name", f"parity-{kernel}"), **item})
     for i, item in enumerate(data.get("goldens", [])):
         where = f"goldens[{i}]"
-        bad = set(item) - GOLDEN_KEYS
-        if bad:
-            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(GOLDEN_KEYS))}")
-        for k in ("golden", "actual"):
-            if k not in item:
-                raise _err(src, f"{where}.{k}", "required")
+        _check_keys(src, where, item, GOLDEN_KEYS, ("golden", "actual"))
         g, a = _resolve(base, item["golden"], src, f"{where}.golden"), _resolve(base, item["actual"], src, f"{where}.actual")
         suite.goldens.append({"name": item.get("name", f"{g.name} vs {a.name}"), **item, "golden": g, "actual": a})
     for i, item in enumerate(data.get("goldens_check", [])):
         where = f"goldens_check[{i}]"
-        bad = set(item) - CHECK_KEYS
-        if bad:
-            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(CHECK_KEYS))}")
-        if "file" not in item:
-            raise _err(src, f"{where}.file", "required")
+        _check_keys(src, where, item, CHECK_KEYS, ("file",))
         f = _resolve(base, item["file"], src, f"{where}.file")
         suite.checks.append({"name": item.get("name", f"check {f.name}"), **item, "file": f})
     for i, item in enumerate(data.get("stability", [])):
         where = f"stability[{i}]"
-        bad = set(item) - STABILITY_KEYS
-        if bad:
-            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(STABILITY_KEYS))}")
+        _check_keys(src, where, item, STABILITY_KEYS)
         if item.get("kernel", "sinkhorn") != "sinkhorn":
             raise _err(src, f"{where}.kernel", f"{item['kernel']!r} has no stability sweep; accepted: sinkhorn")
         for d in item.get("dtypes", []):
@@ -198,12 +195,7 @@ def load_suite(path: str | os.PathLike) -> Suite:
         suite.stability.append({"name": item.get("name", f"stability-{i}"), **item})
     for i, item in enumerate(data.get("train", [])):
         where = f"train[{i}]"
-        bad = set(item) - TRAIN_KEYS
-        if bad:
-            raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(TRAIN_KEYS))}")
-        for k in ("impls", "golden"):
-            if k not in item:
-                raise _err(src, f"{where}.{k}", "required")
+        _check_keys(src, where, item, TRAIN_KEYS, ("impls", "golden"))
         impls = item["impls"] if isinstance(item["impls"], list) else [item["impls"]]
         item = {**item, "impls": [_impl_spec(base, spec) for spec in impls],
                 "golden": _resolve(base, item["golden"], src, f"{where}.golden")}
