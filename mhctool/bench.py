@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from . import inputs as inputs_mod
-from .dtypes import FORMATS, fmt_of
+from .dtypes import FORMATS, dtype_named, fmt_of
 from .errors import UsageError
 from .registry import Family, Impl, get_family
 from .runner import _cast_inputs, _leaf, Case
@@ -246,8 +246,7 @@ def _inputs(kernel: str, shape: Shape, dtype: str, device: str, seed: int, copie
 def used_dtypes(impl: Impl, sets: list[dict], activation: str) -> tuple[list[dict], str | None]:
     """The input copies at the dtypes ``impl``'s library is used with (its adapter's
     ``input_dtypes``: ``activation`` is the run's activation dtype), and a note of what changed."""
-    want = {k: FORMATS[activation if v == "activation" else v].torch_dtype
-            for k, v in impl.input_dtypes.items()}
+    want = {k: dtype_named(v, activation) for k, v in impl.input_dtypes.items()}
     changed = [k for k in sets[0] if k in want and sets[0][k] is not None and sets[0][k].dtype != want[k]]
     if not changed:
         return sets, None

@@ -257,7 +257,7 @@ def parity(
         if impl_ is None or interrupts.requested:
             continue
         if "raised" in kind:
-            out.print(_raised_hint(pl, vs, k, impl_), markup=False)
+            out.print(_raised_hint(vs, k, impl_), markup=False)
         if "measured" in kind:
             hint = cli_identify.parity_hint(k, impl_, _short_impl(name), dev, iso is not None, isolate_transport,
                                             case_timeout, asked=pl.conventions.get(k),
@@ -288,14 +288,13 @@ def _verifier(pl, kernel: str, impl, transport: str, case_timeout, iso):
     return verify
 
 
-def _raised_hint(pl, vs: list[dict], kernel: str, impl) -> str:
+def _raised_hint(vs: list[dict], kernel: str, impl) -> str:
     """What a plain function's raising cases have in common, and the flag that may let them run."""
     mine = [v for v in vs if v["impl"] == impl.name and v["kernel"] == kernel and v["direction"] == "fwd"]
     raised = [v for v in mine if v["passed"] is False and v["worst"] is not None and v["worst"]["metric"] == "error"]
     dtypes = sorted({v["dtype"] for v in raised})
-    everyone = {v["dtype"] for v in mine if v["passed"] is not None}
-    where = (f"every {'/'.join(dtypes)} case" if all(v["dtype"] not in dtypes or v in raised for v in mine)
-             and set(dtypes) != everyone else f"{len(raised)} of {len(mine)} cases")
+    by_dtype = all(v in raised for v in mine if v["dtype"] in dtypes) and len(raised) < len(mine)
+    where = f"every {'/'.join(dtypes)} case" if by_dtype else f"{len(raised)} of {len(mine)} cases"
     msg = raised[0]["message"] or ""
     hint = f"hint: {_short_impl(impl.name)} raised on {where} of {kernel}: {msg[:300]}"
     fam = registry.get_family(kernel)

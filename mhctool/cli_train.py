@@ -22,7 +22,7 @@ def _curves(o, every: int) -> Table:
         t.add_column(f"{r} loss")
     for r in roles:
         t.add_column(f"{r} zeros")
-    steps = [s.step for s in o.trajectories[-1 if len(roles) == 1 else 2].steps] or [s.step for s in o.impl.steps]
+    steps = sorted({s.step for traj in o.trajectories[:3] for s in traj.steps})
     for k in steps:
         if (k - 1) % every and k != steps[-1]:
             continue
@@ -71,10 +71,6 @@ def train(
     precheck(dtypes=[dtype], device_name=device)
     if input_dtypes not in ("contract", "library"):
         raise UsageError(f"unknown --input-dtypes {input_dtypes!r}; accepted: contract, library")
-    for name, v in (("steps", steps), ("layers", layers), ("streams", streams), ("hidden", hidden), ("heads", heads),
-                    ("seq", seq), ("batch", batch), ("vocab", vocab)):
-        if v is not None and v < (2 if name in ("streams", "seq", "vocab") else 1):
-            raise UsageError(f"--{name} {v} must be at least {2 if name in ('streams', 'seq', 'vocab') else 1}")
     if goldens is not None:
         report.check_writable(goldens, "--goldens")
     report.check_writable(out_path)

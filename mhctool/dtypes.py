@@ -61,3 +61,10 @@ def is_poison(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in _BY_TORCH:
         return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
     return t.contiguous().view(_INT_VIEW[t.element_size()]) == _poison_int(t)
+
+
+def dtype_named(name: str, activation: str) -> torch.dtype:
+    """The torch dtype an input is declared at: ``activation`` (the run's activation dtype) or a
+    format name (fp32, bf16, fp16); adapters' ``Binding.dtypes`` and ``--input-dtypes`` say these."""
+    return FORMATS[activation if name == "activation" else name].torch_dtype
+

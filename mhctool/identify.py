@@ -95,6 +95,9 @@ class Space:
     # the reference takes the increasing values as a tuple and stacks its outputs along a leading
     # axis in front of the batched knob's, so the values of both are one reference call
     prefix: str | None = None
+    # the input whose leading axis holds independent problems (Sinkhorn's matrices): probes of one
+    # shape go to the reference as one input along it, one call for all of them
+    stackable: str | None = None
     # knobs that change no float64 value but the native baseline (how a kernel computes), tried when
     # a candidate fails the verdict: candidate knobs -> {knob: value} to judge it again with, or None
     judge_also: Callable[[dict], dict | None] = lambda knobs: None
@@ -135,7 +138,7 @@ def space(kernel: str, asked: dict) -> Space:
                      {"eps": EPS_GRID}, batched="eps", prefix="iters",
                      # without eps, as in the log domain: its rounding is the log-domain baseline's
                      judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None,
-                     guards=("large_logits",))
+                     guards=("large_logits",), stackable="logits")
     if kernel == "h_post_bda":
         return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
                      variants={"bias": Variant((True, False), _drop_bias)})
@@ -718,18 +721,19 @@ class Identifier:
         return [Candidate(dict(c), _nan_inf(q), _nan_inf(m), stage) for c, q, m in zip(cands, ratio, rel)]
 
     def _stacked(self, probes: list[Probe]) -> list[tuple[list[Probe], dict]]:
-        """The probes as (group, its float64 inputs): a kernel whose outputs are per leading row
-        (Sinkhorn: a matrix each) takes probes of one shape as one input along that axis, so one
-        reference call serves them all; any other kernel takes each probe alone."""
+        """The probes as (group, its float64 inputs): where the space names a stackable input (its
+        leading axis independent problems), probes of one shape are one input along it, so one
+        reference call serves them all; otherwise each probe goes alone."""
         key = tuple(id(p) for p in probes)
+        name = self.space.stackable
         if key not in self._stacks:
-            if self.kernel != "sinkhorn":
+            if name is None or len(self.fam.inputs) != 1:
                 self._stacks[key] = [([p], _float64(p.base)) for p in probes]
             else:
                 groups: dict = {}
                 for p in probes:
-                    groups.setdefault(tuple(p.base["logits"].shape[1:]), []).append(p)
-                self._stacks[key] = [(g, {"logits": torch.cat([_float64(p.base)["logits"] for p in g])})
+                    groups.setdefault(tuple(p.base[name].shape[1:]), []).append(p)
+                self._stacks[key] = [(g, {name: torch.cat([_float64(p.base)[name] for p in g])})
                                      for g in groups.values()]
         return self._stacks[key]
 

@@ -78,13 +78,15 @@ class Family:
     # --convention or by an adapter, applied to the reference and the native baseline
     conventions: tuple[str, ...] = ()
 
-    def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted,
-             bind: Callable[[str], str | int | None] = lambda k: k) -> tuple:
-        """Call ``fn`` with the family's signature; knobs it does not accept are left out. ``bind``
-        names the parameter a knob goes to (an alias), or its position for positional-only ones."""
+    def arguments(self, args: dict, knobs: dict, accepted,
+                  bind: Callable[[str], str | int | None] = lambda k: k) -> tuple[list, dict]:
+        """(positional, keyword) arguments of a call with the family's signature: the inputs, then
+        every knob the function takes (at the case's value or the default; knobs it does not
+        accept are left out). ``bind`` names the parameter a knob goes to (an alias), or its
+        position for positional-only ones."""
         pos = [args[k] for k in self.inputs]
         kw, at = {}, {}
-        for k, knob in self.knobs.items():  # every knob it takes, at the case's value or the default
+        for k, knob in self.knobs.items():
             v = knobs.get(k, knob.default)
             if not (knob.passed and accepted(k)):
                 continue
@@ -95,6 +97,12 @@ class Family:
                 kw[target] = v
         for i in sorted(at):  # positional-only knobs, contiguous after the inputs (Impl.bind checks)
             pos.append(at[i])
+        return pos, kw
+
+    def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted,
+             bind: Callable[[str], str | int | None] = lambda k: k) -> tuple:
+        """Call ``fn`` with the family's signature (:meth:`arguments`); its outputs as a tuple."""
+        pos, kw = self.arguments(args, knobs, accepted, bind)
         out = fn(*pos, **kw)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -132,16 +140,10 @@ def check_callable(impl: "Impl") -> None:
         sig = inspect.signature(impl.fn)
     except (TypeError, ValueError):
         return
-    pos, kw, at = list(fam.inputs), {}, {}
-    for k, knob in fam.knobs.items():  # as Family.call passes them
-        if knob.passed and impl.accepts(k):
-            target = impl.bind(k)
-            if isinstance(target, int):
-                at[target] = k
-            elif target is not None:
-                kw[target] = k
+    # the call's arguments, each named by what it stands for
+    pos, kw = fam.arguments({k: k for k in fam.inputs}, {k: k for k in fam.knobs}, impl.accepts, impl.bind)
     try:
-        sig.bind(*pos, *(at[i] for i in sorted(at)), **kw)
+        sig.bind(*pos, **kw)
     except TypeError as e:
         raise UsageError(f"--impl {impl.name} cannot be called as {impl.kernel}: {e}; expected {signature(fam)}") \
             from None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import inputs as inputs_mod
-from .dtypes import FORMATS, fmt_of
+from .dtypes import FORMATS, dtype_named, fmt_of
 from .errors import UsageError
 from .isolation import system_exit_message
 from .metrics import finite_amax, measure
@@ -351,7 +351,7 @@ def declared_inputs(base: dict, cast: dict, dtype: str) -> tuple[dict, dict]:
         t = base.get(name)
         if t is None or not t.is_floating_point():
             continue
-        given[name] = t.to(FORMATS[dtype if want == "activation" else want].torch_dtype)
+        given[name] = t.to(dtype_named(want, dtype))
         rounded[name] = given[name].to(t.dtype)
     return given, rounded
 

@@ -10,9 +10,10 @@ on a GPU) and mHC health per layer (H_res's row- and column-sum deviation from 1
 smallest entry, the largest Sinkhorn logit, non-finite counts of every mHC output), and where
 the zeros are (per parameter).
 
-The drift is judged like a kernel's error: per metric and step, the implementation's distance
-from the reference trajectory may be at most ``kappa`` times the native trajectory's (its largest
-so far) plus a floor of the dtype's rounding; the first step past that is where the run parts.
+The drift is judged like a kernel's error: per metric, the implementation's median distance from
+the reference trajectory over the steps may be at most ``kappa`` times the native trajectory's,
+plus a floor of the dtype's rounding; where it is more, the first step past native's envelope is
+where the run parts.
 A drift is traced to a knob by rerunning the native implementation with each convention in
 which the kernel differs from the contract (declared, or fitted by ``mhctool identify``): the
 one whose run the implementation's stays with is the cause; if none, the drift is the kernel's
@@ -30,7 +31,7 @@ from typing import Callable
 import torch
 
 from . import registry
-from .dtypes import FORMATS
+from .dtypes import FORMATS, dtype_named
 from .errors import UsageError
 from .references import model as model_mod
 from .references.model import ModelConfig
@@ -42,10 +43,8 @@ FAMILIES = ("mapping", "sinkhorn", "h_aggregate", "h_post_bda")
 JUDGED = ("lm loss", "grad-norm", "num-zeros")
 GOLDEN_METRICS = ("lm loss", "num-zeros", "grad-norm", "iteration-time", "mem-allocated-bytes",
                   "mem-max-allocated-bytes")
-# the mHC outputs a layer produces, in call order (the first non-finite one is named), and whose
-# backward computes the gradient each one receives (a non-finite gradient there is that one's)
-OUTPUTS = (("mapping", "h_pre"), ("mapping", "h_post"), ("mapping", "h_res_logits"), ("sinkhorn", "h_res"),
-           ("h_aggregate", "out"), ("h_post_bda", "out"))
+# whose backward computes the gradient each mHC output receives (a non-finite gradient there is
+# that backward's)
 CONSUMER = {("mapping", "h_pre"): "h_aggregate", ("mapping", "h_post"): "h_post_bda",
             ("mapping", "h_res_logits"): "sinkhorn", ("sinkhorn", "h_res"): "h_post_bda",
             ("h_aggregate", "out"): "the sublayer (attention, MLP)", ("h_post_bda", "out"): "the layer above"}
@@ -63,10 +62,6 @@ class TrainConfig:
     device: str = "cpu"
     seed: int = 0
     branch: int = 3  # the synthetic source: successors a token may have
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch * self.model.seq
 
 
 # the default model: small enough for Triton's CPU interpreter (about a second a step), and a
@@ -93,7 +88,7 @@ def check(cfg: TrainConfig) -> None:
                            ("hidden", m.hidden, 2), ("heads", m.heads, 1), ("seq", m.seq, 2),
                            ("batch", cfg.batch, 1), ("vocab", m.vocab, 2), ("ffn", m.ffn, 1)):
         if not (isinstance(v, int) and v >= least):
-            raise UsageError(f"--{name} {v!r} must be an integer of at least {least}")
+            raise UsageError(f"--{name} {v!r} must be at least {least}")
     if m.hidden % m.heads:
         raise UsageError(f"--hidden {m.hidden} must be a multiple of the attention heads ({m.heads})")
     if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
@@ -142,6 +137,9 @@ class Piece:
     name: str  # e.g. "triton", "torch", "float64", "megatron[m3828]:fused_sinkhorn"
     call: Callable[[dict], tuple]
     note: str = ""  # why it runs what it runs (a family the implementation lacks: natively)
+    # not the implementation's own function for the family (run natively, or its projection with
+    # the native compute_h): identify has nothing of its to fit
+    fallback: bool = False
     # the matmul precision it computes at by design (an adapter's declaration): the native
     # trajectory computes the family at it too, as parity's baseline does
     precision: str = "ieee"
@@ -198,9 +196,7 @@ def reference_piece(family: str, knobs: dict) -> Piece:
 
     def run(args: dict) -> tuple:
         wide = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in args.items()}
-        outs = call(wide)
-        streams = args["x"].dtype if "x" in args else torch.float32
-        return tuple(o.to(streams if family in ("h_aggregate", "h_post_bda") else torch.float32) for o in outs)
+        return tuple(o.to(dtype) for o, (_, dtype) in zip(call(wide), _expected(family, args)))
     return Piece(family, "float64", run)
 
 
@@ -242,7 +238,7 @@ def assign(specs: list[str], kernel: str | None = None) -> dict[str, str]:
 def _as_used(call: Callable[[dict], tuple], dtypes: dict, activation: str) -> Callable[[dict], tuple]:
     """The inputs a library takes in other dtypes than the contract's (its adapter's
     ``Binding.dtypes``: Megatron's h_pre, h_res, h_post in the activations' dtype) converted first."""
-    want = {k: FORMATS[activation if v == "activation" else v].torch_dtype for k, v in dtypes.items()}
+    want = {k: dtype_named(v, activation) for k, v in dtypes.items()}
     return lambda args: call({k: (v.to(want[k]) if k in want and torch.is_tensor(v) else v) for k, v in args.items()})
 
 
@@ -259,7 +255,8 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
     for family in FAMILIES:
         if family not in specs:
             eff[family] = {**knobs.get(family, {}), **conventions.get(family, {})}
-            pieces[family] = replace(native_piece(family, eff[family]), note="natively: no --impl for it")
+            pieces[family] = replace(native_piece(family, eff[family]), note="natively: no --impl for it",
+                                     fallback=True)
             continue
         spec_ = specs[family]
         impl, why = _pick(family, spec_, device, dtype)
@@ -276,9 +273,10 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
         proj = _pick("proj_rms", spec_, device, dtype)[0] if family == "mapping" and \
             not registry.is_function_spec(spec_) else None
         if proj is not None:
-            pieces[family] = replace(_projection_mapping(proj, eff[family]), precision=proj.precision_on(device))
+            pieces[family] = replace(_projection_mapping(proj, eff[family]), precision=proj.precision_on(device),
+                                     fallback=True)
             continue
-        pieces[family] = replace(native_piece(family, eff[family]), note=f"natively: {why}")
+        pieces[family] = replace(native_piece(family, eff[family]), note=f"natively: {why}", fallback=True)
     return pieces, eff
 
 
@@ -661,7 +659,7 @@ def candidate_knobs(specs: dict[str, str], eff: dict[str, dict], pieces: dict[st
     from .identify import IDENTIFIABLE, Identifier, fmt_value
     out = []
     for family, piece in pieces.items():
-        if piece.note.startswith(("natively", "its proj_rms")) or family not in IDENTIFIABLE:
+        if piece.fallback or family not in IDENTIFIABLE:
             continue
         impl, _ = _pick(family, specs[family], device, "fp32")
         if impl is None:
@@ -920,31 +918,3 @@ def settings(out: Outcome, **extra) -> dict:
             "pieces": out.impl.pieces, "notes": out.impl.notes, "traced": out.traced(),
             "interrupted": out.interrupted, **extra}
 
-
-def from_rows(rows: list[dict]) -> list[Trajectory]:
-    """The trajectories a train report holds, back from its rows (judging them again, plotting)."""
-    trajs: dict[str, Trajectory] = {}
-    steps: dict[tuple, Step] = {}
-    for r in rows:
-        if r["step"] is None or r["metric"].startswith(("drift:", "traced:")) or r["metric"] in ("nonfinite", "error"):
-            continue
-        t = trajs.setdefault(r["run"], Trajectory(r["run"], {}))
-        key = (r["run"], r["step"])
-        if key not in steps:
-            steps[key] = Step(r["step"], {}, {}, [])
-            t.steps.append(steps[key])
-        st = steps[key]
-        if r["layer"] is not None:
-            while len(st.health) <= r["layer"]:
-                st.health.append({})
-            if r["metric"] == "first non-finite":
-                st.first_nonfinite = [r["layer"], *r["message"].split(".", 1)]
-            else:
-                st.health[r["layer"]][r["metric"]] = r["value"]
-        elif r["metric"].startswith("zeros:"):
-            st.zeros[r["metric"][6:]] = int(r["value"])
-        else:
-            st.metrics[r["metric"]] = r["value"]
-    for t in trajs.values():
-        t.steps.sort(key=lambda s: s.step)
-    return list(trajs.values())
