@@ -13,6 +13,20 @@ import pyarrow as pa  # noqa: E402
 from .report import verdicts  # noqa: E402
 
 
+# Red means "failed" in every figure, so no series is drawn in it: tab20's colours without its two
+# reds, the dark shades first (ten distinct colours), then the light ones; past 18 series the line
+# style changes too, so two series never look alike.
+_PALETTE = [c for i, c in enumerate(plt.get_cmap("tab20").colors[0::2] + plt.get_cmap("tab20").colors[1::2])
+            if i not in (3, 13)]
+_LINESTYLES = ("-", "--", ":", "-.")
+_FAILED = "tab:red"
+
+
+def _style(k: int) -> dict:
+    """The k-th series' colour and line style: never red, distinct for up to 72 series."""
+    return {"color": _PALETTE[k % len(_PALETTE)], "ls": _LINESTYLES[(k // len(_PALETTE)) % len(_LINESTYLES)]}
+
+
 def _folder(out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -45,26 +59,80 @@ def parity_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
         for ax, direction in zip(axes, ("fwd", "bwd")):
             for k, impl in enumerate(impls):
                 pts = [v for v in kv if v["impl"] == impl and v["direction"] == direction]
-                xs, ys, colors = [], [], []
+                xs, ys, edges = [], [], []
                 for v in pts:
                     m = v["worst_margin"]
                     m = 1e3 if (m is None or math.isinf(m) or m != m) else max(m, 1e-6)
                     xs.append(labels.index(_label(v)) + (k - (len(impls) - 1) / 2) * 0.15)
                     ys.append(m)
-                    colors.append("tab:green" if v["passed"] else "tab:red")
-                ax.scatter(xs, ys, c=colors, marker="osD^v<>"[k % 7], label=impl, edgecolors="k",
-                           linewidths=0.4, s=36)
+                    edges.append(_FAILED if not v["passed"] else "k")
+                ax.scatter(xs, ys, color=_style(k)["color"], marker="osD^v<>"[k % 7], label=impl, edgecolors=edges,
+                           linewidths=[1.6 if e == _FAILED else 0.4 for e in edges], s=36)
             ax.axhline(1.0, color="k", ls="--", lw=1)
             ax.set_yscale("log")
             ax.set_title(f"{kernel} {direction}")
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels(labels, rotation=70, ha="right", fontsize=7)
             ax.grid(axis="y", alpha=0.3)
-        axes[0].set_ylabel("worst error / threshold  (>1 fails; red = failed)")
+        axes[0].set_ylabel("worst error / threshold  (>1 fails; red ring = failed)")
         axes[0].legend(fontsize=8, title="impl (marker)")
         path = _save(fig, out_dir / f"parity-{kernel}.png", 110)
         written.append(path)
+        scatter = error_scatter(table, kernel, out_dir)
+        if scatter is not None:
+            written.append(scatter)
     return written
+
+
+def _native_name(table: pa.Table) -> str:
+    meta = table.schema.metadata or {}
+    import json
+    run = json.loads(meta.get(b"mhctool.run", b"{}"))
+    return run.get("native") or "torch"
+
+
+def error_scatter(table: pa.Table, kernel: str, out_dir: str | Path) -> Path | None:
+    """Each implementation's error against the native implementation's on the same case, output
+    and metric (max_abs and rel_l2 of every tensor, forward and backward): on the diagonal an
+    implementation is as accurate as PyTorch; the dashed line is kappa times native, the verdict's
+    bound. Points of a failed verdict are ringed in red. None when there is nothing to pair."""
+    import json
+    rows = [r for r in table.to_pylist() if r["kernel"] == kernel and r["metric"] in ("max_abs", "rel_l2")]
+    native = _native_name(table)
+    base = {(r["case_id"], r["direction"], r["tensor"], r["metric"]): r["value"] for r in rows if r["impl"] == native}
+    impls = sorted({r["impl"] for r in rows if r["impl"] != native and r["backend"] != "reference"})
+    if not base or not impls:
+        return None
+    kappa = json.loads((table.schema.metadata or {}).get(b"mhctool.run", b"{}")).get("kappa") or 2.0
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    lo, hi = math.inf, 0.0
+    for ax, metric in zip(axes, ("max_abs", "rel_l2")):
+        for k, impl in enumerate(impls):
+            pts = [(base[key], r["value"], r["passed"]) for r in rows
+                   if r["impl"] == impl and r["metric"] == metric
+                   and (key := (r["case_id"], r["direction"], r["tensor"], metric)) in base
+                   and r["value"] is not None and base[key] is not None and math.isfinite(r["value"])
+                   and math.isfinite(base[key]) and r["value"] > 0 and base[key] > 0]
+            if not pts:
+                continue
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=_style(k)["color"], marker="osD^v<>"[k % 7],
+                       s=18, label=impl, edgecolors=[_FAILED if p[2] is False else "none" for p in pts],
+                       linewidths=1.2)
+            lo = min(lo, *(min(p[0], p[1]) for p in pts))
+            hi = max(hi, *(max(p[0], p[1]) for p in pts))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"native ({native}) {metric}")
+        ax.set_ylabel(f"implementation {metric}")
+        ax.set_title(f"{kernel}: {metric} against native's")
+        ax.grid(alpha=0.3)
+    if hi > 0:
+        line = [lo / 2, hi * 2]
+        for ax in axes:
+            ax.plot(line, line, color="k", lw=0.8, label="as native")
+            ax.plot(line, [kappa * v for v in line], color="k", ls="--", lw=0.8, label=f"{kappa:g} x native")
+        axes[0].legend(fontsize=7)
+    return _save(fig, _folder(out_dir) / f"parity-{kernel}-vs-native.png", 110)
 
 
 def bench_figure(table: pa.Table, path: str | Path, copy_bw: float) -> Path:
@@ -85,7 +153,7 @@ def bench_figure(table: pa.Table, path: str | Path, copy_bw: float) -> Path:
             xs.append(g + (k - (len(impls) - 1) / 2) * width)
             ys.append(v)
             labels.append(f"{times.get((kernel, direction, impl), float('nan')):.3g}ms")
-        bars = ax.bar(xs, ys, width, label=impl)
+        bars = ax.bar(xs, ys, width, label=impl, color=_style(k)["color"])
         for b, lab in zip(bars, labels):
             ax.annotate(lab, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=6, rotation=90)
     ax.axhline(100, color="k", ls="--", lw=1, label=f"copy {copy_bw / 1e12:.2f} TB/s")
@@ -122,6 +190,18 @@ def golden_figures(golden, actual, metrics: list[str], out_dir: str | Path, labe
     return written
 
 
+def _overflow_lines(ax, points: dict[str, float]) -> None:
+    """One dotted line per overflow point, dtypes that overflow at the same amplitude named on one
+    label (bf16 and fp32 share fp32's exponent), labels at staggered heights."""
+    at: dict[float, list[str]] = {}
+    for dt, x in points.items():
+        at.setdefault(round(x, 6), []).append(dt)
+    for k, (x, dts) in enumerate(sorted(at.items())):
+        ax.axvline(x, ls=":", color="gray")
+        ax.annotate(f"{'/'.join(sorted(dts))} exp overflow", (x, 0.5 - 0.22 * (k % 3)), xycoords=("data", "axes fraction"),
+                    rotation=90, fontsize=7, color="gray", ha="right", va="center")
+
+
 def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, float]) -> list[Path]:
     """Non-finite rate and error vs logit amplitude (dtype overflow points marked), and the
     convergence of the residuals with the iteration count."""
@@ -136,14 +216,12 @@ def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, 
         for ax, fam in zip(axes[0], fams):
             sel = [r for r in rows if r["metric"] == metric and r["family"] == fam and r["iters"] == max_iters
                    and r["eps_mode"] == "add" and r["order"] == "row_first"]
-            for key in sorted({(r["impl"], r["dtype"], r["stabilize"], r["eps"]) for r in sel}):
+            for k, key in enumerate(sorted({(r["impl"], r["dtype"], r["stabilize"], r["eps"]) for r in sel})):
                 pts = sorted((r["scale"], r["value"]) for r in sel if (r["impl"], r["dtype"], r["stabilize"], r["eps"]) == key)
                 ys = [min(v, 1e3) if v == v else 1e3 for _, v in pts]
-                ax.plot([p[0] for p in pts], ys, marker=".", label=f"{key[0]} {key[1]} {key[2]} eps={key[3]:g}")
-            for dt, x in overflow.items():
-                if dt in {r["dtype"] for r in sel}:
-                    ax.axvline(x, ls=":", color="gray")
-                    ax.annotate(f"{dt} exp overflow", (x, 0.5), rotation=90, fontsize=7, color="gray")
+                ax.plot([p[0] for p in pts], ys, marker=".", label=f"{key[0]} {key[1]} {key[2]} eps={key[3]:g}",
+                        **_style(k))
+            _overflow_lines(ax, {dt: x for dt, x in overflow.items() if dt in {r["dtype"] for r in sel}})
             ax.set_xscale("log")
             if metric != "nonfinite_rate":
                 ax.set_yscale("log")
@@ -158,12 +236,12 @@ def stability_figures(table: pa.Table, out_dir: str | Path, overflow: dict[str, 
     if sel:
         target = min({r["scale"] for r in sel}, key=lambda s: abs(math.log10(s) - 1))
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for key in sorted({(r["impl"], r["family"], r["stabilize"], r["eps"], r["metric"]) for r in sel}):
+        for k, key in enumerate(sorted({(r["impl"], r["family"], r["stabilize"], r["eps"], r["metric"]) for r in sel})):
             pts = sorted((r["iters"], r["value"]) for r in sel if r["scale"] == target and
                          (r["impl"], r["family"], r["stabilize"], r["eps"], r["metric"]) == key)
             if pts and all(v == v and v < float("inf") for _, v in pts):
                 ax.plot([p[0] for p in pts], [max(p[1], 1e-17) for p in pts], marker="o", ms=3,
-                        label=f"{key[0]} {key[1]} {key[2]} eps={key[3]:g} {key[4].split('_')[0]}")
+                        label=f"{key[0]} {key[1]} {key[2]} eps={key[3]:g} {key[4].split('_')[0]}", **_style(k))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("iterations")
@@ -185,7 +263,7 @@ def knob_shift_figure(table: pa.Table, out_dir: str | Path) -> Path:
     first = rows[0] if rows else {"kernel": "?", "knob": "?", "setting_a": "?", "setting_b": "?"}
     for ax, dt in zip(axes[0], dtypes):
         for k, fam in enumerate(sorted({r["family"] for r in rows})):
-            color = f"C{k}"
+            color = _style(k)["color"]
             for metric, ls in (("shift_rel_l2", "-"), ("noise_rel_l2", "--")):
                 pts = sorted((r["depth"], r["value"]) for r in rows
                              if r["dtype"] == dt and r["family"] == fam and r["metric"] == metric)
@@ -208,11 +286,11 @@ def overflow_figure(table: pa.Table, out_dir: str | Path) -> Path:
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, max(1, len(dtypes)), figsize=(5.5 * max(1, len(dtypes)), 4.2), sharey=True, squeeze=False)
     for ax, dt in zip(axes[0], dtypes):
-        for name in dict.fromkeys(r["intermediate"] for r in rows):
+        for k, name in enumerate(dict.fromkeys(r["intermediate"] for r in rows)):
             pts = sorted((r["scale"], r["value"]) for r in rows if r["dtype"] == dt and r["intermediate"] == name)
             ax.plot([p[0] for p in pts], [p[1] if math.isfinite(p[1]) else float("nan") for p in pts],
-                    marker=".", ls=":" if name.startswith("input:") else "-", label=name)
-        ax.axhline(0, color="red", lw=0.8)
+                    marker=".", color=_style(k)["color"], ls=":" if name.startswith("input:") else "-", label=name)
+        ax.axhline(0, color=_FAILED, lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("input scale")
         ax.set_title(dt)
@@ -229,11 +307,11 @@ def gain_figure(table: pa.Table, out_dir: str | Path) -> Path:
     rows = table.to_pylist()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, metric, title in zip(axes, ("fwd_gain", "bwd_gain"), ("forward (max |row sum|)", "backward (max |col sum|)")):
-        for cfg, impl in dict.fromkeys((r["config"], r["impl"]) for r in rows):
+        for k, (cfg, impl) in enumerate(dict.fromkeys((r["config"], r["impl"]) for r in rows)):
             for suffix, ls in (("", "-"), ("_max", ":")):
                 pts = sorted((r["depth"], r["value"]) for r in rows
                              if r["config"] == cfg and r["impl"] == impl and r["metric"] == metric + suffix)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls,
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, color=_style(k)["color"],
                         label=f"{cfg} ({impl}){' max' if suffix else ''}")
         ax.set_yscale("log")
         ax.set_xlabel("depth (layers composed)")
