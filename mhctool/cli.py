@@ -26,6 +26,7 @@ from .cli_stability import stability_app
 from .clikit import device as _device
 from .clikit import err, lazy, out
 from .clikit import fmt as _fmt
+from .clikit import short_impl as _short_impl
 from .clikit import guard as _guard
 from .clikit import split as _split
 from .errors import UsageError
@@ -92,33 +93,9 @@ def _verdict_table(vs: list[dict], top: int, title: str) -> Table:
     return t
 
 
-def _short_impl(name: str) -> str:
-    """``path/to/file.py:fn`` -> ``file.py:fn`` for tables (the report keeps the full spec)."""
-    target, sep, fn = name.rpartition(":")
-    return f"{Path(target).name}:{fn}" if sep else name
-
-
 def _ordered(vs: list[dict]) -> list[dict]:
     rank = {False: 0, None: 2, True: 1}
     return sorted(vs, key=lambda v: (rank[v["passed"]], -(v["worst_margin"] if v["worst_margin"] == v["worst_margin"] else math.inf)))
-
-
-def _failed_externals(vs: list[dict]) -> dict[tuple[str, str], set[str]]:
-    """(kernel, external implementation) -> how it failed: ``measured`` (an error, a non-finite or
-    zero count: what a convention may explain, so identify is asked) and/or ``raised`` (the
-    implementation raised: its cases say why, and the hint comes from the cases that ran). A crash
-    or a reproducibility check failure gets no hint."""
-    out: dict[tuple[str, str], set[str]] = {}
-    for v in vs:
-        if v["passed"] is not False or ":" not in v["impl"] or v["worst"] is None:
-            continue
-        metric = v["worst"]["metric"]
-        kind = ("measured" if metric in ("max_abs", "rel_l2", "nonfinite", "extra_zeros")
-                else "raised" if metric == "error" and v["worst"].get("rule") == "raised" and v["direction"] == "fwd"
-                else None)
-        if kind:
-            out.setdefault((v["kernel"], v["impl"]), set()).add(kind)
-    return out
 
 
 def _check_call_shape(vs: list[dict], outside: list[str]) -> None:
@@ -252,58 +229,14 @@ def parity(
     if not specs:  # a default run that judged no kernel of a built-in backend says so
         for name, why in report.skipped_everywhere(table).items():
             out.print(f"note: {name} skipped for every case: {why}", markup=False)
-    for (k, name), kind in _failed_externals(vs).items():
-        impl_ = next((i for i in pl.impls.get(k, []) if i.name == name), None)
-        if impl_ is None or interrupts.requested:
-            continue
-        if "raised" in kind:
-            out.print(_raised_hint(vs, k, impl_), markup=False)
-        if "measured" in kind:
-            hint = cli_identify.parity_hint(k, impl_, _short_impl(name), dev, iso is not None, isolate_transport,
-                                            case_timeout, asked=pl.conventions.get(k),
-                                            verify=_verifier(pl, k, impl_, isolate_transport, case_timeout, iso))
-            if hint:
-                out.print(hint, markup=False)
+    from .hints import hints as find_hints
+    hints = [] if interrupts.requested else [h for _, _, h in find_hints(pl, vs, dev, iso, isolate_transport,
+                                                                        case_timeout, lambda: interrupts.requested)]
+    for hint in hints:
+        out.print(hint, markup=False)
+    if hints:  # kept in the report too (report html shows them)
+        report.write_atomic(report.with_run(table, hints=hints), out_path)
     raise typer.Exit(1 if f or unjudged else 0)
-
-
-def _verifier(pl, kernel: str, impl, transport: str, case_timeout, iso):
-    """What a hint's flags do: the run's cases of ``kernel`` for ``impl`` again with the conventions
-    and precision found -> (every case passes, the first failure)."""
-    from dataclasses import replace
-
-    def verify(conventions: dict, precision: str | None) -> tuple[bool, str | None]:
-        sub = replace(pl, cases=[c for c in pl.cases if c.kernel == kernel], impls={kernel: [impl]}, checks=(),
-                      conventions={**pl.conventions, kernel: {**pl.conventions.get(kernel, {}), **conventions}},
-                      matmul_precision=precision or pl.matmul_precision, shard=None, planned=None)
-        o = parity_mod.execute(sub, iso)
-        bad = [v for v in report.verdicts(report.to_table(o.rows, "hint", "parity", {}))
-               if v["impl"] == impl.name and v["passed"] is False]
-        if not bad:
-            return True, None
-        v, w = bad[0], bad[0]["worst"] or {}
-        what = f"{w.get('tensor')}.{w.get('metric')} {_fmt(w.get('value'))} > {_fmt(w.get('threshold'))}" if w \
-            else (v["message"] or "failed")
-        return False, f"{len(bad)} verdicts fail, first {v['family']} {v['dtype']} {v['shape']} {v['direction']}: {what}"
-    return verify
-
-
-def _raised_hint(vs: list[dict], kernel: str, impl) -> str:
-    """What a plain function's raising cases have in common, and the flag that may let them run."""
-    mine = [v for v in vs if v["impl"] == impl.name and v["kernel"] == kernel and v["direction"] == "fwd"]
-    raised = [v for v in mine if v["passed"] is False and v["worst"] is not None and v["worst"]["metric"] == "error"]
-    dtypes = sorted({v["dtype"] for v in raised})
-    by_dtype = all(v in raised for v in mine if v["dtype"] in dtypes) and len(raised) < len(mine)
-    where = f"every {'/'.join(dtypes)} case" if by_dtype else f"{len(raised)} of {len(mine)} cases"
-    msg = raised[0]["message"] or ""
-    hint = f"hint: {_short_impl(impl.name)} raised on {where} of {kernel}: {msg[:300]}"
-    fam = registry.get_family(kernel)
-    dtype_error = any(w in msg for w in ("scalar type", "dtype", "BFloat16", "Half", "same type"))
-    if dtype_error and fam.mapping and impl.backend == "external" and dtypes != ["fp32"]:
-        names = ",".join(f"{n}=activation" for n in fam.mapping)
-        hint += (f"; if it takes its {', '.join(fam.mapping)} in the activations' dtype, say so: --input-dtypes {names} "
-                 "(the reference then sees the same rounded values)")
-    return hint
 
 
 @app.command()
@@ -715,6 +648,8 @@ def gate(
                 "interrupted": interrupts.requested, "workers": workers or 1, "backend": backend}
     if cut is not None:
         settings |= {"shard": f"{cut[0]}/{cut[1]}", "units": [c.unit for c in cases]}
+    if gate_mod.hints_of(cases):
+        settings["hints"] = gate_mod.hints_of(cases)
     table = report.to_table(rows, report.new_run_id(), "gate", environment.metadata(), settings,
                             schema=report.GATE_SCHEMA)
     _gate_outputs(table, s.name, cases, out_path, junit, summary, quiet, interrupts.requested)
@@ -739,6 +674,8 @@ def _gate_outputs(table, suite_name: str, cases: list, out_path: Path, junit: Pa
     if not quiet:
         for c in failed[:30]:
             out.print(f"[red]FAIL[/] {c.suite_item}: {c.name}: {c.message}")
+    for hint in gate_mod.hints_of(cases):
+        out.print(hint, markup=False)
     ok = sum(c.passed is True for c in cases)
     if interrupted:
         out.print(f"[yellow]INTERRUPTED[/] {ok} passed, {len(failed)} failed before the stop "
@@ -825,6 +762,22 @@ def _show_rows(kind: str, rows: list[dict], top: int) -> None:
         out.print(f"{len(rows)} rows (no summary for {kind} reports: read them with pyarrow, see the reports page)")
 
 
+@report_app.command("html")
+@_guard
+def report_html(
+    path: Path = typer.Argument(..., help="A report written by mhctool (Parquet, or JSON from -o x.json)."),
+    out_path: Optional[Path] = typer.Option(None, "--out", "-o", help="The page to write (default: the report's name with .html)."),
+):
+    """One self-contained HTML page from a report: the verdict, the rows that decided it (failures
+    first), the hints, the figures inline; nothing beside it to copy, no network."""
+    from . import html as html_mod
+    target = out_path or path.with_suffix(".html")
+    report.check_writable(target)
+    page = html_mod.render(path)
+    report.atomic(target, lambda tmp: Path(tmp).write_text(page))
+    out.print(f"page {target}", markup=False)
+
+
 @report_app.command("merge")
 @_guard
 def report_merge(
@@ -864,10 +817,15 @@ def report_compare(
     tolerance: float = typer.Option(0.1, "--tolerance", min=0.0, help="Relative growth below which a value is not 'worse'."),
     top: int = typer.Option(30, "--top", min=1),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the comparison as JSON here (what got worse, what either report has alone)."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Also write JUnit XML here: a failed test per verdict that flipped to fail, a passed one per row that grew, a skipped one per row only one report has."),
+    summary: Optional[Path] = typer.Option(None, "--summary", help="Also write a Markdown summary here (and append it to $GITHUB_STEP_SUMMARY when set)."),
 ):
     """What got worse from BEFORE to AFTER, and by how much, for reports of one kind (parity, gate,
     identify, stability, train, bench); rows either has alone are counted and listed. Exit 1 if a
     verdict flipped to fail, 2 for reports that cannot be compared."""
+    for path_, what in ((json_path, "--json"), (junit, "--junit"), (summary, "--summary")):
+        if path_ is not None:
+            report.check_writable(path_, what)
     a, ma = report.read(before)
     b, mb = report.read(after)
     kind = ma["kind"]
@@ -885,6 +843,8 @@ def report_compare(
                    "only_before": [list(k) for k in c.only_before], "only_after": [list(k) for k in c.only_after]}
         report.atomic(json_path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2, default=str)))
     keys = report.COMPARE_KEYS[kind]
+    if junit is not None or summary is not None:
+        _compare_outputs(c, kind, keys, before, after, tolerance, junit, summary)
     if c.worse:
         t = Table(title=f"{kind}: {len(c.worse)} rows worse, {len(flipped)} now failing")
         for col in (*keys, "before", "after", "x", "verdict"):
@@ -902,6 +862,53 @@ def report_compare(
                       "first: " + "; ".join("/".join(str(v) for v in k if v is not None) for k in rows[:3]),
                       markup=False)
     raise typer.Exit(1 if flipped else 0)
+
+
+def _compare_outputs(c, kind: str, keys: tuple, before: Path, after: Path, tolerance: float,
+                     junit: Optional[Path], summary: Optional[Path]) -> None:
+    """report compare's JUnit XML and Markdown summary, written atomically."""
+    import os as _os
+
+    from . import gate as gate_mod
+
+    def name(key) -> str:
+        return "/".join(str(_short(v)) for v in (key.values() if isinstance(key, dict) else key) if v is not None)
+    flipped = [w for w in c.worse if w["passed_before"] is True and w["passed_after"] is False]
+    item = f"compare {kind}"
+    cases = [gate_mod.Case(item, kind, name(w["key"]), False if w in flipped else True,
+                           f"{_fmt(w['before'])} -> {_fmt(w['after'])} (x{_fmt(w['ratio'])})"
+                           + (f"; now failing: {w['message']}" if w in flipped and w["message"] else
+                              "; now failing" if w in flipped else ""))
+             for w in c.worse]
+    cases.append(gate_mod.Case(item, kind, "no worse", True,
+                               f"{c.matched - len(c.worse)} of {c.matched} matched rows within tolerance {tolerance:g}"))
+    cases += [gate_mod.Case(item, kind, name(k), None, f"only in {side}")
+              for side, ks in ((before.name, c.only_before), (after.name, c.only_after)) for k in ks]
+    if junit is not None:
+        xml = gate_mod.junit_xml(f"mhctool report compare {before.name} {after.name}", cases)
+        report.atomic(junit, lambda tmp: Path(tmp).write_bytes(xml))
+    if summary is not None:
+        head = "FAILED" if flipped else "passed"
+        lines = [f"## mhctool report compare ({kind}): {head}", "",
+                 f"`{before.name}` -> `{after.name}`: {c.matched} rows matched, {len(c.worse)} worse "
+                 f"(tolerance {tolerance:g}), {len(flipped)} flipped to fail; {len(c.only_before)} only in the "
+                 f"earlier report, {len(c.only_after)} only in the later one", ""]
+        if c.worse:
+            lines += ["| " + " | ".join((*keys, "before", "after", "x", "verdict")) + " |",
+                      "|" + "---|" * (len(keys) + 4)]
+            for w in c.worse[:gate_mod.MARKDOWN_CAP]:
+                verdict = "❌ pass → fail" if w in flipped else ("fail" if w["passed_after"] is False else "ok")
+                lines.append("| " + " | ".join(str(_short(w["key"][k])) if w["key"][k] is not None else ""
+                                               for k in keys)
+                             + f" | {_fmt(w['before'])} | {_fmt(w['after'])} | {_fmt(w['ratio'])} | {verdict} |")
+            if len(c.worse) > gate_mod.MARKDOWN_CAP:
+                lines.append(f"\n... and {len(c.worse) - gate_mod.MARKDOWN_CAP} more (the JUnit XML and --json "
+                             "have every one)")
+        md = "\n".join(lines) + "\n"
+        report.atomic(summary, lambda tmp: Path(tmp).write_text(md))
+        if _os.environ.get("GITHUB_STEP_SUMMARY"):
+            with open(_os.environ["GITHUB_STEP_SUMMARY"], "a") as f:
+                f.write(md)
 
 
 def _short(text: str) -> str:

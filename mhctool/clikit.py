@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 import math
 import signal
 import threading
@@ -253,3 +254,9 @@ def input_dtypes(items: Optional[list[str]], kernels: list[str]) -> dict[str, di
         for k in takers:
             out.setdefault(k, {}).update(check_input_dtypes(k, {name: raw}))
     return out
+
+
+def short_impl(name: str) -> str:
+    """``path/to/file.py:fn`` -> ``file.py:fn`` for tables (the report keeps the full spec)."""
+    target, sep, fn = name.rpartition(":")
+    return f"{Path(target).name}:{fn}" if sep else name

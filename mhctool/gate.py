@@ -76,6 +76,7 @@ class Case:
     passed: bool | None  # None: skipped
     message: str = ""
     unit: int = 0  # the suite's unit it came from (a parity case, or a whole other entry): merge order
+    hint: str = ""  # a failed outside implementation's hint (parity's), on each of its failed cases
 
 
 @dataclass
@@ -286,6 +287,8 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
                                    f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
             cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
+        if not interrupted():
+            _hinted(cases, item["name"], plan, table, isolation)
         for spec, why in judged_nothing(table, parity.asked_outside(plan)).items():
             # asked for and judged on no case: no pass (the native rows are no verdict on it)
             cases.append(Case(item["name"], "parity", f"{item.get('kernel', 'all')}/{spec}/judged",
@@ -356,6 +359,22 @@ def cases_from_rows(rows: list[dict]) -> list[Case]:
     return [Case(r["entry"], r["kind"], r["name"], r["passed"], r["message"] or "") for r in rows]
 
 
+def _hinted(cases: list[Case], item: str, plan, table, isolation) -> None:
+    """Parity's hint for each outside implementation that failed in this entry, put on its failed
+    cases (the JUnit failure, the Markdown summary and the gate's output carry it)."""
+    from .hints import hints
+    device = plan.cases[0].device if plan.cases else "cpu"
+    for kernel, impl, hint in hints(plan, verdicts(table), device, isolation):
+        for c in cases:
+            if c.suite_item == item and c.passed is False and c.kind == "parity" and _group(c) == (impl, kernel):
+                c.hint = c.hint or hint
+
+
+def hints_of(cases: list[Case]) -> list[str]:
+    """The distinct hints of a gate's cases, in order."""
+    return list(dict.fromkeys(c.hint for c in cases if c.hint))
+
+
 def junit_xml(suite: Suite | str, cases: list[Case]) -> bytes:
     root = ET.Element("testsuites", name=suite if isinstance(suite, str) else suite.name)
     by_item: dict[str, list[Case]] = {}
@@ -368,7 +387,8 @@ def junit_xml(suite: Suite | str, cases: list[Case]) -> bytes:
         for c in cs:
             tc = ET.SubElement(ts, "testcase", classname=f"mhctool.{c.kind}.{item}", name=c.name)
             if c.passed is False:
-                ET.SubElement(tc, "failure", message=c.message[:500]).text = c.message
+                ET.SubElement(tc, "failure", message=c.message[:500]).text = c.message + (
+                    f"\n{c.hint}" if c.hint else "")
             elif c.passed is None:
                 ET.SubElement(tc, "skipped", message=c.message[:500])
     return ET.tostring(root, encoding="utf-8", xml_declaration=True)
@@ -397,6 +417,7 @@ def markdown(suite: Suite | str, cases: list[Case]) -> str:
         for (item, impl, kernel), cs in groups.items():
             lines += ["", f"**{item}**" + (f": `{stable(impl)}` on {kernel}" if impl else "")
                       + f" ({len(cs)} failed)", ""]
+            lines += [f"> {h}" for h in hints_of(cs)] + ([""] if hints_of(cs) else [])
             lines += [f"- `{stable(c.name)}`: {c.message}" for c in cs[:MARKDOWN_CAP]]
             if len(cs) > MARKDOWN_CAP:
                 lines.append(f"- ... and {len(cs) - MARKDOWN_CAP} more (the JUnit XML and the report have every one)")

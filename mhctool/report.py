@@ -191,6 +191,14 @@ def with_metadata(table: pa.Table, kind: str, environment: dict, run: dict | Non
     return table.replace_schema_metadata(meta)
 
 
+def with_run(table: pa.Table, **fields) -> pa.Table:
+    """``table`` with ``fields`` added to its run settings (the hints a command found after the
+    rows were written)."""
+    raw = dict(table.schema.metadata or {})
+    raw[b"mhctool.run"] = json.dumps({**json.loads(raw.get(b"mhctool.run", b"{}")), **fields}, default=str).encode()
+    return table.replace_schema_metadata(raw)
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -233,8 +241,87 @@ def atomic(path: str | os.PathLike, write) -> Path:
 
 
 def write_atomic(table: pa.Table, path: str | os.PathLike) -> Path:
-    """A Parquet report, written atomically."""
+    """A report, written atomically: Parquet, or the JSON document of :func:`document` when the
+    path ends in ``.json`` (``-o run.json`` on any command)."""
+    if Path(path).suffix.lower() == ".json":
+        return atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(document(table), indent=1)))
     return atomic(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def _finite(value):
+    """A value JSON can carry: non-finite floats as the strings ``nan``, ``inf``, ``-inf``
+    (strict JSON has no NaN; jq and most parsers refuse it)."""
+    if isinstance(value, float) and value != value:
+        return "nan"
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
+
+
+def summary(table: pa.Table, kind: str) -> dict:
+    """Passed, failed and skipped verdicts of a report (a parity report's per case, implementation
+    and direction; another kind's per row with a verdict), and ``ok``: no failure."""
+    if kind == "parity":
+        vs = verdicts(table)
+        flags = [v["passed"] for v in vs]
+    elif "passed" in table.column_names:
+        flags = table.column("passed").to_pylist()
+    else:
+        flags = []
+    p, f = sum(x is True for x in flags), sum(x is False for x in flags)
+    return {"passed": p, "failed": f, "skipped": len(flags) - p - f, "ok": f == 0}
+
+
+def document(table: pa.Table) -> dict:
+    """A report as one JSON document, for jq and CI scripts: ``mhctool`` (schema version, kind,
+    environment, run settings, the column types), ``summary`` (:func:`summary`), ``verdicts`` (a
+    parity report's, worst first, each with the row that decided it; other kinds: the rows that
+    failed) and ``rows`` (every row, as in the Parquet file). Non-finite numbers are strings."""
+    raw = table.schema.metadata or {}
+    kind = raw.get(b"mhctool.kind", b"").decode()
+    header = {"schema_version": int(raw.get(b"mhctool.schema_version", SCHEMA_VERSION)), "kind": kind,
+              "environment": json.loads(raw.get(b"mhctool.environment", b"{}")),
+              "run": json.loads(raw.get(b"mhctool.run", b"{}")),
+              "columns": {f.name: str(f.type) for f in table.schema}}
+    rows = table.to_pylist()
+    if kind == "parity":
+        vs = sorted(verdicts(table), key=lambda v: ({False: 0, None: 2, True: 1}[v["passed"]], -v["worst_margin"]))
+        judged = [{k: v[k] for k in v if k not in ("worst", "worst_margin")}
+                  | {"worst": None if v["worst"] is None else {k: v["worst"][k] for k in
+                                                              ("tensor", "metric", "value", "threshold", "rule")}}
+                  for v in vs]
+    else:
+        judged = [r for r in rows if r.get("passed") is False]
+    return {"mhctool": header, "summary": summary(table, kind),
+            "verdicts": [_finite(v) for v in judged], "rows": [_finite(r) for r in rows]}
+
+
+_ARROW_TYPES = {"string": pa.string(), "double": pa.float64(), "int64": pa.int64(), "bool": pa.bool_()}
+
+
+def _from_document(path: Path) -> pa.Table:
+    """The table a JSON report (:func:`document`) holds, its metadata as a Parquet report's."""
+    try:
+        doc = json.loads(path.read_text())
+        head = doc["mhctool"]
+        schema = pa.schema([(name, _ARROW_TYPES[t]) for name, t in head["columns"].items()])
+        cols = {f.name: [] for f in schema}
+        for r in doc["rows"]:
+            for f in schema:
+                v = r.get(f.name)
+                if f.type == pa.float64() and isinstance(v, str):
+                    v = float(v)
+                cols[f.name].append(v)
+        table = pa.table(cols, schema=schema)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"{path} is not a readable mhctool JSON report ({type(e).__name__}: {e})") from e
+    meta = {b"mhctool.schema_version": str(head.get("schema_version", SCHEMA_VERSION)).encode(),
+            b"mhctool.kind": str(head.get("kind", "")).encode(),
+            b"mhctool.environment": json.dumps(head.get("environment", {})).encode(),
+            b"mhctool.run": json.dumps(head.get("run", {})).encode()}
+    return table.replace_schema_metadata(meta)
 
 
 def read(path: str | os.PathLike) -> tuple[pa.Table, dict]:
@@ -242,10 +329,13 @@ def read(path: str | os.PathLike) -> tuple[pa.Table, dict]:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no report file {path}")
-    try:
-        table = pq.read_table(path)
-    except Exception as e:
-        raise UsageError(f"{path} is not a readable Parquet file ({type(e).__name__})") from e
+    if path.suffix.lower() == ".json":
+        table = _from_document(path)
+    else:
+        try:
+            table = pq.read_table(path)
+        except Exception as e:
+            raise UsageError(f"{path} is not a readable Parquet file ({type(e).__name__})") from e
     raw = table.schema.metadata or {}
     if b"mhctool.schema_version" not in raw:
         raise UsageError(f"{path} is Parquet but not an mhctool report (no mhctool.schema_version)")

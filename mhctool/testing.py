@@ -44,6 +44,16 @@ class ParityResult:
     verdicts: list[dict]
     impls: list[str]  # the implementations under test, by name
     settings: dict = field(default_factory=dict)
+    plan: object = field(default=None, repr=False)  # the engine's plan (what a hint reruns)
+
+    def hints(self) -> list[str]:
+        """What ``mhctool parity`` says under a failed outside implementation: the convention it
+        passes under (identified, then checked by a rerun) or the defect; what its raising cases
+        have in common. Empty when it passed, or for mhctool's own backends."""
+        if self.passed or self.plan is None or not self.failures:
+            return []
+        from .hints import hints
+        return [h for _, _, h in hints(self.plan, self.verdicts, self.plan.cases[0].device)]
 
     @property
     def failures(self) -> list[dict]:
@@ -142,7 +152,7 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
     if not asked:  # "torch" asked for: the native implementation judges itself against float64
         asked = [registry.native_impl(kernel).name]
     verdicts = [v for v in report.verdicts(table) if v["impl"] in asked]
-    result = ParityResult(table, verdicts, asked, engine.settings(p, outcome))
+    result = ParityResult(table, verdicts, asked, engine.settings(p, outcome), p)
     for sink in list(_sinks):
         sink(result)
     return result
@@ -156,7 +166,9 @@ def assert_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | 
     """:func:`check_parity`, raising ``AssertionError`` when a case fails or none could be judged.
 
     The message is the worst rows as a table (kernel, family, dtype, shape, direction, tensor,
-    metric, value, threshold, rule). Returns the :class:`ParityResult` when it passes.
+    metric, value, threshold, rule), then parity's hints for a function of yours (the convention
+    it passes under, checked by a rerun, or the defect identify shows). Returns the
+    :class:`ParityResult` when it passes.
 
     Example (a test in your suite)::
 
@@ -169,5 +181,5 @@ def assert_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | 
                           convention=convention, kappa=kappa, seed=seed, matmul_precision=matmul_precision,
                           scenario=scenario, name=name, checks=checks)
     if not result.passed:
-        raise AssertionError("mhctool parity failed: " + result.message())
+        raise AssertionError("\n".join(["mhctool parity failed: " + result.message(), *result.hints()]))
     return result

@@ -126,7 +126,10 @@ def test_a_declared_convention_reaches_the_reference():
             p = p / (p.sum(-2, keepdim=True) + eps)
         return p
     kw = dict(dtypes=["fp32"], families=["random"], device="cpu")
-    assert not check_parity(softmax_first, "sinkhorn", **kw).passed
+    # undeclared: it fails, and the message carries parity's hint (identified, then rerun with it)
+    with pytest.raises(AssertionError, match="hint: .*softmax_first fails on sinkhorn but passes with "
+                                             "--convention stabilize=softmax"):
+        assert_parity(softmax_first, "sinkhorn", **kw)
     assert_parity(softmax_first, "sinkhorn", convention={"stabilize": "softmax"}, **kw)
 
 

@@ -105,3 +105,83 @@ def test_the_gate_summary_groups_failures_by_implementation_and_caps_them():
     assert f"**p**: `my_k.py:sk` on sinkhorn ({MARKDOWN_CAP + 3} failed)" in md
     assert "... and 3 more" in md and "/abs/dir" not in md
     assert "**p**: `triton` on h_post_bda (1 failed)" in md
+
+
+@pytest.mark.parametrize("kind", ["parity", "gate", "identify", "train", "stability-gain"])
+def test_every_kind_as_one_html_page(reports, kind, tmp_path):
+    """report html: one self-contained page (figures inline, nothing fetched), the verdict first."""
+    res, text = _run("report", "html", reports[kind][0], "-o", tmp_path / "r.html")
+    assert res.exit_code == 0, text
+    page = (tmp_path / "r.html").read_text()
+    assert page.startswith("<!doctype html>") and f"mhctool {kind} report" in page
+    assert "http://" not in page and "https://" not in page and "<script" not in page
+    if kind in ("parity", "train", "stability-gain"):  # the figures the command draws, inline
+        assert "src='data:image/png;base64," in page
+    if kind == "parity":
+        assert "PASSED</span>" in page and "parity-sinkhorn.png" in page
+
+
+def test_a_json_report_is_the_same_report(reports, tmp_path):
+    """-o x.json on any command: one strict-JSON document (summary, verdicts, rows) that report
+    show, compare and html read as they read the Parquet file."""
+    from mhctool import report
+    table, meta = report.read(reports["parity"][0])
+    path = report.write_atomic(table, tmp_path / "p.json")
+    doc = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    assert doc["mhctool"]["kind"] == "parity" and doc["summary"]["ok"] is True
+    assert doc["summary"]["passed"] == len(doc["verdicts"]) > 0 and len(doc["rows"]) == table.num_rows
+    again, meta2 = report.read(path)
+    assert again.equals(table) and meta2 == meta
+    res, text = _run("report", "compare", reports["parity"][0], path)
+    assert res.exit_code == 0 and "nothing got worse" in text, text
+    # written by the command itself
+    res, text = _run("parity", "--kernel", "sinkhorn", "--impl", "torch", "--dtype", "fp32", "--shape", "5x3x2x1",
+                     "--device", "cpu", "-q", "-o", tmp_path / "cmd.json")
+    assert res.exit_code == 0 and json.loads((tmp_path / "cmd.json").read_text())["summary"]["failed"] == 0
+    (tmp_path / "cut.json").write_text(path.read_text()[:200])
+    res, text = _run("report", "show", tmp_path / "cut.json")
+    assert res.exit_code == 2 and "not a readable mhctool JSON report" in text
+
+
+def test_compare_writes_junit_and_markdown_for_ci(reports, tmp_path):
+    """A verdict that flipped: a failed JUnit test and a Markdown row saying so, exit 1; rows only
+    one report has are skipped tests, never dropped."""
+    import xml.etree.ElementTree as ET
+
+    import pyarrow as pa
+
+    from mhctool import report
+    table, _ = report.read(reports["parity"][0])
+    rows = table.to_pylist()
+    hit = next(i for i, r in enumerate(rows) if r["rule"] and r["rule"].startswith("baseline tol")
+               and r["direction"] == "fwd")
+    rows[hit] = {**rows[hit], "value": (rows[hit]["threshold"] or 1.0) * 10, "passed": False, "message": "planted"}
+    worse = pa.Table.from_pylist(rows[:-3], schema=table.schema)  # and three rows gone
+    report.write_atomic(worse, tmp_path / "b.parquet")
+    res, text = _run("report", "compare", reports["parity"][0], tmp_path / "b.parquet",
+                     "--junit", tmp_path / "c.xml", "--summary", tmp_path / "c.md")
+    assert res.exit_code == 1, text
+    root = ET.parse(tmp_path / "c.xml").getroot()
+    failures = root.findall(".//failure")
+    assert len(failures) == 1 and "now failing: planted" in failures[0].get("message")
+    assert len(root.findall(".//skipped")) == 3
+    md = (tmp_path / "c.md").read_text()
+    assert "## mhctool report compare (parity): FAILED" in md and "❌ pass → fail" in md
+    assert "3 only in the earlier report" in md
+
+
+def test_the_gate_carries_parity_s_hint(tmp_path):
+    """A failed outside implementation in a gate gets parity's hint: printed, in the JUnit failure,
+    under its group in the Markdown, and in the report (report html shows it)."""
+    suite = tmp_path / "s.toml"
+    suite.write_text(f'name = "h"\n[[parity]]\nname = "sk"\nkernel = "sinkhorn"\n'
+                     f'impls = ["{HERE / "impls" / "conventions.py"}:sinkhorn_softmax_first"]\n'
+                     f'dtypes = ["fp32"]\ndevice = "cpu"\n')
+    res, text = _run("gate", "--suite", suite, "--no-isolate", "-q", "--junit", tmp_path / "g.xml",
+                     "--summary", tmp_path / "g.md", "-o", tmp_path / "g.parquet")
+    assert res.exit_code == 1, text
+    hint = "hint: conventions.py:sinkhorn_softmax_first fails on sinkhorn but passes with --convention stabilize=softmax"
+    assert hint in text
+    assert hint in (tmp_path / "g.xml").read_text() and f"> {hint}" in (tmp_path / "g.md").read_text()
+    from mhctool import report
+    assert any(h.startswith(hint) for h in report.read(tmp_path / "g.parquet")[1]["run"]["hints"])

@@ -1,5 +1,6 @@
 """Verdicts that hold on code mhctool never saw (issue 60): each stand-in in impls/strangers.py
 gets its verdict, its conclusion line and its exit code."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,8 @@ def test_a_function_that_takes_one_dtype_gets_a_hint_that_passes(tmp_path):
     assert "hint: strangers.py:h_aggregate_bmm raised on every bf16 case of h_aggregate: RuntimeError: expected " \
            "scalar type" in text
     assert "--input-dtypes h_pre=activation" in text
+    hints = json.loads(pq.read_table(tmp_path / "p.parquet").schema.metadata[b"mhctool.run"])["hints"]
+    assert len(hints) == 1 and "--input-dtypes h_pre=activation" in hints[0]  # kept for report html
     res, text = parity(tmp_path, "h_aggregate", "h_aggregate_bmm", "--input-dtypes", "h_pre=activation")
     assert res.exit_code == 0, text
     rows = pq.read_table(tmp_path / "p.parquet").to_pylist()
