@@ -34,6 +34,9 @@ def reports(tmp_path_factory):
         "identify": ["identify", "--kernel", "h_aggregate", "--impl", "torch", "--device", "cpu", "-q"],
         "train": ["train", "--impl", "torch", "--steps", "3", "--layers", "1", "--seq", "8", "--device", "cpu", "-q"],
         "stability-gain": ["stability", "gain", "--tokens", "8", "--depth", "4", "--device", "cpu", "-q"],
+        "stability": ["stability", "sinkhorn", "--quick", "--iters", "1,20", "--device", "cpu", "-q"],
+        "bench": ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "sinkhorn", "--impl", "torch",
+                  "--repeats", "3", "-q"],
     }
     out = {}
     for kind, args in commands.items():
@@ -45,7 +48,10 @@ def reports(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("kind", ["parity", "gate", "identify", "train", "stability-gain"])
+KINDS = ["parity", "gate", "identify", "train", "stability-gain", "stability", "bench"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_show_and_compare_every_kind(reports, kind, tmp_path):
     a, b = reports[kind]
     res, text = _run("report", "show", b)
@@ -107,7 +113,7 @@ def test_the_gate_summary_groups_failures_by_implementation_and_caps_them():
     assert "**p**: `triton` on h_post_bda (1 failed)" in md
 
 
-@pytest.mark.parametrize("kind", ["parity", "gate", "identify", "train", "stability-gain"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_as_one_html_page(reports, kind, tmp_path):
     """report html: one self-contained page (figures inline, nothing fetched), the verdict first."""
     res, text = _run("report", "html", reports[kind][0], "-o", tmp_path / "r.html")
@@ -115,7 +121,7 @@ def test_every_kind_as_one_html_page(reports, kind, tmp_path):
     page = (tmp_path / "r.html").read_text()
     assert page.startswith("<!doctype html>") and f"mhctool {kind} report" in page
     assert "http://" not in page and "https://" not in page and "<script" not in page
-    if kind in ("parity", "train", "stability-gain"):  # the figures the command draws, inline
+    if kind in ("parity", "train", "stability-gain", "stability", "bench"):  # the command's figures, inline
         assert "src='data:image/png;base64," in page
     if kind == "parity":
         assert "PASSED</span>" in page and "parity-sinkhorn.png" in page
