@@ -7,6 +7,7 @@
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh isolation", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh repro", carry=[".device"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh train", carry=[".device", ".anchors"])
+#   run(command="bash dev/gpu-session.sh tilekernels", carry=[".tilelang", ".anchors"])  (no .device: 64 MiB)
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
 #   "bwd" the backward tiles of issue 20; "verify" is the short check after a kernel change)
 # Staged first on the development machine: ../shared/device/stage.sh, and ../shared/anchors/stage.sh
@@ -188,6 +189,50 @@ sweep)
 bwd)
   # issue 20: the h_post_bda and proj_rms backward tiles (Triton, cuTile) side by side, one process
   python3 dev/bwd_sweep.py "${BWD_WHAT:-all}" --limit "${BWD_LIMIT:-480}" 2>&1 | tee "$out/bwd.log"
+  ;;
+tilekernels)
+  # issue 62: DeepSeek's TileKernels as shipped (pip 2.1.0 from .tilelang, the GitHub layout from
+  # .anchors/tilekernels-github), carried without .device (the two pass 64 MiB together):
+  #   run(command="bash dev/gpu-session.sh tilekernels", carry=[".tilelang", ".anchors"])
+  # TK_STEPS picks steps (default: all); TK_BENCH_IMPL what bench runs beside it.
+  mkdir -p /tmp/tl && tar -xJf .tilelang/tilelang-site.tar.xz -C /tmp/tl
+  export PYTHONPATH="/tmp/tl${PYTHONPATH:+:$PYTHONPATH}"
+  python3 -m pip install -q --no-deps -e . 2>&1 | grep -v "as the 'root' user"
+  gh=.anchors/tilekernels-github
+  {
+    for s in ${TK_STEPS:-versions pytest pip github identify paper bench}; do case $s in
+    versions)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      python3 -c "import sys, tilelang, tile_kernels, torch, triton; print(sys.version.split()[0], 'tilelang', tilelang.__version__, 'tile_kernels', getattr(tile_kernels, '__version__', '?'), 'torch', torch.__version__, 'triton', triton.__version__)" ;;
+    pytest)
+      step "pytest -m gpu -k tilekernels"
+      timeout --foreground -s INT 240 python3 -m pytest -m gpu -q -p no:cacheprovider -k tilekernels 2>&1 | tail -15 ;;
+    pip|github)
+      spec=tilekernels:tile_kernels; [ "$s" = github ] && spec=tilekernels:$gh
+      step "parity --kernel mhc --impl $spec (default scenario)"
+      timeout --foreground -s INT "${TK_LIMIT:-200}" python3 -m mhctool.cli parity --kernel mhc --impl "$spec" \
+        -o "$out/tk-$s.parquet" --top 12 ;;
+    identify)
+      for spec in "sinkhorn tilekernels:tile_kernels fp32" "mapping tilekernels:tile_kernels bf16" \
+                  "mapping tilekernels:$gh bf16" "mix_aggregate tilekernels:tile_kernels bf16" \
+                  "mix_aggregate tilekernels:$gh bf16" "h_post_bda tilekernels:tile_kernels bf16" \
+                  "h_aggregate tilekernels:tile_kernels bf16"; do
+        set -- $spec
+        step "identify --kernel $1 --impl $2 --dtype $3"
+        timeout --foreground -s INT 120 python3 -m mhctool.cli identify --kernel "$1" --impl "$2" --dtype "$3" \
+          --shape 16x2x4x256 -q -o "/tmp/identify-$1.parquet"
+      done ;;
+    paper)
+      step "parity --scenario paper --dtype bf16 --impl tilekernels:tile_kernels,tilekernels:$gh"
+      timeout --foreground -s INT "${TK_PAPER_LIMIT:-240}" python3 -m mhctool.cli parity --scenario paper --dtype bf16 \
+        --kernel mhc --impl "tilekernels:tile_kernels,tilekernels:$gh" -o "$out/tk-paper.parquet" --top 12 ;;
+    bench)
+      step "bench 8192x4x4x7168 bf16, graph replay"
+      timeout --foreground -s INT "${TK_BENCH_LIMIT:-300}" python3 -m mhctool.cli bench --shape 8192x4x4x7168 \
+        --kernel mhc --impl "${TK_BENCH_IMPL:-triton,tilekernels:tile_kernels,tilekernels:$gh}" --no-isolate --graph \
+        --repeats 10 -o "$out/tk-bench.parquet" ;;
+    esac; done
+  } 2>&1 | tee "$out/tilekernels.log"
   ;;
 bench)
   # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is

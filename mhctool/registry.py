@@ -13,7 +13,7 @@ import importlib
 import inspect
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -525,6 +525,8 @@ def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:
             chosen.extend(libraries.impls(spec, kernel))
         elif ":" in spec:
             chosen.append(load_external(spec, kernel))
+        elif is_functions_file(spec):
+            chosen.append(functions_file(spec, kernel))
         elif any(spec == i.name for k in KERNELS for i in impls_for(k)):
             why = f"mhctool has no {BACKEND_NAMES.get(spec, spec)} implementation of {kernel}"
             chosen.append(Impl(spec, kernel, spec, _absent, requires=lambda why=why: why, default=False, exists=False))
@@ -547,6 +549,38 @@ def is_library_spec(spec: str) -> bool:
     from .libraries import find
     prefix, sep, _ = spec.partition(":")
     return bool(sep) and find(prefix) is not None
+
+
+def is_functions_file(spec: str) -> bool:
+    """``path/to/kernels.py`` with no ``:function``: a file of functions named after the families
+    (``sinkhorn``, ``h_aggregate``, ...), judged like a library, one implementation per family."""
+    return spec.endswith(".py") and ":" not in spec
+
+
+def functions_file(spec: str, kernel: str) -> Impl:
+    """The function named ``kernel`` in the file ``spec``; a file without one stands for an
+    implementation that does not exist (skipped, said why); a file with no family-named function
+    at all is bad input."""
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(f"--impl {spec!r}: no file {spec}")
+    from .environment import ensure_triton_mode
+    ensure_triton_mode()
+    from .libraries import load_file
+    try:
+        module = load_file(path)
+    except UsageError as e:
+        raise UsageError(f"--impl {spec!r}: {e}") from e
+    defined = [k for k in KERNELS if callable(getattr(module, k, None))]
+    if not defined:
+        raise UsageError(f"--impl {spec!r}: the file defines no function named after a family ("
+                         + ", ".join(KERNELS) + "); name one function with :function, e.g. "
+                         f"{spec}:my_sinkhorn")
+    if kernel not in defined:
+        why = f"{path.name} defines no function {kernel} (it has {', '.join(defined)})"
+        return Impl(f"{spec}:{kernel}", kernel, "external", _absent, requires=lambda why=why: why, default=False,
+                    spec=spec, exists=False)
+    return replace(load_external(f"{spec}:{kernel}", kernel), spec=spec)
 
 
 def is_function_spec(spec: str) -> bool:

@@ -51,6 +51,7 @@ class ImplResult:
     outputs: list[torch.Tensor] | None = None
     grads: dict[str, torch.Tensor] | None = None
     fwd_error: str | None = None
+    fwd_refused: str | None = None  # an outside implementation refused the case (a limit it states)
     bwd_error: str | None = None
     bwd_unsupported: str | None = None
     returned: dict[str, str] = field(default_factory=dict)  # output -> dtype it came back in, where converted
@@ -66,6 +67,26 @@ class CaseResult:
     shape: Shape  # after the input family's reshape
     rows: list[dict] = field(default_factory=list)
     abandoned: bool = False  # an isolated implementation was stopped because the run was interrupted
+
+
+# exception classes (by name or by the module they come from) that mean "this implementation does
+# not take this case": an assert on a shape or a dtype, a kernel compiler refusing the shape
+_LIMIT_TYPES = (AssertionError, NotImplementedError)
+_COMPILER_MODULES = ("tilelang", "tvm", "tvm_ffi", "triton.compiler", "cuda.tile")
+
+
+def refusal(e: BaseException) -> bool:
+    """True for an exception by which an outside implementation refuses a case it does not take
+    (its own ``assert``, ``NotImplementedError``, or its kernel compiler's error at that shape), as
+    opposed to a failure: the case is skipped with the implementation's own words and judged at
+    the other shapes (an implementation refusing every case is still judged on nothing, a failure)."""
+    if isinstance(e, _LIMIT_TYPES):
+        return True
+    for cls in type(e).__mro__:
+        module = cls.__module__ or ""
+        if "Compil" in cls.__name__ or any(module == m or module.startswith(m + ".") for m in _COMPILER_MODULES):
+            return True
+    return False
 
 
 def short_error(e: BaseException) -> str:
@@ -137,6 +158,8 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
         return res
     except Exception as e:  # an implementation that raises is a failed case, not a crash
         res.fwd_error = short_error(e)
+        if impl.backend == "external" and refusal(e):
+            res.fwd_refused = res.fwd_error  # parity skips it; elsewhere it is an error as before
         return res
     if expect is not None:
         outs, problem = conform_outputs(fam, outs, expect, res.returned)
@@ -163,7 +186,10 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
         res.bwd_error = system_exit_message(e)
         return res
     except Exception as e:
-        res.bwd_error = short_error(e)
+        if impl.backend == "external" and refusal(e):
+            res.bwd_unsupported = f"its backward refuses this case: {short_error(e)}"
+        else:
+            res.bwd_error = short_error(e)
         return res
     missing = [k for k, g in zip(names, grads) if g is None]
     if missing:
@@ -310,6 +336,12 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             _, base = inputs()
             if repro is not None:
                 repro.base = base
+        if res.fwd_refused:
+            result.rows.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "unsupported",
+                                "value": math.nan, "threshold": None, "passed": None, "rule": "unsupported",
+                                "message": f"it refuses this case (a limit it states; judged at the others): "
+                                           f"{res.fwd_refused}"})
+            continue
         if res.fwd_error:
             for direction in ("fwd", "bwd"):
                 msg = res.fwd_error if direction == "fwd" else "not run: the forward failed"

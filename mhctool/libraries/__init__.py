@@ -16,7 +16,7 @@ The library's code is called unchanged.
 
 Where mhctool finds adapters, first match wins:
 
-1. built in (``NAMES``: this folder's ``megatron``, ``te``, ``liger``);
+1. built in (``NAMES``: this folder's ``megatron``, ``te``, ``liger``, ``tilekernels``);
 2. installed packages' entry points in the group ``mhctool.adapters`` (``name = "pkg.module"``
    in the package's ``[project.entry-points."mhctool.adapters"]``), as pytest finds plugins;
 3. a file on the command line: ``--impl path/to/my_adapter.py:TARGET`` where the file defines
@@ -38,7 +38,7 @@ from typing import Callable
 
 from ..errors import UsageError
 
-NAMES = ("megatron", "te", "liger")
+NAMES = ("megatron", "te", "liger", "tilekernels")
 ENTRY_POINT_GROUP = "mhctool.adapters"
 # Triton's tl.dot on fp32 operands at its default precision: TF32 with truncated operands on a GPU,
 # IEEE through the CPU interpreter (whatever input_precision asks); a Binding's precision
@@ -65,6 +65,8 @@ class Binding:
     # ``"activation"`` (the run's activation dtype) or a format name (fp32, bf16, fp16). bench times
     # the library at these (parity keeps the contract's dtypes, which its reference is built on)
     dtypes: dict = field(default_factory=dict)
+    # the activation dtypes of the cases it takes (a bf16-only kernel: ("bf16",)); others are skipped
+    activations: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
 def _entry_points() -> dict:
@@ -160,7 +162,7 @@ def impls(spec: str, kernel: str) -> list:
                         precision=b.precision, default=False, conventions=dict(b.conventions), spec=spec,
                         adapter=name, limit=b.limit, requires=lambda why=b.unavailable: why,
                         staged=_staged(module, b, kernel) if b.layouts else None,
-                        input_dtypes=dict(b.dtypes)))
+                        input_dtypes=dict(b.dtypes), dtypes=tuple(b.activations)))
     return out
 
 

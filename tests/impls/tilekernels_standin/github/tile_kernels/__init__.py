@@ -1,0 +1,2 @@
+"""Stand-in for TileKernels' GitHub layout (see ../../README.md)."""
+__version__ = "standin"

@@ -1,0 +1,2 @@
+"""Stand-in for pip tile-kernels 2.1.0 (see ../../README.md)."""
+__version__ = "standin"
