@@ -197,7 +197,7 @@ tilekernels)
   # TK_STEPS picks steps (default: all); TK_BENCH_IMPL what bench runs beside it.
   mkdir -p /tmp/tl && tar -xJf .tilelang/tilelang-site.tar.xz -C /tmp/tl
   export PYTHONPATH="/tmp/tl${PYTHONPATH:+:$PYTHONPATH}"
-  python3 -m pip install -q --no-deps -e . 2>&1 | grep -v "as the 'root' user"
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "as the 'root' user"
   gh=.anchors/tilekernels-github
   {
     for s in ${TK_STEPS:-versions pytest pip github identify paper bench}; do case $s in
@@ -213,23 +213,22 @@ tilekernels)
       timeout --foreground -s INT "${TK_LIMIT:-200}" python3 -m mhctool.cli parity --kernel mhc --impl "$spec" \
         -o "$out/tk-$s.parquet" --top 12 ;;
     identify)
-      for spec in "sinkhorn tilekernels:tile_kernels fp32" "mapping tilekernels:tile_kernels bf16" \
-                  "mapping tilekernels:$gh bf16" "mix_aggregate tilekernels:tile_kernels bf16" \
-                  "mix_aggregate tilekernels:$gh bf16" "h_post_bda tilekernels:tile_kernels bf16" \
-                  "h_aggregate tilekernels:tile_kernels bf16"; do
+      for spec in ${TK_ID:-"sinkhorn tilekernels:tile_kernels fp32" "mapping tilekernels:tile_kernels bf16" \
+                  "mix_aggregate tilekernels:tile_kernels bf16" "h_post_bda tilekernels:tile_kernels bf16" \
+                  "h_aggregate tilekernels:tile_kernels bf16" "mapping tilekernels:$gh bf16"}; do
         set -- $spec
         step "identify --kernel $1 --impl $2 --dtype $3"
         timeout --foreground -s INT 120 python3 -m mhctool.cli identify --kernel "$1" --impl "$2" --dtype "$3" \
           --shape 16x2x4x256 -q -o "/tmp/identify-$1.parquet"
       done ;;
     paper)
-      step "parity --scenario paper --dtype bf16 --impl tilekernels:tile_kernels,tilekernels:$gh"
+      step "parity --scenario paper --dtype bf16 --impl ${TK_SPECS:-tilekernels:tile_kernels}"
       timeout --foreground -s INT "${TK_PAPER_LIMIT:-240}" python3 -m mhctool.cli parity --scenario paper --dtype bf16 \
-        --kernel mhc --impl "tilekernels:tile_kernels,tilekernels:$gh" -o "$out/tk-paper.parquet" --top 12 ;;
+        --kernel mhc --impl "${TK_SPECS:-tilekernels:tile_kernels}" -o "$out/tk-paper.parquet" --top 12 ;;
     bench)
       step "bench 8192x4x4x7168 bf16, graph replay"
       timeout --foreground -s INT "${TK_BENCH_LIMIT:-300}" python3 -m mhctool.cli bench --shape 8192x4x4x7168 \
-        --kernel mhc --impl "${TK_BENCH_IMPL:-triton,tilekernels:tile_kernels,tilekernels:$gh}" --no-isolate --graph \
+        --kernel mhc --impl "${TK_BENCH_IMPL:-triton,tilekernels:tile_kernels}" --no-isolate --graph \
         --repeats 10 -o "$out/tk-bench.parquet" ;;
     esac; done
   } 2>&1 | tee "$out/tilekernels.log"

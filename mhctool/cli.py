@@ -366,6 +366,11 @@ def bench(
                                      f"bf16 matmul {mm_bf16 / 1e12:.0f} TFLOP/s, tf32 {mm_tf32 / 1e12:.0f} TFLOP/s"))
         for t in _bench_totals(bench_mod, rows):
             out.print(t)
+        for k, impls in resolved.items():  # what an adapter adds around a library's call is timed with it
+            for i in impls:
+                if i.glue and any(r["impl"] == i.name for r in rows):
+                    out.print(f"note: {_short_impl(i.name)} ({k}) is timed with its adapter's glue: {i.glue}",
+                              markup=False)
     if plot is not None:
         from .plots import bench_figure
         out.print(f"plot: {bench_figure(table, plot, copy_bw)}")

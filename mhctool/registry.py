@@ -334,6 +334,7 @@ class Impl:
     # differ from the contract's (declared by its adapter; bench times it at these)
     input_dtypes: dict = field(default_factory=dict)
     exists: bool = True  # False: it stands for a kernel its backend or library does not have (skipped, said why)
+    glue: str = ""  # what an adapter computes around the library's call (bench times it with the call, says so)
     _fn: Callable | None = None
 
     @property

@@ -22,8 +22,13 @@ def _configs():
 @triton.jit
 def _h_aggregate_fwd(x_ptr, h_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr,
                      BLOCK_C: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    """A one-dimensional grid, a token's C blocks on consecutive programs, so that programs
+    launched together read one contiguous stretch of x (at the paper shape on an H200: 0.530 ms
+    against 0.549 for a (token, C block) grid, the same bits; dev/agg_fwd_sweep.py)."""
+    blocks = tl.cdiv(C, BLOCK_C)
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // blocks
+    c = (pid % blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
     j = tl.arange(0, NP)
     h = tl.load(h_ptr + t * N + j, mask=j < N, other=0.0).to(tl.float32)
     mask = (j[:, None] < N) & (c[None, :] < C)
@@ -78,9 +83,9 @@ def h_aggregate_forward(x, h_pre):
     if T and C:
         if interpreted():
             cfg = _block(C)
-            _h_aggregate_fwd[(T, triton.cdiv(C, cfg["BLOCK_C"]))](x, h_pre, out, C, N=n, NP=next_pow2(n), **cfg)
+            _h_aggregate_fwd[(T * triton.cdiv(C, cfg["BLOCK_C"]),)](x, h_pre, out, C, N=n, NP=next_pow2(n), **cfg)
         else:
-            _fwd_tuned[lambda m: (T, triton.cdiv(C, m["BLOCK_C"]))](x, h_pre, out, C, N=n, NP=next_pow2(n))
+            _fwd_tuned[lambda m: (T * triton.cdiv(C, m["BLOCK_C"]),)](x, h_pre, out, C, N=n, NP=next_pow2(n))
     return out
 
 

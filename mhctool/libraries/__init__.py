@@ -67,6 +67,9 @@ class Binding:
     dtypes: dict = field(default_factory=dict)
     # the activation dtypes of the cases it takes (a bf16-only kernel: ("bf16",)); others are skipped
     activations: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    # what the adapter computes around the library's own call beyond layouts (an add, a zeroed
+    # buffer, a GEMM the library leaves to another package): bench times it with the call, says so
+    glue: str = ""
 
 
 def _entry_points() -> dict:
@@ -162,7 +165,7 @@ def impls(spec: str, kernel: str) -> list:
                         precision=b.precision, default=False, conventions=dict(b.conventions), spec=spec,
                         adapter=name, limit=b.limit, requires=lambda why=b.unavailable: why,
                         staged=_staged(module, b, kernel) if b.layouts else None,
-                        input_dtypes=dict(b.dtypes), dtypes=tuple(b.activations)))
+                        input_dtypes=dict(b.dtypes), dtypes=tuple(b.activations), glue=b.glue))
     return out
 
 

@@ -90,7 +90,8 @@ def recognise(m) -> tuple[str, list[Binding]]:
     if hasattr(m, "liger_mhc_pre"):
         found.append(Binding("h_aggregate", "liger_mhc_pre", _pre))
     if hasattr(m, "liger_mhc_post_res"):
-        found.append(Binding("h_post_bda", "liger_mhc_post_res", _post_res))
+        found.append(Binding("h_post_bda", "liger_mhc_post_res", _post_res,
+                             glue="the bias added to the branch (y + bias), one PyTorch add"))
     if hasattr(m, "liger_mhc_coeffs"):
         found.append(Binding("mapping_sinkhorn", "liger_mhc_coeffs", _coeffs, COEFF_KNOBS, dict(CONVENTIONS),
                              TRITON_FP32_DOT, limit=_power_of_two, layouts={"weight": _phi}))

@@ -207,6 +207,8 @@ class _Pip:
     layout = "pip"
     precision = "ieee"  # the projection GEMM is the glue's (PyTorch fp32)
     gemm_tag = "gemm:torch"
+    gemm_glue = ("the projection's GEMM and its backward in PyTorch fp32 (the package leaves it to DeepGEMM), "
+                 "one split")
 
     def __init__(self, k):
         self.k = k
@@ -250,6 +252,7 @@ class _Github:
     layout = "github"
     precision = "tf32"  # mhc_pre_norm_fn's TileLang GEMM rounds its weight to TF32
     gemm_tag = ""
+    gemm_glue = ""
 
     def __init__(self, ops):
         self.ops = ops
@@ -363,6 +366,8 @@ def _both(*limits):
 
 
 SINKHORN = {"stabilize": "softmax", "order": "row_first"}
+APPLY_MIX_GLUE = ("x's gradient buffer zeroed before the backward adds into it (in a model mhc_post's backward "
+                  "has written it: a write of x's size that a model does not pay here)")
 MAPPING = {"rms_eps": "inside"}
 PRE_KNOBS = ("eps", "iters", "sinkhorn_eps", "compute_h_eps")
 
@@ -382,17 +387,17 @@ def recognise(m) -> tuple[str, list[Binding]]:
         Binding("sinkhorn", "sinkhorn", bound(_sinkhorn), ("iters", "eps"), dict(SINKHORN), limit=_power_of_two,
                 devices=devices),
         Binding("h_aggregate", "mhc_pre_apply_mix", bound(_h_aggregate), activations=BF16,
-                devices=devices),
+                devices=devices, glue=APPLY_MIX_GLUE),
         Binding("h_post_bda", "mhc_post", bound(_h_post_bda), (), {"transpose_res": True}, activations=BF16,
-                limit=_c128, devices=devices),
+                limit=_c128, devices=devices, glue="the bias added to the branch (y + bias), one PyTorch add"),
         Binding("mapping", "mhc_pre_norm_fn+mhc_pre_split_mixes" + gemm, bound(_mapping), ("eps", "compute_h_eps"),
-                dict(MAPPING), ops.precision, activations=BF16, devices=devices),
+                dict(MAPPING), ops.precision, activations=BF16, devices=devices, glue=ops.gemm_glue),
         Binding("mix_aggregate", "mhc_pre" + gemm, bound(_mix_aggregate), PRE_KNOBS, dict(MAPPING, **SINKHORN),
-                ops.precision, activations=BF16, limit=_power_of_two,
-                devices=devices),
+                ops.precision, activations=BF16, limit=_power_of_two, devices=devices,
+                glue="; ".join(g for g in (ops.gemm_glue, APPLY_MIX_GLUE) if g)),
         Binding("mix_aggregate", "mhc_pre_big_fuse" + gemm, bound(_big_fuse), PRE_KNOBS, dict(MAPPING, **SINKHORN),
-                ops.precision, variant="inference", activations=BF16, limit=_power_of_two,
-                devices=devices),
+                ops.precision, variant="inference", activations=BF16, limit=_power_of_two, devices=devices,
+                glue=ops.gemm_glue),
     ]
     return f"{kind}-{_version(m)}", found
 
