@@ -145,6 +145,7 @@ def parity(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to join (ray.init's address; default: a local one)."),
     ranks: int = typer.Option(1, "--ranks", help="Split each case's tokens over R processes joined by torch.distributed (Gloo on the CPU, NCCL on GPUs, a GPU a rank), the parameter gradients all-reduced, as under data or sequence parallelism; the native baseline runs the same way."),
     grad_reduce: str = typer.Option("fp32", "--grad-reduce", help="With --ranks: the dtype the parameter gradients are all-reduced in: fp32, or bf16 (as --grad-reduce-in-bf16 trains)."),
+    show_profile: bool = typer.Option(False, "--profile", help="Print where the time went: inputs, the native run, the float64 reference, each implementation (its first call in a process, which compiles, apart), judging, checks, and with --workers what was spent outside the cases (the report keeps it in any case)."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
     clikit.precheck(kernel, _split([dtype]) if dtype else None, shape, device)
@@ -206,6 +207,10 @@ def parity(
         for png in parity_figures(table, plot):
             if not quiet:
                 out.print(f"plot: {png}")
+    if show_profile:
+        from .profile import lines
+        for line in lines(o.timings, o.wall, n_workers):
+            out.print(line, markup=False)
     if interrupts.requested:
         out.print(f"[yellow]INTERRUPTED[/] after {done} of {len(cases)} cases: {p} passed, {f} failed, {s} skipped "
                   f"(report {path}, marked interrupted)")

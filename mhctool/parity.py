@@ -6,12 +6,13 @@ cases, inputs or verdicts is written twice. The command line parses its options 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import pyarrow as pa
 
-from . import environment, registry, report, runner
+from . import environment, profile, registry, report, runner
 from . import scenario as scenario_mod
 from .dtypes import parse_dtype
 from .errors import UsageError
@@ -45,6 +46,8 @@ class Outcome:
     rows: list[dict]
     cases_run: int
     interrupted: bool
+    timings: dict = field(default_factory=dict)  # phase -> seconds over the run (mhctool.profile)
+    wall: float = 0.0  # seconds the cases took, start to end
 
 
 def check_precision(precision: str, option: str = "matmul precision") -> str:
@@ -189,9 +192,13 @@ def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Cal
     before the next case once ``interrupted()`` is true. ``progress(case)``: called as each
     starts, ``finished(case)`` as each ends. ``workers`` > 1 or ``backend`` ray: the cases are
     spread over processes (:mod:`mhctool.pool`); the rows come back in the plan's order."""
+    t0 = time.perf_counter()
     if workers > 1 or backend != "local":
-        return _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address)
+        o = _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address)
+        o.wall = time.perf_counter() - t0
+        return o
     rows: list[dict] = []
+    timings: dict = {}
     done = 0
     for c in p.cases:
         if interrupted():
@@ -204,10 +211,11 @@ def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Cal
         if res.abandoned:  # cut short by the interrupt: not a finished case
             break
         rows.extend(res.rows)
+        profile.add(timings, res.timings)
         done += 1
         if finished:
             finished(c)
-    return Outcome(rows, done, interrupted())
+    return Outcome(rows, done, interrupted(), timings, time.perf_counter() - t0)
 
 
 def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address) -> Outcome:
@@ -223,7 +231,7 @@ def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backen
                             progress and (lambda i: progress(p.cases[i])),
                             finished and (lambda i: finished(p.cases[i])), ray_address)
     rows = [r for case_rows in spread.rows if case_rows is not None for r in case_rows]
-    return Outcome(rows, sum(r is not None for r in spread.rows), spread.interrupted)
+    return Outcome(rows, sum(r is not None for r in spread.rows), spread.interrupted, spread.timings)
 
 
 def asked_outside(p: Plan) -> dict[str, list[str]]:
@@ -247,6 +255,7 @@ def settings(p: Plan, o: Outcome, **extra) -> dict:
             "floor_roundoffs": p.scenario.rule.floor_roundoffs, "matmul_precision": p.matmul_precision,
             "conventions": p.conventions, "input_dtypes": p.input_dtypes, "checks": list(p.checks),
             "repeats_determinism": p.repeats,
+            "profile": {k: round(v, 4) for k, v in o.timings.items()}, "wall_s": round(o.wall, 3),
             "adapters": sorted({i.adapter for lst in p.impls.values() for i in lst if i.adapter}),
             "interrupted": o.interrupted, "cases_run": o.cases_run, "cases_planned": len(p.cases),
             **({"shard": f"{p.shard[0]}/{p.shard[1]}", "planned": p.planned} if p.shard else {}),

@@ -24,9 +24,11 @@ import math
 import os
 import queue
 import threading
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from . import profile
 from .errors import UsageError
 
 BACKENDS = ("local", "ray")
@@ -141,7 +143,7 @@ def case_job(job: Job) -> dict:
     impls = registry.resolve_impls(job.case.kernel, list(job.specs))
     res = runner.run_case(job.case, impls, job.rule, job.matmul_precision, iso, job.conventions,
                           job.checks, job.repeats, input_dtypes=job.input_dtypes)
-    return {"rows": res.rows, "abandoned": res.abandoned}
+    return {"rows": res.rows, "abandoned": res.abandoned, "timings": res.timings}
 
 
 def job_timeout(job: Job, impls: int) -> float:
@@ -182,6 +184,7 @@ class Spread:
 
     rows: list
     interrupted: bool
+    timings: dict = field(default_factory=dict)  # phase -> seconds, inside the cases and outside them
 
 
 def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers: int, backend: str = "local",
@@ -201,6 +204,8 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
     for i in range(len(jobs)):
         todo.put(i)
     abort = threading.Event()  # set when the run must stop at once: in-flight cases are abandoned
+    timings: dict = {}
+    lock = threading.Lock()
 
     def serve(index: int) -> None:
         env = worker_env(index, device, workers)
@@ -214,9 +219,15 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
                     return
                 if started:
                     started(i)
+                t0 = time.perf_counter()
                 value = _run_job(pool_worker, jobs[i], impl_names[i], abort.is_set, memory, place)
                 if value is None or value["abandoned"]:
                     return
+                spent = time.perf_counter() - t0
+                inside = value.get("timings") or {}
+                with lock:  # the case's phases, and what its worker spent around them
+                    profile.add(timings, inside)
+                    profile.add(timings, {profile.OUTSIDE: max(0.0, spent - sum(inside.values()))})
                 results[i] = value["rows"]
                 if finished:
                     finished(i)
@@ -236,7 +247,7 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
         for t in threads:
             t.join(30)
         raise
-    return Spread(results, interrupted())
+    return Spread(results, interrupted(), timings)
 
 
 class _Memory:

@@ -520,7 +520,8 @@ def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1, kind: str = "parit
 
 
 # keys of a run's settings that differ between the slices of one run (``--shard``) by design
-_SLICE_KEYS = {"shard", "planned", "units", "interrupted", "cases_run", "cases_planned", "workers", "backend"}
+_SLICE_KEYS = {"shard", "planned", "units", "interrupted", "cases_run", "cases_planned", "workers", "backend",
+               "profile", "wall_s", "hints"}
 
 
 class _Slice(NamedTuple):
@@ -588,7 +589,11 @@ def merge(paths: list[str | os.PathLike]) -> pa.Table:
                             "gpu": sl.meta["environment"].get("gpu"), "host": sl.meta["environment"].get("host")}
                            for sl in slices]}
     if kind == "parity":
+        profile: dict = {}
+        for sl in slices:  # the phases' seconds, summed over the slices
+            for k, v in (sl.run.get("profile") or {}).items():
+                profile[k] = round(profile.get(k, 0.0) + v, 4)
         run |= {"cases_run": sum(int(sl.run.get("cases_run", 0)) for sl in slices),
-                "cases_planned": len(first.run["planned"])}
+                "cases_planned": len(first.run["planned"]), "profile": profile}
     return to_table([r for *_, r in keyed], new_run_id(), kind, first.meta["environment"], run,
                     schema=pa.schema(list(first.table.schema)))

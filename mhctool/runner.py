@@ -15,6 +15,7 @@ from .errors import UsageError
 from .isolation import system_exit_message
 from .metrics import finite_amax, measure
 from . import cuda_context
+from . import profile
 from .poison import poisoning
 from .registry import MATMUL_KERNELS, Family, Impl, get_family, native_impl
 from .shapes import Shape
@@ -67,6 +68,7 @@ class CaseResult:
     shape: Shape  # after the input family's reshape
     rows: list[dict] = field(default_factory=list)
     abandoned: bool = False  # an isolated implementation was stopped because the run was interrupted
+    timings: dict = field(default_factory=dict)  # phase -> seconds (mhctool.profile)
 
 
 # exception classes (by name or by the module they come from) that mean "this implementation does
@@ -256,6 +258,18 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
              matmul_precision: str = "ieee", isolation: "Isolation | None" = None,
              conventions: dict | None = None, checks: tuple[str, ...] = (), repeats: int = 3,
              sharding=None, input_dtypes: dict | None = None) -> CaseResult:
+    """:func:`_run_case`, its phases timed (``CaseResult.timings``, :mod:`mhctool.profile`)."""
+    with profile.case() as timings:
+        result = _run_case(case, impls, rule, matmul_precision, isolation, conventions, checks, repeats, sharding,
+                           input_dtypes)
+    result.timings = timings
+    return result
+
+
+def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
+              matmul_precision: str = "ieee", isolation: "Isolation | None" = None,
+              conventions: dict | None = None, checks: tuple[str, ...] = (), repeats: int = 3,
+              sharding=None, input_dtypes: dict | None = None) -> CaseResult:
     """Run every implementation of ``impls`` on one case; the native one always runs (baseline).
 
     With ``isolation``, every implementation but the native one runs in a worker process. An
@@ -272,8 +286,9 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     fam = get_family(case.kernel)
     knobs = case.knob_dict
     def inputs():
-        shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)
-        return shape, _cast_inputs(fam, raw, case)
+        with profile.phase("inputs"):
+            shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)
+            return shape, _cast_inputs(fam, raw, case)
 
     shape, base = inputs()
     result = CaseResult(case, shape)
@@ -319,14 +334,17 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
         judged = baseline(prec, eff, rounded, cast)
         if impl.native:
             res = nat
-        elif sharding is not None:
-            from . import sharded
-            res = sharded.run(case.kernel, impl, given, eff, judged.upstream, sharding,
-                              _sharded_timeout(case, external), expect=output_specs(nat.outputs))
-        elif isolation is not None:
-            res = isolation.run(case, impl, given, eff, judged.upstream, output_specs(nat.outputs))
         else:
-            res = run_impl(fam, impl, given, eff, lambda outs: judged.upstream, expect=output_specs(nat.outputs))
+            with profile.phase(profile.call_name(impl.name, (impl.name, case.kernel, case.dtype, case.device))):
+                if sharding is not None:
+                    from . import sharded
+                    res = sharded.run(case.kernel, impl, given, eff, judged.upstream, sharding,
+                                      _sharded_timeout(case, external), expect=output_specs(nat.outputs))
+                elif isolation is not None:
+                    res = isolation.run(case, impl, given, eff, judged.upstream, output_specs(nat.outputs))
+                else:
+                    res = run_impl(fam, impl, given, eff, lambda outs: judged.upstream,
+                                   expect=output_specs(nat.outputs))
         if cast:
             res = contract_grads(res, base)
         if res.failure == "lost" and isolation is not None and isolation.interrupted():
@@ -349,7 +367,8 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                     "metric": "error", "value": math.nan, "threshold": None,
                                     "passed": False, "rule": res.failure or "raised", "message": msg})
             continue
-        result.rows.extend(judged_rows(judged, res, row_base, rule, case.dtype, impl.native))
+        with profile.phase("judging"):
+            result.rows.extend(judged_rows(judged, res, row_base, rule, case.dtype, impl.native))
         if repro is not None and not res.bwd_error:
             def again(b, ups, expect, impl=impl, eff=eff):
                 if impl.native:
@@ -357,7 +376,9 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                 if isolation is not None:
                     return isolation.run(case, impl, b, eff, ups, expect)
                 return run_impl(fam, impl, b, eff, lambda outs: ups, expect=expect)
-            result.rows.extend(repro.rows(row_base, res, judged.upstream, again, gated=any(impl is i for i in impls)))
+            with profile.phase("checks (determinism, batch invariance)"):
+                result.rows.extend(repro.rows(row_base, res, judged.upstream, again,
+                                              gated=any(impl is i for i in impls)))
         if res.bwd_unsupported or res.bwd_error:
             result.rows.append({**row_base, "direction": "bwd", "tensor": "*",
                                 "metric": "unsupported" if res.bwd_unsupported else "error",
@@ -572,8 +593,9 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
     native and float64 functions of the family's signature (mhctool identify's variants that are
     no family knob); the defaults are the family's."""
     references = {} if references is None else references
-    native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs,
-                      lambda outs: upstream_for(fam, outs, case.seed))
+    with profile.phase("native (the baseline)"):
+        native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs,
+                          lambda outs: upstream_for(fam, outs, case.seed))
     if native.fwd_error or native.outputs is None:
         raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
     upstream = upstream_for(fam, native.outputs, case.seed)  # seeded from shapes: the same at every precision
@@ -589,14 +611,16 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
             raise RuntimeError(f"the native {case.kernel} failed on {case.family} over {sharding.ranks} ranks: "
                                f"{native.fwd_error or native.bwd_error}")
     if knobs_key not in references:
-        ref_outs, ref_grads = run_reference(fam, base, knobs, upstream, reference)
-        term_scale = {}
-        if fam.term_scale is not None:
-            term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
+        with profile.phase("float64 reference"):
+            ref_outs, ref_grads = run_reference(fam, base, knobs, upstream, reference)
+            term_scale = {}
+            if fam.term_scale is not None:
+                term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
         references[knobs_key] = (ref_outs, ref_grads, term_scale)
     ref_outs, ref_grads, term_scale = references[knobs_key]
     b = _Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
-    b.native_metrics = b.measured(native)
+    with profile.phase("judging"):
+        b.native_metrics = b.measured(native)
     return b
 
 

@@ -189,3 +189,18 @@ def test_every_kernel_on_two_workers_writes_the_report_of_one_process(tmp_path):
         assert res.exit_code == 0, res.output
         outs.append(out)
     assert _rows(outs[0]) == _rows(outs[1])
+
+
+def test_profile_says_where_the_time_went(tmp_path):
+    """--profile: the phases inside the cases (the reference, the native run, each implementation
+    with its first call apart, judging) and, with workers, what was spent outside them; the report
+    keeps the sums whether or not they were printed."""
+    res, out = _parity(tmp_path, "prof", "--profile", "--workers", "2", impl="torch")
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "profile: " in text and "inside the cases over 2 process(es)" in text
+    assert "outside the cases (worker start, transfers, waiting)" in text
+    import json
+    run = json.loads(pq.read_table(out).schema.metadata[b"mhctool.run"])
+    assert {"float64 reference", "native (the baseline)", "judging", "inputs"} <= set(run["profile"])
+    assert run["wall_s"] > 0
