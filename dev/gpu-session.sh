@@ -195,7 +195,8 @@ tilekernels)
   # .anchors/tilekernels-github), carried without .device (the two pass 64 MiB together):
   #   run(command="bash dev/gpu-session.sh tilekernels", carry=[".tilelang", ".anchors"])
   # TK_STEPS picks steps (default: all); TK_BENCH_IMPL what bench runs beside it.
-  mkdir -p /tmp/tl && tar -xJf .tilelang/tilelang-site.tar.xz -C /tmp/tl
+  # TL_BUNDLE=.tilelang-gh: TileLang 0.1.11 for the GitHub layout (dev/make-tilelang-gh-bundle.sh)
+  mkdir -p /tmp/tl && tar -xJf "${TL_BUNDLE:-.tilelang}/tilelang-site.tar.xz" -C /tmp/tl
   export PYTHONPATH="/tmp/tl${PYTHONPATH:+:$PYTHONPATH}"
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "as the 'root' user"
   gh=.anchors/tilekernels-github
