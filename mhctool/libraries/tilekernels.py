@@ -52,18 +52,12 @@ BF16 = ("bf16",)
 
 
 def load(target: str):
+    """The ``tile_kernels`` package: installed (``tile_kernels``), or from a folder that holds it
+    (a GitHub checkout), or that folder's ``tile_kernels/`` itself."""
     path = Path(target)
-    if path.suffix == ".py":
-        return load_path_or_module(target, MODULE, "__init__.py")
-    return load_path_or_module(target, MODULE, "__init__.py") if path.is_dir() else _import(target)
-
-
-def _import(name: str):
-    from ..errors import UsageError
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise UsageError(f"cannot import {name} ({e}); TileKernels needs Python >= 3.12, TileLang and a GPU") from e
+    if path.is_dir() and path.name == MODULE:
+        target = str(path.parent)
+    return load_path_or_module(target, MODULE, f"{MODULE}.py")
 
 
 def layout(m) -> tuple[str, object]:
