@@ -20,9 +20,9 @@ visible ones; ``auto`` is one worker per visible GPU, or one per core on a CPU.
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -200,9 +200,7 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
     device = jobs[0].case.device if jobs else "cpu"
     memory = _Memory(0.9 * device_memory(device))
     results: list = [None] * len(jobs)
-    todo: queue.Queue = queue.Queue()
-    for i in range(len(jobs)):
-        todo.put(i)
+    todo = _Segments(len(jobs), workers)
     abort = threading.Event()  # set when the run must stop at once: in-flight cases are abandoned
     timings: dict = {}
     lock = threading.Lock()
@@ -213,9 +211,8 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
         pool_worker = Worker(daemon=False, env=env)
         try:
             while not (interrupted() or abort.is_set()):  # an interrupt: no new case, the ones in hand finish
-                try:
-                    i = todo.get_nowait()
-                except queue.Empty:
+                i = todo.take(index)
+                if i is None:
                     return
                 if started:
                     started(i)
@@ -248,6 +245,27 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
             t.join(30)
         raise
     return Spread(results, interrupted(), timings)
+
+
+class _Segments:
+    """The cases in plan order (grouped by kernel), cut into one contiguous stretch a worker: each
+    takes from the front of its own, and once that is empty from the back of the longest other
+    one. Workers meet in few kernels, so few kernels are compiled (or, under Triton's interpreter,
+    traced) by more than one worker; the balance stays dynamic. On 2 cores, the default scenario's
+    Triton kernels: first calls 8.2 s in all with one shared queue, where one process spends 3.7."""
+
+    def __init__(self, jobs: int, workers: int):
+        bounds = [round(k * jobs / workers) for k in range(workers + 1)]
+        self.stretches = [collections.deque(range(bounds[k], bounds[k + 1])) for k in range(workers)]
+        self.lock = threading.Lock()
+
+    def take(self, worker: int) -> int | None:
+        with self.lock:
+            own = self.stretches[worker % len(self.stretches)]
+            if own:
+                return own.popleft()
+            donor = max(self.stretches, key=len)
+            return donor.pop() if donor else None
 
 
 class _Memory:
