@@ -109,3 +109,19 @@ def test_a_file_of_family_named_functions_is_judged_and_benched_like_a_library(t
     empty.write_text("def helper():\n    pass\n")
     res, text = _run("parity", "--kernel", "sinkhorn", "--impl", empty, "--device", "cpu")
     assert res.exit_code == 2 and "defines no function named after a family" in text
+
+
+def test_what_counts_as_a_refusal():
+    """An assert, NotImplementedError or a kernel compiler's error is a limit the code states; any
+    other exception (a RuntimeError, torch.compile's failures) is a failure."""
+    from mhctool.runner import refusal
+
+    class TileLangError(Exception):
+        pass
+    TileLangError.__module__ = "tvm_ffi.core"
+
+    class BackendCompilerFailed(Exception):
+        pass
+    BackendCompilerFailed.__module__ = "torch._dynamo.exc"
+    assert refusal(AssertionError("C % 128")) and refusal(NotImplementedError()) and refusal(TileLangError())
+    assert not refusal(RuntimeError("illegal memory access")) and not refusal(BackendCompilerFailed())
