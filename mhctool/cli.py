@@ -111,9 +111,7 @@ def _check_call_shape(vs: list[dict], outside: list[str]) -> None:
 
 
 def _summary(vs: list[dict]) -> tuple[int, int, int]:
-    p = sum(v["passed"] is True for v in vs)
-    f = sum(v["passed"] is False for v in vs)
-    return p, f, len(vs) - p - f
+    return report.tally(v["passed"] for v in vs)
 
 
 @app.command()
@@ -669,17 +667,11 @@ def _gate_outputs(table, suite_name: str, cases: list, out_path: Path, junit: Pa
                   interrupted: bool) -> None:
     """A gate's report, JUnit XML and Markdown summary, written atomically, and its verdict line
     and exit code (a gate run, or slices of one merged by mhctool report merge)."""
-    import os as _os
-
     from . import gate as gate_mod
     report.write_atomic(table, out_path)
     xml = gate_mod.junit_xml(suite_name, cases)
     report.atomic(junit, lambda tmp: Path(tmp).write_bytes(xml))
-    md = gate_mod.markdown(suite_name, cases)
-    report.atomic(summary, lambda tmp: Path(tmp).write_text(md))
-    if _os.environ.get("GITHUB_STEP_SUMMARY"):
-        with open(_os.environ["GITHUB_STEP_SUMMARY"], "a") as f:
-            f.write(md)
+    _write_summary(summary, gate_mod.markdown(suite_name, cases))
     failed = [c for c in cases if c.passed is False]
     if not quiet:
         for c in failed[:30]:
@@ -877,8 +869,6 @@ def report_compare(
 def _compare_outputs(c, kind: str, keys: tuple, before: Path, after: Path, tolerance: float,
                      junit: Optional[Path], summary: Optional[Path]) -> None:
     """report compare's JUnit XML and Markdown summary, written atomically."""
-    import os as _os
-
     from . import gate as gate_mod
 
     def name(key) -> str:
@@ -914,11 +904,16 @@ def _compare_outputs(c, kind: str, keys: tuple, before: Path, after: Path, toler
             if len(c.worse) > gate_mod.MARKDOWN_CAP:
                 lines.append(f"\n... and {len(c.worse) - gate_mod.MARKDOWN_CAP} more (the JUnit XML and --json "
                              "have every one)")
-        md = "\n".join(lines) + "\n"
-        report.atomic(summary, lambda tmp: Path(tmp).write_text(md))
-        if _os.environ.get("GITHUB_STEP_SUMMARY"):
-            with open(_os.environ["GITHUB_STEP_SUMMARY"], "a") as f:
-                f.write(md)
+        _write_summary(summary, "\n".join(lines) + "\n")
+
+
+def _write_summary(path: Path, md: str) -> None:
+    """A Markdown summary, written atomically and appended to ``$GITHUB_STEP_SUMMARY`` when set."""
+    import os
+    report.atomic(path, lambda tmp: Path(tmp).write_text(md))
+    if os.environ.get("GITHUB_STEP_SUMMARY"):
+        with open(os.environ["GITHUB_STEP_SUMMARY"], "a") as f:
+            f.write(md)
 
 
 def _short(text: str) -> str:

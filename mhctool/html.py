@@ -63,29 +63,25 @@ def _rows_for(kind: str, table: pa.Table) -> tuple[list[dict], list[str]]:
     return rows, columns
 
 
-def _figures(kind: str, table: pa.Table, run: dict) -> list[Path]:
-    """The figures the report's own command draws with ``--plot``, into a temp folder."""
+def _figures(kind: str, table: pa.Table, run: dict, folder: Path) -> list[Path]:
+    """The figures the report's own command draws with ``--plot``, into ``folder``."""
     from . import plots
-    folder = Path(tempfile.mkdtemp(prefix="mhctool-html-"))
-    try:
-        if kind == "parity":
-            return plots.parity_figures(table, folder)
-        if kind == "bench" and run.get("copy_bandwidth_Bps"):
-            return [plots.bench_figure(table, folder / "bench.png", float(run["copy_bandwidth_Bps"]))]
-        if kind == "train":
-            return plots.train_figures(table, folder)
-        if kind == "stability":
-            from .stability import OVERFLOW_LOGIT
-            dtypes = set(table.column("dtype").to_pylist())
-            return plots.stability_figures(table, folder, {d: x for d, x in OVERFLOW_LOGIT.items() if d in dtypes})
-        if kind == "stability-eps":
-            return [plots.knob_shift_figure(table, folder)]
-        if kind == "stability-overflow":
-            return [plots.overflow_figure(table, folder)]
-        if kind == "stability-gain":
-            return [plots.gain_figure(table, folder)]
-    except (ValueError, KeyError, TypeError) as e:  # a figure that cannot be drawn from these rows
-        (folder / "error.txt").write_text(f"{type(e).__name__}: {e}")
+    if kind == "parity":
+        return plots.parity_figures(table, folder)
+    if kind == "bench" and run.get("copy_bandwidth_Bps"):
+        return [plots.bench_figure(table, folder / "bench.png", float(run["copy_bandwidth_Bps"]))]
+    if kind == "train":
+        return plots.train_figures(table, folder)
+    if kind == "stability":
+        from .stability import OVERFLOW_LOGIT
+        dtypes = set(table.column("dtype").to_pylist())
+        return plots.stability_figures(table, folder, {d: x for d, x in OVERFLOW_LOGIT.items() if d in dtypes})
+    if kind == "stability-eps":
+        return [plots.knob_shift_figure(table, folder)]
+    if kind == "stability-overflow":
+        return [plots.overflow_figure(table, folder)]
+    if kind == "stability-gain":
+        return [plots.gain_figure(table, folder)]
     return []
 
 
@@ -112,9 +108,14 @@ def render(path: str | Path) -> str:
     parts.append(f"<h2>{'Verdicts' if kind == 'parity' else 'Rows'} (failures first)</h2>"
                  + _table(rows[:_ROWS_CAP], columns)
                  + (f"<p>{more} more rows in the report (mhctool report show, or pyarrow)</p>" if more > 0 else ""))
-    figures = _figures(kind, table, run)
-    if figures:
-        parts.append("<h2>Figures</h2>")
+    with tempfile.TemporaryDirectory(prefix="mhctool-html-") as folder:
+        try:
+            figures = _figures(kind, table, run, Path(folder))
+        except (ValueError, KeyError, TypeError) as e:  # rows a figure cannot be drawn from: said on the page
+            figures = []
+            parts.append(f"<h2>Figures</h2><p class='bad'>not drawn: {html.escape(f'{type(e).__name__}: {e}')}</p>")
+        if figures:
+            parts.append("<h2>Figures</h2>")
         for png in figures:
             data = base64.b64encode(png.read_bytes()).decode()
             parts.append(f"<p>{html.escape(png.name)}</p><img alt='{html.escape(png.name)}' "

@@ -20,6 +20,7 @@ _PALETTE = [c for i, c in enumerate(plt.get_cmap("tab20").colors[0::2] + plt.get
             if i not in (3, 13)]
 _LINESTYLES = ("-", "--", ":", "-.")
 _FAILED = "tab:red"
+NATIVE = "torch"  # the native baseline's implementation name in every family (registry.native_impl)
 
 
 def _style(k: int) -> dict:
@@ -84,13 +85,6 @@ def parity_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
     return written
 
 
-def _native_name(table: pa.Table) -> str:
-    meta = table.schema.metadata or {}
-    import json
-    run = json.loads(meta.get(b"mhctool.run", b"{}"))
-    return run.get("native") or "torch"
-
-
 def error_scatter(table: pa.Table, kernel: str, out_dir: str | Path) -> Path | None:
     """Each implementation's error against the native implementation's on the same case, output
     and metric (max_abs and rel_l2 of every tensor, forward and backward): on the diagonal an
@@ -98,7 +92,7 @@ def error_scatter(table: pa.Table, kernel: str, out_dir: str | Path) -> Path | N
     bound. Points of a failed verdict are ringed in red. None when there is nothing to pair."""
     import json
     rows = [r for r in table.to_pylist() if r["kernel"] == kernel and r["metric"] in ("max_abs", "rel_l2")]
-    native = _native_name(table)
+    native = NATIVE
     base = {(r["case_id"], r["direction"], r["tensor"], r["metric"]): r["value"] for r in rows if r["impl"] == native}
     impls = sorted({r["impl"] for r in rows if r["impl"] != native and r["backend"] != "reference"})
     if not base or not impls:

@@ -563,15 +563,7 @@ def functions_file(spec: str, kernel: str) -> Impl:
     implementation that does not exist (skipped, said why); a file with no family-named function
     at all is bad input."""
     path = Path(spec)
-    if not path.is_file():
-        raise UsageError(f"--impl {spec!r}: no file {spec}")
-    from .environment import ensure_triton_mode
-    ensure_triton_mode()
-    from .libraries import load_file
-    try:
-        module = load_file(path)
-    except UsageError as e:
-        raise UsageError(f"--impl {spec!r}: {e}") from e
+    module = _file_module(spec, path)
     defined = [k for k in KERNELS if callable(getattr(module, k, None))]
     if not defined:
         raise UsageError(f"--impl {spec!r}: the file defines no function named after a family ("
@@ -582,6 +574,20 @@ def functions_file(spec: str, kernel: str) -> Impl:
         return Impl(f"{spec}:{kernel}", kernel, "external", _absent, requires=lambda why=why: why, default=False,
                     spec=spec, exists=False)
     return replace(load_external(f"{spec}:{kernel}", kernel), spec=spec)
+
+
+def _file_module(spec: str, path: Path):
+    """The Python file an ``--impl`` spec names, imported (once per process), with Triton in its
+    interpreter first on a CPU; a missing file or one that fails to import is bad input."""
+    if not path.is_file():
+        raise UsageError(f"--impl {spec!r}: no file {path}")
+    from .environment import ensure_triton_mode
+    ensure_triton_mode()  # before the file defines its Triton kernels: on a CPU, the interpreter
+    from .libraries import load_file
+    try:
+        return load_file(path)
+    except UsageError as e:  # the user's file failed to import: that is bad input
+        raise UsageError(f"--impl {spec!r}: {e}") from e
 
 
 def is_function_spec(spec: str) -> bool:
@@ -603,18 +609,11 @@ def load_external(spec: str, kernel: str, check: bool = True) -> Impl:
     target, _, fn_name = spec.rpartition(":")
     if not target or not fn_name:
         raise UsageError(f"malformed --impl {spec!r}; expected module.path:function or file.py:function")
-    from .environment import ensure_triton_mode
-    ensure_triton_mode()  # before the file defines its Triton kernels: on a CPU, the interpreter
     if target.endswith(".py") or os.sep in target or "/" in target:
-        path = Path(target)
-        if not path.is_file():
-            raise UsageError(f"--impl {spec!r}: no file {target}")
-        from .libraries import load_file
-        try:
-            module = load_file(path)
-        except UsageError as e:  # the user's file failed to import: that is bad input
-            raise UsageError(f"--impl {spec!r}: {e}") from e
+        module = _file_module(spec, Path(target))
     else:
+        from .environment import ensure_triton_mode
+        ensure_triton_mode()  # before the module defines its Triton kernels: on a CPU, the interpreter
         try:
             module = importlib.import_module(target)
         except ImportError as e:

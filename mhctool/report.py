@@ -264,14 +264,13 @@ def summary(table: pa.Table, kind: str) -> dict:
     """Passed, failed and skipped verdicts of a report (a parity report's per case, implementation
     and direction; another kind's per row with a verdict), and ``ok``: no failure."""
     if kind == "parity":
-        vs = verdicts(table)
-        flags = [v["passed"] for v in vs]
+        flags = [v["passed"] for v in verdicts(table)]
     elif "passed" in table.column_names:
         flags = table.column("passed").to_pylist()
     else:
         flags = []
-    p, f = sum(x is True for x in flags), sum(x is False for x in flags)
-    return {"passed": p, "failed": f, "skipped": len(flags) - p - f, "ok": f == 0}
+    p, f, s = tally(flags)
+    return {"passed": p, "failed": f, "skipped": s, "ok": f == 0}
 
 
 def document(table: pa.Table) -> dict:
@@ -409,12 +408,17 @@ def outside_impls(table: pa.Table) -> list[str]:
                               if r["backend"] == "external"))
 
 
+def tally(flags) -> tuple[int, int, int]:
+    """(passed, failed, skipped) of verdicts' ``passed`` values (True, False, None)."""
+    flags = list(flags)
+    p = sum(x is True for x in flags)
+    f = sum(x is False for x in flags)
+    return p, f, len(flags) - p - f
+
+
 def counts(vs: list[dict], impl: str) -> tuple[int, int, int]:
     """(passed, failed, skipped) verdicts of one implementation."""
-    mine = [v for v in vs if v["impl"] == impl]
-    p = sum(v["passed"] is True for v in mine)
-    f = sum(v["passed"] is False for v in mine)
-    return p, f, len(mine) - p - f
+    return tally(v["passed"] for v in vs if v["impl"] == impl)
 
 
 def judged_nothing(table: pa.Table, groups: dict[str, list[str]] | None = None) -> dict[str, str]:

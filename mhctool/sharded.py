@@ -242,7 +242,9 @@ def run(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sh
         bad = next(((r, p[key]) for r, p in enumerate(parts) if p[key]), None)
         if bad:
             outputs = None if key == "fwd_error" else _joined(parts, dev)[0]
-            return ImplResult(outputs=outputs, **{key: f"rank {bad[0]}: {bad[1]}"})
+            refused = parts[bad[0]].get("fwd_refused") if key == "fwd_error" else None
+            return ImplResult(outputs=outputs, fwd_refused=refused and f"rank {bad[0]}: {refused}",
+                              **{key: f"rank {bad[0]}: {bad[1]}"})
     outputs, grads = _joined(parts, dev)
     grads.update({k: g.to(dev) for k, g in parts[0]["reduced"].items()})
     returned = {k: v for p in parts for k, v in p["returned"].items()}

@@ -62,18 +62,13 @@ def load(target: str):
 
 def layout(m) -> tuple[str, object]:
     """("github", its modeling ops) or ("pip", its kernel functions) or ("", None)."""
-    try:
-        ops = importlib.import_module(f"{m.__name__}.modeling.mhc.ops")
-        if hasattr(ops, "sinkhorn_normalize"):
-            return "github", ops
-    except ImportError:
-        pass
-    try:
-        kernels = importlib.import_module(f"{m.__name__}.mhc")
-        if hasattr(kernels, "mhc_sinkhorn_fwd"):
-            return "pip", kernels
-    except ImportError:
-        pass
+    for kind, sub, marker in (("github", "modeling.mhc.ops", "sinkhorn_normalize"), ("pip", "mhc", "mhc_sinkhorn_fwd")):
+        try:
+            found = importlib.import_module(f"{m.__name__}.{sub}")
+        except ImportError:
+            continue
+        if hasattr(found, marker):
+            return kind, found
     return "", None
 
 
