@@ -7,6 +7,7 @@
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh isolation", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh repro", carry=[".device"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh train", carry=[".device", ".anchors"])
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh spread", carry=[".device"], kind="nvidia-h100-x4")
 #   run(command="bash dev/gpu-session.sh tilekernels", carry=[".tilelang", ".anchors"])  (no .device: 64 MiB)
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
 #   "bwd" the backward tiles of issue 20; "verify" is the short check after a kernel change)
@@ -20,6 +21,10 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 phase="${1:-checks}"
 m() { python3 -m mhctool.cli "$@"; }
 step() { echo; echo "=== $* ($(date +%T))"; }
+# two reports' rows, the run id aside: the same, or not
+cmp_rows() { python3 -c "import sys, math, pyarrow.parquet as pq
+rows = [[{k: ('nan' if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in pq.read_table(p).drop(['run_id']).to_pylist()] for p in sys.argv[1:]]
+print('rows', [len(r) for r in rows], 'identical' if rows[0] == rows[1] else 'DIFFERENT')" "$@"; }
 
 case "$phase" in
 checks)
@@ -92,9 +97,6 @@ isolation)
   # its fp32 tiny_norm backward must be a failed row, no error row), CUDA IPC's cost at the paper
   # shape, and two workers on one GPU against one (the same rows). ISO_STEPS picks steps.
   {
-    cmp_rows() { python3 -c "import sys, math, pyarrow.parquet as pq
-rows = [[{k: ('nan' if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in pq.read_table(p).drop(['run_id']).to_pylist()] for p in sys.argv[1:]]
-print('rows', [len(r) for r in rows], 'identical' if rows[0] == rows[1] else 'DIFFERENT')" "$@"; }
     for s in ${ISO_STEPS:-tests m3828 cost workers}; do case $s in
     tests)
       step "pytest -m gpu -k 'context or cross' (a backward in a fresh worker; CUDA tensors to a worker by IPC)"
@@ -233,6 +235,38 @@ tilekernels)
         --repeats 10 -o "$out/tk-bench.parquet" ;;
     esac; done
   } 2>&1 | tee "$out/tilekernels.log"
+  ;;
+spread)
+  # issue 63: where a spread run's time goes, and the speed-up over 1, 2 and 4 GPUs (the same rows
+  # each time). SPREAD_STEPS picks steps: paper (three paper-shape kernels, Triton, --no-isolate)
+  # and gate (scenarios/gpu-gate-suite.toml); SPREAD_GPUS the GPU counts (default: 1 2 and 4 where present).
+  {
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    have=$(nvidia-smi -L | wc -l)
+    for s in ${SPREAD_STEPS:-paper gate}; do
+      for g in ${SPREAD_GPUS:-1 2 4}; do
+        [ "$g" -gt "$have" ] && continue
+        vis=$(seq -s, 0 $((g - 1)))
+        w=$([ "$g" = 1 ] && echo 1 || echo auto)
+        case $s in
+        paper)
+          step "paper: parity --scenario paper --kernel ${SPREAD_KERNELS:-h_aggregate,h_post_bda,proj_rms} --impl triton --no-isolate, $g GPU(s), --workers $w"
+          t0=$SECONDS
+          CUDA_VISIBLE_DEVICES=$vis timeout --foreground -s INT "${PAPER_LIMIT:-200}" python3 -m mhctool.cli parity --scenario paper \
+            --kernel "${SPREAD_KERNELS:-h_aggregate,h_post_bda,proj_rms}" --impl triton --no-isolate --workers $w --profile \
+            -o "$out/paper-g$g.parquet" --quiet
+          echo "paper $g GPU(s) wall $((SECONDS - t0)) s" ;;
+        gate)
+          step "gate: --suite scenarios/gpu-gate-suite.toml, $g GPU(s), --workers $w"
+          t0=$SECONDS
+          CUDA_VISIBLE_DEVICES=$vis timeout --foreground -s INT "${GATE_LIMIT:-200}" python3 -m mhctool.cli gate \
+            --suite scenarios/gpu-gate-suite.toml --workers $w -o "$out/gate-g$g.parquet" --junit /tmp/g.xml --summary /tmp/g.md 2>&1 | tail -4
+          echo "gate $g GPU(s) wall $((SECONDS - t0)) s" ;;
+        esac
+      done
+      for g in 2 4; do [ -f "$out/$s-g$g.parquet" ] && cmp_rows "$out/$s-g1.parquet" "$out/$s-g$g.parquet"; done
+    done
+  } 2>&1 | tee "$out/spread.log"
   ;;
 bench)
   # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is

@@ -6,7 +6,7 @@ A suite (TOML)::
 
     [[parity]]                      # any number: a parity run, one JUnit case per verdict
     name = "fused-sinkhorn"         # optional
-    kernel = "sinkhorn"             # a kernel or "all"
+    kernel = "sinkhorn"             # a kernel, a group (all, mhc, moe) or a comma-separated list
     impls = ["triton"]              # default: every built-in one available here; file.py:fn
                                     # paths are relative to the suite file
     scenario = "parity-default"     # built-in name or TOML path (relative to the suite file)
@@ -44,6 +44,7 @@ A suite (TOML)::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
@@ -123,11 +124,10 @@ def load_suite(path: str | os.PathLike) -> Suite:
         where = f"parity[{i}]"
         _check_keys(src, where, item, PARITY_KEYS)
         kernel = item.get("kernel", "all")
-        if kernel != "all":
-            try:
-                registry.get_family(kernel)
-            except UsageError as e:
-                raise _err(src, f"{where}.kernel", str(e)) from None
+        try:  # a name, a group (all, mhc, moe) or a comma-separated list, as --kernel takes
+            parity.kernels_of(kernel)
+        except UsageError as e:
+            raise _err(src, f"{where}.kernel", str(e)) from None
         impls = [_impl_spec(base, spec) for spec in item.get("impls", [])]
         if impls:
             item = {**item, "impls": impls}
@@ -259,41 +259,46 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             if mine(unit - 1):
                 yield unit - 1, item
 
-    for item in suite.parity:
-        if interrupted():
-            break
-        dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
-        plan = parity.plan(parity.kernels_of(item.get("kernel", "all")), item.get("impls"),
-                           device=item.get("device", device_default), scenario=item.get("scenario"),
-                           dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None,
-                           checks=item.get("checks"), strict=False, conventions=item.get("conventions"),
-                           input_dtypes=item.get("input_dtypes"))
-        units = {c.case_id: unit + j for j, c in enumerate(plan.cases)}
-        unit += len(plan.cases)
-        plan = replace(plan, cases=[c for c in plan.cases if mine(units[c.case_id])])
-        if not plan.cases:
-            continue
-        n = pool.worker_count(workers, plan.cases[0].device, len(plan.cases))
-        item_rows = parity.execute(plan, isolation, interrupted,
-                                   progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
-                                   n, backend, ray_address=ray_address).rows
-        table = to_table(item_rows, "gate", "parity", {})
-        for v in verdicts(table):
-            if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
-                continue  # the baseline ran, but the entry did not ask for it
-            w = v["worst"] or {}
-            label = (f"{v['kernel']}/{v['impl']}/{v['family']}/{v['dtype']}/{v['shape']}"
-                     f"{'/' + v['knobs'] if v['knobs'] != '{}' else ''}/{v['direction']}")
-            msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
-                                   f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
-            cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
-        if not interrupted():
-            _hinted(cases, item["name"], plan, table, isolation)
-        for spec, why in judged_nothing(table, parity.asked_outside(plan)).items():
-            # asked for and judged on no case: no pass (the native rows are no verdict on it)
-            cases.append(Case(item["name"], "parity", f"{item.get('kernel', 'all')}/{spec}/judged",
-                              False, f"judged on no case: every row of it was skipped ({why})",
-                              units[plan.cases[0].case_id]))
+    with contextlib.ExitStack() as stack:
+        pools: dict = {}  # device -> the pool of workers every parity entry on it shares (each starts once)
+        for item in suite.parity:
+            if interrupted():
+                break
+            dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
+            plan = parity.plan(parity.kernels_of(item.get("kernel", "all")), item.get("impls"),
+                               device=item.get("device", device_default), scenario=item.get("scenario"),
+                               dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None,
+                               checks=item.get("checks"), strict=False, conventions=item.get("conventions"),
+                               input_dtypes=item.get("input_dtypes"))
+            units = {c.case_id: unit + j for j, c in enumerate(plan.cases)}
+            unit += len(plan.cases)
+            plan = replace(plan, cases=[c for c in plan.cases if mine(units[c.case_id])])
+            if not plan.cases:
+                continue
+            device = plan.cases[0].device
+            n = pool.worker_count(workers, device, len(plan.cases))
+            if n > 1 and backend == "local" and device not in pools:  # one pool a device for every entry
+                pools[device] = stack.enter_context(pool.Pool(pool.worker_count(workers, device, 1 << 30), device))
+            item_rows = parity.execute(plan, isolation, interrupted,
+                                       progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
+                                       n, backend, ray_address=ray_address, pool=pools.get(device)).rows
+            table = to_table(item_rows, "gate", "parity", {})
+            for v in verdicts(table):
+                if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
+                    continue  # the baseline ran, but the entry did not ask for it
+                w = v["worst"] or {}
+                label = (f"{v['kernel']}/{v['impl']}/{v['family']}/{v['dtype']}/{v['shape']}"
+                         f"{'/' + v['knobs'] if v['knobs'] != '{}' else ''}/{v['direction']}")
+                msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
+                                       f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
+                cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
+            if not interrupted():
+                _hinted(cases, item["name"], plan, table, isolation)
+            for spec, why in judged_nothing(table, parity.asked_outside(plan)).items():
+                # asked for and judged on no case: no pass (the native rows are no verdict on it)
+                cases.append(Case(item["name"], "parity", f"{item.get('kernel', 'all')}/{spec}/judged",
+                                  False, f"judged on no case: every row of it was skipped ({why})",
+                                  units[plan.cases[0].case_id]))
     for k, item in whole(suite.goldens):
         metrics = item.get("metrics")
         for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),

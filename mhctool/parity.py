@@ -187,14 +187,16 @@ def check_poolable(p: Plan) -> None:
 
 def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Callable[[], bool] = lambda: False,
             progress: Callable[[Case], None] | None = None, workers: int = 1, backend: str = "local",
-            finished: Callable[[Case], None] | None = None, ray_address: str | None = None) -> Outcome:
+            finished: Callable[[Case], None] | None = None, ray_address: str | None = None,
+            pool=None) -> Outcome:
     """Run every case of the plan (the native implementation always, as the baseline); stops
     before the next case once ``interrupted()`` is true. ``progress(case)``: called as each
     starts, ``finished(case)`` as each ends. ``workers`` > 1 or ``backend`` ray: the cases are
-    spread over processes (:mod:`mhctool.pool`); the rows come back in the plan's order."""
+    spread over processes (:mod:`mhctool.pool`); the rows come back in the plan's order.
+    ``pool``: a :class:`mhctool.pool.Pool` kept by the caller, whose workers run the cases."""
     t0 = time.perf_counter()
     if workers > 1 or backend != "local":
-        o = _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address)
+        o = _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address, pool)
         o.wall = time.perf_counter() - t0
         return o
     rows: list[dict] = []
@@ -218,7 +220,7 @@ def execute(p: Plan, isolation: runner.Isolation | None = None, interrupted: Cal
     return Outcome(rows, done, interrupted(), timings, time.perf_counter() - t0)
 
 
-def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address) -> Outcome:
+def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address, into) -> Outcome:
     from . import pool
     check_poolable(p)
     iso = None if isolation is None else pool.IsolationSettings(isolation.transport, isolation.case_timeout)
@@ -229,7 +231,7 @@ def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backen
              for c in p.cases]
     spread = pool.run_cases(jobs, names, workers, backend, interrupted,
                             progress and (lambda i: progress(p.cases[i])),
-                            finished and (lambda i: finished(p.cases[i])), ray_address)
+                            finished and (lambda i: finished(p.cases[i])), ray_address, into)
     rows = [r for case_rows in spread.rows if case_rows is not None for r in case_rows]
     return Outcome(rows, sum(r is not None for r in spread.rows), spread.interrupted, spread.timings)
 

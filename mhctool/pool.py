@@ -190,26 +190,66 @@ class Spread:
 def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers: int, backend: str = "local",
               interrupted: Callable[[], bool] = lambda: False,
               started: Callable[[int], None] | None = None, finished: Callable[[int], None] | None = None,
-              ray_address: str | None = None) -> Spread:
+              ray_address: str | None = None, into: "Pool | None" = None) -> Spread:
     """Run ``jobs`` on ``workers`` processes (``backend`` local) or as Ray tasks; ``impl_names``:
-    per job, the (name, backend) pairs that get error rows if its case is lost."""
+    per job, the (name, backend) pairs that get error rows if its case is lost. ``into``: a
+    :class:`Pool` whose workers (already started, their kernels compiled) run them; otherwise a
+    pool of ``workers`` for this run alone."""
     if check_backend(backend) == "ray":
         return _run_ray(jobs, impl_names, interrupted, started, finished, ray_address)
-    from .isolation import Worker
-    from .runner import device_memory
-    device = jobs[0].case.device if jobs else "cpu"
-    memory = _Memory(0.9 * device_memory(device))
-    results: list = [None] * len(jobs)
-    todo = _Segments(len(jobs), workers)
-    abort = threading.Event()  # set when the run must stop at once: in-flight cases are abandoned
-    timings: dict = {}
-    lock = threading.Lock()
+    if into is not None:
+        return into.run(jobs, impl_names, interrupted, started, finished, workers)
+    with Pool(workers, jobs[0].case.device if jobs else "cpu") as p:
+        return p.run(jobs, impl_names, interrupted, started, finished)
 
-    def serve(index: int) -> None:
-        env = worker_env(index, device, workers)
-        place = env.get("CUDA_VISIBLE_DEVICES", device)  # the workers that share a device share its memory
-        pool_worker = Worker(daemon=False, env=env)
-        try:
+
+class Pool:
+    """``size`` worker processes kept from one run of cases to the next: a gate's parity entries
+    share them, so each worker starts, initialises CUDA and loads (or compiles) a kernel once for
+    the whole suite rather than once an entry. Workers start at their first case; one that died
+    or was stopped starts again at its next. :meth:`close` (or leaving the ``with``) stops them."""
+
+    def __init__(self, size: int, device: str):
+        from .runner import device_memory
+        self.size, self.device = max(1, size), device
+        self.memory = _Memory(0.9 * device_memory(device))
+        self.workers: list = [None] * self.size
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w is not None:
+                w.stop()
+        self.workers = [None] * self.size
+
+    def _worker(self, index: int):
+        if self.workers[index] is None:
+            from .isolation import Worker
+            self.workers[index] = Worker(daemon=False, env=worker_env(index, self.device, self.size))
+        return self.workers[index]
+
+    def run(self, jobs: list[Job], impl_names: list[list[tuple[str, str]]],
+            interrupted: Callable[[], bool] = lambda: False,
+            started: Callable[[int], None] | None = None, finished: Callable[[int], None] | None = None,
+            workers: int | None = None) -> Spread:
+        """Run ``jobs`` on the first ``workers`` (all by default) of the pool's processes; rows
+        per job in the jobs' order."""
+        n = max(1, min(workers or self.size, self.size, len(jobs) or 1))
+        results: list = [None] * len(jobs)
+        todo = _Segments(len(jobs), n)
+        abort = threading.Event()  # set when the run must stop at once: in-flight cases are abandoned
+        timings: dict = {}
+        lock = threading.Lock()
+
+        def serve(index: int) -> None:
+            env = worker_env(index, self.device, self.size)
+            place = env.get("CUDA_VISIBLE_DEVICES", self.device)  # the workers that share a device share its memory
+            pool_worker = self._worker(index)
             while not (interrupted() or abort.is_set()):  # an interrupt: no new case, the ones in hand finish
                 i = todo.take(index)
                 if i is None:
@@ -217,8 +257,9 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
                 if started:
                     started(i)
                 t0 = time.perf_counter()
-                value = _run_job(pool_worker, jobs[i], impl_names[i], abort.is_set, memory, place)
+                value = _run_job(pool_worker, jobs[i], impl_names[i], abort.is_set, self.memory, place)
                 if value is None or value["abandoned"]:
+                    pool_worker.stop()
                     return
                 spent = time.perf_counter() - t0
                 inside = value.get("timings") or {}
@@ -228,23 +269,22 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
                 results[i] = value["rows"]
                 if finished:
                     finished(i)
-        finally:
-            pool_worker.stop()
 
-    threads = [threading.Thread(target=serve, args=(k,), name=f"mhctool-worker-{k}", daemon=True)
-               for k in range(workers)]
-    for t in threads:
-        t.start()
-    try:
+        threads = [threading.Thread(target=serve, args=(k,), name=f"mhctool-worker-{k}", daemon=True)
+                   for k in range(n)]
         for t in threads:
-            while t.is_alive():
-                t.join(0.1)
-    except BaseException:  # a second Ctrl-C: the workers are stopped before the run ends
-        abort.set()
-        for t in threads:
-            t.join(30)
-        raise
-    return Spread(results, interrupted(), timings)
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.1)
+        except BaseException:  # a second Ctrl-C: the workers are stopped before the run ends
+            abort.set()
+            for t in threads:
+                t.join(30)
+            self.close()
+            raise
+        return Spread(results, interrupted(), timings)
 
 
 class _Segments:

@@ -109,6 +109,24 @@ def test_gate_slices_merge_into_one_gate(tmp_path):
     assert merged[1].read_bytes() == whole[1].read_bytes() and merged[2].read_text() == whole[2].read_text()
 
 
+def test_a_gates_parity_entries_share_one_pool_of_workers(tmp_path, monkeypatch):
+    """Each worker starts (imports, initialises CUDA, compiles) once for the suite, not once an
+    entry: two entries of three cases on two workers start two processes."""
+    sc = _scenario(tmp_path, shapes=("8x2x4x1", "9x1x4x3", "5x3x4x1"))
+    entry = f'kernel = "sinkhorn"\nimpls = ["torch"]\nscenario = "{sc.name}"\ndevice = "cpu"\n'
+    suite = tmp_path / "suite.toml"
+    suite.write_text(f'name = "g"\n[[parity]]\nname = "a"\n{entry}[[parity]]\nname = "b"\n{entry}')
+    starts = []
+    real = Worker._start
+    monkeypatch.setattr(Worker, "_start", lambda self: (starts.append(self), real(self)))
+    res = cli.invoke(app, ["gate", "--suite", str(suite), "--no-isolate", "--workers", "2", "-o",
+                           str(tmp_path / "g.parquet"), "--junit", str(tmp_path / "g.xml"), "--summary",
+                           str(tmp_path / "g.md")])
+    assert res.exit_code == 0, res.output
+    assert "24 passed" in " ".join(res.output.split()), res.output
+    assert len(starts) == 2 and len(set(map(id, starts))) == 2
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--workers", "0"], "--workers '0' must be at least 1"),
     (["--workers", "two"], "malformed --workers 'two'"),
