@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -625,6 +626,7 @@ def gate(
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only the I-th of N deterministic slices of the suite (a CI matrix); join the reports with mhctool report merge."),
     backend: str = typer.Option("local", "--backend", help="local (worker processes here) or ray: one Ray task per parity case (needs pip install ray)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to join (default: a local one)."),
+    show_profile: bool = typer.Option(False, "--profile", help="Print where the parity entries' time went (as parity --profile does, summed over the entries); the report keeps it in any case."),
 ):
     """Run a suite of checks as one CI verdict: exit 0 pass, 1 a failure, 2 bad input."""
     from . import gate as gate_mod
@@ -643,17 +645,25 @@ def gate(
     def progress(what: str) -> None:
         log.done += 1
         log.now = what
+    timings: dict = {}
+    t0 = time.perf_counter()
     try:
         with interrupts, log:
             cases = gate_mod.run_suite(s, dev, progress=progress, isolation=iso, interrupted=interrupts, shard=cut,
-                                       workers=n_workers, backend=backend, ray_address=ray_address)
+                                       workers=n_workers, backend=backend, ray_address=ray_address, timings=timings)
     finally:
         if iso is not None:
             iso.close()
+    wall = time.perf_counter() - t0
     rows = [{"suite": s.name, "entry": c.suite_item, "kind": c.kind, "name": c.name, "passed": c.passed,
              "message": c.message} for c in cases]
     settings = {"command": "gate", "suite": str(suite), "suite_name": s.name, "isolate": iso is not None,
-                "interrupted": interrupts.requested, "workers": workers or 1, "backend": backend}
+                "interrupted": interrupts.requested, "workers": workers or 1, "backend": backend,
+                "profile": {k: round(v, 4) for k, v in timings.items()}, "wall_s": round(wall, 3)}
+    if show_profile:
+        from .profile import lines
+        for line in lines(timings, wall, pool.worker_count(n_workers, dev, 1 << 30) if n_workers != 1 else 1):
+            out.print(line, markup=False)
     if cut is not None:
         settings |= {"shard": f"{cut[0]}/{cut[1]}", "units": [c.unit for c in cases]}
     if gate_mod.hints_of(cases):

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import goldens as G
-from . import parity, registry
+from . import parity, profile, registry
 from . import stability as st
 from . import scenario as scenario_mod
 from .dtypes import parse_dtype
@@ -233,7 +233,7 @@ def _impl_spec(base: Path, spec: str) -> str:
 
 def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
               interrupted=lambda: False, shard: tuple[int, int] | None = None, workers: int | str = 1,
-              backend: str = "local", ray_address: str | None = None) -> list[Case]:
+              backend: str = "local", ray_address: str | None = None, timings: dict | None = None) -> list[Case]:
     """Run every entry; returns one JUnit case per verdict, metric check or configuration.
     ``isolation``: the runner's Isolation for the implementations under test (a crash fails its
     entry's case and the suite goes on); ``interrupted()`` true: no new case or entry starts.
@@ -242,7 +242,8 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
     entry, then each goldens, stability, train and goldens_check entry whole. ``shard`` (I, N) runs the
     units whose number is I-1 modulo N; each JUnit case carries its unit, so ``mhctool report
     merge`` puts the slices back in the order one run has. ``workers``/``backend``: parity cases
-    spread over processes (:mod:`mhctool.pool`)."""
+    spread over processes (:mod:`mhctool.pool`). ``timings``: the parity entries' phases are added
+    to it (:mod:`mhctool.profile`)."""
     from . import pool
     cases: list[Case] = []
     unit = 0
@@ -279,9 +280,12 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             n = pool.worker_count(workers, device, len(plan.cases))
             if n > 1 and backend == "local" and device not in pools:  # one pool a device for every entry
                 pools[device] = stack.enter_context(pool.Pool(pool.worker_count(workers, device, 1 << 30), device))
-            item_rows = parity.execute(plan, isolation, interrupted,
-                                       progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
-                                       n, backend, ray_address=ray_address, pool=pools.get(device)).rows
+            outcome = parity.execute(plan, isolation, interrupted,
+                                     progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
+                                     n, backend, ray_address=ray_address, pool=pools.get(device))
+            item_rows = outcome.rows
+            if timings is not None:
+                profile.add(timings, outcome.timings)
             table = to_table(item_rows, "gate", "parity", {})
             for v in verdicts(table):
                 if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:

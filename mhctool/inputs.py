@@ -8,6 +8,8 @@ every device), then the runner casts them: activations to the case dtype, mappin
 """
 from __future__ import annotations
 
+import concurrent.futures
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,12 +29,43 @@ class InputFamily:
     reshape: Callable[[Shape], Shape] = field(default=lambda s: s)
 
 
+# A CPU generator draws one value after another on one core: the 940 million values of a
+# paper-shape activation took 5 s, and a paper-shape case's inputs and upstream gradients more
+# than half of its run on an H200. A tensor of BIG values or more is drawn in blocks of BLOCK
+# values instead, each from a generator of its own seeded from one draw of the case's, the blocks
+# on threads: the values depend on the seed and the shape only, not on the thread count.
+BIG = 1 << 24
+BLOCK = 1 << 22
+
+
 def _randn(g, *shape):
-    return torch.randn(*shape, generator=g, dtype=torch.float32, device=g.device)
+    if _blockwise(g, shape):
+        return _blocks(g, shape, lambda t, gb: t.normal_(generator=gb))
+    return torch.randn(shape, generator=g, dtype=torch.float32, device=g.device)
 
 
 def _rand(g, *shape):
-    return torch.rand(*shape, generator=g, dtype=torch.float32, device=g.device)
+    if _blockwise(g, shape):
+        return _blocks(g, shape, lambda t, gb: t.uniform_(generator=gb))
+    return torch.rand(shape, generator=g, dtype=torch.float32, device=g.device)
+
+
+def _blockwise(g, shape) -> bool:
+    return g.device.type == "cpu" and math.prod(shape) >= BIG
+
+
+def _blocks(g, shape, fill) -> torch.Tensor:
+    """A float32 tensor of ``shape`` filled BLOCK values at a time by ``fill(view, generator)``."""
+    seed = int(torch.randint(0, 1 << 62, (1,), generator=g))
+    out = torch.empty(math.prod(shape), dtype=torch.float32)
+
+    def one(k: int) -> None:
+        fill(out[k * BLOCK:(k + 1) * BLOCK], torch.Generator().manual_seed(seed + k))
+
+    blocks = -(-out.numel() // BLOCK)
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(blocks, torch.get_num_threads(), 32))) as ex:
+        list(ex.map(one, range(blocks)))  # the fills release the GIL
+    return out.view(*shape)
 
 
 def _log_uniform(g, lo, hi, *shape):
@@ -379,7 +412,4 @@ def upstream_grads(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]
     view in another memory order (a library's layout, seen through the adapter's transpose) gets its
     gradient in that order, so the library's backward is not charged for a copy into its layout."""
     g = torch.Generator().manual_seed(seed + 0x5EED)
-    return [
-        torch.empty_like(o).copy_(torch.randn(o.shape, generator=g, dtype=torch.float32))
-        for o in outputs
-    ]
+    return [torch.empty_like(o).copy_(_randn(g, *o.shape)) for o in outputs]

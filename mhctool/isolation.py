@@ -3,8 +3,10 @@
 A :class:`Worker` is a child Python process (CUDA initialised afresh there) that calls
 ``module:function`` jobs and sends the result back. It is forked from a fork server that has
 imported torch once (a worker starts in about 0.3 s instead of 1.5 s on a 2-core CPU), and
-takes the parent's environment as it is when the worker starts; a worker with variables of its
-own (``env``, read when torch is imported) is spawned from a fresh interpreter instead. Whatever
+takes the parent's environment as it is when the worker starts, with the worker's own variables
+(``env``) on top where they are read after the fork (``CUDA_VISIBLE_DEVICES``: CUDA starts in the
+child); a worker with variables read when torch is imported (thread counts, OpenMP's wait
+policy) is spawned from a fresh interpreter instead. Whatever
 the code under test does to its process (exits, a signal such as SIGSEGV or SIGABRT, a hang, a CUDA fault that poisons the
 context) becomes a :class:`Failure` with one sentence saying what happened; the worker is then
 replaced and the next job runs in a fresh one.
@@ -42,6 +44,8 @@ import torch.multiprocessing as tmp
 
 TRANSPORTS = ("shm", "host", "file")
 _ENVIRON_LOCK = threading.Lock()
+# variables a child may set after the fork server's fork: read when CUDA starts, not at import
+LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES"}
 
 
 @dataclass(frozen=True)
@@ -236,9 +240,22 @@ class Worker:
         self._proc = None
         self._conn = None
 
+    def start(self) -> Failure | None:
+        """Start the process now (a call starts it otherwise); None, or why it did not start."""
+        if self._proc is None:
+            try:
+                self._start()
+            except RuntimeError as e:
+                return Failure("lost", str(e))
+        return None
+
     def _start(self) -> None:
-        # variables of its own are read when torch is imported: a fresh interpreter for those
-        ctx, environ = child_context(spawn=bool(self.env))
+        # variables read when torch is imported (thread counts, OpenMP's wait policy) need a fresh
+        # interpreter; CUDA_VISIBLE_DEVICES is read when CUDA starts, in the child, so a child of
+        # the fork server (torch imported once there) takes it
+        ctx, environ = child_context(spawn=bool(set(self.env) - LATE_VARIABLES))
+        if environ is not None:
+            environ.update(self.env)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, environ), daemon=self.daemon)
         with _ENVIRON_LOCK:  # the child starts with its variables (thread counts are read at import)
@@ -288,11 +305,9 @@ class Worker:
              timeout: float | None = None, interrupted=lambda: False) -> tuple[Any, Failure | None]:
         """``(value, None)`` or ``(None, failure)``. ``interrupted()`` is polled while waiting: when
         it turns true the job is abandoned (the worker killed) as a ``lost`` failure."""
-        if self._proc is None:
-            try:
-                self._start()
-            except RuntimeError as e:
-                return None, Failure("lost", str(e))
+        failure = self.start()
+        if failure is not None:
+            return None, failure
         packed = _Packed((tuple(args), dict(kwargs or {})), self.transport, self.folder, copy_cuda=True)
         try:
             self._conn.send((target, packed))

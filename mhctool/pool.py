@@ -114,14 +114,16 @@ def cores() -> int:
 
 
 def worker_env(index: int, device: str, workers: int = 1) -> dict[str, str]:
-    """The environment of worker ``index`` of ``workers``: on a GPU machine, its GPU (round-robin).
-    Idle OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``): two workers whose
-    threads spun for the cores made two workers on 2 cores slower than one. The thread counts
+    """The environment of worker ``index`` of ``workers``: on a GPU machine, its GPU (round-robin),
+    which a child of the fork server takes (no interpreter of its own to start). On a CPU, idle
+    OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, read at import: a fresh
+    interpreter): two workers whose threads spun for the cores made two workers on 2 cores slower
+    than one. The thread counts
     stay as in one process: PyTorch's CPU sums split their work by the thread count, so fewer
     threads a worker changed the last bits of 119 of 13,296 rows of the default run."""
     gpus = visible_gpus() if device == "cuda" else []
     env = {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else {}
-    if workers > 1:
+    if workers > 1 and device == "cpu":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env
 
@@ -140,10 +142,13 @@ def case_job(job: Job) -> dict:
         if iso is None:
             iso = _isolations[job.isolation] = runner.Isolation(transport=job.isolation.transport,
                                                                 case_timeout=job.isolation.case_timeout)
+    t0 = time.perf_counter()
     impls = registry.resolve_impls(job.case.kernel, list(job.specs))
+    resolving = time.perf_counter() - t0
     res = runner.run_case(job.case, impls, job.rule, job.matmul_precision, iso, job.conventions,
                           job.checks, job.repeats, input_dtypes=job.input_dtypes)
-    return {"rows": res.rows, "abandoned": res.abandoned, "timings": res.timings}
+    return {"rows": res.rows, "abandoned": res.abandoned,
+            "timings": profile.add(res.timings, {profile.RESOLVING: resolving})}
 
 
 def job_timeout(job: Job, impls: int) -> float:
@@ -250,6 +255,10 @@ class Pool:
             env = worker_env(index, self.device, self.size)
             place = env.get("CUDA_VISIBLE_DEVICES", self.device)  # the workers that share a device share its memory
             pool_worker = self._worker(index)
+            t0 = time.perf_counter()
+            if pool_worker.start() is None:  # a worker that did not start fails at its first case
+                with lock:
+                    profile.add(timings, {profile.START: time.perf_counter() - t0})
             while not (interrupted() or abort.is_set()):  # an interrupt: no new case, the ones in hand finish
                 i = todo.take(index)
                 if i is None:

@@ -1,8 +1,8 @@
 """Where a run's time goes: named phases timed inside each case (the inputs, the native run, the
 float64 reference, each implementation with its first call in the process apart, which is where
 Triton, cuTile and TileLang compile, judging, the reproducibility checks), returned with the
-case's rows and summed per run; a pool adds what is spent outside the cases (worker start,
-transfers, waiting). ``mhctool parity --profile`` prints the sums; every parity report keeps them
+case's rows and summed per run; a pool adds its workers' start and what is spent outside the
+cases (transfers, waiting for memory on the device). ``mhctool parity --profile`` prints the sums; every parity report keeps them
 in its run metadata (``profile``)."""
 from __future__ import annotations
 
@@ -50,17 +50,19 @@ def add(total: dict, part: dict | None) -> dict:
     return total
 
 
-OUTSIDE = "outside the cases (worker start, transfers, waiting)"
+OUTSIDE = "outside the cases (transfers, waiting)"
+START = "worker start (a process and its imports)"
+RESOLVING = "resolving the implementations (imports)"
 
 
 def lines(timings: dict, wall: float, workers: int) -> list[str]:
     """The profile as text: the wall time, the busy share of the workers, then each phase's
     seconds and share of the time inside the cases, largest first."""
-    inside = sum(v for k, v in timings.items() if k != OUTSIDE)
+    inside = sum(v for k, v in timings.items() if k not in (OUTSIDE, START))
     busy = inside / (wall * max(1, workers)) if wall > 0 else 0.0
     out = [f"profile: {wall:.1f} s wall, {inside:.1f} s inside the cases over {workers} process(es) "
            f"({100 * busy:.0f}% busy)"]
     for k, v in sorted(timings.items(), key=lambda kv: -kv[1]):
-        share = f"{100 * v / inside:5.1f}%" if inside and k != OUTSIDE else "     "
+        share = f"{100 * v / inside:5.1f}%" if inside and k not in (OUTSIDE, START) else "     "
         out.append(f"  {v:8.2f} s {share}  {k}")
     return out
