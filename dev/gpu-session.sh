@@ -238,7 +238,7 @@ tilekernels)
   ;;
 spread)
   # issue 63: where a spread run's time goes, and the speed-up over 1, 2 and 4 GPUs (the same rows
-  # each time). SPREAD_STEPS picks steps: paper (three paper-shape kernels, Triton, --no-isolate)
+  # each time). SPREAD_STEPS picks steps: paper (the paper scenario, Triton, --no-isolate; SPREAD_KERNELS narrows it)
   # and gate (scenarios/gpu-gate-suite.toml); SPREAD_GPUS the GPU counts (default: 1 2 and 4 where present).
   {
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -250,17 +250,17 @@ spread)
         w=$([ "$g" = 1 ] && echo 1 || echo auto)
         case $s in
         paper)
-          step "paper: parity --scenario paper --kernel ${SPREAD_KERNELS:-h_aggregate,h_post_bda,proj_rms} --impl triton --no-isolate, $g GPU(s), --workers $w"
+          step "paper: parity --scenario paper --kernel ${SPREAD_KERNELS:-all} --impl triton --no-isolate, $g GPU(s), --workers $w"
           t0=$SECONDS
           CUDA_VISIBLE_DEVICES=$vis timeout --foreground -s INT "${PAPER_LIMIT:-200}" python3 -m mhctool.cli parity --scenario paper \
-            --kernel "${SPREAD_KERNELS:-h_aggregate,h_post_bda,proj_rms}" --impl triton --no-isolate --workers $w --profile \
+            --kernel "${SPREAD_KERNELS:-all}" --impl triton --no-isolate --workers $w --profile \
             -o "$out/paper-g$g.parquet" --quiet
           echo "paper $g GPU(s) wall $((SECONDS - t0)) s" ;;
         gate)
           step "gate: --suite scenarios/gpu-gate-suite.toml, $g GPU(s), --workers $w"
           t0=$SECONDS
           CUDA_VISIBLE_DEVICES=$vis timeout --foreground -s INT "${GATE_LIMIT:-200}" python3 -m mhctool.cli gate \
-            --suite scenarios/gpu-gate-suite.toml --workers $w -o "$out/gate-g$g.parquet" --junit /tmp/g.xml --summary /tmp/g.md 2>&1 | tail -4
+            --suite scenarios/gpu-gate-suite.toml --workers $w --profile -o "$out/gate-g$g.parquet" --junit /tmp/g.xml --summary /tmp/g.md 2>&1 | tail -16
           echo "gate $g GPU(s) wall $((SECONDS - t0)) s" ;;
         esac
       done

@@ -53,6 +53,7 @@ def add(total: dict, part: dict | None) -> dict:
 OUTSIDE = "outside the cases (transfers, waiting)"
 START = "worker start (a process and its imports)"
 RESOLVING = "resolving the implementations (imports)"
+REST = "the rest of the case (moving inputs, freeing memory)"
 
 
 def lines(timings: dict, wall: float, workers: int) -> list[str]:

@@ -5,6 +5,7 @@ import functools
 import hashlib
 import json
 import math
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -259,10 +260,12 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
              conventions: dict | None = None, checks: tuple[str, ...] = (), repeats: int = 3,
              sharding=None, input_dtypes: dict | None = None) -> CaseResult:
     """:func:`_run_case`, its phases timed (``CaseResult.timings``, :mod:`mhctool.profile`)."""
+    t0 = time.perf_counter()
     with profile.case() as timings:
         result = _run_case(case, impls, rule, matmul_precision, isolation, conventions, checks, repeats, sharding,
                            input_dtypes)
-    result.timings = timings
+    rest = time.perf_counter() - t0 - sum(timings.values())
+    result.timings = profile.add(timings, {profile.REST: max(0.0, rest)})
     return result
 
 
@@ -593,12 +596,17 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
     native and float64 functions of the family's signature (mhctool identify's variants that are
     no family knob); the defaults are the family's."""
     references = {} if references is None else references
+    made: list = []  # the upstream gradients the native backward took: drawn once (a paper-shape set is GBs)
+
+    def upstream_of(outs):
+        made.append(upstream_for(fam, outs, case.seed))
+        return made[-1]
     with profile.phase("native (the baseline)"):
-        native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs,
-                          lambda outs: upstream_for(fam, outs, case.seed))
-    if native.fwd_error or native.outputs is None:
-        raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
-    upstream = upstream_for(fam, native.outputs, case.seed)  # seeded from shapes: the same at every precision
+        native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs, upstream_of)
+        if native.fwd_error or native.outputs is None:
+            raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
+        # seeded from shapes: the same at every precision (the native backward does not write into them)
+        upstream = made[0] if made else upstream_for(fam, native.outputs, case.seed)
     if sharding is not None:  # the baseline is the native implementation sharded the same way
         from . import sharded
         if native_impl_ is not None:

@@ -24,33 +24,64 @@ def _parity(tmp_path, *args):
 
 
 CUTILE_FAMILIES = "sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping,mix_aggregate"
-DEFAULT_RUNS = {
-    "triton": ["--kernel", "all", "--impl", "triton"],
-    "cutile-fp32": ["--kernel", CUTILE_FAMILIES, "--impl", "cutile", "--dtype", "fp32"],
-    "cutile-bf16": ["--kernel", CUTILE_FAMILIES, "--impl", "cutile", "--dtype", "bf16"],
+# The CLI runs of this file, started together as child processes when the module starts (only
+# those a selected test reads): their time is mostly compilation (Triton, tileiras) on the CPU, so
+# they overlap each other and the in-process tests; the default scenario's runs also spread their
+# cases over workers on the one GPU. A test marked ``background(name)`` waits for its run.
+TRAIN = ["--device", "cuda", "--steps", "8", "--layers", "2", "--hidden", "128", "--seq", "128", "--batch", "2",
+         "--dtype", "bf16", "-q"]
+BACKGROUND = {
+    "triton": ["parity", "--kernel", "all", "--impl", "triton", "--workers", "4"],
+    "cutile-fp32": ["parity", "--kernel", CUTILE_FAMILIES, "--impl", "cutile", "--dtype", "fp32", "--workers", "2"],
+    "cutile-bf16": ["parity", "--kernel", CUTILE_FAMILIES, "--impl", "cutile", "--dtype", "bf16", "--workers", "2"],
+    "fp16-h_aggregate": ["parity", "--kernel", "h_aggregate", "--impl", "triton", "--dtype", "fp16"],
+    "fp16-h_post_bda": ["parity", "--kernel", "h_post_bda", "--impl", "triton", "--dtype", "fp16"],
+    "defect": ["parity", "--kernel", "sinkhorn", "--dtype", "fp32", "--impl", f"{DEFECTS}:sinkhorn_no_max"],
+    "train-triton": ["train", "--impl", "triton", *TRAIN],
+    "train-cutile": ["train", "--impl", "cutile", *TRAIN],
 }
 
 
-@pytest.fixture(scope="module")
-def default_runs(tmp_path_factory):
-    """The default scenario's parity runs, as three processes at once: their time is mostly
-    compilation (Triton, tileiras), which runs on the CPU, so they overlap well."""
-    d = tmp_path_factory.mktemp("default-runs")
-    procs = {}
-    for name, args in DEFAULT_RUNS.items():
-        cmd = [sys.executable, "-c", "from mhctool.cli import main; main()", "parity", "--device", "cuda",
-               "--quiet", "-o", str(d / f"{name}.parquet"), *args]
-        procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = {}
-    for name, proc in procs.items():
-        text, _ = proc.communicate(timeout=900)
-        path = d / f"{name}.parquet"
-        out[name] = (proc.returncode, text, pq.read_table(path).to_pylist() if path.exists() else [])
-    return out
+class _Background:
+    def __init__(self, folder: Path, names: set):
+        self.folder, self.procs = folder, {}
+        for name in sorted(names):
+            argv = BACKGROUND[name]
+            cmd = [sys.executable, "-m", "mhctool.cli", *argv, "-o", str(folder / f"{name}.parquet")]
+            if argv[0] == "parity":
+                cmd += ["--device", "cuda", "--quiet"]
+            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def __call__(self, name: str):
+        """(exit code, output, report rows, report path) of run ``name``, once it has ended."""
+        text, _ = self.procs[name].communicate(timeout=900)
+        path = self.folder / f"{name}.parquet"
+        return self.procs[name].returncode, text, (pq.read_table(path).to_pylist() if path.exists() else []), path
+
+    def close(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
-def test_triton_parity_default_scenario_on_gpu(default_runs):
-    rc, text, rows = default_runs["triton"]
+@pytest.fixture(scope="module", autouse=True)
+def background(request, tmp_path_factory):
+    names = {m.args[0] for item in request.session.items if item.module is request.module
+             for m in item.iter_markers("background")}
+    if not names or not torch.cuda.is_available():
+        yield None
+        return
+    runs = _Background(tmp_path_factory.mktemp("background"), names)
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
+@pytest.mark.background("triton")
+def test_triton_parity_default_scenario_on_gpu(background):
+    rc, text, rows, _ = background("triton")
     assert rc == 0, text
     tri = [r for r in rows if r["impl"] == "triton"]
     from mhctool.registry import KERNELS
@@ -65,12 +96,18 @@ def test_triton_parity_every_dtype_on_gpu(tmp_path, dtype):
     assert res.exit_code == 0, res.output
 
 
-@pytest.mark.parametrize("kernel", ["h_aggregate", "h_post_bda"])
-def test_triton_fp16_activations_on_gpu(tmp_path, kernel):
+@pytest.mark.background("fp16-h_aggregate")
+def test_triton_fp16_activations_on_gpu_h_aggregate(background):
     """fp16 where the native baseline is meaningful (Sinkhorn and proj_rms in fp16 overflow on
     the amplifying families by design: that is what `stability` is for)."""
-    res, _ = _parity(tmp_path, "--kernel", kernel, "--impl", "triton", "--dtype", "fp16")
-    assert res.exit_code == 0, res.output
+    rc, text, _, _ = background("fp16-h_aggregate")
+    assert rc == 0, text
+
+
+@pytest.mark.background("fp16-h_post_bda")
+def test_triton_fp16_activations_on_gpu_h_post_bda(background):
+    rc, text, _, _ = background("fp16-h_post_bda")
+    assert rc == 0, text
 
 
 @pytest.mark.slow  # inductor compiles for tens of seconds
@@ -100,10 +137,10 @@ def test_sinkhorn_tail_and_n(backend):
         torch.testing.assert_close(gx.double(), gr, rtol=0, atol=5e-5)
 
 
-def test_defect_flagged_on_gpu(tmp_path):
-    res, _ = _parity(tmp_path, "--kernel", "sinkhorn", "--dtype", "fp32",
-                     "--impl", f"{DEFECTS}:sinkhorn_no_max")
-    assert res.exit_code == 1
+@pytest.mark.background("defect")
+def test_defect_flagged_on_gpu(background):
+    rc, text, _, _ = background("defect")
+    assert rc == 1, text
 
 
 def _moe_inputs(experts=8, tokens=4096, hidden=512, ffn=256, dtype=torch.bfloat16):
@@ -169,9 +206,11 @@ def test_fused_grouped_mlp_replays_from_a_cuda_graph():
     assert torch.equal(out, fresh) and not torch.equal(out, eager)
 
 
+@pytest.mark.background("cutile-fp32")
+@pytest.mark.background("cutile-bf16")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cutile_parity_default_scenario_on_gpu(default_runs, dtype):
-    rc, text, rows = default_runs[f"cutile-{dtype}"]
+def test_cutile_parity_default_scenario_on_gpu(background, dtype):
+    rc, text, rows, _ = background(f"cutile-{dtype}")
     assert rc == 0, text
     ct_rows = [r for r in rows if r["impl"] == "cutile"]
     assert {r["kernel"] for r in ct_rows} == set(CUTILE_FAMILIES.split(","))
@@ -583,21 +622,20 @@ def test_hold_gpu_keeps_the_stream_busy():
     assert e0.elapsed_time(e1) >= 15.0
 
 
+@pytest.mark.background("train-triton")
+@pytest.mark.background("train-cutile")
 @pytest.mark.parametrize("impl", ["triton", "cutile"])
-def test_train_on_gpu_stays_with_the_float64_run(tmp_path, impl):
+def test_train_on_gpu_stays_with_the_float64_run(background, impl):
     """mhctool train on the GPU (a small model, bf16 activations): mhctool's kernels in every mHC
     family they have stay with the float64 trajectory within kappa of native's drift."""
     if impl == "cutile":
         from mhctool.environment import cutile_status
         if cutile_status().reason:
             pytest.skip(cutile_status().reason)
-    res = runner.invoke(app, ["train", "--impl", impl, "--device", "cuda", "--steps", "8", "--layers", "2",
-                              "--hidden", "128", "--seq", "128", "--batch", "2", "--dtype", "bf16", "-q",
-                              "-o", str(tmp_path / "t.parquet")])
-    assert res.exit_code == 0, res.output
-    rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    rc, text, rows, path = background(f"train-{impl}")
+    assert rc == 0, text
     import json
-    meta = json.loads(pq.read_schema(tmp_path / "t.parquet").metadata[b"mhctool.run"])
+    meta = json.loads(pq.read_schema(path).metadata[b"mhctool.run"])
     ran = set(meta["pieces"].values())
     assert impl in ran, meta["pieces"]
     assert any(r["metric"] == "mem-max-allocated-bytes" for r in rows)
