@@ -147,6 +147,8 @@ def parity(
     show_profile: bool = typer.Option(False, "--profile", help="Print where the time went: inputs, the native run, the float64 reference, each implementation (its first call in a process, which compiles, apart), judging, checks, and with --workers what was spent outside the cases (the report keeps it in any case)."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
+    from . import pool
+    pool.warm(workers, backend)  # the workers' fork server imports torch while this process plans
     clikit.precheck(kernel, _split([dtype]) if dtype else None, shape, device)
     report.check_writable(out_path)
     dev = _device(device)
@@ -629,13 +631,14 @@ def gate(
     show_profile: bool = typer.Option(False, "--profile", help="Print where the parity entries' time went (as parity --profile does, summed over the entries); the report keeps it in any case."),
 ):
     """Run a suite of checks as one CI verdict: exit 0 pass, 1 a failure, 2 bad input."""
+    from . import pool
+    pool.warm(workers, backend)
     from . import gate as gate_mod
     for path_, what in ((junit, "--junit"), (summary, "--summary"), (out_path, "--out")):
         report.check_writable(path_, what)
     s = gate_mod.load_suite(suite)
     dev = _device(device)
     cut = parity_mod.parse_shard(shard)
-    from . import pool
     n_workers = pool.parse_workers(workers)  # per parity entry: pool.worker_count of its cases
     pool.check_backend(backend)
     interrupts = clikit.Interrupts()

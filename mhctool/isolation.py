@@ -173,8 +173,10 @@ def child_context(spawn: bool = False) -> tuple[Any, dict | None]:
     with ``spawn`` or where there is no fork server (Windows), a fresh interpreter and None."""
     if spawn or "forkserver" not in tmp.get_all_start_methods():
         return tmp.get_context("spawn"), None
+    from .pool import forkserver_started
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(["mhctool.isolation"])
+    forkserver_started(os.environ)  # where the server starts now: with these variables
     return ctx, dict(os.environ)
 
 
@@ -251,9 +253,11 @@ class Worker:
 
     def _start(self) -> None:
         # variables read when torch is imported (thread counts, OpenMP's wait policy) need a fresh
-        # interpreter; CUDA_VISIBLE_DEVICES is read when CUDA starts, in the child, so a child of
-        # the fork server (torch imported once there) takes it
-        ctx, environ = child_context(spawn=bool(set(self.env) - LATE_VARIABLES))
+        # interpreter unless the fork server started with them; CUDA_VISIBLE_DEVICES is read when
+        # CUDA starts, in the child, so a child of the fork server (torch imported there) takes it
+        from .pool import forkserver_has
+        ctx, environ = child_context(spawn=any(k not in LATE_VARIABLES and not forkserver_has(k, v)
+                                               for k, v in self.env.items()))
         if environ is not None:
             environ.update(self.env)
         parent, child = ctx.Pipe()

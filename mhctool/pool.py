@@ -128,6 +128,43 @@ def worker_env(index: int, device: str, workers: int = 1) -> dict[str, str]:
     return env
 
 
+# --- the fork server, started early -------------------------------------------------------------
+
+_forkserver_env: dict | None = None  # the variables the fork server started with
+
+
+def forkserver_started(environ) -> None:
+    """Note the variables of the fork server as it starts (the first call wins)."""
+    global _forkserver_env
+    if _forkserver_env is None:
+        _forkserver_env = dict(environ)
+
+
+def forkserver_has(name: str, value: str) -> bool:
+    """Whether the fork server started with ``name=value`` (its children then have it too)."""
+    return _forkserver_env is not None and _forkserver_env.get(name) == value
+
+
+def warm(workers: str | int | None, backend: str = "local") -> None:
+    """At the start of a command that spreads its cases (before its own imports): idle OpenMP
+    threads sleep (``OMP_WAIT_POLICY=PASSIVE``, unless set already), and the fork server starts in
+    the background, importing torch while this process plans the run, so that the workers are
+    forked from it at once. Anything else (one worker, Ray, a malformed value) does nothing here."""
+    try:
+        if parse_workers(workers) == 1 or backend != "local":
+            return
+    except UsageError:
+        return  # said once the command checks its options
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+    if "forkserver" not in mp.get_all_start_methods():
+        return
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    forkserver.set_forkserver_preload(["mhctool.isolation"])
+    forkserver_started(os.environ)
+    threading.Thread(target=forkserver.ensure_running, name="mhctool-forkserver", daemon=True).start()
+
+
 # --- the job a worker runs -----------------------------------------------------------------------
 
 _isolations: dict = {}
