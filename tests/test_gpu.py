@@ -1,4 +1,5 @@
 """GPU tests (``pytest -m gpu`` on a CUDA machine); they skip cleanly without one."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 from mhctool.cli import app
 
 IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
+DATA = Path(__file__).resolve().parent / "data"
 DEFECTS = IMPLS / "defects.py"
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +41,17 @@ BACKGROUND = {
     "defect": ["parity", "--kernel", "sinkhorn", "--dtype", "fp32", "--impl", f"{DEFECTS}:sinkhorn_no_max"],
     "train-triton": ["train", "--impl", "triton", *TRAIN],
     "train-cutile": ["train", "--impl", "cutile", *TRAIN],
+    "cuda-fault": ["parity", "--kernel", "sinkhorn", "--scenario", str(DATA / "gpu-fault.toml"), "--isolate",
+                   "--impl", f"{IMPLS / 'gpu_faults.py'}:sinkhorn_faults_on_large_inputs"],
+    "cutile-mix-fp32": ["parity", "--kernel", "mix_aggregate", "--impl", "cutile", "--dtype", "fp32",
+                        "--scenario", str(DATA / "gpu-mix.toml")],
+    "cutile-mix-bf16": ["parity", "--kernel", "mix_aggregate", "--impl", "cutile", "--dtype", "bf16",
+                        "--scenario", str(DATA / "gpu-mix.toml")],
+    # from empty compile caches (the run's own, under its folder)
+    "context": ["parity", "--kernel", "h_aggregate", "--impl", f"{IMPLS / 'gpu_backward_launch.py'}:h_aggregate",
+                "--shape", "13x3x4x67"],
 }
+EMPTY_CACHES = {"context"}
 
 
 class _Background:
@@ -50,7 +62,12 @@ class _Background:
             cmd = [sys.executable, "-m", "mhctool.cli", *argv, "-o", str(folder / f"{name}.parquet")]
             if argv[0] == "parity":
                 cmd += ["--device", "cuda", "--quiet"]
-            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env = dict(os.environ)
+            if name in EMPTY_CACHES:
+                env |= {"CUDA_TILE_CACHE_DIR": str(folder / f"{name}-cutile-cache"),
+                        "TRITON_CACHE_DIR": str(folder / f"{name}-triton-cache")}
+            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                                env=env)
 
     def __call__(self, name: str):
         """(exit code, output, report rows, report path) of run ``name``, once it has ended."""
@@ -218,15 +235,12 @@ def test_cutile_parity_default_scenario_on_gpu(background, dtype):
     assert {r["direction"] for r in ct_rows} == {"fwd", "bwd"}
 
 
-def test_a_cuda_fault_fails_its_row_and_the_next_cases_pass(tmp_path):
+@pytest.mark.background("cuda-fault")
+def test_a_cuda_fault_fails_its_row_and_the_next_cases_pass(background):
     """An illegal memory access poisons its process's CUDA context: under --isolate it is one
     failed row, and the cases after it run in a fresh worker and pass."""
-    sc = tmp_path / "sc.toml"
-    sc.write_text('name = "fault"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["8x2x4x1", "101x1x4x1", "9x1x4x1"]\n'
-                  'families = ["random"]\n')
-    res, rows = _parity(tmp_path, "--kernel", "sinkhorn", "--scenario", str(sc), "--isolate",
-                        "--impl", f"{IMPLS / 'gpu_faults.py'}:sinkhorn_faults_on_large_inputs")
-    assert res.exit_code == 1, res.output
+    rc, text, rows, _ = background("cuda-fault")
+    assert rc == 1, text
     fwd = {r["shape"]: r for r in rows if r["impl"].endswith("large_inputs") and r["direction"] == "fwd"
            and r["passed"] is not None and r["metric"] in ("error", "max_abs")}
     assert fwd["8x2x4x1"]["passed"] and fwd["9x1x4x1"]["passed"], fwd
@@ -467,19 +481,17 @@ def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkey
         _assert_proj_grads(x, w, gp, gr, agg, *runs[0], (m, n, c))
 
 
+@pytest.mark.background("cutile-mix-bf16")
+@pytest.mark.background("cutile-mix-fp32")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_cutile_mix_aggregate_adds_the_aggregation_gradient_on_both_paths(tmp_path, dtype):
+def test_cutile_mix_aggregate_adds_the_aggregation_gradient_on_both_paths(background, dtype):
     """cuTile's mix_aggregate adds the aggregation's gradient of x inside the projection backward:
     as tiles where C is a whole number of the backward's half blocks (C = 128 and 256: 128 and 16
     columns for bf16 and fp32) and gathered otherwise (C = 67, 40). n = 3 at C = 128 gives K an
     odd number of half blocks (the last one repeated); token counts off every tile; parity's
-    NaN-poisoned outputs and float64 reference judge every gradient."""
-    sc = tmp_path / "sc.toml"
-    sc.write_text('name = "mix"\n[[cases]]\nkernel = "mix_aggregate"\n'
-                  'shapes = ["37x1x3x128", "13x3x4x67", "9x2x2x40", "5x7x4x256"]\nfamilies = ["random"]\n')
-    res, rows = _parity(tmp_path, "--kernel", "mix_aggregate", "--impl", "cutile", "--dtype", dtype,
-                        "--scenario", str(sc), "--quiet")
-    assert res.exit_code == 0, res.output
+    NaN-poisoned outputs and float64 reference judge every gradient (tests/data/gpu-mix.toml)."""
+    rc, text, rows, _ = background(f"cutile-mix-{dtype}")
+    assert rc == 0, text
     ours = [r for r in rows if r["impl"] == "cutile"]
     assert {r["shape"] for r in ours} == {"37x1x3x128", "13x3x4x67", "9x2x2x40", "5x7x4x256"}
     assert {r["direction"] for r in ours} == {"fwd", "bwd"}
@@ -590,23 +602,17 @@ def test_poisoning_reaches_autograds_cuda_backward_thread():
     assert seen["poisoned"] and torch.equal(gx, torch.full_like(x, 2.0))
 
 
-def test_a_backward_that_launches_cutile_and_triton_has_its_context_in_a_fresh_worker(tmp_path):
+@pytest.mark.background("context")
+def test_a_backward_that_launches_cutile_and_triton_has_its_context_in_a_fresh_worker(background):
     """Issue 39: under default isolation (an external implementation on a GPU runs in a worker),
     from empty compile caches, a backward that launches a cuTile and a Triton kernel on autograd's
     device thread is judged, never an error row of mhctool's own making."""
-    import os
-    env = {**os.environ, "CUDA_TILE_CACHE_DIR": str(tmp_path / "cutile-cache"),
-           "TRITON_CACHE_DIR": str(tmp_path / "triton-cache")}
-    out = tmp_path / "r.parquet"
-    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "parity", "--kernel", "h_aggregate", "--device", "cuda",
-                          "--impl", f"{IMPLS / 'gpu_backward_launch.py'}:h_aggregate", "--shape", "13x3x4x67", "-q",
-                          "-o", str(out)], capture_output=True, text=True, env=env, timeout=600)
-    rows = pq.read_table(out).to_pylist()
+    rc, text, rows, _ = background("context")
     mine = [r for r in rows if r["impl"].endswith(":h_aggregate")]
     assert mine and not [r for r in mine if r["metric"] == "error"], [r["message"] for r in mine if r["metric"] == "error"]
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert rc == 0, text
     assert {r["direction"] for r in mine if r["passed"]} == {"fwd", "bwd"}
-    assert "no current CUDA context" not in res.stderr
+    assert "no current CUDA context" not in text
 
 
 def test_hold_gpu_keeps_the_stream_busy():
