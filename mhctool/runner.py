@@ -612,9 +612,10 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
         if native_impl_ is not None:
             raise ValueError("a sharded baseline runs the family's native implementation (the ranks resolve "
                              "it by precision); native_impl_ is for identify's unsharded variants")
-        native = sharded.run(case.kernel, native_at(case.kernel, precision), base, knobs, upstream,
-                             sharding, _sharded_timeout(case), native_precision=precision,
-                             expect=output_specs(native.outputs))
+        with profile.phase("native (the baseline)"):
+            native = sharded.run(case.kernel, native_at(case.kernel, precision), base, knobs, upstream,
+                                 sharding, _sharded_timeout(case), native_precision=precision,
+                                 expect=output_specs(native.outputs))
         if native.fwd_error or native.bwd_error:
             raise RuntimeError(f"the native {case.kernel} failed on {case.family} over {sharding.ranks} ranks: "
                                f"{native.fwd_error or native.bwd_error}")
