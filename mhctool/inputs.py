@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -54,6 +55,13 @@ def _blockwise(g, shape) -> bool:
     return g.device.type == "cpu" and math.prod(shape) >= BIG
 
 
+def draw_threads() -> int:
+    """Threads that draw a large tensor's blocks: ``MHCTOOL_DRAW_THREADS`` where set (a pool's
+    workers share the host's cores: each gets its share), else PyTorch's thread count, at most 32."""
+    value = os.environ.get("MHCTOOL_DRAW_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else min(torch.get_num_threads(), 32)
+
+
 def _blocks(g, shape, fill) -> torch.Tensor:
     """A float32 tensor of ``shape`` filled BLOCK values at a time by ``fill(view, generator)``."""
     seed = int(torch.randint(0, 1 << 62, (1,), generator=g))
@@ -63,7 +71,7 @@ def _blocks(g, shape, fill) -> torch.Tensor:
         fill(out[k * BLOCK:(k + 1) * BLOCK], torch.Generator().manual_seed(seed + k))
 
     blocks = -(-out.numel() // BLOCK)
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(blocks, torch.get_num_threads(), 32))) as ex:
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(blocks, draw_threads()))) as ex:
         list(ex.map(one, range(blocks)))  # the fills release the GIL
     return out.view(*shape)
 

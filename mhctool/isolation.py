@@ -45,7 +45,7 @@ import torch.multiprocessing as tmp
 TRANSPORTS = ("shm", "host", "file")
 _ENVIRON_LOCK = threading.Lock()
 # variables a child may set after the fork server's fork: read when CUDA starts, not at import
-LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES"}
+LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES", "MHCTOOL_DRAW_THREADS"}
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,8 @@ def worker_env(index: int, device: str, workers: int = 1) -> dict[str, str]:
     threads a worker changed the last bits of 119 of 13,296 rows of the default run."""
     gpus = visible_gpus() if device == "cuda" else []
     env = {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else {}
+    if workers > 1:  # a large case's inputs are drawn on threads: each worker its share of the cores
+        env["MHCTOOL_DRAW_THREADS"] = str(max(1, min(32, cores() // workers)))
     if workers > 1 and device == "cpu":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env

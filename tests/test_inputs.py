@@ -15,8 +15,13 @@ def test_blockwise_draws_depend_on_the_seed_and_shape_only(monkeypatch):
         for n in (1, 3):
             torch.set_num_threads(n)
             runs.append(inputs.generate("h_post_bda", "random", shape, 7, {})[1])
+        monkeypatch.setenv("MHCTOOL_DRAW_THREADS", "5")  # a pool worker's share of the cores
+        assert inputs.draw_threads() == 5
+        runs.append(inputs.generate("h_post_bda", "random", shape, 7, {})[1])
     finally:
         torch.set_num_threads(threads)
+    for name, t in runs[0].items():
+        assert torch.equal(t, runs[2][name]), name
     for name, t in runs[0].items():
         assert torch.equal(t, runs[1][name]), name
     x = runs[0]["x"]
