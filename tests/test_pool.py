@@ -177,6 +177,20 @@ def test_ray_backend_writes_the_rows_of_one_process(tmp_path):
     assert _rows(one_out) == _rows(ray_out)
 
 
+def test_a_worker_with_a_gpu_of_its_own_forks_from_the_fork_server():
+    """A variable read after the fork (the GPU a worker sees) needs no interpreter of its own: the
+    worker is the fork server's child and has it; one read when torch is imported (OpenMP's wait
+    policy), unless the fork server started with it, gets a fresh interpreter (our child)."""
+    import os
+    with Worker(daemon=False, env={"CUDA_VISIBLE_DEVICES": "", "MHCTOOL_DRAW_THREADS": "3"}) as w:
+        (ppid, failure), (threads, _) = w.call("os:getppid"), w.call("os:getenv", ("MHCTOOL_DRAW_THREADS",))
+        assert failure is None and ppid != os.getpid() and threads == "3"
+    if not pool.forkserver_has("OMP_NUM_THREADS", "7"):
+        with Worker(daemon=False, env={"OMP_NUM_THREADS": "7"}) as w:
+            (ppid, _), (value, _) = w.call("os:getppid"), w.call("os:getenv", ("OMP_NUM_THREADS",))
+            assert ppid == os.getpid() and value == "7"
+
+
 def test_the_shm_transport_hands_a_worker_copies_of_the_inputs():
     """Code under test that writes into its inputs never changes mhctool's own tensors."""
     x = torch.arange(6, dtype=torch.float32)
