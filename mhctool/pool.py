@@ -115,12 +115,12 @@ def cores() -> int:
 
 def worker_env(index: int, device: str, workers: int = 1) -> dict[str, str]:
     """The environment of worker ``index`` of ``workers``: on a GPU machine, its GPU (round-robin),
-    which a child of the fork server takes (no interpreter of its own to start). On a CPU, idle
-    OpenMP threads sleep instead of spinning (``OMP_WAIT_POLICY=PASSIVE``, read at import: a fresh
-    interpreter): two workers whose threads spun for the cores made two workers on 2 cores slower
-    than one. The thread counts
-    stay as in one process: PyTorch's CPU sums split their work by the thread count, so fewer
-    threads a worker changed the last bits of 119 of 13,296 rows of the default run."""
+    which a child of the fork server takes (no interpreter of its own to start); its share of the
+    cores for drawing a large case's inputs. On a CPU, idle OpenMP threads sleep instead of
+    spinning (``OMP_WAIT_POLICY=PASSIVE``): two workers whose threads spun for the cores made two
+    workers on 2 cores slower than one. The thread counts stay as in one process: PyTorch's CPU
+    sums split their work by the thread count, so fewer threads a worker changed the last bits of
+    119 of 13,296 rows of the default run."""
     gpus = visible_gpus() if device == "cuda" else []
     env = {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else {}
     if workers > 1:  # a large case's inputs are drawn on threads: each worker its share of the cores
@@ -291,9 +291,9 @@ class Pool:
         lock = threading.Lock()
 
         def serve(index: int) -> None:
-            env = worker_env(index, self.device, self.size)
-            place = env.get("CUDA_VISIBLE_DEVICES", self.device)  # the workers that share a device share its memory
             pool_worker = self._worker(index)
+            # the workers that share a device share its memory
+            place = pool_worker.env.get("CUDA_VISIBLE_DEVICES", self.device)
             t0 = time.perf_counter()
             if pool_worker.start() is None:  # a worker that did not start fails at its first case
                 with lock:

@@ -1,9 +1,10 @@
 """Where a run's time goes: named phases timed inside each case (the inputs, the native run, the
 float64 reference, each implementation with its first call in the process apart, which is where
 Triton, cuTile and TileLang compile, judging, the reproducibility checks), returned with the
-case's rows and summed per run; a pool adds its workers' start and what is spent outside the
-cases (transfers, waiting for memory on the device). ``mhctool parity --profile`` prints the sums; every parity report keeps them
-in its run metadata (``profile``)."""
+case's rows and summed per run, with the rest of each case (moving inputs, freeing memory); a
+pool adds its workers' start and what is spent outside the cases (transfers, waiting for memory on
+the device). ``mhctool parity --profile`` and ``mhctool gate --profile`` print the sums; their
+reports keep them in the run metadata (``profile``)."""
 from __future__ import annotations
 
 import contextlib
