@@ -514,7 +514,7 @@ class Identifier:
         knobs = self._impl_knobs()
         case = Case(self.kernel, fam_name, self.dtype, self.shape, tuple(sorted(knobs.items())), self.seed,
                     self.device, "identify")
-        shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs)
+        shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs, draw_on=self.device)
         base = runner.cast_inputs(self.fam, raw, self.dtype, self.device)
         nat = runner.run_impl(self.fam, runner.native_at(self.kernel, self.precision), base, knobs,
                               lambda outs: runner.upstream_for(self.fam, outs, self.seed))

@@ -2,13 +2,17 @@
 
 Plain random inputs at unit scale hide most numerics defects, so each kernel family has input
 families chosen to amplify one knob of its contract (DESIGN.md, "Inputs that expose defects").
-A generator draws float32 values on the CPU from a seeded ``torch.Generator`` (the same inputs on
-every device), then the runner casts them: activations to the case dtype, mapping tensors
-(``h_pre``, ``h_post``, ``h_res``) to fp32, the mapping path's precision.
+A generator draws float32 values from a seeded CPU ``torch.Generator``, then the runner casts them:
+activations to the case dtype, mapping tensors (``h_pre``, ``h_post``, ``h_res``) to fp32, the
+mapping path's precision. A tensor of :data:`BIG` values or more is drawn blockwise on the case's
+device (:func:`generate`'s ``draw_on``): a CPU case sees the same inputs as before, a GPU case's
+large tensors come from CUDA's generator (other values than a CPU case's at the same seed).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import contextvars
 import math
 import os
 from dataclasses import dataclass, field
@@ -37,6 +41,25 @@ class InputFamily:
 # on threads: the values depend on the seed and the shape only, not on the thread count.
 BIG = 1 << 24
 BLOCK = 1 << 22
+# On a GPU, four workers drawing gigabytes on the host and copying them over contended for the
+# host's cores and memory (the inputs phase doubled from one worker to four on an H200 node), so
+# parity draws a large tensor on the case's device. A CUDA block is small enough that PyTorch
+# launches its fill on the same grid on any GPU of 32 SMs or more (256 thread blocks of 256
+# threads: its grid is capped by the SM count), so its values do not depend on the GPU's size.
+CUDA_BLOCK = 1 << 16
+
+# where large tensors are drawn blockwise (generate's draw_on); None: on the CPU
+_DRAW_ON: contextvars.ContextVar = contextvars.ContextVar("mhctool_draw_on", default=None)
+
+
+@contextlib.contextmanager
+def drawing_on(device):
+    """Large tensors drawn blockwise on ``device`` (a ``torch.device`` or name) within the block."""
+    token = _DRAW_ON.set(None if device is None else torch.device(device))
+    try:
+        yield
+    finally:
+        _DRAW_ON.reset(token)
 
 
 def _randn(g, *shape):
@@ -55,6 +78,13 @@ def _blockwise(g, shape) -> bool:
     return g.device.type == "cpu" and math.prod(shape) >= BIG
 
 
+def _on(big: torch.Tensor, *small):
+    """``small`` on ``big``'s device: a large tensor may be drawn on the GPU while the small ones
+    that scale or shift it stay where the case generator drew them (the same values as before)."""
+    moved = tuple(t.to(big.device) if isinstance(t, torch.Tensor) else t for t in small)
+    return moved[0] if len(moved) == 1 else moved
+
+
 def draw_threads() -> int:
     """Threads that draw a large tensor's blocks: ``MHCTOOL_DRAW_THREADS`` where set (a pool's
     workers share the host's cores: each gets its share), else PyTorch's thread count, at most 32."""
@@ -63,9 +93,17 @@ def draw_threads() -> int:
 
 
 def _blocks(g, shape, fill) -> torch.Tensor:
-    """A float32 tensor of ``shape`` filled BLOCK values at a time by ``fill(view, generator)``."""
+    """A float32 tensor of ``shape`` filled a block at a time by ``fill(view, generator)``, each
+    block from a generator seeded ``seed + k``: BLOCK values on threads on the CPU, CUDA_BLOCK
+    values one after another on a GPU (the launches are asynchronous)."""
     seed = int(torch.randint(0, 1 << 62, (1,), generator=g))
-    out = torch.empty(math.prod(shape), dtype=torch.float32)
+    device = _DRAW_ON.get() or torch.device("cpu")
+    out = torch.empty(math.prod(shape), dtype=torch.float32, device=device)
+    if device.type != "cpu":
+        gb = torch.Generator(device=device)
+        for k in range(-(-out.numel() // CUDA_BLOCK)):
+            fill(out[k * CUDA_BLOCK:(k + 1) * CUDA_BLOCK], gb.manual_seed(seed + k))
+        return out.view(*shape)
 
     def one(k: int) -> None:
         fill(out[k * BLOCK:(k + 1) * BLOCK], torch.Generator().manual_seed(seed + k))
@@ -85,7 +123,8 @@ def _log_uniform(g, lo, hi, *shape):
 def _sk_random(shape, g, knobs):
     # per-matrix scale from 0.1 to 10: the easy regime and the moderately peaked one
     scale = _log_uniform(g, -1, 1, shape.s, shape.b, 1, 1)
-    return {"logits": _randn(g, shape.s, shape.b, shape.n, shape.n) * scale}
+    logits = _randn(g, shape.s, shape.b, shape.n, shape.n)
+    return {"logits": logits * _on(logits, scale)}
 
 
 def _sk_unit(shape, g, knobs):
@@ -100,7 +139,9 @@ def _sk_large(shape, g, knobs):
     s, b, n = shape.s, shape.b, shape.n
     level = 90 + 210 * _rand(g, s, b, 1, 1)
     spread = 0.5 + 2.5 * _rand(g, s, b, 1, 1)
-    return {"logits": level + spread * _randn(g, s, b, n, n)}
+    noise = _randn(g, s, b, n, n)
+    level, spread = _on(noise, level, spread)
+    return {"logits": level + spread * noise}
 
 
 def _sk_dead(shape, g, knobs):
@@ -114,8 +155,8 @@ def _sk_dead(shape, g, knobs):
     cols = torch.nn.functional.one_hot(col, n).float()[..., None, :]
     rows = torch.nn.functional.one_hot(row, n).float()[..., :, None]
     every_other = (torch.arange(s * b, device=g.device).reshape(s, b) % 2).float()[..., None, None]
-    logits = logits - offset[..., None, None] * (cols + every_other * rows).clamp(max=1)
-    return {"logits": logits}
+    offset, where = _on(logits, offset, (cols + every_other * rows).clamp(max=1))
+    return {"logits": logits - offset[..., None, None] * where}
 
 
 def _sk_eps_sweep(shape, g, knobs):
@@ -127,6 +168,7 @@ def _sk_eps_sweep(shape, g, knobs):
     offset = 5 + 23 * _rand(g, s, b)
     col = torch.randint(0, n, (s, b), generator=g, device=g.device)
     cols = torch.nn.functional.one_hot(col, n).float()[..., None, :]
+    offset, cols = _on(logits, offset, cols)
     return {"logits": logits - offset[..., None, None] * cols}
 
 
@@ -135,7 +177,8 @@ def _sk_near_perm(shape, g, knobs):
     s, b, n = shape.s, shape.b, shape.n
     perm = torch.argsort(_rand(g, s, b, n), dim=-1)
     p = torch.nn.functional.one_hot(perm, n).float()
-    return {"logits": 8.0 * p + 0.5 * _randn(g, s, b, n, n)}
+    noise = _randn(g, s, b, n, n)
+    return {"logits": 8.0 * _on(noise, p) + 0.5 * noise}
 
 
 # --- h_aggregate / h_post_bda -------------------------------------------------------------------
@@ -156,7 +199,7 @@ def _agg(shape, g, knobs, x_scale=None):
     s, b, n, c = shape.s, shape.b, shape.n, shape.c
     x = _randn(g, s, b, n, c)
     if x_scale is not None:
-        x = x * x_scale
+        x = x * _on(x, x_scale)
     return {"x": x, "h_pre": _rand(g, s, b, n)}
 
 
@@ -170,8 +213,8 @@ def _bda(shape, g, knobs, x_scale=None):
     x = _randn(g, s, b, n, c)
     y = _randn(g, s, b, c)
     if x_scale is not None:
-        x = x * x_scale
-        y = y * x_scale[..., 0, :]
+        x = x * _on(x, x_scale)
+        y = y * _on(y, x_scale[..., 0, :])
     out = {"h_res": _mixing(g, s, b, n), "x": x, "h_post": 2 * _rand(g, s, b, n), "y": y}
     out["bias"] = _randn(g, c) if knobs.get("bias", True) else None
     return out
@@ -187,7 +230,7 @@ def _proj(shape, g, knobs, row_scale=None):
     m, k, nh = shape.tokens, shape.k, shape.n_h
     x = _randn(g, m, k)
     if row_scale is not None:
-        x = x * row_scale
+        x = x * _on(x, row_scale)
     return {"x2d": x, "weight": _randn(g, nh, k) / k ** 0.5}
 
 
@@ -404,14 +447,16 @@ def get_family(kernel: str, name: str) -> InputFamily:
 
 
 def generate(kernel: str, family: str, shape: Shape, seed: int, knobs: dict,
-             device: str = "cpu") -> tuple[Shape, Tensors]:
-    """The (possibly reshaped) shape and the fp32 tensors of one case. Parity draws on the CPU
-    (the same inputs whatever the device); bench draws on the device (paper-shape inputs are
-    gigabytes)."""
+             device: str = "cpu", draw_on: str | None = None) -> tuple[Shape, Tensors]:
+    """The (possibly reshaped) shape and the fp32 tensors of one case. Parity draws from a CPU
+    generator, tensors of BIG values or more blockwise on ``draw_on`` (the case's device; the
+    others stay on the CPU, the same values on every device); bench draws everything from a
+    generator on ``device`` (paper-shape inputs are gigabytes)."""
     fam = get_family(kernel, family)
     g = torch.Generator(device=device).manual_seed(seed)
     shape = fam.reshape(shape)
-    return shape, fam.make(shape, g, knobs)
+    with drawing_on(draw_on):
+        return shape, fam.make(shape, g, knobs)
 
 
 def upstream_grads(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
@@ -420,4 +465,8 @@ def upstream_grads(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]
     view in another memory order (a library's layout, seen through the adapter's transpose) gets its
     gradient in that order, so the library's backward is not charged for a copy into its layout."""
     g = torch.Generator().manual_seed(seed + 0x5EED)
-    return [torch.empty_like(o).copy_(_randn(g, *o.shape)) for o in outputs]
+    out = []
+    for o in outputs:  # a large one drawn blockwise on the output's device
+        with drawing_on(o.device):
+            out.append(torch.empty_like(o).copy_(_randn(g, *o.shape)))
+    return out

@@ -290,8 +290,12 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     knobs = case.knob_dict
     def inputs():
         with profile.phase("inputs"):
-            shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs)
-            return shape, _cast_inputs(fam, raw, case)
+            shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs,
+                                             draw_on=case.device)
+            cast = _cast_inputs(fam, raw, case)
+            if case.device.startswith("cuda"):  # the draws are asynchronous: the phase waits for them
+                torch.cuda.synchronize()
+            return shape, cast
 
     shape, base = inputs()
     result = CaseResult(case, shape)
@@ -442,7 +446,8 @@ class _Repro:
         built when needed and dropped after: at the paper shape one of them is as large as the case."""
         from . import repro
         case, fam = self.case, self.fam
-        _, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict)
+        _, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict,
+                                     draw_on=case.device)
         others = _cast_inputs(fam, raw, case)
         del raw
         others_up = inputs_mod.upstream_grads([torch.empty(sh, dtype=dt, device=dev) for sh, dt, dev in self.out_specs],

@@ -30,3 +30,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "slow" in item.keywords and not config.getoption("--slow"):
             item.add_marker(slow)
+
+
+@pytest.fixture
+def family_cases():
+    """(kernel, family, shape) of the default scenario, one shape a family (tests of the inputs)."""
+    from mhctool import scenario
+    seen = {}
+    for c in scenario.resolve(None).cases("cpu"):
+        seen.setdefault((c.kernel, c.family), c.shape)
+    return [(k, f, sh) for (k, f), sh in seen.items()]

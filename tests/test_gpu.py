@@ -529,6 +529,33 @@ def test_poisoning_reaches_autograds_cuda_backward_thread():
     assert seen["poisoned"] and torch.equal(gx, torch.full_like(x, 2.0))
 
 
+def test_large_inputs_are_drawn_on_the_gpu_the_same_at_every_call(monkeypatch, family_cases):
+    """Every family of the default scenario with every tensor past BIG: the large tensors come from
+    CUDA's generator on the GPU in blocks (the small ones from the CPU generator, moved over by the
+    runner), the same bits at every call, the blocks unlike each other, and the upstream gradients
+    of a GPU output drawn there too."""
+    from mhctool import inputs
+    from mhctool.shapes import parse_shape
+    monkeypatch.setattr(inputs, "BIG", 64)
+    monkeypatch.setattr(inputs, "CUDA_BLOCK", 256)
+    for kernel, name, shape in family_cases:
+        first = inputs.generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]
+        again = inputs.generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]
+        on_cpu = inputs.generate(kernel, name, shape, 3, {})[1]
+        for k, t in first.items():
+            if t is None:
+                continue
+            assert t.shape == on_cpu[k].shape and t.dtype == on_cpu[k].dtype, (kernel, name, k)
+            assert torch.equal(t, again[k]) and bool(torch.isfinite(t.float()).all()), (kernel, name, k)
+            if t.is_floating_point() and t.numel() >= 64:
+                assert t.is_cuda, (kernel, name, k)
+    x = inputs.generate("h_aggregate", "random", parse_shape("64x4x4x256"), 5, {}, draw_on="cuda")[1]["x"].reshape(-1)
+    assert abs(float(x.mean())) < 0.01 and abs(float(x.std()) - 1) < 0.01
+    assert not torch.equal(x[:256], x[256:512])
+    ups = inputs.upstream_grads([torch.empty(70, 3, device="cuda", dtype=torch.bfloat16)], 1)
+    assert ups[0].is_cuda and ups[0].dtype == torch.bfloat16 and float(ups[0].float().std()) > 0.5
+
+
 def test_hold_gpu_keeps_the_stream_busy():
     """``bench.hold_gpu`` (what lets a graph replay be timed by its device work alone) holds the
     current stream for at least the time asked at clocks up to 2 GHz."""
