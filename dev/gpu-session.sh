@@ -8,6 +8,7 @@
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh repro", carry=[".device"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh train", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh spread", carry=[".device"], kind="nvidia-h100-x4")
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh probes", carry=[".device"], kind="nvidia-h100-x2")
 #   run(command="bash dev/gpu-session.sh tilekernels", carry=[".tilelang", ".anchors"])  (no .device: 64 MiB)
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
 #   "bwd" the backward tiles of issue 20; "verify" is the short check after a kernel change)
@@ -21,10 +22,14 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 phase="${1:-checks}"
 m() { python3 -m mhctool.cli "$@"; }
 step() { echo; echo "=== $* ($(date +%T))"; }
-# two reports' rows, the run id aside: the same, or not
+# two reports' rows, the run id aside: the same, or not (and the first rows that differ)
 cmp_rows() { python3 -c "import sys, math, pyarrow.parquet as pq
 rows = [[{k: ('nan' if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in pq.read_table(p).drop(['run_id']).to_pylist()] for p in sys.argv[1:]]
-print('rows', [len(r) for r in rows], 'identical' if rows[0] == rows[1] else 'DIFFERENT')" "$@"; }
+print('rows', [len(r) for r in rows], 'identical' if rows[0] == rows[1] else 'DIFFERENT')
+diff = [(a, b) for a, b in zip(*rows) if a != b]
+for a, b in diff[:8]:
+    print('  ', *(a[k] for k in ('kernel', 'impl', 'family', 'dtype', 'shape', 'direction', 'tensor', 'metric')), a['value'], '->', b['value'], *([a['message'], b['message']] if a['message'] != b['message'] else []))
+print('   rows that differ:', len(diff)) if diff else None" "$@"; }
 
 case "$phase" in
 checks)
@@ -239,10 +244,19 @@ tilekernels)
 spread)
   # issue 63: where a spread run's time goes, and the speed-up over 1, 2 and 4 GPUs (the same rows
   # each time). SPREAD_STEPS picks steps: paper (the paper scenario, Triton, --no-isolate; SPREAD_KERNELS narrows it)
-  # and gate (scenarios/gpu-gate-suite.toml); SPREAD_GPUS the GPU counts (default: 1 2 and 4 where present).
+  # gate (scenarios/gpu-gate-suite.toml) and gate-cold (the same, named apart: run first on a fresh machine, it fills
+  # the compile caches); SPREAD_GPUS the GPU counts (default: 1 2 and 4 where present).
   {
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     have=$(nvidia-smi -L | wc -l)
+    # each GPU's memory and use, a sample a second, summed up per step
+    smi() { nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader,nounits -l 1 > "$out/smi-$1.csv" & echo $!; }
+    smi_sum() { python3 -c "import sys, collections
+m, u = collections.defaultdict(int), collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    i, mem, use = (int(v) for v in line.split(','))
+    m[i], _ = max(m[i], mem), u[i].append(use)
+print('   GPU max MiB / mean use %:', ', '.join(f'{i}: {m[i]} / {sum(u[i]) / len(u[i]):.0f}' for i in sorted(m)))" "$1"; }
     for s in ${SPREAD_STEPS:-paper gate}; do
       for g in ${SPREAD_GPUS:-1 2 4}; do
         [ "$g" -gt "$have" ] && continue
@@ -252,21 +266,70 @@ spread)
         paper)
           step "paper: parity --scenario paper --kernel ${SPREAD_KERNELS:-all} --impl triton --no-isolate, $g GPU(s), --workers $w"
           t0=$SECONDS
+          pid=$(smi paper-g$g)
           CUDA_VISIBLE_DEVICES=$vis timeout --foreground -s INT "${PAPER_LIMIT:-200}" python3 -m mhctool.cli parity --scenario paper \
             --kernel "${SPREAD_KERNELS:-all}" --impl triton --no-isolate --workers $w --profile \
             -o "$out/paper-g$g.parquet" --quiet
-          echo "paper $g GPU(s) wall $((SECONDS - t0)) s" ;;
+          echo "paper $g GPU(s) wall $((SECONDS - t0)) s"; kill "$pid"; smi_sum "$out/smi-paper-g$g.csv" ;;
         gate)
           step "gate: --suite scenarios/gpu-gate-suite.toml, $g GPU(s), --workers $w"
           t0=$SECONDS
           CUDA_VISIBLE_DEVICES=$vis timeout --foreground -s INT "${GATE_LIMIT:-200}" python3 -m mhctool.cli gate \
             --suite scenarios/gpu-gate-suite.toml --workers $w --profile -o "$out/gate-g$g.parquet" --junit /tmp/g.xml --summary /tmp/g.md 2>&1 | tail -16
           echo "gate $g GPU(s) wall $((SECONDS - t0)) s" ;;
+        gate-cold)  # the first run of a fresh machine: fills the compile caches on disk
+          step "gate (cold caches): --suite scenarios/gpu-gate-suite.toml, $g GPU(s), --workers $w"
+          t0=$SECONDS
+          CUDA_VISIBLE_DEVICES=$vis timeout --foreground -s INT "${GATE_LIMIT:-200}" python3 -m mhctool.cli gate \
+            --suite scenarios/gpu-gate-suite.toml --workers $w --profile -o "$out/gate-cold-g$g.parquet" --junit /tmp/g.xml --summary /tmp/g.md 2>&1 | tail -16
+          echo "gate (cold) $g GPU(s) wall $((SECONDS - t0)) s" ;;
         esac
       done
-      for g in 2 4; do [ -f "$out/$s-g$g.parquet" ] && cmp_rows "$out/$s-g1.parquet" "$out/$s-g$g.parquet"; done
+      for g in 2 4; do [ -f "$out/$s-g1.parquet" ] && [ -f "$out/$s-g$g.parquet" ] && cmp_rows "$out/$s-g1.parquet" "$out/$s-g$g.parquet"; done
     done
   } 2>&1 | tee "$out/spread.log"
+  ;;
+probes)
+  # issue 63, item 5: the Triton Sinkhorn's divisions (dev/sinkhorn_div.py: full as shipped, rn, el)
+  # on the composites in fp32, one process and over two ranks (where two GPUs are visible), the
+  # grad_h_bias table; then the fp16 h_post_bda repeated 50 times (--check determinism)
+  {
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    have=$(nvidia-smi -L | wc -l)
+    [ -n "${PROBES_SKIP_DIV:-}" ] && DIV_VARIANTS="" DET_DTYPES=""
+    cp kernels/triton/sinkhorn.py /tmp/sinkhorn.py.shipped
+    for v in ${DIV_VARIANTS:-full rn el}; do
+      cp /tmp/sinkhorn.py.shipped kernels/triton/sinkhorn.py; python3 dev/sinkhorn_div.py "$v"
+      step "div $v: parity --kernel mix_aggregate,mapping_sinkhorn --impl triton --dtype fp32"
+      m parity --kernel mix_aggregate,mapping_sinkhorn --impl triton --dtype fp32 --device cuda -o "$out/div-$v.parquet" --quiet
+      if [ "$have" -ge 2 ]; then
+        CUDA_VISIBLE_DEVICES=0,1 m parity --kernel mix_aggregate,mapping_sinkhorn --impl triton --dtype fp32 --device cuda \
+          --ranks 2 -o "$out/div-$v-r2.parquet" --quiet
+      fi
+    done
+    cp /tmp/sinkhorn.py.shipped kernels/triton/sinkhorn.py
+    [ -n "${DIV_VARIANTS-x}" ] && python3 dev/grad_table.py grad_h_bias $(for v in ${DIV_VARIANTS:-full rn el}; do echo "$out/div-$v.parquet"; done)
+    [ -n "${DIV_VARIANTS-x}" ] && [ "$have" -ge 2 ] && python3 dev/grad_table.py grad_h_bias $(for v in ${DIV_VARIANTS:-full rn el}; do echo "$out/div-$v-r2.parquet"; done)
+    for dt in ${DET_DTYPES:-fp16 bf16}; do
+      step "h_post_bda $dt --check determinism --repeats-determinism ${DET_REPEATS:-50}"
+      t0=$SECONDS
+      m parity --kernel h_post_bda --impl triton --dtype "$dt" --device cuda --check determinism \
+        --repeats-determinism "${DET_REPEATS:-50}" -o "$out/det-$dt.parquet" --quiet
+      echo "rc $? wall $((SECONDS - t0)) s"
+    done
+    # grad_h_bias a column at a time against the sum of its terms (dev/bias_probe.py)
+    for a in ${BIAS_CASES:-}; do python3 dev/bias_probe.py cuda ${a/:/ }; done
+    # --ranks 2 against one process, per case (RANKS_KERNELS, fp32; the first run fills the compile caches)
+    if [ -n "${RANKS_KERNELS:-}" ] && [ "$have" -ge 2 ]; then
+      for r in cold 1 2 1; do
+        step "ranks: parity --kernel $RANKS_KERNELS --impl triton --dtype fp32, ranks $r"
+        t0=$SECONDS
+        CUDA_VISIBLE_DEVICES=0,1 m parity --kernel "$RANKS_KERNELS" --impl triton --dtype fp32 --device cuda --profile \
+          $([ "$r" = 2 ] && echo --ranks 2) -o "$out/ranks-$r.parquet" 2>&1 | grep -E "^(profile|PASSED|FAILED)"
+        echo "ranks $r wall $((SECONDS - t0)) s"
+      done
+    fi
+  } 2>&1 | tee "$out/probes.log"
   ;;
 bench)
   # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is
