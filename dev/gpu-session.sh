@@ -298,7 +298,7 @@ probes)
     have=$(nvidia-smi -L | wc -l)
     [ -n "${PROBES_SKIP_DIV:-}" ] && DIV_VARIANTS="" DET_DTYPES=""
     cp kernels/triton/sinkhorn.py /tmp/sinkhorn.py.shipped
-    for v in ${DIV_VARIANTS:-full rn el}; do
+    for v in ${DIV_VARIANTS-full rn el}; do
       cp /tmp/sinkhorn.py.shipped kernels/triton/sinkhorn.py; python3 dev/sinkhorn_div.py "$v"
       step "div $v: parity --kernel mix_aggregate,mapping_sinkhorn --impl triton --dtype fp32"
       m parity --kernel mix_aggregate,mapping_sinkhorn --impl triton --dtype fp32 --device cuda -o "$out/div-$v.parquet" --quiet
@@ -308,9 +308,9 @@ probes)
       fi
     done
     cp /tmp/sinkhorn.py.shipped kernels/triton/sinkhorn.py
-    [ -n "${DIV_VARIANTS-x}" ] && python3 dev/grad_table.py grad_h_bias $(for v in ${DIV_VARIANTS:-full rn el}; do echo "$out/div-$v.parquet"; done)
-    [ -n "${DIV_VARIANTS-x}" ] && [ "$have" -ge 2 ] && python3 dev/grad_table.py grad_h_bias $(for v in ${DIV_VARIANTS:-full rn el}; do echo "$out/div-$v-r2.parquet"; done)
-    for dt in ${DET_DTYPES:-fp16 bf16}; do
+    [ -n "${DIV_VARIANTS-x}" ] && python3 dev/grad_table.py grad_h_bias $(for v in ${DIV_VARIANTS-full rn el}; do echo "$out/div-$v.parquet"; done)
+    [ -n "${DIV_VARIANTS-x}" ] && [ "$have" -ge 2 ] && python3 dev/grad_table.py grad_h_bias $(for v in ${DIV_VARIANTS-full rn el}; do echo "$out/div-$v-r2.parquet"; done)
+    for dt in ${DET_DTYPES-fp16 bf16}; do
       step "h_post_bda $dt --check determinism --repeats-determinism ${DET_REPEATS:-50}"
       t0=$SECONDS
       m parity --kernel h_post_bda --impl triton --dtype "$dt" --device cuda --check determinism \
