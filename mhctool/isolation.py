@@ -44,8 +44,14 @@ import torch.multiprocessing as tmp
 
 TRANSPORTS = ("shm", "host", "file")
 _ENVIRON_LOCK = threading.Lock()
-# variables a child may set after the fork server's fork: read when CUDA starts, not at import
-LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES", "MHCTOOL_DRAW_THREADS"}
+# variables a child may set after the fork server's fork (read when used, not at import). Not
+# CUDA_VISIBLE_DEVICES: on a four-H200 node, four pool workers forked from the fork server with a
+# GPU each all ran on the first GPU (the others held no memory) and ran it out of memory, so a
+# worker with a GPU of its own gets an interpreter of its own (MHCTOOL_FORK_GPU_WORKERS=1 forks
+# them, for dev/forkserver_gpu.py)
+LATE_VARIABLES = {"MHCTOOL_DRAW_THREADS"}
+if os.environ.get("MHCTOOL_FORK_GPU_WORKERS") == "1":
+    LATE_VARIABLES.add("CUDA_VISIBLE_DEVICES")
 
 
 @dataclass(frozen=True)
@@ -252,9 +258,9 @@ class Worker:
         return None
 
     def _start(self) -> None:
-        # variables read when torch is imported (thread counts, OpenMP's wait policy) need a fresh
-        # interpreter unless the fork server started with them; CUDA_VISIBLE_DEVICES is read when
-        # CUDA starts, in the child, so a child of the fork server (torch imported there) takes it
+        # variables read when torch is imported (thread counts, OpenMP's wait policy) or CUDA
+        # starts (the GPU) need a fresh interpreter unless the fork server started with them; the
+        # LATE_VARIABLES are read after the fork, so a child of the fork server takes them
         from .pool import forkserver_has
         ctx, environ = child_context(spawn=any(k not in LATE_VARIABLES and not forkserver_has(k, v)
                                                for k, v in self.env.items()))

@@ -177,18 +177,33 @@ def test_ray_backend_writes_the_rows_of_one_process(tmp_path):
     assert _rows(one_out) == _rows(ray_out)
 
 
-def test_a_worker_with_a_gpu_of_its_own_forks_from_the_fork_server():
-    """A variable read after the fork (the GPU a worker sees) needs no interpreter of its own: the
-    worker is the fork server's child and has it; one read when torch is imported (OpenMP's wait
-    policy), unless the fork server started with it, gets a fresh interpreter (our child)."""
+def test_a_worker_forks_from_the_fork_server_unless_it_needs_variables_read_earlier():
+    """A variable read after the fork (a worker's share of the draw threads) needs no interpreter
+    of its own: the worker is the fork server's child and has it. One read when torch is imported
+    (OpenMP's wait policy) or when CUDA starts (the GPU a worker sees), unless the fork server
+    started with it, gets a fresh interpreter (our child)."""
     import os
-    with Worker(daemon=False, env={"CUDA_VISIBLE_DEVICES": "", "MHCTOOL_DRAW_THREADS": "3"}) as w:
+    with Worker(daemon=False, env={"MHCTOOL_DRAW_THREADS": "3"}) as w:
         (ppid, failure), (threads, _) = w.call("os:getppid"), w.call("os:getenv", ("MHCTOOL_DRAW_THREADS",))
         assert failure is None and ppid != os.getpid() and threads == "3"
-    if not pool.forkserver_has("OMP_NUM_THREADS", "7"):
-        with Worker(daemon=False, env={"OMP_NUM_THREADS": "7"}) as w:
-            (ppid, _), (value, _) = w.call("os:getppid"), w.call("os:getenv", ("OMP_NUM_THREADS",))
-            assert ppid == os.getpid() and value == "7"
+    for env in ({"OMP_NUM_THREADS": "7"}, {"CUDA_VISIBLE_DEVICES": "", "MHCTOOL_DRAW_THREADS": "3"}):
+        if not all(pool.forkserver_has(k, v) for k, v in env.items()):
+            with Worker(daemon=False, env=env) as w:
+                (ppid, _), (value, _) = w.call("os:getppid"), w.call("os:getenv", (next(iter(env)),))
+                assert ppid == os.getpid() and value == next(iter(env.values())), env
+
+
+@pytest.mark.gpu
+def test_a_pool_worker_sees_the_gpu_it_was_given_only():
+    """A pool worker's CUDA_VISIBLE_DEVICES takes effect: an empty one shows it no GPU (four
+    workers forked from the fork server once all ran on the first GPU of four)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pool.warm(2)
+    for gpus, count in (("", 0), (pool.visible_gpus()[-1], 1)):
+        with Worker(daemon=False, env={"CUDA_VISIBLE_DEVICES": gpus}) as w:
+            value, failure = w.call("torch.cuda:device_count", timeout=300)
+        assert failure is None and value == count, (gpus, value, failure)
 
 
 def test_the_shm_transport_hands_a_worker_copies_of_the_inputs():
