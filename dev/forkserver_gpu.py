@@ -1,13 +1,16 @@
-"""Issue 63: does a child of the fork server take the GPU its CUDA_VISIBLE_DEVICES names?
+"""Issue 63: does each pool worker run on the GPU it was given?
 
-    PYTHONPATH=dev MHCTOOL_FORK_GPU_WORKERS=1 python3 dev/forkserver_gpu.py   (forked, as up to session 36)
-    PYTHONPATH=dev python3 dev/forkserver_gpu.py                              (as shipped: spawned)
+    PYTHONPATH=dev python3 dev/forkserver_gpu.py
 
-Starts the fork server as a spread command does (pool.warm), then a worker per entry of
-CUDA_VISIBLE_DEVICES ("" too); each reports its variable, whether libcuda was mapped into it before
-it touched CUDA, the devices it sees and the first one's UUID. The fork server's own state (libcuda
-mapped or not) is printed first."""
+Starts the fork server as a spread command does (pool.warm), then a Pool with a worker per visible
+GPU, started from threads at once as a run starts them; each worker reports its
+CUDA_VISIBLE_DEVICES, whether it is the fork server's child, whether libcuda was mapped into it
+before it touched CUDA, the devices it sees and the first one's UUID (distinct UUIDs: a GPU each).
+Session 37 found with it that workers forked from the fork server do see their own GPU; what put
+three of four on the first GPU was reading the GPU list while another worker's start had set
+CUDA_VISIBLE_DEVICES in the parent (fixed: Pool reads every worker's variables up front)."""
 import os
+import threading
 import time
 
 
@@ -19,21 +22,18 @@ def child():
             f"libcuda before CUDA: {pre}", f"devices {n}", str(torch.cuda.get_device_properties(0).uuid) if n else "-")
 
 
-def server():
-    from multiprocessing import forkserver
-    pid = forkserver._forkserver._forkserver_pid
-    return pid, "libcuda" in open(f"/proc/{pid}/maps").read() if pid else None
-
-
 if __name__ == "__main__":
     from mhctool import pool
-    from mhctool.isolation import Worker
     os.environ["PROBE_PARENT"] = str(os.getpid())
-    pool.warm(2)
-    time.sleep(8)  # the server up, torch imported there
-    print("fork server (pid, libcuda mapped):", server())
-    for gpu in ("1", "3", ""):
-        with Worker(daemon=False, env={"CUDA_VISIBLE_DEVICES": gpu}) as w:
-            value, failure = w.call("forkserver_gpu:child", (), timeout=120)
-            print(f"CUDA_VISIBLE_DEVICES={gpu!r}: (variable, forked, libcuda, devices, uuid) =", value or failure)
-    print("fork server after:", server())
+    gpus = pool.visible_gpus()
+    pool.warm(len(gpus))
+    time.sleep(5)
+    with pool.Pool(len(gpus), "cuda") as p:
+        threads = [threading.Thread(target=lambda k=k: p._worker(k).start()) for k in range(len(gpus))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for k in range(len(gpus)):
+            value, failure = p._worker(k).call("forkserver_gpu:child", (), timeout=120)
+            print(f"worker {k}: (variable, forked, libcuda, devices, uuid) =", value or failure)

@@ -44,14 +44,9 @@ import torch.multiprocessing as tmp
 
 TRANSPORTS = ("shm", "host", "file")
 _ENVIRON_LOCK = threading.Lock()
-# variables a child may set after the fork server's fork (read when used, not at import). Not
-# CUDA_VISIBLE_DEVICES: on a four-H200 node, four pool workers forked from the fork server with a
-# GPU each all ran on the first GPU (the others held no memory) and ran it out of memory, so a
-# worker with a GPU of its own gets an interpreter of its own (MHCTOOL_FORK_GPU_WORKERS=1 forks
-# them, for dev/forkserver_gpu.py)
-LATE_VARIABLES = {"MHCTOOL_DRAW_THREADS"}
-if os.environ.get("MHCTOOL_FORK_GPU_WORKERS") == "1":
-    LATE_VARIABLES.add("CUDA_VISIBLE_DEVICES")
+# variables a child may set after the fork server's fork: read when CUDA starts, not at import
+# (dev/forkserver_gpu.py: a child of the fork server sees the GPU its CUDA_VISIBLE_DEVICES names)
+LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES", "MHCTOOL_DRAW_THREADS"}
 
 
 @dataclass(frozen=True)
@@ -258,9 +253,9 @@ class Worker:
         return None
 
     def _start(self) -> None:
-        # variables read when torch is imported (thread counts, OpenMP's wait policy) or CUDA
-        # starts (the GPU) need a fresh interpreter unless the fork server started with them; the
-        # LATE_VARIABLES are read after the fork, so a child of the fork server takes them
+        # variables read when torch is imported (thread counts, OpenMP's wait policy) need a fresh
+        # interpreter unless the fork server started with them; the LATE_VARIABLES are read after
+        # the fork (CUDA_VISIBLE_DEVICES when CUDA starts), so a child of the fork server takes them
         from .pool import forkserver_has
         ctx, environ = child_context(spawn=any(k not in LATE_VARIABLES and not forkserver_has(k, v)
                                                for k, v in self.env.items()))
@@ -268,9 +263,13 @@ class Worker:
             environ.update(self.env)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, environ), daemon=self.daemon)
-        with _ENVIRON_LOCK:  # the child starts with its variables (thread counts are read at import)
-            saved = {k: os.environ.get(k) for k in self.env}
-            os.environ.update(self.env)
+        # a spawned child starts with this process's environment: its variables are set here for
+        # the moment of its start (thread counts are read at import); a child of the fork server
+        # takes them from ``environ``
+        with _ENVIRON_LOCK:
+            saved = {k: os.environ.get(k) for k in self.env} if environ is None else {}
+            if environ is None:
+                os.environ.update(self.env)
             try:
                 proc.start()
             finally:

@@ -258,6 +258,11 @@ class Pool:
         self.size, self.device = max(1, size), device
         self.memory = _Memory(0.9 * device_memory(device))
         self.workers: list = [None] * self.size
+        # each worker's variables, read here once: a worker starting sets its CUDA_VISIBLE_DEVICES in
+        # this process's environment for a moment (a spawned child takes the environment as it is),
+        # and workers read it as they started gave three of four workers on a four-H200 node the
+        # first GPU's (all four ran there and ran it out of memory)
+        self.envs = [worker_env(k, device, self.size) for k in range(self.size)]
 
     def __enter__(self):
         return self
@@ -274,7 +279,7 @@ class Pool:
     def _worker(self, index: int):
         if self.workers[index] is None:
             from .isolation import Worker
-            self.workers[index] = Worker(daemon=False, env=worker_env(index, self.device, self.size))
+            self.workers[index] = Worker(daemon=False, env=self.envs[index])
         return self.workers[index]
 
     def run(self, jobs: list[Job], impl_names: list[list[tuple[str, str]]],

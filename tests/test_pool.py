@@ -177,20 +177,33 @@ def test_ray_backend_writes_the_rows_of_one_process(tmp_path):
     assert _rows(one_out) == _rows(ray_out)
 
 
-def test_a_worker_forks_from_the_fork_server_unless_it_needs_variables_read_earlier():
-    """A variable read after the fork (a worker's share of the draw threads) needs no interpreter
-    of its own: the worker is the fork server's child and has it. One read when torch is imported
-    (OpenMP's wait policy) or when CUDA starts (the GPU a worker sees), unless the fork server
-    started with it, gets a fresh interpreter (our child)."""
+def test_a_worker_with_a_gpu_of_its_own_forks_from_the_fork_server():
+    """A variable read after the fork (the GPU a worker sees) needs no interpreter of its own: the
+    worker is the fork server's child and has it; one read when torch is imported (OpenMP's wait
+    policy), unless the fork server started with it, gets a fresh interpreter (our child)."""
     import os
-    with Worker(daemon=False, env={"MHCTOOL_DRAW_THREADS": "3"}) as w:
+    with Worker(daemon=False, env={"CUDA_VISIBLE_DEVICES": "", "MHCTOOL_DRAW_THREADS": "3"}) as w:
         (ppid, failure), (threads, _) = w.call("os:getppid"), w.call("os:getenv", ("MHCTOOL_DRAW_THREADS",))
         assert failure is None and ppid != os.getpid() and threads == "3"
-    for env in ({"OMP_NUM_THREADS": "7"}, {"CUDA_VISIBLE_DEVICES": "", "MHCTOOL_DRAW_THREADS": "3"}):
-        if not all(pool.forkserver_has(k, v) for k, v in env.items()):
-            with Worker(daemon=False, env=env) as w:
-                (ppid, _), (value, _) = w.call("os:getppid"), w.call("os:getenv", (next(iter(env)),))
-                assert ppid == os.getpid() and value == next(iter(env.values())), env
+    if not pool.forkserver_has("OMP_NUM_THREADS", "7"):
+        with Worker(daemon=False, env={"OMP_NUM_THREADS": "7"}) as w:
+            (ppid, _), (value, _) = w.call("os:getppid"), w.call("os:getenv", ("OMP_NUM_THREADS",))
+            assert ppid == os.getpid() and value == "7"
+
+
+def test_each_pool_worker_gets_its_own_gpu_whatever_the_environment_while_workers_start(monkeypatch):
+    """A spawned worker's variables are in this process's environment while it starts: the other
+    workers' GPUs must not be read from it then (three of four once got the first one's GPU)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr("mhctool.runner.device_memory", lambda device: 80e9)
+    p = pool.Pool(4, "cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # worker 0 starting, as a spawned child
+    try:
+        assert [p._worker(k).env["CUDA_VISIBLE_DEVICES"] for k in range(4)] == ["0", "1", "2", "3"]
+    finally:
+        p.close()
 
 
 @pytest.mark.gpu
