@@ -28,7 +28,7 @@ rows = [[{k: ('nan' if isinstance(v, float) and math.isnan(v) else v) for k, v i
 print('rows', [len(r) for r in rows], 'identical' if rows[0] == rows[1] else 'DIFFERENT')
 diff = [(a, b) for a, b in zip(*rows) if a != b]
 for a, b in diff[:8]:
-    print('  ', *(a[k] for k in ('kernel', 'impl', 'family', 'dtype', 'shape', 'direction', 'tensor', 'metric')), a['value'], '->', b['value'], *([a['message'], b['message']] if a['message'] != b['message'] else []))
+    print('  ', *(a.get(k) for k in ('kernel', 'impl', 'family', 'dtype', 'shape', 'direction', 'tensor', 'metric')), a.get('value'), '->', b.get('value'), *([a.get('message'), b.get('message')] if a.get('message') != b.get('message') else []))
 print('   rows that differ:', len(diff)) if diff else None" "$@"; }
 
 case "$phase" in

@@ -150,9 +150,12 @@ def check_callable(impl: "Impl") -> None:
 
 
 def _alpha_term_scale(family: str) -> Callable:
-    """grad_alpha[k] sums g_h * (r * proj) over every token and the k-th group of columns: its
-    terms are far larger than the result when they cancel. The family's reference, traced, gives
-    h (for g_h) and r * proj."""
+    """grad_alpha[k] sums g_h * (r * proj) over every token and the k-th group of columns, and
+    grad_h_bias[j] sums g_h[:, j] over every token: their terms are far larger than the result
+    when they cancel. The family's reference, traced, gives h (for g_h) and r * proj. (On an H200,
+    mix_aggregate's fp32 grad_h_bias at 9x2x2x40 erred by 2.4 roundoffs of its terms' sum, PyTorch's
+    on other columns by up to 2.6, ``dev/bias_probe.py``: a sum of 18 terms cancelling 3.5x,
+    each term a product of sums itself.)"""
     def scale(args: dict, upstream: list, knobs: dict) -> dict[str, float]:
         fam = FAMILIES[family]
         seen: dict[str, torch.Tensor] = {}
@@ -162,7 +165,8 @@ def _alpha_term_scale(family: str) -> Callable:
             (gh,) = torch.autograd.grad(outs, [seen["h"]], list(upstream)[:len(outs)])
         n = round((seen["h"].shape[-1] + 1) ** 0.5 - 1)
         terms = (gh * seen["r_proj"]).abs().detach()
-        return {"grad_alpha": float(max(terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum()))}
+        return {"grad_alpha": float(max(terms[:, :n].sum(), terms[:, n:2 * n].sum(), terms[:, 2 * n:].sum())),
+                "grad_h_bias": float(gh.abs().detach().sum(0).max())}
     return scale
 
 

@@ -77,6 +77,7 @@ def test_correct_external_written_differently_passes(tmp_path, kernel, fn):
     ("h_post_bda", "h_post_bda_transposed", "random", "fp32"),
     ("h_post_bda", "h_post_bda_bf16_bias_grad", "long_tokens", "bf16"),
     ("mapping", "mapping_alpha_grad_bf16", "random", "fp32"),
+    ("mapping", "mapping_bias_grad_bf16", "random", "fp32"),
     ("swiglu", "swiglu_scale_before", "scale_extremes", "fp32"),
     ("swiglu", "swiglu_halves_swapped", "random", "bf16"),
     ("swiglu", "swiglu_ignores_interleave", "random", "bf16"),

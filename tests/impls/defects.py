@@ -116,7 +116,8 @@ def sinkhorn_skips_last_token(logits, iters=20, eps=1e-6):
 
 
 class _PerTokenAlphaBf16Sum(torch.autograd.Function):
-    """Broadcasts alpha to every token; the backward sums the per-token gradients in bf16."""
+    """Broadcasts a vector (alpha, h_bias) to every token; the backward sums the per-token
+    gradients in bf16."""
 
     @staticmethod
     def forward(ctx, alpha, m):
@@ -130,14 +131,26 @@ class _PerTokenAlphaBf16Sum(torch.autograd.Function):
         return acc.to(g.dtype), None
 
 
-def mapping_alpha_grad_bf16(x2d, weight, alpha, h_bias, eps=1e-6):
-    """Forward right; the alpha gradient is a running sum over tokens kept in bf16."""
+def _mapping_of(x2d, weight, eps, alpha_rows, bias):
+    """compute_h from per-token alpha rows ``[M, 3]`` and a bias ``[N]`` or ``[M, N]``."""
     n = round((weight.shape[0] + 1) ** 0.5 - 1)
     proj, r = native.proj_rms(x2d, weight, eps)
-    a = _PerTokenAlphaBf16Sum.apply(alpha, x2d.shape[0])
+    a = alpha_rows
     cols = torch.cat([a[:, :1].expand(-1, n), a[:, 1:2].expand(-1, n), a[:, 2:].expand(-1, n * n)], dim=1)
-    h = r.float().unsqueeze(-1) * proj.float() * cols + h_bias
+    h = r.float().unsqueeze(-1) * proj.float() * cols + bias
     return torch.sigmoid(h[:, :n]), 2.0 * torch.sigmoid(h[:, n:2 * n]), h[:, 2 * n:].reshape(-1, n, n)
+
+
+def mapping_alpha_grad_bf16(x2d, weight, alpha, h_bias, eps=1e-6):
+    """Forward right; the alpha gradient is a running sum over tokens kept in bf16."""
+    return _mapping_of(x2d, weight, eps, _PerTokenAlphaBf16Sum.apply(alpha, x2d.shape[0]), h_bias)
+
+
+def mapping_bias_grad_bf16(x2d, weight, alpha, h_bias, eps=1e-6):
+    """Forward right; the h_bias gradient is a running sum over tokens kept in bf16 (what the
+    reduction floor of grad_h_bias, 2 roundoffs of its terms' sum, must still fail)."""
+    rows = alpha.unsqueeze(0).expand(x2d.shape[0], 3)
+    return _mapping_of(x2d, weight, eps, rows, _PerTokenAlphaBf16Sum.apply(h_bias, x2d.shape[0]))
 
 
 # --- grouped MLP ---------------------------------------------------------------------------------
