@@ -1,7 +1,8 @@
 """Where a run's time goes: named phases timed inside each case (the inputs, the native run, the
 float64 reference, each implementation with its first call in the process apart, which is where
 Triton, cuTile and TileLang compile, judging, the reproducibility checks), returned with the
-case's rows and summed per run, with the rest of each case (moving inputs, freeing memory); a
+case's rows and summed per run, with the rest of each case (moving inputs, freeing memory) and the
+start of the ranks of `--ranks` (in the first case), apart; a
 pool adds its workers' start and what is spent outside the cases (transfers, waiting for memory on
 the device). ``mhctool parity --profile`` and ``mhctool gate --profile`` print the sums; their
 reports keep them in the run metadata (``profile``)."""
@@ -55,6 +56,7 @@ OUTSIDE = "outside the cases (transfers, waiting)"
 START = "worker start (a process and its imports)"
 RESOLVING = "resolving the implementations (imports)"
 REST = "the rest of the case (moving inputs, freeing memory)"
+RANKS = "ranks start (processes, the process group)"
 
 
 def lines(timings: dict, wall: float, workers: int) -> list[str]:

@@ -311,6 +311,8 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
 
     if sharding is not None:
         from . import sharded
+        with profile.phase(profile.RANKS):  # the first case starts them (and a case after a rank died)
+            sharding.group()
         few = sharded.too_few_tokens(case.kernel, base, sharding)
         if few:
             result.rows.append({**_row_base(case, shape, native_impl(case.kernel), "ieee", knobs, sharding),

@@ -104,7 +104,7 @@ def _slice(t: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
 class _Group:
     """R processes joined by one process group, each serving jobs from its own queue."""
 
-    def __init__(self, ranks: int, device: str):
+    def __init__(self, ranks: int, device: str, start_timeout: float = 300.0):
         from .isolation import child_context
         self.ranks = ranks
         self.folder = tempfile.mkdtemp(prefix="mhctool-ranks-")
@@ -116,6 +116,23 @@ class _Group:
         for p in self.procs:
             p.start()
         self.broken = False
+        self._ready(start_timeout)
+
+    def _ready(self, timeout: float) -> None:
+        """Wait for every rank to have joined the group (its first collective done): what starting
+        the ranks costs is paid here, once, not inside the first case's runs."""
+        import queue
+        ready: set = set()
+        deadline = time.monotonic() + timeout
+        while len(ready) < self.ranks and not self.broken:
+            if any(not p.is_alive() for p in self.procs) or time.monotonic() > deadline:
+                self.broken = True  # the next job reports which rank and why
+                return
+            try:
+                rank, _ = self.answers.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            ready.add(rank)
 
     def alive(self) -> bool:
         return not self.broken and all(p.is_alive() for p in self.procs)
@@ -170,6 +187,9 @@ def _serve(rank: int, ranks: int, folder: str, device: str, jobs, answers, envir
     dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=f"file://{folder}/init",
                             rank=rank, world_size=ranks)
     try:
+        # a first collective (NCCL makes its communicator here) before the rank says it is ready
+        dist.all_reduce(torch.zeros(1, device="cpu" if device == "cpu" else f"cuda:{rank}"))
+        answers.put((rank, "ready"))
         while True:
             job = jobs.get()
             if job is None:

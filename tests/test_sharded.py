@@ -51,6 +51,10 @@ def test_sharded_parity_of_the_mapping_path_passes_with_every_parameter_gradient
             assert {(kernel, impl, p) for p in params} <= judged, (kernel, impl)
     meta = pq.read_schema(out).metadata
     assert b'"ranks": %d' % ranks in meta[b"mhctool.run"]
+    # the ranks' start (processes, the process group and its first collective) is a phase of its own
+    import json
+    from mhctool import profile
+    assert json.loads(meta[b"mhctool.run"])["profile"][profile.RANKS] > 0
 
 
 def _native_case(kernel, shape="7x2x4x45", dtype="fp32"):
