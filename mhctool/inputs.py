@@ -44,8 +44,9 @@ BLOCK = 1 << 22
 # On a GPU, four workers drawing gigabytes on the host and copying them over contended for the
 # host's cores and memory (the inputs phase doubled from one worker to four on an H200 node), so
 # parity draws a large tensor on the case's device. A CUDA block is small enough that PyTorch
-# launches its fill on the same grid on any GPU of 32 SMs or more (256 thread blocks of 256
-# threads: its grid is capped by the SM count), so its values do not depend on the GPU's size.
+# launches its fill on the same grid on any GPU that holds 256 blocks of 256 threads at once
+# (its grid is the smaller of numel / 256 and the SMs' room for blocks: 32 SMs of 2048 threads,
+# every datacenter GPU since Volta), so its values do not depend on the GPU's size.
 CUDA_BLOCK = 1 << 16
 
 # where large tensors are drawn blockwise (generate's draw_on); None: on the CPU
