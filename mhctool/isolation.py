@@ -257,16 +257,17 @@ class Worker:
         # interpreter unless the fork server started with them; the LATE_VARIABLES are read after
         # the fork (CUDA_VISIBLE_DEVICES when CUDA starts), so a child of the fork server takes them
         from .pool import forkserver_has
-        ctx, environ = child_context(spawn=any(k not in LATE_VARIABLES and not forkserver_has(k, v)
-                                               for k, v in self.env.items()))
-        if environ is not None:
-            environ.update(self.env)
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, environ), daemon=self.daemon)
         # a spawned child starts with this process's environment: its variables are set here for
         # the moment of its start (thread counts are read at import); a child of the fork server
-        # takes them from ``environ``
+        # takes them from ``environ``, a copy of this environment taken under the same lock (never
+        # one with another worker's variables in it for that moment)
         with _ENVIRON_LOCK:
+            ctx, environ = child_context(spawn=any(k not in LATE_VARIABLES and not forkserver_has(k, v)
+                                                   for k, v in self.env.items()))
+            if environ is not None:
+                environ.update(self.env)
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child, self.transport, self.folder, environ), daemon=self.daemon)
             saved = {k: os.environ.get(k) for k in self.env} if environ is None else {}
             if environ is None:
                 os.environ.update(self.env)
