@@ -253,14 +253,13 @@ class Worker:
         return None
 
     def _start(self) -> None:
-        # variables read when torch is imported (thread counts, OpenMP's wait policy) need a fresh
+        # Variables read when torch is imported (thread counts, OpenMP's wait policy) need a fresh
         # interpreter unless the fork server started with them; the LATE_VARIABLES are read after
-        # the fork (CUDA_VISIBLE_DEVICES when CUDA starts), so a child of the fork server takes them
+        # the fork, so a child of the fork server takes them from ``environ`` (a copy of this
+        # environment). A spawned child takes this process's environment: its variables are set
+        # here for the moment of its start, under the lock the copy is taken under too, so that no
+        # child ever gets another worker's variables.
         from .pool import forkserver_has
-        # a spawned child starts with this process's environment: its variables are set here for
-        # the moment of its start (thread counts are read at import); a child of the fork server
-        # takes them from ``environ``, a copy of this environment taken under the same lock (never
-        # one with another worker's variables in it for that moment)
         with _ENVIRON_LOCK:
             ctx, environ = child_context(spawn=any(k not in LATE_VARIABLES and not forkserver_has(k, v)
                                                    for k, v in self.env.items()))

@@ -258,10 +258,10 @@ class Pool:
         self.size, self.device = max(1, size), device
         self.memory = _Memory(0.9 * device_memory(device))
         self.workers: list = [None] * self.size
-        # each worker's variables, read here once: a worker starting sets its CUDA_VISIBLE_DEVICES in
-        # this process's environment for a moment (a spawned child takes the environment as it is),
-        # and workers read it as they started gave three of four workers on a four-H200 node the
-        # first GPU's (all four ran there and ran it out of memory)
+        # every worker's variables, worked out here before any starts: a spawned worker's start sets
+        # its variables in this process's environment for a moment, and reading the GPU list from
+        # there as each worker started once put three of four workers on the first GPU of a
+        # four-H200 node (which then ran out of memory)
         self.envs = [worker_env(k, device, self.size) for k in range(self.size)]
 
     def __enter__(self):

@@ -149,7 +149,7 @@ def check_callable(impl: "Impl") -> None:
             from None
 
 
-def _alpha_term_scale(family: str) -> Callable:
+def _token_sum_term_scale(family: str) -> Callable:
     """grad_alpha[k] sums g_h * (r * proj) over every token and the k-th group of columns, and
     grad_h_bias[j] sums g_h[:, j] over every token: their terms are far larger than the result
     when they cancel. The family's reference, traced, gives h (for g_h) and r * proj. (On an H200,
@@ -231,7 +231,7 @@ FAMILIES: dict[str, Family] = {
          "compute_h_eps": Knob(0.0, kind=float, zero_ok=True)},
         ("eps",),
         _ref_mapping,
-        _alpha_term_scale("mapping"),
+        _token_sum_term_scale("mapping"),
         optional_outputs=("rms",),
         conventions=("eps", "rms_eps", "compute_h_eps"),
     ),
@@ -241,12 +241,12 @@ FAMILIES: dict[str, Family] = {
     "mapping_sinkhorn": Family(
         "mapping_sinkhorn", ("x", "weight", "alpha", "h_bias"), ("x", "weight", "alpha", "h_bias"),
         ("alpha", "h_bias"), ("h_pre", "h_post", "h_res"), dict(_COMPOSITE_KNOBS), (),
-        ref.mapping_sinkhorn, _alpha_term_scale("mapping_sinkhorn"), conventions=_COMPOSITE_CONVENTIONS,
+        ref.mapping_sinkhorn, _token_sum_term_scale("mapping_sinkhorn"), conventions=_COMPOSITE_CONVENTIONS,
     ),
     "mix_aggregate": Family(
         "mix_aggregate", ("x", "weight", "alpha", "h_bias"), ("x", "weight", "alpha", "h_bias"),
         ("alpha", "h_bias"), ("out", "h_post", "h_res"), dict(_COMPOSITE_KNOBS), (),
-        ref.mix_aggregate, _alpha_term_scale("mix_aggregate"), conventions=_COMPOSITE_CONVENTIONS,
+        ref.mix_aggregate, _token_sum_term_scale("mix_aggregate"), conventions=_COMPOSITE_CONVENTIONS,
     ),
 }
 _INTERLEAVE = Knob(0, (0, 32), int)

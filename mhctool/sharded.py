@@ -120,28 +120,23 @@ class _Group:
 
     def _ready(self, timeout: float) -> None:
         """Wait for every rank to have joined the group (its first collective done): what starting
-        the ranks costs is paid here, once, not inside the first case's runs."""
-        import queue
-        ready: set = set()
-        deadline = time.monotonic() + timeout
-        while len(ready) < self.ranks and not self.broken:
-            if any(not p.is_alive() for p in self.procs) or time.monotonic() > deadline:
-                self.broken = True  # the next job reports which rank and why
-                return
-            try:
-                rank, _ = self.answers.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            ready.add(rank)
+        the ranks costs is paid here, once, not inside the first case's runs. A rank that died or
+        did not join in time leaves the group broken (the next job says which and why)."""
+        self._gather(timeout)
 
     def alive(self) -> bool:
         return not self.broken and all(p.is_alive() for p in self.procs)
 
     def run(self, job: dict, timeout: float) -> tuple[list | None, str | None, str | None]:
         """Every rank's answer to ``job`` in rank order, or (None, why, failure kind)."""
-        import queue
         for q in self.jobs:
             q.put(job)
+        return self._gather(timeout)
+
+    def _gather(self, timeout: float) -> tuple[list | None, str | None, str | None]:
+        """One message from every rank, in rank order, or (None, why, failure kind) with the group
+        broken: a rank ended, or one had said nothing by ``timeout``."""
+        import queue
         got: dict = {}
         deadline = time.monotonic() + timeout
         while len(got) < self.ranks:
