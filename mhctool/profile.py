@@ -37,13 +37,14 @@ def phase(name: str):
             _current[name] = _current.get(name, 0.0) + time.perf_counter() - t0
 
 
-def call_name(impl: str, key: tuple) -> str:
-    """``impl`` the first time ``key`` (the implementation, kernel and dtype) is called in this
-    process, marked as the call that compiles; plain ``impl`` after."""
+def call_name(impl: str, key: tuple, first: str = "first call: compiles") -> str:
+    """``impl (first)`` the first time ``key`` (the implementation, kernel and dtype) is called in
+    this process, for the call that compiles (or, for PyTorch's native run, loads its libraries'
+    kernels); plain ``impl`` after."""
     if key in _seen:
         return impl
     _seen.add(key)
-    return f"{impl} (first call: compiles)"
+    return f"{impl} ({first})"
 
 
 def add(total: dict, part: dict | None) -> dict:

@@ -608,7 +608,8 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
     def upstream_of(outs):
         made.append(upstream_for(fam, outs, case.seed))
         return made[-1]
-    with profile.phase("native (the baseline)"):
+    first = ("native", case.kernel, precision, case.dtype, case.device)
+    with profile.phase(profile.call_name("native (the baseline)", first, "first call in the process")):
         native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs, upstream_of)
         if native.fwd_error or native.outputs is None:
             raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")

@@ -626,6 +626,21 @@ def test_tensor_core_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch,
             assert torch.isfinite(a).all() and torch.equal(a, b_)
 
 
+def test_no_kernel_of_ours_picks_its_tile_by_timing():
+    """A tile sets a sum's order: an autotuner's pick, made by timing in each process, gave the GPU
+    gate other bits on one GPU than on four. Every tile is a function of the shape."""
+    import importlib
+    import pkgutil
+
+    import mhctool.kernels.triton as pkg
+    from triton.runtime.autotuner import Autotuner
+    tuned = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        tuned += [f"{info.name}.{k}" for k, v in vars(mod).items() if isinstance(v, Autotuner)]
+    assert not tuned, tuned
+
+
 def test_h_aggregate_backward_without_grad_x_gives_the_same_grad_h():
     x, h = torch.randn(5, 3, 4, 67), torch.rand(5, 3, 4)
     g = torch.randn(5, 3, 67)

@@ -12,11 +12,8 @@ import triton.language as tl
 
 from mhctool.poison import empty
 
-from ._common import cast, check_device, interpreted, next_pow2, require_contiguous
+from ._common import cast, check_device, next_pow2, require_contiguous
 
-
-def _configs():
-    return [triton.Config({"BLOCK_C": bc}, num_warps=w) for bc in (512, 1024, 2048) for w in (4, 8)]
 
 
 @triton.jit
@@ -58,13 +55,15 @@ def _h_aggregate_bwd(x_ptr, h_ptr, g_ptr, dx_ptr, dh_ptr, C, N: tl.constexpr, NP
     tl.store(dh_ptr + t * N + j, cast(acc, dh_ptr.dtype.element_ty), mask=j < N)
 
 
-_fwd_tuned = triton.autotune(_configs(), key=["C", "N"])(_h_aggregate_fwd)
-_bwd_tuned = triton.autotune(_configs(), key=["C", "N", "WRITE_DX"], reset_to_zero=[])(_h_aggregate_bwd)
-
-
-def _block(C: int) -> dict:
-    """Under the interpreter autotune cannot run: one fixed configuration."""
-    return {"BLOCK_C": min(1024, next_pow2(C))}
+def _tile(C: int, backward: bool) -> dict:
+    """The tile, a function of the shape alone. Both kernels' sums run in an order set by the tile
+    (the backward's over C, the forward's over n), so a tile picked by timing, as an autotuner
+    does, gave other bits from one process to the next: the GPU gate's fp32 h_aggregate and
+    mix_aggregate rows differed between runs on one and four GPUs (four-H200 node, 2026-11-26).
+    These are the tiles the autotuner picked at the paper shape on an H200 (forward 2048 x 8
+    warps, 0.530 ms; backward 2048 x 4); its other choices were within 1% there."""
+    block = min(2048, next_pow2(C))
+    return {"BLOCK_C": block, "num_warps": 4 if backward or block < 2048 else 8}
 
 
 def _check(x, h_pre):
@@ -81,11 +80,8 @@ def h_aggregate_forward(x, h_pre):
     T = s * b
     out = empty((s, b, C), x.dtype, x.device)
     if T and C:
-        if interpreted():
-            cfg = _block(C)
-            _h_aggregate_fwd[(T * triton.cdiv(C, cfg["BLOCK_C"]),)](x, h_pre, out, C, N=n, NP=next_pow2(n), **cfg)
-        else:
-            _fwd_tuned[lambda m: (T * triton.cdiv(C, m["BLOCK_C"]),)](x, h_pre, out, C, N=n, NP=next_pow2(n))
+        cfg = _tile(C, backward=False)
+        _h_aggregate_fwd[(T * triton.cdiv(C, cfg["BLOCK_C"]),)](x, h_pre, out, C, N=n, NP=next_pow2(n), **cfg)
     return out
 
 
@@ -100,10 +96,7 @@ def h_aggregate_backward(x, h_pre, grad_out, write_dx: bool = True):
     dh = empty(h_pre.shape, h_pre.dtype, x.device)
     if T:
         args = (x, h_pre, grad_out, x if dx is None else dx, dh, C)
-        if interpreted():
-            _h_aggregate_bwd[(T,)](*args, N=n, NP=next_pow2(n), WRITE_DX=write_dx, **_block(C))
-        else:
-            _bwd_tuned[(T,)](*args, N=n, NP=next_pow2(n), WRITE_DX=write_dx)
+        _h_aggregate_bwd[(T,)](*args, N=n, NP=next_pow2(n), WRITE_DX=write_dx, **_tile(C, backward=True))
     return dx, dh
 
 
