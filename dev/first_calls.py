@@ -42,6 +42,8 @@ for case in p.cases:
     print(f"{case.kernel:17s} {case.dtype:5s} {case.family:12s} {wall:6.2f} s  {phases}"
           + (f"  FAILED {bad}" if bad else ""), flush=True)
 print(f"all cases {time.perf_counter() - t_all:.1f} s", flush=True)
+if "mhctool.kernels.cutile._cache" in sys.modules:  # the disk cache of mhctool's cuTile compilations
+    print("cuTile compile cache:", sys.modules["mhctool.kernels.cutile._cache"].stats, flush=True)
 if prof:
     st = pstats.Stats(prof)
     st.sort_stats("cumulative").print_stats(a.cprofile)

@@ -111,3 +111,108 @@ def test_the_aggregation_terms_streams_form_goes_where_its_tiles_fit(monkeypatch
         assert cpr._bwd_kernel(True, True, dev, True) is cpr._proj_rms_bwd_streams
     monkeypatch.setattr(cpr, "AGG_STREAMS", False)
     assert not cpr._streams_form(4, 7168, bk, True)
+
+
+# --- the disk cache of mhctool's own cuTile compilations (kernels/cutile/_cache.py) ----------------
+
+def _cache_setup(monkeypatch, tmp_path):
+    from mhctool.kernels.cutile import _cache
+    monkeypatch.setenv("MHCTOOL_CUTILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_cache, "_versions", lambda: ("1.7.0", "tileiras 13.4"))
+    monkeypatch.setattr(_cache, "_capability", lambda: (9, 0))
+    calls = []
+
+    def compile_(self, signature, context, cc=None):  # cuTile's kernel._compile, stood in for
+        calls.append(signature)
+        return b"cubin:" + repr(signature).encode(), f"sym_{len(calls)}", None, ()
+    return _cache, calls, compile_
+
+
+class _Kernel:
+    def __init__(self, module, options="opts"):
+        def fn():
+            pass
+        fn.__module__ = module
+        self._pyfunc, self._compiler_options = fn, options
+
+
+def test_a_compilation_is_kept_for_the_next_process_and_read_back_as_it_was(monkeypatch, tmp_path):
+    _cache, calls, compile_ = _cache_setup(monkeypatch, tmp_path)
+    k = _Kernel("mhctool.kernels.cutile.sinkhorn")
+    first = _cache.cached_compile(compile_, k, ("f32", 4), None)
+    again = _cache.cached_compile(compile_, k, ("f32", 4), None)  # what a new process finds on disk
+    assert len(calls) == 1 and again == first
+    # another signature, other hints or another GPU is another compilation
+    _cache.cached_compile(compile_, k, ("bf16", 4), None)
+    _cache.cached_compile(compile_, _Kernel(k._pyfunc.__module__, "other"), ("f32", 4), None)
+    _cache.cached_compile(compile_, k, ("f32", 4), None, (10, 0))
+    assert len(calls) == 4
+    # a broken entry is compiled again and replaced
+    for entry in (tmp_path / "cache").glob("*.bin"):
+        entry.write_bytes(entry.read_bytes()[:12])
+    assert _cache.cached_compile(compile_, k, ("f32", 4), None)[0] == first[0] and len(calls) == 5
+
+
+def test_what_the_cache_cannot_vouch_for_compiles_as_cutile_would(monkeypatch, tmp_path):
+    _cache, calls, compile_ = _cache_setup(monkeypatch, tmp_path)
+    other = _Kernel("megatron.core.fusions.fused_mhc_kernels")  # another package's kernel
+    for _ in range(2):
+        _cache.cached_compile(compile_, other, ("f32",), None)
+    assert len(calls) == 2
+    monkeypatch.setattr(_cache, "_versions", lambda: None)  # no compiler version known
+    ours = _Kernel("mhctool.kernels.cutile.h_aggregate")
+    for _ in range(2):
+        _cache.cached_compile(compile_, ours, ("f32",), None)
+    assert len(calls) == 4
+    monkeypatch.setattr(_cache, "_versions", lambda: ("1.7.0", "tileiras 13.4"))
+    monkeypatch.setenv("MHCTOOL_CUTILE_CACHE", "0")  # turned off
+    for _ in range(2):
+        _cache.cached_compile(compile_, ours, ("f32",), None)
+    assert len(calls) == 6 and not (tmp_path / "cache").exists()
+    monkeypatch.setenv("MHCTOOL_CUTILE_CACHE", str(tmp_path / "cache"))
+
+    def linked(self, signature, context, cc=None):  # a compilation that links libraries: not kept
+        calls.append(signature)
+        return b"cubin", "sym", None, ("a library",)
+    for _ in range(2):
+        _cache.cached_compile(linked, ours, ("f32",), None)
+    assert len(calls) == 8 and not list((tmp_path / "cache").glob("*.bin"))
+
+
+def test_the_key_follows_the_values_a_kernel_reads_when_it_compiles(monkeypatch, tmp_path):
+    _cache, calls, compile_ = _cache_setup(monkeypatch, tmp_path)
+    from mhctool.kernels.cutile import sinkhorn
+    k = _Kernel("mhctool.kernels.cutile.sinkhorn")
+    _cache.cached_compile(compile_, k, ("f32",), None)
+    monkeypatch.setattr(sinkhorn, "EL_TILE_IO", (False, True))  # as dev/sinkhorn_cold.py sets it
+    _cache.cached_compile(compile_, k, ("f32",), None)
+    assert len(calls) == 2
+
+
+def test_two_processes_asking_at_once_compile_once(monkeypatch, tmp_path):
+    import threading
+    import time
+    _cache, calls, compile_ = _cache_setup(monkeypatch, tmp_path)
+
+    def slow(self, signature, context, cc=None):
+        time.sleep(0.3)
+        return compile_(self, signature, context, cc)
+    k = _Kernel("mhctool.kernels.cutile.sinkhorn")
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(_cache.cached_compile(slow, k, ("f32",), None)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and got[0] == got[1]
+
+
+def test_the_cache_wraps_this_cuda_tile_kernel_compilation():
+    import mhctool.kernels.cutile  # noqa: F401 - installs it
+    from cuda.tile import _execution
+
+    from mhctool.kernels.cutile import _cache
+    assert getattr(_execution.kernel._compile, "_mhctool_cached", False)
+    assert _cache.install()  # once a process: a second call changes nothing
+    assert _execution.kernel._compile._mhctool_cached

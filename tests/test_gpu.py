@@ -65,6 +65,7 @@ class _Background:
             env = dict(os.environ)
             if name in EMPTY_CACHES:
                 env |= {"CUDA_TILE_CACHE_DIR": str(folder / f"{name}-cutile-cache"),
+                        "MHCTOOL_CUTILE_CACHE": str(folder / f"{name}-mhctool-cutile-cache"),
                         "TRITON_CACHE_DIR": str(folder / f"{name}-triton-cache")}
             self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                 env=env)
@@ -108,6 +109,25 @@ def test_compile_variant_on_gpu(tmp_path):
     res, rows = _parity(tmp_path, "--kernel", "h_aggregate", "--impl", "compile", "--dtype", "bf16")
     assert res.exit_code == 0, res.output
     assert any(r["impl"] == "compile" and r["passed"] for r in rows)
+
+
+def test_a_cutile_compilation_is_read_back_by_the_next_process(tmp_path):
+    """kernels/cutile/_cache.py: the second process launches the kernel the first compiled, without
+    compiling it, and gets the same bits."""
+    code = ("import hashlib, torch\n"
+            "from mhctool.kernels.cutile import _cache, h_aggregate as k\n"
+            "g = torch.Generator(device='cuda').manual_seed(0)\n"
+            "x = torch.randn(37, 1, 4, 300, device='cuda', generator=g)\n"
+            "h = torch.rand(37, 1, 4, device='cuda', generator=g)\n"
+            "y = k.h_aggregate_forward(x, h).cpu()\n"
+            "print(_cache.stats['hits'], _cache.stats['stored'], hashlib.sha1(y.numpy().tobytes()).hexdigest())\n")
+    env = {**os.environ, "MHCTOOL_CUTILE_CACHE": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    first, second = (r.stdout.split() for r in runs)
+    assert first[:2] == ["0", "1"] and second[:2] == ["1", "0"], (first, second)
+    assert first[2] == second[2]
 
 
 @pytest.mark.parametrize("backend", ["triton", "cutile"])
