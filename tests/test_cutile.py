@@ -117,7 +117,7 @@ def test_the_aggregation_terms_streams_form_goes_where_its_tiles_fit(monkeypatch
 
 def _cache_setup(monkeypatch, tmp_path):
     from mhctool.kernels.cutile import _cache
-    monkeypatch.setenv("MHCTOOL_CUTILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MHCTOOL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(_cache, "_versions", lambda: ("1.7.0", "tileiras 13.4"))
     monkeypatch.setattr(_cache, "_capability", lambda: (9, 0))
     calls = []
@@ -148,7 +148,7 @@ def test_a_compilation_is_kept_for_the_next_process_and_read_back_as_it_was(monk
     _cache.cached_compile(compile_, k, ("f32", 4), None, (10, 0))
     assert len(calls) == 4
     # a broken entry is compiled again and replaced
-    for entry in (tmp_path / "cache").glob("*.bin"):
+    for entry in (tmp_path / "cache" / "cutile").glob("*.bin"):
         entry.write_bytes(entry.read_bytes()[:12])
     assert _cache.cached_compile(compile_, k, ("f32", 4), None)[0] == first[0] and len(calls) == 5
 
@@ -165,18 +165,18 @@ def test_what_the_cache_cannot_vouch_for_compiles_as_cutile_would(monkeypatch, t
         _cache.cached_compile(compile_, ours, ("f32",), None)
     assert len(calls) == 4
     monkeypatch.setattr(_cache, "_versions", lambda: ("1.7.0", "tileiras 13.4"))
-    monkeypatch.setenv("MHCTOOL_CUTILE_CACHE", "0")  # turned off
+    monkeypatch.setenv("MHCTOOL_CACHE", "0")  # turned off
     for _ in range(2):
         _cache.cached_compile(compile_, ours, ("f32",), None)
-    assert len(calls) == 6 and not (tmp_path / "cache").exists()
-    monkeypatch.setenv("MHCTOOL_CUTILE_CACHE", str(tmp_path / "cache"))
+    assert len(calls) == 6 and not list((tmp_path / "cache").rglob("*.bin"))
+    monkeypatch.setenv("MHCTOOL_CACHE", str(tmp_path / "cache"))
 
     def linked(self, signature, context, cc=None):  # a compilation that links libraries: not kept
         calls.append(signature)
         return b"cubin", "sym", None, ("a library",)
     for _ in range(2):
         _cache.cached_compile(linked, ours, ("f32",), None)
-    assert len(calls) == 8 and not list((tmp_path / "cache").glob("*.bin"))
+    assert len(calls) == 8 and not list((tmp_path / "cache" / "cutile").glob("*.bin"))
 
 
 def test_the_key_follows_the_values_a_kernel_reads_when_it_compiles(monkeypatch, tmp_path):

@@ -65,7 +65,7 @@ class _Background:
             env = dict(os.environ)
             if name in EMPTY_CACHES:
                 env |= {"CUDA_TILE_CACHE_DIR": str(folder / f"{name}-cutile-cache"),
-                        "MHCTOOL_CUTILE_CACHE": str(folder / f"{name}-mhctool-cutile-cache"),
+                        "MHCTOOL_CACHE": str(folder / f"{name}-mhctool-cache"),
                         "TRITON_CACHE_DIR": str(folder / f"{name}-triton-cache")}
             self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                 env=env)
@@ -121,12 +121,30 @@ def test_a_cutile_compilation_is_read_back_by_the_next_process(tmp_path):
             "h = torch.rand(37, 1, 4, device='cuda', generator=g)\n"
             "y = k.h_aggregate_forward(x, h).cpu()\n"
             "print(_cache.stats['hits'], _cache.stats['stored'], hashlib.sha1(y.numpy().tobytes()).hexdigest())\n")
-    env = {**os.environ, "MHCTOOL_CUTILE_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "MHCTOOL_CACHE": str(tmp_path / "cache")}
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
     first, second = (r.stdout.split() for r in runs)
     assert first[:2] == ["0", "1"] and second[:2] == ["1", "0"], (first, second)
+    assert first[2] == second[2]
+
+
+def test_a_tile_timed_by_one_process_is_taken_by_the_next(tmp_path):
+    """pick_config on the GPU: h_post_bda's generic forward (n = 3) at 25M elements times its
+    candidates in the first process only; the second reads the pick and gives the same bits."""
+    code = ("import hashlib, torch\n"
+            "from mhctool.kernels.triton import _common, h_post_bda as k\n"
+            "g = torch.Generator(device='cuda').manual_seed(0)\n"
+            "r = lambda *s: torch.randn(*s, device='cuda', generator=g)\n"
+            "out = k.h_post_bda_forward(r(8192, 1, 3, 3), r(8192, 1, 3, 1024), r(8192, 1, 3), r(8192, 1, 1024)).cpu()\n"
+            "print(_common.picks['timed'], _common.picks['read'], hashlib.sha1(out.numpy().tobytes()).hexdigest())\n")
+    env = {**os.environ, "MHCTOOL_CACHE": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    first, second = (r.stdout.split() for r in runs)
+    assert first[:2] == ["1", "0"] and second[:2] == ["0", "1"], (first, second)
     assert first[2] == second[2]
 
 

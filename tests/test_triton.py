@@ -626,9 +626,10 @@ def test_tensor_core_backward_tma_loads_give_the_pointer_loads_bits(monkeypatch,
             assert torch.isfinite(a).all() and torch.equal(a, b_)
 
 
-def test_no_kernel_of_ours_picks_its_tile_by_timing():
-    """A tile sets a sum's order: an autotuner's pick, made by timing in each process, gave the GPU
-    gate other bits on one GPU than on four. Every tile is a function of the shape."""
+def test_no_kernel_of_ours_takes_tritons_autotuner():
+    """A tile sets a sum's order: Triton's autotuner, timing the tiles afresh in each process, gave
+    the GPU gate other bits on one GPU than on four. A tile is a function of the shape, or a pick
+    timed once per machine and kept on disk (pick_config)."""
     import importlib
     import pkgutil
 
@@ -639,6 +640,37 @@ def test_no_kernel_of_ours_picks_its_tile_by_timing():
         mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
         tuned += [f"{info.name}.{k}" for k, v in vars(mod).items() if isinstance(v, Autotuner)]
     assert not tuned, tuned
+
+
+def test_a_tile_picked_by_timing_is_kept_for_every_later_process(monkeypatch, tmp_path):
+    """pick_config times the candidates once per machine: a later process (a run's other worker, a
+    later run) reads the pick back, even where its own timing would have ranked them otherwise."""
+    from mhctool.kernels.triton import _common
+    monkeypatch.setenv("MHCTOOL_CACHE", str(tmp_path))
+    monkeypatch.setattr(_common, "interpreted", lambda: False)
+    ms = {"a": 2.0, "b": 1.0, "c": 3.0}
+    monkeypatch.setattr(_common, "_time", lambda run, cfg: ms[cfg])
+    configs = ["a", "b", "c"]
+
+    def new_process():
+        monkeypatch.setattr(_common, "_BEST", {})
+        monkeypatch.setattr(_common, "picks", {"timed": 0, "read": 0})
+    new_process()
+    assert _common.pick_config(("k", 1), configs, run=None) == "b" and _common.picks["timed"] == 1
+    ms.update(a=0.5)  # another process's timing would now pick "a"
+    new_process()
+    assert _common.pick_config(("k", 1), configs, run=None) == "b" and _common.picks == {"timed": 0, "read": 1}
+    assert _common.pick_config(("k", 2), configs, run=None) == "a"  # another key is timed for itself
+    for entry in (tmp_path / "tiles").glob("*.json"):
+        entry.write_text("{not json")  # a broken entry is timed again and replaced
+    new_process()
+    assert _common.pick_config(("k", 1), configs, run=None) == "a" and _common.picks["timed"] == 1
+    monkeypatch.setenv("MHCTOOL_CACHE", "off")  # turned off: every process times for itself
+    ms.update(c=0.1)
+    new_process()
+    assert _common.pick_config(("k", 1), configs, run=None) == "c" and _common.picks["timed"] == 1
+    new_process()  # small problems take the first candidate, untimed
+    assert _common.pick_config(("k", 1), configs, run=None, work=1000) == "a" and _common.picks["timed"] == 0
 
 
 def test_h_aggregate_backward_without_grad_x_gives_the_same_grad_h():

@@ -18,44 +18,20 @@ keyed by everything that decides them:
 Two processes asking for one signature at once: the second waits on a lock for the first and then
 reads its result, so spread workers compile each signature once. Anything the cache cannot vouch
 for compiles as cuTile would: another package's kernel, a compile with library linking, an
-unknown compiler version, an unreadable entry, or ``MHCTOOL_CUTILE_CACHE=0``. The cache lives in
-``$MHCTOOL_CUTILE_CACHE`` (default ``~/.cache/mhctool/cutile``; ``XDG_CACHE_HOME`` moves it).
+unknown compiler version, an unreadable entry, or ``MHCTOOL_CACHE=0``. The entries live in
+``$MHCTOOL_CACHE/cutile`` (:mod:`mhctool.kernels._disk`; default ``~/.cache/mhctool/cutile``).
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
+from .. import _disk
+
 _PACKAGE = __name__.rpartition(".")[0].rpartition(".")[0]  # mhctool.kernels
-_ROOT = Path(__file__).resolve().parents[1]  # the package's folder
 _FORMAT = 1  # the entries' layout; a change makes new keys
-_sources: str | None = None
 stats = {"hits": 0, "stored": 0, "bypassed": 0}
-
-
-def cache_dir() -> Path | None:
-    value = os.environ.get("MHCTOOL_CUTILE_CACHE")
-    if value is not None and value.strip().lower() in ("", "0", "off", "none", "false"):
-        return None
-    if value:
-        return Path(value)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mhctool" / "cutile"
-
-
-def _source_digest() -> str:
-    """Every source file of the kernels' package, read once a process."""
-    global _sources
-    if _sources is None:
-        h = hashlib.sha256()
-        for p in sorted(_ROOT.rglob("*.py")):
-            h.update(str(p.relative_to(_ROOT)).encode() + b"\0" + p.read_bytes() + b"\0")
-        _sources = h.hexdigest()
-    return _sources
 
 
 def _plain(v) -> bool:
@@ -84,7 +60,7 @@ def _module_values() -> str:
 def key(func, signature, options, capability, cutile_version: str, compiler_version: str) -> str:
     """The entry's name: a digest of everything that decides the compiled kernel."""
     h = hashlib.sha256()
-    for part in (str(_FORMAT), _source_digest(), _module_values(), f"{func.__module__}.{func.__qualname__}",
+    for part in (str(_FORMAT), _disk.source_digest(), _module_values(), f"{func.__module__}.{func.__qualname__}",
                  repr(signature), repr(options), repr(tuple(capability)), cutile_version, compiler_version):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
@@ -92,22 +68,6 @@ def key(func, signature, options, capability, cutile_version: str, compiler_vers
 
 def ours(func) -> bool:
     return getattr(func, "__module__", "").startswith(_PACKAGE + ".")
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on ``path`` (released by the system if this process dies holding it)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock: each process compiles for itself
-        yield
-        return
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 _MAGIC = b"mhctool-cutile-1\0"  # an entry: this, the kernel's symbol, a NUL, the cubin
@@ -127,35 +87,18 @@ def _read(path: Path) -> tuple[bytes, str] | None:
         return None
 
 
-def _write(path: Path, cubin: bytes, symbol: str) -> None:
-    """Written whole under another name, then renamed: a reader never sees half an entry."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + symbol.encode() + b"\0" + cubin)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-
-
 def cached_compile(compile_, self, signature, context, compute_capability=None):
     """``compile_`` (cuTile's ``kernel._compile``) through the cache, for this package's kernels."""
-    root = cache_dir()
     func = getattr(self, "_pyfunc", None)
-    versions = _versions() if root is not None and func is not None and ours(func) else None
+    root = _disk.folder("cutile") if func is not None and ours(func) else None
+    versions = _versions() if root is not None else None
     if versions is None:
         stats["bypassed"] += 1
         return compile_(self, signature, context, compute_capability)
     capability = compute_capability or _capability()
     name = key(func, signature, getattr(self, "_compiler_options", None), capability, *versions)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        stats["bypassed"] += 1
-        return compile_(self, signature, context, compute_capability)
     entry = root / f"{name}.bin"
-    with _locked(root / f"{name}.lock"):
+    with _disk.locked(root / f"{name}.lock"):
         found = _read(entry)
         if found is not None:
             stats["hits"] += 1
@@ -164,7 +107,7 @@ def cached_compile(compile_, self, signature, context, compute_capability=None):
         cubin, symbol, extra, providers = result
         if extra is None and not providers and isinstance(cubin, bytes) and cubin and isinstance(symbol, str) \
                 and "\0" not in symbol:
-            _write(entry, cubin, symbol)
+            _disk.write(entry, _MAGIC + symbol.encode() + b"\0" + cubin)
             stats["stored"] += 1
         return result
 

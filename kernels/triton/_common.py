@@ -86,31 +86,71 @@ def require_contiguous(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 _BEST: dict = {}
+picks = {"timed": 0, "read": 0}  # where this process's picks came from
+
+
+def _time(run, cfg) -> float:
+    """Milliseconds of three launches of ``cfg`` after a warm-up (inf: it does not compile)."""
+    try:
+        run(cfg)  # compile and warm up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            run(cfg)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    except Exception:  # a configuration that does not compile (resources) is skipped
+        return float("inf")
+
+
+def _pick_entry(key, configs: list):
+    """Where the pick for ``key`` among ``configs`` is kept on this machine (None: nowhere)."""
+    import hashlib
+    from .. import _disk
+    where = _disk.folder("tiles")
+    if where is None:
+        return None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    h = hashlib.sha256()
+    for part in (_disk.source_digest(), triton.__version__, device, repr(key), repr(configs)):
+        h.update(part.encode() + b"\0")
+    return where / f"{h.hexdigest()}.json"
 
 
 def pick_config(key, configs: list, run, work: int = 1 << 30):
-    """The fastest of ``configs`` for ``key`` (timed once per process on the GPU with CUDA events,
-    then cached). The first one under the interpreter, where nothing can be timed, and for small
-    problems (``work`` elements under 2^24), where the choice does not matter and compiling every
-    candidate would. ``run(cfg)`` launches the kernel(s) and may be called several times."""
+    """The fastest of ``configs`` for ``key``, timed with CUDA events once per machine: the pick is
+    kept on disk (``$MHCTOOL_CACHE/tiles``, :mod:`mhctool.kernels._disk`) and read back by every
+    later process, so a run's workers and the runs after it take one tile. A tile sets the order of
+    a kernel's sums; picked afresh in each process, timing noise gave other bits from one process
+    to the next (h_aggregate's autotuner did, until its tile was fixed). The first config under the
+    interpreter, where nothing can be timed, and for small problems (``work`` elements under 2^24),
+    where the choice does not matter and compiling every candidate would. ``run(cfg)`` launches
+    the kernel(s) and may be called several times."""
     if interpreted() or len(configs) == 1 or work < (1 << 24):
         return configs[0]
     if key in _BEST:
         return _BEST[key]
-    best, best_t = configs[0], float("inf")
-    for cfg in configs:
-        try:
-            run(cfg)  # compile and warm up
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(3):
-                run(cfg)
-            end.record()
-            torch.cuda.synchronize()
-            t = start.elapsed_time(end)
-        except Exception:  # a configuration that does not compile (resources) is skipped
-            continue
-        if t < best_t:
-            best, best_t = cfg, t
-    _BEST[key] = best
-    return best
+    import contextlib
+    import json
+    from .. import _disk
+    entry = _pick_entry(key, configs)
+    with _disk.locked(entry.with_suffix(".lock")) if entry is not None else contextlib.nullcontext():
+        index = None
+        if entry is not None:
+            try:
+                index = json.loads(entry.read_text())["index"]
+            except (OSError, ValueError, KeyError, TypeError):
+                index = None
+        if isinstance(index, int) and 0 <= index < len(configs):
+            picks["read"] += 1
+        else:
+            times = [_time(run, cfg) for cfg in configs]
+            index = min(range(len(configs)), key=lambda i: times[i])
+            picks["timed"] += 1
+            if entry is not None:
+                _disk.write(entry, json.dumps({"key": repr(key), "index": index, "config": repr(configs[index]),
+                                               "ms": [None if t == float("inf") else round(t, 4) for t in times]
+                                               }).encode())
+    _BEST[key] = configs[index]
+    return configs[index]
