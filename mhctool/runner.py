@@ -609,21 +609,28 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
         made.append(upstream_for(fam, outs, case.seed))
         return made[-1]
     first = ("native", case.kernel, precision, case.dtype, case.device)
-    with profile.phase(profile.call_name("native (the baseline)", first, "first call in the process")):
-        native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs, upstream_of)
-        if native.fwd_error or native.outputs is None:
-            raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
-        # seeded from shapes: the same at every precision (the native backward does not write into them)
-        upstream = made[0] if made else upstream_for(fam, native.outputs, case.seed)
-    if sharding is not None:  # the baseline is the native implementation sharded the same way
+    if sharding is None:
+        with profile.phase(profile.call_name("native (the baseline)", first, "first call in the process")):
+            native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs, upstream_of)
+            if native.fwd_error or native.outputs is None:
+                raise RuntimeError(f"the native {case.kernel} failed on {case.family}: {native.fwd_error}")
+            # seeded from shapes: the same at every precision (the native backward does not write into them)
+            upstream = made[0] if made else upstream_for(fam, native.outputs, case.seed)
+    else:  # the baseline is the native implementation sharded the same way
         from . import sharded
         if native_impl_ is not None:
             raise ValueError("a sharded baseline runs the family's native implementation (the ranks resolve "
                              "it by precision); native_impl_ is for identify's unsharded variants")
+        with profile.phase(profile.call_name("native (the baseline)", first, "first call in the process")):
+            # the upstream gradients are drawn from the whole batch's output shapes, which the native
+            # forward on the first token row gives (no whole-batch run in this process: it took
+            # 2.5 of a sharded run's 12.6 s on two H200s)
+            shapes = sharded.whole_batch_outputs(fam, case.kernel, native_at(case.kernel, precision), base, knobs)
+            upstream = upstream_for(fam, shapes, case.seed)
         with profile.phase("native (the baseline)"):
             native = sharded.run(case.kernel, native_at(case.kernel, precision), base, knobs, upstream,
                                  sharding, _sharded_timeout(case), native_precision=precision,
-                                 expect=output_specs(native.outputs))
+                                 expect=output_specs(shapes))
         if native.fwd_error or native.bwd_error:
             raise RuntimeError(f"the native {case.kernel} failed on {case.family} over {sharding.ranks} ranks: "
                                f"{native.fwd_error or native.bwd_error}")

@@ -97,6 +97,24 @@ def too_few_tokens(kernel: str, base: dict, sharding: Sharding) -> str | None:
         f"{sharding.ranks} ranks need at least {sharding.ranks} token rows; this case has {rows}"
 
 
+def whole_batch_outputs(fam, kernel: str, native, base: dict, knobs: dict) -> list[torch.Tensor]:
+    """Uninitialised tensors of the whole batch's output shapes and dtypes, from ``native``'s forward
+    on the first token row alone: every output holds tokens along its first axis, which the batch's
+    token inputs give. A sharded case draws its upstream gradients from them (the same draws as
+    from the whole batch's outputs) without running the whole batch in this process."""
+    from .runner import _leaf
+    token = TOKEN_INPUTS[kernel]
+    rows, device = base[token[0]].shape[0], base[token[0]].device
+    # on the CPU: shapes and dtypes do not depend on the device, and a GPU would load its kernels
+    first = {k: (None if v is None else (v[:1] if k in token else v).cpu()) for k, v in base.items()}
+    with torch.no_grad():
+        try:
+            outs = list(fam.call(native.fn, _leaf(fam, first), knobs, native.accepts, native.bind))
+        except Exception as e:  # noqa: BLE001 - mhctool's own code failed: the case's error
+            raise RuntimeError(f"the native {kernel} failed on the first token row: {e}") from e
+    return [torch.empty((rows, *o.shape[1:]), dtype=o.dtype, device=device) for o in outs]
+
+
 def _slice(t: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
     return torch.tensor_split(t, ranks, dim=0)[rank].contiguous()
 

@@ -134,3 +134,15 @@ def test_bad_ranks_options_exit_2(tmp_path, args, needle):
     res = cli.invoke(app, ["parity", *base, "--device", "cpu", *args, "-o", str(tmp_path / "r.parquet")])
     assert res.exit_code == 2, res.output
     assert needle in res.output
+
+
+@pytest.mark.parametrize("kernel", sorted(sharded.TOKEN_INPUTS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_whole_batchs_output_shapes_come_from_its_first_token_row(kernel, dtype):
+    """A sharded case draws its upstream gradients from the whole batch's output shapes, found by a
+    native forward on the first token row: they are those of the whole batch's native run, so the
+    draws are the same."""
+    fam, base, ups, nat = _native_case(kernel, dtype=dtype)
+    shapes = sharded.whole_batch_outputs(fam, kernel, native_impl(kernel), base, {})
+    assert [(o.shape, o.dtype, o.device) for o in shapes] == [(o.shape, o.dtype, o.device) for o in nat.outputs]
+    assert all(torch.equal(a, b) for a, b in zip(runner.upstream_for(fam, shapes, 0), ups))
