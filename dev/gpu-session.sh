@@ -325,7 +325,7 @@ probes)
         step "ranks: parity --kernel $RANKS_KERNELS --impl triton --dtype fp32, ranks $r"
         t0=$SECONDS
         CUDA_VISIBLE_DEVICES=0,1 m parity --kernel "$RANKS_KERNELS" --impl triton --dtype fp32 --device cuda --profile \
-          $([ "$r" = 2 ] && echo --ranks 2) -o "$out/ranks-$r.parquet" 2>&1 | grep -E "^(profile|PASSED|FAILED)"
+          $([ "$r" = 2 ] && echo --ranks 2) -o "$out/ranks-$r.parquet" 2>&1 | grep -E "^(profile|PASSED|FAILED| +[0-9.]+ s )"
         echo "ranks $r wall $((SECONDS - t0)) s"
       done
     fi
