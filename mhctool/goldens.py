@@ -194,6 +194,21 @@ class MetricVerdict:
     rows: list[dict] = field(default_factory=list)  # per step
 
 
+def _median(values) -> float:
+    """The median, finite wherever the values are: of an even count, the mean of the two middle
+    values taken as halves where their sum overflows (``statistics.median`` gave inf for two values
+    near the float maximum, and a run then failed against its own golden values)."""
+    v = sorted(values)
+    if not v:
+        raise statistics.StatisticsError("no median for empty data")
+    mid = len(v) // 2
+    if len(v) % 2:
+        return v[mid]
+    lo, hi = v[mid - 1], v[mid]
+    m = (lo + hi) / 2
+    return m if math.isfinite(m) or not (math.isfinite(lo) and math.isfinite(hi)) else lo / 2 + hi / 2
+
+
 def _close(g: float, a: float, rtol: float) -> bool:
     if math.isnan(g) or math.isnan(a):
         return math.isnan(g) and math.isnan(a)
@@ -232,8 +247,8 @@ def diff(golden: Golden, actual: Golden, metrics: list[str] | None = None,
         if metric in MEDIAN_METRICS:
             gm = [v for v in g.values.values() if not math.isnan(v)]
             am = [v for v in a.values.values() if not math.isnan(v)]
-            gmed = statistics.median(gm) if gm else math.nan
-            amed = statistics.median(am) if am else math.nan
+            gmed = _median(gm) if gm else math.nan
+            amed = _median(am) if am else math.nan
             if math.isnan(gmed):  # no finite golden value: only an equally empty run matches
                 ok = math.isnan(amed)
             else:
@@ -313,8 +328,8 @@ def check(golden: Golden, factor: float = 5.0, spike: float = 0.10) -> list[Anom
             levels = _two_levels([k for k, _ in fin], [v for _, v in fin])
             if levels:
                 lo, hi = levels
-                low = statistics.median(x[2] for x in lo)
-                high = statistics.median(x[2] for x in hi)
+                low = _median(x[2] for x in lo)
+                high = _median(x[2] for x in hi)
                 ratio = high / low if low > 0 else math.inf
                 if ratio >= factor and min(len(lo), len(hi)) >= max(2, len(fin) // 10):
                     hs = sorted(x[1] for x in hi)
@@ -326,7 +341,7 @@ def check(golden: Golden, factor: float = 5.0, spike: float = 0.10) -> list[Anom
             jumps = []
             for i, (k, v) in enumerate(fin):
                 window = [x for _, x in fin[max(0, i - 5):i + 6] if x > 0]
-                med = statistics.median(window) if window else 0
+                med = _median(window) if window else 0
                 if med > 0 and v > 0 and (v / med >= factor or med / v >= factor):
                     jumps.append((k, v, med))
             if jumps:
@@ -338,7 +353,7 @@ def check(golden: Golden, factor: float = 5.0, spike: float = 0.10) -> list[Anom
         if metric == "lm loss":
             spikes = []
             for i in range(5, len(fin)):
-                med = statistics.median(v for _, v in fin[i - 5:i])
+                med = _median(v for _, v in fin[i - 5:i])
                 if fin[i][1] > med * (1 + spike):
                     spikes.append(fin[i][0])
             if spikes:
