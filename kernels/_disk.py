@@ -44,11 +44,16 @@ def locked(path: Path):
     """An exclusive lock on ``path`` (the system releases it if this process dies holding it)."""
     try:
         import fcntl
-    except ImportError:  # no flock here: each process makes its own entry
+        f = open(path, "a+b")
+    except (ImportError, OSError):  # no flock here, or a folder this process cannot write: no lock
         yield
         return
-    with open(path, "a+b") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks
+            yield
+            return
         try:
             yield
         finally:
@@ -57,7 +62,10 @@ def locked(path: Path):
 
 def write(path: Path, data: bytes) -> None:
     """``data`` to ``path`` whole or not at all (a full disk leaves no entry, not half of one)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError:  # a folder this process cannot write: nothing kept
+        return
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

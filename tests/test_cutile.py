@@ -216,3 +216,19 @@ def test_the_cache_wraps_this_cuda_tile_kernel_compilation():
     assert getattr(_execution.kernel._compile, "_mhctool_cached", False)
     assert _cache.install()  # once a process: a second call changes nothing
     assert _execution.kernel._compile._mhctool_cached
+
+
+def test_a_cache_folder_this_process_cannot_write_compiles_as_cutile_would(monkeypatch, tmp_path):
+    """A read-only cache (one a team shares, or a home the job cannot write): no lock, no entry,
+    the compilation as cuTile makes it."""
+    from mhctool.kernels import _disk
+    _cache, calls, compile_ = _cache_setup(monkeypatch, tmp_path)
+
+    def refused(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(_disk, "open", refused, raising=False)  # the lock file
+    monkeypatch.setattr(_disk.tempfile, "mkstemp", refused)  # the entry
+    k = _Kernel("mhctool.kernels.cutile.sinkhorn")
+    for _ in range(2):
+        assert _cache.cached_compile(compile_, k, ("f32",), None)[0].startswith(b"cubin:")
+    assert len(calls) == 2 and not list((tmp_path / "cache").rglob("*.bin"))
