@@ -603,13 +603,13 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
     native and float64 functions of the family's signature (mhctool identify's variants that are
     no family knob); the defaults are the family's."""
     references = {} if references is None else references
-    made: list = []  # the upstream gradients the native backward took: drawn once (a paper-shape set is GBs)
-
-    def upstream_of(outs):
-        made.append(upstream_for(fam, outs, case.seed))
-        return made[-1]
     first = ("native", case.kernel, precision, case.dtype, case.device)
     if sharding is None:
+        made: list = []  # the upstream gradients the native backward took: drawn once (a paper-shape set is GBs)
+
+        def upstream_of(outs):
+            made.append(upstream_for(fam, outs, case.seed))
+            return made[-1]
         with profile.phase(profile.call_name("native (the baseline)", first, "first call in the process")):
             native = run_impl(fam, native_impl_ or native_at(case.kernel, precision), base, knobs, upstream_of)
             if native.fwd_error or native.outputs is None:

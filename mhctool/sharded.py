@@ -134,13 +134,10 @@ class _Group:
         for p in self.procs:
             p.start()
         self.broken = False
-        self._ready(start_timeout)
-
-    def _ready(self, timeout: float) -> None:
-        """Wait for every rank to have joined the group (its first collective done): what starting
-        the ranks costs is paid here, once, not inside the first case's runs. A rank that died or
-        did not join in time leaves the group broken (the next job says which and why)."""
-        self._gather(timeout)
+        # every rank says it is ready once its first collective is done: starting the ranks is paid
+        # here, once, not inside the first case's runs (a rank that died or did not join in time
+        # leaves the group broken, and the next job says which and why)
+        self._gather(start_timeout)
 
     def alive(self) -> bool:
         return not self.broken and all(p.is_alive() for p in self.procs)

@@ -111,6 +111,16 @@ def test_compile_variant_on_gpu(tmp_path):
     assert any(r["impl"] == "compile" and r["passed"] for r in rows)
 
 
+def _twice_with_one_cache(code: str, tmp_path) -> tuple[list, list]:
+    """``code`` in two fresh processes, one after the other, sharing one mhctool cache folder:
+    each one's printed words."""
+    env = {**os.environ, "MHCTOOL_CACHE": str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    return runs[0].stdout.split(), runs[1].stdout.split()
+
+
 def test_a_cutile_compilation_is_read_back_by_the_next_process(tmp_path):
     """kernels/cutile/_cache.py: the second process launches the kernel the first compiled, without
     compiling it, and gets the same bits."""
@@ -121,11 +131,7 @@ def test_a_cutile_compilation_is_read_back_by_the_next_process(tmp_path):
             "h = torch.rand(37, 1, 4, device='cuda', generator=g)\n"
             "y = k.h_aggregate_forward(x, h).cpu()\n"
             "print(_cache.stats['hits'], _cache.stats['stored'], hashlib.sha1(y.numpy().tobytes()).hexdigest())\n")
-    env = {**os.environ, "MHCTOOL_CACHE": str(tmp_path / "cache")}
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-            for _ in range(2)]
-    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    first, second = (r.stdout.split() for r in runs)
+    first, second = _twice_with_one_cache(code, tmp_path)
     assert first[:2] == ["0", "1"] and second[:2] == ["1", "0"], (first, second)
     assert first[2] == second[2]
 
@@ -139,11 +145,7 @@ def test_a_tile_timed_by_one_process_is_taken_by_the_next(tmp_path):
             "r = lambda *s: torch.randn(*s, device='cuda', generator=g)\n"
             "out = k.h_post_bda_forward(r(8192, 1, 3, 3), r(8192, 1, 3, 1024), r(8192, 1, 3), r(8192, 1, 1024)).cpu()\n"
             "print(_common.picks['timed'], _common.picks['read'], hashlib.sha1(out.numpy().tobytes()).hexdigest())\n")
-    env = {**os.environ, "MHCTOOL_CACHE": str(tmp_path / "cache")}
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-            for _ in range(2)]
-    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    first, second = (r.stdout.split() for r in runs)
+    first, second = _twice_with_one_cache(code, tmp_path)
     assert first[:2] == ["1", "0"] and second[:2] == ["0", "1"], (first, second)
     assert first[2] == second[2]
 

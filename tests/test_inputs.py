@@ -41,7 +41,6 @@ def test_small_tensors_are_drawn_as_before_from_the_case_generator():
     assert ups[0].shape == () and torch.isfinite(ups[0])
 
 
-
 def test_every_family_draws_its_large_tensors_where_asked_with_the_small_ones_unchanged(monkeypatch, family_cases):
     """The families scale and shift a large tensor by small ones drawn on the CPU (moved to it):
     with every tensor past BIG, drawing 'on' the CPU gives the default's values for every family

@@ -1,12 +1,16 @@
 """Helpers shared by the Triton kernels: launch configuration and layout checks."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import _disk
 from ..schedule import next_pow2  # noqa: F401  (the kernels import it from here)
 
 
@@ -106,8 +110,6 @@ def _time(run, cfg) -> float:
 
 def _pick_entry(key, configs: list):
     """Where the pick for ``key`` among ``configs`` is kept on this machine (None: nowhere)."""
-    import hashlib
-    from .. import _disk
     where = _disk.folder("tiles")
     if where is None:
         return None
@@ -131,9 +133,6 @@ def pick_config(key, configs: list, run, work: int = 1 << 30):
         return configs[0]
     if key in _BEST:
         return _BEST[key]
-    import contextlib
-    import json
-    from .. import _disk
     entry = _pick_entry(key, configs)
     with _disk.locked(entry.with_suffix(".lock")) if entry is not None else contextlib.nullcontext():
         index = None

@@ -15,7 +15,6 @@ from mhctool.poison import empty
 from ._common import cast, check_device, next_pow2, require_contiguous
 
 
-
 @triton.jit
 def _h_aggregate_fwd(x_ptr, h_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr,
                      BLOCK_C: tl.constexpr):
