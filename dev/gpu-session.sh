@@ -9,6 +9,7 @@
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh train", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh spread", carry=[".device"], kind="nvidia-h100-x4")
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh probes", carry=[".device"], kind="nvidia-h100-x2")
+#   run(command="source .device/setup.sh && bash dev/gpu-session.sh firstcalls", carry=[".device"], kind="nvidia-h100-x2")
 #   run(command="bash dev/gpu-session.sh tilekernels", carry=[".tilelang", ".anchors"])  (no .device: 64 MiB)
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
 #   "bwd" the backward tiles of issue 20; "verify" is the short check after a kernel change)
@@ -325,11 +326,32 @@ probes)
         step "ranks: parity --kernel $RANKS_KERNELS --impl triton --dtype fp32, ranks $r"
         t0=$SECONDS
         CUDA_VISIBLE_DEVICES=0,1 m parity --kernel "$RANKS_KERNELS" --impl triton --dtype fp32 --device cuda --profile \
-          $([ "$r" = 2 ] && echo --ranks 2) -o "$out/ranks-$r.parquet" 2>&1 | grep -E "^(profile|PASSED|FAILED| +[0-9.]+ s )"
+          $([ "$r" = 2 ] && echo --ranks 2) -o "$out/ranks-$r.parquet" 2>&1 | grep -E "^(profile|PASSED|FAILED| +[0-9.]+ s )|Producer|Warning|Error"
         echo "ranks $r wall $((SECONDS - t0)) s"
       done
     fi
   } 2>&1 | tee "$out/probes.log"
+  ;;
+firstcalls)
+  # issue 63: what a second GPU's first calls cost in a process that has made them on one (the
+  # question behind threads over GPUs in one process): dev/first_calls.py's passes over GPUs 0, 1, 0,
+  # after a run that fills the compile caches; then the two-GPU tests of --ranks
+  {
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    for sc in ${FIRST_SCENARIOS:-gpu-gate paper}; do
+      k=mhc; [ "$sc" = paper ] && k=h_aggregate,h_post_bda,proj_rms
+      for impl in ${FIRST_IMPLS:-triton}; do
+        step "first calls: $sc, $impl, filling the caches (GPU 0)"
+        python3 dev/first_calls.py "$impl" --scenario "scenarios/$sc.toml" --kernels "$k" --devices 0 2>&1 | grep -E "^(pass|all|Traceback)"
+        step "first calls: $sc, $impl, GPUs 0, 1, 0 in one process"
+        python3 dev/first_calls.py "$impl" --scenario "scenarios/$sc.toml" --kernels "$k" --devices 0,1,0 2>&1 | grep -E "^(pass|all|Traceback)"
+        step "first calls: $sc, $impl, GPU 0 in a fresh process (caches warm)"
+        python3 dev/first_calls.py "$impl" --scenario "scenarios/$sc.toml" --kernels "$k" --devices 0 2>&1 | grep -E "^(pass|all|Traceback)"
+      done
+    done
+    step "pytest tests/test_sharded.py (two GPUs)"
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sharded.py -k cuda 2>&1 | tail -4
+  } 2>&1 | tee "$out/firstcalls.log"
   ;;
 bench)
   # the side-by-side table (issue 18): ours and the libraries' kernels in one run; a library is

@@ -144,7 +144,10 @@ def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Ten
     names = _grad_inputs(fam, args)
     if fam.forward_only or not names:
         return [o.detach() for o in outs], {}
-    grads = torch.autograd.grad(outs, [args[k] for k in names], [u.double() for u in upstream])
+    # autograd's device thread gets the context first (under --ranks this is the process's first
+    # backward on the GPU, and cuBLAS warned that it had none)
+    grads = torch.autograd.grad(cuda_context.bound(list(outs)), [args[k] for k in names],
+                                [u.double() for u in upstream])
     return [o.detach() for o in outs], dict(zip(names, grads))
 
 
@@ -297,6 +300,9 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                 torch.cuda.synchronize()
             return shape, cast
 
+    if sharding is not None:  # the ranks start (the first case, or after one died) while the inputs are drawn
+        with profile.phase(profile.RANKS):
+            sharding.start()
     shape, base = inputs()
     result = CaseResult(case, shape)
     baselines: dict[tuple, _Baseline] = {}
@@ -311,7 +317,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
 
     if sharding is not None:
         from . import sharded
-        with profile.phase(profile.RANKS):  # the first case starts them (and a case after a rank died)
+        with profile.phase(profile.RANKS):  # what is left of their start once the inputs are drawn
             sharding.group()
         few = sharded.too_few_tokens(case.kernel, base, sharding)
         if few:
@@ -627,13 +633,28 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
             # 2.5 of a sharded run's 12.6 s on two H200s)
             shapes = sharded.whole_batch_outputs(fam, case.kernel, native_at(case.kernel, precision), base, knobs)
             upstream = upstream_for(fam, shapes, case.seed)
-        with profile.phase("native (the baseline)"):
-            native = sharded.run(case.kernel, native_at(case.kernel, precision), base, knobs, upstream,
-                                 sharding, _sharded_timeout(case), native_precision=precision,
-                                 expect=output_specs(shapes))
+            # the ranks run it while this process computes the float64 reference
+            pending = sharded.submit(case.kernel, native_at(case.kernel, precision), base, knobs, upstream,
+                                     sharding, native_precision=precision, expect=output_specs(shapes))
+        try:
+            _reference(fam, base, knobs, upstream, references, knobs_key, reference)
+        finally:  # waited for even where the reference failed: the next job's answers come after it
+            with profile.phase("native (the baseline)"):
+                native = sharded.collect(pending, _sharded_timeout(case))
         if native.fwd_error or native.bwd_error:
             raise RuntimeError(f"the native {case.kernel} failed on {case.family} over {sharding.ranks} ranks: "
                                f"{native.fwd_error or native.bwd_error}")
+    _reference(fam, base, knobs, upstream, references, knobs_key, reference)
+    ref_outs, ref_grads, term_scale = references[knobs_key]
+    b = _Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
+    with profile.phase("judging"):
+        b.native_metrics = b.measured(native)
+    return b
+
+
+def _reference(fam: Family, base: dict, knobs: dict, upstream: list, references: dict, knobs_key: str,
+               reference=None) -> None:
+    """The float64 reference under ``knobs`` into ``references`` (once per ``knobs_key``)."""
     if knobs_key not in references:
         with profile.phase("float64 reference"):
             ref_outs, ref_grads = run_reference(fam, base, knobs, upstream, reference)
@@ -641,11 +662,6 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
             if fam.term_scale is not None:
                 term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
         references[knobs_key] = (ref_outs, ref_grads, term_scale)
-    ref_outs, ref_grads, term_scale = references[knobs_key]
-    b = _Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
-    with profile.phase("judging"):
-        b.native_metrics = b.measured(native)
-    return b
 
 
 def _sharded_timeout(case: Case, external: bool = False) -> float:

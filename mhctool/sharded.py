@@ -18,6 +18,13 @@ the whole batch, with the native implementation run the same sharded way as the 
 verdict rule asks whether the kernel's partials plus the reduction stay within kappa of PyTorch's
 partials plus the same reduction.
 
+On GPUs nothing goes through host memory: this process puts each rank's slice (and a copy of
+each parameter) on that rank's GPU and hands it over as a CUDA IPC handle; the ranks hand their
+outputs and gradients back the same way, and this process copies them onto its own GPU. (On the
+CPU, the tensors travel through host shared memory and each rank cuts its own slice.) A case's
+native run is handed to the ranks before this process computes the float64 reference, so the two
+overlap (:func:`submit`, :func:`collect`).
+
 A rank's process that dies or hangs is a failed row (the case's time limit), as in isolation; the
 others are stopped, and the next case starts R new ones.
 """
@@ -60,10 +67,18 @@ class Sharding:
         """What each report row records of it."""
         return {"ranks": self.ranks, "grad_reduce": self.reduce}
 
-    def group(self) -> "_Group":
+    def start(self) -> None:
+        """Start the rank processes (again, after one died) without waiting for them: they start
+        while this process draws the case's inputs; :meth:`group` waits."""
         if self._group is None or not self._group.alive():
             self.close()
             self._group = _Group(self.ranks, self.device)
+
+    def group(self) -> "_Group":
+        """The ranks, once every one has joined the process group (or the group broken, and the
+        next job says why)."""
+        self.start()
+        self._group.wait_ready()
         return self._group
 
     def close(self) -> None:
@@ -133,35 +148,46 @@ class _Group:
                                                        environ), daemon=True) for r in range(ranks)]
         for p in self.procs:
             p.start()
-        self.broken = False
-        # every rank says it is ready once its first collective is done: starting the ranks is paid
-        # here, once, not inside the first case's runs (a rank that died or did not join in time
-        # leaves the group broken, and the next job says which and why)
-        self._gather(start_timeout)
+        self.broken, self.why = False, (None, None)
+        self.ready = False
+        self.start_timeout = start_timeout
+
+    def wait_ready(self) -> None:
+        """Every rank says it is ready once its first collective is done: starting the ranks is
+        paid here, once, not inside the first case's runs (a rank that died or did not join in
+        time leaves the group broken, and the next job says which and why)."""
+        if not self.ready and not self.broken:
+            self.gather(self.start_timeout)
+            self.ready = True
 
     def alive(self) -> bool:
         return not self.broken and all(p.is_alive() for p in self.procs)
 
-    def run(self, job: dict, timeout: float) -> tuple[list | None, str | None, str | None]:
-        """Every rank's answer to ``job`` in rank order, or (None, why, failure kind)."""
-        for q in self.jobs:
+    def send(self, jobs: list[dict]) -> None:
+        """Job r to rank r; the answers are :meth:`gather`'s, in the order the jobs were sent."""
+        for q, job in zip(self.jobs, jobs):
             q.put(job)
-        return self._gather(timeout)
+
+    def gather(self, timeout: float) -> tuple[list | None, str | None, str | None]:
+        """One message from every rank, in rank order, or (None, why, failure kind) with the group
+        broken: a rank ended, or one had said nothing by ``timeout`` (a broken group says so again)."""
+        if self.broken:
+            return None, *self.why
+        got, why, kind = self._gather(timeout)
+        if got is None:
+            self.broken, self.why = True, (why, kind)
+        return got, why, kind
 
     def _gather(self, timeout: float) -> tuple[list | None, str | None, str | None]:
-        """One message from every rank, in rank order, or (None, why, failure kind) with the group
-        broken: a rank ended, or one had said nothing by ``timeout``."""
         import queue
         got: dict = {}
         deadline = time.monotonic() + timeout
         while len(got) < self.ranks:
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in got]
             if dead:
-                self.broken = True
                 return None, (f"rank {dead[0]} of {self.ranks} ended without a result "
                               f"(exit code {self.procs[dead[0]].exitcode})"), "crashed"
             if time.monotonic() > deadline:
-                self.broken = True
                 late = min(r for r in range(self.ranks) if r not in got)
                 return None, f"rank {late} of {self.ranks} did not finish in {timeout:.0f} s", "timeout"
             try:
@@ -211,7 +237,9 @@ def _serve(rank: int, ranks: int, folder: str, device: str, jobs, answers, envir
 
 def _rank_job(rank: int, ranks: int, device: str, job: dict) -> dict:
     """One rank's part of a job: its slice forward and backward, the parameter gradients
-    all-reduced (by every rank, or by none where one failed); CPU tensors back."""
+    all-reduced (by every rank, or by none where one failed). The answer's tensors stay where they
+    are: on a GPU they go back as CUDA IPC handles (copies where they are the sender's own
+    tensors, which a process cannot hand on), on the CPU through shared memory."""
     import torch.distributed as dist
 
     from .registry import resolve_one
@@ -220,15 +248,20 @@ def _rank_job(rank: int, ranks: int, device: str, job: dict) -> dict:
     dev = device if device == "cpu" else f"cuda:{rank}"
     fam = get_family(kernel)
     token = TOKEN_INPUTS[kernel]
+    received = set()
     try:
         impl = native_at(kernel, native_precision) if native_precision else resolve_one(kernel, spec, name)
     except Exception as e:  # noqa: BLE001 - resolving the implementation failed: its failed row
         from .runner import ImplResult, short_error
         res = ImplResult(fwd_error=short_error(e))
     else:
-        base = {k: (None if v is None else (_slice(v, rank, ranks) if k in token else v).to(dev))
-                for k, v in job["base"].items()}
-        ups = [_slice(u, rank, ranks).to(dev) for u in job["upstream"]]
+        if job["placed"]:  # this rank's slices and parameters, already on its GPU
+            base, ups = job["base"], job["upstream"]
+            received = {t.untyped_storage().data_ptr() for t in [*base.values(), *ups] if t is not None}
+        else:
+            base = {k: (None if v is None else (_slice(v, rank, ranks) if k in token else v).to(dev))
+                    for k, v in job["base"].items()}
+            ups = [_slice(u, rank, ranks).to(dev) for u in job["upstream"]]
         expect = None
         if job["expect"] is not None:  # the contract's output shapes, each cut to this rank's tokens
             expect = [((len(torch.tensor_split(torch.arange(shape[0]), ranks)[rank]), *shape[1:]), dtype, dev)
@@ -241,33 +274,80 @@ def _rank_job(rank: int, ranks: int, device: str, job: dict) -> dict:
     if ok.item():
         for k, g in res.grads.items():
             if k not in token:
-                part = g.to(FORMATS[job["reduce"]].torch_dtype).contiguous()
+                part = g.to(FORMATS[job["reduce"]].torch_dtype, copy=True).contiguous()
                 dist.all_reduce(part)
-                reduced[k] = part.cpu()
+                reduced[k] = part
+
+    def back(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.clone() if t.untyped_storage().data_ptr() in received else t
+
     out = res.to_dict()
-    out["outputs"] = None if res.outputs is None else [o.cpu() for o in res.outputs]
-    out["grads"] = None if res.grads is None else {k: g.cpu() for k, g in res.grads.items() if k in token}
+    out["outputs"] = None if res.outputs is None else [back(o) for o in res.outputs]
+    out["grads"] = None if res.grads is None else {k: back(g) for k, g in res.grads.items() if k in token}
     out["reduced"] = reduced
+    if device != "cpu":
+        torch.cuda.synchronize()  # the answer is written before this process says it is
     return out
 
 
-def run(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sharding, timeout: float,
-        native_precision: str | None = None, expect: list | None = None):
-    """``impl`` (or, with ``native_precision``, the native implementation at that precision) on the
-    case's tokens split over ``sharding.ranks`` processes; an :class:`runner.ImplResult` of the
-    whole batch (outputs and token gradients joined, parameter gradients all-reduced). ``expect``:
-    the contract's (shape, dtype, device) per output of the whole batch (each rank conforms its
-    slice's outputs to it, as the runner does)."""
+def _placed(kernel: str, base: dict, upstream: list, rank: int, ranks: int) -> dict:
+    """Rank ``rank``'s inputs on its own GPU: its slice of the token inputs and of the upstream
+    gradients, and a copy of each parameter (new tensors on this process's GPU too: a rank never
+    holds this process's own tensors)."""
+    dev = torch.device("cuda", rank)
+    token = TOKEN_INPUTS[kernel]
+
+    def put(t: torch.Tensor, cut: bool) -> torch.Tensor:
+        t = t.detach()
+        return (_slice(t, rank, ranks) if cut else t).to(dev, copy=True).contiguous()
+    return {"base": {k: None if v is None else put(v, k in token) for k, v in base.items()},
+            "upstream": [put(u, True) for u in upstream]}
+
+
+class Pending:
+    """A job handed to the ranks whose answers :func:`collect` waits for."""
+
+    def __init__(self, sharding: "Sharding", group: "_Group", names: list):
+        self.sharding, self.group, self.names = sharding, group, names
+
+
+def submit(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sharding,
+           native_precision: str | None = None, expect: list | None = None) -> Pending:
+    """Hand ``impl`` (or, with ``native_precision``, the native implementation at that precision)
+    on the case's tokens to the ranks, without waiting for them. ``expect``: the contract's
+    (shape, dtype, device) per output of the whole batch (each rank conforms its slice's outputs
+    to it, as the runner does)."""
+    head = {"impl": (kernel, impl.spec or impl.name, impl.name, native_precision), "knobs": knobs,
+            "reduce": sharding.reduce, "expect": expect}
+    if sharding.device == "cpu":
+        # copies in shared memory: the queue pickles the job in a thread of its own while this process
+        # goes on with the case, and pickling a tensor not yet shared moves its storage there
+        from .isolation import _shared_copy
+        job = {**head, "placed": False, "base": {k: None if v is None else _shared_copy(v.detach().cpu())
+                                                 for k, v in base.items()},
+               "upstream": [_shared_copy(u.detach().cpu()) for u in upstream]}
+        jobs = [job] * sharding.ranks
+    else:
+        jobs = [{**head, "placed": True, **_placed(kernel, base, upstream, r, sharding.ranks)}
+                for r in range(sharding.ranks)]
+        for r in range(sharding.ranks):  # the copies are written before a rank reads them
+            torch.cuda.synchronize(r)
+    group = sharding.group()
+    group.send(jobs)
+    return Pending(sharding, group, list(base))
+
+
+def collect(pending: Pending, timeout: float):
+    """The :class:`runner.ImplResult` of the whole batch (outputs and token gradients joined,
+    parameter gradients all-reduced) of a :func:`submit`-ted job, or its failed result."""
     from .runner import ImplResult
-    job = {"impl": (kernel, impl.spec or impl.name, impl.name, native_precision),
-           "base": {k: None if v is None else v.detach().cpu() for k, v in base.items()},
-           "upstream": [u.detach().cpu() for u in upstream], "knobs": knobs, "reduce": sharding.reduce,
-           "expect": expect}
-    parts, why, kind = sharding.group().run(job, timeout)
+    sharding = pending.sharding
+    parts, why, kind = pending.group.gather(timeout)
     if parts is None:
         sharding.close()
         return ImplResult(fwd_error=why, failure=kind)
-    dev = sharding.device if sharding.device == "cpu" else "cuda"
+    dev = torch.device(sharding.device if sharding.device == "cpu" else "cuda")
     for key in ("fwd_error", "bwd_unsupported", "bwd_error"):
         bad = next(((r, p[key]) for r, p in enumerate(parts) if p[key]), None)
         if bad:
@@ -276,15 +356,29 @@ def run(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sh
             return ImplResult(outputs=outputs, fwd_refused=refused and f"rank {bad[0]}: {refused}",
                               **{key: f"rank {bad[0]}: {bad[1]}"})
     outputs, grads = _joined(parts, dev)
-    grads.update({k: g.to(dev) for k, g in parts[0]["reduced"].items()})
+    grads.update({k: _mine(g, dev) for k, g in parts[0]["reduced"].items()})
     returned = {k: v for p in parts for k, v in p["returned"].items()}
-    return ImplResult(outputs=outputs, grads={k: grads[k] for k in base if k in grads}, returned=returned)
+    return ImplResult(outputs=outputs, grads={k: grads[k] for k in pending.names if k in grads}, returned=returned)
 
 
-def _joined(parts: list[dict], dev: str) -> tuple[list, dict]:
-    """The ranks' outputs and token-input gradients, joined along the token axis in rank order."""
-    outputs = [torch.cat([p["outputs"][i] for p in parts]).to(dev) for i in range(len(parts[0]["outputs"]))]
+def run(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sharding, timeout: float,
+        native_precision: str | None = None, expect: list | None = None):
+    """:func:`submit`, then :func:`collect`: ``impl`` on the case's tokens split over
+    ``sharding.ranks`` processes, as an :class:`runner.ImplResult` of the whole batch."""
+    return collect(submit(kernel, impl, base, knobs, upstream, sharding, native_precision, expect), timeout)
+
+
+def _mine(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A tensor of this process's own on ``dev``: a rank's tensor (mapped from its GPU, or from
+    shared memory) is copied, so the rank can free it whatever this process keeps."""
+    return t.to(dev, copy=True)
+
+
+def _joined(parts: list[dict], dev: torch.device) -> tuple[list, dict]:
+    """The ranks' outputs and token-input gradients, joined along the token axis in rank order on
+    ``dev`` (new tensors: nothing of a rank's is kept)."""
+    outputs = [torch.cat([p["outputs"][i].to(dev) for p in parts]) for i in range(len(parts[0]["outputs"]))]
     grads = {}
     if all(p["grads"] for p in parts):
-        grads = {k: torch.cat([p["grads"][k] for p in parts]).to(dev) for k in parts[0]["grads"]}
+        grads = {k: torch.cat([p["grads"][k].to(dev) for p in parts]) for k in parts[0]["grads"]}
     return outputs, grads

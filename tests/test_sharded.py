@@ -57,26 +57,34 @@ def test_sharded_parity_of_the_mapping_path_passes_with_every_parameter_gradient
     assert json.loads(meta[b"mhctool.run"])["profile"][profile.RANKS] > 0
 
 
-def _native_case(kernel, shape="7x2x4x45", dtype="fp32"):
+def _native_case(kernel, shape="7x2x4x45", dtype="fp32", device="cpu"):
     case = runner.Case(kernel, "random", dtype, parse_shape_for("mhc", shape), (), 0, "cpu")
     fam = get_family(kernel)
     _, raw = inputs_mod.generate(kernel, "random", case.shape, case.seed, {})
-    base = runner.cast_inputs(fam, raw, dtype, "cpu")
+    base = runner.cast_inputs(fam, raw, dtype, device)
     nat = runner.run_impl(fam, native_impl(kernel), base, {}, lambda outs: runner.upstream_for(fam, outs, 0))
     return fam, base, runner.upstream_for(fam, nat.outputs, 0), nat
 
 
-def test_the_ranks_partials_are_all_reduced_in_the_asked_dtype():
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs two CUDA GPUs (NCCL takes one GPU a rank)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
+def test_the_ranks_partials_are_all_reduced_in_the_asked_dtype(device):
     """Two ranks: each parameter gradient is the sum of the two slices' own gradients, added in the
     reduce dtype (one addition: the same bits as adding them here); the outputs and x's gradient
-    are the slices' put back in order. One group of rank processes serves both dtypes."""
-    fam, base, ups, _ = _native_case("mapping")
+    are the slices' put back in order. One group of rank processes serves both dtypes. On GPUs the
+    tensors go to the ranks and back as CUDA IPC handles: what comes back is this process's own,
+    and the inputs handed over are untouched."""
+    fam, base, ups, _ = _native_case("mapping", device=device)
+    kept = {k: v.clone() for k, v in base.items() if v is not None}
     parts = []
     for r in range(2):
         cut = {k: (torch.tensor_split(v, 2)[r] if k == "x2d" else v) for k, v in base.items()}
         parts.append(runner.run_impl(fam, native_impl("mapping"), cut, {},
                                      lambda outs, r=r: [torch.tensor_split(u, 2)[r] for u in ups]))
-    s = sharded.Sharding(2, "fp32")
+    s = sharded.Sharding(2, "fp32", device)
     try:
         for reduce in ("fp32", "bf16"):
             s.reduce = reduce
@@ -86,12 +94,14 @@ def test_the_ranks_partials_are_all_reduced_in_the_asked_dtype():
             for k in ("weight", "alpha", "h_bias"):
                 want = parts[0].grads[k].to(dt) + parts[1].grads[k].to(dt)
                 assert got.grads[k].dtype == dt and torch.equal(got.grads[k], want), (reduce, k)
+                assert got.grads[k].device == base["x2d"].device
             assert torch.equal(got.grads["x2d"], torch.cat([p.grads["x2d"] for p in parts]))
             for o, a, b in zip(got.outputs, parts[0].outputs, parts[1].outputs):
-                assert torch.equal(o, torch.cat([a, b]))
+                assert torch.equal(o, torch.cat([a, b])) and o.device == base["x2d"].device
             if reduce == "bf16":  # the bf16 sum is really bf16: not the fp32 one
                 exact = parts[0].grads["weight"].float() + parts[1].grads["weight"].float()
                 assert not torch.equal(got.grads["weight"].float(), exact)
+        assert all(torch.equal(base[k], v) for k, v in kept.items())
     finally:
         s.close()
 
@@ -146,3 +156,19 @@ def test_the_whole_batchs_output_shapes_come_from_its_first_token_row(kernel, dt
     shapes = sharded.whole_batch_outputs(fam, kernel, native_impl(kernel), base, {})
     assert [(o.shape, o.dtype, o.device) for o in shapes] == [(o.shape, o.dtype, o.device) for o in nat.outputs]
     assert all(torch.equal(a, b) for a, b in zip(runner.upstream_for(fam, shapes, 0), ups))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
+def test_a_gradient_that_is_the_upstream_tensor_itself_comes_back_from_a_rank(tmp_path, device):
+    """A rank gets its upstream gradients as CUDA IPC handles; a backward that returns one of them
+    as a gradient (here a wrong one) is copied before it goes back (a process cannot hand on what
+    it mapped), so the case is judged, not an error."""
+    out = tmp_path / "r.parquet"
+    res = cli.invoke(app, ["parity", "--kernel", "sinkhorn", "--impl", f"{IMPLS / 'defects.py'}:sinkhorn_grad_is_upstream",
+                           "--device", device, "--shape", "9x2x4x1", "--dtype", "fp32", "--ranks", "2",
+                           "-o", str(out), "--quiet"])
+    assert res.exit_code == 1, res.output
+    rows = [r for r in pq.read_table(out).to_pylist() if r["impl"].endswith(":sinkhorn_grad_is_upstream")]
+    assert rows and not [r for r in rows if r["metric"] == "error"], rows
+    assert any(r["direction"] == "fwd" and r["passed"] for r in rows)
+    assert any(r["direction"] == "bwd" and r["passed"] is False for r in rows)
