@@ -174,9 +174,9 @@ def child_context(spawn: bool = False) -> tuple[Any, dict | None]:
     with ``spawn`` or where there is no fork server (Windows), a fresh interpreter and None."""
     if spawn or "forkserver" not in tmp.get_all_start_methods():
         return tmp.get_context("spawn"), None
-    from .pool import forkserver_started
+    from .pool import FORKSERVER_PRELOAD, forkserver_started
     ctx = tmp.get_context("forkserver")
-    ctx.set_forkserver_preload(["mhctool.isolation"])
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver_started(os.environ)  # where the server starts now: with these variables
     return ctx, dict(os.environ)
 

@@ -32,6 +32,12 @@ from . import profile
 from .errors import UsageError
 
 BACKENDS = ("local", "ray")
+# what the fork server imports once for all the processes forked from it (workers, isolation
+# workers, ranks): torch, with mhctool.isolation; and the module PyTorch's autograd imports at its
+# first grad with given gradients, which imports sympy: 0.25 s a process on a CPU machine, 3 s on
+# the GPU machine, whose packages have no compiled bytecode (there it was most of every worker's
+# "native first call"). A module that fails to import is left out (the server goes on).
+FORKSERVER_PRELOAD = ["mhctool.isolation", "torch.fx.experimental.symbolic_shapes"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,7 @@ def warm(workers: str | int | None, backend: str = "local") -> None:
     if "forkserver" not in mp.get_all_start_methods():
         return
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    forkserver.set_forkserver_preload(["mhctool.isolation"])
+    forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver_started(os.environ)
     threading.Thread(target=forkserver.ensure_running, name="mhctool-forkserver", daemon=True).start()
 

@@ -205,3 +205,13 @@ def test_a_worker_takes_the_environment_as_it_is_when_the_worker_starts(monkeypa
     monkeypatch.setenv("MHCTOOL_TEST_PROBE", "second")
     with Worker("shm") as w:
         assert w.call("os:getenv", ("MHCTOOL_TEST_PROBE",), timeout=120) == ("second", None)
+
+
+def test_a_worker_has_the_modules_autograd_imports_at_its_first_grad_already():
+    """The fork server imports, once for all its children, what PyTorch's autograd imports at the
+    first grad with given gradients (sympy, through torch.fx's symbolic shapes: 3 s a process on the
+    GPU machine, whose packages have no compiled bytecode); a worker forked from it starts with it."""
+    from mhctool.isolation import Worker
+    probe = "'torch.fx.experimental.symbolic_shapes' in __import__('sys').modules"
+    with Worker("shm") as w:
+        assert w.call("builtins:eval", (probe,), timeout=120) == (True, None)
