@@ -250,6 +250,13 @@ spread)
   {
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     have=$(nvidia-smi -L | wc -l)
+    # the lent machine sets PYTHONDONTWRITEBYTECODE=1 and its packages have no compiled bytecode, so
+    # every Python process compiles torch's, Triton's and sympy's sources again (sympy alone 3 s);
+    # COMPILE_BYTECODE=1 compiles them once first, as a normally built image has them
+    if [ -n "${COMPILE_BYTECODE:-}" ]; then
+      t0=$SECONDS; python3 -m compileall -q -j 0 "$(python3 -c 'import site; print(site.getsitepackages()[0])')" > /dev/null 2>&1
+      echo "compileall of site-packages: $((SECONDS - t0)) s"
+    fi
     # each GPU's memory and use, a sample a second, summed up per step
     smi() { nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader,nounits -l 1 > "$out/smi-$1.csv" & echo $!; }
     smi_sum() { python3 -c "import sys, collections

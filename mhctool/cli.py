@@ -148,7 +148,7 @@ def parity(
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
     from . import pool
-    pool.warm(workers, backend)  # the workers' fork server imports torch while this process plans
+    pool.warm(workers, backend, bool(isolate))  # the fork server imports torch while this process plans
     clikit.precheck(kernel, _split([dtype]) if dtype else None, shape, device)
     report.check_writable(out_path)
     dev = _device(device)
@@ -632,7 +632,7 @@ def gate(
 ):
     """Run a suite of checks as one CI verdict: exit 0 pass, 1 a failure, 2 bad input."""
     from . import pool
-    pool.warm(workers, backend)
+    pool.warm(workers, backend, isolate)  # the fork server (workers, isolation) imports torch while this process plans
     from . import gate as gate_mod
     for path_, what in ((junit, "--junit"), (summary, "--summary"), (out_path, "--out")):
         report.check_writable(path_, what)

@@ -153,21 +153,32 @@ def forkserver_has(name: str, value: str) -> bool:
     return _forkserver_env is not None and _forkserver_env.get(name) == value
 
 
-def warm(workers: str | int | None, backend: str = "local") -> None:
-    """At the start of a command that spreads its cases (before its own imports): idle OpenMP
-    threads sleep (``OMP_WAIT_POLICY=PASSIVE``, unless set already), and the fork server starts in
-    the background, importing torch while this process plans the run, so that the workers are
-    forked from it at once. Anything else (one worker, Ray, a malformed value) does nothing here."""
+def warm(workers: str | int | None, backend: str = "local", isolate: bool = False) -> None:
+    """At the start of a command that spreads its cases or isolates the implementations under test
+    (before its own imports): the fork server starts in the background, importing torch while this
+    process plans the run, so that the workers are forked from it at once; where the cases are
+    spread, idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``, unless set already). Anything
+    else (one worker without isolation, Ray, a malformed value) does nothing here."""
     try:
-        if parse_workers(workers) == 1 or backend != "local":
-            return
+        spread = parse_workers(workers) != 1
     except UsageError:
         return  # said once the command checks its options
+    if backend != "local" or not (spread or isolate):
+        return
+    if spread:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    start_forkserver()
+
+
+def start_forkserver() -> None:
+    """Start this process's fork server in the background (nothing where it runs already, or where
+    there is no fork server): the first child forked from it then waits only for what is left of
+    its imports. A pool worker that isolates starts its own at its first case, while the case's
+    inputs, reference and native run come first (its isolation workers are forked from it)."""
     import multiprocessing as mp
     from multiprocessing import forkserver
     if "forkserver" not in mp.get_all_start_methods():
         return
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver_started(os.environ)
     threading.Thread(target=forkserver.ensure_running, name="mhctool-forkserver", daemon=True).start()
@@ -185,6 +196,8 @@ def case_job(job: Job) -> dict:
     if job.isolation is not None:
         iso = _isolations.get(job.isolation)
         if iso is None:
+            if not _isolations:  # this worker's first isolated case: its isolation workers' fork server
+                start_forkserver()
             iso = _isolations[job.isolation] = runner.Isolation(transport=job.isolation.transport,
                                                                 case_timeout=job.isolation.case_timeout)
     t0 = time.perf_counter()

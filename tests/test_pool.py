@@ -266,3 +266,19 @@ def test_profile_says_where_the_time_went(tmp_path):
     # the native run's first call in each process apart (where PyTorch loads its libraries' kernels)
     assert "native (the baseline) (first call in the process)" in run["profile"]
     assert run["wall_s"] > 0
+
+
+def test_a_run_that_isolates_starts_the_fork_server_at_once_even_with_one_worker():
+    """`gate` (isolating by default) and `parity --isolate` start the fork server before they plan,
+    as a spread run does: its import of torch overlaps the planning and the first case's inputs,
+    reference and native run (the first isolated call used to wait for all of it). One worker
+    without isolation starts none."""
+    import subprocess
+    import sys
+    code = ("import os, threading; os.environ['MHCTOOL_PROBE'] = '1'; from mhctool import pool; "
+            "pool.warm(1); a = pool.forkserver_has('MHCTOOL_PROBE', '1'); "
+            "pool.warm(1, 'local', isolate=True); b = pool.forkserver_has('MHCTOOL_PROBE', '1'); "
+            "[t.join(120) for t in threading.enumerate() if t.name == 'mhctool-forkserver']; "
+            "import multiprocessing.forkserver as f; print(a, b, getattr(f._forkserver, '_forkserver_pid', 0) is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
