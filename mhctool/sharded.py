@@ -53,6 +53,9 @@ TOKEN_INPUTS = {
 }
 # the dtypes the parameter gradients may be all-reduced in (dtypes.FORMATS names)
 REDUCE_FORMATS = ("fp32", "bf16")
+# a case's float64 reference beside rank 0's native run on the same device, in reference
+# footprints: what a case alone needs (pool.MEMORY_FACTOR, 2) and rank 0's slice on top
+OVERLAP_FACTOR = 2.5
 
 
 class Sharding:
@@ -103,6 +106,14 @@ def parse(ranks: int, reduce: str, kernels: list[str], device: str) -> Sharding 
         raise UsageError(f"--ranks {ranks} on cuda needs {ranks} GPUs (NCCL takes one GPU a rank); "
                          f"{torch.cuda.device_count()} are visible")
     return Sharding(ranks, reduce, device)
+
+
+def overlaps(case, sharding: Sharding) -> bool:
+    """Whether the ranks' native run and this process's float64 reference may run at once: where
+    both fit in the device's memory (at the paper shape, fp32 h_post_bda's reference is 43 GB: on
+    an 80 GB GPU they run one after the other)."""
+    from .runner import device_memory, footprint
+    return OVERLAP_FACTOR * footprint(case) <= 0.9 * device_memory(sharding.device)
 
 
 def too_few_tokens(kernel: str, base: dict, sharding: Sharding) -> str | None:

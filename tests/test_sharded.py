@@ -172,3 +172,16 @@ def test_a_gradient_that_is_the_upstream_tensor_itself_comes_back_from_a_rank(tm
     assert rows and not [r for r in rows if r["metric"] == "error"], rows
     assert any(r["direction"] == "fwd" and r["passed"] for r in rows)
     assert any(r["direction"] == "bwd" and r["passed"] is False for r in rows)
+
+
+def test_the_ranks_native_run_overlaps_the_reference_only_where_both_fit(monkeypatch):
+    """The ranks run a case's native baseline while this process computes the float64 reference:
+    on an 80 GB GPU not at the paper shape's fp32 h_post_bda (a 43 GB reference), which runs them
+    one after the other; on a 141 GB one both fit."""
+    s = sharded.Sharding(2, "fp32", "cuda")
+    paper = runner.Case("h_post_bda", "random", "fp32", parse_shape_for("mhc", "8192x4x4x7168"), (), 0, "cuda")
+    small = runner.Case("h_post_bda", "random", "fp32", parse_shape_for("mhc", "7x2x4x45"), (), 0, "cuda")
+    monkeypatch.setattr("mhctool.runner.device_memory", lambda device: 80e9)
+    assert sharded.overlaps(small, s) and not sharded.overlaps(paper, s)
+    monkeypatch.setattr("mhctool.runner.device_memory", lambda device: 141e9)
+    assert sharded.overlaps(paper, s)
