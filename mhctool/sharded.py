@@ -23,7 +23,7 @@ each parameter) on that rank's GPU and hands it over as a CUDA IPC handle; the r
 outputs and gradients back the same way, and this process copies them onto its own GPU. (On the
 CPU, the tensors travel through host shared memory and each rank cuts its own slice.) A case's
 native run is handed to the ranks before this process computes the float64 reference, so the two
-overlap (:func:`submit`, :func:`collect`).
+overlap where both fit in the device's memory (:func:`submit`, :func:`collect`, :func:`overlaps`).
 
 A rank's process that dies or hangs is a failed row (the case's time limit), as in isolation; the
 others are stopped, and the next case starts R new ones.
