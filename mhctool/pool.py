@@ -7,7 +7,10 @@ four workers writes the same report as a run with one.
 Each worker is an :class:`mhctool.isolation.Worker` that runs :func:`case_job`: it resolves the
 implementations from the same ``--impl`` specs as the parent, runs :func:`runner.run_case` and
 sends back plain rows. Where the run isolates the implementations under test, the worker isolates
-them too, in workers of its own, exactly as a single process would.
+the external ones (a file's, a library's) in workers of its own, as a single process would;
+mhctool's own kernels run in the worker itself, a process apart already (a worker of its own
+for each of them cost each worker a fork server and a process per kernel: the GPU gate took
+longer on two GPUs than on one).
 
 What the code under test does to a case's worker (a crash, an exit, a hang past the case's time
 limit, a CUDA fault) costs that case only: the case is run again once, in a fresh worker that
@@ -42,10 +45,16 @@ FORKSERVER_PRELOAD = ["mhctool.isolation", "torch.fx.experimental.symbolic_shape
 
 @dataclass(frozen=True)
 class IsolationSettings:
-    """What a worker needs to isolate the implementations under test as the parent would."""
+    """What a worker needs to isolate the implementations under test as the parent would.
+    ``own`` False (a case's first run in a worker): mhctool's own implementations (its Triton,
+    cuTile and PyTorch kernels) run in the worker itself, which is a process apart already; what
+    they do to it (a crash, a hang, a CUDA fault) runs the case again with ``own`` True, every
+    implementation isolated. External ones (a file, a library) are always isolated: code that
+    changes its process's state (a global flag) must not reach the cases after it."""
 
     transport: str = "shm"
     case_timeout: float | None = None
+    own: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,17 +201,20 @@ _isolations: dict = {}
 def case_job(job: Job) -> dict:
     """Run one case in this (worker) process; the rows and whether an interrupt cut it short."""
     from . import registry, runner
+    t0 = time.perf_counter()
+    impls = registry.resolve_impls(job.case.kernel, list(job.specs))
+    resolving = time.perf_counter() - t0
     iso = None
     if job.isolation is not None:
         iso = _isolations.get(job.isolation)
         if iso is None:
-            if not _isolations:  # this worker's first isolated case: its isolation workers' fork server
-                start_forkserver()
             iso = _isolations[job.isolation] = runner.Isolation(transport=job.isolation.transport,
-                                                                case_timeout=job.isolation.case_timeout)
-    t0 = time.perf_counter()
-    impls = registry.resolve_impls(job.case.kernel, list(job.specs))
-    resolving = time.perf_counter() - t0
+                                                                case_timeout=job.isolation.case_timeout,
+                                                                own=job.isolation.own)
+        # the fork server of this worker's isolation workers, started while the case's inputs,
+        # reference and native run come first (none where nothing of the case is isolated)
+        if any(iso.isolates(i) for i in impls if not i.native):
+            start_forkserver()
     res = runner.run_case(job.case, impls, job.rule, job.matmul_precision, iso, job.conventions,
                           job.checks, job.repeats, input_dtypes=job.input_dtypes)
     return {"rows": res.rows, "abandoned": res.abandoned,
@@ -441,7 +453,7 @@ def _run_job(pool_worker, job: Job, impl_names: list, aborted: Callable[[], bool
         return value
     if aborted():
         return None
-    again = replace(job, isolation=job.isolation or IsolationSettings())
+    again = replace(job, isolation=replace(job.isolation or IsolationSettings(), own=True))
     value, second = _call(pool_worker, again, timeout, aborted, memory, place, memory.budget + 1.0)
     if second is None:
         return value
@@ -497,7 +509,7 @@ def _run_ray(jobs, impl_names, interrupted, started, finished, address) -> Sprea
                 except Exception as e:  # noqa: BLE001 - the task's worker died or the task raised
                     why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     if not retried:
-                        again = replace(jobs[i], isolation=jobs[i].isolation or IsolationSettings())
+                        again = replace(jobs[i], isolation=replace(jobs[i].isolation or IsolationSettings(), own=True))
                         pending[task.remote(again)] = (i, why)
                         continue
                     value = {"rows": lost_rows(jobs[i], impl_names[i], f"{retried}; again with every "

@@ -355,7 +355,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                     from . import sharded
                     res = sharded.run(case.kernel, impl, given, eff, judged.upstream, sharding,
                                       _sharded_timeout(case, external), expect=output_specs(nat.outputs))
-                elif isolation is not None:
+                elif isolation is not None and isolation.isolates(impl):
                     res = isolation.run(case, impl, given, eff, judged.upstream, output_specs(nat.outputs))
                 else:
                     res = run_impl(fam, impl, given, eff, lambda outs: judged.upstream,
@@ -388,7 +388,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             def again(b, ups, expect, impl=impl, eff=eff):
                 if impl.native:
                     return run_impl(fam, native_impl(case.kernel), b, eff, lambda outs: ups)
-                if isolation is not None:
+                if isolation is not None and isolation.isolates(impl):
                     return isolation.run(case, impl, b, eff, ups, expect)
                 return run_impl(fam, impl, b, eff, lambda outs: ups, expect=expect)
             with profile.phase("checks (determinism, batch invariance)"):
@@ -679,6 +679,11 @@ class Isolation:
     case_timeout: float | None = None
     interrupted: object = staticmethod(lambda: False)
     workers: dict = field(default_factory=dict)
+    own: bool = True  # False: mhctool's own implementations run in this process (a pool worker's first run of a case)
+
+    def isolates(self, impl: Impl) -> bool:
+        """Whether ``impl`` runs in a worker of its own: every one, or with ``own`` False the external ones."""
+        return self.own or impl.backend == "external"
 
     def call(self, impl: Impl, target: str, args: tuple, footprint_bytes: float, device: str):
         """Run ``target(*args)`` in ``impl``'s worker (started on first use) under the case time limit."""

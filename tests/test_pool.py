@@ -282,3 +282,52 @@ def test_a_run_that_isolates_starts_the_fork_server_at_once_even_with_one_worker
             "import multiprocessing.forkserver as f; print(a, b, getattr(f._forkserver, '_forkserver_pid', 0) is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+
+
+def _job(isolation, specs=()):
+    from mhctool import runner
+    from mhctool.shapes import parse_shape_for
+    from mhctool.verdict import VerdictRule
+    case = runner.Case("sinkhorn", "random", "fp32", parse_shape_for("mhc", "9x1x4x3"), (), 0, "cpu")
+    return pool.Job(case, tuple(specs), VerdictRule(), "ieee", None, (), 3, isolation)
+
+
+def test_a_pool_worker_runs_mhctools_own_kernels_itself_and_isolates_the_external_ones():
+    """A pool worker is a process apart already: where the run isolates, its first run of a case
+    gives the external implementations workers of their own (code that changes its process's state
+    must not reach the next case) but runs mhctool's own kernels itself, with the rows every
+    implementation isolated gives."""
+    specs = ("triton", f"{Path(__file__).resolve().parent / 'impls' / 'correct.py'}:sinkhorn")
+    first, every = pool.IsolationSettings(), pool.IsolationSettings(own=True)
+    try:
+        rows = {s: pool.case_job(_job(s, specs))["rows"] for s in (first, every)}
+        workers = {s: set(pool._isolations[s].workers) for s in (first, every)}
+    finally:
+        for s in (first, every):
+            if s in pool._isolations:
+                pool._isolations.pop(s).close()
+    external = next(n for n in workers[every] if n != "triton")
+    assert workers[first] == {external} and workers[every] == {"triton", external}
+    nan = lambda rs: [{k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rs]  # noqa: E731
+    assert nan(rows[first]) == nan(rows[every]) and any(r["impl"] == "triton" and r["passed"] for r in rows[first])
+
+
+def test_a_case_whose_worker_failed_runs_again_with_every_implementation_isolated():
+    """What mhctool's own kernels do to the worker that ran them (a crash, a hang, a CUDA fault)
+    sends the case again to a fresh worker with every implementation isolated, so the kernel that
+    did it gets its failed row and the others their verdicts."""
+    from mhctool.isolation import Failure
+    sent = []
+
+    class Crashes:
+        def call(self, target, args, timeout=None, interrupted=None):
+            sent.append(args[0].isolation)
+            if len(sent) == 1:
+                return None, Failure("crashed", "crashed: signal 11 (SIGSEGV)")
+            return {"rows": [], "abandoned": False}, None
+
+    for isolation in (pool.IsolationSettings(), None):
+        sent.clear()
+        value = pool._run_job(Crashes(), _job(isolation), [], lambda: False, pool._Memory(1e15), "cpu")
+        assert value == {"rows": [], "abandoned": False}
+        assert sent == [isolation, pool.IsolationSettings(own=True)]
