@@ -185,3 +185,21 @@ def test_the_ranks_native_run_overlaps_the_reference_only_where_both_fit(monkeyp
     assert sharded.overlaps(small, s) and not sharded.overlaps(paper, s)
     monkeypatch.setattr("mhctool.runner.device_memory", lambda device: 141e9)
     assert sharded.overlaps(paper, s)
+
+
+def test_a_job_leaves_this_process_tensors_where_they_are():
+    """The queue pickles a job in a thread of its own while this process goes on with the case (the
+    float64 reference beside the ranks' native run); pickling a CPU tensor not yet shared moves its
+    storage into shared memory, and the reference once read the inputs while they moved (a wrong
+    baseline). A job carries copies: the case's own tensors stay where they are."""
+    fam, base, ups, _ = _native_case("mapping")
+    mine = {k: v for k, v in base.items() if v is not None}
+    where = {k: v.untyped_storage().data_ptr() for k, v in mine.items()}
+    s = sharded.Sharding(2, "fp32")
+    try:
+        got = sharded.collect(sharded.submit("mapping", native_impl("mapping"), base, {}, ups, s), 120)
+    finally:
+        s.close()
+    assert got.fwd_error is None and got.bwd_error is None
+    assert {k: v.untyped_storage().data_ptr() for k, v in mine.items()} == where
+    assert not any(v.is_shared() for v in [*mine.values(), *ups])
