@@ -65,9 +65,9 @@ def max_rel(out, ref) -> float:
     d, r = _abs_err(out, ref)
     if not d.numel():
         return 0.0
-    floor = r.abs().max() * 1e-6
-    big = r.abs() > floor
-    return float((d[big] / r[big].abs()).max()) if big.any() else 0.0
+    ra = r.abs()
+    big = ra > ra.max() * 1e-6
+    return float((d / ra).masked_fill_(~big, 0.0).max())
 
 
 def rel_l2(out, ref) -> float:
@@ -146,7 +146,9 @@ def _errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     num = torch.linalg.vector_norm(d)
     return {"max_abs": float(d.max()),
             "rel_l2": float(num) if den == 0 else float(num / den),
-            "max_rel": float((d[big] / ra[big]).max()) if bool(big.any()) else 0.0,
+            # masked, not indexed: an index compacts a copy (and waits for the device to count it),
+            # a third of the time here on 2^24 elements; the same maximum (every ratio is >= 0)
+            "max_rel": float((d / ra).masked_fill_(~big, 0.0).max()),
             "ulp": float((d / ulp_size(r, fmt_of(out.dtype))).max())}
 
 

@@ -78,3 +78,26 @@ def test_finite_amax_ignores_nonfinite_and_copies_nothing_when_all_finite():
     assert finite_amax(torch.tensor([float("nan"), float("inf")])) == 0.0
     assert finite_amax(torch.empty(0)) == 0.0
     assert finite_amax(torch.tensor([[0.5, -7.0], [6.0, 1.0]])) == 7.0
+
+
+def test_max_rel_is_the_largest_ratio_over_the_references_that_are_not_tiny():
+    """max_rel masks the tiny references instead of indexing the rest out (the same maximum,
+    without a compacted copy): against the indexed form, with zeros, tiny values and an infinite
+    output among them, and an all-zero reference."""
+    import torch
+
+    from mhctool import metrics
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        ref = torch.randn(4099, dtype=torch.float64, generator=g)
+        ref[torch.rand(4099, generator=g) < 0.1] = 0.0
+        ref[torch.rand(4099, generator=g) < 0.05] *= 1e-9
+        out = (ref + 1e-3 * torch.randn(4099, dtype=torch.float64, generator=g)).float()
+        if trial % 4 == 0:
+            out[trial] = math.inf
+        d, r = metrics._abs_err(out, ref)
+        big = r.abs() > r.abs().max() * 1e-6
+        indexed = float((d[big] / r[big].abs()).max())
+        assert metrics.max_rel(out, ref) == indexed == metrics._errors(out, ref)["max_rel"]
+    zero = torch.zeros(7, dtype=torch.float64)
+    assert metrics.max_rel(zero.float(), zero) == metrics._errors(zero.float(), zero)["max_rel"] == 0.0
