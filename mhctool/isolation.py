@@ -112,7 +112,7 @@ class _Packed:
         self.path = self.payload = None
         if transport == "shm":  # CUDA tensors as IPC handles (copied first where asked), CPU ones in shared memory
             self.payload = _map_tensors(plain, lambda t: (t.clone() if copy_cuda or mapped(t) else t) if t.is_cuda
-                                        else _shared_copy(t) if copy_cuda else t.contiguous().share_memory_())
+                                        else shared_copy(t) if copy_cuda else t.contiguous().share_memory_())
         elif transport == "host":
             self.payload = _map_tensors(plain, lambda t: t.to("cpu").contiguous().share_memory_())
         else:
@@ -132,7 +132,7 @@ class _Packed:
         return _map_tensors(obj, lambda t: _own(t, next(devices), copy_cuda))
 
 
-def _shared_copy(t: torch.Tensor) -> torch.Tensor:
+def shared_copy(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied once into a new host shared-memory segment (``share_memory_`` would move the
     sender's own storage there, and the receiver could write into it)."""
     storage = torch.UntypedStorage._new_shared(t.numel() * t.element_size())

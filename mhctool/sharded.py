@@ -334,10 +334,10 @@ def submit(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding:
     if sharding.device == "cpu":
         # copies in shared memory: the queue pickles the job in a thread of its own while this process
         # goes on with the case, and pickling a tensor not yet shared moves its storage there
-        from .isolation import _shared_copy
-        job = {**head, "placed": False, "base": {k: None if v is None else _shared_copy(v.detach().cpu())
+        from .isolation import shared_copy
+        job = {**head, "placed": False, "base": {k: None if v is None else shared_copy(v.detach().cpu())
                                                  for k, v in base.items()},
-               "upstream": [_shared_copy(u.detach().cpu()) for u in upstream]}
+               "upstream": [shared_copy(u.detach().cpu()) for u in upstream]}
         jobs = [job] * sharding.ranks
     else:
         jobs = [{**head, "placed": True, **_placed(kernel, base, upstream, r, sharding.ranks)}
@@ -358,7 +358,7 @@ def collect(pending: Pending, timeout: float):
     if parts is None:
         sharding.close()
         return ImplResult(fwd_error=why, failure=kind)
-    dev = torch.device(sharding.device if sharding.device == "cpu" else "cuda")
+    dev = torch.device(sharding.device)
     for key in ("fwd_error", "bwd_unsupported", "bwd_error"):
         bad = next(((r, p[key]) for r, p in enumerate(parts) if p[key]), None)
         if bad:
@@ -367,7 +367,8 @@ def collect(pending: Pending, timeout: float):
             return ImplResult(outputs=outputs, fwd_refused=refused and f"rank {bad[0]}: {refused}",
                               **{key: f"rank {bad[0]}: {bad[1]}"})
     outputs, grads = _joined(parts, dev)
-    grads.update({k: _mine(g, dev) for k, g in parts[0]["reduced"].items()})
+    # copies: a rank's tensor (mapped from its GPU or from shared memory) is freed whatever this process keeps
+    grads.update({k: g.to(dev, copy=True) for k, g in parts[0]["reduced"].items()})
     returned = {k: v for p in parts for k, v in p["returned"].items()}
     return ImplResult(outputs=outputs, grads={k: grads[k] for k in pending.names if k in grads}, returned=returned)
 
@@ -377,12 +378,6 @@ def run(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding: Sh
     """:func:`submit`, then :func:`collect`: ``impl`` on the case's tokens split over
     ``sharding.ranks`` processes, as an :class:`runner.ImplResult` of the whole batch."""
     return collect(submit(kernel, impl, base, knobs, upstream, sharding, native_precision, expect), timeout)
-
-
-def _mine(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A tensor of this process's own on ``dev``: a rank's tensor (mapped from its GPU, or from
-    shared memory) is copied, so the rank can free it whatever this process keeps."""
-    return t.to(dev, copy=True)
 
 
 def _joined(parts: list[dict], dev: torch.device) -> tuple[list, dict]:

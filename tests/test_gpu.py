@@ -111,43 +111,39 @@ def test_compile_variant_on_gpu(tmp_path):
     assert any(r["impl"] == "compile" and r["passed"] for r in rows)
 
 
-def _twice_with_one_cache(code: str, tmp_path) -> tuple[list, list]:
-    """``code`` in two fresh processes, one after the other, sharing one mhctool cache folder:
-    each one's printed words."""
+def _made_once_then_read(tmp_path, imports: str, call: str, made: str, read: str) -> None:
+    """``call`` (an expression after ``imports``; ``g`` is a seeded CUDA generator, ``r(*shape)``
+    draws from it) in two fresh processes, one after the other, sharing one mhctool cache folder:
+    the counters ``made`` and ``read`` must say the first process made the entry and the second
+    read it, and both must give the same bits."""
+    code = (f"import hashlib, torch\n{imports}\n"
+            "g = torch.Generator(device='cuda').manual_seed(0)\n"
+            "r = lambda *s: torch.randn(*s, device='cuda', generator=g)\n"
+            f"out = ({call}).cpu()\n"
+            f"print({made}, {read}, hashlib.sha1(out.numpy().tobytes()).hexdigest())\n")
     env = {**os.environ, "MHCTOOL_CACHE": str(tmp_path / "cache")}
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    return runs[0].stdout.split(), runs[1].stdout.split()
+    first, second = runs[0].stdout.split(), runs[1].stdout.split()
+    assert first[:2] == ["1", "0"] and second[:2] == ["0", "1"], (first, second)
+    assert first[2] == second[2]
 
 
 def test_a_cutile_compilation_is_read_back_by_the_next_process(tmp_path):
     """kernels/cutile/_cache.py: the second process launches the kernel the first compiled, without
     compiling it, and gets the same bits."""
-    code = ("import hashlib, torch\n"
-            "from mhctool.kernels.cutile import _cache, h_aggregate as k\n"
-            "g = torch.Generator(device='cuda').manual_seed(0)\n"
-            "x = torch.randn(37, 1, 4, 300, device='cuda', generator=g)\n"
-            "h = torch.rand(37, 1, 4, device='cuda', generator=g)\n"
-            "y = k.h_aggregate_forward(x, h).cpu()\n"
-            "print(_cache.stats['hits'], _cache.stats['stored'], hashlib.sha1(y.numpy().tobytes()).hexdigest())\n")
-    first, second = _twice_with_one_cache(code, tmp_path)
-    assert first[:2] == ["0", "1"] and second[:2] == ["1", "0"], (first, second)
-    assert first[2] == second[2]
+    _made_once_then_read(tmp_path, "from mhctool.kernels.cutile import _cache, h_aggregate as k",
+                         "k.h_aggregate_forward(r(37, 1, 4, 300), torch.rand(37, 1, 4, device='cuda', generator=g))",
+                         "_cache.stats['stored']", "_cache.stats['hits']")
 
 
 def test_a_tile_timed_by_one_process_is_taken_by_the_next(tmp_path):
     """pick_config on the GPU: h_post_bda's generic forward (n = 3) at 25M elements times its
     candidates in the first process only; the second reads the pick and gives the same bits."""
-    code = ("import hashlib, torch\n"
-            "from mhctool.kernels.triton import _common, h_post_bda as k\n"
-            "g = torch.Generator(device='cuda').manual_seed(0)\n"
-            "r = lambda *s: torch.randn(*s, device='cuda', generator=g)\n"
-            "out = k.h_post_bda_forward(r(8192, 1, 3, 3), r(8192, 1, 3, 1024), r(8192, 1, 3), r(8192, 1, 1024)).cpu()\n"
-            "print(_common.picks['timed'], _common.picks['read'], hashlib.sha1(out.numpy().tobytes()).hexdigest())\n")
-    first, second = _twice_with_one_cache(code, tmp_path)
-    assert first[:2] == ["1", "0"] and second[:2] == ["0", "1"], (first, second)
-    assert first[2] == second[2]
+    _made_once_then_read(tmp_path, "from mhctool.kernels.triton import _common, h_post_bda as k",
+                         "k.h_post_bda_forward(r(8192, 1, 3, 3), r(8192, 1, 3, 1024), r(8192, 1, 3), r(8192, 1, 1024))",
+                         "_common.picks['timed']", "_common.picks['read']")
 
 
 @pytest.mark.parametrize("backend", ["triton", "cutile"])
