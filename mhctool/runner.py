@@ -14,7 +14,7 @@ from . import inputs as inputs_mod
 from .dtypes import FORMATS, dtype_named, fmt_of
 from .errors import UsageError
 from .isolation import system_exit_message
-from .metrics import finite_amax, measure
+from .metrics import Reference, measure, reference
 from . import cuda_context
 from . import profile
 from .poison import poisoning
@@ -557,11 +557,10 @@ def judged_rows(judged: "_Baseline", res: ImplResult, row_base: dict, rule: Verd
     rows = []
     fwd, bwd = judged.measured(res)
     nat_fwd, nat_bwd = judged.native_metrics
-    refs = named_tensors(judged.fam, judged.ref_outs, judged.ref_grads)
     outs = named_tensors(judged.fam, res.outputs, res.grads)
     for direction, vals, nat_vals in (("fwd", fwd, nat_fwd), ("bwd", bwd, nat_bwd)):
         for tensor, metrics in vals.items():
-            amax = finite_amax(refs[tensor])
+            amax = judged.fact(tensor).amax
             fmt = fmt_of(outs[tensor].dtype)
             for metric, value in metrics.items():
                 j = rule.judge(metric, value, fmt, amax, None if native else nat_vals[tensor],
@@ -586,11 +585,22 @@ class _Baseline:
     ref_grads: dict
     term_scale: dict
     native_metrics: tuple = ()
+    facts: dict = field(default_factory=dict)  # metrics.Reference by tensor name, worked out once
+
+    def fact(self, tensor: str) -> Reference:
+        if tensor not in self.facts:
+            refs = named_tensors(self.fam, self.ref_outs, self.ref_grads)
+            self.facts[tensor] = reference(refs[tensor])
+        return self.facts[tensor]
 
     def measured(self, res: ImplResult):
-        fwd = {n: measure(o, r, self.fam.name == "sinkhorn")
+        """Every metric of ``res``'s outputs and gradients (the native run's: measured once, when
+        the baseline is made, and kept)."""
+        if res is self.native and self.native_metrics:
+            return self.native_metrics
+        fwd = {n: measure(o, r, self.fam.name == "sinkhorn", self.fact(n))
                for n, o, r in zip(self.fam.outputs, res.outputs or [], self.ref_outs)}
-        bwd = {f"grad_{k}": measure(g, self.ref_grads[k]) for k, g in (res.grads or {}).items()}
+        bwd = {f"grad_{k}": measure(g, self.ref_grads[k], of=self.fact(f"grad_{k}")) for k, g in (res.grads or {}).items()}
         return fwd, bwd
 
 

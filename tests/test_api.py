@@ -168,3 +168,21 @@ def test_sinkhorn_example_in_the_docstring_runs():
     assert check_parity("torch", "sinkhorn", dtypes=["fp32"], device="cpu").passed
     with pytest.raises(AssertionError, match="kernel +family +dtype"):
         assert_parity(f"{IMPLS / 'defects.py'}:sinkhorn_eps_1e8", "sinkhorn", dtypes=["fp32"], device="cpu")
+
+
+def test_the_native_run_is_measured_once_a_baseline(monkeypatch):
+    """The native run's metrics are taken when its baseline is made and kept for its own rows
+    (measuring them again cost a third of judging): one measurement a tensor of the report."""
+    from mhctool import runner
+    calls = []
+    real = runner.measure
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(runner, "measure", counting)
+    r = check_parity("torch", "h_post_bda", dtypes=["fp32"], families=["random"], device="cpu", seed=3)
+    rows = r.table.to_pylist()
+    tensors = {(x["case_id"] if "case_id" in x else x["shape"], x["impl"], x["direction"], x["tensor"])
+               for x in rows if x["metric"] == "max_abs"}
+    assert r.passed and tensors and len(calls) == len(tensors)

@@ -101,3 +101,72 @@ def test_max_rel_is_the_largest_ratio_over_the_references_that_are_not_tiny():
         assert metrics.max_rel(out, ref) == indexed == metrics._errors(out, ref)["max_rel"]
     zero = torch.zeros(7, dtype=torch.float64)
     assert metrics.max_rel(zero.float(), zero) == metrics._errors(zero.float(), zero)["max_rel"] == 0.0
+
+
+def _metric_cases():
+    """Outputs and references that take every path of judging: finite pairs in each output dtype,
+    a strided reference, non-finite outputs (NaN, an infinity of either sign, fp16 overflow past
+    the reference), poison, exact zeros, non-finite and all-zero references, an empty tensor."""
+    import torch
+
+    from mhctool.dtypes import poison
+    g = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        ref = torch.randn(37, 53, dtype=torch.float64, generator=g) * 10.0 ** (trial % 5 - 2)
+        ref[torch.rand(37, 53, generator=g) < 0.05] = 0.0
+        for dt in (torch.float32, torch.bfloat16, torch.float16):
+            out = (ref + 1e-3 * torch.randn(37, 53, dtype=torch.float64, generator=g)).to(dt)
+            yield out, ref
+            yield out.t(), ref.t()  # strided, both
+            zeros = out.clone()
+            zeros[3, :5] = 0
+            yield zeros, ref
+            bad = out.clone()
+            bad[trial, trial] = (math.nan, math.inf, -math.inf)[trial % 3]
+            yield bad, ref
+            unwritten = out.clone()
+            poison(unwritten[1])
+            yield unwritten, ref
+            nonfinite_ref = ref.clone()
+            nonfinite_ref[2, 2] = math.inf
+            nonfinite_ref[4, 7] = math.nan
+            yield out, nonfinite_ref
+    over = torch.tensor([1.0, 7e4, -7e4, 3.0], dtype=torch.float64)
+    yield torch.tensor([1.0, math.inf, -math.inf, 3.0], dtype=torch.float16), over
+    yield torch.tensor([1.0, -math.inf, -math.inf, 3.0], dtype=torch.float16), over
+    yield torch.zeros(9), torch.zeros(9, dtype=torch.float64)
+    yield torch.zeros(0), torch.zeros(0, dtype=torch.float64)
+
+
+def test_measure_gives_each_metric_alone_its_value_with_the_reference_worked_out_once():
+    """measure() skips the passes that depend only on the reference (given once per reference)
+    and those a finite output needs none of: the same value, bit for bit, as each metric alone."""
+    from mhctool import metrics
+    alone = metrics.ERROR_METRICS | metrics.COUNT_METRICS
+    n = 0
+    for out, ref in _metric_cases():
+        want = {name: fn(out, ref) for name, fn in alone.items()}
+        for got in (metrics.measure(out, ref), metrics.measure(out, ref, of=metrics.reference(ref))):
+            assert set(got) == set(want)
+            for name in want:
+                assert got[name] == want[name] or (math.isnan(got[name]) and math.isnan(want[name])), \
+                    (name, out.dtype, got[name], want[name])
+        n += 1
+    assert n > 200
+
+
+def test_ulp_size_reads_the_exponent_of_a_float64():
+    """The exponent read from the bits: log2's floor on random values of every magnitude, and the
+    right binade a float64 rounding below a power of two (where log2 rounds up to it)."""
+    import torch
+
+    from mhctool.metrics import ulp_size
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1 << 16, dtype=torch.float64, generator=g)
+    x = x * torch.exp2(torch.randint(-200, 200, x.shape, generator=g).double())
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 1.0, -4.0, 2.0 ** -1074, 1e-300, math.inf], dtype=torch.float64)])
+    for f in FORMATS.values():
+        via_log2 = 2.0 ** (torch.floor(torch.log2(x.abs().clamp_min(2.0 ** f.min_exponent))) - f.mantissa_bits)
+        assert torch.equal(ulp_size(x, f), via_log2), f.name
+        below = torch.nextafter(torch.tensor([8.0, -2.0 ** 40]).double(), torch.zeros(2).double())
+        assert ulp_size(below, f).tolist() == [2.0 ** (2 - f.mantissa_bits), 2.0 ** (39 - f.mantissa_bits)]
