@@ -278,7 +278,7 @@ print('   GPU max MiB / mean use %:', ', '.join(f'{i}: {m[i]} / {sum(u[i]) / len
           CUDA_VISIBLE_DEVICES=$vis timeout --foreground -s INT "${PAPER_LIMIT:-200}" python3 -m mhctool.cli parity --scenario paper \
             --kernel "${SPREAD_KERNELS:-all}" --impl triton --no-isolate --workers $w --profile \
             -o "$out/paper-g$g.parquet" --quiet
-          echo "paper $g GPU(s) wall $((SECONDS - t0)) s"; kill "$pid"; smi_sum "$out/smi-paper-g$g.csv" ;;
+          echo "paper $g GPU(s) wall $((SECONDS - t0)) s"; kill "$pid"; smi_sum "$out/smi-paper-g$g.csv"; rm -f "$out/smi-paper-g$g.csv" ;;
         gate)
           step "gate: --suite scenarios/gpu-gate-suite.toml, $g GPU(s), --workers $w"
           t0=$SECONDS
@@ -295,6 +295,8 @@ print('   GPU max MiB / mean use %:', ', '.join(f'{i}: {m[i]} / {sum(u[i]) / len
       done
       for g in 2 4; do [ -f "$out/$s-g1.parquet" ] && [ -f "$out/$s-g$g.parquet" ] && cmp_rows "$out/$s-g1.parquet" "$out/$s-g$g.parquet"; done
     done
+    # SPREAD_BEFORE: an earlier commit's one-GPU paper report (carried in .device/), against this one's
+    [ -n "${SPREAD_BEFORE:-}" ] && [ -f "$out/paper-g1.parquet" ] && { step "paper rows against $SPREAD_BEFORE"; cmp_rows "$SPREAD_BEFORE" "$out/paper-g1.parquet"; }
   } 2>&1 | tee "$out/spread.log"
   ;;
 probes)

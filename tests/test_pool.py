@@ -331,3 +331,26 @@ def test_a_case_whose_worker_failed_runs_again_with_every_implementation_isolate
         value = pool._run_job(Crashes(), _job(isolation), [], lambda: False, pool._Memory(1e15), "cpu")
         assert value == {"rows": [], "abandoned": False}
         assert sent == [isolation, pool.IsolationSettings(own=True)]
+
+
+def test_stretches_are_cut_by_cost_and_run_largest_first_every_case_once():
+    """Each worker's stretch is a contiguous run of the plan of about equal cost, taken largest
+    case first; an idle worker takes the smallest case of the costliest stretch left. Every case
+    is taken once; equal costs cut as equal counts did."""
+    even = pool._Segments(9, 3)
+    assert [sorted(s) for s in even.stretches] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    costs = [1, 1, 1, 1, 1, 8, 8, 2, 2, 2, 9, 1]  # two kernels of small cases, then large ones
+    seg = pool._Segments(len(costs), 2, costs)
+    first, second = (sorted(s) for s in seg.stretches)
+    assert first == list(range(first[-1] + 1)) and second == list(range(first[-1] + 1, len(costs)))
+    share = [sum(costs[i] for i in s) for s in seg.stretches]
+    assert abs(share[0] - share[1]) <= max(costs)
+    assert [costs[i] for i in seg.stretches[0]] == sorted((costs[i] for i in seg.stretches[0]), reverse=True)
+    taken = [seg.take(0) for _ in range(len(seg.stretches[0]))]  # worker 0 empties its own stretch...
+    steal = seg.take(0)  # ... then takes the smallest case of the other
+    assert costs[steal] == min(costs[i] for i in second)
+    rest = []
+    while (i := seg.take(1)) is not None:
+        rest.append(i)
+    assert sorted(taken + [steal] + rest) == list(range(len(costs)))
+    assert pool._Segments(3, 2, [0.0, 0.0, 0.0]).stretches[1]  # no cost known: counts
