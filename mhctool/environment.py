@@ -113,14 +113,25 @@ def backends() -> list[BackendStatus]:
     return [torch_status(), compile_status(), triton_status(), cutile_status()]
 
 
-def git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     here = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    return (_git("rev-parse", "HEAD") or "").strip() or None
+
+
+def git_dirty() -> bool | None:
+    """Whether mhctool's tracked files differ from that commit (None: not a git checkout). A
+    checkout copied onto another machine with an older ``.git`` reports the older commit: the
+    commit alone would name code that did not run."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status.strip())
 
 
 def gpu_info() -> dict:
@@ -150,6 +161,7 @@ def metadata() -> dict:
         "cuda_tile": _version("cuda-tile"),
         "triton_mode": triton_status().mode,
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         **gpu_info(),
     }
 

@@ -38,6 +38,7 @@ def test_parity_all_native_passes_and_writes_the_report(all_report):
     table, meta = report.read(d / "r.parquet")
     assert meta["kind"] == "parity" and meta["run"]["device"] == "cpu"
     assert "torch" in meta["environment"] and "git_commit" in meta["environment"]
+    assert meta["environment"]["git_dirty"] in (True, False, None)
     kernels = set(table.column("kernel").to_pylist())
     assert kernels == set(KERNELS)
     assert set(table.column("direction").to_pylist()) == {"fwd", "bwd"}
@@ -250,3 +251,24 @@ def test_kernel_groups_expand_in_order_once_each():
     assert parity_mod.kernels_of(["moe"]) == list(MOE_KERNELS) and not set(MHC_KERNELS) & set(MOE_KERNELS)
     with pytest.raises(UsageError, match="or a group: all, mhc, moe"):
         parity_mod.kernels_of("mlp")
+
+
+def test_a_checkout_that_differs_from_its_commit_says_so(tmp_path, monkeypatch):
+    """git_dirty: a tracked file changed since the commit the report names (a checkout copied onto
+    another machine beside an older .git named code that did not run)."""
+    import subprocess
+
+    from mhctool import environment
+    repo = tmp_path / "repo"
+    (repo / "mhctool").mkdir(parents=True)
+    (repo / "mhctool" / "x.py").write_text("a = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    monkeypatch.setattr(environment, "__file__", str(repo / "mhctool" / "environment.py"))
+    assert environment.git_commit() and environment.git_dirty() is False
+    (repo / "mhctool" / "x.py").write_text("a = 2\n")
+    assert environment.git_dirty() is True
+    monkeypatch.setattr(environment, "__file__", str(tmp_path / "elsewhere" / "mhctool" / "environment.py"))
+    assert environment.git_commit() is None and environment.git_dirty() is None
