@@ -158,52 +158,45 @@ class Reference:
 
 def reference(ref: torch.Tensor) -> Reference:
     r = ref.detach()
-    if not r.numel() or not bool(torch.isfinite(r).all()):
-        return Reference(False, finite_amax(r), 0.0)
-    lo, hi = torch.aminmax(r)
-    # over the flattened reference, as the general form takes it (a strided one sums in another order)
-    norm = float(torch.linalg.vector_norm(r.reshape(-1).to(torch.float64)))
-    return Reference(True, float(torch.maximum(lo.abs(), hi.abs())), norm)
+    finite = bool(r.numel()) and bool(torch.isfinite(r).all())
+    # over the flattened reference, as the compacted form takes it (a strided one sums in another order)
+    norm = float(torch.linalg.vector_norm(r.reshape(-1).to(torch.float64))) if finite else 0.0
+    return Reference(finite, finite_amax(r), norm)
 
 
 def _errors(out: torch.Tensor, ref: torch.Tensor, of: Reference | None = None) -> dict[str, float]:
-    """The four error metrics from one difference (each metric alone computes it again). With a
-    finite reference (``of``: its facts, worked out once) every pass that does not depend on the
-    output is skipped, and a finite output (its largest error finite) takes no pass of its own;
-    the values are those of :func:`max_abs`, :func:`rel_l2`, :func:`max_rel` and :func:`ulp`."""
+    """The four error metrics (the values of :func:`max_abs`, :func:`rel_l2`, :func:`max_rel` and
+    :func:`ulp`) from one difference; each metric alone computes it again. With a finite
+    reference (``of``: its facts, worked out once) the difference is taken whole, with no copy of
+    the output and no pass that depends on the reference alone; a non-finite reference or output
+    (its largest error not finite) takes the compacted form, over the finite references."""
     of = of or reference(ref)
     r = ref.detach().reshape(-1)
-    if not of.finite or r.dtype != torch.float64 or not r.numel():
-        return _errors_compacted(out, ref)
-    # torch.sub converts the output to float64 as it reads it (exact): no float64 copy of it
-    d = torch.sub(out.detach().reshape(-1), r).abs_()
-    largest = float(d.max())
-    if not math.isfinite(largest):  # a non-finite output (rare): the general path
-        return _errors_compacted(out, ref)
+    if of.finite and r.dtype == torch.float64:
+        # torch.sub converts the output to float64 as it reads it (exact): no float64 copy of it
+        d = torch.sub(out.detach().reshape(-1), r).abs_()
+        if math.isfinite(largest := float(d.max())):
+            return _from_difference(d, r, out.dtype, largest, of.amax, of.norm)
+    d, r = _abs_err(out, ref)
+    if not d.numel():
+        return dict.fromkeys(ERROR_METRICS, 0.0)
+    return _from_difference(d, r, out.dtype, float(d.max()), float(r.abs().max()),
+                            float(torch.linalg.vector_norm(r)))
+
+
+def _from_difference(d: torch.Tensor, r: torch.Tensor, dtype: torch.dtype, largest: float, amax: float,
+                     norm: float) -> dict[str, float]:
+    """The four error metrics from ``d = |out - r|`` (consumed: divided in place), the float64
+    reference ``r`` over the same elements, ``max d``, ``max |r|`` and ``||r||``."""
     num = float(torch.linalg.vector_norm(d))
-    unit = ulp_size(r, fmt_of(out.dtype))
+    unit = ulp_size(r, fmt_of(dtype))
     ulps = float(torch.div(d, unit, out=unit).max())
     del unit
     ra = r.abs()
     # masked, not indexed: an index compacts a copy (and waits for the device to count it); the
-    # same maximum (every ratio is >= 0). In place: d is not needed after this.
-    rel = float(d.div_(ra).masked_fill_(ra <= of.amax * 1e-6, 0.0).max())
-    return {"max_abs": largest, "rel_l2": num if of.norm == 0 else num / of.norm, "max_rel": rel, "ulp": ulps}
-
-
-def _errors_compacted(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """The general form: the elements where the reference is finite, a non-finite output."""
-    d, r = _abs_err(out, ref)
-    if not d.numel():
-        return dict.fromkeys(ERROR_METRICS, 0.0)
-    ra = r.abs()
-    big = ra > ra.max() * 1e-6
-    den = torch.linalg.vector_norm(r)
-    num = torch.linalg.vector_norm(d)
-    return {"max_abs": float(d.max()),
-            "rel_l2": float(num) if den == 0 else float(num / den),
-            "max_rel": float((d / ra).masked_fill_(~big, 0.0).max()),
-            "ulp": float((d / ulp_size(r, fmt_of(out.dtype))).max())}
+    # same maximum (every ratio is >= 0)
+    rel = float(d.div_(ra).masked_fill_(ra <= amax * 1e-6, 0.0).max())
+    return {"max_abs": largest, "rel_l2": num if norm == 0 else num / norm, "max_rel": rel, "ulp": ulps}
 
 
 def measure(out: torch.Tensor, ref: torch.Tensor, sinkhorn_output: bool = False,

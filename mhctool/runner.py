@@ -600,7 +600,8 @@ class _Baseline:
             return self.native_metrics
         fwd = {n: measure(o, r, self.fam.name == "sinkhorn", self.fact(n))
                for n, o, r in zip(self.fam.outputs, res.outputs or [], self.ref_outs)}
-        bwd = {f"grad_{k}": measure(g, self.ref_grads[k], of=self.fact(f"grad_{k}")) for k, g in (res.grads or {}).items()}
+        bwd = {f"grad_{k}": measure(g, self.ref_grads[k], of=self.fact(f"grad_{k}"))
+               for k, g in (res.grads or {}).items()}
         return fwd, bwd
 
 
