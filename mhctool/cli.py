@@ -147,8 +147,9 @@ def parity(
     show_profile: bool = typer.Option(False, "--profile", help="Print where the time went: inputs, the native run, the float64 reference, each implementation (its first call in a process, which compiles, apart), judging, checks, and with --workers what was spent outside the cases (the report keeps it in any case)."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
-    from . import pool
+    from . import pool, prewarm
     pool.warm(workers, backend, bool(isolate))  # the fork server imports torch while this process plans
+    prewarm.start(device)  # Triton's hash of itself, on a thread
     clikit.precheck(kernel, _split([dtype]) if dtype else None, shape, device)
     report.check_writable(out_path)
     dev = _device(device)
@@ -631,8 +632,9 @@ def gate(
     show_profile: bool = typer.Option(False, "--profile", help="Print where the parity entries' time went (as parity --profile does, summed over the entries); the report keeps it in any case."),
 ):
     """Run a suite of checks as one CI verdict: exit 0 pass, 1 a failure, 2 bad input."""
-    from . import pool
+    from . import pool, prewarm
     pool.warm(workers, backend, isolate)  # the fork server (workers, isolation) imports torch while this process plans
+    prewarm.start(device)
     from . import gate as gate_mod
     for path_, what in ((junit, "--junit"), (summary, "--summary"), (out_path, "--out")):
         report.check_writable(path_, what)

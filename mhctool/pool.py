@@ -39,8 +39,9 @@ BACKENDS = ("local", "ray")
 # workers, ranks): torch, with mhctool.isolation; and the module PyTorch's autograd imports at its
 # first grad with given gradients, which imports sympy: 0.25 s a process on a CPU machine, 3 s on
 # the GPU machine, whose packages have no compiled bytecode (there it was most of every worker's
-# "native first call"). A module that fails to import is left out (the server goes on).
-FORKSERVER_PRELOAD = ["mhctool.isolation", "torch.fx.experimental.symbolic_shapes"]
+# "native first call"); on a GPU machine, Triton's hash of itself (mhctool.prewarm). A module that
+# fails to import is left out (the server goes on).
+FORKSERVER_PRELOAD = ["mhctool.isolation", "torch.fx.experimental.symbolic_shapes", "mhctool._forkserver"]
 
 
 @dataclass(frozen=True)
