@@ -4,9 +4,10 @@ Plain random inputs at unit scale hide most numerics defects, so each kernel fam
 families chosen to amplify one knob of its contract (DESIGN.md, "Inputs that expose defects").
 A generator draws float32 values from a seeded CPU ``torch.Generator``, then the runner casts them:
 activations to the case dtype, mapping tensors (``h_pre``, ``h_post``, ``h_res``) to fp32, the
-mapping path's precision. A tensor of :data:`BIG` values or more is drawn blockwise on the case's
-device (:func:`generate`'s ``draw_on``): a CPU case sees the same inputs as before, a GPU case's
-large tensors come from CUDA's generator (other values than a CPU case's at the same seed).
+mapping path's precision. A tensor of :data:`BIG` values or more is drawn on the case's device
+(:func:`generate`'s ``draw_on``): on the CPU blockwise on threads, on a GPU by a counter-based
+generator in one launch (:mod:`mhctool.philox`), so a GPU case's large tensors have other values
+than a CPU case's at the same seed.
 """
 from __future__ import annotations
 
@@ -43,19 +44,16 @@ BIG = 1 << 24
 BLOCK = 1 << 22
 # On a GPU, four workers drawing gigabytes on the host and copying them over contended for the
 # host's cores and memory (the inputs phase doubled from one worker to four on an H200 node), so
-# parity draws a large tensor on the case's device. A CUDA block is small enough that PyTorch
-# launches its fill on the same grid on any GPU that holds 256 blocks of 256 threads at once
-# (its grid is the smaller of numel / 256 and the SMs' room for blocks: 32 SMs of 2048 threads,
-# every datacenter GPU since Volta), so its values do not depend on the GPU's size.
-CUDA_BLOCK = 1 << 16
+# parity draws a large tensor on the case's device, one launch a tensor (mhctool.philox: a value
+# depends on the seed and its index alone, not on the GPU's size).
 
-# where large tensors are drawn blockwise (generate's draw_on); None: on the CPU
+# where large tensors are drawn (generate's draw_on); None: on the CPU
 _DRAW_ON: contextvars.ContextVar = contextvars.ContextVar("mhctool_draw_on", default=None)
 
 
 @contextlib.contextmanager
 def drawing_on(device):
-    """Large tensors drawn blockwise on ``device`` (a ``torch.device`` or name) within the block."""
+    """Large tensors drawn on ``device`` (a ``torch.device`` or name) within the block."""
     token = _DRAW_ON.set(None if device is None else torch.device(device))
     try:
         yield
@@ -65,13 +63,13 @@ def drawing_on(device):
 
 def _randn(g, *shape):
     if _blockwise(g, shape):
-        return _blocks(g, shape, lambda t, gb: t.normal_(generator=gb))
+        return _blocks(g, shape, normal=True)
     return torch.randn(shape, generator=g, dtype=torch.float32, device=g.device)
 
 
 def _rand(g, *shape):
     if _blockwise(g, shape):
-        return _blocks(g, shape, lambda t, gb: t.uniform_(generator=gb))
+        return _blocks(g, shape, normal=False)
     return torch.rand(shape, generator=g, dtype=torch.float32, device=g.device)
 
 
@@ -93,21 +91,20 @@ def draw_threads() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else min(torch.get_num_threads(), 32)
 
 
-def _blocks(g, shape, fill) -> torch.Tensor:
-    """A float32 tensor of ``shape`` filled a block at a time by ``fill(view, generator)``, each
-    block from a generator seeded ``seed + k``: BLOCK values on threads on the CPU, CUDA_BLOCK
-    values one after another on a GPU (the launches are asynchronous)."""
+def _blocks(g, shape, normal: bool) -> torch.Tensor:
+    """A float32 tensor of ``shape`` of standard normal (``normal``) or uniform [0, 1) values
+    from one seed drawn from ``g``: on the CPU a block of BLOCK values at a time on threads, each
+    block from a generator seeded ``seed + k``; on a GPU in one launch (:mod:`mhctool.philox`)."""
     seed = int(torch.randint(0, 1 << 62, (1,), generator=g))
     device = _DRAW_ON.get() or torch.device("cpu")
     out = torch.empty(math.prod(shape), dtype=torch.float32, device=device)
     if device.type != "cpu":
-        gb = torch.Generator(device=device)
-        for k in range(-(-out.numel() // CUDA_BLOCK)):
-            fill(out[k * CUDA_BLOCK:(k + 1) * CUDA_BLOCK], gb.manual_seed(seed + k))
-        return out.view(*shape)
+        from . import philox
+        return philox.fill(out, seed, normal).view(*shape)
 
     def one(k: int) -> None:
-        fill(out[k * BLOCK:(k + 1) * BLOCK], torch.Generator().manual_seed(seed + k))
+        block, gb = out[k * BLOCK:(k + 1) * BLOCK], torch.Generator().manual_seed(seed + k)
+        block.normal_(generator=gb) if normal else block.uniform_(generator=gb)
 
     blocks = -(-out.numel() // BLOCK)
     with concurrent.futures.ThreadPoolExecutor(max(1, min(blocks, draw_threads()))) as ex:
@@ -450,7 +447,7 @@ def get_family(kernel: str, name: str) -> InputFamily:
 def generate(kernel: str, family: str, shape: Shape, seed: int, knobs: dict,
              device: str = "cpu", draw_on: str | None = None) -> tuple[Shape, Tensors]:
     """The (possibly reshaped) shape and the fp32 tensors of one case. Parity draws from a CPU
-    generator, tensors of BIG values or more blockwise on ``draw_on`` (the case's device; the
+    generator, tensors of BIG values or more on ``draw_on`` (the case's device; the
     others stay on the CPU, the same values on every device); bench draws everything from a
     generator on ``device`` (paper-shape inputs are gigabytes)."""
     fam = get_family(kernel, family)
@@ -467,7 +464,7 @@ def upstream_grads(outputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]
     gradient in that order, so the library's backward is not charged for a copy into its layout."""
     g = torch.Generator().manual_seed(seed + 0x5EED)
     out = []
-    for o in outputs:  # a large one drawn blockwise on the output's device
+    for o in outputs:  # a large one drawn on the output's device
         with drawing_on(o.device):
             out.append(torch.empty_like(o).copy_(_randn(g, *o.shape)))
     return out

@@ -567,13 +567,11 @@ def test_poisoning_reaches_autograds_cuda_backward_thread():
 
 def test_large_inputs_are_drawn_on_the_gpu_the_same_at_every_call(monkeypatch, family_cases):
     """Every family of the default scenario with every tensor past BIG: the large tensors come from
-    CUDA's generator on the GPU in blocks (the small ones from the CPU generator, moved over by the
-    runner), the same bits at every call, the blocks unlike each other, and the upstream gradients
-    of a GPU output drawn there too."""
+    mhctool.philox on the GPU (the small ones from the CPU generator, moved over by the runner), the
+    same bits at every call, and the upstream gradients of a GPU output drawn there too."""
     from mhctool import inputs
     from mhctool.shapes import parse_shape
     monkeypatch.setattr(inputs, "BIG", 64)
-    monkeypatch.setattr(inputs, "CUDA_BLOCK", 256)
     for kernel, name, shape in family_cases:
         first = inputs.generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]
         again = inputs.generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]

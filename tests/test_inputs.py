@@ -63,7 +63,7 @@ def test_every_family_combines_large_tensors_on_another_device_with_its_small_on
     only) stand in for the GPU: an operation mixing devices raises."""
     import math
 
-    def on_meta(g, shape, fill):
+    def on_meta(g, shape, normal):
         int(torch.randint(0, 1 << 62, (1,), generator=g))
         return torch.empty(math.prod(shape), device="meta").view(*shape)
     monkeypatch.setattr(inputs, "BIG", 64)
