@@ -23,6 +23,7 @@ from mhctool import parity, runner  # noqa: E402
 ap = argparse.ArgumentParser()
 ap.add_argument("impl")
 ap.add_argument("--cprofile", type=int, default=0)
+ap.add_argument("--dump", default="", help="write the cProfile statistics to this file (pstats)")
 ap.add_argument("--kernels", default="mhc")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--devices", default="", help="GPU indices, one pass over the cases on each in turn")
@@ -62,5 +63,7 @@ if "mhctool.kernels.cutile._cache" in sys.modules:  # the disk cache of mhctool'
     print("cuTile compile cache:", sys.modules["mhctool.kernels.cutile._cache"].stats, flush=True)
 if prof:
     st = pstats.Stats(prof)
+    if a.dump:
+        st.dump_stats(a.dump)
     st.sort_stats("cumulative").print_stats(a.cprofile)
     st.sort_stats("tottime").print_stats(a.cprofile)
