@@ -31,6 +31,14 @@ diff = [(a, b) for a, b in zip(*rows) if a != b]
 for a, b in diff[:8]:
     print('  ', *(a.get(k) for k in ('kernel', 'impl', 'family', 'dtype', 'shape', 'direction', 'tensor', 'metric')), a.get('value'), '->', b.get('value'), *([a.get('message'), b.get('message')] if a.get('message') != b.get('message') else []))
 print('   rows that differ:', len(diff)) if diff else None" "$@"; }
+# two reports' verdicts, row by row by what a row is of (for reports on other input values)
+cmp_verdicts() { python3 -c "import sys, pyarrow.parquet as pq
+key = ('kernel', 'impl', 'family', 'dtype', 'shape', 'direction', 'tensor', 'metric')
+a, b = ({tuple(r[k] for k in key): r['passed'] for r in pq.read_table(p).to_pylist()} for p in sys.argv[1:])
+moved = [k for k in a if k in b and a[k] != b[k]]
+print('rows', len(a), len(b), 'in both', sum(k in b for k in a), 'failed', sum(v is False for v in a.values()), sum(v is False for v in b.values()), 'verdicts moved', len(moved))
+for k in moved[:8]:
+    print('  ', *k, a[k], '->', b[k])" "$@"; }
 
 case "$phase" in
 checks)
@@ -296,7 +304,7 @@ print('   GPU max MiB / mean use %:', ', '.join(f'{i}: {m[i]} / {sum(u[i]) / len
       for g in 2 4; do [ -f "$out/$s-g1.parquet" ] && [ -f "$out/$s-g$g.parquet" ] && cmp_rows "$out/$s-g1.parquet" "$out/$s-g$g.parquet"; done
     done
     # SPREAD_BEFORE: an earlier commit's one-GPU paper report (carried in .device/), against this one's
-    [ -n "${SPREAD_BEFORE:-}" ] && [ -f "$out/paper-g1.parquet" ] && { step "paper rows against $SPREAD_BEFORE"; cmp_rows "$SPREAD_BEFORE" "$out/paper-g1.parquet"; }
+    [ -n "${SPREAD_BEFORE:-}" ] && [ -f "$out/paper-g1.parquet" ] && { step "paper rows against $SPREAD_BEFORE"; cmp_rows "$SPREAD_BEFORE" "$out/paper-g1.parquet"; cmp_verdicts "$SPREAD_BEFORE" "$out/paper-g1.parquet"; }
   } 2>&1 | tee "$out/spread.log"
   ;;
 probes)
