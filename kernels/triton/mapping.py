@@ -21,7 +21,7 @@ from mhctool.poison import empty
 
 from ._common import check_device, next_pow2, require_contiguous
 from .proj_rms import (_precision, _proj_tile, coef_of, low_precision_operands, piece_cols, proj_rms_backward,
-                       store_split)
+                       rms_and_r, store_split)
 
 
 # compute_h's backward writes the tensor-core backward's split gradient itself (one launch less
@@ -53,8 +53,7 @@ def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, 
     cols = tl.arange(0, NP)
     rmask = rows < M
     acc, ss = _proj_tile(x_ptr, w_ptr, rows, cols, rmask, M, K, N, eps, NP, BLOCK_M, BLOCK_K, LOWP, PREC, ROUND)
-    rms = tl.sqrt(ss / K)
-    r = 1.0 / (rms + eps)
+    rms, r = rms_and_r(ss, K, eps)
     cmask = cols < N
     tl.store(proj_ptr + rows[:, None] * N + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
     tl.store(r_ptr + rows, r, mask=rmask)
