@@ -722,3 +722,20 @@ def test_beside_runs_both_in_order_off_cuda():
     got = beside(lambda: calls.append("side") or torch.ones(2), lambda: calls.append("main") or None,
                  torch.device("cpu"))
     assert calls == ["side", "main"] and torch.equal(got[0], torch.ones(2)) and got[1] is None
+
+
+def test_the_sum_of_squares_keeps_what_sequential_chunks_would_round_away():
+    """r's sum of squares over K chunks of 128 is compensated (Kahan): a first chunk of squares
+    2^24 makes the running sum 2^31, where every later chunk's sum of 128 is half an ulp, which
+    chunks added one after another round away (r 4e-6 relative off); compensated, r is within 2
+    fp32 roundings of the float64 one. Both kernels that compute r (proj_rms, the mapping)."""
+    k = 128 * 128
+    x = torch.ones(3, k)
+    x[:, :128] = 4096.0
+    x[2] = torch.randn(k)  # and a plain row beside them
+    w = torch.randn(24, k) / k ** 0.5
+    want = 1.0 / (x.double().norm(dim=-1) / k ** 0.5 + 1e-6)
+    _, r, _ = tpr.proj_rms_forward(x, w)
+    _, (_, r_map, _) = tmap.mapping_forward(x, w, torch.ones(3), torch.zeros(24))
+    for got in (r, r_map):
+        assert ((got.double() - want).abs() / want).max() < 2.5 * 2.0 ** -24, got.double() / want - 1
