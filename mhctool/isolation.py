@@ -46,7 +46,7 @@ TRANSPORTS = ("shm", "host", "file")
 _ENVIRON_LOCK = threading.Lock()
 # variables a child may set after the fork server's fork: read when CUDA starts, not at import
 # (dev/forkserver_gpu.py: a child of the fork server sees the GPU its CUDA_VISIBLE_DEVICES names)
-LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES", "MHCTOOL_DRAW_THREADS"}
+LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES", "MHCTOOL_DRAW_THREADS", "MHCTOOL_SHARED_GPU"}
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,8 @@ def cores() -> int:
 
 def worker_env(index: int, device: str, workers: int = 1) -> dict[str, str]:
     """The environment of worker ``index`` of ``workers``: on a GPU machine, its GPU (round-robin),
-    which a child of the fork server takes (no interpreter of its own to start); its share of the
+    which a child of the fork server takes (no interpreter of its own to start), and whether
+    another worker shares it (``MHCTOOL_SHARED_GPU``); its share of the
     cores for drawing a large case's inputs. On a CPU, idle OpenMP threads sleep instead of
     spinning (``OMP_WAIT_POLICY=PASSIVE``): two workers whose threads spun for the cores made two
     workers on 2 cores slower than one. The thread counts stay as in one process: PyTorch's CPU
@@ -139,6 +140,8 @@ def worker_env(index: int, device: str, workers: int = 1) -> dict[str, str]:
     119 of 13,296 rows of the default run."""
     gpus = visible_gpus() if device == "cuda" else []
     env = {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else {}
+    if gpus and workers > len(gpus):  # a case hands its GPU memory back for the others (runner.gives_memory_back)
+        env["MHCTOOL_SHARED_GPU"] = "1"
     if workers > 1:  # a large case's inputs are drawn on threads: each worker its share of the cores
         env["MHCTOOL_DRAW_THREADS"] = str(max(1, min(32, cores() // workers)))
     if workers > 1 and device == "cpu":

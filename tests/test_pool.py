@@ -354,3 +354,20 @@ def test_stretches_are_cut_by_cost_and_run_largest_first_every_case_once():
         rest.append(i)
     assert sorted(taken + [steal] + rest) == list(range(len(costs)))
     assert pool._Segments(3, 2, [0.0, 0.0, 0.0]).stretches[1]  # no cost known: counts
+
+
+def test_workers_that_share_a_gpu_are_told_so(monkeypatch):
+    """One worker a GPU keeps its cached memory from case to case; more workers than GPUs hand it
+    back after each case (runner.gives_memory_back reads MHCTOOL_SHARED_GPU, set after the fork)."""
+    from mhctool import isolation, runner
+    monkeypatch.setattr(pool, "visible_gpus", lambda: ["0", "1"])
+    assert all("MHCTOOL_SHARED_GPU" not in pool.worker_env(k, "cuda", 2) for k in range(2))
+    assert [pool.worker_env(k, "cuda", 3)["CUDA_VISIBLE_DEVICES"] for k in range(3)] == ["0", "1", "0"]
+    assert all(pool.worker_env(k, "cuda", 3)["MHCTOOL_SHARED_GPU"] == "1" for k in range(3))
+    assert "MHCTOOL_SHARED_GPU" not in pool.worker_env(0, "cpu", 3)
+    assert "MHCTOOL_SHARED_GPU" in isolation.LATE_VARIABLES
+    monkeypatch.delenv("MHCTOOL_SHARED_GPU", raising=False)
+    assert runner.gives_memory_back(None, None) is False
+    assert runner.gives_memory_back(object(), None) and runner.gives_memory_back(None, object())
+    monkeypatch.setenv("MHCTOOL_SHARED_GPU", "1")
+    assert runner.gives_memory_back(None, None) is True
