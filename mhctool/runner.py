@@ -409,13 +409,14 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
 
 def gives_memory_back(isolation, sharding) -> bool:
     """Whether a GPU case hands its cached memory back to the driver at its end: only where
-    another process may want it (isolation workers or ranks beside this process, pool workers
-    sharing a GPU: ``MHCTOOL_SHARED_GPU=1``, which the pool sets for them). A process alone on its
+    another process may want it (isolation workers started beside this process, ranks, pool
+    workers sharing a GPU: ``MHCTOOL_SHARED_GPU=1``, which the pool sets for them). A process alone on its
     GPU keeps it for the next case, as PyTorch does (its allocator hands the cache back itself
     before it would run out of memory). Given back and taken again case after case, the paper
     scenario (Triton, ``--no-isolate``) took 6.7-7.2 s on one H200 of a four-H200 host, kept
     5.3-5.4 s, the same rows; over four processes on the four GPUs, 2.5-3.0 s summed went to it."""
-    return isolation is not None or sharding is not None or os.environ.get("MHCTOOL_SHARED_GPU") == "1"
+    return (bool(isolation is not None and isolation.workers) or sharding is not None
+            or os.environ.get("MHCTOOL_SHARED_GPU") == "1")
 
 
 INPUT_DTYPES = ("activation", "fp32", "bf16", "fp16")

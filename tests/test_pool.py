@@ -368,6 +368,8 @@ def test_workers_that_share_a_gpu_are_told_so(monkeypatch):
     assert "MHCTOOL_SHARED_GPU" in isolation.LATE_VARIABLES
     monkeypatch.delenv("MHCTOOL_SHARED_GPU", raising=False)
     assert runner.gives_memory_back(None, None) is False
-    assert runner.gives_memory_back(object(), None) and runner.gives_memory_back(None, object())
+    assert runner.gives_memory_back(runner.Isolation(), None) is False  # no isolation worker started
+    assert runner.gives_memory_back(runner.Isolation(workers={"triton": object()}), None)
+    assert runner.gives_memory_back(None, object())
     monkeypatch.setenv("MHCTOOL_SHARED_GPU", "1")
     assert runner.gives_memory_back(None, None) is True
