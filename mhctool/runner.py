@@ -15,7 +15,8 @@ from . import inputs as inputs_mod
 from .dtypes import FORMATS, dtype_named, fmt_of
 from .errors import UsageError
 from .isolation import system_exit_message
-from .metrics import Reference, measure, reference
+from .metrics import Reference, measure
+from .metrics import reference as reference_facts  # make_baseline's `reference` is the float64 function
 from . import cuda_context
 from . import profile
 from .poison import poisoning
@@ -410,9 +411,9 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
 def gives_memory_back(isolation, sharding) -> bool:
     """Whether a GPU case hands its cached memory back to the driver at its end: only where
     another process may want it (isolation workers started beside this process, ranks, pool
-    workers sharing a GPU: ``MHCTOOL_SHARED_GPU=1``, which the pool sets for them). A process alone on its
-    GPU keeps it for the next case, as PyTorch does (its allocator hands the cache back itself
-    before it would run out of memory). Given back and taken again case after case, the paper
+    workers sharing a GPU: ``MHCTOOL_SHARED_GPU=1``, which the pool sets for them). A process
+    alone on its GPU keeps it for the next case, as PyTorch does (its allocator hands the cache
+    back itself before it would run out of memory). Given back and taken again case after case, the paper
     scenario (Triton, ``--no-isolate``) took 6.7-7.2 s on one H200 of a four-H200 host, kept
     5.3-5.4 s, the same rows; over four processes on the four GPUs, 2.5-3.0 s summed went to it."""
     return (bool(isolation is not None and isolation.workers) or sharding is not None
@@ -603,7 +604,7 @@ class _Baseline:
     def fact(self, tensor: str) -> Reference:
         if tensor not in self.facts:
             refs = named_tensors(self.fam, self.ref_outs, self.ref_grads)
-            self.facts[tensor] = reference(refs[tensor])
+            self.facts[tensor] = reference_facts(refs[tensor])
         return self.facts[tensor]
 
     def measured(self, res: ImplResult):
