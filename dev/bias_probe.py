@@ -12,9 +12,12 @@ import sys
 
 import torch
 
-from mhctool import inputs, runner, scenario
-from mhctool.registry import FAMILIES, get_family, resolve_one
-from mhctool.shapes import parse_shape
+from mhctool.core import inputs
+from mhctool.runner.call import cast_inputs, native_at, run_impl, run_reference, upstream_for
+from mhctool.analyses import scenario
+from mhctool.registry.families import FAMILIES, get_family
+from mhctool.registry.specs import resolve_one
+from mhctool.core.shapes import parse_shape
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 shape = parse_shape(sys.argv[2] if len(sys.argv) > 2 else "9x2x2x40")
@@ -23,12 +26,12 @@ kernel = "mix_aggregate"
 seed = next(c.seed for c in scenario.resolve(None).cases(device) if c.kernel == kernel)
 fam = get_family(kernel)
 _, raw = inputs.generate(kernel, family, shape, seed, {}, draw_on=device)
-base = runner.cast_inputs(fam, raw, "fp32", device)
-native = runner.run_impl(fam, runner.native_at(kernel, "ieee"), base, {},
-                         lambda outs: runner.upstream_for(fam, outs, seed))
-upstream = runner.upstream_for(fam, native.outputs, seed)
-triton = runner.run_impl(fam, resolve_one(kernel, "triton", "triton"), base, {}, lambda outs: upstream)
-_, ref_grads = runner.run_reference(fam, base, {}, upstream)
+base = cast_inputs(fam, raw, "fp32", device)
+native = run_impl(fam, native_at(kernel, "ieee"), base, {},
+                         lambda outs: upstream_for(fam, outs, seed))
+upstream = upstream_for(fam, native.outputs, seed)
+triton = run_impl(fam, resolve_one(kernel, "triton", "triton"), base, {}, lambda outs: upstream)
+_, ref_grads = run_reference(fam, base, {}, upstream)
 
 # the terms: the logit gradient of the float64 reference, traced as the registry's term scale does
 seen = {}

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mhctool import parity, runner  # noqa: E402
+from mhctool.analyses import parity
+from mhctool.runner import run as runner  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("impl")

@@ -8,7 +8,6 @@
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh repro", carry=[".device"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh train", carry=[".device", ".anchors"])
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh spread", carry=[".device"], kind="nvidia-h100-x4")
-#   run(command="source .device/setup.sh && bash dev/gpu-session.sh probes", carry=[".device"], kind="nvidia-h100-x2")
 #   run(command="source .device/setup.sh && bash dev/gpu-session.sh firstcalls", carry=[".device"], kind="nvidia-h100-x2")
 #   run(command="bash dev/gpu-session.sh tilekernels", carry=[".tilelang", ".anchors"])  (no .device: 64 MiB)
 #   (REPRO_KERNELS=swiglu,grouped_gemm and REPRO_IMPL=triton narrow the repro phase; "sweep" times every Triton tile,
@@ -306,48 +305,6 @@ print('   GPU max MiB / mean use %:', ', '.join(f'{i}: {m[i]} / {sum(u[i]) / len
     # SPREAD_BEFORE: an earlier commit's one-GPU paper report (carried in .device/), against this one's
     [ -n "${SPREAD_BEFORE:-}" ] && [ -f "$out/paper-g1.parquet" ] && { step "paper rows against $SPREAD_BEFORE"; cmp_rows "$SPREAD_BEFORE" "$out/paper-g1.parquet"; cmp_verdicts "$SPREAD_BEFORE" "$out/paper-g1.parquet"; }
   } 2>&1 | tee "$out/spread.log"
-  ;;
-probes)
-  # issue 63, item 5: the Triton Sinkhorn's divisions (dev/sinkhorn_div.py: full as shipped, rn, el)
-  # on the composites in fp32, one process and over two ranks (where two GPUs are visible), the
-  # grad_h_bias table; then the fp16 h_post_bda repeated 50 times (--check determinism)
-  {
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    have=$(nvidia-smi -L | wc -l)
-    [ -n "${PROBES_SKIP_DIV:-}" ] && DIV_VARIANTS="" DET_DTYPES=""
-    cp kernels/triton/sinkhorn.py /tmp/sinkhorn.py.shipped
-    for v in ${DIV_VARIANTS-full rn el}; do
-      cp /tmp/sinkhorn.py.shipped kernels/triton/sinkhorn.py; python3 dev/sinkhorn_div.py "$v"
-      step "div $v: parity --kernel mix_aggregate,mapping_sinkhorn --impl triton --dtype fp32"
-      m parity --kernel mix_aggregate,mapping_sinkhorn --impl triton --dtype fp32 --device cuda -o "$out/div-$v.parquet" --quiet
-      if [ "$have" -ge 2 ]; then
-        CUDA_VISIBLE_DEVICES=0,1 m parity --kernel mix_aggregate,mapping_sinkhorn --impl triton --dtype fp32 --device cuda \
-          --ranks 2 -o "$out/div-$v-r2.parquet" --quiet
-      fi
-    done
-    cp /tmp/sinkhorn.py.shipped kernels/triton/sinkhorn.py
-    [ -n "${DIV_VARIANTS-x}" ] && python3 dev/grad_table.py grad_h_bias $(for v in ${DIV_VARIANTS-full rn el}; do echo "$out/div-$v.parquet"; done)
-    [ -n "${DIV_VARIANTS-x}" ] && [ "$have" -ge 2 ] && python3 dev/grad_table.py grad_h_bias $(for v in ${DIV_VARIANTS-full rn el}; do echo "$out/div-$v-r2.parquet"; done)
-    for dt in ${DET_DTYPES-fp16 bf16}; do
-      step "h_post_bda $dt --check determinism --repeats-determinism ${DET_REPEATS:-50}"
-      t0=$SECONDS
-      m parity --kernel h_post_bda --impl triton --dtype "$dt" --device cuda --check determinism \
-        --repeats-determinism "${DET_REPEATS:-50}" -o "$out/det-$dt.parquet" --quiet
-      echo "rc $? wall $((SECONDS - t0)) s"
-    done
-    # grad_h_bias a column at a time against the sum of its terms (dev/bias_probe.py)
-    for a in ${BIAS_CASES:-}; do python3 dev/bias_probe.py cuda ${a/:/ }; done
-    # --ranks 2 against one process, per case (RANKS_KERNELS, fp32; the first run fills the compile caches)
-    if [ -n "${RANKS_KERNELS:-}" ] && [ "$have" -ge 2 ]; then
-      for r in cold 1 2 1; do
-        step "ranks: parity --kernel $RANKS_KERNELS --impl triton --dtype fp32, ranks $r"
-        t0=$SECONDS
-        CUDA_VISIBLE_DEVICES=0,1 m parity --kernel "$RANKS_KERNELS" --impl triton --dtype fp32 --device cuda --profile \
-          $([ "$r" = 2 ] && echo --ranks 2) -o "$out/ranks-$r.parquet" 2>&1 | grep -E "^(profile|PASSED|FAILED| +[0-9.]+ s )|Producer|Warning|Error"
-        echo "ranks $r wall $((SECONDS - t0)) s"
-      done
-    fi
-  } 2>&1 | tee "$out/probes.log"
   ;;
 firstcalls)
   # issue 63: what a second GPU's first calls cost in a process that has made them on one (the

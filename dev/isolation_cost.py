@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from mhctool.isolation import TRANSPORTS, Worker
+from mhctool.spread.isolation import TRANSPORTS, Worker
 from mhctool.kernels.torch.mhc import h_post_bda
 
 

@@ -95,7 +95,7 @@ else:
     vs=ast.literal_eval(rest[0]) if rest else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
 if graph:
-    from mhctool.bench import _graphed
+    from mhctool.analyses.timing import _graphed
     def _try_graph(k,fn):  # a variant that fails to compile is a line, not the end
         try: return _graphed(fn)
         except Exception as ex:  # noqa: BLE001

@@ -6,7 +6,7 @@
 import sys
 from collections import defaultdict
 
-from mhctool import report
+from mhctool.core import report
 
 
 def main(path: str) -> None:

@@ -21,8 +21,8 @@ _LAZY = {
     "ParityResult": ("mhctool.testing", "ParityResult"),
     "assert_parity": ("mhctool.testing", "assert_parity"),
     "check_parity": ("mhctool.testing", "check_parity"),
-    "read_report": ("mhctool.report", "read"),
-    "UsageError": ("mhctool.errors", "UsageError"),
+    "read_report": ("mhctool.core.report", "read"),
+    "UsageError": ("mhctool.core.errors", "UsageError"),
 }
 
 

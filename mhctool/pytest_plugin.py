@@ -35,7 +35,7 @@ class _Collector:
     def write(self):
         import pyarrow as pa
 
-        from . import environment, report
+        from mhctool.core import environment, report
         tables = [r.table.replace_schema_metadata(None) for _, r in self.results]
         table = pa.concat_tables(tables) if tables else report.SCHEMA.empty_table()
         calls = [{"test": test, "run_id": r.table.column("run_id")[0].as_py() if r.table.num_rows else None,
@@ -50,8 +50,9 @@ def pytest_configure(config):
         return
     import pytest
 
-    from . import report, testing
-    from .errors import UsageError
+    from mhctool.core import report
+    from mhctool import testing
+    from mhctool.core.errors import UsageError
     try:
         report.check_writable(path, "--mhctool-report")
     except UsageError as e:

@@ -17,10 +17,12 @@ from typing import Callable, Sequence
 
 import pyarrow as pa
 
-from . import parity as engine
-from . import registry, report
-from .clikit import device as _device
-from .registry import Impl
+from mhctool.analyses import parity as engine
+from mhctool.registry import families as registry
+from mhctool.registry.builtin import native_impl
+from mhctool.core import report
+from mhctool.cli.kit import device as _device
+from mhctool.registry.impl import Impl
 
 __all__ = ["ParityResult", "assert_parity", "check_parity"]
 
@@ -52,7 +54,7 @@ class ParityResult:
         have in common. Empty when it passed, or for mhctool's own backends."""
         if self.passed or self.plan is None or not self.failures:
             return []
-        from .hints import hints
+        from mhctool.analyses.hints import hints
         return [h for _, _, h in hints(self.plan, self.verdicts, self.plan.cases[0].device)]
 
     @property
@@ -150,7 +152,7 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
     table = engine.table(p, outcome, command="mhctool.testing", kernel=kernel, device=dev)
     asked = [i.name for i in p.impls[p.cases[0].kernel]]
     if not asked:  # "torch" asked for: the native implementation judges itself against float64
-        asked = [registry.native_impl(kernel).name]
+        asked = [native_impl(kernel).name]
     verdicts = [v for v in report.verdicts(table) if v["impl"] in asked]
     result = ParityResult(table, verdicts, asked, engine.settings(p, outcome), p)
     for sink in list(_sinks):

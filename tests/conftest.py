@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def family_cases():
     """(kernel, family, shape) of the default scenario, one shape a family (tests of the inputs)."""
-    from mhctool import scenario
+    from mhctool.analyses import scenario
     seen = {}
     for c in scenario.resolve(None).cases("cpu"):
         seen.setdefault((c.kernel, c.family), c.shape)

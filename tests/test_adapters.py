@@ -11,8 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mhctool import libraries, registry
-from mhctool.cli import app
+from mhctool.registry import adapters
+from mhctool.registry.specs import is_library_spec, resolve_impls
+from mhctool.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ROOT / "tests" / "impls"
@@ -47,7 +48,7 @@ def test_liger_standin_every_function_judged_as_shipped(tmp_path):
 
 
 def test_liger_declares_tf32_truncation_on_the_gpu_and_ieee_on_the_interpreter():
-    (impl,) = registry.resolve_impls("mapping_sinkhorn", [f"liger:{LIGER_STANDIN}"])
+    (impl,) = resolve_impls("mapping_sinkhorn", [f"liger:{LIGER_STANDIN}"])
     assert impl.precision_on("cuda") == "tf32_trunc" and impl.precision_on("cpu") == "ieee"
     assert impl.conventions == {"rms_eps": "inside", "stabilize": "softmax", "order": "row_first"}
 
@@ -151,7 +152,7 @@ def test_an_adapter_from_an_installed_packages_entry_point(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
     assert any(r["impl"] == "mylib[0.1]:weighted_streams" and r["passed"] for r in rows)
-    listed = subprocess.run([sys.executable, "-c", "from mhctool import libraries; print(libraries.names())"],
+    listed = subprocess.run([sys.executable, "-c", "from mhctool.registry import adapters; print(adapters.names())"],
                             capture_output=True, text=True, env=env, timeout=120)
     assert "'mylib'" in listed.stdout, listed.stderr
 
@@ -159,7 +160,7 @@ def test_an_adapter_from_an_installed_packages_entry_point(tmp_path):
 def test_a_plain_file_is_no_adapter_and_an_unknown_name_says_what_is_accepted(tmp_path):
     plain = tmp_path / "plain.py"
     plain.write_text("def h_aggregate(x, h_pre):\n    return (x * h_pre.unsqueeze(-1)).sum(-2)\n")
-    assert libraries.find(str(plain)) is None
-    assert not registry.is_library_spec(f"{plain}:h_aggregate")
+    assert adapters.find(str(plain)) is None
+    assert not is_library_spec(f"{plain}:h_aggregate")
     res, _ = parity(tmp_path, "--impl", "nolib:somewhere", kernel="h_aggregate")
     assert res.exit_code == 2

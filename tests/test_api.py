@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 import mhctool
-from mhctool import report
-from mhctool.cli import app
+from mhctool.core import report
+from mhctool.cli.app import app
 from mhctool.testing import ParityResult, assert_parity, check_parity
 
 IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
@@ -173,14 +173,15 @@ def test_sinkhorn_example_in_the_docstring_runs():
 def test_the_native_run_is_measured_once_a_baseline(monkeypatch):
     """The native run's metrics are taken when its baseline is made and kept for its own rows
     (measuring them again cost a third of judging): one measurement a tensor of the report."""
-    from mhctool import runner
+    from mhctool.runner import run as runner
     calls = []
-    real = runner.measure
+    from mhctool.runner import baseline
+    real = baseline.measure
 
     def counting(*args, **kw):
         calls.append(1)
         return real(*args, **kw)
-    monkeypatch.setattr(runner, "measure", counting)
+    monkeypatch.setattr(baseline, "measure", counting)
     r = check_parity("torch", "h_post_bda", dtypes=["fp32"], families=["random"], device="cpu", seed=3)
     rows = r.table.to_pylist()
     tensors = {(x["case_id"] if "case_id" in x else x["shape"], x["impl"], x["direction"], x["tensor"])

@@ -8,10 +8,16 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mhctool import environment, registry, report, runner
-from mhctool.cli import app
-from mhctool.errors import UsageError
-from mhctool.shapes import parse_shape_for
+from mhctool.core import environment, report
+from mhctool.registry import families as registry
+from mhctool.registry.builtin import impls_for
+from mhctool.registry.impl import Impl
+from mhctool.registry.specs import resolve_impls
+from mhctool.runner import run as runner
+from mhctool.runner.case import Case, check_runnable
+from mhctool.cli.app import app
+from mhctool.core.errors import UsageError
+from mhctool.core.shapes import parse_shape_for
 
 cli = CliRunner()
 
@@ -105,29 +111,29 @@ def test_bad_files_and_values_are_one_sentence(tmp_path, setup, cmd, needle):
 # --- implementations resolve per kernel ---------------------------------------------------------
 
 def test_a_backend_missing_for_one_kernel_is_a_skip_reason_not_an_error():
-    (impl,) = registry.resolve_impls("swiglu", ["cutile"])
+    (impl,) = resolve_impls("swiglu", ["cutile"])
     assert impl.unsupported("cuda", "bf16") == "mhctool has no cuTile implementation of swiglu"
     with pytest.raises(UsageError, match="unknown implementation 'cutlass'"):
-        registry.resolve_impls("swiglu", ["cutlass"])
+        resolve_impls("swiglu", ["cutlass"])
 
 
 def _case(kernel, shape):
     kind = registry.get_family(kernel).shape_kind
-    return runner.Case(kernel, "random", "bf16", parse_shape_for(kind, shape), (), 0, "cuda")
+    return Case(kernel, "random", "bf16", parse_shape_for(kind, shape), (), 0, "cuda")
 
 
 def test_named_impl_is_an_error_only_when_it_runs_no_case():
-    usable = registry.Impl("cutile", "sinkhorn", "cutile", lambda x: x, requires=lambda: None)
-    impls = {"sinkhorn": [usable], "swiglu": registry.resolve_impls("swiglu", ["cutile"])}
+    usable = Impl("cutile", "sinkhorn", "cutile", lambda x: x, requires=lambda: None)
+    impls = {"sinkhorn": [usable], "swiglu": resolve_impls("swiglu", ["cutile"])}
     cases = [_case("sinkhorn", "8x2x4x1"), _case("swiglu", "8x1x32x1")]
-    runner.check_runnable(impls, cases)  # runs sinkhorn: swiglu's rows are skipped with the reason
+    check_runnable(impls, cases)  # runs sinkhorn: swiglu's rows are skipped with the reason
     with pytest.raises(UsageError, match="cannot run swiglu here: mhctool has no cuTile implementation"):
-        runner.check_runnable({"swiglu": impls["swiglu"]}, cases[1:])
+        check_runnable({"swiglu": impls["swiglu"]}, cases[1:])
 
 
 def test_a_default_run_says_which_backend_was_skipped_everywhere(tmp_path, monkeypatch):
     why = "Triton 3.6.0's CPU interpreter does not run with numpy 2.4.0"
-    for impl in registry.impls_for("h_aggregate"):
+    for impl in impls_for("h_aggregate"):
         if impl.name == "triton":
             monkeypatch.setattr(impl, "requires", lambda: why)
     res = run("parity", "--kernel", "h_aggregate", "--device", "cpu", "--dtype", "fp32", "-o", tmp_path / "r.parquet")

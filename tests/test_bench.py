@@ -4,10 +4,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mhctool import bench, report
-from mhctool.cli import app
-from mhctool.registry import MHC_KERNELS, MOE_KERNELS
-from mhctool.shapes import MoeShape, Shape
+from mhctool.analyses import timing as bench
+from mhctool.core import report
+from mhctool.cli.app import app
+from mhctool.registry.families import MHC_KERNELS, MOE_KERNELS
+from mhctool.core.shapes import MoeShape, Shape
 
 IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
 DEFECTS = IMPLS / "defects.py"
@@ -123,7 +124,7 @@ def test_a_group_of_kernels_takes_one_shape_beside_a_library(tmp_path):
                               "-o", str(out)])
     assert res.exit_code == 0, res.output
     rows = report.read(out)[0].to_pylist()
-    from mhctool.registry import MHC_KERNELS
+    from mhctool.registry.families import MHC_KERNELS
     assert {r["kernel"] for r in rows} == set(MHC_KERNELS)
     te = {r["kernel"] for r in rows if r["impl"].startswith("te") and r["metric"] == "time_ms"}
     assert {"sinkhorn", "h_aggregate", "h_post_bda"} <= te and "proj_rms" not in te
@@ -149,7 +150,7 @@ def test_fwd_plus_bwd_and_the_whole_path_per_implementation():
     """Issue 20's one table: fwd + bwd per kernel, and the path (Sinkhorn, h_aggregate, h_post_bda,
     the projection) summed per implementation, per library (its fastest variant per kernel), and as
     the best of mhctool's kernels; a group without every kernel of the path is not summed."""
-    from mhctool import bench as bench_mod
+    from mhctool.analyses import timing as bench_mod
     rows = (_timed("sinkhorn", "triton", "triton", 0.01, 0.02) + _timed("h_aggregate", "triton", "triton", 1, 2)
             + _timed("h_post_bda", "triton", "triton", 1, 3) + _timed("proj_rms", "triton", "triton", 1, 3)
             + _timed("mapping", "triton", "triton", 1, 2.5)
@@ -183,7 +184,7 @@ def test_fwd_plus_bwd_and_the_whole_path_per_implementation():
 def test_the_tf32_projection_is_its_own_line_of_the_whole_path():
     """``triton-tf32`` (TF32 by design) never counts in "best of mhctool" (IEEE accuracy); with one
     timed, the best of mhctool with it allowed is a line of its own, beside."""
-    from mhctool import bench as bench_mod
+    from mhctool.analyses import timing as bench_mod
     ours = (_timed("sinkhorn", "triton", "triton", 0.01, 0.02) + _timed("h_aggregate", "triton", "triton", 1, 2)
             + _timed("h_post_bda", "triton", "triton", 1, 3) + _timed("proj_rms", "triton", "triton", 1, 3))
     assert {p.name for p in bench_mod.whole_path(bench_mod.totals(ours))} == {"triton", "best of mhctool"}
@@ -241,7 +242,7 @@ def test_a_library_is_timed_at_the_dtypes_it_is_used_with(tmp_path):
 
 
 def test_the_table_shows_input_dtypes_compactly():
-    from mhctool.cli import _short_inputs
+    from mhctool.cli.bench import _short_inputs
     assert _short_inputs("h_res=fp32,x=bf16,h_post=fp32,y=bf16,bias=bf16") == "bf16; fp32 h_res h_post"
     assert _short_inputs("logits=fp32") == "fp32"
     assert _short_inputs(None) == "-"

@@ -6,9 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mhctool import report
-from mhctool.cli import app
-from mhctool.registry import KERNELS
+from mhctool.core import report
+from mhctool.cli.app import app
+from mhctool.registry.families import KERNELS
 
 IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
 DEFECTS = IMPLS / "defects.py"
@@ -125,12 +125,12 @@ def test_external_errors_are_failed_cases_and_others_still_run(tmp_path):
 
 def test_outputs_are_conformed_by_value():
     import torch
-    from mhctool import runner
-    from mhctool.registry import get_family
+    from mhctool.runner.call import conform_outputs
+    from mhctool.registry.families import get_family
     fam = get_family("proj_rms")
     expect = [((5, 24), torch.float32, "cpu"), ((5,), torch.float32, "cpu")]
     returned = {}
-    outs, problem = runner.conform_outputs(fam, [torch.zeros(5, 24, dtype=torch.bfloat16), torch.zeros(5, 1)],
+    outs, problem = conform_outputs(fam, [torch.zeros(5, 24, dtype=torch.bfloat16), torch.zeros(5, 1)],
                                            expect, returned)
     assert problem is None and outs[1].shape == (5,) and outs[0].dtype == torch.float32
     assert returned == {"proj": "bf16"}  # judged at fp32's threshold: a lower precision is not excused
@@ -138,7 +138,7 @@ def test_outputs_are_conformed_by_value():
                         ([torch.zeros(5, 24), torch.zeros(5, dtype=torch.int32)], "dtype"),
                         ([torch.zeros(5, 24)], "returned 1 outputs"),
                         ([torch.zeros(5, 24), 3.0], "not a tensor")):
-        assert needle in runner.conform_outputs(fam, bad, expect, {})[1]
+        assert needle in conform_outputs(fam, bad, expect, {})[1]
 
 
 def test_external_without_backward_is_unsupported_not_failed(tmp_path):
@@ -242,9 +242,9 @@ def test_torch_compile_variant_passes(tmp_path):
 
 
 def test_kernel_groups_expand_in_order_once_each():
-    from mhctool import parity as parity_mod
-    from mhctool.errors import UsageError
-    from mhctool.registry import KERNELS, MHC_KERNELS, MOE_KERNELS
+    from mhctool.analyses import parity as parity_mod
+    from mhctool.core.errors import UsageError
+    from mhctool.registry.families import KERNELS, MHC_KERNELS, MOE_KERNELS
 
     assert parity_mod.kernels_of("all") == list(KERNELS)
     assert parity_mod.kernels_of("sinkhorn,mhc") == list(MHC_KERNELS)
@@ -258,7 +258,7 @@ def test_a_checkout_that_differs_from_its_commit_says_so(tmp_path, monkeypatch):
     another machine beside an older .git named code that did not run)."""
     import subprocess
 
-    from mhctool import environment
+    from mhctool.core import environment
     repo = tmp_path / "repo"
     (repo / "mhctool").mkdir(parents=True)
     (repo / "mhctool" / "x.py").write_text("a = 1\n")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool.cli import app
-from mhctool.registry import CUTILE_KERNELS, impls_for
+from mhctool.cli.app import app
+from mhctool.registry.builtin import CUTILE_KERNELS, impls_for
 
 ct = pytest.importorskip("cuda.tile")
 runner = CliRunner()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from mhctool.cli import app
+from mhctool.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -8,9 +8,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from mhctool import goldens as G
-from mhctool import report
-from mhctool.cli import app
+from mhctool.analyses import goldens as G
+from mhctool.core import report
+from mhctool.cli.app import app
 
 DATA = Path(__file__).parent / "data" / "goldens"
 MHC = DATA / "gpt3_mcore_te_tp2_pp2_mhc"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool.cli import app
+from mhctool.cli.app import app
 
 IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
 DATA = Path(__file__).resolve().parent / "data"
@@ -238,7 +238,7 @@ def test_h_post_bda_tensor_core_backward_finishes_its_sums_deterministically():
     neighbour's partials: the gradients must match float64, repeat bit for bit, and a token's dH,
     dh_post, dx and dy must be those of a smaller batch."""
     from mhctool.kernels.triton import h_post_bda as thp
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
 
     g = torch.Generator(device="cuda").manual_seed(0)
     s, b, C = 353, 17, 1100
@@ -268,7 +268,7 @@ def test_triton_h_post_bda_n4_forward_runs_past_65535_tokens():
     program) keeps its grid on one axis. At 70001 tokens (and C = 300, off the C block), into a
     NaN-poisoned output: every element written and within bf16's rounding of float64."""
     from mhctool.kernels.triton import h_post_bda as thp
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
     from mhctool.references import mhc as ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -293,7 +293,7 @@ def test_cutile_h_post_bda_backward_sums_c_blocks_in_order(n, transpose, with_bi
     = 3 (padded rows of partials), into NaN-poisoned outputs and workspaces: every gradient matches
     float64, repeats bit for bit, and a token's gradients are those of the smaller batch."""
     from mhctool.kernels.cutile import h_post_bda as chp
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
     from mhctool.references import mhc as ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -361,7 +361,7 @@ def test_cutile_projection_backward_halves_cover_odd_k():
     tile, into NaN-poisoned outputs (and workspace): every element of dx and dW is written and both
     match the float64 reference's gradients."""
     from mhctool.kernels.cutile import proj_rms as cpr
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k in ((1007, 300), (130, 28800)):
@@ -384,7 +384,7 @@ def test_cutile_projection_backward_orders_forms_and_worker_warps_give_the_same_
     8 and C of 1, 2 and 3 blocks, C = 384 (not a whole block, a whole number of channel blocks) and
     C = 96 at n = 8, into NaN-poisoned outputs, within bf16 rounding of float64."""
     from mhctool.kernels.cutile import proj_rms as cpr
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
 
     g = torch.Generator(device="cuda").manual_seed(2)
     for m, n, c in ((1007, 4, 256), (130, 3, 768), (77, 2, 512), (65, 4, 384), (200, 8, 96)):
@@ -417,7 +417,7 @@ def test_triton_projection_backward_on_tensor_cores_matches_float64(tf32):
     the variant; bf16 x and W are TF32 values already) and repeat bit for bit."""
     from mhctool.kernels.torch.mhc import round_to_tf32
     from mhctool.kernels.triton import proj_rms as tpr
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k, ns in ((1007, 304, 0), (1007, 304, 4), (1007, 300, 0), (130, 28800, 4), (1, 304, 4)):
@@ -439,7 +439,7 @@ def test_triton_projection_backward_tma_loads_give_the_pointer_loads_bits(monkey
     in the plain order or side by side (``GROUP_STREAMS``, on by default), by either load: the
     same bits."""
     from mhctool.kernels.triton import proj_rms as tpr
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
 
     made = []
     real = tpr._tma_args
@@ -471,7 +471,7 @@ def test_mix_aggregate_backward_with_sinkhorn_beside_gives_the_in_order_bits(mon
     streams form in cuTile) and n = 3, with only g_res or only g_out given too."""
     import importlib
 
-    from mhctool.bench import _graphed
+    from mhctool.analyses.timing import _graphed
 
     mod = importlib.import_module(f"mhctool.kernels.{backend}.mix_aggregate")
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -515,7 +515,7 @@ def test_cutile_mapping_backward_sums_bias_and_alpha_beside_dw():
     128-token tile, one with more than 128 token blocks (two steps of the bias sum), into
     NaN-poisoned outputs: all four gradients match the float64 reference's and repeat bit for bit."""
     from mhctool.kernels.cutile import mapping as cmp
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
     from mhctool.references import mhc as ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -544,7 +544,7 @@ def test_poisoning_reaches_autograds_cuda_backward_thread():
     """A CUDA backward runs on autograd's device thread: inside ``poisoning()`` the gradients it
     allocates through ``mhctool.poison.empty`` must come poisoned, as the runner's backward
     checks (``unwritten``) assume."""
-    from mhctool.poison import empty, poisoning
+    from mhctool.core.poison import empty, poisoning
 
     seen = {}
 
@@ -569,8 +569,8 @@ def test_large_inputs_are_drawn_on_the_gpu_the_same_at_every_call(monkeypatch, f
     """Every family of the default scenario with every tensor past BIG: the large tensors come from
     mhctool.philox on the GPU (the small ones from the CPU generator, moved over by the runner), the
     same bits at every call, and the upstream gradients of a GPU output drawn there too."""
-    from mhctool import inputs
-    from mhctool.shapes import parse_shape
+    from mhctool.core import inputs
+    from mhctool.core.shapes import parse_shape
     monkeypatch.setattr(inputs, "BIG", 64)
     for kernel, name, shape in family_cases:
         first = inputs.generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]
@@ -593,7 +593,7 @@ def test_large_inputs_are_drawn_on_the_gpu_the_same_at_every_call(monkeypatch, f
 def test_hold_gpu_keeps_the_stream_busy():
     """``bench.hold_gpu`` (what lets a graph replay be timed by its device work alone) holds the
     current stream for at least the time asked at clocks up to 2 GHz."""
-    from mhctool.bench import hold_gpu
+    from mhctool.analyses.timing import hold_gpu
 
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
@@ -633,7 +633,7 @@ def test_triton_parity_default_scenario_on_gpu(background):
     rc, text, rows, _ = background("triton")
     assert rc == 0, text
     tri = [r for r in rows if r["impl"] == "triton"]
-    from mhctool.registry import KERNELS
+    from mhctool.registry.families import KERNELS
     assert {r["kernel"] for r in tri} == set(KERNELS)
     assert all(r["value"] == 0 for r in tri if r["metric"] == "unwritten")
 
@@ -721,7 +721,7 @@ def test_train_on_gpu_stays_with_the_float64_run(background, impl):
     """mhctool train on the GPU (a small model, bf16 activations): mhctool's kernels in every mHC
     family they have stay with the float64 trajectory within kappa of native's drift."""
     if impl == "cutile":
-        from mhctool.environment import cutile_status
+        from mhctool.core.environment import cutile_status
         if cutile_status().reason:
             pytest.skip(cutile_status().reason)
     rc, text, rows, path = background(f"train-{impl}")

@@ -7,9 +7,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool import registry, report
-from mhctool.cli import app
-from mhctool.identify import FP32_EPS, classify, identify
+from mhctool.registry.specs import resolve_impls
+from mhctool.core import report
+from mhctool.cli.app import app
+from mhctool.analyses.identify import FP32_EPS, classify, identify
 
 IMPLS = Path(__file__).resolve().parent / "impls"
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,7 +18,7 @@ runner = CliRunner()
 
 
 def _impl(kernel, target):
-    return registry.resolve_impls(kernel, [f"{IMPLS / target}"])[0]
+    return resolve_impls(kernel, [f"{IMPLS / target}"])[0]
 
 
 # (kernel, implementation, the knobs it must be identified with, classification)
@@ -154,7 +155,7 @@ TE_STAGED = ROOT / ".anchors" / "te"
 def test_transformer_engines_real_sinkhorn_is_identified(monkeypatch):
     # TE's own Triton kernel, unchanged, through the interpreter (n = 4, the default probe shape)
     monkeypatch.setenv("NVTE_DISABLE_TRITON_AUTOTUNING", "1")
-    impl = registry.resolve_impls("sinkhorn", [f"te:{TE_STAGED}"])[0]
+    impl = resolve_impls("sinkhorn", [f"te:{TE_STAGED}"])[0]
     # what its adapter declares (eps=0, judged against the log-domain baseline) is what it is asked for
     ident = identify("sinkhorn", impl)
     assert ident.passed, ident.line()
@@ -270,7 +271,7 @@ def test_the_iteration_counts_batched_in_the_grid_score_as_one_at_a_time():
     """identify's grid scores every (iters, eps) of a Sinkhorn group with one reference call per
     probe (the reference's iteration counts at once); each candidate's fit is the one it gets
     alone, also where the counts do not share their eps values (one call per count then)."""
-    from mhctool.identify import Identifier
+    from mhctool.analyses.identify import Identifier
     idr = Identifier("sinkhorn", _impl("sinkhorn", "conventions.py:sinkhorn_clamp"))
     probes, _ = idr.probes()
     base = {"stabilize": "rowmax", "eps_mode": "clamp", "order": "row_first"}

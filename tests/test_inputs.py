@@ -1,8 +1,8 @@
 """Seeded inputs: large tensors drawn in blocks on threads give the same values at any thread count."""
 import torch
 
-from mhctool import inputs
-from mhctool.shapes import parse_shape
+from mhctool.core import inputs
+from mhctool.core.shapes import parse_shape
 
 
 def test_blockwise_draws_depend_on_the_seed_and_shape_only(monkeypatch):

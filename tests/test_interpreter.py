@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mhctool import interpreter
+from mhctool.core import interpreter
 from mhctool.testing import check_parity
 
 IMPLS = Path(__file__).resolve().parent / "impls"

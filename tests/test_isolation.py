@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mhctool import report
-from mhctool.cli import app
-from mhctool.isolation import Worker
+from mhctool.core import report
+from mhctool.cli.app import app
+from mhctool.spread.isolation import Worker
 
 PROCESS = Path(__file__).resolve().parent / "impls" / "process.py"
 cli = CliRunner()
@@ -127,7 +127,7 @@ def test_bench_reports_a_crash_and_times_the_others(tmp_path):
 
 def _start(tmp_path, marker):
     env = {**os.environ, "MHCTOOL_TEST_MARKER": str(marker)}
-    cmd = [sys.executable, "-c", "from mhctool.cli import main; main()", "parity", "--kernel", "sinkhorn",
+    cmd = [sys.executable, "-c", "from mhctool.cli.app import main; main()", "parity", "--kernel", "sinkhorn",
            "--device", "cpu", "--dtype", "fp32", "--impl", f"{PROCESS}:sinkhorn_slow", "-o", str(tmp_path / "r.parquet")]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -172,9 +172,9 @@ def test_external_libraries_get_time_to_compile_in_the_case_limit():
     # JIT libraries compile and autotune per shape inside the call (Megatron-LM dev's cuTile
     # h_post_bda passed 120 s before its first result on an H100): code mhctool did not write
     # gets the compile allowance on top of the size-scaled limit, mhctool's own kernels do not
-    from mhctool.isolation import COMPILE_ALLOWANCE_S, default_timeout
-    from mhctool.registry import resolve_impls
-    from mhctool.runner import Isolation
+    from mhctool.runner.case import COMPILE_ALLOWANCE_S, default_timeout
+    from mhctool.registry.specs import resolve_impls
+    from mhctool.spread.case_isolation import Isolation
 
     gib = 2.0**30
     assert default_timeout(gib, "cuda") == 150.0
@@ -198,7 +198,7 @@ def test_external_libraries_get_time_to_compile_in_the_case_limit():
 def test_a_worker_takes_the_environment_as_it_is_when_the_worker_starts(monkeypatch):
     """Workers fork from a server started once: each still sees mhctool's variables of the moment
     it starts (TRITON_INTERPRET set after the first worker must reach the next one)."""
-    from mhctool.isolation import Worker
+    from mhctool.spread.isolation import Worker
     monkeypatch.setenv("MHCTOOL_TEST_PROBE", "first")
     with Worker("shm") as w:
         assert w.call("os:getenv", ("MHCTOOL_TEST_PROBE",), timeout=120) == ("first", None)
@@ -211,7 +211,7 @@ def test_a_worker_has_the_modules_autograd_imports_at_its_first_grad_already():
     """The fork server imports, once for all its children, what PyTorch's autograd imports at the
     first grad with given gradients (sympy, through torch.fx's symbolic shapes: 3 s a process on the
     GPU machine, whose packages have no compiled bytecode); a worker forked from it starts with it."""
-    from mhctool.isolation import Worker
+    from mhctool.spread.isolation import Worker
     probe = "'torch.fx.experimental.symbolic_shapes' in __import__('sys').modules"
     with Worker("shm") as w:
         assert w.call("builtins:eval", (probe,), timeout=120) == (True, None)

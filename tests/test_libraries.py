@@ -9,8 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mhctool import registry
-from mhctool.cli import app
+from mhctool.registry import families as registry
+from mhctool.registry.impl import Impl
+from mhctool.registry.specs import load_external, resolve_impls
+from mhctool.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLS = ROOT / "tests" / "impls"
@@ -89,14 +91,14 @@ def test_knobs_bind_by_alias_for_a_plain_function(tmp_path):
     res, rows = parity(tmp_path, "--impl", f"{IMPLS / 'megatron_pr3828' / 'fused_mhc_kernels.py'}:fused_sinkhorn",
                        kernel="sinkhorn")
     assert res.exit_code == 0, res.output
-    impl = registry.load_external(f"{IMPLS / 'megatron_pr3828' / 'fused_mhc_kernels.py'}:fused_sinkhorn", "sinkhorn")
+    impl = load_external(f"{IMPLS / 'megatron_pr3828' / 'fused_mhc_kernels.py'}:fused_sinkhorn", "sinkhorn")
     assert impl.bind("iters") == "num_iterations" and impl.bind("eps") == "eps" and impl.bind("order") is None
 
 
 def test_positional_only_knobs_bind_by_position():
     def kernel(logits, iters, eps, /):
         return logits
-    impl = registry.Impl("x", "sinkhorn", "external", kernel)
+    impl = Impl("x", "sinkhorn", "external", kernel)
     assert impl.bind("iters") == 1 and impl.bind("eps") == 2
 
 
@@ -121,7 +123,7 @@ def test_te_shaped_module_passes_with_its_layouts_and_conventions(tmp_path):
             "te[main]:mhc_generate_mix_and_aggregate[ieee]", "te[main]:mhc_generate_mix_and_aggregate[tf32]"} <= impls
     # on the CPU the interpreter multiplies fp32 at IEEE; on a GPU Triton's TF32 truncates its operands
     assert {r["precision"] for r in rows if r["impl"].endswith("[tf32]")} == {"ieee"}
-    (impl, _) = registry.resolve_impls("h_aggregate", [f"te:{IMPLS / 'te_standin'}"])
+    (impl, _) = resolve_impls("h_aggregate", [f"te:{IMPLS / 'te_standin'}"])
     assert impl.name.endswith("[tf32]") and impl.precision_on("cuda") == "tf32_trunc"
 
 
@@ -187,13 +189,13 @@ def test_te_layouts_staged_once_give_what_the_converting_call_gives(kernel):
     alone: that call on the staged inputs is the converting call on mhctool's inputs, bit for bit."""
     import torch
 
-    from mhctool import inputs as inputs_mod
+    from mhctool.core import inputs as inputs_mod
 
-    impl = registry.resolve_impls(kernel, [f"te:{IMPLS / 'te_standin'}"])[0]
+    impl = resolve_impls(kernel, [f"te:{IMPLS / 'te_standin'}"])[0]
     assert impl.staged is not None
     stage, fn = impl.staged
     fam = registry.get_family(kernel)
-    from mhctool.shapes import parse_shape_for
+    from mhctool.core.shapes import parse_shape_for
     _, raw = inputs_mod.generate(kernel, "random", parse_shape_for("mhc", "3x2x4x40"), 0, {}, device="cpu")
     staged = stage(raw)
     assert staged["x"].shape == (3, 2, 40, 4) and raw["x"].shape == (3, 2, 4, 40)
@@ -209,10 +211,10 @@ def test_upstream_gradients_come_in_the_outputs_memory_order():
     with the values a contiguous one has, so TE's backward is not timed copying it into its layout."""
     import torch
 
-    from mhctool import inputs as inputs_mod
-    from mhctool.shapes import parse_shape_for
+    from mhctool.core import inputs as inputs_mod
+    from mhctool.core.shapes import parse_shape_for
 
-    impl = registry.resolve_impls("h_post_bda", [f"te:{IMPLS / 'te_standin'}"])[0]
+    impl = resolve_impls("h_post_bda", [f"te:{IMPLS / 'te_standin'}"])[0]
     stage, fn = impl.staged
     fam = registry.get_family("h_post_bda")
     _, raw = inputs_mod.generate("h_post_bda", "random", parse_shape_for("mhc", "3x2x4x40"), 0, {}, device="cpu")

@@ -3,11 +3,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool import layouts
-from mhctool.cli import app
+from mhctool.libraries import layouts
+from mhctool.cli.app import app
 from mhctool.kernels.torch import moe as native
 from mhctool.kernels.triton import glu, grouped_gemm as tgg, grouped_mlp as tmlp
-from mhctool.poison import poisoning
+from mhctool.core.poison import poisoning
 from mhctool.references import moe as ref
 
 runner = CliRunner()

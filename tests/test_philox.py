@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mhctool import philox
+from mhctool.core import philox
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

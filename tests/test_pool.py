@@ -7,10 +7,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool import parity, pool, report
-from mhctool.cli import app
-from mhctool.errors import UsageError
-from mhctool.isolation import Worker
+from mhctool.analyses import parity
+from mhctool.spread import forkserver, pool
+from mhctool.core import report
+from mhctool.cli.app import app
+from mhctool.core.errors import UsageError
+from mhctool.spread.isolation import Worker
 
 PROCESS = Path(__file__).resolve().parent / "impls" / "process.py"
 cli = CliRunner()
@@ -162,7 +164,7 @@ def test_auto_is_one_worker_per_core_on_a_cpu_and_never_more_than_the_cases():
 
 def test_a_python_callable_cannot_be_spread(tmp_path):
     from mhctool.kernels.torch import mhc
-    from mhctool.registry import Impl
+    from mhctool.registry.impl import Impl
     pl = parity.plan(["sinkhorn"], [Impl("mine", "sinkhorn", "external", mhc.sinkhorn)], device="cpu",
                      scenario=str(_scenario(tmp_path)))
     with pytest.raises(UsageError, match="exists in this process only"):
@@ -185,7 +187,7 @@ def test_a_worker_with_a_gpu_of_its_own_forks_from_the_fork_server():
     with Worker(daemon=False, env={"CUDA_VISIBLE_DEVICES": "", "MHCTOOL_DRAW_THREADS": "3"}) as w:
         (ppid, failure), (threads, _) = w.call("os:getppid"), w.call("os:getenv", ("MHCTOOL_DRAW_THREADS",))
         assert failure is None and ppid != os.getpid() and threads == "3"
-    if not pool.forkserver_has("OMP_NUM_THREADS", "7"):
+    if not forkserver.forkserver_has("OMP_NUM_THREADS", "7"):
         with Worker(daemon=False, env={"OMP_NUM_THREADS": "7"}) as w:
             (ppid, _), (value, _) = w.call("os:getppid"), w.call("os:getenv", ("OMP_NUM_THREADS",))
             assert ppid == os.getpid() and value == "7"
@@ -197,7 +199,7 @@ def test_each_pool_worker_gets_its_own_gpu_whatever_the_environment_while_worker
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    monkeypatch.setattr("mhctool.runner.device_memory", lambda device: 80e9)
+    monkeypatch.setattr("mhctool.runner.case.device_memory", lambda device: 80e9)
     p = pool.Pool(4, "cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # worker 0 starting, as a spawned child
     try:
@@ -275,9 +277,9 @@ def test_a_run_that_isolates_starts_the_fork_server_at_once_even_with_one_worker
     without isolation starts none."""
     import subprocess
     import sys
-    code = ("import os, threading; os.environ['MHCTOOL_PROBE'] = '1'; from mhctool import pool; "
-            "pool.warm(1); a = pool.forkserver_has('MHCTOOL_PROBE', '1'); "
-            "pool.warm(1, 'local', isolate=True); b = pool.forkserver_has('MHCTOOL_PROBE', '1'); "
+    code = ("import os, threading; os.environ['MHCTOOL_PROBE'] = '1'; from mhctool.spread import forkserver, pool; "
+            "pool.warm(1); a = forkserver.forkserver_has('MHCTOOL_PROBE', '1'); "
+            "pool.warm(1, 'local', isolate=True); b = forkserver.forkserver_has('MHCTOOL_PROBE', '1'); "
             "[t.join(120) for t in threading.enumerate() if t.name == 'mhctool-forkserver']; "
             "import multiprocessing.forkserver as f; print(a, b, getattr(f._forkserver, '_forkserver_pid', 0) is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -285,10 +287,10 @@ def test_a_run_that_isolates_starts_the_fork_server_at_once_even_with_one_worker
 
 
 def _job(isolation, specs=()):
-    from mhctool import runner
-    from mhctool.shapes import parse_shape_for
-    from mhctool.verdict import VerdictRule
-    case = runner.Case("sinkhorn", "random", "fp32", parse_shape_for("mhc", "9x1x4x3"), (), 0, "cpu")
+    from mhctool.runner.case import Case
+    from mhctool.core.shapes import parse_shape_for
+    from mhctool.core.verdict import VerdictRule
+    case = Case("sinkhorn", "random", "fp32", parse_shape_for("mhc", "9x1x4x3"), (), 0, "cpu")
     return pool.Job(case, tuple(specs), VerdictRule(), "ieee", None, (), 3, isolation)
 
 
@@ -316,7 +318,7 @@ def test_a_case_whose_worker_failed_runs_again_with_every_implementation_isolate
     """What mhctool's own kernels do to the worker that ran them (a crash, a hang, a CUDA fault)
     sends the case again to a fresh worker with every implementation isolated, so the kernel that
     did it gets its failed row and the others their verdicts."""
-    from mhctool.isolation import Failure
+    from mhctool.spread.isolation import Failure
     sent = []
 
     class Crashes:
@@ -359,7 +361,9 @@ def test_stretches_are_cut_by_cost_and_run_largest_first_every_case_once():
 def test_workers_that_share_a_gpu_are_told_so(monkeypatch):
     """One worker a GPU keeps its cached memory from case to case; more workers than GPUs hand it
     back after each case (runner.gives_memory_back reads MHCTOOL_SHARED_GPU, set after the fork)."""
-    from mhctool import isolation, runner
+    from mhctool.runner import run as runner
+    from mhctool.spread import isolation
+    from mhctool.spread.case_isolation import Isolation
     monkeypatch.setattr(pool, "visible_gpus", lambda: ["0", "1"])
     assert all("MHCTOOL_SHARED_GPU" not in pool.worker_env(k, "cuda", 2) for k in range(2))
     assert [pool.worker_env(k, "cuda", 3)["CUDA_VISIBLE_DEVICES"] for k in range(3)] == ["0", "1", "0"]
@@ -368,8 +372,8 @@ def test_workers_that_share_a_gpu_are_told_so(monkeypatch):
     assert "MHCTOOL_SHARED_GPU" in isolation.LATE_VARIABLES
     monkeypatch.delenv("MHCTOOL_SHARED_GPU", raising=False)
     assert runner.gives_memory_back(None, None) is False
-    assert runner.gives_memory_back(runner.Isolation(), None) is False  # no isolation worker started
-    assert runner.gives_memory_back(runner.Isolation(workers={"triton": object()}), None)
+    assert runner.gives_memory_back(Isolation(), None) is False  # no isolation worker started
+    assert runner.gives_memory_back(Isolation(workers={"triton": object()}), None)
     assert runner.gives_memory_back(None, object())
     monkeypatch.setenv("MHCTOOL_SHARED_GPU", "1")
     assert runner.gives_memory_back(None, None) is True

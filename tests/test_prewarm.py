@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from mhctool import pool, prewarm
+from mhctool.spread import forkserver, prewarm
 
 
 @pytest.fixture
@@ -50,10 +50,10 @@ def test_a_triton_without_the_hash_is_no_error(monkeypatch):
 
 
 def test_the_fork_server_preloads_the_hash_where_there_is_a_gpu(monkeypatch, fresh):
-    assert "mhctool._forkserver" in pool.FORKSERVER_PRELOAD
+    assert "mhctool.spread.preload" in forkserver.FORKSERVER_PRELOAD
     for gpu, expected in ((False, []), (True, [1])):
         monkeypatch.setattr(prewarm, "gpu_machine", lambda gpu=gpu: gpu)
-        sys.modules.pop("mhctool._forkserver", None)
-        importlib.import_module("mhctool._forkserver")
+        sys.modules.pop("mhctool.spread.preload", None)
+        importlib.import_module("mhctool.spread.preload")
         assert fresh == expected
-    sys.modules.pop("mhctool._forkserver", None)
+    sys.modules.pop("mhctool.spread.preload", None)

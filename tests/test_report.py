@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mhctool import report
-from mhctool.errors import UsageError
+from mhctool.core import report
+from mhctool.core.errors import UsageError
 
 
 def _row(**kw):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mhctool.cli import app
+from mhctool.cli.app import app
 
 HERE = Path(__file__).resolve().parent
 GOLDENS = HERE / "data" / "goldens" / "gpt3_mcore_te_tp2_pp2_mhc"
@@ -94,7 +94,7 @@ def test_a_log_that_is_no_terminal_gets_progress_lines(tmp_path):
     import subprocess
     import sys
     import os
-    res = subprocess.run([sys.executable, "-c", "from mhctool.cli import main; main()", "parity", "--kernel", "sinkhorn",
+    res = subprocess.run([sys.executable, "-c", "from mhctool.cli.app import main; main()", "parity", "--kernel", "sinkhorn",
                           "--impl", "torch", "--dtype", "fp32", "--device", "cpu", "-o", str(tmp_path / "p.parquet")],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MHCTOOL_PROGRESS_SECONDS": "0.2"})
@@ -103,7 +103,7 @@ def test_a_log_that_is_no_terminal_gets_progress_lines(tmp_path):
 
 
 def test_the_gate_summary_groups_failures_by_implementation_and_caps_them():
-    from mhctool.gate import MARKDOWN_CAP, Case, markdown
+    from mhctool.analyses.gate import MARKDOWN_CAP, Case, markdown
     cases = [Case("p", "parity", f"sinkhorn//abs/dir/my_k.py:sk/random/fp32/{s}x2x4x1/fwd", False, "worst")
              for s in range(MARKDOWN_CAP + 3)]
     cases.append(Case("p", "parity", 'h_post_bda/triton/random/bf16/13x3x4x67/{"bias": true}/bwd', False, "x"))
@@ -130,7 +130,7 @@ def test_every_kind_as_one_html_page(reports, kind, tmp_path):
 def test_a_json_report_is_the_same_report(reports, tmp_path):
     """-o x.json on any command: one strict-JSON document (summary, verdicts, rows) that report
     show, compare and html read as they read the Parquet file."""
-    from mhctool import report
+    from mhctool.core import report
     table, meta = report.read(reports["parity"][0])
     path = report.write_atomic(table, tmp_path / "p.json")
     doc = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
@@ -156,7 +156,7 @@ def test_compare_writes_junit_and_markdown_for_ci(reports, tmp_path):
 
     import pyarrow as pa
 
-    from mhctool import report
+    from mhctool.core import report
     table, _ = report.read(reports["parity"][0])
     rows = table.to_pylist()
     hit = next(i for i, r in enumerate(rows) if r["rule"] and r["rule"].startswith("baseline tol")
@@ -189,5 +189,5 @@ def test_the_gate_carries_parity_s_hint(tmp_path):
     hint = "hint: conventions.py:sinkhorn_softmax_first fails on sinkhorn but passes with --convention stabilize=softmax"
     assert hint in text
     assert hint in (tmp_path / "g.xml").read_text() and f"> {hint}" in (tmp_path / "g.md").read_text()
-    from mhctool import report
+    from mhctool.core import report
     assert any(h.startswith(hint) for h in report.read(tmp_path / "g.parquet")[1]["run"]["hints"])

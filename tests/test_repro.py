@@ -5,10 +5,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool import inputs, registry, report, repro
-from mhctool.cli import app
-from mhctool.runner import cast_inputs
-from mhctool.shapes import parse_shape_for
+from mhctool.core import inputs, report
+from mhctool.registry import families as registry
+from mhctool.runner import checks as repro
+from mhctool.cli.app import app
+from mhctool.runner.call import cast_inputs
+from mhctool.core.shapes import parse_shape_for
 from mhctool.testing import check_parity
 
 IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package

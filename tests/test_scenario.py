@@ -1,16 +1,16 @@
 """Scenario TOML: shipped files, expansion, and rejection of malformed files."""
 import pytest
 
-from mhctool import scenario
-from mhctool.errors import UsageError
-from mhctool.registry import KERNELS
+from mhctool.analyses import scenario
+from mhctool.core.errors import UsageError
+from mhctool.registry.families import KERNELS
 
 
 def test_builtin_default_covers_every_kernel_and_family():
     sc = scenario.builtin("parity-default")
     cases = sc.cases("cpu")
     assert {c.kernel for c in cases} == set(KERNELS)
-    from mhctool.inputs import FAMILIES
+    from mhctool.core.inputs import FAMILIES
     for k in KERNELS:
         assert {c.family for c in cases if c.kernel == k} == set(FAMILIES[k])
 

@@ -8,12 +8,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool import inputs as inputs_mod
-from mhctool import runner, sharded
-from mhctool.cli import app
-from mhctool.dtypes import FORMATS
-from mhctool.registry import get_family, native_impl
-from mhctool.shapes import parse_shape_for
+from mhctool.core import inputs as inputs_mod
+from mhctool.runner.call import cast_inputs, run_impl, upstream_for
+from mhctool.runner.case import Case
+from mhctool.spread import sharded
+from mhctool.cli.app import app
+from mhctool.core.dtypes import FORMATS
+from mhctool.registry.families import get_family
+from mhctool.registry.builtin import native_impl
+from mhctool.core.shapes import parse_shape_for
 
 IMPLS = Path(__file__).resolve().parent / "impls"
 cli = CliRunner()
@@ -53,17 +56,17 @@ def test_sharded_parity_of_the_mapping_path_passes_with_every_parameter_gradient
     assert b'"ranks": %d' % ranks in meta[b"mhctool.run"]
     # the ranks' start (processes, the process group and its first collective) is a phase of its own
     import json
-    from mhctool import profile
+    from mhctool.core import profile
     assert json.loads(meta[b"mhctool.run"])["profile"][profile.RANKS] > 0
 
 
 def _native_case(kernel, shape="7x2x4x45", dtype="fp32", device="cpu"):
-    case = runner.Case(kernel, "random", dtype, parse_shape_for("mhc", shape), (), 0, "cpu")
+    case = Case(kernel, "random", dtype, parse_shape_for("mhc", shape), (), 0, "cpu")
     fam = get_family(kernel)
     _, raw = inputs_mod.generate(kernel, "random", case.shape, case.seed, {})
-    base = runner.cast_inputs(fam, raw, dtype, device)
-    nat = runner.run_impl(fam, native_impl(kernel), base, {}, lambda outs: runner.upstream_for(fam, outs, 0))
-    return fam, base, runner.upstream_for(fam, nat.outputs, 0), nat
+    base = cast_inputs(fam, raw, dtype, device)
+    nat = run_impl(fam, native_impl(kernel), base, {}, lambda outs: upstream_for(fam, outs, 0))
+    return fam, base, upstream_for(fam, nat.outputs, 0), nat
 
 
 TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -82,7 +85,7 @@ def test_the_ranks_partials_are_all_reduced_in_the_asked_dtype(device):
     parts = []
     for r in range(2):
         cut = {k: (torch.tensor_split(v, 2)[r] if k == "x2d" else v) for k, v in base.items()}
-        parts.append(runner.run_impl(fam, native_impl("mapping"), cut, {},
+        parts.append(run_impl(fam, native_impl("mapping"), cut, {},
                                      lambda outs, r=r: [torch.tensor_split(u, 2)[r] for u in ups]))
     s = sharded.Sharding(2, "fp32", device)
     try:
@@ -155,7 +158,7 @@ def test_the_whole_batchs_output_shapes_come_from_its_first_token_row(kernel, dt
     fam, base, ups, nat = _native_case(kernel, dtype=dtype)
     shapes = sharded.whole_batch_outputs(fam, kernel, native_impl(kernel), base, {})
     assert [(o.shape, o.dtype, o.device) for o in shapes] == [(o.shape, o.dtype, o.device) for o in nat.outputs]
-    assert all(torch.equal(a, b) for a, b in zip(runner.upstream_for(fam, shapes, 0), ups))
+    assert all(torch.equal(a, b) for a, b in zip(upstream_for(fam, shapes, 0), ups))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, TWO_GPUS])])
@@ -179,11 +182,11 @@ def test_the_ranks_native_run_overlaps_the_reference_only_where_both_fit(monkeyp
     on an 80 GB GPU not at the paper shape's fp32 h_post_bda (a 43 GB reference), which runs them
     one after the other; on a 141 GB one both fit."""
     s = sharded.Sharding(2, "fp32", "cuda")
-    paper = runner.Case("h_post_bda", "random", "fp32", parse_shape_for("mhc", "8192x4x4x7168"), (), 0, "cuda")
-    small = runner.Case("h_post_bda", "random", "fp32", parse_shape_for("mhc", "7x2x4x45"), (), 0, "cuda")
-    monkeypatch.setattr("mhctool.runner.device_memory", lambda device: 80e9)
+    paper = Case("h_post_bda", "random", "fp32", parse_shape_for("mhc", "8192x4x4x7168"), (), 0, "cuda")
+    small = Case("h_post_bda", "random", "fp32", parse_shape_for("mhc", "7x2x4x45"), (), 0, "cuda")
+    monkeypatch.setattr("mhctool.runner.case.device_memory", lambda device: 80e9)
     assert sharded.overlaps(small, s) and not sharded.overlaps(paper, s)
-    monkeypatch.setattr("mhctool.runner.device_memory", lambda device: 141e9)
+    monkeypatch.setattr("mhctool.runner.case.device_memory", lambda device: 141e9)
     assert sharded.overlaps(paper, s)
 
 

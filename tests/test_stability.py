@@ -4,9 +4,9 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from mhctool import report
-from mhctool.cli import app
-from mhctool.stability import OVERFLOW_LOGIT, first_nonfinite
+from mhctool.core import report
+from mhctool.cli.app import app
+from mhctool.analyses.stability import OVERFLOW_LOGIT, first_nonfinite
 
 runner = CliRunner()
 
@@ -155,7 +155,7 @@ def test_eps_shift_of_the_triton_kernel_matches_the_native_one(tmp_path):
 # --- stability overflow -----------------------------------------------------------------------
 
 def _firsts_overflow(tmp_path, *args):
-    from mhctool import overflow
+    from mhctool.analyses import overflow
     res, rows = _run(tmp_path, "overflow", *args)
     assert res.exit_code == 0, res.output
     return {(s["intermediate"], s["dtype"]): s for s in overflow.summary(rows)}, rows

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mhctool.cli import app
+from mhctool.cli.app import app
 
 STRANGERS = Path(__file__).resolve().parent / "impls" / "strangers.py"
 runner = CliRunner()
@@ -166,7 +166,7 @@ def test_a_gate_that_judged_nothing_fails_and_takes_conventions(tmp_path):
 def test_the_command_line_answers_without_torch():
     """--help, --version and a usage error the arguments decide import no torch (the guide gives
     the timings: under 0.5 s where torch takes over a second)."""
-    code = ("import sys; from mhctool.cli import main; sys.argv = ['mhctool'] + sys.argv[1:]\n"
+    code = ("import sys; from mhctool.cli.app import main; sys.argv = ['mhctool'] + sys.argv[1:]\n"
             "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)")
     for args, code_ in ((["--help"], 0), (["--version"], 0), (["parity", "--kernel", "nope"], 2),

@@ -6,7 +6,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from mhctool.cli import app
+from mhctool.cli.app import app
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "impls" / "tilekernels_standin"
@@ -114,7 +114,7 @@ def test_a_file_of_family_named_functions_is_judged_and_benched_like_a_library(t
 def test_what_counts_as_a_refusal():
     """An assert, NotImplementedError or a kernel compiler's error is a limit the code states; any
     other exception (a RuntimeError, torch.compile's failures) is a failure."""
-    from mhctool.runner import refusal
+    from mhctool.runner.call import refusal
 
     class TileLangError(Exception):
         pass

@@ -1,6 +1,7 @@
 """`mhctool train`: a correct kernel stays with the float64 trajectory, planted ones drift and are
 traced to their knob or named at their layer and step, and the golden values round-trip."""
 import json
+import re
 import math
 from pathlib import Path
 
@@ -8,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mhctool import goldens as G
-from mhctool import train as T
-from mhctool.cli import app
+from mhctool.analyses import goldens as G
+from mhctool.analyses import train as T
+from mhctool.cli.app import app
 
 IMPLS = Path(__file__).resolve().parent / "impls"
 runner = CliRunner()
@@ -66,17 +67,21 @@ def test_a_transposed_h_post_bda_drifts_and_is_traced_to_transpose_res(tmp_path)
 
 
 def test_a_raw_exp_sinkhorn_goes_non_finite_where_the_logits_grow(tmp_path):
-    """At lr 0.2 the Sinkhorn logits pass 88 by step 14: the bare exponential overflows there, the
-    float64 trajectory (and the native one) stay finite."""
+    """At lr 0.2 the Sinkhorn logits pass 88 within the run: the bare exponential overflows there,
+    the float64 trajectory (and the native one) stay finite. Behaviour only: the step and the logit
+    are a chaotic trajectory's (step 14 at 102.3 on an Intel CPU, 15 at 106.3 on an AMD EPYC)."""
     res, text = train(tmp_path, "--impl", IMPLS / "strangers.py:sinkhorn_raw_exp", "--device", "cpu", "--lr", "0.2")
     assert res.exit_code == 1, text
-    assert ("the implementation goes non-finite at step 14: first layer 1, sinkhorn output h_res (48 elements "
-            "non-finite); the largest Sinkhorn logit there was 102.3") in text
+    found = re.search(r"the implementation goes non-finite at step (\d+): first layer \d+, sinkhorn output h_res "
+                      r"\(\d+ elements non-finite\); the largest Sinkhorn logit there was ([\d.]+)", text)
+    assert found, text
+    step, logit = int(found.group(1)), float(found.group(2))
+    assert logit > 88.0  # past where exp overflows in fp32: the cause, named
     assert "note: the native run goes non-finite" not in text
     rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
     (bad,) = [r for r in rows if r["metric"] == "nonfinite"]
-    assert bad["step"] == 14 and bad["passed"] is False
-    assert max(r["step"] for r in rows if r["run"] == "impl" and r["metric"] == "lm loss") == 14
+    assert bad["step"] == step and bad["passed"] is False
+    assert max(r["step"] for r in rows if r["run"] == "impl" and r["metric"] == "lm loss") == step < 30
     assert max(r["step"] for r in rows if r["run"] == "reference" and r["metric"] == "lm loss") == 30
 
 

@@ -8,14 +8,14 @@ import triton
 import triton.language as tl
 from typer.testing import CliRunner
 
-from mhctool.cli import app
+from mhctool.cli.app import app
 from mhctool.kernels.triton import h_aggregate as tha
 from mhctool.kernels.triton import h_post_bda as thp
 from mhctool.kernels.triton import mapping as tmap
 from mhctool.kernels.triton import proj_rms as tpr
 from mhctool.kernels.triton import sinkhorn as tsk
 from mhctool.kernels.triton._common import exp as kernel_exp
-from mhctool.poison import poisoning
+from mhctool.core.poison import poisoning
 from mhctool.references import mhc as ref
 
 IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
@@ -37,7 +37,7 @@ def test_parity_all_triton_passes_under_the_interpreter(tmp_path):
     res = runner.invoke(app, ["parity", "--kernel", "all", "--impl", "triton", "--device", "cpu", "-o", str(out)])
     assert res.exit_code == 0, res.output
     rows = [r for r in pq.read_table(out).to_pylist() if r["impl"] == "triton"]
-    from mhctool.registry import KERNELS
+    from mhctool.registry.families import KERNELS
     assert {r["kernel"] for r in rows} == set(KERNELS)
     unwritten = [r for r in rows if r["metric"] == "unwritten"]
     assert unwritten and all(r["value"] == 0 and r["passed"] for r in unwritten)
@@ -340,7 +340,7 @@ def test_triton_tf32_is_judged_at_tf32_and_asked_for_by_name(tmp_path):
     verdicts = [r["passed"] for r in rows if r["passed"] is not None]  # the rest are informational
     assert verdicts and all(verdicts)
     # not run by default (parity and the gate keep to IEEE), and a kernel without a TF32 variant says so
-    from mhctool.registry import resolve_impls
+    from mhctool.registry.specs import resolve_impls
     assert "triton-tf32" not in {i.name for i in resolve_impls("proj_rms", None)}
     (absent,) = resolve_impls("h_aggregate", ["triton-tf32"])
     assert "no Triton TF32 implementation of h_aggregate" in absent.unavailable()
@@ -441,7 +441,7 @@ def test_poisoning_reaches_other_threads():
     ContextVar did not reach that thread on an H200; the GPU side: tests/test_gpu.py)."""
     import threading
 
-    from mhctool.poison import empty, enabled, poisoning
+    from mhctool.core.poison import empty, enabled, poisoning
     seen = {}
 
     def probe():
@@ -498,7 +498,7 @@ def test_tree_row_sum_of_a_few_partials_covers_every_column():
     # dW's token-split partials: under 64 rows, all rows in one step over wide column blocks
     # (the plan's other branch); every column written (a poisoned output) and as accurate
     from mhctool.kernels.triton.reduce import _plan, sum_rows
-    from mhctool.poison import poisoning
+    from mhctool.core.poison import poisoning
 
     g = torch.Generator().manual_seed(5)
     for R, L in ((8, 70001), (3, 77), (63, 1000), (64, 1000)):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from mhctool.cli import app
+from mhctool.cli.app import app
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "tutorial.md"
 

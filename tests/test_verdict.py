@@ -1,8 +1,8 @@
 """The verdict rule on its own: which part decides, and the reduction-aware floor."""
 import math
 
-from mhctool.dtypes import FORMATS
-from mhctool.verdict import VerdictRule
+from mhctool.core.dtypes import FORMATS
+from mhctool.core.verdict import VerdictRule
 
 FP32 = FORMATS["fp32"]
 NATIVE = {"max_abs": 1e-7, "rel_l2": 1e-7, "nonfinite": 0, "unwritten": 0, "extra_zeros": 0}
@@ -56,7 +56,7 @@ def test_an_infinity_that_rounding_gives_is_no_overflow():
     """A reference past fp16's largest value rounds to inf: an fp16 inf of its sign is correct."""
     import torch
 
-    from mhctool.metrics import max_abs, nonfinite
+    from mhctool.core.metrics import max_abs, nonfinite
 
     ref = torch.tensor([1.0, 7e4, -7e4, 3.0], dtype=torch.float64)
     out = torch.tensor([1.0, float("inf"), float("-inf"), 3.0], dtype=torch.float16)
@@ -71,7 +71,7 @@ def test_finite_amax_ignores_nonfinite_and_copies_nothing_when_all_finite():
     """The scale a verdict is judged at: the largest finite |reference|, negative ends included."""
     import torch
 
-    from mhctool.metrics import finite_amax
+    from mhctool.core.metrics import finite_amax
 
     assert finite_amax(torch.tensor([1.0, -3.0, 2.0], dtype=torch.float64)) == 3.0
     assert finite_amax(torch.tensor([1.0, float("-inf"), -2.5, float("nan")], dtype=torch.float64)) == 2.5
@@ -86,7 +86,7 @@ def test_max_rel_is_the_largest_ratio_over_the_references_that_are_not_tiny():
     output among them, and an all-zero reference."""
     import torch
 
-    from mhctool import metrics
+    from mhctool.core import metrics
     g = torch.Generator().manual_seed(3)
     for trial in range(20):
         ref = torch.randn(4099, dtype=torch.float64, generator=g)
@@ -109,7 +109,7 @@ def _metric_cases():
     the reference), poison, exact zeros, non-finite and all-zero references, an empty tensor."""
     import torch
 
-    from mhctool.dtypes import poison
+    from mhctool.core.dtypes import poison
     g = torch.Generator().manual_seed(11)
     for trial in range(12):
         ref = torch.randn(37, 53, dtype=torch.float64, generator=g) * 10.0 ** (trial % 5 - 2)
@@ -141,7 +141,7 @@ def _metric_cases():
 def test_measure_gives_each_metric_alone_its_value_with_the_reference_worked_out_once():
     """measure() skips the passes that depend only on the reference (given once per reference)
     and those a finite output needs none of: the same value, bit for bit, as each metric alone."""
-    from mhctool import metrics
+    from mhctool.core import metrics
     alone = metrics.ERROR_METRICS | metrics.COUNT_METRICS
     n = 0
     for out, ref in _metric_cases():
@@ -160,7 +160,7 @@ def test_ulp_size_reads_the_exponent_of_a_float64():
     right binade a float64 rounding below a power of two (where log2 rounds up to it)."""
     import torch
 
-    from mhctool.metrics import ulp_size
+    from mhctool.core.metrics import ulp_size
     g = torch.Generator().manual_seed(5)
     x = torch.randn(1 << 16, dtype=torch.float64, generator=g)
     x = x * torch.exp2(torch.randint(-200, 200, x.shape, generator=g).double())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from mhctool.poison import empty
+from mhctool.core.poison import empty
 
 from ._common import array, cdiv, check_cuda, launch, require_contiguous, sum_rows_pair, tile_ir
 from ..schedule import next_pow2

@@ -28,7 +28,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from mhctool.poison import empty
+from mhctool.core.poison import empty
 
 from ..schedule import next_pow2
 from ._common import (BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_partials_pair, sum_rows,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from mhctool.poison import empty_like
+from mhctool.core.poison import empty_like
 
 from ..schedule import STABILIZE, check_knobs, next_pow2, recompute_segment, sinkhorn_autograd, sinkhorn_steps
 from ._common import array, cdiv, check_cuda, launch, tile_ir

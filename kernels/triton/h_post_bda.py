@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhctool.poison import empty
+from mhctool.core.poison import empty
 
 from ._common import cast, check_device, interpreted, next_pow2, pick_config, require_contiguous
 from .reduce import sum_rows

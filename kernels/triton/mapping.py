@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhctool.poison import empty
+from mhctool.core.poison import empty
 
 from ._common import check_device, next_pow2, require_contiguous
 from .proj_rms import (_precision, _proj_tile, coef_of, low_precision_operands, piece_cols, proj_rms_backward,

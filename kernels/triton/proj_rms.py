@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from mhctool.poison import empty
+from mhctool.core.poison import empty
 
 from ._common import (cast, check_device, interpreted, next_pow2, pick_config, require_contiguous,
                       round_low_bits)

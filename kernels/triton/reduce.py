@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mhctool.poison import empty
+from mhctool.core.poison import empty
 
 from ._common import cast, next_pow2
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mhctool.poison import empty_like
+from mhctool.core.poison import empty_like
 
 from ..schedule import STABILIZE as _STABILIZE
 from ..schedule import check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps

@@ -123,7 +123,7 @@ def proj_rms_tf32(x2d, weight, eps=1e-6):
 def sinkhorn_skips_last_token(logits, iters=20, eps=1e-6):
     """Allocates its output the way the fused kernels do (poisoned during parity) and never
     writes the last token's matrix, like a grid that is one block short."""
-    from mhctool.poison import empty_like
+    from mhctool.core.poison import empty_like
     out = empty_like(logits)
     flat_in, flat_out = logits.reshape(-1, *logits.shape[-2:]), out.view(-1, *logits.shape[-2:])
     with torch.no_grad():

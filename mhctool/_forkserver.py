@@ -1,6 +1,0 @@
-"""Imported by the fork server alone (``pool.FORKSERVER_PRELOAD``): what each child forked from
-it would otherwise do at its first Triton kernel, done once here (:mod:`mhctool.prewarm`)."""
-from .prewarm import gpu_machine, triton_hash
-
-if gpu_machine():
-    triton_hash()

@@ -1,0 +1,449 @@
+"""Suites -> verdicts, JUnit XML, Markdown summary: mhctool's checks as one CI gate.
+
+A suite (TOML)::
+
+    name = "my-gate"
+
+    [[parity]]                      # any number: a parity run, one JUnit case per verdict
+    name = "fused-sinkhorn"         # optional
+    kernel = "sinkhorn"             # a kernel, a group (all, mhc, moe) or a comma-separated list
+    impls = ["triton"]              # default: every built-in one available here; file.py:fn
+                                    # paths are relative to the suite file
+    scenario = "parity-default"     # built-in name or TOML path (relative to the suite file)
+    dtypes = ["fp32"]               # optional override
+    device = "cpu"                  # optional (default: cuda when present)
+    kappa = 2.0                     # optional
+    checks = ["determinism"]        # optional: determinism, batch-invariance (bits, see repro.py)
+    conventions = { iters = 10 }    # optional: what the external implementations compute (--convention)
+    input_dtypes = { h_pre = "activation" }   # optional: the dtypes they take inputs in (--input-dtypes)
+
+    [[goldens]]                     # any number: Megatron's golden-value checks, one case per metric
+    golden = "golden.json"          # paths relative to the suite file
+    actual = "run.json"             # a golden-format file, or a training log (.log / .txt)
+    metrics = ["lm loss", "num-zeros"]   # optional
+    deterministic = false           # optional: add the exact check
+    rtol = { "num-zeros" = 0.2 }    # optional per-metric overrides
+
+    [[goldens_check]]               # any number: anomalies inside one run (fails on any)
+    file = "run.json"
+
+    [[train]]                       # any number: mhctool train, its golden values diffed against stored ones
+    impls = ["triton"]              # as mhctool train's --impl (file.py:fn relative to the suite file)
+    golden = "train-golden.json"    # the stored golden values (Megatron's rules, as [[goldens]])
+    steps = 6                       # optional: steps, layers, streams, hidden, heads, seq, batch, vocab,
+    layers = 2                      #   lr, dtype, seed (mhctool train's defaults otherwise)
+    metrics = ["lm loss", "num-zeros"]   # optional; deterministic, rtol as in [[goldens]]
+    compare = true                  # optional: also train natively and in float64; the drift is one more case
+
+    [[stability]]                   # any number: a Sinkhorn stability sweep, one case per configuration
+    kernel = "sinkhorn"             # the only kernel with a sweep so far
+    impls = ["torch"]               # default: the native implementation
+    quick = true                    # the CPU-sized sweep (default true)
+    finite = ["rowmax"]             # stabilize settings that must stay finite at every amplitude
+    dtypes = ["fp32", "bf16"]       # ... in these dtypes
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from mhctool.analyses import goldens as G
+from mhctool.analyses import parity
+from mhctool.core import profile
+from mhctool.registry import families as registry
+from mhctool.registry.specs import resolve_impls
+from mhctool.analyses import stability as st
+from mhctool.analyses import scenario as scenario_mod
+from mhctool.core.dtypes import parse_dtype
+from mhctool.core.errors import UsageError
+from mhctool.core.report import judged_nothing, stable, to_table, verdicts
+
+SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train"}
+STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}
+PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa", "checks", "conventions",
+               "input_dtypes"}
+GOLDEN_KEYS = {"name", "golden", "actual", "metrics", "deterministic", "rtol"}
+CHECK_KEYS = {"name", "file", "factor"}
+TRAIN_CONFIG_KEYS = {"steps", "layers", "streams", "hidden", "heads", "seq", "batch", "vocab", "lr", "dtype", "seed"}
+TRAIN_KEYS = {"name", "impls", "kernel", "golden", "metrics", "deterministic", "rtol", "compare", "device", "knobs",
+              "conventions"} | TRAIN_CONFIG_KEYS
+
+
+@dataclass
+class Case:
+    suite_item: str  # the suite entry's name
+    kind: str  # parity, goldens, goldens_check
+    name: str
+    passed: bool | None  # None: skipped
+    message: str = ""
+    unit: int = 0  # the suite's unit it came from (a parity case, or a whole other entry): merge order
+    hint: str = ""  # a failed outside implementation's hint (parity's), on each of its failed cases
+
+
+@dataclass
+class Suite:
+    name: str
+    path: Path
+    parity: list[dict] = field(default_factory=list)
+    goldens: list[dict] = field(default_factory=list)
+    checks: list[dict] = field(default_factory=list)
+    stability: list[dict] = field(default_factory=list)
+    train: list[dict] = field(default_factory=list)
+
+
+def _err(src, key, msg):
+    return UsageError(f"{src}: {key}: {msg}")
+
+
+def _check_keys(src: str, where: str, item: dict, allowed: set, required: tuple = ()) -> None:
+    """An entry's keys: one it does not know, or a required one missing, is a UsageError."""
+    bad = set(item) - allowed
+    if bad:
+        raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(allowed))}")
+    for k in required:
+        if k not in item:
+            raise _err(src, f"{where}.{k}", "required")
+
+
+def _resolve(base: Path, p: str, src: str, key: str) -> Path:
+    path = (base / p) if not Path(p).is_absolute() else Path(p)
+    if not path.is_file():
+        raise _err(src, key, f"no file {path}")
+    return path
+
+
+def load_suite(path: str | os.PathLike) -> Suite:
+    path = Path(path)
+    data = scenario_mod.read_toml(path, "suite")
+    src, base = str(path), path.parent
+    unknown = set(data) - SUITE_KEYS
+    if unknown:
+        raise _err(src, sorted(unknown)[0], f"unknown key; accepted: {', '.join(sorted(SUITE_KEYS))}")
+    suite = Suite(str(data.get("name", path.stem)), path)
+    for i, item in enumerate(data.get("parity", [])):
+        where = f"parity[{i}]"
+        _check_keys(src, where, item, PARITY_KEYS)
+        kernel = item.get("kernel", "all")
+        try:  # a name, a group (all, mhc, moe) or a comma-separated list, as --kernel takes
+            parity.kernels_of(kernel)
+        except UsageError as e:
+            raise _err(src, f"{where}.kernel", str(e)) from None
+        impls = [_impl_spec(base, spec) for spec in item.get("impls", [])]
+        if impls:
+            item = {**item, "impls": impls}
+        sc = item.get("scenario")
+        if sc and (sc.endswith(".toml") or "/" in sc):
+            item = {**item, "scenario": str(_resolve(base, sc, src, f"{where}.scenario"))}
+        for d in item.get("dtypes", []):
+            try:
+                parse_dtype(d)
+            except UsageError as e:
+                raise _err(src, f"{where}.dtypes", str(e)) from None
+        try:
+            from mhctool.runner.checks import parse_checks
+            checks = item.get("checks", [])
+            if not isinstance(checks, list):
+                raise UsageError(f"must be a list, e.g. checks = [\"determinism\"], got {checks!r}")
+            parse_checks(checks)
+        except (UsageError, TypeError) as e:
+            raise _err(src, f"{where}.checks", str(e)) from None
+        for key in ("conventions", "input_dtypes"):
+            if not isinstance(item.get(key, {}), dict):
+                raise _err(src, f"{where}.{key}", f"must be a table, e.g. {key} = {{ "
+                           + ('iters = 10' if key == 'conventions' else 'h_pre = "activation"') + " }")
+        try:
+            kernels = parity.kernels_of(kernel)
+            declared = {k: parity.check_conventions(k, {n: v for n, v in item.get("conventions", {}).items()
+                                                        if n in registry.get_family(k).conventions})
+                        for k in kernels}
+            dtypes_in = {k: parity.check_input_dtypes(k, {n: v for n, v in item.get("input_dtypes", {}).items()
+                                                          if n in registry.get_family(k).inputs})
+                         for k in kernels}
+            for key, taken in (("conventions", {n for d in declared.values() for n in d}),
+                               ("input_dtypes", {n for d in dtypes_in.values() for n in d})):
+                unknown_names = set(item.get(key, {})) - taken
+                if unknown_names:
+                    raise UsageError(f"{sorted(unknown_names)[0]} is no {'convention' if key == 'conventions' else 'input'}"
+                                     f" of {kernel}")
+        except UsageError as e:
+            raise _err(src, f"{where}.conventions", str(e)) from None
+        item = {**item, "conventions": {k: v for k, v in declared.items() if v},
+                "input_dtypes": {k: v for k, v in dtypes_in.items() if v}}
+        suite.parity.append({"name": item.get("name", f"parity-{kernel}"), **item})
+    for i, item in enumerate(data.get("goldens", [])):
+        where = f"goldens[{i}]"
+        _check_keys(src, where, item, GOLDEN_KEYS, ("golden", "actual"))
+        g, a = _resolve(base, item["golden"], src, f"{where}.golden"), _resolve(base, item["actual"], src, f"{where}.actual")
+        suite.goldens.append({"name": item.get("name", f"{g.name} vs {a.name}"), **item, "golden": g, "actual": a})
+    for i, item in enumerate(data.get("goldens_check", [])):
+        where = f"goldens_check[{i}]"
+        _check_keys(src, where, item, CHECK_KEYS, ("file",))
+        f = _resolve(base, item["file"], src, f"{where}.file")
+        suite.checks.append({"name": item.get("name", f"check {f.name}"), **item, "file": f})
+    for i, item in enumerate(data.get("stability", [])):
+        where = f"stability[{i}]"
+        _check_keys(src, where, item, STABILITY_KEYS)
+        if item.get("kernel", "sinkhorn") != "sinkhorn":
+            raise _err(src, f"{where}.kernel", f"{item['kernel']!r} has no stability sweep; accepted: sinkhorn")
+        for d in item.get("dtypes", []):
+            try:
+                parse_dtype(d)
+            except UsageError as e:
+                raise _err(src, f"{where}.dtypes", str(e)) from None
+        for f in item.get("finite", []):
+            if f not in ("rowmax", "none", "softmax"):
+                raise _err(src, f"{where}.finite", f"unknown stabilize {f!r}; accepted: rowmax, none, softmax")
+        suite.stability.append({"name": item.get("name", f"stability-{i}"), **item})
+    for i, item in enumerate(data.get("train", [])):
+        where = f"train[{i}]"
+        _check_keys(src, where, item, TRAIN_KEYS, ("impls", "golden"))
+        impls = item["impls"] if isinstance(item["impls"], list) else [item["impls"]]
+        item = {**item, "impls": [_impl_spec(base, spec) for spec in impls],
+                "golden": _resolve(base, item["golden"], src, f"{where}.golden")}
+        try:
+            from mhctool.analyses import train as T
+            T.config(item.get("device", "cpu"), **{k: item[k] for k in TRAIN_CONFIG_KEYS if k in item})
+            T.assign(item["impls"], item.get("kernel"))
+            for key in ("knobs", "conventions"):
+                T.parse_knobs([(k, str(v).lower() if isinstance(v, bool) else str(v))
+                               for k, v in item.get(key, {}).items()], key, key == "conventions")
+        except UsageError as e:
+            raise _err(src, where, str(e)) from None
+        suite.train.append({"name": item.get("name", f"train-{'+'.join(item['impls'])}"), **item})
+    if not (suite.parity or suite.goldens or suite.checks or suite.stability or suite.train):
+        raise _err(src, "parity", "the suite has no [[parity]], [[goldens]], [[goldens_check]], [[stability]] or "
+                   "[[train]] entry")
+    return suite
+
+
+def read_run(path: Path) -> G.Golden:
+    """A golden-format JSON file, or a training log."""
+    if path.suffix in (".log", ".txt"):
+        return G.extract_log(path)
+    return G.load(path)
+
+
+def _impl_spec(base: Path, spec: str) -> str:
+    """``file.py:function`` in a suite is relative to the suite file, like its other paths."""
+    target, sep, fn = spec.rpartition(":")
+    if sep and (target.endswith(".py") or "/" in target) and not Path(target).is_absolute():
+        return f"{(base / target).resolve()}:{fn}"
+    return spec
+
+
+def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
+              interrupted=lambda: False, shard: tuple[int, int] | None = None, workers: int | str = 1,
+              backend: str = "local", ray_address: str | None = None, timings: dict | None = None) -> list[Case]:
+    """Run every entry; returns one JUnit case per verdict, metric check or configuration.
+    ``isolation``: the runner's Isolation for the implementations under test (a crash fails its
+    entry's case and the suite goes on); ``interrupted()`` true: no new case or entry starts.
+
+    The suite is a list of units, numbered in the order they run: every case of every parity
+    entry, then each goldens, stability, train and goldens_check entry whole. ``shard`` (I, N) runs the
+    units whose number is I-1 modulo N; each JUnit case carries its unit, so ``mhctool report
+    merge`` puts the slices back in the order one run has. ``workers``/``backend``: parity cases
+    spread over processes (:mod:`mhctool.pool`). ``timings``: the parity entries' phases are added
+    to it (:mod:`mhctool.profile`)."""
+    from mhctool.spread import pool
+    cases: list[Case] = []
+    unit = 0
+
+    def mine(k: int) -> bool:
+        return shard is None or k % shard[1] == shard[0] - 1
+
+    def whole(items):  # (unit, entry) of the entries that are one unit each, this slice's ones
+        nonlocal unit
+        for item in items:
+            unit += 1
+            if interrupted():
+                return
+            if mine(unit - 1):
+                yield unit - 1, item
+
+    with contextlib.ExitStack() as stack:
+        pools: dict = {}  # device -> the pool of workers every parity entry on it shares (each starts once)
+        for item in suite.parity:
+            if interrupted():
+                break
+            dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
+            plan = parity.plan(parity.kernels_of(item.get("kernel", "all")), item.get("impls"),
+                               device=item.get("device", device_default), scenario=item.get("scenario"),
+                               dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None,
+                               checks=item.get("checks"), strict=False, conventions=item.get("conventions"),
+                               input_dtypes=item.get("input_dtypes"))
+            units = {c.case_id: unit + j for j, c in enumerate(plan.cases)}
+            unit += len(plan.cases)
+            plan = replace(plan, cases=[c for c in plan.cases if mine(units[c.case_id])])
+            if not plan.cases:
+                continue
+            device = plan.cases[0].device
+            n = pool.worker_count(workers, device, len(plan.cases))
+            if n > 1 and backend == "local" and device not in pools:  # one pool a device for every entry
+                pools[device] = stack.enter_context(pool.Pool(pool.worker_count(workers, device, 1 << 30), device))
+            outcome = parity.execute(plan, isolation, interrupted,
+                                     progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
+                                     n, backend, ray_address=ray_address, pool=pools.get(device))
+            item_rows = outcome.rows
+            if timings is not None:
+                profile.add(timings, outcome.timings)
+            table = to_table(item_rows, "gate", "parity", {})
+            for v in verdicts(table):
+                if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
+                    continue  # the baseline ran, but the entry did not ask for it
+                w = v["worst"] or {}
+                label = (f"{v['kernel']}/{v['impl']}/{v['family']}/{v['dtype']}/{v['shape']}"
+                         f"{'/' + v['knobs'] if v['knobs'] != '{}' else ''}/{v['direction']}")
+                msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
+                                       f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
+                cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
+            if not interrupted():
+                _hinted(cases, item["name"], plan, table, isolation)
+            for spec, why in judged_nothing(table, parity.asked_outside(plan)).items():
+                # asked for and judged on no case: no pass (the native rows are no verdict on it)
+                cases.append(Case(item["name"], "parity", f"{item.get('kernel', 'all')}/{spec}/judged",
+                                  False, f"judged on no case: every row of it was skipped ({why})",
+                                  units[plan.cases[0].case_id]))
+    for k, item in whole(suite.goldens):
+        metrics = item.get("metrics")
+        for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),
+                        bool(item.get("deterministic", False))):
+            cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message, k))
+    for k, item in whole(suite.stability):
+        spec = st.quick_spec() if item.get("quick", True) else st.full_spec()
+        dtypes = tuple(parse_dtype(d).name for d in item.get("dtypes", [])) or spec.dtypes
+        spec = replace(spec, dtypes=dtypes)
+        impls = resolve_impls("sinkhorn", item.get("impls") or ["torch"])
+        rows_ = st.sinkhorn_sweep(impls, spec, item.get("device", device_default), progress)
+        finite = set(item.get("finite", ["rowmax"]))
+        for f in st.first_nonfinite(rows_):
+            if f["stabilize"] not in finite:
+                continue
+            label = f"{f['impl']}/{f['family']}/{f['dtype']}/{f['stabilize']}/eps={f['eps']:g}/{f['eps_mode']}/{f['order']}/iters={f['iters']}"
+            ok = f["first_nonfinite_scale"] is None
+            cases.append(Case(item["name"], "stability", label, ok,
+                              "finite at every amplitude" if ok else
+                              f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}", k))
+    for k, item in whole(suite.train):
+        cases.extend(_train_cases(item, device_default, k, isolation, interrupted))
+    for k, item in whole(suite.checks):
+        found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
+        cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
+                          "; ".join(a.message for a in found) or "no anomaly", k))
+    return cases
+
+
+def _train_cases(item: dict, device_default: str, unit: int, isolation, interrupted) -> list[Case]:
+    """A [[train]] entry: the implementation's run diffed against the stored golden values with
+    Megatron's rules (a case per metric), and with ``compare`` the drift from the float64 run."""
+    from mhctool.analyses import train as T
+    device = item.get("device", device_default)
+    cfg = T.config(device, **{k: item[k] for k in TRAIN_CONFIG_KEYS if k in item})
+    knobs, conventions = ({} if not item.get(key) else T.parse_knobs(
+        [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in item[key].items()], key,
+        key == "conventions") for key in ("knobs", "conventions"))
+    worker = None
+    if isolation is not None:
+        from mhctool.spread.isolation import Worker
+        worker = Worker(isolation.transport)
+    try:
+        o = T.session(cfg, T.assign(item["impls"], item.get("kernel")), knobs, conventions,
+                      compare=bool(item.get("compare", False)), trace=False, isolation=worker, interrupted=interrupted)
+    finally:
+        if worker is not None:
+            worker.stop()
+    out = []
+    for v in G.diff(read_run(item["golden"]), T.to_golden(o.impl), item.get("metrics"), item.get("rtol"),
+                    bool(item.get("deterministic", False))):
+        out.append(Case(item["name"], "train", f"{v.metric} ({v.check})", v.passed, v.message, unit))
+    if o.impl.error and o.impl.error != "interrupted":
+        out.append(Case(item["name"], "train", "run", False, f"the run ended at {o.impl.error}", unit))
+    if o.compared:
+        msg = o.nonfinite or "; ".join(f"{d.metric}: {d.message}" for d in o.drifts)
+        out.append(Case(item["name"], "train", "drift from the float64 run", o.passed, msg, unit))
+    return out
+
+
+def cases_from_rows(rows: list[dict]) -> list[Case]:
+    """A gate report's rows (report.GATE_SCHEMA) back as JUnit cases."""
+    return [Case(r["entry"], r["kind"], r["name"], r["passed"], r["message"] or "") for r in rows]
+
+
+def _hinted(cases: list[Case], item: str, plan, table, isolation) -> None:
+    """Parity's hint for each outside implementation that failed in this entry, put on its failed
+    cases (the JUnit failure, the Markdown summary and the gate's output carry it)."""
+    from mhctool.analyses.hints import hints
+    device = plan.cases[0].device if plan.cases else "cpu"
+    for kernel, impl, hint in hints(plan, verdicts(table), device, isolation):
+        for c in cases:
+            if c.suite_item == item and c.passed is False and c.kind == "parity" and _group(c) == (impl, kernel):
+                c.hint = c.hint or hint
+
+
+def hints_of(cases: list[Case]) -> list[str]:
+    """The distinct hints of a gate's cases, in order."""
+    return list(dict.fromkeys(c.hint for c in cases if c.hint))
+
+
+def junit_xml(suite: Suite | str, cases: list[Case]) -> bytes:
+    root = ET.Element("testsuites", name=suite if isinstance(suite, str) else suite.name)
+    by_item: dict[str, list[Case]] = {}
+    for c in cases:
+        by_item.setdefault(c.suite_item, []).append(c)
+    for item, cs in by_item.items():
+        ts = ET.SubElement(root, "testsuite", name=item, tests=str(len(cs)),
+                           failures=str(sum(c.passed is False for c in cs)),
+                           skipped=str(sum(c.passed is None for c in cs)))
+        for c in cs:
+            tc = ET.SubElement(ts, "testcase", classname=f"mhctool.{c.kind}.{item}", name=c.name)
+            if c.passed is False:
+                ET.SubElement(tc, "failure", message=c.message[:500]).text = c.message + (
+                    f"\n{c.hint}" if c.hint else "")
+            elif c.passed is None:
+                ET.SubElement(tc, "skipped", message=c.message[:500])
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True)
+
+
+def markdown(suite: Suite | str, cases: list[Case]) -> str:
+    name = suite if isinstance(suite, str) else suite.name
+    failed = [c for c in cases if c.passed is False]
+    passed = sum(c.passed is True for c in cases)
+    skipped = sum(c.passed is None for c in cases)
+    head = "passed" if not failed else "FAILED"
+    lines = [f"## mhctool gate `{name}`: {head}", "",
+             f"{passed} passed, {len(failed)} failed, {skipped} skipped", "",
+             "| entry | kind | checks | failed |", "|---|---|---|---|"]
+    by_item: dict[str, list[Case]] = {}
+    for c in cases:
+        by_item.setdefault(c.suite_item, []).append(c)
+    for item, cs in by_item.items():
+        nf = sum(c.passed is False for c in cs)
+        lines.append(f"| {item} | {cs[0].kind} | {len(cs)} | {'❌ ' + str(nf) if nf else '✅ 0'} |")
+    if failed:
+        lines += ["", "### Failures"]
+        groups: dict[tuple, list[Case]] = {}
+        for c in failed:
+            groups.setdefault((c.suite_item, *_group(c)), []).append(c)
+        for (item, impl, kernel), cs in groups.items():
+            lines += ["", f"**{item}**" + (f": `{stable(impl)}` on {kernel}" if impl else "")
+                      + f" ({len(cs)} failed)", ""]
+            lines += [f"> {h}" for h in hints_of(cs)] + ([""] if hints_of(cs) else [])
+            lines += [f"- `{stable(c.name)}`: {c.message}" for c in cs[:MARKDOWN_CAP]]
+            if len(cs) > MARKDOWN_CAP:
+                lines.append(f"- ... and {len(cs) - MARKDOWN_CAP} more (the JUnit XML and the report have every one)")
+    return "\n".join(lines) + "\n"
+
+
+MARKDOWN_CAP = 10  # failures listed per implementation and family in the summary
+
+
+def _group(c: Case) -> tuple[str, str]:
+    """(implementation, kernel) of a parity case's name ``kernel/impl/family/...``; else empty."""
+    if c.kind != "parity":
+        return "", ""
+    kernel, _, rest = c.name.partition("/")
+    parts = rest.split("/")  # impl (its path may hold slashes), family, dtype, shape, [knobs,] direction
+    trailing = 5 if len(parts) > 5 and parts[-2].startswith("{") else 4
+    return "/".join(parts[:-trailing]), kernel

@@ -1,0 +1,77 @@
+"""The mhctool command line: the Typer app, which registers each command from its own module
+(options and printing only; the engines they call are imported inside each command, so that
+``mhctool --help`` and a usage error answer without importing torch).
+
+Exit codes: 0 all checks passed, 1 a numerics or verdict failure, 2 bad usage or input.
+"""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from mhctool import __version__
+from mhctool.cli import bench as cli_bench
+from mhctool.cli import doctor as cli_doctor
+from mhctool.cli import gate as cli_gate
+from mhctool.cli import identify as cli_identify
+from mhctool.cli import kit as clikit
+from mhctool.cli import parity as cli_parity
+from mhctool.cli import train as cli_train
+from mhctool.cli.goldens import goldens_app
+from mhctool.cli.kit import err, out
+from mhctool.cli.kit import guard as _guard
+from mhctool.cli.report import report_app
+from mhctool.cli.stability import stability_app
+from mhctool.core.errors import UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Numerics validation for fused mHC and grouped-MLP kernels.")
+
+
+app.add_typer(report_app, name="report")
+
+
+app.add_typer(stability_app, name="stability")
+
+
+app.add_typer(goldens_app, name="goldens")
+
+
+app.command()(_guard(cli_identify.identify))
+
+
+app.command()(_guard(cli_train.train))
+# registered in this order, which --help lists
+app.command()(cli_parity.parity)
+app.command()(cli_bench.bench)
+app.command()(cli_gate.gate)
+app.command()(cli_doctor.doctor)
+
+
+def main() -> None:
+    try:
+        app()
+    except UsageError as e:
+        err.print(f"error: {e}")
+        sys.exit(2)
+    except clikit.Interrupted:
+        err.print("interrupted: stopped at once; no report written")
+        sys.exit(130)
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"mhctool {__version__}", markup=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print mhctool's version and exit.")):
+    clikit.state["debug"] = debug
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

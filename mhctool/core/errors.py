@@ -1,0 +1,11 @@
+"""Errors the CLI turns into one sentence and exit code 2, and what a call of code under test
+that exits says in its failed row."""
+
+
+class UsageError(ValueError):
+    """Bad input from the user: an unknown name, a malformed value, a missing file."""
+
+
+def system_exit_message(e: SystemExit) -> str:
+    """The failed row's message of an implementation that called ``sys.exit``."""
+    return f"the implementation called sys.exit({e.code!r})"

@@ -1,0 +1,109 @@
+"""mhctool's own implementations of every family: native PyTorch (the baseline), torch.compile,
+Triton and cuTile (with the projection's TF32 variants)."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+
+from mhctool.registry.families import KERNELS, MOE_KERNELS
+from mhctool.registry.impl import Impl, _import_target
+
+
+def _triton_requires() -> str | None:
+    from mhctool.core.environment import triton_status
+    return triton_status().reason
+
+
+def _cutile_requires() -> str | None:
+    from mhctool.core.environment import cutile_status
+    return cutile_status().reason
+
+
+def _builtin_impls() -> dict[str, list[Impl]]:
+    out: dict[str, list[Impl]] = {}
+    for k in KERNELS:
+        native = f"mhctool.kernels.torch.{'moe' if k in MOE_KERNELS else 'mhc'}:{k}"
+        impls = [
+            Impl("torch", k, "torch", native, native=True),
+            # torch.compile on CPU costs tens of seconds per graph: asked for by name there
+            Impl("compile", k, "compile", _compiled(native), default=False),
+        ]
+        if k in TRITON_KERNELS:
+            impls.append(Impl("triton", k, "triton", TRITON_KERNELS[k], requires=_triton_requires))
+        if k in CUTILE_KERNELS:
+            impls.append(Impl("cutile", k, "cutile", CUTILE_KERNELS[k], devices=("cuda",),
+                              requires=_cutile_requires))
+        if k in TRITON_TF32_KERNELS:
+            # asked for by name (--impl triton-tf32): judged at TF32, benched beside the IEEE kernel
+            impls.append(Impl("triton-tf32", k, "triton", TRITON_TF32_KERNELS[k], precision="tf32",
+                              default=False, requires=_triton_requires))
+        out[k] = impls
+    return out
+
+
+def _compiled(target: str) -> Callable:
+    cache: dict = {}
+
+    def run(*args, **kwargs):
+        if "fn" not in cache:
+            cache["fn"] = torch.compile(_import_target(target), dynamic=False)
+        return cache["fn"](*args, **kwargs)
+
+    run.__signature__ = inspect.signature(_import_target(target))  # type: ignore[attr-defined]
+    return run
+
+
+# Fused kernels shipped with mhctool: family -> "module:function" (autograd-aware entry points).
+TRITON_KERNELS: dict[str, str] = {
+    "sinkhorn": "mhctool.kernels.triton.sinkhorn:sinkhorn",
+    "h_aggregate": "mhctool.kernels.triton.h_aggregate:h_aggregate",
+    "h_post_bda": "mhctool.kernels.triton.h_post_bda:h_post_bda",
+    "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms",
+    "mapping": "mhctool.kernels.triton.mapping:mapping",
+    "mapping_sinkhorn": "mhctool.kernels.triton.mix_aggregate:mapping_sinkhorn",
+    "mix_aggregate": "mhctool.kernels.triton.mix_aggregate:mix_aggregate",
+    "swiglu": "mhctool.kernels.triton.glu:swiglu",
+    "clamped_swiglu": "mhctool.kernels.triton.glu:clamped_swiglu",
+    "srelu": "mhctool.kernels.triton.glu:srelu",
+    "grouped_gemm": "mhctool.kernels.triton.grouped_gemm:grouped_gemm",
+    "grouped_wgrad": "mhctool.kernels.triton.grouped_gemm:grouped_wgrad",
+    "grouped_mlp": "mhctool.kernels.triton.grouped_mlp:grouped_mlp",
+}
+
+
+# the projection's TF32 variants: every product a TF32 product of operands rounded to TF32 (the
+# precision the mHC paper specifies; issue 20: what IEEE accuracy costs, in one bench table)
+TRITON_TF32_KERNELS: dict[str, str] = {
+    "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms_tf32",
+    "mapping": "mhctool.kernels.triton.mapping:mapping_tf32",
+}
+
+
+CUTILE_KERNELS: dict[str, str] = {
+    "sinkhorn": "mhctool.kernels.cutile.sinkhorn:sinkhorn",
+    "h_aggregate": "mhctool.kernels.cutile.h_aggregate:h_aggregate",
+    "h_post_bda": "mhctool.kernels.cutile.h_post_bda:h_post_bda",
+    "proj_rms": "mhctool.kernels.cutile.proj_rms:proj_rms",
+    "mapping": "mhctool.kernels.cutile.mapping:mapping",
+    "mix_aggregate": "mhctool.kernels.cutile.mix_aggregate:mix_aggregate",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def builtin() -> dict[str, list[Impl]]:
+    return _builtin_impls()
+
+
+def impls_for(kernel: str) -> list[Impl]:
+    return builtin()[kernel]
+
+
+def native_impl(kernel: str) -> Impl:
+    return next(i for i in impls_for(kernel) if i.native)
+
+
+BACKEND_NAMES = {"torch": "PyTorch", "compile": "torch.compile", "triton": "Triton", "cutile": "cuTile",
+                 "triton-tf32": "Triton TF32"}

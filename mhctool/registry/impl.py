@@ -1,0 +1,138 @@
+"""An implementation of a kernel family: its backend, the devices, dtypes and knobs it supports,
+the conventions and matmul precision it computes, and how the runner calls it."""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mhctool.core.errors import UsageError
+from mhctool.registry.families import FAMILIES, signature
+
+
+def check_callable(impl: "Impl") -> None:
+    """A UsageError naming the family's signature when ``impl`` cannot be called with the family's
+    inputs and the knobs it takes (Python binds the parameters before it runs: no case would
+    judge anything)."""
+    fam = FAMILIES[impl.kernel]
+    try:
+        sig = inspect.signature(impl.fn)
+    except (TypeError, ValueError):
+        return
+    # the call's arguments, each named by what it stands for
+    pos, kw = fam.arguments({k: k for k in fam.inputs}, {k: k for k in fam.knobs}, impl.accepts, impl.bind)
+    try:
+        sig.bind(*pos, **kw)
+    except TypeError as e:
+        raise UsageError(f"--impl {impl.name} cannot be called as {impl.kernel}: {e}; expected {signature(fam)}") \
+            from None
+
+
+@dataclass
+class Impl:
+    """One implementation of a family."""
+
+    name: str
+    kernel: str
+    backend: str  # torch, compile, triton, cutile, external
+    target: str | Callable  # "module:function" (resolved lazily) or the function
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    # matmul precision it computes at by design (PRECISIONS), or {device: precision} where that
+    # differs by device (Triton's fp32 tl.dot: TF32 on a GPU, IEEE through the CPU interpreter)
+    precision: str | dict = "ieee"
+    native: bool = False
+    default: bool = True  # run when no --impl is given
+    requires: Callable[[], str | None] = field(default=lambda: None)  # why unusable here, or None
+    conventions: dict = field(default_factory=dict)  # convention knobs it computes (declared by an adapter)
+    spec: str | None = None  # the --impl spec that resolves to it (None: its name)
+    adapter: str | None = None  # the library adapter that maps it (mhctool/libraries/<name>.py)
+    limit: Callable | None = None  # limit(shape) -> why it cannot run that shape (n = 4 only, ...), or None
+    # (stage, fn) where an adapter converts layouts: stage(inputs) -> the inputs in the library's
+    # layouts, fn takes those (bench times fn alone; parity calls ``fn`` of the Impl, which converts)
+    staged: tuple | None = None
+    # input name -> "activation" or a format name: the dtypes a library is used with where they
+    # differ from the contract's (declared by its adapter; bench times it at these)
+    input_dtypes: dict = field(default_factory=dict)
+    exists: bool = True  # False: it stands for a kernel its backend or library does not have (skipped, said why)
+    glue: str = ""  # what an adapter computes around the library's call (bench times it with the call, says so)
+    _fn: Callable | None = None
+
+    @property
+    def fn(self) -> Callable:
+        if self._fn is None:
+            self._fn = self.target if callable(self.target) else _import_target(self.target)
+        return self._fn
+
+    def unavailable(self) -> str | None:
+        return self.requires()
+
+    def precision_on(self, device: str) -> str:
+        """The matmul precision it computes at on ``device``."""
+        p = self.precision
+        return p if isinstance(p, str) else p.get("cuda" if device.startswith("cuda") else device, "ieee")
+
+    def unsupported(self, device: str, dtype: str) -> str | None:
+        why = self.unavailable()
+        if why:
+            return why
+        if device not in self.devices:
+            return f"{self.name} runs on {', '.join(self.devices)}, not {device}"
+        if self.backend == "triton":
+            from mhctool.core.environment import triton_interpreted
+            if device == "cpu" and not triton_interpreted():
+                return "Triton runs on the CPU only through its interpreter (set TRITON_INTERPRET=1)"
+            if device == "cuda" and triton_interpreted():
+                return "TRITON_INTERPRET=1 is set: Triton kernels run on the CPU only"
+        if dtype not in self.dtypes:
+            return f"{self.name} takes {', '.join(self.dtypes)}, not {dtype}"
+        if device == "cpu" and self.backend in ("triton", "external"):
+            # a 16-bit product the interpreter computes wrong would blame the kernel: skipped, said why
+            from mhctool.core import interpreter
+            return interpreter.fault(dtype)
+        return None
+
+    @functools.cached_property
+    def _params(self):
+        try:
+            sig = inspect.signature(self.fn)
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            return None
+        return list(sig.parameters.values())
+
+    def bind(self, knob: str) -> str | int | None:
+        """Where ``knob`` goes in a call, the way Python binds it: its own name or a known alias
+        (``iters`` <-> ``num_iterations``), or, for a positional-only parameter, its position
+        (only right after the family's inputs, in the family's positional-knob order)."""
+        params = self._params
+        if params is None:
+            return knob
+        names = (knob, *KNOB_ALIASES.get(knob, ()))
+        for i, p in enumerate(params):
+            if p.name in names:
+                if p.kind is not p.POSITIONAL_ONLY:
+                    return p.name
+                fam = FAMILIES[self.kernel]
+                expected = len(fam.inputs) + (fam.positional_knobs.index(knob) if knob in fam.positional_knobs else -99)
+                return i if i == expected else None
+        return None
+
+    def accepts(self, knob: str) -> bool:
+        return self.bind(knob) is not None
+
+
+# other names public kernels give a knob (Megatron's fused_sinkhorn takes ``num_iterations``)
+KNOB_ALIASES: dict[str, tuple[str, ...]] = {
+    "iters": ("num_iterations", "num_iters", "iterations", "n_iters", "sinkhorn_iters"),
+    "eps": ("epsilon",),
+    "transpose_res": ("transpose", "h_res_transposed"),
+}
+
+
+def _import_target(target: str) -> Callable:
+    mod_name, _, fn_name = target.partition(":")
+    return getattr(importlib.import_module(mod_name), fn_name)

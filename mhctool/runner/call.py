@@ -1,0 +1,242 @@
+"""One call of an implementation on a case's inputs: forward, then backward with the seeded
+upstream gradients, its outputs conformed to the family's contract, every failure a result (a
+refusal, a raise, an exit); and the float64 reference's call."""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from mhctool.core import cuda_context
+from mhctool.core import inputs as inputs_mod
+from mhctool.core.dtypes import FORMATS, dtype_named, fmt_of
+from mhctool.core.errors import system_exit_message
+from mhctool.core.poison import poisoning
+from mhctool.registry.builtin import native_impl
+from mhctool.registry.families import MATMUL_KERNELS, Family, get_family
+from mhctool.registry.impl import Impl
+from mhctool.runner.case import Case, ImplResult
+
+# exception classes (by name or by the module they come from) that mean "this implementation does
+# not take this case": an assert on a shape or a dtype, a kernel compiler refusing the shape
+_LIMIT_TYPES = (AssertionError, NotImplementedError)
+
+
+_COMPILER_MODULES = ("tilelang", "tvm", "tvm_ffi", "triton.compiler", "cuda.tile")
+
+
+def refusal(e: BaseException) -> bool:
+    """True for an exception by which an outside implementation refuses a case it does not take
+    (its own ``assert``, ``NotImplementedError``, or its kernel compiler's error at that shape), as
+    opposed to a failure: the case is skipped with the implementation's own words and judged at
+    the other shapes (an implementation refusing every case is still judged on nothing, a failure)."""
+    if isinstance(e, _LIMIT_TYPES):
+        return True
+    for cls in type(e).__mro__:  # raised by a kernel compiler (not, say, torch.compile's failures)
+        module = cls.__module__ or ""
+        if any(module == m or module.startswith(m + ".") for m in _COMPILER_MODULES):
+            return True
+    return False
+
+
+def short_error(e: BaseException) -> str:
+    """The error in one line; compiler errors put the cause after the first line, so keep it."""
+    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
+    return " | ".join(lines)[:1500]
+
+
+def _cast_inputs(fam: Family, raw: dict, case: Case) -> dict:
+    return cast_inputs(fam, raw, case.dtype, case.device)
+
+
+def cast_inputs(fam: Family, raw: dict, dtype: str, device: str) -> dict:
+    """The family's inputs in call order: activations at ``dtype``, mapping tensors in fp32,
+    integer tensors (token counts, masks) as generated; absent ones None."""
+    act = FORMATS[dtype].torch_dtype
+    out = {}
+    for name in fam.inputs:
+        t = raw.get(name)
+        if t is None:
+            out[name] = None
+            continue
+        if not t.is_floating_point():  # token counts, masks: as generated
+            out[name] = t.to(device=device).contiguous()
+            continue
+        out[name] = t.to(dtype=torch.float32 if name in fam.mapping else act, device=device).contiguous()
+    return out
+
+
+def _leaf(fam: Family, base: dict, dtype=None) -> dict:
+    out = {}
+    for name, t in base.items():
+        if t is None:
+            out[name] = None
+            continue
+        if not t.is_floating_point():
+            out[name] = t.detach().clone()
+            continue
+        t = t.detach().clone() if dtype is None else t.detach().to(dtype)
+        out[name] = t.requires_grad_(name in fam.differentiable)
+    return out
+
+
+def _grad_inputs(fam: Family, args: dict) -> list[str]:
+    return [k for k in fam.differentiable if args.get(k) is not None]
+
+
+def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Tensor], fn=None):
+    """The float64 reference (``fn``: another function of the family's signature) and its gradients."""
+    args = _leaf(fam, base, torch.float64)
+    outs = fam.call(fn or fam.reference, args, knobs, lambda k: True)
+    names = _grad_inputs(fam, args)
+    if fam.forward_only or not names:
+        return [o.detach() for o in outs], {}
+    # autograd's device thread gets the context first (under --ranks this is the process's first
+    # backward on the GPU, and cuBLAS warned that it had none)
+    grads = torch.autograd.grad(cuda_context.bound(list(outs)), [args[k] for k in names],
+                                [u.double() for u in upstream])
+    return [o.detach() for o in outs], dict(zip(names, grads))
+
+
+def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expect=None) -> ImplResult:
+    """Forward, then backward with the upstream gradients ``upstream_fn(outputs)``. ``expect``:
+    the contract's (shape, dtype, device) per output; outputs are conformed to it by value."""
+    res = ImplResult()
+    args = _leaf(fam, base)
+    try:
+        with poisoning(True):
+            outs = list(fam.call(impl.fn, args, knobs, impl.accepts, impl.bind))
+    except SystemExit as e:  # code under test never decides mhctool's exit code
+        res.fwd_error = system_exit_message(e)
+        return res
+    except Exception as e:  # an implementation that raises is a failed case, not a crash
+        res.fwd_error = short_error(e)
+        if impl.backend == "external" and refusal(e):
+            res.fwd_refused = res.fwd_error  # parity skips it; elsewhere it is an error as before
+        return res
+    if expect is not None:
+        outs, problem = conform_outputs(fam, outs, expect, res.returned)
+        if problem:
+            res.fwd_error = problem
+            return res
+    res.outputs = [o.detach() for o in outs]
+    if fam.forward_only:
+        return res
+    outs = cuda_context.bound(outs)  # autograd's device thread gets the context before the impl's backward
+    names = _grad_inputs(fam, args)
+    if not any(o.requires_grad for o in outs):
+        res.bwd_unsupported = "no backward: its outputs carry no autograd graph"
+        return res
+    try:
+        with poisoning(True):
+            grads = torch.autograd.grad(
+                [o for o in outs if o.requires_grad],
+                [args[k] for k in names],
+                [u for o, u in zip(outs, upstream_fn(outs)) if o.requires_grad],
+                allow_unused=True,
+            )
+    except SystemExit as e:
+        res.bwd_error = system_exit_message(e)
+        return res
+    except Exception as e:
+        if impl.backend == "external" and refusal(e):
+            res.bwd_unsupported = f"its backward refuses this case: {short_error(e)}"
+        else:
+            res.bwd_error = short_error(e)
+        return res
+    missing = [k for k, g in zip(names, grads) if g is None]
+    if missing:
+        res.bwd_error = f"no gradient for {', '.join(missing)}"
+        return res
+    res.grads = {k: g.detach() for k, g in zip(names, grads)}
+    return res
+
+
+def named_tensors(fam: Family, outputs: list | None, grads: dict | None) -> dict[str, torch.Tensor]:
+    """Outputs by the family's names and gradients as ``grad_<input>``: the report's tensor names."""
+    return dict(zip(fam.outputs, outputs or [])) | {f"grad_{k}": g for k, g in (grads or {}).items()}
+
+
+def output_specs(outs: list[torch.Tensor]) -> list[tuple]:
+    """What the contract expects of each output: (shape, dtype, device), from the native outputs."""
+    return [(tuple(o.shape), o.dtype, str(o.device)) for o in outs]
+
+
+def conform_outputs(fam: Family, outs, expect: list[tuple], returned: dict) -> tuple[list, str | None]:
+    """Outputs judged by value: a shape that differs from the contract's only by size-1 dimensions
+    is reshaped, another floating dtype is converted to the contract's (its error is then judged
+    by the contract's threshold: a lower precision is not excused) and named in ``returned``.
+    What cannot be judged (count, non-tensor, element count, device, a non-float) is the problem."""
+    required = len(expect) - len(fam.optional_outputs)
+    if not required <= len(outs) <= len(expect):
+        counted = f"{required} to {len(expect)}" if required < len(expect) else str(len(expect))
+        return outs, f"returned {len(outs)} outputs, expected {counted} ({', '.join(fam.outputs)})"
+    conformed = []
+    for name, o, (shape, dtype, device) in zip(fam.outputs, outs, expect):
+        if not isinstance(o, torch.Tensor):
+            return outs, f"output {name} is {type(o).__name__}, not a tensor"
+        if str(o.device) != device:
+            return outs, f"output {name} is on {o.device}, expected {device}"
+        if tuple(o.shape) != shape:
+            if [d for d in o.shape if d != 1] != [d for d in shape if d != 1]:
+                return outs, f"output {name} has shape {tuple(o.shape)}, expected {shape}"
+            o = o.reshape(shape)
+        if o.dtype != dtype:
+            if not (o.is_floating_point() and dtype.is_floating_point):
+                return outs, f"output {name} has dtype {o.dtype}, expected {dtype}"
+            returned[name] = fmt_of(o.dtype).name
+            o = o.to(dtype)
+        conformed.append(o)
+    return conformed, None
+
+
+def isolated_impl(kernel: str, spec: str, name: str, base: dict, knobs: dict, upstream: list, expect: list) -> dict:
+    """The job an isolation worker runs: resolve ``spec`` for ``kernel`` there, and run ``name``."""
+    from mhctool.registry.specs import resolve_one
+    impl = resolve_one(kernel, spec, name)
+    return run_impl(get_family(kernel), impl, base, knobs, lambda outs: upstream, expect).to_dict()
+
+
+def native_at(kernel: str, precision: str) -> Impl:
+    nat = native_impl(kernel)
+    if precision == "ieee" or kernel not in MATMUL_KERNELS:
+        return nat
+    fn = functools.partial(nat.fn, matmul_precision=precision)
+    return replace(nat, name=f"torch-{precision}", target=fn, _fn=fn, precision=precision)
+
+
+INPUT_DTYPES = ("activation", "fp32", "bf16", "fp16")
+
+
+def declared_inputs(base: dict, cast: dict, dtype: str) -> tuple[dict, dict]:
+    """(the inputs an implementation is given, the same values at the contract's dtypes): each
+    input named in ``cast`` (name -> ``activation``, the case's dtype, or a format name) converted,
+    so that the float64 reference and the native baseline see the values it sees (its rounding of
+    an input is no error of its own)."""
+    given, rounded = dict(base), dict(base)
+    for name, want in cast.items():
+        t = base.get(name)
+        if t is None or not t.is_floating_point():
+            continue
+        given[name] = t.to(dtype_named(want, dtype))
+        rounded[name] = given[name].to(t.dtype)
+    return given, rounded
+
+
+def contract_grads(res: ImplResult, base: dict) -> ImplResult:
+    """Gradients of inputs given in another dtype, converted to the contract's (each judged by the
+    contract's threshold: a lower precision is not excused), the dtype they came in recorded."""
+    for name, g in (res.grads or {}).items():
+        want = base[name].dtype
+        if g.dtype != want:
+            res.returned[f"grad_{name}"] = fmt_of(g.dtype).name
+            res.grads[name] = g.to(want)
+    return res
+
+
+def upstream_for(fam: Family, outputs: list, seed: int) -> list:
+    """Seeded upstream gradients; zero for the family's optional outputs."""
+    ups = inputs_mod.upstream_grads(outputs, seed)
+    first_optional = len(fam.outputs) - len(fam.optional_outputs)
+    return [u if i < first_optional else torch.zeros_like(u) for i, u in enumerate(ups)]

@@ -1,0 +1,47 @@
+"""Which implementations of a case run in isolation workers, and under what time limit: the
+object the pool and the commands hand the one-case runner (``isolation=``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mhctool.registry.impl import Impl
+from mhctool.runner.case import Case, ImplResult, default_timeout, footprint
+from mhctool.spread.isolation import Worker
+
+
+@dataclass
+class Isolation:
+    """Implementations under test run in worker processes (one per implementation, replaced after
+    a crash, a fatal CUDA error or a time-out), so what they do to a process becomes a failed row.
+    ``case_timeout`` None: :func:`mhctool.runner.case.default_timeout` of each case's footprint."""
+
+    transport: str = "shm"
+    case_timeout: float | None = None
+    interrupted: object = staticmethod(lambda: False)
+    workers: dict = field(default_factory=dict)
+    own: bool = True  # False: mhctool's own implementations run in this process (a pool worker's first run of a case)
+
+    def isolates(self, impl: Impl) -> bool:
+        """Whether ``impl`` runs in a worker of its own: every one, or with ``own`` False the external ones."""
+        return self.own or impl.backend == "external"
+
+    def call(self, impl: Impl, target: str, args: tuple, footprint_bytes: float, device: str):
+        """Run ``target(*args)`` in ``impl``'s worker (started on first use) under the case time limit."""
+        worker = self.workers.get(impl.name)
+        if worker is None:
+            worker = self.workers[impl.name] = Worker(self.transport)
+        timeout = self.case_timeout or default_timeout(footprint_bytes, device, impl.backend == "external")
+        return worker.call(target, args, timeout=timeout, interrupted=self.interrupted)
+
+    def run(self, case: Case, impl: Impl, base: dict, knobs: dict, upstream: list, expect: list) -> ImplResult:
+        value, failure = self.call(impl, "mhctool.runner.call:isolated_impl",
+                                   (case.kernel, impl.spec or impl.name, impl.name, base, knobs, upstream, expect),
+                                   footprint(case), case.device)
+        if failure is not None:
+            return ImplResult(fwd_error=failure.message, failure=failure.kind)
+        return ImplResult(**value)
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.stop()
+        self.workers.clear()

@@ -1,0 +1,42 @@
+"""The fork server every worker process is forked from: what it imports once for all of them,
+the variables it started with, and its start in the background at a command's start."""
+from __future__ import annotations
+
+import os
+import threading
+
+# what the fork server imports once for all the processes forked from it (workers, isolation
+# workers, ranks): torch, with mhctool.spread.isolation; and the module PyTorch's autograd imports at its
+# first grad with given gradients, which imports sympy: 0.25 s a process on a CPU machine, 3 s on
+# the GPU machine, whose packages have no compiled bytecode (there it was most of every worker's
+# "native first call"); on a GPU machine, Triton's hash of itself (mhctool.spread.prewarm). A module that
+# fails to import is left out (the server goes on).
+FORKSERVER_PRELOAD = ["mhctool.spread.isolation", "torch.fx.experimental.symbolic_shapes", "mhctool.spread.preload"]
+
+_forkserver_env: dict | None = None  # the variables the fork server started with
+
+
+def forkserver_started(environ) -> None:
+    """Note the variables of the fork server as it starts (the first call wins)."""
+    global _forkserver_env
+    if _forkserver_env is None:
+        _forkserver_env = dict(environ)
+
+
+def forkserver_has(name: str, value: str) -> bool:
+    """Whether the fork server started with ``name=value`` (its children then have it too)."""
+    return _forkserver_env is not None and _forkserver_env.get(name) == value
+
+
+def start_forkserver() -> None:
+    """Start this process's fork server in the background (nothing where it runs already, or where
+    there is no fork server): the first child forked from it then waits only for what is left of
+    its imports. A pool worker that isolates starts its own at its first case, while the case's
+    inputs, reference and native run come first (its isolation workers are forked from it)."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+    if "forkserver" not in mp.get_all_start_methods():
+        return
+    forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
+    forkserver_started(os.environ)
+    threading.Thread(target=forkserver.ensure_running, name="mhctool-forkserver", daemon=True).start()
