@@ -173,7 +173,6 @@ def test_sinkhorn_example_in_the_docstring_runs():
 def test_the_native_run_is_measured_once_a_baseline(monkeypatch):
     """The native run's metrics are taken when its baseline is made and kept for its own rows
     (measuring them again cost a third of judging): one measurement a tensor of the report."""
-    from mhctool.runner import run as runner
     calls = []
     from mhctool.runner import baseline
     real = baseline.measure

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from mhctool.registry.families import KERNELS, MOE_KERNELS
-from mhctool.registry.impl import Impl, _import_target
+from mhctool.registry.impl import Impl, import_target
 
 
 def _triton_requires() -> str | None:
@@ -49,10 +49,10 @@ def _compiled(target: str) -> Callable:
 
     def run(*args, **kwargs):
         if "fn" not in cache:
-            cache["fn"] = torch.compile(_import_target(target), dynamic=False)
+            cache["fn"] = torch.compile(import_target(target), dynamic=False)
         return cache["fn"](*args, **kwargs)
 
-    run.__signature__ = inspect.signature(_import_target(target))  # type: ignore[attr-defined]
+    run.__signature__ = inspect.signature(import_target(target))  # type: ignore[attr-defined]
     return run
 
 

@@ -12,24 +12,6 @@ from mhctool.core.errors import UsageError
 from mhctool.registry.families import FAMILIES, signature
 
 
-def check_callable(impl: "Impl") -> None:
-    """A UsageError naming the family's signature when ``impl`` cannot be called with the family's
-    inputs and the knobs it takes (Python binds the parameters before it runs: no case would
-    judge anything)."""
-    fam = FAMILIES[impl.kernel]
-    try:
-        sig = inspect.signature(impl.fn)
-    except (TypeError, ValueError):
-        return
-    # the call's arguments, each named by what it stands for
-    pos, kw = fam.arguments({k: k for k in fam.inputs}, {k: k for k in fam.knobs}, impl.accepts, impl.bind)
-    try:
-        sig.bind(*pos, **kw)
-    except TypeError as e:
-        raise UsageError(f"--impl {impl.name} cannot be called as {impl.kernel}: {e}; expected {signature(fam)}") \
-            from None
-
-
 @dataclass
 class Impl:
     """One implementation of a family."""
@@ -63,7 +45,7 @@ class Impl:
     @property
     def fn(self) -> Callable:
         if self._fn is None:
-            self._fn = self.target if callable(self.target) else _import_target(self.target)
+            self._fn = self.target if callable(self.target) else import_target(self.target)
         return self._fn
 
     def unavailable(self) -> str | None:
@@ -133,6 +115,25 @@ KNOB_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _import_target(target: str) -> Callable:
+def import_target(target: str) -> Callable:
+    """``"module:function"`` -> the function (a built-in implementation's target)."""
     mod_name, _, fn_name = target.partition(":")
     return getattr(importlib.import_module(mod_name), fn_name)
+
+
+def check_callable(impl: Impl) -> None:
+    """A UsageError naming the family's signature when ``impl`` cannot be called with the family's
+    inputs and the knobs it takes (Python binds the parameters before it runs: no case would
+    judge anything)."""
+    fam = FAMILIES[impl.kernel]
+    try:
+        sig = inspect.signature(impl.fn)
+    except (TypeError, ValueError):
+        return
+    # the call's arguments, each named by what it stands for
+    pos, kw = fam.arguments({k: k for k in fam.inputs}, {k: k for k in fam.knobs}, impl.accepts, impl.bind)
+    try:
+        sig.bind(*pos, **kw)
+    except TypeError as e:
+        raise UsageError(f"--impl {impl.name} cannot be called as {impl.kernel}: {e}; expected {signature(fam)}") \
+            from None

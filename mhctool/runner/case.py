@@ -125,3 +125,15 @@ def default_timeout(footprint_bytes: float, device: str, external: bool = False)
     shape, and every case of a scenario is a new shape; a hang is still caught."""
     t = 120.0 + 30.0 * footprint_bytes / 2**30 + (COMPILE_ALLOWANCE_S if external else 0.0)
     return t * (4.0 if device == "cpu" else 1.0)
+
+
+def row_fields(case: Case, shape: Shape, impl: Impl, precision: str, knobs: dict, sharding=None) -> dict:
+    """The columns that name a row's case, implementation and knobs (every row of the case has them)."""
+    return {
+        "scenario": case.scenario, "case_id": case.case_id, "kernel": case.kernel,
+        "impl": impl.name, "backend": impl.backend, "precision": precision,
+        "family": case.family, "dtype": case.dtype, "dtype_out": None, "shape": str(shape),
+        "knobs": json.dumps(knobs, sort_keys=True), "seed": case.seed, "device": case.device,
+        **(sharding.row() if sharding is not None else {}),
+    }
+

@@ -12,9 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
+from mhctool.core import inputs as inputs_mod
 from mhctool.core.dtypes import fmt_of
 from mhctool.core.metrics import ulp_size
+from mhctool.core.shapes import Shape
+from mhctool.registry.builtin import native_impl
 from mhctool.registry.families import Family
+from mhctool.registry.impl import Impl
+from mhctool.runner.baseline import _Baseline
+from mhctool.runner.call import (
+    _cast_inputs,
+    named_tensors,
+    output_specs,
+    run_impl,
+    run_reference,
+    short_error,
+)
+from mhctool.runner.case import Case, ImplResult, device_memory, footprint, row_fields
 
 CHECKS = ("determinism", "batch-invariance")
 
@@ -284,3 +298,114 @@ def batch_rows(row_base: dict, fam: Family, full: dict[str, torch.Tensor], total
                          "metric": "batch_variant", "value": math.nan, "threshold": None, "passed": None,
                          "rule": "batch-invariance", "message": f"{name} sums over tokens by definition: not compared"})
     return rows
+
+
+class CaseChecks:
+    """The determinism and batch-invariance checks of one case (mhctool.repro): reruns of each
+    implementation on the same inputs, and runs on the batch variants of the case."""
+
+    def __init__(self, fam: Family, case: Case, shape: Shape, base: dict, nat_base: "_Baseline",
+                 checks: tuple[str, ...], repeats: int):
+        self.fam, self.case, self.shape, self.base, self.checks, self.repeats = fam, case, shape, base, checks, repeats
+        self.total = token_count(fam, base) if fam.name in TOKEN_DIMS else None
+        self.note = CPU_NOTE if case.device == "cpu" else None
+        self.batch = "batch-invariance" in checks and bool(self.total)
+        self.upstream = nat_base.upstream
+        self.out_specs = output_specs(nat_base.native.outputs)
+
+    def variants(self):
+        """The batch variants with the outputs' expected layout (from the native run of each),
+        built when needed and dropped after: at the paper shape one of them is as large as the case."""
+        case, fam = self.case, self.fam
+        _, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict,
+                                     draw_on=case.device)
+        others = _cast_inputs(fam, raw, case)
+        del raw
+        others_up = inputs_mod.upstream_grads([torch.empty(sh, dtype=dt, device=dev) for sh, dt, dev in self.out_specs],
+                                              case.seed + 1)
+        vs = variants(fam, self.base, self.upstream, others, others_up)
+        del others, others_up
+        native = native_impl(case.kernel)
+        while vs:
+            v = vs.pop(0)
+            r = run_impl(fam, native, v.base, case.knob_dict, lambda outs, v=v: v.upstream)
+            expect = output_specs(r.outputs) if r.outputs is not None else None
+            del r
+            yield v, expect
+
+    def _named(self, res: ImplResult) -> dict[str, torch.Tensor]:
+        return named_tensors(self.fam, res.outputs, res.grads)
+
+    def rows(self, row_base: dict, first: ImplResult, upstream: list, again, gated: bool = True) -> list[dict]:
+        """The check rows of one implementation; ``gated`` False: recorded, never failing (the
+        baseline and the reference, when they are not the implementations under test). A check
+        that cannot run (out of memory, an error of mhctool's own) is one failed row, never a crash."""
+        try:
+            out = self._rows(row_base, first, upstream, again)
+        except Exception as e:  # noqa: BLE001 - the run goes on
+            if self.case.device == "cuda":
+                torch.cuda.empty_cache()
+            out = [{**row_base, "direction": "fwd", "tensor": "*", "metric": "error", "value": math.nan,
+                    "threshold": None, "passed": False, "rule": "/".join(self.checks),
+                    "message": f"the reproducibility check could not run: {short_error(e)}"}]
+        if self.case.device == "cuda":
+            torch.cuda.empty_cache()
+        if not gated:
+            for r in out:
+                if r["passed"] is False:
+                    r["message"] = f"(baseline, not gated) {r['message']}"
+                r["passed"] = None
+        return out
+
+    def _rows(self, row_base: dict, first: ImplResult, upstream: list, again) -> list[dict]:
+        out = []
+        full = self._named(first)
+        # batch invariance needs a second run of the same batch too: a tensor that differs run to
+        # run cannot be judged across batch sizes. Each run is compared, then dropped.
+        reruns = self.repeats - 1 if "determinism" in self.checks else (1 if self.batch else 0)
+        tallies = {n: Tally(t) for n, t in full.items()}
+        error = None
+        for _ in range(reruns):
+            r = again(self.base, upstream, output_specs(first.outputs))
+            if r.fwd_error or r.bwd_error:
+                error = r.fwd_error or r.bwd_error
+                break
+            for n, t in self._named(r).items():
+                tallies[n].add(t)
+            del r
+        unsteady = {n for n, t in tallies.items() if t.fraction}
+        if "determinism" in self.checks:
+            if error:
+                out.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "nondeterministic",
+                            "value": math.nan, "threshold": 0.0, "passed": False, "rule": "determinism",
+                            "message": f"a repeated run failed: {error}"})
+            else:
+                out.extend(determinism_rows(row_base, tallies, self.repeats, self.note))
+        del tallies
+        if self.batch:
+            results = []
+            for v, expect in self.variants():
+                if expect is None:
+                    results.append((v, None, "the native implementation failed on it"))
+                    continue
+                r = again(v.base, v.upstream, expect)
+                err = r.fwd_error or r.bwd_error
+                results.append((v, None if err else compare_batch(self.fam, full, v, self._named(r)), err))
+                v.base = v.upstream = None  # keep the label and positions only
+                del r
+            out.extend(batch_rows(row_base, self.fam, full, self.total, results, unsteady))
+        return out
+
+    def reference_rows(self, knobs: dict) -> list[dict]:
+        """The float64 reference under the same checks: is PyTorch itself reproducible here?"""
+        ref = Impl("float64", self.case.kernel, "reference", self.fam.reference)
+        row_base = row_fields(self.case, self.shape, ref, "ieee", knobs)
+        if 3 * footprint(self.case) > device_memory(self.case.device):
+            return [{**row_base, "direction": "fwd", "tensor": "*", "metric": "unsupported", "value": math.nan,
+                     "threshold": None, "passed": None, "rule": "unsupported",
+                     "message": "the float64 reference is not rerun at this shape: three copies do not fit"}]
+
+        def again(b, ups, expect):
+            outs, grads = run_reference(self.fam, b, knobs, ups)
+            return ImplResult(outputs=outs, grads=grads)
+        return self.rows(row_base, again(self.base, self.upstream, None), self.upstream, again, gated=False)

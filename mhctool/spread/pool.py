@@ -206,11 +206,11 @@ def job_timeout(job: Job, impls: int) -> float:
 def lost_rows(job: Job, impl_names: list[tuple[str, str]], why: str) -> list[dict]:
     """One error row per implementation and direction: the case's worker died twice, the second
     time with every implementation isolated, so mhctool's own part of the case is what failed."""
-    from mhctool.runner.run import _row_base
+    from mhctool.runner.case import row_fields
     from mhctool.registry.impl import Impl
     rows = []
     for name, backend in impl_names:
-        base = _row_base(job.case, job.case.shape, Impl(name, job.case.kernel, backend, name), "ieee",
+        base = row_fields(job.case, job.case.shape, Impl(name, job.case.kernel, backend, name), "ieee",
                          job.case.knob_dict)
         for direction in ("fwd", "bwd"):
             rows.append({**base, "direction": direction, "tensor": "*", "metric": "error", "value": math.nan,
