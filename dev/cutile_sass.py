@@ -1,6 +1,6 @@
 """A cuTile kernel's SASS for sm_90 without a GPU: register spills and instruction counts.
 
-cuTile's front end exports Tile IR bytecode on any machine (what tests/test_cutile.py does);
+cuTile's front end exports Tile IR bytecode on any machine (what tests/kernels/test_cutile.py does);
 `tileiras` (in the device bundle's tile toolkit) compiles that to a cubin for a named GPU, and
 `nvdisasm` (the `nvidia-cuda-nvdisasm` wheel) prints its SASS. On the CPU machine:
 

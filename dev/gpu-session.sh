@@ -323,8 +323,8 @@ firstcalls)
         python3 dev/first_calls.py "$impl" --scenario "scenarios/$sc.toml" --kernels "$k" --devices 0 2>&1 | grep -E "^(pass|all|Traceback)"
       done
     done
-    step "pytest tests/test_sharded.py (two GPUs)"
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_sharded.py -k cuda 2>&1 | tail -4
+    step "pytest tests/spread/test_sharded.py (two GPUs)"
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/spread/test_sharded.py -k cuda 2>&1 | tail -4
   } 2>&1 | tee "$out/firstcalls.log"
   ;;
 bench)

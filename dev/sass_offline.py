@@ -9,8 +9,8 @@ registers and 18.7 KB of shared memory as ncu on the H200 for the FMA h_post_bda
 
 Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias), the
 registers, shared memory and the instruction histogram of the main loop; with ``--proj-agg``, the
-projection backward with mix_aggregate's aggregation term at its shipped tile and others, its
-loads (and dx's store) by TMA or by pointers (registers, shared memory, spills). Pointers and C
+projection backward with mix_aggregate's aggregation term at its shipped tile and others
+(registers, shared memory, spills). Pointers and C
 are declared 16-byte divisible, as Triton specialises them at launch: without that the loads are
 neither vectorised nor pipelined and the figures mean nothing.
 """
@@ -67,27 +67,21 @@ def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
 
 def proj_agg() -> None:
     """The bf16 projection backward (``proj_rms._proj_rms_bwd_packed``) with mix_aggregate's
-    aggregation term (n = 4, C a whole number of K blocks), its loads by TMA (host tensor
-    descriptors, ``AGG_TMA``) or by pointers, at the shipped tile and at others: registers, shared
-    memory, spill loads / stores."""
+    aggregation term (n = 4, C a whole number of K blocks), at the shipped tile and at others:
+    registers, shared memory, spill loads / stores."""
     from kernels.triton import proj_rms as pr
     bm, bk, split, warps, stages = pr.LOWP_TILE
-    shipped = ((bm, bk, warps, pr.AGG_TMA_STAGES, True, pr.TMA_STORE) if pr.AGG_TMA
-               else (bm, bk, warps, min(stages, pr.AGG_STAGES), False, False))
-    for tile in (shipped, (bm, bk, warps, 2, True, True), (bm, bk, warps, 3, True, False),
-                 (bm, bk, warps, 3, False, False), (bm, bk, 8, 3, False, False), (bm, bk, warps, 2, False, False),
-                 (32, bk, warps, 3, False, False), (bm, 64, warps, 3, False, False)):
-        b_m, b_k, w, st, tma, store = tile
-        desc = (lambda cols: f"tensordesc<bf16[{b_m},{cols}]>") if tma else (lambda cols: "*bf16")
-        sig = {"x_ptr": desc(b_k), "w_ptr": "*bf16", "hi_ptr": desc(32), "lo_ptr": desc(32), "cf_ptr": "*fp32",
-               "dx_ptr": desc(b_k) if store else "*bf16", "ws_ptr": "*fp32", "hp_ptr": "*fp32", "go_ptr": desc(b_k),
+    shipped = (bm, bk, warps, min(stages, pr.AGG_STAGES))
+    for tile in (shipped, (bm, bk, 8, 3), (bm, bk, warps, 2), (32, bk, warps, 3), (bm, 64, warps, 3)):
+        b_m, b_k, w, st = tile
+        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "hi_ptr": "*bf16", "lo_ptr": "*bf16", "cf_ptr": "*fp32",
+               "dx_ptr": "*bf16", "ws_ptr": "*fp32", "hp_ptr": "*fp32", "go_ptr": "*bf16",
                "C": "i32", "M": "i32", "K": "i32", "N": "i32"}
-        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True, TMA=tma, DX_TMA=store,
-                  GROUP=pr.GROUP_STREAMS)
+        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True, GROUP=pr.GROUP_STREAMS)
         res, sass = compile_sm90(pr._proj_rms_bwd_packed, sig, ce, w, st,
                                  divisible=[k for k in sig if k.endswith("_ptr")] + ["C", "K"])
         spills = f"LDL {len(re.findall(r'[^A-Z]LDL', sass))}, STL {len(re.findall(r'[^A-Z]STL', sass))}"
-        print(f"(BLOCK_M, BLOCK_K, warps, stages, TMA loads, TMA store) {tile}"
+        print(f"(BLOCK_M, BLOCK_K, warps, stages) {tile}"
               f"{' (shipped)' if tile == shipped else ''}: {res}; {spills}")
 
 

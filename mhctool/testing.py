@@ -20,7 +20,7 @@ import pyarrow as pa
 from mhctool.analyses import parity as engine
 from mhctool.registry import families as registry
 from mhctool.registry.builtin import native_impl
-from mhctool.core import report
+from mhctool.core import findings
 from mhctool.cli.kit import device as _device
 from mhctool.registry.impl import Impl
 
@@ -60,8 +60,7 @@ class ParityResult:
     @property
     def failures(self) -> list[dict]:
         """Failed verdicts, worst first (an error before any measurement, then by margin)."""
-        failed = [v for v in self.verdicts if v["passed"] is False]
-        return sorted(failed, key=lambda v: -v["worst_margin"] if not math.isnan(v["worst_margin"]) else 0.0)
+        return findings.worst_first([v for v in self.verdicts if v["passed"] is False])
 
     @property
     def judged(self) -> int:
@@ -153,7 +152,7 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
     asked = [i.name for i in p.impls[p.cases[0].kernel]]
     if not asked:  # "torch" asked for: the native implementation judges itself against float64
         asked = [native_impl(kernel).name]
-    verdicts = [v for v in report.verdicts(table) if v["impl"] in asked]
+    verdicts = [v for v in findings.verdicts(table) if v["impl"] in asked]
     result = ParityResult(table, verdicts, asked, engine.settings(p, outcome), p)
     for sink in list(_sinks):
         sink(result)

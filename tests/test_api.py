@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 import mhctool
 from mhctool.core import report
+from mhctool.core.findings import verdicts
 from mhctool.cli.app import app
 from mhctool.testing import ParityResult, assert_parity, check_parity
 
@@ -102,7 +103,7 @@ def test_cli_and_api_give_the_same_verdicts_row_by_row(tmp_path):
     key = ("case_id", "impl", "direction", "tensor", "metric", "value", "threshold", "passed", "rule")
     norm = [lambda r: tuple("nan" if v != v else v for v in (r[k] for k in key))] * 2
     assert sorted(map(norm[0], cli_rows), key=repr) == sorted(map(norm[1], api_rows), key=repr)
-    cli_verdicts = {(v["case_id"], v["direction"]): v["passed"] for v in report.verdicts(report.read(path)[0])
+    cli_verdicts = {(v["case_id"], v["direction"]): v["passed"] for v in verdicts(report.read(path)[0])
                     if v["impl"] == spec}
     assert cli_verdicts == {(v["case_id"], v["direction"]): v["passed"] for v in api.verdicts}
     assert not api.passed and any(v is False for v in cli_verdicts.values())

@@ -10,7 +10,7 @@ keyed by everything that decides them:
 
 - the source of every file of ``mhctool.kernels``, and the plain values (numbers, strings, enums,
   tuples of them) at the top of the cuTile modules and the schedule, which kernels read at compile
-  time (``EL_TILE_IO``);
+  time (``RECIP``);
 - the kernel's module and name, its signature (each argument's dtype, rank, alignment and
   divisibility as the launch specialised it, and each constant's value) and compiler hints;
 - cuda-tile's version, the tileiras compiler's version, and the GPU's compute capability.

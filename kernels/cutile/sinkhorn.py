@@ -8,7 +8,7 @@ memory.
 - Per-token path (n <= ``EL_MAX_N`` = 4, mHC's case): a matrix is a tuple of n^2 ``(BT,)`` tiles,
   one entry across BT tokens, so row and column sums are adds of whole tiles and nothing is
   reduced across lanes. Its reciprocals are ``div.full`` ones, as Triton's (``RECIP``); the forward
-  loads and stores a block as one ``(BT, NP, NP)`` tile, the backward gathers (``EL_TILE_IO``):
+  loads and stores a block as one ``(BT, NP, NP)`` tile, the backward gathers (``FWD_TILE_IO``, ``BWD_TILE_IO``):
   5.5 us / 21.5 us (fwd / bwd, graph replay) at 32768 tokens on an H200, from 15 / 35.
 - Tile path (any n): every matrix of a block of BT tokens is a ``(BT, NP, NP)`` tile (NP = n
   rounded up to a power of two; the load pads with -inf, so padded entries exponentiate to zero,
@@ -144,10 +144,10 @@ EL_MAX_N = 4
 # graph replay: backward 35.3 -> 21.5 us (Triton 22.4), forward 15.1 -> 12.0; largest relative
 # error of the gradient against float64 3.44e-7 -> 3.64e-7 (Triton 3.42e-7); dev/sinkhorn_recip.py
 RECIP = ct.RoundingMode.FULL
-# the per-token path's loads and stores as one (BT, NP, NP) tile a block split into entries, or a
-# gather / scatter per entry: (forward, backward). H200, 32768 tokens, graph replay: the forward
-# 11.5 -> 5.5 us with tiles (Triton 6.0), the backward 21.3 -> 26.7 (dev/sinkhorn_recip.py)
-EL_TILE_IO = (True, False)
+# The per-token path's forward loads and stores a block as one (BT, NP, NP) tile split into entries;
+# its backward gathers and scatters an entry at a time. H200, 32768 tokens, graph replay: the forward
+# 11.5 -> 5.5 us with tiles (Triton 6.0), the backward 21.3 -> 26.7 with them (perf-notes.md)
+FWD_TILE_IO, BWD_TILE_IO = True, False
 
 
 def _line(e, axis, N):
@@ -300,19 +300,19 @@ def _el_init(x, eps, stab, N):
 def _sinkhorn_fwd_el(logits, out, eps: ConstFloat, N: ConstInt, BT: ConstInt, PAIRS: ConstInt, ODD: ConstBool,
                      A: ConstInt, B: ConstInt, STAB: ConstInt, CLAMP: ConstBool):
     tok = ct.bid(0) * BT + ct.arange(BT, dtype=ct.int32)
-    p, _ = _el_init(_el_load(logits, ct.bid(0), tok, N, BT, EL_TILE_IO[0]), eps, STAB, N)
+    p, _ = _el_init(_el_load(logits, ct.bid(0), tok, N, BT, FWD_TILE_IO), eps, STAB, N)
     if ODD:
         p = _el_norm(p, eps, B, CLAMP, N)
     p = _el_pairs(p, eps, PAIRS, A, B, CLAMP, N)
-    _el_store(out, ct.bid(0), tok, p, N, BT, EL_TILE_IO[0])
+    _el_store(out, ct.bid(0), tok, p, N, BT, FWD_TILE_IO)
 
 
 @ct.kernel
 def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT: ConstInt, PAIRS: ConstInt,
                      ODD: ConstBool, A: ConstInt, B: ConstInt, STAB: ConstInt, CLAMP: ConstBool, SEG: ConstInt):
     tok = ct.bid(0) * BT + ct.arange(BT, dtype=ct.int32)
-    x = _el_load(logits, ct.bid(0), tok, N, BT, EL_TILE_IO[1])
-    g = _el_load(grad_out, ct.bid(0), tok, N, BT, EL_TILE_IO[1])
+    x = _el_load(logits, ct.bid(0), tok, N, BT, BWD_TILE_IO)
+    g = _el_load(grad_out, ct.bid(0), tok, N, BT, BWD_TILE_IO)
     p0, sm = _el_init(x, eps, STAB, N)
     start = p0
     if ODD:
@@ -363,7 +363,7 @@ def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT
             for c in ct.static_iter(range(N)):
                 e = r * N + c
                 dx = dx + (sm[e] * (g[e] - tot),)
-    _el_store(grad_in, ct.bid(0), tok, dx, N, BT, EL_TILE_IO[1])
+    _el_store(grad_in, ct.bid(0), tok, dx, N, BT, BWD_TILE_IO)
 
 
 EL_BT = 128  # tokens per program of the per-token path (64: 18.6 / 69.5 us; 256 did not finish compiling)

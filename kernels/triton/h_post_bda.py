@@ -473,7 +473,7 @@ def _n4_kernels(n: int) -> bool:
     than the generic kernel's [tokens, n, C] tiles (200 tokens, C = 67, bf16: 8.8 / 12.2 s forward /
     backward against 0.14 / 0.17 s); there the generic kernel is the default, the same one for
     every shape (so batch invariance holds there too), and the n = 4 kernels run when a tile of
-    theirs is asked for (tests/test_triton.py does, at odd shapes)."""
+    theirs is asked for (tests/kernels/test_triton.py does, at odd shapes)."""
     return n == 4 and not interpreted()
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mhctool.core.poison import empty
 
@@ -200,20 +199,15 @@ def store_split(g, coef, hi_ptr, lo_ptr, cf_ptr, rows, rmask, offs, ROUND: tl.co
 
 @triton.jit
 def _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_K: tl.constexpr, ONE: tl.constexpr, TMA: tl.constexpr = False, m0=0):
+              BLOCK_K: tl.constexpr, ONE: tl.constexpr):
     """mix_aggregate's aggregation part of x's gradient on a ``[rows, k]`` tile of x2d (columns k =
     stream * C + channel, from ``k0``, the K block's first): ``h_pre[t, stream] * grad_out[t,
     channel]``, in fp32. ``ONE`` (C a multiple of BLOCK_K, the paper shape): the program's K block
     lies in one stream, whose h_pre column is one load a row. Otherwise the stream of a column is
-    picked from the row's NS weights by a select per stream (a block may span several). ``TMA``
-    (with ``ONE`` only): ``go_ptr`` is a tensor descriptor of grad_out with a ``[BLOCK_M,
-    BLOCK_K]`` block, ``m0`` the tile's first row (the engine fills rows past M with zeros)."""
+    picked from the row's NS weights by a select per stream (a block may span several)."""
     if ONE:
         st = k0 // C
-        if TMA:
-            go = go_ptr.load([m0, k0 - st * C])
-        else:
-            go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
+        go = tl.load(go_ptr + rows.to(tl.int64)[:, None] * C + (k - st * C)[None, :], mask=mask, other=0.0)
         hs = tl.load(hp_ptr + rows * NS + st, mask=rmask, other=0.0)
         term = hs[:, None] * go.to(tl.float32)
     else:  # (a branch, not code after a return: Triton compiles that too)
@@ -231,7 +225,7 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS: tl.constexpr, BLO
 def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                          NG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                          STAGES: tl.constexpr, NS: tl.constexpr = 0, AGG_ONE: tl.constexpr = False,
-                         TMA: tl.constexpr = False, DX_TMA: tl.constexpr = False, GROUP: tl.constexpr = False):
+                         GROUP: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the split gradient (``_split_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient comes as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -241,14 +235,8 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
     products take (``g^T x`` has M = NG = 32, below their 64).
     ``NS`` > 0 (n streams): mix_aggregate's aggregation gradient of x (``_agg_term``: ``h_pre`` and
     the aggregate's upstream gradient ``grad_out``) added to dx in fp32 before its one rounding, so
-    that no pass writes that gradient and no other adds the two. (dx stored through a TMA tensor
-    descriptor instead of by masked pointer stores took 1.03x as long alone and 1.18x with the
-    aggregation term on an H200: docs/perf-notes.md.) ``TMA``: ``x_ptr``, ``hi_ptr``, ``lo_ptr``
-    (and with the term ``go_ptr``, C a multiple of BLOCK_K) are host tensor descriptors with
-    ``[BLOCK_M, BLOCK_K]``, ``[BLOCK_M, NG]`` and ``[BLOCK_M, BLOCK_K]`` blocks, their tiles loaded
-    by the TMA engine (zeros past M and K, as the masked loads' ``other``: the same bits).
-    ``DX_TMA`` (with ``TMA``): ``dx_ptr`` is a tensor descriptor of dx with a ``[BLOCK_M,
-    BLOCK_K]`` block, each tile stored through it (the engine clips it at M and K). ``GROUP``
+    that no pass writes that gradient and no other adds the two. (Loads and dx's store through TMA
+    tensor descriptors gave the same bits and were no faster: dev/perf-notes.md.) ``GROUP``
     (with the term, C a multiple of BLOCK_K): program i takes K block ``(i % NS) * C / BLOCK_K + i //
     NS``, the NS streams' blocks over the same channels side by side (``GROUP_STREAMS``)."""
     kb = tl.program_id(0)
@@ -267,26 +255,18 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
         rmask = rows < M
         mask = rmask[:, None] & kmask[None, :]
         offs = rows.to(tl.int64)[:, None] * K + k[None, :]
-        if TMA:
-            xl = x_ptr.load([mb * BLOCK_M, k0])
-            g_hi = hi_ptr.load([mb * BLOCK_M, 0])
-            g_lo = lo_ptr.load([mb * BLOCK_M, 0])
-        else:
-            xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
-            goffs = rows.to(tl.int64)[:, None] * NG + cols[None, :]
-            g_hi = tl.load(hi_ptr + goffs, mask=rmask[:, None], other=0.0)
-            g_lo = tl.load(lo_ptr + goffs, mask=rmask[:, None], other=0.0)
+        xl = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        goffs = rows.to(tl.int64)[:, None] * NG + cols[None, :]
+        g_hi = tl.load(hi_ptr + goffs, mask=rmask[:, None], other=0.0)
+        g_lo = tl.load(lo_ptr + goffs, mask=rmask[:, None], other=0.0)
         coef = tl.load(cf_ptr + rows, mask=rmask, other=0.0)
         prod = tl.dot(g_hi, w, tl.dot(g_lo, w))
         xt = tl.trans(xl)
         dwt += tl.dot(xt, g_hi, tl.dot(xt, g_lo, zero))  # a fresh accumulator per chunk (see _dot)
         dx = prod + coef[:, None] * xl.to(tl.float32)
         if NS > 0:
-            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE, TMA, mb * BLOCK_M)
-        if DX_TMA:
-            dx_ptr.store([mb * BLOCK_M, k0], cast(dx, xl.dtype))
-        else:
-            tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
+            dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
+        tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
 
@@ -355,34 +335,10 @@ AGG_STAGES = 3
 # grad_out once: 2.35). mix_aggregate's whole backward in graph replay on an H100 (thirty-first
 # session, docs/perf-notes.md): 2.52 -> 2.37 ms with the pointer loads, 2.42 with the TMA loads.
 GROUP_STREAMS = True
-# Loads by the TMA engine through host tensor descriptors (``_tma_args``: x, the gradient's pieces
-# and grad_out), the same bits as the pointer loads. With the term (AGG_TMA) at two stages they
-# took mix_aggregate's whole backward from 2.69 to 2.52 ms on an H100 in the plain order
-# (thirtieth session), but with the streams side by side the pointer loads at three stages are
-# faster (2.37 against 2.42 ms, both twice in one process). Without the term (PLAIN_TMA: proj_rms,
-# the mapping) TMA was slower at 2, 3 and 4 stages (1.04-1.12x the pointer loads alone). Both off;
-# kept for the sweeps (an H200 may weigh them otherwise) and tested on both paths.
-AGG_TMA = False
-AGG_TMA_STAGES = 2
-PLAIN_TMA = False
-# dx stored through a tensor descriptor too, where the loads are: 1.002x the TMA loads alone with
-# the term on an H100 (dev/agg_tma.py, thirty-first session), so off
-TMA_STORE = False
-
-
-def _tma_args(x2d, hi, lo, go, dx, bm: int, bk: int):
-    """The packed backward's x, pieces, grad_out and dx (either None where not wanted) as host
-    tensor descriptors, or None where TMA cannot address one of them (base or row pitch not a
-    multiple of 16 bytes) or where grad_out's K block would span two streams (C not a multiple of
-    ``bk``)."""
-    ts = [t for t in (x2d, hi, lo, go, dx) if t is not None]
-    if any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(1) != 1 for t in ts):
-        return None
-    if go is not None and go.shape[1] % bk:
-        return None
-    descs = [TensorDescriptor.from_tensor(x2d, [bm, bk]), TensorDescriptor.from_tensor(hi, [bm, hi.shape[1]]),
-             TensorDescriptor.from_tensor(lo, [bm, lo.shape[1]])]
-    return (*descs, *(None if t is None else TensorDescriptor.from_tensor(t, [bm, bk]) for t in (go, dx)))
+# Loads by the TMA engine through host tensor descriptors (x, the gradient's pieces, grad_out) and
+# dx stored through one gave the same bits and were no faster with the streams side by side (2.42
+# against 2.37 ms for mix_aggregate's backward on an H100; 1.04-1.12x without the term): pointer
+# loads only (dev/perf-notes.md, thirtieth and thirty-first sessions; removed in the forty-third).
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
@@ -450,17 +406,11 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                 if hi.shape != (M, ng) or lo.shape != (M, ng) or cf.shape != (M,):
                     raise ValueError(f"proj_rms_backward's pieces are [M, {ng}] twice and [M]; got "
                                      f"{tuple(hi.shape)}, {tuple(lo.shape)} and {tuple(cf.shape)}")
-            descs = (_tma_args(x2d, hi, lo, go_arg if agg is not None else None, dx if TMA_STORE else None, bm, bk)
-                     if (AGG_TMA if agg is not None else PLAIN_TMA) else None)
             if agg is not None and tile_ is None:  # grad_out's tiles take shared memory too
-                stages = AGG_TMA_STAGES if descs else min(stages, AGG_STAGES)
-            # each operand as its descriptor where one was made, else the tensor
-            x_a, hi_a, lo_a, go_a, dx_a = (t if d is None else d
-                                           for d, t in zip(descs or (None,) * 5, (x2d, hi, lo, go_arg, dx)))
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x_a, weight, hi_a, lo_a, cf, dx_a, ws, hp_arg, go_a, c_agg,
+                stages = min(stages, AGG_STAGES)
+            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, c_agg,
                                                              M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
-                                                             TMA=descs is not None, DX_TMA=dx_a is not dx,
                                                              GROUP=GROUP_STREAMS and ns > 0 and c_agg % bk == 0,
                                                              num_warps=warps)
         return (dx, *_finish(ws))

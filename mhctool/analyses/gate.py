@@ -59,7 +59,9 @@ from mhctool.analyses import stability as st
 from mhctool.analyses import scenario as scenario_mod
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
-from mhctool.core.report import judged_nothing, stable, to_table, verdicts
+from mhctool.core.findings import judged_nothing, verdicts
+from mhctool.core.combine import stable
+from mhctool.core.report import to_table
 
 SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train"}
 STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}

@@ -9,6 +9,7 @@ from mhctool.analyses import parity
 from mhctool.registry import families as registry
 from mhctool.registry.impl import Impl
 from mhctool.core import report
+from mhctool.core.findings import verdicts
 from mhctool.cli.kit import fmt, short_impl
 
 
@@ -38,7 +39,7 @@ def verifier(pl, kernel: str, impl, iso):
                       conventions={**pl.conventions, kernel: {**pl.conventions.get(kernel, {}), **conventions}},
                       matmul_precision=precision or pl.matmul_precision, shard=None, planned=None)
         o = parity.execute(sub, iso)
-        bad = [v for v in report.verdicts(report.to_table(o.rows, "hint", "parity", {}))
+        bad = [v for v in verdicts(report.to_table(o.rows, "hint", "parity", {}))
                if v["impl"] == impl.name and v["passed"] is False]
         if not bad:
             return True, None

@@ -228,10 +228,11 @@ def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[
 
 
 def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address, into) -> Outcome:
+    from mhctool.spread import jobs as jobs_mod
     from mhctool.spread import pool
     check_poolable(p)
-    iso = None if isolation is None else pool.IsolationSettings(isolation.transport, isolation.case_timeout)
-    jobs = [pool.Job(c, tuple(p.specs), p.scenario.rule, p.matmul_precision, p.conventions.get(c.kernel),
+    iso = None if isolation is None else jobs_mod.IsolationSettings(isolation.transport, isolation.case_timeout)
+    jobs = [jobs_mod.Job(c, tuple(p.specs), p.scenario.rule, p.matmul_precision, p.conventions.get(c.kernel),
                      tuple(p.checks), p.repeats, iso, p.input_dtypes.get(c.kernel)) for c in p.cases]
     names = [[(i.name, i.backend) for i in [native_impl(c.kernel)] + [i for i in p.impls[c.kernel]
                                                                                  if not i.native]]

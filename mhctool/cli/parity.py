@@ -2,7 +2,6 @@
 :mod:`mhctool.analyses.parity`)."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Optional
 
@@ -43,11 +42,6 @@ def _verdict_table(vs: list[dict], top: int, title: str) -> Table:
     return t
 
 
-def _ordered(vs: list[dict]) -> list[dict]:
-    rank = {False: 0, None: 2, True: 1}
-    return sorted(vs, key=lambda v: (rank[v["passed"]], -(v["worst_margin"] if v["worst_margin"] == v["worst_margin"] else math.inf)))
-
-
 def _check_call_shape(vs: list[dict], outside: list[str]) -> None:
     """An outside implementation whose every case failed because it cannot be called with the
     family's signature, or returns what the contract cannot take, is bad input: one sentence
@@ -62,8 +56,8 @@ def _check_call_shape(vs: list[dict], outside: list[str]) -> None:
 
 
 def _summary(vs: list[dict]) -> tuple[int, int, int]:
-    from mhctool.core import report
-    return report.tally(v["passed"] for v in vs)
+    from mhctool.core.findings import tally
+    return tally(v["passed"] for v in vs)
 
 
 @_guard
@@ -102,6 +96,7 @@ def parity(
     prewarm.start(device)  # Triton's hash of itself, on a thread
     clikit.precheck(kernel, _split([dtype]) if dtype else None, shape, device)
     from mhctool.core import report
+    from mhctool.core.findings import baseline_findings, counts, judged_nothing, outside_impls, skipped_everywhere, verdicts, worst_first
     report.check_writable(out_path)
     dev = _device(device)
     if kernel is None and scenario is not None:  # the scenario's kernels
@@ -152,8 +147,8 @@ def parity(
     table = parity_mod.table(pl, o, kernel=kernel, device=dev, isolate=iso is not None,
                              case_timeout=case_timeout, workers=n_workers, backend=backend)
     path = report.write_atomic(table, out_path)
-    vs = _ordered(report.verdicts(table))
-    _check_call_shape(vs, report.outside_impls(table))
+    vs = worst_first(verdicts(table))
+    _check_call_shape(vs, outside_impls(table))
     p, f, s = _summary(vs)
     if not quiet:
         out.print(_verdict_table(vs, top, f"parity: worst of {len(vs)} (case x impl x direction)"))
@@ -170,16 +165,16 @@ def parity(
         out.print(f"[yellow]INTERRUPTED[/] after {done} of {len(cases)} cases: {p} passed, {f} failed, {s} skipped "
                   f"(report {path}, marked interrupted)")
         raise typer.Exit(130)
-    unjudged = report.judged_nothing(table, parity_mod.asked_outside(pl))
+    unjudged = judged_nothing(table, parity_mod.asked_outside(pl))
     status = "[red]FAILED[/]" if f or unjudged else "[green]PASSED[/]"
     out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(cases)} cases on {dev}; report {path})")
-    for name in report.outside_impls(table):  # the implementations under test, apart from the baselines
-        pp, ff, ss = report.counts(vs, name)
+    for name in outside_impls(table):  # the implementations under test, apart from the baselines
+        pp, ff, ss = counts(vs, name)
         out.print(f"  of them {_short_impl(name)}: {pp} passed, {ff} failed, {ss} skipped", markup=False)
     for name, why in unjudged.items():
         out.print(f"FAILED: {_short_impl(name)} was judged on no case: every row of it was skipped ({why}); "
                   "the native rows are no verdict on it", markup=False)
-    findings = report.baseline_findings(table) if pl.checks else {}
+    findings = baseline_findings(table) if pl.checks else {}
     for (name, k, rule), n in sorted(findings.items()):
         out.print(f"note: {name} (not gated: baseline) fails {rule} on {k} in {n} row(s); see the report's messages",
                   markup=False)
@@ -187,7 +182,7 @@ def parity(
         from mhctool.runner.checks import CPU_NOTE
         out.print(f"note: determinism on cpu: {CPU_NOTE}; run the check on a GPU where it matters", markup=False)
     if not specs:  # a default run that judged no kernel of a built-in backend says so
-        for name, why in report.skipped_everywhere(table).items():
+        for name, why in skipped_everywhere(table).items():
             out.print(f"note: {name} skipped for every case: {why}", markup=False)
     from mhctool.analyses.hints import hints as find_hints
     hints = [] if interrupts.requested else [h for _, _, h in find_hints(pl, vs, dev, iso, isolate_transport,

@@ -14,7 +14,7 @@ from mhctool.cli.gate import _gate_outputs
 from mhctool.cli.kit import fmt as _fmt
 from mhctool.cli.kit import guard as _guard
 from mhctool.cli.kit import out
-from mhctool.cli.parity import _ordered, _summary, _verdict_table
+from mhctool.cli.parity import _summary, _verdict_table
 from mhctool.core.errors import UsageError
 
 report_app = typer.Typer(no_args_is_help=True, help="Read Parquet reports: show one, compare two.")
@@ -28,6 +28,7 @@ def report_show(
 ):
     """Summarise a report: its environment, settings and worst verdicts."""
     from mhctool.core import report
+    from mhctool.core.findings import verdicts, worst_first
     table, meta = report.read(path)
     env = meta["environment"]
     out.print(f"{path}: {meta['kind']} report, schema v{meta['schema_version']}, {table.num_rows} rows")
@@ -38,7 +39,7 @@ def report_show(
         out.print(f"[yellow]interrupted[/]: {meta['run'].get('cases_run')} of {meta['run'].get('cases_planned')} "
                   "cases were run before the run was stopped")
     if meta["kind"] == "parity":
-        vs = _ordered(report.verdicts(table))
+        vs = worst_first(verdicts(table))
         out.print(_verdict_table(vs, top, "verdicts (worst first)"))
         p, f, s = _summary(vs)
         out.print(f"{p} passed, {f} failed, {s} skipped")
@@ -55,12 +56,13 @@ def report_show(
 
 def _show_rows(kind: str, rows: list[dict], top: int) -> None:
     """``report show`` of the kinds whose rows are their verdicts: the failed ones first."""
+    from mhctool.core.findings import rows_worst_first
     if kind == "gate":
         failed = [r for r in rows if r["passed"] is False]
         t = Table(title=f"gate: {len(failed)} of {len(rows)} checks failed (failures first)")
         for col in ("entry", "kind", "name", "verdict", "message"):
             t.add_column(col, overflow="fold")
-        for r in sorted(rows, key=lambda r: {False: 0, None: 1, True: 2}[r["passed"]])[:top]:
+        for r in rows_worst_first(rows)[:top]:
             t.add_row(r["entry"], r["kind"], _short(r["name"]), {True: "pass", False: "[red]FAIL[/]", None: "skip"}[r["passed"]],
                       r["message"] or "")
         out.print(t)
@@ -125,8 +127,10 @@ def report_merge(
     """Join the slices of a --shard run into the report one run would have written (exit 1 if a
     verdict in it failed)."""
     from mhctool.core import report
+    from mhctool.core.combine import merge
+    from mhctool.core.findings import verdicts
     report.check_writable(out_path)
-    table = report.merge(paths)
+    table = merge(paths)
     _, meta = report.read(paths[0])
     if meta["kind"] != "gate" and (junit or summary):
         raise UsageError("--junit and --summary are for gate slices; these are parity reports")
@@ -138,7 +142,7 @@ def report_merge(
         _gate_outputs(table, name, cases, out_path, junit or out_path.with_suffix(".xml"),
                       summary or out_path.with_suffix(".md"), quiet, interrupted)
     path = report.write_atomic(table, out_path)
-    vs = report.verdicts(table)
+    vs = verdicts(table)
     p, f, s = _summary(vs)
     status = "[red]FAILED[/]" if f else "[green]PASSED[/]"
     out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(paths)} slices merged; report {path})")
@@ -160,6 +164,7 @@ def report_compare(
     identify, stability, train, bench); rows either has alone are counted and listed. Exit 1 if a
     verdict flipped to fail, 2 for reports that cannot be compared."""
     from mhctool.core import report
+    from mhctool.core.combine import COMPARE_KEYS, compare
     for path_, what in ((json_path, "--json"), (junit, "--junit"), (summary, "--summary")):
         if path_ is not None:
             report.check_writable(path_, what)
@@ -169,17 +174,17 @@ def report_compare(
     if kind != mb["kind"]:
         raise UsageError(f"{before} is a {kind} report and {after} a {mb['kind']} report; report compare "
                          "compares two reports of one kind")
-    if kind not in report.COMPARE_KEYS:
+    if kind not in COMPARE_KEYS:
         raise UsageError(f"report compare does not compare {kind} reports; it compares "
-                         + ", ".join(report.COMPARE_KEYS))
-    c = report.compare(a, b, tolerance, kind)
+                         + ", ".join(COMPARE_KEYS))
+    c = compare(a, b, tolerance, kind)
     flipped = [w for w in c.worse if w["passed_before"] is True and w["passed_after"] is False]
     if json_path is not None:
         payload = {"kind": kind, "before": str(before), "after": str(after), "tolerance": tolerance,
                    "matched": c.matched, "worse": c.worse, "flipped": len(flipped),
                    "only_before": [list(k) for k in c.only_before], "only_after": [list(k) for k in c.only_after]}
         report.atomic(json_path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2, default=str)))
-    keys = report.COMPARE_KEYS[kind]
+    keys = COMPARE_KEYS[kind]
     if junit is not None or summary is not None:
         _compare_outputs(c, kind, keys, before, after, tolerance, junit, summary)
     if c.worse:
@@ -247,5 +252,5 @@ def _compare_outputs(c, kind: str, keys: tuple, before: Path, after: Path, toler
 
 def _short(text: str) -> str:
     """Paths in a cell reduced to their file name (the report keeps them whole)."""
-    from mhctool.core import report
-    return report.stable(text)
+    from mhctool.core.combine import stable
+    return stable(text)

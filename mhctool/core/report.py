@@ -47,16 +47,17 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
-from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mhctool.core.errors import UsageError
+from mhctool.core.findings import tally, verdicts, worst_first
 
 # 2: bench reports gained ``inputs`` (the input dtypes each row was timed at); parity reports gained
 # ``ranks`` and ``grad_reduce`` (``--ranks``; null in a one-process run)
 SCHEMA_VERSION = 2
+
 
 SCHEMA = pa.schema([
     ("run_id", pa.string()), ("scenario", pa.string()), ("case_id", pa.string()),
@@ -93,6 +94,7 @@ GOLDENS_SCHEMA = pa.schema([
     ("rel_diff", pa.float64()), ("close", pa.bool_()), ("passed", pa.bool_()), ("message", pa.string()),
 ])
 
+
 # `mhctool stability sinkhorn` reports: one row per (impl, family, dtype, amplitude, knobs, metric).
 STABILITY_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("impl", pa.string()), ("family", pa.string()), ("dtype", pa.string()),
@@ -100,6 +102,7 @@ STABILITY_SCHEMA = pa.schema([
     ("order", pa.string()), ("iters", pa.int64()), ("metric", pa.string()), ("value", pa.float64()),
     ("message", pa.string()),
 ])
+
 
 # `mhctool stability eps` reports: level ``kernel`` (per family, dtype, impl and output tensor:
 # ref_shift_max_abs, shift_max_abs, shift_rel_l2, shift_ulps, token_shift_ulps_median,
@@ -112,6 +115,7 @@ KNOB_SHIFT_SCHEMA = pa.schema([
     ("value", pa.float64()),
 ])
 
+
 # `mhctool stability overflow` reports: per scale and intermediate, ``amax`` (dtype fp64) and
 # ``headroom_log2`` per dtype (impl ``reference``); per scale and dtype, the implementation's
 # ``output_nonfinite_share`` and ``output_rel_error`` (largest error of its finite outputs over the
@@ -122,6 +126,7 @@ OVERFLOW_SCHEMA = pa.schema([
     ("value", pa.float64()),
 ])
 
+
 # `mhctool stability gain` reports: per H_res configuration, implementation and depth: fwd_gain,
 # bwd_gain (means over tokens), fwd_gain_max, bwd_gain_max.
 GAIN_SCHEMA = pa.schema([
@@ -129,6 +134,7 @@ GAIN_SCHEMA = pa.schema([
     ("dtype", pa.string()), ("iters", pa.int64()), ("depth", pa.int64()), ("metric", pa.string()),
     ("value", pa.float64()),
 ])
+
 
 # `mhctool identify` reports: one row per candidate convention tried. ``stage``: grid (the coarse
 # search), refine / snap (the continuous knobs), judged (the verdict rule ran: ``passed``,
@@ -145,6 +151,7 @@ IDENTIFY_SCHEMA = pa.schema([
     ("classification", pa.string()), ("message", pa.string()),
 ])
 
+
 # `mhctool train` reports: per trajectory (``run``: impl, native, reference, or native with a knob
 # such as ``native:h_post_bda.transpose_res=True``), step and metric: Megatron's golden-value
 # metrics (lm loss, grad-norm, num-zeros, iteration-time, memory on a GPU), ``zeros:PARAM`` (the
@@ -159,6 +166,7 @@ TRAIN_SCHEMA = pa.schema([
     ("metric", pa.string()), ("value", pa.float64()), ("threshold", pa.float64()), ("passed", pa.bool_()),
     ("message", pa.string()),
 ])
+
 
 # `mhctool gate` reports: one row per JUnit case.
 GATE_SCHEMA = pa.schema([
@@ -286,7 +294,7 @@ def document(table: pa.Table) -> dict:
               "columns": {f.name: str(f.type) for f in table.schema}}
     rows = table.to_pylist()
     if kind == "parity":
-        vs = sorted(verdicts(table), key=lambda v: ({False: 0, None: 2, True: 1}[v["passed"]], -v["worst_margin"]))
+        vs = worst_first(verdicts(table))
         judged = [{k: v[k] for k in v if k not in ("worst", "worst_margin")}
                   | {"worst": None if v["worst"] is None else {k: v["worst"][k] for k in
                                                               ("tensor", "metric", "value", "threshold", "rule")}}
@@ -349,255 +357,3 @@ def read(path: str | os.PathLike) -> tuple[pa.Table, dict]:
         "run": json.loads(raw.get(b"mhctool.run", b"{}")),
     }
     return table, meta
-
-
-def verdicts(table: pa.Table) -> list[dict]:
-    """One verdict per (case, impl, direction): failed when any gated row failed."""
-    out: dict[tuple, dict] = {}
-    keys = ("case_id", "kernel", "impl", "family", "dtype", "shape", "knobs", "direction")
-    for r in table.to_pylist():
-        if r.get("backend") == "reference":  # the float64 reference's own check rows: never a verdict
-            continue
-        k = tuple(r[c] for c in keys)
-        v = out.setdefault(k, {**{c: r[c] for c in keys}, "passed": None, "worst": None,
-                               "worst_margin": -1.0, "message": None})
-        if r["metric"] == "unsupported":
-            v["message"] = r["message"]
-            continue
-        if r["passed"] is None:
-            continue
-        v["passed"] = bool(r["passed"]) if v["passed"] is None else (v["passed"] and bool(r["passed"]))
-        margin = _margin(r)
-        if margin > v["worst_margin"]:
-            v["worst_margin"], v["worst"] = margin, r
-        if r["message"] and not r["passed"]:
-            v["message"] = r["message"]
-    return list(out.values())
-
-
-def baseline_findings(table: pa.Table) -> dict[tuple[str, str, str], int]:
-    """(impl, kernel, rule) -> cases where a reproducibility check found a difference in an
-    implementation that is not gated (the native baseline when not asked for, the float64
-    reference): what PyTorch itself does on this platform."""
-    out: dict[tuple[str, str, str], int] = {}
-    for r in table.select(["impl", "kernel", "rule", "message", "passed", "case_id"]).to_pylist():
-        if r["passed"] is None and (r["message"] or "").startswith("(baseline, not gated)"):
-            out[r["impl"], r["kernel"], r["rule"]] = out.get((r["impl"], r["kernel"], r["rule"]), 0) + 1
-    return out
-
-
-def skipped_everywhere(table: pa.Table) -> dict[str, str]:
-    """Implementations that were skipped on every case of a parity report, with the first
-    reason given (a backend unusable here: no GPU, an interpreter that cannot run, ...)."""
-    reasons: dict[str, str] = {}
-    ran: set[str] = set()
-    for r in table.select(["impl", "metric", "message"]).to_pylist():
-        if r["metric"] == "unsupported" and r["message"]:
-            reasons.setdefault(r["impl"], r["message"])
-        elif r["metric"] != "unsupported":
-            ran.add(r["impl"])
-    return {k: v for k, v in reasons.items() if k not in ran}
-
-
-def outside_impls(table: pa.Table) -> list[str]:
-    """The implementations from outside mhctool (a plain function, a library through its adapter)
-    in a parity report, in the order they first appear."""
-    if "backend" not in table.column_names:
-        return []
-    return list(dict.fromkeys(r["impl"] for r in table.select(["impl", "backend"]).to_pylist()
-                              if r["backend"] == "external"))
-
-
-def tally(flags) -> tuple[int, int, int]:
-    """(passed, failed, skipped) of verdicts' ``passed`` values (True, False, None)."""
-    flags = list(flags)
-    p = sum(x is True for x in flags)
-    f = sum(x is False for x in flags)
-    return p, f, len(flags) - p - f
-
-
-def counts(vs: list[dict], impl: str) -> tuple[int, int, int]:
-    """(passed, failed, skipped) verdicts of one implementation."""
-    return tally(v["passed"] for v in vs if v["impl"] == impl)
-
-
-def judged_nothing(table: pa.Table, groups: dict[str, list[str]] | None = None) -> dict[str, str]:
-    """What was asked for from outside mhctool and judged on no case (every row skipped or
-    unsupported), with the first reason given: a run that judged nothing of it is no pass.
-    ``groups``: what was asked for (an ``--impl`` spec) -> the implementations it stands for (a
-    library: one per function it has); default: each outside implementation alone."""
-    outside = outside_impls(table)
-    groups = groups if groups is not None else {name: [name] for name in outside}
-    judged: set[str] = set()
-    reasons: dict[str, str] = {}
-    for r in table.select(["impl", "metric", "passed", "message"]).to_pylist():
-        if r["passed"] is not None:
-            judged.add(r["impl"])
-        elif r["metric"] == "unsupported":
-            reasons.setdefault(r["impl"], r["message"] or "unsupported")
-    out = {}
-    for spec, names in groups.items():
-        if names and not any(n in judged for n in names):
-            out[spec] = next((reasons[n] for n in names if n in reasons), "no row of it was judged")
-    return out
-
-
-def _margin(r: dict) -> float:
-    """value / threshold, the share of the allowed error used (inf for a failed zero threshold)."""
-    if r["passed"] is False and r["metric"] == "error":
-        return float("inf")
-    t, v = r["threshold"], r["value"]
-    if t is None or v is None:
-        return 0.0
-    if t == 0:
-        return 0.0 if v == 0 else float("inf")
-    if t == float("inf"):
-        return 0.0
-    return v / t if v == v else float("inf")
-
-
-# what identifies a row across two runs, per report kind (a path in an implementation's name is
-# reduced to its file name: one suite from two checkouts matches), and which way is worse
-COMPARE_KEYS = {
-    "parity": ("kernel", "impl", "family", "dtype", "shape", "knobs", "seed", "direction", "tensor", "metric"),
-    "gate": ("entry", "kind", "name"),
-    "identify": ("kernel", "impl", "dtype", "candidate"),
-    "stability": ("impl", "family", "dtype", "scale", "stabilize", "eps", "eps_mode", "order", "iters", "metric"),
-    "train": ("run", "step", "layer", "metric"),
-    "bench": ("kernel", "impl", "direction", "dtype", "shape", "graph", "metric"),
-    "stability-eps": ("kernel", "knob", "setting_a", "setting_b", "level", "family", "dtype", "impl", "tensor",
-                      "depth", "metric"),
-    "stability-overflow": ("kernel", "impl", "family", "scale", "dtype", "intermediate", "metric"),
-    "stability-gain": ("config", "kind", "impl", "dtype", "iters", "depth", "metric"),
-}
-# bench metrics where a smaller value is worse (the rest: a larger one is)
-_HIGHER_IS_BETTER = ("gbps", "pct_copy_bw", "tflops", "speedup_vs_torch", "speedup_vs_compile")
-# an absolute path to a file (``/abs/dir/k.py``), not the slashes of a name (``kernel/impl/family``)
-_ABSOLUTE = __import__("re").compile(r"(?<![\w.])/(?:[^/\s:]+/)+([^/\s:]+\.\w+)")
-
-
-def stable(value):
-    """A row's value as two runs can match it: absolute paths reduced to their file name."""
-    return _ABSOLUTE.sub(r"\1", value) if isinstance(value, str) else value
-
-
-class Comparison(NamedTuple):
-    worse: list[dict]  # rows of B worse than in A (flipped to failed, or grown past the tolerance)
-    matched: int
-    only_before: list[tuple]  # keys of rows A has and B has not
-    only_after: list[tuple]
-
-
-def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1, kind: str = "parity") -> Comparison:
-    """Rows of B that got worse than in A (the same key of ``kind``, :data:`COMPARE_KEYS`): the
-    verdict flipped to failed, or the value grew by more than ``tolerance`` (relative; for a bench
-    throughput, shrank); and the rows either has alone."""
-    keys = COMPARE_KEYS[kind]
-    cols = set(a.column_names) & set(b.column_names)
-
-    def key(r):
-        return tuple(stable(r.get(k)) for k in keys)
-    before = {key(r): r for r in a.to_pylist()}
-    after = {key(r): r for r in b.to_pylist()}
-    out = []
-    for k, r in after.items():
-        old = before.get(k)
-        if old is None:
-            continue
-        pa_, pb_ = old.get("passed"), r.get("passed")
-        flipped = pa_ is True and pb_ is False
-        va, vb = (old.get("value"), r.get("value")) if "value" in cols else (None, None)
-        worse = False
-        ratio = float("nan")
-        if va is not None and vb is not None:
-            up = not (kind == "bench" and r.get("metric") in _HIGHER_IS_BETTER)
-            grown = (vb > va * (1 + tolerance) and vb > 0) if up else (vb < va / (1 + tolerance))
-            worse = (vb == vb and grown) or (va == va and vb != vb)
-            ratio = (vb / va) if (va and va == va and vb == vb) else float("inf")
-        if flipped or worse:
-            out.append({"key": dict(zip(keys, k)), "before": va, "after": vb, "ratio": ratio,
-                        "passed_before": pa_, "passed_after": pb_, "message": r.get("message")})
-    out.sort(key=lambda d: (not (d["passed_before"] is True and d["passed_after"] is False),
-                            -(d["ratio"] if d["ratio"] == d["ratio"] else 0.0)))
-    return Comparison(out, len(set(before) & set(after)), sorted(set(before) - set(after), key=str),
-                      sorted(set(after) - set(before), key=str))
-
-
-# keys of a run's settings that differ between the slices of one run (``--shard``) by design
-_SLICE_KEYS = {"shard", "planned", "units", "interrupted", "cases_run", "cases_planned", "workers", "backend",
-               "profile", "wall_s", "hints"}
-
-
-class _Slice(NamedTuple):
-    index: int  # I of --shard I/N
-    count: int  # N
-    path: Path
-    table: pa.Table
-    meta: dict
-
-    @property
-    def run(self) -> dict:
-        return self.meta["run"]
-
-
-def merge(paths: list[str | os.PathLike]) -> pa.Table:
-    """The report one run would have written, from the reports of its ``--shard I/N`` slices
-    (parity or gate): every slice present once, the same settings, rows in the whole run's order
-    (parity: the planned case order; gate: the suite's units). A file that is no slice of the
-    same run is a UsageError naming it."""
-    if not paths:
-        raise UsageError("report merge needs the reports of a run's slices (--shard I/N)")
-    slices = []
-    for path in paths:
-        table, meta = read(path)
-        if meta["kind"] not in ("parity", "gate"):
-            raise UsageError(f"{path} is a {meta['kind']} report; report merge joins parity and gate reports")
-        i, _, n = str(meta["run"].get("shard", "")).partition("/")
-        if not (i.isdigit() and n.isdigit()):
-            raise UsageError(f"{path} is not a slice of a run (it was written without --shard I/N)")
-        slices.append(_Slice(int(i), int(n), Path(path), table, meta))
-    slices.sort(key=lambda sl: sl.index)
-    first = slices[0]
-    kind, count = first.meta["kind"], first.count
-    same = {k: v for k, v in first.run.items() if k not in _SLICE_KEYS}
-    seen: dict[int, Path] = {}
-    for sl in slices:
-        if sl.meta["kind"] != kind or sl.count != count:
-            raise UsageError(f"{sl.path} is slice {sl.index}/{sl.count} of a {sl.meta['kind']} run; {first.path} "
-                             f"is slice {first.index}/{count} of a {kind} run")
-        if sl.index in seen:
-            raise UsageError(f"{sl.path} and {seen[sl.index]} are both slice {sl.index}/{count}")
-        seen[sl.index] = sl.path
-        other = {k: v for k, v in sl.run.items() if k not in _SLICE_KEYS}
-        if other != same or (kind == "parity" and sl.run.get("planned") != first.run.get("planned")):
-            diff = sorted(k for k in set(other) | set(same) if other.get(k) != same.get(k)) or ["planned"]
-            raise UsageError(f"{sl.path} is a slice of another run than {first.path} (settings differ: {', '.join(diff)})")
-    missing = [f"{i}/{count}" for i in range(1, count + 1) if i not in seen]
-    if missing:
-        raise UsageError(f"slice(s) {', '.join(missing)} missing: a merged report has every slice of the run")
-    keyed = []  # (position in the whole run, slice, row within the slice, row)
-    if kind == "parity":
-        order = {cid: k for k, cid in reversed(list(enumerate(first.run["planned"])))}
-        for sl in slices:
-            keyed += [(order.get(r["case_id"], len(order)), sl.index, j, r) for j, r in enumerate(sl.table.to_pylist())]
-    else:
-        for sl in slices:
-            units = sl.run.get("units") or []
-            if len(units) != sl.table.num_rows:
-                raise UsageError(f"{sl.path}: a gate slice without the units of its rows")
-            keyed += [(u, sl.index, j, r) for j, (u, r) in enumerate(zip(units, sl.table.to_pylist()))]
-    keyed.sort(key=lambda t: t[:3])
-    run = {**same, "interrupted": any(sl.run.get("interrupted") for sl in slices),
-           "merged_from": [{"shard": f"{sl.index}/{count}", "file": str(sl.path),
-                            "run_id": sl.table.column("run_id")[0].as_py() if sl.table.num_rows else None,
-                            "gpu": sl.meta["environment"].get("gpu"), "host": sl.meta["environment"].get("host")}
-                           for sl in slices]}
-    if kind == "parity":
-        profile: dict = {}
-        for sl in slices:  # the phases' seconds, summed over the slices
-            for k, v in (sl.run.get("profile") or {}).items():
-                profile[k] = round(profile.get(k, 0.0) + v, 4)
-        run |= {"cases_run": sum(int(sl.run.get("cases_run", 0)) for sl in slices),
-                "cases_planned": len(first.run["planned"]), "profile": profile}
-    return to_table([r for *_, r in keyed], new_run_id(), kind, first.meta["environment"], run,
-                    schema=pa.schema(list(first.table.schema)))

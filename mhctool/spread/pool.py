@@ -24,50 +24,20 @@ visible ones; ``auto`` is one worker per visible GPU, or one per core on a CPU.
 from __future__ import annotations
 
 import collections
-import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 from mhctool.core import profile
 from mhctool.core.errors import UsageError
 from mhctool.spread.forkserver import start_forkserver
+from mhctool.spread.jobs import IsolationSettings, Job, Spread, job_timeout, lost_rows
+from mhctool.spread.ray_cluster import ray_module, run_on_ray
 
 BACKENDS = ("local", "ray")
 
-
-@dataclass(frozen=True)
-class IsolationSettings:
-    """What a worker needs to isolate the implementations under test as the parent would.
-    ``own`` False (a case's first run in a worker): mhctool's own implementations (its Triton,
-    cuTile and PyTorch kernels) run in the worker itself, which is a process apart already; what
-    they do to it (a crash, a hang, a CUDA fault) runs the case again with ``own`` True, every
-    implementation isolated. External ones (a file, a library) are always isolated: code that
-    changes its process's state (a global flag) must not reach the cases after it."""
-
-    transport: str = "shm"
-    case_timeout: float | None = None
-    own: bool = False
-
-
-@dataclass(frozen=True)
-class Job:
-    """One case, as a worker runs it: everything plain enough to pickle."""
-
-    case: object  # runner.Case
-    specs: tuple  # the --impl specs the parent resolved (empty: every default built-in)
-    rule: object  # verdict.VerdictRule
-    matmul_precision: str
-    conventions: dict | None
-    checks: tuple
-    repeats: int
-    isolation: IsolationSettings | None
-    input_dtypes: dict | None = None  # the external implementations' declared input dtypes
-
-
-# --- how many workers, and where ---------------------------------------------------------------
 
 def parse_workers(value: str | int | None) -> str | int:
     """``--workers``: a positive integer or ``auto``; anything else is a UsageError."""
@@ -93,7 +63,7 @@ def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise UsageError(f"unknown --backend {backend!r}; accepted: {', '.join(BACKENDS)}")
     if backend == "ray":
-        _ray()  # installed, or one sentence saying how
+        ray_module()  # installed, or one sentence saying how
     return backend
 
 
@@ -160,77 +130,6 @@ def warm(workers: str | int | None, backend: str = "local", isolate: bool = Fals
     start_forkserver()
 
 
-# --- the job a worker runs -----------------------------------------------------------------------
-
-_isolations: dict = {}
-
-
-def case_job(job: Job) -> dict:
-    """Run one case in this (worker) process; the rows and whether an interrupt cut it short."""
-    from mhctool.registry.specs import resolve_impls
-    from mhctool.runner import run as runner
-    from mhctool.spread.case_isolation import Isolation
-    t0 = time.perf_counter()
-    impls = resolve_impls(job.case.kernel, list(job.specs))
-    resolving = time.perf_counter() - t0
-    iso = None
-    if job.isolation is not None:
-        iso = _isolations.get(job.isolation)
-        if iso is None:
-            iso = _isolations[job.isolation] = Isolation(transport=job.isolation.transport,
-                                                                case_timeout=job.isolation.case_timeout,
-                                                                own=job.isolation.own)
-        # the fork server of this worker's isolation workers, started while the case's inputs,
-        # reference and native run come first (none where nothing of the case is isolated)
-        if any(iso.isolates(i) for i in impls if not i.native):
-            start_forkserver()
-    res = runner.run_case(job.case, impls, job.rule, job.matmul_precision, iso, job.conventions,
-                          job.checks, job.repeats, input_dtypes=job.input_dtypes)
-    return {"rows": res.rows, "abandoned": res.abandoned,
-            "timings": profile.add(res.timings, {profile.RESOLVING: resolving})}
-
-
-def job_timeout(job: Job, impls: int) -> float:
-    """How long one case may take in a worker: the isolation limit of each implementation, the
-    native run and the reference included (each one compiles and runs inside it)."""
-    from mhctool.runner.case import default_timeout, footprint
-    if job.isolation is not None and job.isolation.case_timeout is not None:
-        per = job.isolation.case_timeout
-    else:
-        per = default_timeout(footprint(job.case), job.case.device,
-                              external=any(":" in s for s in job.specs))
-    checks = 1 + (job.repeats if job.checks else 0)
-    return per * (impls + 2) * checks
-
-
-def lost_rows(job: Job, impl_names: list[tuple[str, str]], why: str) -> list[dict]:
-    """One error row per implementation and direction: the case's worker died twice, the second
-    time with every implementation isolated, so mhctool's own part of the case is what failed."""
-    from mhctool.runner.case import row_fields
-    from mhctool.registry.impl import Impl
-    rows = []
-    for name, backend in impl_names:
-        base = row_fields(job.case, job.case.shape, Impl(name, job.case.kernel, backend, name), "ieee",
-                         job.case.knob_dict)
-        for direction in ("fwd", "bwd"):
-            rows.append({**base, "direction": direction, "tensor": "*", "metric": "error", "value": math.nan,
-                         "threshold": None, "passed": False, "rule": "lost",
-                         "message": f"the worker running this case died: {why}" if direction == "fwd"
-                         else "not run: the case's worker died"})
-    return rows
-
-
-# --- spreading the cases -----------------------------------------------------------------------
-
-@dataclass
-class Spread:
-    """What :func:`run_cases` returns: rows per case index (None: not finished)."""
-
-    rows: list
-    interrupted: bool
-    timings: dict = field(default_factory=dict)  # phase -> seconds, inside the cases and outside them
-
-
 def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers: int, backend: str = "local",
               interrupted: Callable[[], bool] = lambda: False,
               started: Callable[[int], None] | None = None, finished: Callable[[int], None] | None = None,
@@ -240,7 +139,7 @@ def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers:
     :class:`Pool` whose workers (already started, their kernels compiled) run them; otherwise a
     pool of ``workers`` for this run alone."""
     if check_backend(backend) == "ray":
-        return _run_ray(jobs, impl_names, interrupted, started, finished, ray_address)
+        return run_on_ray(jobs, impl_names, interrupted, started, finished, ray_address)
     if into is not None:
         return into.run(jobs, impl_names, interrupted, started, finished, workers)
     with Pool(workers, jobs[0].case.device if jobs else "cpu") as p:
@@ -415,7 +314,7 @@ def _out_of_memory(rows: list[dict]) -> bool:
 def _call(pool_worker, job, timeout, aborted, memory, place, need):
     taken = memory.take(place, need, aborted)
     try:
-        return pool_worker.call("mhctool.spread.pool:case_job", (job,), timeout=timeout, interrupted=aborted)
+        return pool_worker.call("mhctool.spread.jobs:case_job", (job,), timeout=timeout, interrupted=aborted)
     finally:
         memory.give(place, taken)
 
@@ -443,63 +342,3 @@ def _run_job(pool_worker, job: Job, impl_names: list, aborted: Callable[[], bool
         return None
     return {"rows": lost_rows(job, impl_names, f"{failure.message}; again with every implementation "
                               f"isolated: {second.message}"), "abandoned": False}
-
-
-# --- Ray -----------------------------------------------------------------------------------------
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise UsageError("--backend ray needs Ray: pip install 'mhctool[ray]' (or pip install ray)") from None
-    return ray
-
-
-def _ray_task(job: Job) -> dict:  # runs in a Ray worker process
-    from mhctool.core.environment import ensure_triton_mode
-    ensure_triton_mode()
-    return case_job(job)
-
-
-def _run_ray(jobs, impl_names, interrupted, started, finished, address) -> Spread:
-    """One Ray task per case (``ray.init(address)``; a local cluster when None). A task whose
-    worker dies is run again with every implementation isolated, as in the local pool."""
-    ray = _ray()
-    owns = not ray.is_initialized()
-    if owns:
-        env = {"env_vars": {k: v for k, v in os.environ.items() if k in ("TRITON_INTERPRET", "PYTHONPATH")}}
-        ray.init(address=address, runtime_env=env, log_to_driver=False, include_dashboard=False)
-    try:
-        gpu = jobs and jobs[0].case.device == "cuda"
-        task = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_retries=0)(_ray_task)
-        results: list = [None] * len(jobs)
-        pending = {}
-        for i, job in enumerate(jobs):
-            pending[task.remote(job)] = (i, False)
-            if started:
-                started(i)
-        while pending:
-            if interrupted():
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
-            for ref in ready:
-                i, retried = pending.pop(ref)
-                try:
-                    value = ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - the task's worker died or the task raised
-                    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    if not retried:
-                        again = replace(jobs[i], isolation=replace(jobs[i].isolation or IsolationSettings(), own=True))
-                        pending[task.remote(again)] = (i, why)
-                        continue
-                    value = {"rows": lost_rows(jobs[i], impl_names[i], f"{retried}; again with every "
-                                               f"implementation isolated: {why}"), "abandoned": False}
-                results[i] = value["rows"]
-                if finished:
-                    finished(i)
-        return Spread(results, interrupted())
-    finally:
-        if owns:
-            ray.shutdown()

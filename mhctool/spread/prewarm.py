@@ -4,7 +4,7 @@ At a process's first kernel, compiled or read from the cache, Triton hashes its 
 its shared library (``triton.runtime.cache.triton_key``): 0.42 s of each process's first calls on
 an H200 host, most of it reading and hashing the 500 MB ``libtriton``. The hash is kept for the
 process. So the fork server computes it once, before it forks any child (``_forkserver``, one of
-``pool.FORKSERVER_PRELOAD``), and every pool worker, isolation worker and rank inherits it; and a
+``forkserver.FORKSERVER_PRELOAD``), and every pool worker, isolation worker and rank inherits it; and a
 command's own process computes it on a thread (:func:`start`) while it plans and draws its first
 inputs (the hash releases the GIL). Nothing here touches CUDA: a fork server that had initialised
 CUDA would hand its children a driver they cannot use. Only on a machine with an NVIDIA driver:

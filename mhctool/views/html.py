@@ -12,6 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from mhctool.core import report
+from mhctool.core.combine import stable
+from mhctool.core.findings import rows_worst_first, verdicts, worst_first
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
@@ -28,7 +30,7 @@ _ROWS_CAP = 500  # rows of the table shown; the page says how many more the repo
 def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
-    return html.escape(report.stable("" if value is None else str(value)))
+    return html.escape(stable("" if value is None else str(value)))
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
@@ -44,13 +46,11 @@ def _rows_for(kind: str, table: pa.Table) -> tuple[list[dict], list[str]]:
     """The rows a reader wants first, and the columns to show: a parity report's verdicts (the
     worst row of each), another kind's rows with a verdict (else every row), failures first."""
     if kind == "parity":
-        vs = report.verdicts(table)
+        vs = worst_first(verdicts(table))
         rows = [{k: v[k] for k in ("kernel", "impl", "family", "dtype", "shape", "knobs", "direction", "passed",
                                    "message")}
                 | ({k: v["worst"][k] for k in ("tensor", "metric", "value", "threshold", "rule")} if v["worst"] else {})
                 for v in vs]
-        rows.sort(key=lambda r: ({False: 0, None: 2, True: 1}[r["passed"]],
-                                 -(r.get("value") or 0) / (r.get("threshold") or 1)))
         return rows, ["kernel", "impl", "family", "dtype", "shape", "knobs", "direction", "passed", "tensor",
                       "metric", "value", "threshold", "rule", "message"]
     rows = table.to_pylist()
@@ -58,8 +58,7 @@ def _rows_for(kind: str, table: pa.Table) -> tuple[list[dict], list[str]]:
     if kind == "bench":
         rows = [r for r in rows if r["metric"] in ("time_ms", "pct_copy_bw", "speedup_vs_torch") or r["message"]]
     elif "passed" in columns and any(r["passed"] is not None for r in rows):
-        rows = sorted((r for r in rows if r["passed"] is not None or r.get("message")),
-                      key=lambda r: {False: 0, None: 2, True: 1}[r["passed"]])
+        rows = rows_worst_first([r for r in rows if r["passed"] is not None or r.get("message")])
     return rows, columns
 
 

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from mhctool.core.report import verdicts  # noqa: E402
+from mhctool.core.findings import verdicts  # noqa: E402
 
 
 # Red means "failed" in every figure, so no series is drawn in it: tab20's colours without its two

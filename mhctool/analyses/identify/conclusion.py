@@ -1,0 +1,180 @@
+"""What ``mhctool identify`` concludes and how it says so: a probe's run, a candidate's fit and
+verdict, the identification (the line a user reads, the conventions to declare), and its report
+rows."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from mhctool.analyses.identify.space import (
+    LOOSENESS,
+    PRECISION_NOTES,
+    SUSPICIOUS_VALUES,
+    _key,
+    _same,
+    _signature,
+    fmt_knobs,
+    fmt_value,
+)
+from mhctool.registry.families import get_family
+from mhctool.registry.impl import Impl
+from mhctool.runner.case import Case, ImplResult
+
+
+@dataclass
+class Probe:
+    case: Case
+    base: dict
+    upstream: list
+    res: ImplResult
+    noise: list  # per output: the native implementation's error at the asked knobs (normalised max abs)
+    refs: list = field(default_factory=list)  # the float64 reference's outputs at the asked knobs
+
+
+@dataclass
+class Candidate:
+    knobs: dict  # the fitted knobs, in the space's order
+    score: float  # worst error of its outputs against this candidate's reference, in native noise units
+    max_rel: float  # worst max_rel of its outputs against this candidate's reference
+    stage: str  # grid, refine, snap, judged
+    native_score: float | None = None
+    passed: bool | None = None
+    worst: str | None = None  # the failing row, when judged and failed
+    level: str | None = None
+    note: str | None = None
+    fwd_passed: bool | None = None  # the forward alone passes the verdict (judged candidates)
+    bwd_worst: str | None = None  # the backward's first failing row, when it fails
+    # judged candidates: its native baseline is non-finite on a guard where the implementation is
+    # (it explains an overflow, which is still no convention)
+    overflows: bool | None = None
+
+    @property
+    def key(self) -> tuple:
+        return _key(self.knobs)
+
+
+@dataclass
+class Identification:
+    kernel: str
+    impl: Impl
+    asked: dict
+    candidates: list[Candidate]
+    best: Candidate | None
+    error: str | None = None  # the implementation failed on a probe
+    discrete: tuple[str, ...] = ()  # the knobs searched exhaustively
+    fixed: dict = field(default_factory=dict)  # asked knobs held, not searched (Sinkhorn's domain)
+    precision: str = "ieee"  # the matmul precision it is judged at (fitted, or as asked / declared)
+    precision_bwd: str | None = None  # the backward's, where fitted apart from the forward's
+    declared_precision: str = "ieee"  # what its adapter declares (or ieee)
+    ties: list = field(default_factory=list)  # other candidates that fit as well (within native noise)
+    # guard probes where it returned non-finite values and the float64 contract is finite:
+    # (family, its description, non-finite outputs, outputs where the contract is finite)
+    overflow: list = field(default_factory=list)
+    ignored: dict = field(default_factory=dict)  # knob -> "takes no" / "ignores": it runs its own value
+
+    @property
+    def asked_all(self) -> dict:
+        """Everything it was asked for: the searched knobs' asked values and the held ones."""
+        return {**self.asked, **self.fixed}
+
+    def shown(self, top: int) -> list[Candidate]:
+        """The judged candidates, then the best fit of each other discrete combination (``top`` in all)."""
+        judged = [c for c in self.candidates if c.stage == "judged"]
+        seen = {_signature(c.knobs, self.discrete) for c in judged}
+        rest = []
+        for c in self.candidates:
+            sig = _signature(c.knobs, self.discrete)
+            if sig not in seen:
+                seen.add(sig)
+                rest.append(c)
+        return (judged + rest)[:top]
+
+    @property
+    def passed(self) -> bool:
+        return self.best is not None and bool(self.best.passed)
+
+    @property
+    def split_precision(self) -> bool:
+        return self.precision_bwd is not None and self.precision_bwd != self.precision
+
+    def judged_precision(self) -> str:
+        """The one precision ``parity`` judges it at: the looser of the forward's and the backward's."""
+        if not self.split_precision:
+            return self.precision
+        return self.precision if LOOSENESS[self.precision] > LOOSENESS[self.precision_bwd] else self.precision_bwd
+
+    def _knobs(self) -> str:
+        if self.split_precision:
+            prec = f" matmul_precision={self.precision} (forward) / {self.precision_bwd} (backward)"
+        else:
+            prec = f" matmul_precision={self.precision}" if self.precision != "ieee" else ""
+        return (fmt_knobs(self.best.knobs) + prec).strip() or "the contract"
+
+    def overflow_sentence(self) -> str | None:
+        """The non-finite outputs it returned where the float64 contract is finite, or None."""
+        if not self.overflow:
+            return None
+        parts = [f"{bad} of {total} outputs non-finite on {fam} ({doc})" for fam, doc, bad, total in self.overflow]
+        return "; ".join(parts) + " where the float64 contract is finite"
+
+    def line(self) -> str:
+        if self.error:
+            return f"no convention fits: the implementation failed: {self.error}"
+        b = self.best
+        if self.overflow:
+            why = next((SUSPICIOUS_VALUES[(self.kernel, k, v)][0] for k, v in b.knobs.items()
+                        if (self.kernel, k, v) in SUSPICIOUS_VALUES), None) if b.overflows else None
+            return (f"no convention fits: {self.overflow_sentence()}; its finite outputs fit {self._knobs()}"
+                    + (f" ({why})" if why else "") + "; a defect: an overflow is never a convention")
+        if b.passed:
+            return f"best match: {self._knobs()} (max_rel {b.max_rel:.2g})"
+        if b.fwd_passed and b.worst and b.worst.startswith("backward failed: "):
+            return f"forward matches {self._knobs()}; the backward {b.worst[len('backward '):]}"
+        if b.fwd_passed:
+            return (f"forward matches {self._knobs()}; the backward is not the derivative of that forward"
+                    + (f" ({b.worst})" if b.worst else ""))
+        return (f"no convention fits: closest {self._knobs()}, error {b.max_rel:.2g}"
+                + (f"; the forward is off first: {b.worst}" if b.worst else ""))
+
+    def precision_note(self) -> str | None:
+        """What the fitted matmul precision is, where it is not what the implementation declares."""
+        if self.split_precision:
+            return (f"the forward {PRECISION_NOTES[self.precision]}; the backward "
+                    f"{PRECISION_NOTES[self.precision_bwd]}; parity takes one "
+                    f"precision for both: judge it at {self.judged_precision()}, the looser")
+        if self.precision == self.declared_precision:
+            return None
+        return f"matmul_precision={self.precision}: {PRECISION_NOTES[self.precision]}"
+
+    def flags(self) -> str:
+        """The ``parity`` options that judge it as identified (conventions, then the precision)."""
+        out = [f"--convention {k}={fmt_value(v)}" for k, v in self.conventions().items()]
+        if self.judged_precision() != self.declared_precision:
+            out.append(f"--matmul-precision {self.judged_precision()}")
+        return " ".join(out)
+
+    def conventions(self) -> dict:
+        """The fitted knobs that ``--convention`` can declare and that differ from the asked ones.
+        Not a knob the implementation takes and follows (a declared value is passed to it, so it
+        would compute something else again): those are what it was asked for, or a defect."""
+        fam = get_family(self.kernel)
+        return {k: v for k, v in (self.best.knobs if self.best else {}).items()
+                if k in fam.conventions and not _same(v, self.asked.get(k))
+                and (k in self.ignored or not (fam.knobs[k].passed and self.impl.accepts(k)))}
+
+
+def rows(ident: Identification, dtype: str, device: str) -> list[dict]:
+    """Report rows (report.IDENTIFY_SCHEMA): one per candidate tried."""
+    base = {"kernel": ident.kernel, "impl": ident.impl.name, "dtype": dtype, "device": device,
+            "asked": json.dumps(ident.asked_all, sort_keys=True, default=str)}
+    if ident.error:
+        return [{**base, "stage": "error", "candidate": None, "max_rel": math.nan, "native_max_rel": None,
+                 "passed": False, "best": False, "classification": None, "message": ident.line()}]
+    out = []
+    for c in ident.candidates:
+        out.append({**base, "stage": c.stage, "candidate": json.dumps(c.knobs, sort_keys=True, default=str),
+                    "max_rel": c.max_rel, "noise_ratio": c.score, "native_max_rel": c.native_score, "passed": c.passed,
+                    "best": c is ident.best, "classification": c.level,
+                    "message": c.worst if c.passed is False else c.note})
+    return out

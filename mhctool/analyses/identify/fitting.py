@@ -1,0 +1,210 @@
+"""The fit: every candidate convention's float64 reference against the implementation's outputs
+on the probes, in units of the native noise; the discrete knobs exhaustively, the continuous
+ones on a grid (batched along a knob where the reference takes a tensor of values), refined and
+snapped to a round value; the pick among fits within noise."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from mhctool.analyses.identify.conclusion import Candidate, Probe
+from mhctool.analyses.identify.space import (
+    KNOWN,
+    _key,
+    _roundness,
+    _same,
+    _signature,
+    classify,
+)
+from mhctool.analyses.identify.subject import (
+    Subject,
+    _batched_errors,
+    _float64,
+    _nan_inf,
+)
+
+
+class Fitting(Subject):
+    """Scores candidates (cached in ``self.tried``) and picks among them."""
+
+    def score(self, probes: list[Probe], cand: dict, stage: str) -> Candidate:
+        """The candidate's fit (cached): its reference on every probe against the implementation's outputs."""
+        key = _key(cand)
+        if key not in self.tried:
+            knobs, ref_fn, _ = self._split(cand)
+            self.tried[key] = self._fit(probes, [cand], knobs, ref_fn, lambda outs: [o.unsqueeze(0) for o in outs], stage)[0]
+        return self.tried[key]
+
+    def _scores(self, probes: list[Probe], cands: list[dict], name: str, stage: str) -> list[Candidate]:
+        """:meth:`score` of candidates that differ only in the continuous knob ``name``: those not
+        yet scored in one reference call per probe where the space batches that knob."""
+        if name != self.space.batched:
+            return [self.score(probes, c, stage) for c in cands]
+        new = [c for c in {_key(c): c for c in cands}.values() if _key(c) not in self.tried]
+        if new:
+            for c in self.score_batch(probes, new, name):
+                self.tried[c.key] = replace(c, stage=stage)
+        return [self.tried[_key(c)] for c in cands]
+
+    def _tol(self, best: float) -> float:
+        """Scores within this of the best are the same fit (one unit of native rounding noise)."""
+        return 1.25 * best + 1.0
+
+    def _cost(self, cand: dict) -> float:
+        level = classify(self.kernel, cand, self.asked)[0]
+        return {"as asked": 0, "known convention": 1, "variant": 2, "likely a defect": 3}[level] + \
+            0.01 * sum(not _same(v, self.asked[k]) for k, v in cand.items())
+
+    def grid(self, probes: list[Probe]) -> list[Candidate]:
+        names = list(self.space.discrete) + list(self.space.continuous)
+        values = [self.space.discrete[k] for k in self.space.discrete] + \
+                 [sorted({*self.space.continuous[k], self.asked[k], *self._known(k)}) for k in self.space.continuous]
+        cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
+        # max(sum, 0) is add with eps 0
+        cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and c.get("eps") == 0.0)]
+        b = self.space.batched
+        if b is None:
+            return [self.score(probes, c, "grid") for c in cands]
+        pre = self.space.prefix
+        groups: dict[str, list[dict]] = {}
+        for c in cands:
+            groups.setdefault(json.dumps({k: v for k, v in c.items() if k not in (b, pre)}, sort_keys=True), []).append(c)
+        if pre is None:
+            return [c for group in groups.values() for c in self._score_group(probes, group, b, pre)]
+        # the prefix knob's values up to just past the asked one for every combination, then the
+        # rest of its range for the combinations that fit best there (Sinkhorn: every iteration
+        # count to 64 for the four best of sixteen, a third of the work of all sixteen)
+        near = self.asked[pre] + 3
+        first = [c for group in groups.values()
+                 for c in self._score_group(probes, [c for c in group if c[pre] <= near], b, pre)]
+        ranked = dict.fromkeys(json.dumps({k: v for k, v in c.knobs.items() if k not in (b, pre)}, sort_keys=True)
+                               for c in sorted(first, key=lambda c: c.score))
+        rest = []
+        for sig in list(ranked)[: self.judge_top + 1]:
+            far = [c for c in groups[sig] if c[pre] > near]
+            rest += self._score_group(probes, far, b, pre) if far else []
+        return first + rest
+
+    def _score_group(self, probes: list[Probe], cands: list[dict], knob: str, pre: str | None) -> list[Candidate]:
+        """Candidates that differ only in ``knob`` and ``pre``: one reference call per probe where
+        every value of ``pre`` has the same values of ``knob``, else one a value of ``pre``."""
+        if pre is None:
+            return self.score_batch(probes, cands, knob)
+        by_pre: dict = {}
+        for c in cands:
+            by_pre.setdefault(c[pre], []).append(c)
+        rows = [by_pre[v] for v in sorted(by_pre)]
+        if all([c[knob] for c in r] == [c[knob] for c in rows[0]] for r in rows):
+            return self.score_batch(probes, [c for r in rows for c in r], knob, pre)
+        return [c for r in rows for c in self.score_batch(probes, r, knob)]
+
+    def score_batch(self, probes: list[Probe], cands: list[dict], knob: str, pre: str | None = None) -> list[Candidate]:
+        """:meth:`score` of candidates that differ only in ``knob``, with one reference call per probe:
+        the reference takes the knob's values as a tensor along a new leading axis. With ``pre``,
+        ``cands`` are the values of ``knob`` repeated for each increasing value of ``pre``, which the
+        reference takes as a tuple (an axis in front of ``knob``'s)."""
+        pv = sorted({c[pre] for c in cands}) if pre else []
+        per = len(cands) // max(1, len(pv))
+        knobs, ref_fn, _ = self._split({**cands[0], knob: 0.0})
+        knobs[knob] = torch.tensor([c[knob] for c in cands[:per]], dtype=torch.float64)
+        if pre:
+            knobs[pre] = tuple(pv)
+        out = self._fit(probes, cands, knobs, ref_fn,
+                        (lambda outs: [o.flatten(0, 1) for o in outs]) if pre else (lambda outs: outs), "grid")
+        for c in out:
+            self.tried[c.key] = c
+        return out
+
+    def _fit(self, probes: list[Probe], cands: list[dict], knobs: dict, ref_fn: Callable, stacked: Callable, stage: str) -> list[Candidate]:
+        """Candidates from one reference call per probe (per stack of probes, where the space
+        stacks them); ``stacked(outs)`` gives each output with the candidates along a leading axis.
+        Ranked by error in units of the native noise."""
+        ratio, rel = [0.0] * len(cands), [0.0] * len(cands)
+        with torch.no_grad():
+            for group, args in self._stacked(probes):
+                first = next(t for t in args.values() if t is not None)
+                kn = {k: (v.to(first.device).reshape(-1, *([1] * first.dim())) if torch.is_tensor(v) else v)
+                      for k, v in knobs.items()}
+                outs = stacked(self.fam.call(ref_fn, args, kn, lambda k: True))
+                at = 0
+                for p in group:
+                    rows = next(t for t in p.base.values() if t is not None).shape[0]
+                    for o, r, noise in zip(p.res.outputs, outs, p.noise):
+                        if r.dim() == o.dim():  # an output the batched knob does not change: one fit for all
+                            r = r.unsqueeze(0)
+                        q, m = _batched_errors(o, r.narrow(1, at, rows) if len(group) > 1 else r)
+                        if len(q) == 1 < len(cands):
+                            q, m = q * len(cands), m * len(cands)
+                        if len(q) != len(cands):
+                            raise AssertionError(f"{len(q)} fits for {len(cands)} candidates")
+                        ratio = [max(a, b / noise) for a, b in zip(ratio, q)]
+                        rel = [max(a, b) for a, b in zip(rel, m)]
+                    at += rows
+        return [Candidate(dict(c), _nan_inf(q), _nan_inf(m), stage) for c, q, m in zip(cands, ratio, rel)]
+
+    def _stacked(self, probes: list[Probe]) -> list[tuple[list[Probe], dict]]:
+        """The probes as (group, its float64 inputs): where the space names a stackable input (its
+        leading axis independent problems), probes of one shape are one input along it, so one
+        reference call serves them all; otherwise each probe goes alone."""
+        key = tuple(id(p) for p in probes)
+        name = self.space.stackable
+        if key not in self._stacks:
+            if name is None or len(self.fam.inputs) != 1:
+                self._stacks[key] = [([p], _float64(p.base)) for p in probes]
+            else:
+                groups: dict = {}
+                for p in probes:
+                    groups.setdefault(tuple(p.base[name].shape[1:]), []).append(p)
+                self._stacks[key] = [(g, {name: torch.cat([_float64(p.base)[name] for p in g])})
+                                     for g in groups.values()]
+        return self._stacks[key]
+
+    def _known(self, name: str) -> list:
+        return [kv for (kk, kn, kv) in KNOWN if kk == self.kernel and kn == name]
+
+    def pick(self, cands: list[Candidate]) -> Candidate:
+        """The best fit; among fits within rounding noise of it, the one closest to what was asked."""
+        best = min(c.score for c in cands)
+        tied = [c for c in cands if c.score <= self._tol(best)]
+        return min(tied, key=lambda c: (self._cost(c.knobs), c.score))
+
+    def refine(self, probes: list[Probe], cand: Candidate) -> Candidate:
+        """Each continuous knob on finer log grids around its value, then snapped to a round value
+        (1, 2 or 5 times a power of ten, or a known convention's) that fits as well."""
+        cur = cand
+        for name in self.space.continuous:
+            v = cur.knobs[name]
+            if v == 0.0 or v >= 1e9:
+                continue
+            for half_width in (0.5, 0.05):
+                lv = math.log10(cur.knobs[name])
+                trial = self._scores(probes, [{**cur.knobs, name: 10 ** (lv + half_width * (i / 10 - 1))}
+                                              for i in range(21)], name, "refine")
+                cur = min(trial + [cur], key=lambda c: c.score)
+            preferred = [self.asked[name], *self._known(name)]
+            e = math.floor(math.log10(cur.knobs[name]))
+            around = preferred + [m * 10.0 ** p for p in (e - 1, e, e + 1) for m in (1, 2, 5)]
+            snaps = self._scores(probes, [{**cur.knobs, name: float(a)} for a in dict.fromkeys(around) if a], name,
+                                 "snap")
+            tol = self._tol(cur.score)
+            fits = [s for s in snaps if s.score <= tol]
+            if fits:
+                cur = min(fits, key=lambda c: (self._cost(c.knobs), _roundness(c.knobs[name], preferred), c.score))
+        return cur
+
+    def _combos(self, cands: list[Candidate], n: int) -> list[Candidate]:
+        """The best candidate of each of the ``n`` best-fitting discrete combinations."""
+        seen, out = set(), []
+        for c in sorted(cands, key=lambda c: c.score):
+            sig = _signature(c.knobs, self.space.discrete)
+            if sig not in seen:
+                seen.add(sig)
+                out.append(c)
+            if len(out) >= n:
+                break
+        return out

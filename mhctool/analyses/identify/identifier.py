@@ -1,0 +1,72 @@
+"""The whole identification: probe, fit, refine, pick, judge the best few, and conclude."""
+from __future__ import annotations
+
+from mhctool.analyses.identify.conclusion import Candidate, Identification
+from mhctool.analyses.identify.judging import Judging
+from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, _signature
+from mhctool.registry.impl import Impl
+
+
+class Identifier(Judging):
+    """Fits the convention knobs of one implementation; see :mod:`mhctool.analyses.identify`."""
+
+    def run(self) -> Identification:
+        probes, error = self.probes()
+        if error:
+            return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs)
+        grid = self.grid(probes)
+        # the continuous knobs of the few best discrete combinations are refined before the pick:
+        # a sensitive knob (eps inside a square root) can sit between two grid points
+        refined = [self.refine(probes, c) for c in self._combos(grid, self.judge_top)]
+        first = self.pick(refined + [self.refine(probes, self.pick(grid))])
+        if self.fits_precision:
+            self.precision, self.precision_bwd = self.fit_precision(probes, first)
+        others = [c for c in self._combos(refined + grid, self.judge_top + 1) if c.key != first.key]
+        judged = [self.judge(probes, c) for c in [first, *others][: self.judge_top]]
+        if self.overflow and not any(c.overflows for c in judged):
+            # the candidate whose native baseline overflows as it does (no max subtraction): what its
+            # finite outputs fit, judged so that the line can say so (it fails, as every one does)
+            odd = [c for c in self.tried.values() if c.stage != "judged" and self._suspicious(c.knobs)]
+            if odd:
+                judged.append(self.judge(probes, min(odd, key=lambda c: c.score)))
+        passing = [c for c in judged if c.passed]
+        if passing:
+            best = passing[0]
+        elif self.overflow:
+            best = next((c for c in judged if c.overflows), judged[0])
+        else:
+            best = next((c for c in judged if c.fwd_passed), judged[0])
+        ties = self._ties(best) if (best.passed or best.fwd_passed) else []
+        ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
+        return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
+                              fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
+                              declared_precision=self.declared_precision, ties=ties, overflow=self.overflow,
+                              ignored=self.ignored)
+
+    def _suspicious(self, knobs: dict) -> bool:
+        return any((self.kernel, k, v) in SUSPICIOUS_VALUES for k, v in knobs.items())
+
+    def _ties(self, best: Candidate) -> list[Candidate]:
+        """Other discrete combinations that fit as well: every judged candidate that passed, then,
+        of each other combination within native noise of the best fit, the candidate nearest what
+        was asked. Where the guards showed the implementation finite, no candidate that would
+        overflow there (the guard tells the two apart)."""
+        tol = self._tol(min(c.score for c in self.tried.values()))
+        seen = {_signature(best.knobs, self.space.discrete)}
+        judged: list[Candidate] = []
+        close: dict[tuple, list[Candidate]] = {}
+        for c in sorted(self.tried.values(), key=lambda c: c.score):
+            sig = _signature(c.knobs, self.space.discrete)
+            if sig in seen or c is best or (self.guards and self._suspicious(c.knobs)):
+                continue  # (judged in the log domain, no stabilisation is one: the same tie again)
+            if c.stage == "judged" and c.passed:
+                seen.add(sig)
+                judged.append(c)
+            elif c.stage != "judged" and c.score <= tol:
+                close.setdefault(sig, []).append(c)
+        nearest = [min(cs, key=lambda c: (self._cost(c.knobs), c.score)) for sig, cs in close.items() if sig not in seen]
+        return (judged + sorted(nearest, key=lambda c: c.score))[:4]
+
+
+def identify(kernel: str, impl: Impl, **kw) -> Identification:
+    return Identifier(kernel, impl, **kw).run()

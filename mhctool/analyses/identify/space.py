@@ -1,0 +1,325 @@
+"""The candidate space of ``mhctool identify``: per kernel, the convention knobs to fit (discrete
+and continuous), the variants that are no knobs of the family (a dropped bias, a scale applied
+elsewhere), the probes and guards that tell them apart; the known conventions of real kernels,
+and how a fitted value is classified (as asked, a known convention, a variant, likely a defect)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mhctool.core import names
+from mhctool.core.errors import UsageError
+from mhctool.registry.families import get_family
+
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+
+
+# eps: zero, then 1e-12 .. 1e-3 by half decades
+EPS_GRID = (0.0,) + tuple(10.0 ** (e / 2) for e in range(-24, -5))
+
+
+# Sinkhorn's iteration counts: 1 to 64 (a kernel may fix any of them), and around the asked value
+ITERS_MAX = 64
+
+
+LIMIT_GRID = (1.0, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0, 1e9)
+
+
+def _drop_bias(fn: Callable, keep: bool) -> Callable:
+    if keep:
+        return fn
+
+    def no_bias(h_res, x, h_post, y, bias=None, transpose_res=False, matmul_precision="ieee"):
+        kw = {"matmul_precision": matmul_precision} if matmul_precision != "ieee" else {}
+        out = fn(h_res, x, h_post, y, None, transpose_res=transpose_res, **kw)
+        # the bias still gets a (zero) gradient, as from a kernel that takes it and ignores it
+        return out if bias is None else out + (0.0 * bias.sum()).to(out.dtype)
+    return no_bias
+
+
+def _scale_at(fn: Callable, where: str) -> Callable:
+    if where == "output":
+        return fn
+
+    def scaled_input(x, scale=None, **kw):
+        if scale is not None:
+            x = (x * scale.unsqueeze(-1)).to(x.dtype)
+        return fn(x, None, **kw)
+    return scaled_input
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A candidate knob that no family knob expresses: how a value rewrites a function of the
+    family's signature (the reference and the native baseline alike)."""
+
+    values: tuple
+    wrap: Callable[[Callable, object], Callable]
+
+
+@dataclass(frozen=True)
+class Space:
+    probes: tuple[str, ...]  # input families
+    shape: str  # default probe shape
+    discrete: dict = field(default_factory=dict)  # knob -> values tried exhaustively
+    continuous: dict = field(default_factory=dict)  # knob -> coarse grid, then refined
+    variants: dict = field(default_factory=dict)  # knob -> Variant
+    # a continuous knob the reference takes as a tensor along a new leading axis, so its whole grid
+    # is one reference call (the reference is reused where only that knob changes)
+    batched: str | None = None
+    # a discrete knob whose values share a prefix of the computation (Sinkhorn's iteration count):
+    # the reference takes the increasing values as a tuple and stacks its outputs along a leading
+    # axis in front of the batched knob's, so the values of both are one reference call
+    prefix: str | None = None
+    # the input whose leading axis holds independent problems (Sinkhorn's matrices): probes of one
+    # shape go to the reference as one input along it, one call for all of them
+    stackable: str | None = None
+    # knobs that change no float64 value but the native baseline (how a kernel computes), tried when
+    # a candidate fails the verdict: candidate knobs -> {knob: value} to judge it again with, or None
+    judge_also: Callable[[dict], dict | None] = lambda knobs: None
+    # input families run and judged but never fitted: where an overflow shows (a non-finite output
+    # fits nothing, so fitting on it would blur every candidate's score)
+    guards: tuple[str, ...] = ()
+
+
+def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
+    """Where clamped SwiGLU's limit applies: ``both`` (the contract: the gate from above, the
+    linear half both ways), ``gate`` only, ``linear`` only, ``none``."""
+    if where == "both":
+        return fn
+    from mhctool.references.moe import split_glu
+
+    def variant(x, scale=None, interleave=0, limit=7.0, alpha=1.702, offset=1.0):
+        xf = x if x.dtype == torch.float64 else x.float()
+        a, b = split_glu(xf, interleave)
+        if where == "gate":
+            a = a.clamp(max=limit)
+        elif where == "linear":
+            b = b.clamp(-limit, limit)
+        f = a * torch.sigmoid(alpha * a) * (b + offset)
+        if scale is not None:
+            f = f * scale.unsqueeze(-1)
+        return f.to(x.dtype)
+    return variant
+
+
+def space(kernel: str, asked: dict) -> Space:
+    """What identification tries for ``kernel``; ``iters`` around the asked value."""
+    from mhctool.references import mhc as ref
+    if kernel == "sinkhorn":
+        it = int(asked.get("iters", 20))
+        return Space(("random", "eps_sweep", "dead_rows_cols", "near_perm"), "16x4x4x1",
+                     {"stabilize": ref.STABILIZE, "eps_mode": ref.EPS_MODES, "order": ref.ORDERS,
+                      "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
+                     {"eps": EPS_GRID}, batched="eps", prefix="iters",
+                     # without eps, as in the log domain: its rounding is the log-domain baseline's
+                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None,
+                     guards=("large_logits",), stackable="logits")
+    if kernel == "h_post_bda":
+        return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
+                     variants={"bias": Variant((True, False), _drop_bias)})
+    if kernel == "proj_rms":
+        return Space(("random", "tiny_norm"), "4x3x4x67", {"rms_eps": ref.RMS_EPS}, {"eps": EPS_GRID})
+    if kernel == "mapping":
+        return Space(("random", "tiny_norm"), "4x3x4x67", {"rms_eps": ref.RMS_EPS},
+                     {"eps": EPS_GRID, "compute_h_eps": EPS_GRID})
+    if kernel in ("mapping_sinkhorn", "mix_aggregate"):
+        # the mapping's knobs and Sinkhorn's at once: the discrete ones exhaustively, the mapping's
+        # eps on the grid, Sinkhorn's eps batched, compute_h's eps at the values libraries use
+        return Space(("random", "tiny_norm"), "4x3x4x67",
+                     {"rms_eps": ref.RMS_EPS, "stabilize": ref.STABILIZE, "order": ref.ORDERS},
+                     {"eps": EPS_GRID, "compute_h_eps": (0.0, 1e-8, 1e-6, 1e-4), "sinkhorn_eps": EPS_GRID},
+                     batched="sinkhorn_eps",
+                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("sinkhorn_eps") == 0.0 else None)
+    if kernel == "h_aggregate":
+        return Space(("random",), "4x3x4x67")
+    if kernel == "swiglu":
+        return Space(("random",), "37x1x96x1", {"scale_at": ("output", "input")},
+                     variants={"scale_at": Variant(("output", "input"), _scale_at)})
+    if kernel == "clamped_swiglu":
+        return Space(("random",), "37x1x96x1",
+                     {"scale_at": ("output", "input"), "clamp_at": ("both", "gate", "linear", "none")},
+                     {"limit": LIMIT_GRID},
+                     variants={"scale_at": Variant(("output", "input"), _scale_at),
+                               "clamp_at": Variant(("both", "gate", "linear", "none"), _clamped_swiglu_at)})
+    raise AssertionError(kernel)  # check_kernel first
+
+
+IDENTIFIABLE = names.IDENTIFIABLE
+
+
+def checked_knobs(kernel: str, values: dict, from_text: bool = False) -> dict:
+    """The knob values an implementation is asked for, each checked (``from_text``: typed from
+    ``--knob`` strings first); a name that is no knob of the kernel is a UsageError."""
+    from mhctool.analyses.knob_shift import typed_value
+    fam = get_family(kernel)
+    out = {}
+    for name, v in values.items():
+        if name not in fam.knobs:
+            raise UsageError(f"knob {name} is no knob of {kernel}; accepted: " + (", ".join(fam.knobs) or "none"))
+        knob = fam.knobs[name]
+        out[name] = knob.check(kernel, name, typed_value(knob.kind, name, v) if from_text else v)
+    return out
+
+
+def check_kernel(kernel: str) -> str:
+    """``kernel`` when identify knows its conventions; an unknown kernel or another one is a UsageError."""
+    get_family(kernel)
+    if kernel not in IDENTIFIABLE:
+        raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies " + ", ".join(IDENTIFIABLE))
+    return kernel
+
+
+# conventions real libraries use: (kernel, knob, value) -> who
+KNOWN = {
+    ("sinkhorn", "stabilize", "softmax"): "as in Megatron-LM's dev branch (a row softmax plus eps first)",
+    ("sinkhorn", "stabilize", "colmax"): "max subtraction along the axis normalised first (x - x.amax(dim=-2) with "
+                                         "columns first, a common PyTorch form)",
+    ("sinkhorn", "eps", 0.0): "as in TransformerEngine (log-domain iterations, no eps)",
+    ("sinkhorn", "domain", "log"): "as in TransformerEngine (judged against the log-domain native baseline)",
+    ("h_post_bda", "transpose_res", True): "as in Megatron-LM's dev branch and TransformerEngine (H_res^T)",
+    ("proj_rms", "rms_eps", "inside"): "as in TransformerEngine and RMSNorm (eps inside the square root)",
+    ("proj_rms", "eps", FP32_EPS): "as in TransformerEngine (eps = fp32 machine epsilon)",
+    ("mapping", "rms_eps", "inside"): "as in TransformerEngine and RMSNorm (eps inside the square root)",
+    ("mapping", "eps", FP32_EPS): "as in TransformerEngine (eps = fp32 machine epsilon)",
+    ("mapping", "compute_h_eps", 1e-6): "as in Megatron-LM's dev branch (sigmoid + 1e-6)",
+}
+
+
+for _k in ("mapping_sinkhorn", "mix_aggregate"):  # the composites: the mapping's and Sinkhorn's conventions
+    KNOWN.update({
+        (_k, "rms_eps", "inside"): "as in TransformerEngine and Liger-Kernel (eps inside the square root)",
+        (_k, "eps", FP32_EPS): "as in TransformerEngine (eps = fp32 machine epsilon)",
+        (_k, "compute_h_eps", 1e-6): "as in Megatron-LM's dev branch (sigmoid + 1e-6)",
+        (_k, "stabilize", "softmax"): "as in Liger-Kernel and Megatron-LM's dev branch (a row softmax plus eps first)",
+        (_k, "stabilize", "colmax"): KNOWN[("sinkhorn", "stabilize", "colmax")],
+        (_k, "sinkhorn_eps", 0.0): "as in TransformerEngine (log-domain iterations, no eps)",
+        (_k, "domain", "log"): "as in TransformerEngine (judged against the log-domain native baseline)",
+    })
+
+
+# how loose a precision's baseline is (parity judges a kernel whose forward and backward differ at the looser)
+LOOSENESS = {"ieee": 0, "tf32": 1, "tf32_trunc": 1, "bf16": 2}
+
+
+# what a matrix product at each precision is (the hint names it; ieee is the contract)
+PRECISION_NOTES = {
+    "ieee": "multiplies at IEEE fp32",
+    "tf32": "multiplies at TF32 rounded to nearest (cuBLAS, PyTorch's allow_tf32)",
+    "tf32_trunc": ("multiplies at TF32 with truncated operands: Triton's default for tl.dot on fp32 "
+                   "(or build it with input_precision='ieee')"),
+    "bf16": "multiplies bf16 operands (fp32 values rounded to bf16 before the product)",
+}
+
+
+# knobs where a value other than the one asked for is no library's convention
+DEFECT_KNOBS = {"iters", "eps", "compute_h_eps", "limit", "bias", "scale_at", "sinkhorn_eps"}
+
+
+# values that would be a defect if the implementation's own outputs show it: (kernel, knob, value)
+# -> (the defect, the probe family that shows it); without that evidence the fit is a tie, not a claim
+SUSPICIOUS_VALUES = {("sinkhorn", "stabilize", "none"): ("no max subtraction: exp overflows for large logits",
+                                                        "large_logits")}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        a, b = float(a), float(b)
+        return a == b or (a != 0 and b != 0 and abs(a - b) <= 1e-3 * max(abs(a), abs(b)))
+    return a == b
+
+
+def fmt_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return "inf" if v >= 1e9 else f"{v:g}"
+    return str(v)
+
+
+def _signature(knobs: dict, names) -> tuple:
+    """A candidate's values of the knobs ``names`` (its discrete combination)."""
+    return tuple(fmt_value(knobs[k]) for k in names)
+
+
+def fmt_knobs(knobs: dict) -> str:
+    return " ".join(f"{k}={fmt_value(v)}" for k, v in knobs.items())
+
+
+def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = None,
+             ignored: dict | None = None, shown_only: bool = False) -> tuple[str, str]:
+    """(``as asked`` | ``known convention`` | ``variant`` | ``likely a defect``, the sentence).
+
+    ``evidence``: knob -> (shown, what was measured), from :meth:`Identifier.evidence` on the
+    implementation's own outputs. A value that would be a defect is called one only where its
+    evidence shows it; without evidence (the unit's own use) the sentence says it is unconfirmed.
+    ``ignored``: knob -> how (``takes no`` / ``ignores``): the implementation runs its own value
+    whatever it is asked, which the sentence says first. ``shown_only``: only the claims that
+    evidence shows (a candidate that fails its own judging explains nothing else). In the log
+    domain nothing is exponentiated raw, so no stabilisation is claimed at all."""
+    ignored = ignored or {}
+    diff = {k: v for k, v in fitted.items() if not _same(v, asked.get(k))}
+    if fitted.get("domain") == "log" and "stabilize" in diff:
+        del diff["stabilize"]  # a log-domain iteration never exponentiates the raw logits
+    fixed = [f"ignores {k}: runs {fmt_value(fitted[k])} whatever it is asked, which is what was asked"
+             + _param_note(k, ignored[k]) for k in fitted if k in ignored and k not in diff]
+    if not diff:
+        return "as asked", "; ".join(["computes what it was asked for", *fixed])
+    notes, level = [], 0
+    for k, v in diff.items():
+        known = next((who for (kk, kn, kv), who in KNOWN.items() if kk == kernel and kn == k and _same(kv, v)), None)
+        odd = SUSPICIOUS_VALUES.get((kernel, k, v))
+        shown, measured = (evidence or {}).get(k, (None, None))
+        own = (f"ignores {k}: runs {fmt_value(v)} whatever it is asked (asked for {fmt_value(asked.get(k))}"
+               f"{_param_note(k, ignored[k])})") if k in ignored else None
+        if shown_only and not (odd and shown):
+            continue
+        if known:
+            notes.append(f"{own}: a known convention, {known}" if own else f"{k}={fmt_value(v)}: a known convention, {known}")
+        elif (odd or k in DEFECT_KNOBS) and shown is False:
+            level = max(level, 1)
+            notes.append(f"{own}; no difference shows on its outputs: {measured}" if own
+                         else f"{k}={fmt_value(v)} fits, but no defect is shown: {measured}")
+        elif odd or k in DEFECT_KNOBS:
+            level = 2
+            what = f" ({odd[0]})" if odd else ""
+            head = own or f"matches with {k}={fmt_value(v)} — asked for {fmt_value(asked.get(k))}"
+            notes.append(f"{head}: likely a defect{what}"
+                         + (f"; shown: {measured}" if shown else "; not yet shown on its outputs"))
+        else:
+            level = max(level, 1)
+            notes.append(f"{own}: a variant no library mhctool knows uses (check it is intended)" if own
+                         else f"{k}={fmt_value(v)}: a variant no library mhctool knows uses (check it is intended)")
+    return ("known convention", "variant", "likely a defect")[level], "; ".join(notes + fixed)
+
+
+def _param_note(knob: str, how: str) -> str:
+    return f"; it takes no {knob} parameter" if how == "takes no" else ""
+
+
+def _key(knobs: dict) -> tuple:
+    """A candidate's identity: its knob values by name (the cache of fits, the table's rows)."""
+    return tuple(sorted((k, str(v)) for k, v in knobs.items()))
+
+
+def _far_from(kind: type, v):
+    """A value of a knob far from ``v``: one iteration (two where ``v`` is one), or 1e-3 times
+    (1e3 times, for values under 1e-4; 1e-3 for zero) a float."""
+    if kind is int:
+        return 1 if v != 1 else 2
+    if v == 0:
+        return 1e-3
+    return v * 1e3 if abs(v) < 1e-4 else v * 1e-3
+
+
+def _roundness(v: float, preferred: list) -> int:
+    """0 for an asked or known value, 1 for a power of ten, 2 for 2 or 5 times one, 3 otherwise."""
+    if any(_same(v, p) for p in preferred):
+        return 0
+    if v <= 0:
+        return 3
+    m = v / 10.0 ** math.floor(math.log10(v) + 1e-9)
+    return 1 if _same(m, 1.0) else 2 if _same(m, 2.0) or _same(m, 5.0) else 3

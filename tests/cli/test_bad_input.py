@@ -1,0 +1,152 @@
+"""Bad input ends in one sentence and exit 2 before anything runs, and nothing is left
+half-written; implementations resolve per kernel; reports honour the umask."""
+import os
+import stat
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from mhctool.core import environment, report
+from mhctool.registry import families as registry
+from mhctool.registry.builtin import impls_for
+from mhctool.registry.impl import Impl
+from mhctool.registry.specs import resolve_impls
+from mhctool.runner import run as runner
+from mhctool.runner.case import Case, check_runnable
+from mhctool.cli.app import app
+from mhctool.core.errors import UsageError
+from mhctool.core.shapes import parse_shape_for
+
+cli = CliRunner()
+
+
+def run(*args):
+    return cli.invoke(app, [str(a) for a in args])
+
+
+def _one_sentence(res, needle):
+    assert res.exit_code == 2, res.output
+    assert needle in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_a_shape_too_large_for_the_device_is_refused_with_the_sizes(tmp_path):
+    out = tmp_path / "r.parquet"
+    res = run("parity", "--kernel", "h_aggregate", "--device", "cpu", "--shape", "99999999999x4x4x7168", "-o", out)
+    _one_sentence(res, "needs at least")
+    assert "GiB for the float64 reference" in res.output and "the machine has" in res.output
+    assert not out.exists()
+
+
+def test_out_naming_a_directory_is_refused_before_the_run(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(runner, "run_case", lambda *a, **k: ran.append(a))
+    res = run("parity", "--kernel", "sinkhorn", "--device", "cpu", "-o", tmp_path)
+    _one_sentence(res, "is a directory")
+    assert not ran
+
+
+@pytest.mark.parametrize("cmd", [
+    ["bench", "--kernel", "sinkhorn", "--device", "cpu"],
+    ["stability", "gain", "--depth", "2"],
+    ["goldens", "extract", "x.log"],
+])
+def test_every_report_writer_refuses_a_directory(tmp_path, cmd):
+    res = run(*cmd, "-o", tmp_path)
+    _one_sentence(res, "is a directory")
+
+
+def test_gate_refuses_unwritable_outputs_before_running(tmp_path):
+    suite = Path(__file__).resolve().parents[2] / "scenarios" / "ci-gate.toml"
+    res = run("gate", "--suite", suite, "--junit", tmp_path)
+    _one_sentence(res, "--junit")
+
+
+def test_reports_get_the_mode_a_plain_open_would_give(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = report.write_atomic(report.to_table([], "r", "parity", {}), tmp_path / "r.parquet")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("setup,cmd,needle", [
+    ("truncated", ["report", "show", "{f}"], "not a readable Parquet file"),
+    ("truncated", ["report", "compare", "{f}", "{f}"], "not a readable Parquet file"),
+    ("foreign", ["report", "show", "{f}"], "not an mhctool report"),
+    ("binary", ["goldens", "extract", "{f}", "-o", "{d}/x.json"], "no Megatron training-iteration lines"),
+    ("nan_eps", ["parity", "--scenario", "{f}", "--device", "cpu"], "must be finite"),
+    ("negative_iters", ["parity", "--scenario", "{f}", "--device", "cpu"], "must be a positive integer"),
+    ("broken_suite", ["gate", "--suite", "{f}", "--device", "cpu"], "not valid TOML"),
+    (None, ["parity", "--kernel", "sinkhorn", "--device", "cpu", "--kappa", "nan"], "--kappa"),
+    (None, ["parity", "--kernel", "h_post_bda", "--device", "cpu", "--shape", "4x0x4x8"], "zero dimension"),
+])
+def test_bad_files_and_values_are_one_sentence(tmp_path, setup, cmd, needle):
+    f = tmp_path / "input"
+    if setup == "truncated":
+        good = report.write_atomic(report.to_table([], "r", "parity", {}), tmp_path / "good.parquet")
+        f.write_bytes(good.read_bytes()[:100])
+    elif setup == "foreign":
+        import pyarrow as pa
+        pq.write_table(pa.table({"a": [1]}), f)
+    elif setup == "binary":
+        f.write_bytes(bytes(range(256)) * 20)
+    elif setup in ("nan_eps", "negative_iters"):
+        knob = "eps = nan" if setup == "nan_eps" else "iters = -3"
+        f.write_text(f'name = "x"\n[[cases]]\nkernel = "sinkhorn"\n[cases.knobs]\n{knob}\n')
+    elif setup == "broken_suite":
+        f.write_text('name = "x"\n[[parity]\n')
+    args = [a.format(f=f, d=tmp_path) for a in cmd]
+    if cmd[0] == "parity":
+        args += ["-o", str(tmp_path / "r.parquet")]
+    res = run(*args)
+    _one_sentence(res, needle)
+    assert not (tmp_path / "r.parquet").exists()
+
+
+# --- implementations resolve per kernel ---------------------------------------------------------
+
+def test_a_backend_missing_for_one_kernel_is_a_skip_reason_not_an_error():
+    (impl,) = resolve_impls("swiglu", ["cutile"])
+    assert impl.unsupported("cuda", "bf16") == "mhctool has no cuTile implementation of swiglu"
+    with pytest.raises(UsageError, match="unknown implementation 'cutlass'"):
+        resolve_impls("swiglu", ["cutlass"])
+
+
+def _case(kernel, shape):
+    kind = registry.get_family(kernel).shape_kind
+    return Case(kernel, "random", "bf16", parse_shape_for(kind, shape), (), 0, "cuda")
+
+
+def test_named_impl_is_an_error_only_when_it_runs_no_case():
+    usable = Impl("cutile", "sinkhorn", "cutile", lambda x: x, requires=lambda: None)
+    impls = {"sinkhorn": [usable], "swiglu": resolve_impls("swiglu", ["cutile"])}
+    cases = [_case("sinkhorn", "8x2x4x1"), _case("swiglu", "8x1x32x1")]
+    check_runnable(impls, cases)  # runs sinkhorn: swiglu's rows are skipped with the reason
+    with pytest.raises(UsageError, match="cannot run swiglu here: mhctool has no cuTile implementation"):
+        check_runnable({"swiglu": impls["swiglu"]}, cases[1:])
+
+
+def test_a_default_run_says_which_backend_was_skipped_everywhere(tmp_path, monkeypatch):
+    why = "Triton 3.6.0's CPU interpreter does not run with numpy 2.4.0"
+    for impl in impls_for("h_aggregate"):
+        if impl.name == "triton":
+            monkeypatch.setattr(impl, "requires", lambda: why)
+    res = run("parity", "--kernel", "h_aggregate", "--device", "cpu", "--dtype", "fp32", "-o", tmp_path / "r.parquet")
+    assert res.exit_code == 0, res.output
+    assert f"note: triton skipped for every case: {why}" in res.output.replace("\n", " ")
+
+
+@pytest.mark.parametrize("triton,numpy,broken", [
+    ("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.0", False), ("3.9.0", "2.4.6", False),
+    ("3.10.0", "2.5.0", False), ("3.5.1", "2.4.0rc1", True),
+])
+def test_interpreter_gate_names_the_broken_combination(triton, numpy, broken):
+    why = environment.interpreter_incompatibility(triton, numpy)
+    assert (why is not None) == broken
+    if broken:
+        assert "triton>=3.7" in why and "numpy<2.4" in why
