@@ -71,7 +71,7 @@ GOLDEN_KEYS = {"name", "golden", "actual", "metrics", "deterministic", "rtol"}
 CHECK_KEYS = {"name", "file", "factor"}
 TRAIN_CONFIG_KEYS = {"steps", "layers", "streams", "hidden", "heads", "seq", "batch", "vocab", "lr", "dtype", "seed"}
 TRAIN_KEYS = {"name", "impls", "kernel", "golden", "metrics", "deterministic", "rtol", "compare", "device", "knobs",
-              "conventions"} | TRAIN_CONFIG_KEYS
+              "conventions", "seeds"} | TRAIN_CONFIG_KEYS
 
 
 @dataclass
@@ -352,7 +352,8 @@ def _train_cases(item: dict, device_default: str, unit: int, isolation, interrup
         worker = Worker(isolation.transport)
     try:
         o = T.session(cfg, T.assign(item["impls"], item.get("kernel")), knobs, conventions,
-                      compare=bool(item.get("compare", False)), trace=False, isolation=worker, interrupted=interrupted)
+                      compare=bool(item.get("compare", False)), trace=False, isolation=worker, interrupted=interrupted,
+                      seeds=int(item.get("seeds", 1)))
     finally:
         if worker is not None:
             worker.stop()

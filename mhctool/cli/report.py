@@ -78,17 +78,18 @@ def _show_rows(kind: str, rows: list[dict], top: int) -> None:
         out.print(f"{len(rows)} candidates tried, {len(judged)} judged, {sum(bool(r['passed']) for r in judged)} passed")
     elif kind == "train":
         for r in rows:
-            if r["step"] is None or r["metric"].startswith(("drift:", "traced:")) or r["metric"] in ("nonfinite", "error"):
-                if r["metric"].startswith(("drift:", "traced:")) or r["metric"] in ("nonfinite", "error"):
-                    verdict = {True: "ok", False: "FAIL", None: "-"}[r["passed"]]
-                    out.print(f"{verdict} {r['run']} {r['metric']}: {r['message']}", markup=False)
+            if r["metric"].startswith(("drift:", "traced:")) or r["metric"] in ("nonfinite", "error", "zeros-finding"):
+                verdict = {True: "ok", False: "FAIL", None: "-"}[r["passed"]]
+                out.print(f"{verdict} {r['run']} {r['metric']}: {r['message']}", markup=False)
         runs = {}
         for r in rows:
             if r["metric"] == "lm loss":
-                runs.setdefault(r["run"], []).append((r["step"], r["value"]))
-        for run, pts in runs.items():
+                runs.setdefault((r["run"], r.get("seed")), []).append((r["step"], r["value"]))
+        several = len({seed for _, seed in runs}) > 1
+        for (run, seed), pts in runs.items():
             pts.sort()
-            out.print(f"{run}: lm loss {pts[0][1]:.4f} -> {pts[-1][1]:.4f} over {len(pts)} steps", markup=False)
+            name = f"{run} seed {seed}" if several else run
+            out.print(f"{name}: lm loss {pts[0][1]:.4f} -> {pts[-1][1]:.4f} over {len(pts)} steps", markup=False)
     elif kind == "stability":
         bad = [r for r in rows if r["metric"] == "nonfinite_rate" and r["value"]]
         out.print(f"{len(rows)} rows; {len(bad)} with non-finite outputs" + (

@@ -36,7 +36,7 @@ def _curves(o, every: int) -> Table:
 def train(
     impl: list[str] = typer.Option(..., "--impl", "-i", help="The implementation under test, as parity takes it (repeat or comma-separate): triton, cutile, FILE.py:function, module:function, megatron:DIR, te:DIR, liger:MODULE or an adapter's. Each mHC family the model calls (mapping, sinkhorn, h_aggregate, h_post_bda) runs it where it has one, natively otherwise; a function is the family its parameters are named after (or --kernel)."),
     kernel: Optional[str] = typer.Option(None, "--kernel", "-k", help="The family a function given to --impl implements, where its parameter names do not say: mapping, sinkhorn, h_aggregate or h_post_bda."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (default 30 on a CPU, 100 on a GPU)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (default 20 on a CPU, 100 on a GPU)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="mHC layers (default 4)."),
     streams: Optional[int] = typer.Option(None, "--streams", help="Residual streams n (default 4)."),
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Hidden size C (default 32 on a CPU, 256 on a GPU)."),
@@ -47,7 +47,9 @@ def train(
     lr: Optional[float] = typer.Option(None, "--lr", help="AdamW's learning rate (default 0.01; 0.3 grows the Sinkhorn logits past 88 within about 12 steps)."),
     dtype: str = typer.Option("fp32", "--dtype", help="The activations' dtype: fp32, bf16 or fp16 (the mapping path stays fp32)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
-    seed: int = typer.Option(0, "--seed", min=0, help="Seeds the initial model and the synthetic tokens."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seeds the initial model and the synthetic tokens (the ensemble's first seed)."),
+    seeds: int = typer.Option(4, "--seeds", min=1, help="Train from this many seeds (--seed and those after it) and judge the drift over the ensemble: a metric drifts where the geometric mean over the seeds of its distance from the float64 run over what kappa x native's allows is above 1 and most seeds are past 1 (1: one sample)."),
+    workers: str = typer.Option("auto", "--workers", help="Processes the seeds are spread over: a number, or auto (one per GPU on a GPU, one per core on a CPU, at most one a seed). The rows are the same whatever the spread."),
     knob: Optional[list[str]] = typer.Option(None, "--knob", help="FAMILY.KNOB=VALUE or KNOB=VALUE (every family that has it): what every trajectory asks for, e.g. sinkhorn.eps=1e-8."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="FAMILY.KNOB=VALUE or KNOB=VALUE: a convention the implementation computes; the native and float64 trajectories compute it too."),
     input_dtypes: str = typer.Option("contract", "--input-dtypes", help="contract: every family's inputs at mhctool's contract dtypes (the mapping path fp32); library: a library's at the dtypes its adapter says it is used with (Megatron-LM's h_pre, h_res, h_post in the activations' dtype)."),
@@ -65,7 +67,10 @@ def train(
     drift from the float64 trajectory with kappa, trace it to a knob. Exit 0 when it stays with the
     reference, 1 when it drifts, goes non-finite or fails, 2 on bad input."""
     from mhctool.cli.kit import isolation_for, precheck
+    from mhctool.spread import pool
+    pool.warm(workers if seeds > 1 else 1)
     precheck(dtypes=[dtype], device_name=device)
+    workers_asked = pool.parse_workers(workers)
     if input_dtypes not in ("contract", "library"):
         raise UsageError(f"unknown --input-dtypes {input_dtypes!r}; accepted: contract, library")
     from mhctool.core import environment, report
@@ -89,16 +94,18 @@ def train(
         resolve_impls(f, [spec])
     interrupts = Interrupts()
     iso = isolation_for(isolate, specs, dev, None, "shm", interrupts)
+    n_workers = pool.worker_count(workers_asked, dev, seeds)
     worker = None
-    if iso is not None:
-        from mhctool.spread.isolation import Worker
+    from mhctool.spread.isolation import Worker
+    if iso is not None and n_workers == 1:
         worker = Worker("shm")
     m = cfg.model
     src = T.MarkovSource(m.vocab, cfg.branch, cfg.seed)
     if not quiet:
         out.print(f"train: {m.layers} layers x {m.streams} streams, hidden {m.hidden}, {m.heads} heads, seq {m.seq} x "
                   f"batch {cfg.batch}, vocab {m.vocab}, {cfg.steps} steps at lr {cfg.lr:g}, {cfg.dtype} on {dev} "
-                  f"(seed {cfg.seed}); the source's floor {src.entropy():.3f} nats a token", markup=False)
+                  f"({_seeds_phrase(cfg.seed, seeds, n_workers)}); the source's floor {src.entropy():.3f} nats a token",
+                  markup=False)
     show = not quiet and out.is_terminal
     from rich.progress import (
         BarColumn,
@@ -107,7 +114,7 @@ def train(
         TextColumn,
         TimeElapsedColumn,
     )
-    total = cfg.steps * (3 if compare else 1)
+    total = cfg.steps * (3 if compare else 1) * seeds
     from mhctool.core.verdict import VerdictRule
     try:
         with interrupts, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -117,7 +124,8 @@ def train(
             def progress(role, step):
                 bar.update(task, advance=1, description=f"{role} step {step.step} loss {step.metrics['lm loss']:.4g}")
             o = T.session(cfg, assigned, knobs, conventions, VerdictRule(kappa=kappa), compare, trace, worker,
-                          interrupts, progress, as_used=input_dtypes == "library")
+                          interrupts, progress, as_used=input_dtypes == "library", seeds=seeds, workers=n_workers,
+                          isolation_factory=lambda: Worker("shm"))
     finally:
         if worker is not None:
             worker.stop()
@@ -145,8 +153,12 @@ def train(
     _goldens_lines(o, T)
     for d in o.drifts:
         out.print(f"{'ok' if d.passed else 'DRIFT'} {d.metric}: {d.message}", markup=False)
-    if o.impl.error and o.impl.error != "interrupted" and not o.nonfinite:
-        out.print(f"the implementation's run ended at {o.impl.error}", markup=False)
+    if o.zeros is not None and not quiet:
+        out.print(f"zeros: {o.zeros.sentence}" + "".join(f"; {p}" for p in o.zeros.parameters), markup=False)
+    if o.errors and not o.nonfinite:
+        first = o.errors[0]
+        where = f" (seed {first.seed}; {len(o.errors)} of {len(o.seeds)} seeds ended early)" if o.ensemble else ""
+        out.print(f"the implementation's run ended at {first.error}{where}", markup=False)
     if o.nonfinite:
         out.print(f"the implementation {o.nonfinite}", markup=False)
     native, ref = o.role("native"), o.role("reference")
@@ -160,12 +172,21 @@ def train(
         out.print(f"[yellow]INTERRUPTED[/] after {len(o.impl.steps)} steps of the implementation's run ({written})")
         raise typer.Exit(130)
     if not o.compared:
-        ok = o.impl.error is None and o.impl.nonfinite_step is None
+        ok = not o.errors and all(r.impl.nonfinite_step is None for r in o.runs)
         out.print(("[green]TRAINED[/]" if ok else "[red]FAILED[/]") + f" {len(o.impl.steps)} steps, not compared ({written})")
         raise typer.Exit(0 if ok else 1)
     verdict = "[green]PASSED[/] stays with the float64 reference" if o.passed else "[red]FAILED[/] drifts from the float64 reference"
-    out.print(f"{verdict} (kappa {kappa:g} x native's drift; {written})")
+    over = (f"over {len(o.seeds)} seeds" if o.ensemble else
+            f"one seed: a single sample of a chaotic run, --seeds {T.DEFAULT_SEEDS} judges over an ensemble")
+    out.print(f"{verdict} (kappa {kappa:g} x native's drift, {over}; {written})")
     raise typer.Exit(0 if o.passed else 1)
+
+
+def _seeds_phrase(first: int, seeds: int, workers: int) -> str:
+    if seeds == 1:
+        return f"seed {first}"
+    spread = f" over {workers} processes" if workers > 1 else ""
+    return f"seeds {first}-{first + seeds - 1}{spread}"
 
 
 def _goldens_lines(o, T) -> None:

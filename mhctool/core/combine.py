@@ -18,7 +18,7 @@ COMPARE_KEYS = {
     "gate": ("entry", "kind", "name"),
     "identify": ("kernel", "impl", "dtype", "candidate"),
     "stability": ("impl", "family", "dtype", "scale", "stabilize", "eps", "eps_mode", "order", "iters", "metric"),
-    "train": ("run", "step", "layer", "metric"),
+    "train": ("run", "seed", "step", "layer", "metric"),
     "bench": ("kernel", "impl", "direction", "dtype", "shape", "graph", "metric"),
     "stability-eps": ("kernel", "knob", "setting_a", "setting_b", "level", "family", "dtype", "impl", "tensor",
                       "depth", "metric"),

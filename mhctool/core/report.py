@@ -56,7 +56,9 @@ from mhctool.core.findings import tally, verdicts, worst_first
 
 # 2: bench reports gained ``inputs`` (the input dtypes each row was timed at); parity reports gained
 # ``ranks`` and ``grad_reduce`` (``--ranks``; null in a one-process run)
-SCHEMA_VERSION = 2
+# 3: train reports gained ``seed`` (the trajectory's seed; in a verdict row, null where the verdict
+# is the seed ensemble's)
+SCHEMA_VERSION = 3
 
 
 SCHEMA = pa.schema([
@@ -164,7 +166,7 @@ IDENTIFY_SCHEMA = pa.schema([
 TRAIN_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("run", pa.string()), ("step", pa.int64()), ("layer", pa.int64()),
     ("metric", pa.string()), ("value", pa.float64()), ("threshold", pa.float64()), ("passed", pa.bool_()),
-    ("message", pa.string()),
+    ("message", pa.string()), ("seed", pa.int64()),
 ])
 
 

@@ -328,7 +328,12 @@ def train_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
     row-sum deviation) for the implementation and the reference."""
     out_dir = _folder(out_dir)
     rows = table.to_pylist()
-    runs = list(dict.fromkeys(r["run"] for r in rows if r["step"] is not None and not r["metric"].startswith("drift:")))
+    seeds = sorted({r.get("seed") for r in rows if r.get("seed") is not None and r["step"] is not None
+                    and r["metric"] in ("lm loss", "grad-norm", "num-zeros")})
+    if len(seeds) > 1:
+        return [_train_bands(rows, seeds, out_dir), *_train_health(rows, out_dir, seeds[0])]
+    runs = list(dict.fromkeys(r["run"] for r in rows if r["step"] is not None
+                              and not r["metric"].startswith(("drift:", "seed-drift:"))))
     parted = {r["metric"][len("drift:"):]: r["step"] for r in rows if r["metric"].startswith("drift:") and r["step"]}
 
     def series(run, metric, layer=None):
@@ -370,7 +375,80 @@ def train_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
             ax.annotate(f"parts at step {parted[metric]}", (parted[metric], ax.get_ylim()[1]), color="tab:red",
                         fontsize=8, ha="left", va="top", xytext=(3, -3), textcoords="offset points")
     axes[0, 0].legend(fontsize=8)
-    written = [_save(fig, out_dir / "train-metrics.png", 110)]
+    return [_save(fig, out_dir / "train-metrics.png", 110), *_train_health(rows, out_dir, None)]
+
+
+def _train_bands(rows: list[dict], seeds: list[int], out_dir: Path) -> Path:
+    """A seed ensemble's metrics: per step, the float64 runs' and native's band (least to largest
+    over the seeds) with each of the implementation's runs over them, and below, each seed's
+    distance from its float64 run (the implementation's runs over native's band); the step where
+    the verdict says it parts marked."""
+    by: dict = {}
+    for r in rows:
+        if r["step"] is not None and r.get("seed") is not None and r["layer"] is None:
+            by.setdefault((r["run"], r["metric"], r["seed"]), {})[r["step"]] = r["value"]
+    parted = {r["metric"][len("drift:"):]: r["step"] for r in rows
+              if r["metric"].startswith("drift:") and r["step"] and r.get("seed") is None}
+
+    def band(ax, run, metric, seeds_, transform=None, **style):
+        per = [by.get((run, metric, s), {}) for s in seeds_]
+        if transform:
+            per = [transform(p, s) for p, s in zip(per, seeds_)]
+        steps = sorted(set().union(*per)) if per else []
+        lo = [min((p[k] for p in per if k in p and math.isfinite(p[k])), default=math.nan) for k in steps]
+        hi = [max((p[k] for p in per if k in p and math.isfinite(p[k])), default=math.nan) for k in steps]
+        if steps:
+            ax.fill_between(steps, lo, hi, alpha=0.3, lw=0, **style)
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), sharex=True)
+    for col, metric in enumerate(("lm loss", "grad-norm", "num-zeros")):
+        ax, dist = axes[0, col], axes[1, col]
+        band(ax, "reference", metric, seeds, color="black", label=f"float64 (band over {len(seeds)} seeds)")
+        band(ax, "native", metric, seeds, color="0.55", label="native (band)")
+        for k, s in enumerate(seeds):
+            run = by.get(("impl", metric, s), {})
+            ax.plot(sorted(run), [run[x] for x in sorted(run)], color="tab:blue", lw=0.9,
+                    label="implementation (a line a seed)" if k == 0 else None)
+
+        def distance(run_steps, s, metric=metric):
+            ref = by.get(("reference", metric, s), {})
+            return {x: abs(v - ref[x]) for x, v in run_steps.items() if x in ref and math.isfinite(v)
+                    and math.isfinite(ref[x]) and v != ref[x]}
+        band(dist, "native", metric, seeds, transform=distance, color="0.55", label="native (band)")
+        drawn = False
+        for k, s in enumerate(seeds):
+            d = distance(by.get(("impl", metric, s), {}), s)
+            if d:
+                dist.plot(sorted(d), [d[x] for x in sorted(d)], color="tab:blue", lw=0.9, marker=".", ms=2,
+                          label="implementation" if not drawn else None)
+                drawn = True
+        if drawn or any(distance(by.get(("native", metric, s), {}), s) for s in seeds):
+            dist.set_yscale("log")
+        else:
+            dist.text(0.5, 0.5, "equal to the reference at every step", ha="center", va="center",
+                      transform=dist.transAxes)
+        ax.set_title(metric)
+        dist.set_title(f"{metric}: distance from each seed's float64 run")
+        dist.set_xlabel("step")
+        if metric in parted:
+            for ax_ in (ax, dist):
+                ax_.axvline(parted[metric], color="tab:red", ls=":", lw=1.2)
+            ax.annotate(f"parts at step {parted[metric]}", (parted[metric], ax.get_ylim()[1]), color="tab:red",
+                        fontsize=8, ha="left", va="top", xytext=(3, -3), textcoords="offset points")
+    axes[0, 0].legend(fontsize=8)
+    axes[1, 0].legend(fontsize=8)
+    return _save(fig, out_dir / "train-metrics.png", 110)
+
+
+def _train_health(rows: list[dict], out_dir: Path, seed) -> list[Path]:
+    """H_res's health per layer (the largest Sinkhorn logit, the row-sum deviation) of the
+    implementation and the reference (of ``seed``, where the report has several)."""
+    written = []
+
+    def series(run, metric, layer=None):
+        pts = sorted((r["step"], r["value"]) for r in rows if r["run"] == run and r["metric"] == metric
+                     and r["layer"] == layer and r["step"] is not None and (seed is None or r.get("seed") == seed))
+        return [p[0] for p in pts], [p[1] for p in pts]
     layers = sorted({r["layer"] for r in rows if r["layer"] is not None})
     if layers:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)

@@ -32,7 +32,8 @@ def reports(tmp_path_factory):
                    "--device", "cpu", "-q"],
         "gate": ["gate", "--suite", suite, "--no-isolate", "-q", "--junit", d / "g.xml", "--summary", d / "g.md"],
         "identify": ["identify", "--kernel", "h_aggregate", "--impl", "torch", "--device", "cpu", "-q"],
-        "train": ["train", "--impl", "torch", "--steps", "3", "--layers", "1", "--seq", "8", "--device", "cpu", "-q"],
+        "train": ["train", "--impl", "torch", "--steps", "3", "--layers", "1", "--seq", "8", "--device", "cpu", "--seeds", "2", "--workers", "1",
+                  "-q"],
         "stability-gain": ["stability", "gain", "--tokens", "8", "--depth", "4", "--device", "cpu", "-q"],
         "stability": ["stability", "sinkhorn", "--quick", "--iters", "1,20", "--device", "cpu", "-q"],
         "bench": ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "sinkhorn", "--impl", "torch",
@@ -68,7 +69,7 @@ def test_show_and_compare_every_kind(reports, kind, tmp_path):
 def test_show_says_what_each_kind_holds(reports):
     assert "checks failed" in _run("report", "show", reports["gate"][0])[1]
     assert "candidates tried" in _run("report", "show", reports["identify"][0])[1]
-    assert "impl: lm loss" in _run("report", "show", reports["train"][0])[1]
+    assert "impl seed 0: lm loss" in _run("report", "show", reports["train"][0])[1]
 
 
 def test_two_kinds_are_not_compared(reports):

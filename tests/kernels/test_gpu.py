@@ -30,7 +30,7 @@ CUTILE_FAMILIES = "sinkhorn,h_aggregate,h_post_bda,proj_rms,mapping,mix_aggregat
 # those a selected test reads): their time is mostly compilation (Triton, tileiras) on the CPU, so
 # they overlap each other and the in-process tests; the default scenario's runs also spread their
 # cases over workers on the one GPU. A test marked ``background(name)`` waits for its run.
-TRAIN = ["--device", "cuda", "--steps", "8", "--layers", "2", "--hidden", "128", "--seq", "128", "--batch", "2",
+TRAIN = ["--device", "cuda", "--steps", "8", "--layers", "2", "--hidden", "128", "--seq", "128", "--batch", "2", "--seeds", "2",
          "--dtype", "bf16", "-q"]
 BACKGROUND = {
     "triton": ["parity", "--kernel", "all", "--impl", "triton", "--workers", "4"],

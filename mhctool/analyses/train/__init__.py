@@ -40,6 +40,7 @@ from mhctool.analyses.train.session import (
     settings,
 )
 from mhctool.analyses.train.setup import (
+    DEFAULT_SEEDS,
     FAMILIES,
     GOLDEN_METRICS,
     JUDGED,
@@ -59,7 +60,7 @@ from mhctool.analyses.train.trajectory import (
 )
 from mhctool.analyses.train.verdict import Drift, judge, nonfinite_sentence
 
-__all__ = ["FAMILIES", "GOLDEN_METRICS", "JUDGED", "Drift", "MarkovSource", "Outcome", "Piece", "Step",
+__all__ = ["DEFAULT_SEEDS", "FAMILIES", "GOLDEN_METRICS", "JUDGED", "Drift", "MarkovSource", "Outcome", "Piece", "Step",
            "TrainConfig", "Trajectory", "assign", "config", "from_dict", "impl_pieces", "judge", "native_piece",
            "nonfinite_sentence", "param_count", "parse_knobs", "reference_piece", "report_rows", "rows", "run",
            "session", "settings", "to_dict", "to_golden", "zero_sources"]

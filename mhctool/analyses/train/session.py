@@ -13,8 +13,9 @@ from mhctool.analyses.train.pieces import (
     native_piece,
     reference_piece,
 )
+from mhctool.analyses.train.ensemble import SeedRun, ZeroFindings, judge_ensemble, seeds_of, spread_seeds, zero_findings
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig, to_dict
-from mhctool.analyses.train.trace import Attribution, attribute, candidate_knobs
+from mhctool.analyses.train.trace import Attribution, attribute, attribute_ensemble, candidate_knobs
 from mhctool.analyses.train.trajectory import (
     Step,
     Trajectory,
@@ -22,7 +23,7 @@ from mhctool.analyses.train.trajectory import (
     read_log,
     run,
 )
-from mhctool.analyses.train.verdict import Drift, judge, nonfinite_sentence
+from mhctool.analyses.train.verdict import judge, nonfinite_sentence
 from mhctool.core.errors import UsageError
 from mhctool.core.verdict import VerdictRule
 from mhctool.registry import families as registry
@@ -31,46 +32,65 @@ from mhctool.registry import families as registry
 def rows(trajs: list[Trajectory]) -> list[dict]:
     """Report rows (report.TRAIN_SCHEMA): per trajectory, step and metric; health per layer."""
     out = []
+
+    def row(t: Trajectory, step, layer, metric, value, message=None) -> dict:
+        return {"run": t.role, "step": step, "layer": layer, "metric": metric, "value": value, "threshold": None,
+                "passed": None, "message": message, "seed": t.seed}
     for t in trajs:
         for s in t.steps:
             for metric, v in s.metrics.items():
-                out.append({"run": t.role, "step": s.step, "layer": None, "metric": metric, "value": float(v),
-                            "threshold": None, "passed": None, "message": None})
+                out.append(row(t, s.step, None, metric, float(v)))
             for name, count in s.zeros.items():
                 if count:
-                    out.append({"run": t.role, "step": s.step, "layer": None, "metric": f"zeros:{name}",
-                                "value": float(count), "threshold": None, "passed": None, "message": None})
+                    out.append(row(t, s.step, None, f"zeros:{name}", float(count)))
             for layer, h in enumerate(s.health):
                 for name, v in h.items():
-                    out.append({"run": t.role, "step": s.step, "layer": layer, "metric": name, "value": float(v),
-                                "threshold": None, "passed": None, "message": None})
+                    out.append(row(t, s.step, layer, name, float(v)))
             if s.first_nonfinite:
                 layer, fam, name = s.first_nonfinite
-                out.append({"run": t.role, "step": s.step, "layer": layer, "metric": "first non-finite",
-                            "value": math.nan, "threshold": None, "passed": None, "message": f"{fam}.{name}"})
+                out.append(row(t, s.step, layer, "first non-finite", math.nan, f"{fam}.{name}"))
     return out
 
 
-def verdict_rows(role: str, drifts: list[Drift]) -> list[dict]:
-    return [{"run": role, "step": d.parted_at, "layer": None, "metric": f"drift:{d.metric}", "value": d.median,
-             "threshold": d.threshold, "passed": d.passed, "message": d.message} for d in drifts]
+def verdict_rows(role: str, drifts: list, seed: int | None = None) -> list[dict]:
+    """The verdict per judged metric (``seed``: the one seed judged, None for an ensemble's), and
+    an ensemble's single-seed judgements as rows without a verdict (``seed-drift:METRIC``)."""
+    out = [{"run": role, "step": d.parted_at, "layer": None, "metric": f"drift:{d.metric}", "value": d.median,
+            "threshold": d.threshold, "passed": d.passed, "message": d.message, "seed": seed} for d in drifts]
+    for d in drifts:
+        for s, p in zip(getattr(d, "seeds", []), getattr(d, "per_seed", [])):
+            out.append({"run": role, "step": p.parted_at, "layer": None, "metric": f"seed-drift:{d.metric}",
+                        "value": p.median, "threshold": p.threshold, "passed": None, "message": p.message, "seed": s})
+    return out
 
 
 @dataclass
 class Outcome:
     cfg: TrainConfig
     spec: str
-    trajectories: list[Trajectory]  # the implementation's first, then native and reference
+    # per seed the implementation's, native's and float64's (the first seed's first), then the
+    # native runs the tracing made
+    trajectories: list[Trajectory]
     eff: dict[str, dict]  # per family, the knobs every trajectory computed
-    drifts: list[Drift] = field(default_factory=list)
+    drifts: list = field(default_factory=list)  # Drift (one seed) or EnsembleDrift (several)
     nonfinite: str | None = None  # where the implementation went non-finite and the reference did not
     attributions: list[Attribution] = field(default_factory=list)
     interrupted: bool = False
     traced_asked: bool = True  # the drift was to be traced (--trace)
+    runs: list[SeedRun] = field(default_factory=list)  # per seed, its trajectories
+    zeros: ZeroFindings | None = None  # the zero counts over the ensemble (several seeds)
 
     @property
     def impl(self) -> Trajectory:
         return self.trajectories[0]
+
+    @property
+    def seeds(self) -> list[int]:
+        return [r.seed for r in self.runs] or [self.cfg.seed]
+
+    @property
+    def ensemble(self) -> bool:
+        return len(self.runs) > 1
 
     def role(self, name: str) -> Trajectory | None:
         return next((t for t in self.trajectories if t.role == name), None)
@@ -80,14 +100,20 @@ class Outcome:
         return self.role("reference") is not None
 
     @property
+    def errors(self) -> list[Trajectory]:
+        """The implementation's runs that ended early, by a raise or a crash (not an interrupt)."""
+        return [r.impl for r in self.runs if r.impl.error and r.impl.error != "interrupted"] or \
+            ([self.impl] if not self.runs and self.impl.error and self.impl.error != "interrupted" else [])
+
+    @property
     def passed(self) -> bool:
-        return (self.impl.error is None and self.nonfinite is None and all(d.passed for d in self.drifts)
-                and not self.interrupted)
+        return (not self.errors and self.impl.error is None and self.nonfinite is None
+                and all(d.passed for d in self.drifts) and not self.interrupted)
 
     def traced(self) -> str | None:
         """The sentence that names the knob a drift comes from, or says it is the kernel's own."""
         if not self.traced_asked or not self.drifts or all(d.passed for d in self.drifts) or self.nonfinite \
-                or self.impl.error:
+                or self.errors:
             return None
         hits = [a for a in self.attributions if a.reproduces]
         if hits:
@@ -124,38 +150,93 @@ def parse_knobs(items: list[tuple[str, str]], flag: str, conventions_only: bool 
 def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict] | None = None,
             conventions: dict[str, dict] | None = None, rule: VerdictRule | None = None, compare: bool = True,
             trace: bool = True, isolation=None, interrupted: Callable[[], bool] = lambda: False,
-            progress: Callable[[str, Step], None] | None = None, as_used: bool = False) -> Outcome:
+            progress: Callable[[str, Step], None] | None = None, as_used: bool = False, seeds: int = 1,
+            workers: int = 1, isolation_factory: Callable[[], object] | None = None) -> Outcome:
     """The implementation's trajectory, then (``compare``) the native and float64 ones, the
-    verdict, and (``trace``) the attribution of a drift. ``isolation``: an isolation Worker the
-    implementation's trajectory runs in (a crash or a hang ends it with its steps kept)."""
+    verdict, and (``trace``) the attribution of a drift; from ``seeds`` seeds (the base seed and
+    those after it), judged over the ensemble where there are several (:mod:`.ensemble`).
+    ``isolation``: an isolation Worker the implementation's trajectories run in (a crash or a hang
+    ends one with its steps kept). ``workers``: processes the seeds are spread over;
+    ``isolation_factory``: a Worker for a seed run again here after its worker died."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
     pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
     say = (lambda role: (lambda step: progress(role, step))) if progress else (lambda role: None)
-    if isolation is not None:
-        impl = _isolated(cfg, specs, knobs, conventions, pieces, isolation, interrupted, as_used)
+
+    def one_seed(c: TrainConfig, worker=None) -> SeedRun:
+        worker = worker if worker is not None else isolation
+        if worker is not None:
+            impl = _isolated(c, specs, knobs, conventions, pieces, worker, interrupted, as_used)
+        else:
+            impl = run(c, pieces, "impl", interrupted, say("impl"))
+        impl.seed = c.seed
+        r = SeedRun(c.seed, impl)
+        if compare and not interrupted():
+            r.native = run(c, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES}, "native",
+                           interrupted, say("native"))
+            r.reference = run(c, {f: reference_piece(f, eff[f]) for f in FAMILIES}, "reference", interrupted,
+                              say("reference"))
+        return r
+
+    def again(c: TrainConfig) -> SeedRun:  # a seed whose worker died, here with the implementation isolated
+        w = isolation if isolation is not None else (isolation_factory() if isolation_factory else None)
+        try:
+            return one_seed(c, w)
+        finally:
+            if w is not None and w is not isolation:
+                w.stop()
+
+    def finished(r: SeedRun) -> None:  # a seed run in a worker: its steps, for the progress
+        if progress:
+            for t in r.trajectories():
+                for s in t.steps:
+                    progress(t.role, s)
+
+    seed_list = seeds_of(cfg, seeds)
+    if len(seed_list) == 1:
+        runs = [one_seed(cfg)]
     else:
-        impl = run(cfg, pieces, "impl", interrupted, say("impl"))
-    out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [impl], eff, traced_asked=trace)
-    if compare and not interrupted():
-        out.trajectories.append(run(cfg, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES},
-                                    "native", interrupted, say("native")))
-        out.trajectories.append(run(cfg, {f: reference_piece(f, eff[f]) for f in FAMILIES}, "reference",
-                                    interrupted, say("reference")))
-        native, reference = out.trajectories[1], out.trajectories[2]
+        runs = spread_seeds(cfg, seed_list, workers, again if workers > 1 else one_seed,
+                            (specs, knobs, conventions, compare, as_used), interrupted,
+                            finished if workers > 1 else None)
+    out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [t for r in runs for t in r.trajectories()], eff,
+                  traced_asked=trace, runs=runs)
+    complete = compare and runs and all(r.reference is not None for r in runs) and len(runs) == len(seed_list)
+    if complete and not interrupted():
         params = param_count(cfg)
-        out.drifts = judge(impl, native, reference, cfg, rule, params)
-        out.nonfinite = nonfinite_sentence(impl, reference)
-        if trace and not out.nonfinite and impl.error is None and not all(d.passed for d in out.drifts) \
+        if len(runs) == 1:
+            r = runs[0]
+            out.drifts = judge(r.impl, r.native, r.reference, cfg, rule, params)
+            out.nonfinite = nonfinite_sentence(r.impl, r.reference)
+        else:
+            out.drifts = judge_ensemble(runs, cfg, rule, params)
+            out.zeros = zero_findings(runs)
+            out.nonfinite = _nonfinite_ensemble(runs)
+        if trace and not out.nonfinite and not out.errors and not all(d.passed for d in out.drifts) \
                 and not interrupted():
             cands = candidate_knobs(specs, eff, pieces, cfg.device)
             precision = {f: p.precision for f, p in pieces.items()}
-            out.attributions, alts = attribute(impl, native, reference, cfg, eff, cands, rule, params, interrupted,
-                                               precision)
+            if len(runs) == 1:
+                out.attributions, alts = attribute(runs[0].impl, runs[0].native, runs[0].reference, cfg, eff, cands,
+                                                   rule, params, interrupted, precision)
+            else:
+                out.attributions, alts = attribute_ensemble(runs, cfg, eff, cands, rule, params, interrupted,
+                                                            precision)
             out.trajectories.extend(alts)
-    out.interrupted = interrupted() or any(t.error == "interrupted" for t in out.trajectories)
+    out.interrupted = interrupted() or any(t.error == "interrupted" for t in out.trajectories) or \
+        len(runs) < len(seed_list)
     return out
+
+
+def _nonfinite_ensemble(runs: list[SeedRun]) -> str | None:
+    """Where the implementation went non-finite and the float64 run of its seed did not: in how
+    many seeds, and the first one's step, layer and mHC output."""
+    said = [(r.seed, s) for r in runs if (s := nonfinite_sentence(r.impl, r.reference))]
+    if not said:
+        return None
+    seed, first = said[0]
+    return f"{first} (seed {seed}; non-finite in {len(said)} of {len(runs)} seeds)"
 
 
 def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pieces: dict[str, Piece], worker,
@@ -178,20 +259,34 @@ def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, piec
 def report_rows(out: Outcome) -> list[dict]:
     """Every trajectory's rows, then the verdict's (report.TRAIN_SCHEMA)."""
     rs = rows(out.trajectories)
-    rs += verdict_rows("impl", out.drifts)
+    seed = None if out.ensemble else out.cfg.seed
+    rs += verdict_rows("impl", out.drifts, seed)
+
+    def verdict(step, metric, passed, message, seed=seed) -> dict:
+        return {"run": "impl", "step": step, "layer": None, "metric": metric, "value": math.nan, "threshold": None,
+                "passed": passed, "message": message, "seed": seed}
     if out.nonfinite:
-        rs.append({"run": "impl", "step": out.impl.nonfinite_step.step, "layer": None, "metric": "nonfinite",
-                   "value": math.nan, "threshold": None, "passed": False, "message": out.nonfinite})
-    if out.impl.error and out.impl.error != "interrupted":
-        rs.append({"run": "impl", "step": len(out.impl.steps) + 1, "layer": None, "metric": "error",
-                   "value": math.nan, "threshold": None, "passed": False, "message": out.impl.error})
+        first = next((r.impl for r in out.runs if r.impl.nonfinite_step is not None
+                      and nonfinite_sentence(r.impl, r.reference)), out.impl)
+        rs.append(verdict(first.nonfinite_step.step, "nonfinite", False, out.nonfinite, first.seed))
+    for t in out.errors:
+        rs.append(verdict(len(t.steps) + 1, "error", False, t.error, t.seed))
     for a in out.attributions:
-        rs.append({"run": "impl", "step": None, "layer": None, "metric": f"traced:{a.family}.{a.knob}",
-                   "value": math.nan, "threshold": None, "passed": a.reproduces, "message": a.message})
+        rs.append(verdict(None, f"traced:{a.family}.{a.knob}", a.reproduces, a.message))
+    if out.zeros is not None:
+        rs.append(verdict(None, "zeros-finding", None if out.zeros.anomaly is None else False,
+                          "; ".join([out.zeros.sentence, *out.zeros.parameters])))
     return rs
 
 
 def settings(out: Outcome, **extra) -> dict:
+    ensemble = {}
+    if out.ensemble and out.drifts:
+        ensemble = {"test": "per metric, the geometric mean over the seeds of the single-seed distance / allowed "
+                            "(allowed: kappa x native's median distance from the float64 run, plus the floor); "
+                            "drifts above 1 where the single-seed rule fails in more than half the seeds",
+                    "distances": {d.metric: [{"seed": s, "impl": p.median, "native": p.native, "allowed": p.threshold}
+                                             for s, p in zip(d.seeds, d.per_seed)] for d in out.drifts}}
     return {"command": "train", "impl": out.spec, "config": to_dict(out.cfg), "knobs": out.eff,
             "pieces": out.impl.pieces, "notes": out.impl.notes, "traced": out.traced(),
-            "interrupted": out.interrupted, **extra}
+            "interrupted": out.interrupted, "seeds": out.seeds, **ensemble, **extra}

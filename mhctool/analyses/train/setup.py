@@ -38,10 +38,13 @@ class TrainConfig:
 
 # the default model: small enough for Triton's CPU interpreter (about a second a step), and a
 # larger one on a GPU
-CPU_DEFAULTS = dict(layers=4, streams=4, hidden=32, heads=2, ffn=128, seq=16, vocab=64, batch=2, steps=30)
+CPU_DEFAULTS = dict(layers=4, streams=4, hidden=32, heads=2, ffn=128, seq=16, vocab=64, batch=2, steps=20)
 
 
 GPU_DEFAULTS = dict(layers=4, streams=4, hidden=256, heads=4, ffn=1024, seq=256, vocab=512, batch=8, steps=100)
+# the seeds a verdict is judged over (``--seeds``): four keep ``mhctool train --impl triton`` on the CPU
+# at about a minute on two cores (Triton's interpreter takes most of it: 20 steps, about 25 s a seed)
+DEFAULT_SEEDS = 4
 
 
 def config(device: str, **given) -> TrainConfig:
@@ -91,12 +94,20 @@ class MarkovSource:
         return float(-(p * torch.log(p.clamp_min(1e-300))).sum(1).mean())
 
     def batch(self, step: int, batch: int, seq: int) -> torch.Tensor:
-        """``tokens[seq + 1, batch]`` of step ``step``: the same in every run with this seed."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        tok = [torch.randint(0, self.vocab, (batch,), generator=g)]
-        for _ in range(seq):
-            tok.append(torch.multinomial(self.probs[tok[-1]].float(), 1, generator=g).squeeze(1))
-        return torch.stack(tok)
+        """``tokens[seq + 1, batch]`` of step ``step``: the same in every run with this seed.
+        Drawn on one CPU thread: ``seq`` tiny draws in a row, which PyTorch's thread pool made
+        2.5 s a step on a 64-core host (its threads spinning between them), about 50 ms on one;
+        the draws are the same whatever the thread count."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            tok = [torch.randint(0, self.vocab, (batch,), generator=g)]
+            for _ in range(seq):
+                tok.append(torch.multinomial(self.probs[tok[-1]].float(), 1, generator=g).squeeze(1))
+            return torch.stack(tok)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -75,3 +75,42 @@ def attribute(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: 
                                  + ("drifts the same way" if ok else "does not drift the same way"
                                     if moves else "does not drift from the reference")))
     return found, runs
+
+
+def attribute_ensemble(runs: list, cfg: TrainConfig, eff: dict[str, dict], candidates: list[tuple], rule: VerdictRule,
+                       params: int, interrupted: Callable[[], bool] = lambda: False,
+                       precision: dict[str, str] | None = None) -> tuple[list[Attribution], list[Trajectory]]:
+    """:func:`attribute` over a seed ensemble: the native implementation with each candidate knob
+    from every seed; it reproduces the drift where the implementation's runs stay with those runs
+    over the ensemble (as they would with the reference) and those runs drift from the reference
+    over the ensemble."""
+    from mhctool.analyses.train.ensemble import SeedRun, judge_ensemble
+    found, made = [], []
+    prec = precision or {}
+    for family, knob, value, why in candidates:
+        if interrupted():
+            break
+        pieces = {f: (native_piece(f, eff[f], value) if knob == "matmul_precision" and f == family
+                      else native_piece(f, {**eff[f], knob: value}, prec.get(f, "ieee")) if f == family
+                      else native_piece(f, eff[f], prec.get(f, "ieee")))
+                  for f in FAMILIES}
+        role = f"native:{family}.{knob}={value}"
+        alts = []
+        for r in runs:
+            if interrupted():
+                break
+            alts.append(run(replace(cfg, seed=r.seed), pieces, role, interrupted))
+        made.extend(alts)
+        if len(alts) < len(runs):
+            break
+        as_ref = [SeedRun(r.seed, r.impl, r.native, replace(a, role="as-reference")) for r, a in zip(runs, alts)]
+        same = all(d.passed for d in judge_ensemble(as_ref, cfg, rule, params))
+        moved = [SeedRun(r.seed, a, r.native, r.reference) for r, a in zip(runs, alts)]
+        moves = not all(d.passed for d in judge_ensemble(moved, cfg, rule, params))
+        ok = same and moves
+        found.append(Attribution(family, knob, value, ok,
+                                 f"the native runs with {family}.{knob}={value} ({why}) "
+                                 + ("drift the same way" if ok else "do not drift the same way"
+                                    if moves else "do not drift from the reference")
+                                 + f" over {len(runs)} seeds"))
+    return found, made

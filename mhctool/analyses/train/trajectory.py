@@ -118,6 +118,7 @@ class Trajectory:
     notes: dict[str, str] = field(default_factory=dict)  # family -> why (ran natively)
     steps: list[Step] = field(default_factory=list)
     error: str | None = None  # what ended it early (a raise, a crash, an interrupt)
+    seed: int = 0  # the seed it was trained from
 
     def series(self, metric: str) -> dict[int, float]:
         return {s.step: s.metrics.get(metric, math.nan) for s in self.steps}
@@ -132,7 +133,7 @@ class Trajectory:
 
     @staticmethod
     def from_dict(d: dict) -> "Trajectory":
-        t = Trajectory(d["role"], d["pieces"], d.get("notes", {}), error=d.get("error"))
+        t = Trajectory(d["role"], d["pieces"], d.get("notes", {}), error=d.get("error"), seed=d.get("seed", 0))
         t.steps = [Step(**s) for s in d.get("steps", [])]
         return t
 
@@ -150,7 +151,8 @@ def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Call
     """Train from the seed with ``pieces``; a raise ends the trajectory with the steps so far
     (never mhctool's exit code), as does ``interrupted()`` turning true, and, with
     ``stop_on_nonfinite``, a step whose loss is not finite (every later step would be NaN too)."""
-    traj = Trajectory(role, {f: p.name for f, p in pieces.items()}, {f: p.note for f, p in pieces.items() if p.note})
+    traj = Trajectory(role, {f: p.name for f, p in pieces.items()}, {f: p.note for f, p in pieces.items() if p.note},
+                      seed=cfg.seed)
     source = MarkovSource(cfg.model.vocab, cfg.branch, cfg.seed)
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)

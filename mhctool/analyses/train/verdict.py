@@ -29,6 +29,7 @@ class Drift:
     parted_by: float | None  # the distance there
     allowed: float | None  # the envelope there
     message: str
+    native: float | None = None  # native's median distance from the reference
 
 
 def _distances(a: Trajectory, b: Trajectory, metric: str) -> dict[int, float]:
@@ -101,7 +102,7 @@ def judge(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: Trai
                      f"there (native: {d_nat.get(parted, math.nan):.3g})") if parted is not None else ""
             msg = f"{judged}{where}"
         out.append(Drift(metric, passed, med_own, threshold, largest, parted if not passed else None,
-                         at if not passed else None, allowed_at if not passed else None, msg))
+                         at if not passed else None, allowed_at if not passed else None, msg, med_nat))
     return out
 
 

@@ -1,0 +1,305 @@
+"""Seed ensembles: the verdict's noise model.
+
+Training is chaotic: two correct runs part a little more every step, and by how much depends on
+the seed. One trajectory's verdict can flip with the seed, so ``mhctool train --seeds K`` trains
+the implementation, native and float64 trajectories from K seeds (the initial model and the
+synthetic tokens both move with the seed) and judges the implementation over the ensemble.
+
+The test, per judged metric (lm loss, grad-norm, num-zeros): for each seed s, the single-seed rule
+(:func:`mhctool.analyses.train.verdict.judge`) gives the implementation's median distance from the
+float64 trajectory over the steps, ``d_s``, and what it may be, ``a_s = kappa * n_s + floor``
+(``n_s`` native's median distance). The ratios ``d_s / a_s`` are paired over the seeds (the same
+seed's data and initial model in all three runs), and the metric drifts when both say so: their
+geometric mean is above 1 (how far, pooled over the seeds), and the single-seed rule fails in a
+majority of the seeds (how consistently: more than half). A correct kernel's distance is native's
+in distribution, so its ratios sit around ``1 / kappa``; in a chaotic run one seed's native
+distance can be small by chance, and its ratio alone can lift the mean past 1, which the
+majority condition does not let decide. A run that ended early in any seed fails. The message
+says in how many seeds the single-seed rule fails, with the distances' median and range over
+the seeds against native's.
+
+The zero counts are judged the same way (:func:`zero_findings`): a num-zeros series with two
+levels or jumps is a finding of the implementation where its runs show one in more seeds than the
+float64 runs do, by at least half the seeds; the parameters whose gradients hold more zeros in
+the implementation's runs than in every float64 run are named with their largest counts.
+
+The seeds run over ``workers`` processes (one per GPU, or per core), each seed in one; the rows are
+the same whatever the spread (each seed's runs are what one process computes alone).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from mhctool.analyses.train.setup import JUDGED, TrainConfig, from_dict, to_dict
+from mhctool.analyses.train.trajectory import Trajectory, to_golden
+from mhctool.analyses.train.verdict import Drift, judge
+from mhctool.core.verdict import VerdictRule
+
+ROLES = ("impl", "native", "reference")
+# a ratio of 0 (a run equal to the reference at every step) has no logarithm: it counts as this
+_LEAST_RATIO = 1e-6
+
+
+@dataclass
+class SeedRun:
+    """One seed's trajectories: the implementation's, native's and float64's (None: not run)."""
+
+    seed: int
+    impl: Trajectory
+    native: Trajectory | None = None
+    reference: Trajectory | None = None
+
+    def trajectories(self) -> list[Trajectory]:
+        return [t for t in (self.impl, self.native, self.reference) if t is not None]
+
+
+def seeds_of(cfg: TrainConfig, count: int) -> list[int]:
+    """The ensemble's seeds: the base seed and the ``count - 1`` after it."""
+    return [cfg.seed + k for k in range(count)]
+
+
+def seed_job(cfg_dict: dict, specs: dict, knobs: dict, conventions: dict, compare: bool, as_used: bool) -> dict:
+    """One seed's trajectories (what a worker process runs): the implementation's, then with
+    ``compare`` native's and float64's; as dicts."""
+    from mhctool.analyses.train.pieces import impl_pieces, native_piece, reference_piece
+    from mhctool.analyses.train.setup import FAMILIES
+    from mhctool.analyses.train.trajectory import run
+    cfg = from_dict(cfg_dict)
+    pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
+    out = {"impl": run(cfg, pieces, "impl").to_dict()}
+    if compare:
+        out["native"] = run(cfg, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES},
+                            "native").to_dict()
+        out["reference"] = run(cfg, {f: reference_piece(f, eff[f]) for f in FAMILIES}, "reference").to_dict()
+    return out
+
+
+def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Callable[[TrainConfig], SeedRun],
+                 job_args: tuple, interrupted: Callable[[], bool] = lambda: False,
+                 finished: Callable[[SeedRun], None] | None = None) -> list[SeedRun]:
+    """The seeds' runs, in seed order. ``workers`` > 1: each seed in a worker process (``seed_job``
+    with ``job_args``; one per GPU, round-robin, on a GPU machine); a worker that dies or fails
+    has its seed run again here by ``one_seed``, which isolates the implementation. One worker:
+    ``one_seed`` for every seed, here."""
+    out: list[SeedRun | None] = [None] * len(seeds)
+    if workers <= 1 or len(seeds) <= 1:
+        for k, s in enumerate(seeds):
+            if interrupted():
+                break
+            out[k] = one_seed(replace(cfg, seed=s))
+            if finished:
+                finished(out[k])
+        return [r for r in out if r is not None]
+    from mhctool.spread.isolation import Worker
+    from mhctool.spread.pool import worker_env
+    n = min(workers, len(seeds))
+    todo = list(range(len(seeds)))
+    lock = threading.Lock()
+    retry: list[int] = []
+
+    def serve(index: int) -> None:
+        w = Worker(daemon=False, env=worker_env(index, cfg.device, n))
+        try:
+            while not interrupted():
+                with lock:
+                    if not todo:
+                        return
+                    k = todo.pop(0)
+                c = replace(cfg, seed=seeds[k])
+                value, failure = w.call("mhctool.analyses.train.ensemble:seed_job", (to_dict(c), *job_args),
+                                        timeout=None, interrupted=interrupted)
+                if failure is not None:
+                    with lock:
+                        retry.append(k)
+                    continue
+                got = {role: Trajectory.from_dict(d) for role, d in value.items()}
+                run = SeedRun(seeds[k], got["impl"], got.get("native"), got.get("reference"))
+                for t in run.trajectories():
+                    t.seed = seeds[k]
+                with lock:
+                    out[k] = run
+                    if finished:
+                        finished(run)
+        finally:
+            w.stop()
+
+    threads = [threading.Thread(target=serve, args=(i,), name=f"mhctool-seed-{i}", daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.1)
+    for k in sorted(retry):  # the seed's worker died: again here, the implementation isolated
+        if interrupted():
+            break
+        out[k] = one_seed(replace(cfg, seed=seeds[k]))
+        if finished:
+            finished(out[k])
+    return [r for r in out if r is not None]
+
+
+# --- the ensemble's verdict -------------------------------------------------------------------
+
+@dataclass
+class EnsembleDrift:
+    """One metric of the implementation over the seeds (the module docstring's test)."""
+
+    metric: str
+    passed: bool
+    ratio: float  # the geometric mean over the seeds of distance / allowed (drifts above 1)
+    per_seed: list[Drift]  # the single-seed verdicts, in seed order
+    seeds: list[int]
+    parted_at: int | None  # where the first seed that drifts parted from the reference
+    message: str
+    anomaly: str | None = None  # the zero-count finding (num-zeros)
+    findings: list[str] = field(default_factory=list)  # per parameter, zeros beyond the reference's
+
+    @property
+    def drifting(self) -> int:
+        return sum(not d.passed for d in self.per_seed)
+
+    # the fields a single-seed Drift has, for what prints and writes both
+    @property
+    def median(self) -> float:
+        return self.ratio
+
+    @property
+    def threshold(self) -> float:
+        return 1.0
+
+
+def _ratio(d: Drift) -> float:
+    if not math.isfinite(d.median):
+        return math.inf
+    if d.threshold <= 0:
+        return math.inf if d.median > 0 else _LEAST_RATIO
+    return max(d.median / d.threshold, _LEAST_RATIO)
+
+
+def _spread(values: list[float]) -> str:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return "inf"
+    med = statistics.median(values) if len(finite) == len(values) else statistics.median(
+        sorted(values, key=lambda v: (not math.isfinite(v), v)))
+    if len(values) == 1:
+        return f"{med:.3g}"
+    lo, hi = min(values), max(values)
+    return f"{med:.3g} ({lo:.3g}-{hi:.3g})"
+
+
+def judge_ensemble(runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule | None = None,
+                   params: int = 0) -> list[EnsembleDrift]:
+    """The implementation's drift over the seeds, per judged metric (the module docstring's test)."""
+    rule = rule or VerdictRule()
+    per_seed = [judge(r.impl, r.native, r.reference, replace(cfg, seed=r.seed), rule, params) for r in runs]
+    zeros = zero_findings(runs)
+    out = []
+    k = len(runs)
+    for i, metric in enumerate(JUDGED):
+        ds = [p[i] for p in per_seed]
+        # the zero-count anomaly is judged over the ensemble below, not seed by seed
+        plain = [replace(d, passed=d.median <= d.threshold) if d.metric == "num-zeros" and not _short(d)
+                 else d for d in ds]
+        ratios = [_ratio(d) for d in plain]
+        logs = [math.log(r) if math.isfinite(r) else math.inf for r in ratios]
+        mean_log = sum(logs) / len(logs) if logs else 0.0
+        g = math.exp(mean_log) if math.isfinite(mean_log) else math.inf
+        if max(ratios, default=0.0) <= _LEAST_RATIO:
+            g = 0.0  # equal to the reference in every seed
+        short = [r.seed for r, d in zip(runs, ds) if _short(d)]
+        anomaly = zeros.anomaly if metric == "num-zeros" else None
+        drifting = sum(not d.passed for d in plain)
+        majority = drifting >= k // 2 + 1
+        passed = not (g > 1.0 and majority) and not short and anomaly is None
+        natives = [_native_median(d, rule) for d in plain]
+        evidence = (f"median distance {_spread([d.median for d in plain])} against native's "
+                    f"{_spread(natives)}; distance / allowed {g:.3g} over the seeds (geometric mean; "
+                    f"drifts above 1 with a majority of the seeds)")
+        if short:
+            msg = (f"ended early in {len(short)} of {k} seeds (seed {short[0]}: "
+                   f"{next(d.message for r, d in zip(runs, ds) if r.seed == short[0])})")
+        elif anomaly:
+            msg = f"{anomaly}; {evidence}"
+        elif passed:
+            msg = f"stays with the reference in {k - drifting} of {k} seeds: {evidence}"
+        else:
+            msg = f"drifts in {drifting} of {k} seeds: {evidence}"
+        first = next((d for d in plain if not d.passed and d.parted_at is not None), None)
+        if not passed and first is not None and not short:
+            seed = runs[plain.index(first)].seed
+            msg += (f"; seed {seed} parts from the reference at step {first.parted_at}: off by {first.parted_by:.3g} "
+                    f"against {first.allowed:.3g} allowed there")
+        out.append(EnsembleDrift(metric, passed, g, ds, [r.seed for r in runs],
+                                 None if passed or first is None else first.parted_at, msg, anomaly,
+                                 zeros.parameters if metric == "num-zeros" else []))
+    return out
+
+
+def _short(d: Drift) -> bool:
+    return d.message.startswith("ended at step")
+
+
+def _native_median(d: Drift, rule: VerdictRule) -> float:
+    """Native's median distance, from the threshold the single-seed rule gave (kappa x it + floor)."""
+    return d.native if d.native is not None else d.threshold / rule.kappa
+
+
+# --- the zero counts over the ensemble --------------------------------------------------------
+
+@dataclass
+class ZeroFindings:
+    impl_seeds: int  # seeds whose implementation run has a num-zeros jump or two levels
+    reference_seeds: int  # the same for the float64 runs
+    seeds: int
+    anomaly: str | None  # the finding that fails num-zeros, or None
+    sentence: str  # what the counts show, whichever way it goes
+    parameters: list[str] = field(default_factory=list)  # zeros beyond every float64 run's, per parameter
+
+
+def _zero_kinds(t: Trajectory) -> set[str]:
+    from mhctool.analyses.goldens import check
+    if t is None or len(t.steps) < 4:
+        return set()
+    return {a.kind for a in check(to_golden(t)) if a.metric == "num-zeros" and a.kind in ("bimodal", "jump")}
+
+
+def _largest_zeros(t: Trajectory) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in t.steps:
+        for name, n in s.zeros.items():
+            out[name] = max(out.get(name, 0), n)
+    return out
+
+
+def zero_findings(runs: list[SeedRun]) -> ZeroFindings:
+    """How often the implementation's and the float64 runs show zero-count jumps or two levels, and
+    which parameters' gradients hold more zeros in the implementation's runs than in any float64
+    run (in at least half the seeds)."""
+    k = len(runs)
+    impl = [r for r in runs if _zero_kinds(r.impl)]
+    ref = [r for r in runs if r.reference is not None and _zero_kinds(r.reference)]
+    need = max(1, math.ceil(k / 2))
+    sentence = (f"num-zeros jumps or two levels in {len(impl)} of {k} of the implementation's runs, "
+                f"{len(ref)} of {k} of the float64 runs")
+    anomaly = None
+    if len(impl) - len(ref) >= need:
+        anomaly = (f"zero-count excursions the float64 runs do not have: {sentence}")
+    envelope: dict[str, int] = {}
+    for r in runs:
+        if r.reference is not None:
+            for name, n in _largest_zeros(r.reference).items():
+                envelope[name] = max(envelope.get(name, 0), n)
+    beyond: dict[str, list[int]] = {}
+    for r in runs:
+        for name, n in _largest_zeros(r.impl).items():
+            if n > envelope.get(name, 0):
+                beyond.setdefault(name, []).append(n)
+    params = [f"{name}: up to {max(ns):,} zeros in {len(ns)} of {k} seeds (the float64 runs at most "
+              f"{envelope.get(name, 0):,})"
+              for name, ns in sorted(beyond.items(), key=lambda kv: -max(kv[1])) if len(ns) >= need]
+    return ZeroFindings(len(impl), len(ref), k, anomaly, sentence, params[:5])
