@@ -54,7 +54,7 @@ def pytest_configure(config):
     from mhctool import testing
     from mhctool.core.errors import UsageError
     try:
-        report.check_writable(path, "--mhctool-report")
+        report.check_writable(path, "--mhctool-report", suffixes=None, make_folder=True)
     except UsageError as e:
         raise pytest.UsageError(str(e)) from None
     collector = _Collector(path)

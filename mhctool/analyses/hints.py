@@ -107,8 +107,9 @@ def parity_hint(kernel: str, impl: Impl, short: str, device: str, isolated: bool
     if not ok:
         return (f"hint: {short} on {kernel}: identify fits {flags} ({notes}), but with them this run still fails: "
                 f"{failure} {how}")
-    if best.level == "likely a defect":
-        return f"hint: {short} on {kernel}: {notes}; judged as it computes, it passes with {flags} {how}"
+    if ident.defect():
+        return (f"hint: {short} on {kernel}: {notes}; with that granted the rest of it passes: a defect to fix in "
+                f"the kernel, not a convention to declare {how}")
     return f"hint: {short} fails on {kernel} but passes with {flags} ({notes})"
 
 

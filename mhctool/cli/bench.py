@@ -58,6 +58,8 @@ def bench(
     )
 
     report.check_writable(out_path)
+    if plot is not None:
+        report.check_writable(plot, "--plot", suffixes=(".png",))
     dev = _device(device)
     fmt = parse_dtype(dtype)
     if input_dtypes not in ("library", "contract"):

@@ -35,7 +35,7 @@ def gate(
     prewarm.start(device)
     from mhctool.core import environment, report
     for path_, what in ((junit, "--junit"), (summary, "--summary"), (out_path, "--out")):
-        report.check_writable(path_, what)
+        report.check_writable(path_, what, report.REPORT_SUFFIXES if what == "--out" else None)
     from mhctool.analyses import gate as gate_mod
     s = gate_mod.load_suite(suite)
     dev = _device(device)

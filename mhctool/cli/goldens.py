@@ -81,6 +81,8 @@ def goldens_diff(
     from mhctool.core import environment, report
     if out_path:
         report.check_writable(out_path)
+    if plot:
+        report.check_folder(plot)
     from mhctool.analyses import goldens as G
     g, a = G.load(golden), _read_run(actual)
     chosen = [m.strip() for m in metrics.split(",") if m.strip()] if metrics else (
@@ -150,7 +152,7 @@ def goldens_extract(
 ):
     """Read a training log's iteration lines into Megatron's golden-value format."""
     from mhctool.core import report
-    report.check_writable(out_path)
+    report.check_writable(out_path, suffixes=None)
     from mhctool.analyses import goldens as G
     g = G.extract_log(log)
     G.dump(g, out_path)

@@ -40,7 +40,8 @@ def identify(
     matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="ieee, tf32, tf32_trunc or bf16: what the implementation multiplies at by design (default: fitted with the conventions; an adapter's declared precision is where the fit starts)."),
 ):
     """Tell which convention a kernel computes: fit the family's convention knobs against the float64
-    reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does."""
+    reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does or
+    what fits is likely a defect."""
     from mhctool.cli.kit import precheck
     precheck(kernel, [dtype], shape, device)
     if kernel not in names.IDENTIFIABLE:
@@ -85,9 +86,12 @@ def identify(
                     out.print("fits as well (within native noise): "
                               + "; ".join(ident_mod.fmt_knobs(c.knobs) for c in ident.ties), markup=False)
                 flags = ident.flags() if ident.best is not None else ""
-                if ident.passed and flags:  # a defect too: judged as it computes, the rest may still fail
+                defect = ident.defect()
+                if ident.passed and flags and not defect:  # judged as it computes, the rest may still fail
                     out.print(f"judge it with: mhctool parity --kernel {kernel} --impl {impl} {flags}", markup=False)
-                failed |= not ident.passed
+                elif defect:  # a defect is no convention to declare: the kernel is what to change
+                    out.print("not a convention to declare: the kernel computes it whatever it is asked", markup=False)
+                failed |= not ident.passed or defect
     finally:
         if iso is not None:
             iso.close()

@@ -98,6 +98,8 @@ def parity(
     from mhctool.core import report
     from mhctool.core.findings import baseline_findings, counts, judged_nothing, outside_impls, skipped_everywhere, verdicts, worst_first
     report.check_writable(out_path)
+    if plot is not None:
+        report.check_folder(plot)
     dev = _device(device)
     if kernel is None and scenario is not None:  # the scenario's kernels
         from mhctool.analyses import scenario as scenario_mod

@@ -109,7 +109,7 @@ def report_html(
     first), the hints, the figures inline; nothing beside it to copy, no network."""
     target = out_path or path.with_suffix(".html")
     from mhctool.core import report
-    report.check_writable(target)
+    report.check_writable(target, suffixes=None)
     from mhctool.views import html as html_mod
     page = html_mod.render(path)
     report.atomic(target, lambda tmp: Path(tmp).write_text(page))
@@ -168,7 +168,7 @@ def report_compare(
     from mhctool.core.combine import COMPARE_KEYS, compare
     for path_, what in ((json_path, "--json"), (junit, "--junit"), (summary, "--summary")):
         if path_ is not None:
-            report.check_writable(path_, what)
+            report.check_writable(path_, what, suffixes=None)
     a, ma = report.read(before)
     b, mb = report.read(after)
     kind = ma["kind"]

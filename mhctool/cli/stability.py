@@ -77,6 +77,8 @@ def stability_sinkhorn(
     """Sweep logit amplitude, family, dtype, stabilize, eps, eps_mode, order and iterations."""
     from mhctool.core import report
     report.check_writable(out_path)
+    if plot:
+        report.check_folder(plot)
     dev = parse_device(device)
     from mhctool.analyses import stability as st
     spec = st.quick_spec() if quick else st.full_spec()
@@ -140,6 +142,8 @@ def stability_eps(
     """What changing one knob (eps by default) does: per input family at the kernel, and through a stack of L layers."""
     from mhctool.core import report
     report.check_writable(out_path)
+    if plot:
+        report.check_folder(plot)
     from mhctool.registry.families import get_family
     get_family(kernel)
     from mhctool.analyses import knob_shift as ks
@@ -214,6 +218,8 @@ def stability_overflow(
     """Headroom to the dtype's largest finite value of every intermediate as the input scale grows."""
     from mhctool.core import report
     report.check_writable(out_path)
+    if plot:
+        report.check_folder(plot)
     from mhctool.analyses import overflow as ov
     ov.check_kernel(kernel)
     from mhctool.registry.families import get_family
@@ -288,6 +294,8 @@ def stability_gain(
     """Amax gain of the composite H_res over depth: Sinkhorn configurations against unconstrained HC."""
     from mhctool.core import report
     report.check_writable(out_path)
+    if plot:
+        report.check_folder(plot)
     if not 1 <= depth <= 10_000:
         raise UsageError(f"--depth {depth} is not a possible depth; give 1 to 10000 layers")
     if not 1 <= tokens <= 1 << 20 or not 2 <= n <= 16:

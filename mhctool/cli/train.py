@@ -34,7 +34,7 @@ def _curves(o, every: int) -> Table:
 
 
 def train(
-    impl: list[str] = typer.Option(..., "--impl", "-i", help="The implementation under test, as parity takes it (repeat or comma-separate): triton, cutile, FILE.py:function, module:function, megatron:DIR, te:DIR, liger:MODULE or an adapter's. Each mHC family the model calls (mapping, sinkhorn, h_aggregate, h_post_bda) runs it where it has one, natively otherwise; a function is the family its parameters are named after (or --kernel)."),
+    impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help="The implementation under test, as parity takes it (repeat or comma-separate): triton (the default: mhctool's Triton kernels, through the interpreter on a CPU), cutile, FILE.py:function, module:function, megatron:DIR, te:DIR, liger:MODULE or an adapter's. Each mHC family the model calls (mapping, sinkhorn, h_aggregate, h_post_bda) runs it where it has one, natively otherwise; a function is the family its parameters are named after (or --kernel)."),
     kernel: Optional[str] = typer.Option(None, "--kernel", "-k", help="The family a function given to --impl implements, where its parameter names do not say: mapping, sinkhorn, h_aggregate or h_post_bda."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (default 20 on a CPU, 100 on a GPU)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="mHC layers (default 4)."),
@@ -75,8 +75,10 @@ def train(
         raise UsageError(f"unknown --input-dtypes {input_dtypes!r}; accepted: contract, library")
     from mhctool.core import environment, report
     if goldens is not None:
-        report.check_writable(goldens, "--goldens")
+        report.check_writable(goldens, "--goldens", suffixes=None)
     report.check_writable(out_path)
+    if plot is not None:
+        report.check_folder(plot)
     from mhctool.cli.kit import device as parse_device
     dev = parse_device(device)
     from mhctool.analyses import train as T
@@ -87,7 +89,7 @@ def train(
     conventions = T.parse_knobs(knob_items(convention, "--convention", "transpose_res=true"), "--convention",
                                 conventions_only=True)
     from mhctool.cli.kit import split
-    specs = split(impl)
+    specs = split(impl or ["triton"])
     assigned = T.assign(specs, kernel)
     from mhctool.registry.specs import resolve_impls
     for f, spec in assigned.items():  # an unknown implementation, a function of the wrong form: before training

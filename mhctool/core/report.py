@@ -215,20 +215,59 @@ def _umask() -> int:
     return mask
 
 
-def check_writable(path: str | os.PathLike, what: str = "--out") -> Path:
-    """Refuse, before a run starts, an output path that cannot be written (a directory, a folder
-    that cannot be created or written): the run's results would be lost at the end."""
+# the suffixes a report may have: the suffix decides the format (write_atomic)
+REPORT_SUFFIXES = (".parquet", ".json")
+
+
+def check_writable(path: str | os.PathLike, what: str = "--out",
+                   suffixes: tuple[str, ...] | None = REPORT_SUFFIXES, make_folder: bool = False) -> Path:
+    """Refuse, before a run starts, an output that cannot be written, in one sentence: a directory,
+    a folder that does not exist (none is made), a place this process cannot create a file in
+    (tried: a temporary file is made there and removed, which ``os.access`` cannot tell for
+    root), an existing file it cannot replace, and, where ``suffixes`` decide the format, a name
+    with another suffix. The run's results would otherwise be lost at its end. ``make_folder``:
+    the folder is made where missing (the pytest plugin's report path), then tried."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{what} {path} is a directory; name a file in it, e.g. {path / 'report.parquet'}")
+    if suffixes is not None and path.suffix.lower() not in suffixes:
+        raise UsageError(f"{what} {path}: the name's suffix sets the format; accepted: {', '.join(suffixes)}")
     parent = path.parent
     existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise UsageError(f"{what} {path}: {existing} is a file, not a folder")
-    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"{what} {path}: the folder {existing} is not writable")
+    if existing != parent and make_folder and existing is not None:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"{what} {path}: cannot make the folder {parent} ({e.strerror or e})") from None
+    elif existing != parent:
+        raise UsageError(f"{what} {path}: the folder {parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        raise UsageError(f"{what} {path}: cannot create a file in {parent} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{what} {path} exists and is not writable")
+    return path
+
+
+def check_folder(path: str | os.PathLike, what: str = "--plot") -> Path:
+    """A folder a command will write files into (``--plot``): made now if missing, and a file tried
+    in it; anything else (a file of that name, a place that cannot be written) is one sentence
+    before the run starts."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{what} {path} is a file; name a folder for the figures")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".mhctool.", suffix=".probe", dir=path)
+    except OSError as e:
+        raise UsageError(f"{what} {path}: cannot write figures there ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 

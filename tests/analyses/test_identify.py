@@ -121,7 +121,7 @@ def test_asked_knobs_move_the_search(tmp_path):
     # asked for 10 iterations, the kernel runs 9: the range is around the asked value
     res = runner.invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", f"{IMPLS / 'conventions.py'}:sinkhorn_one_short",
                               "--knob", "iters=10", "--device", "cpu", "-q", "-o", str(tmp_path / "id.parquet")])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # what fits is likely a defect: no pass
     assert "iters=9 " in res.output and "asked for 10: likely a defect" in res.output
 
 
@@ -286,3 +286,19 @@ def test_the_iteration_counts_batched_in_the_grid_score_as_one_at_a_time():
             assert got[one.key] == pytest.approx((one.score, one.max_rel), rel=1e-9, abs=1e-12)
     best = min(idr._score_group(probes, full, "eps", "iters"), key=lambda c: c.score)
     assert (best.knobs["iters"], best.knobs["eps"]) == (20, 1e-6)
+
+
+def test_a_kernel_that_ignores_eps_is_a_defect_not_a_convention_to_declare(tmp_path):
+    """Fitted exactly (eps=1e-8, whatever it is asked), but a defect: exit 1, and no ``judge it
+    with ... --convention`` offered."""
+    res = runner.invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", f"{IMPLS / 'defects.py'}:sinkhorn_eps_1e8",
+                              "--device", "cpu", "-q", "-o", str(tmp_path / "id.parquet")])
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "runs 1e-08 whatever it is asked" in text and "likely a defect" in text
+    assert "judge it with" not in text and "not a convention to declare" in text
+    res = runner.invoke(app, ["parity", "--kernel", "sinkhorn", "--dtype", "fp32", "--device", "cpu", "-q", "--impl",
+                              f"{IMPLS / 'defects.py'}:sinkhorn_eps_1e8", "-o", str(tmp_path / "p.parquet")])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and "--convention eps" not in text
+    assert "a defect to fix in the kernel, not a convention to declare" in text

@@ -1,5 +1,6 @@
 """`mhctool train`: a correct kernel stays with the float64 trajectory, planted ones drift and are
 traced to their knob or named at their layer and step, and the golden values round-trip."""
+import json
 import re
 import math
 from pathlib import Path
@@ -143,3 +144,11 @@ def test_the_model_reads_the_families_signatures():
     assert [c[0] for c in calls] == list(T.FAMILIES)
     assert calls[0][1] == ["alpha", "h_bias", "weight", "x2d"] and calls[3][1] == ["bias", "h_post", "h_res", "x", "y"]
     assert math.isfinite(traj.steps[0].metrics["lm loss"])
+
+
+def test_without_an_implementation_it_trains_mhctools_triton_kernels(tmp_path):
+    """As parity has a default: ``mhctool train`` alone runs mhctool's Triton kernels."""
+    res, text = train(tmp_path, "--device", "cpu", "--steps", "2", "--layers", "1", "--seq", "4", "--seeds", "1")
+    assert res.exit_code == 0, text
+    meta = json.loads(pq.read_schema(tmp_path / "t.parquet").metadata[b"mhctool.run"])
+    assert meta["pieces"] == {f: "triton" for f in T.FAMILIES}

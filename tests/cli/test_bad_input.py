@@ -150,3 +150,63 @@ def test_interpreter_gate_names_the_broken_combination(triton, numpy, broken):
     assert (why is not None) == broken
     if broken:
         assert "triton>=3.7" in why and "numpy<2.4" in why
+
+
+# every command that writes, with what it needs to reach its writes (the inputs are read after
+# the outputs are checked, or are real)
+_GOLDEN = Path(__file__).resolve().parents[1] / "data" / "goldens"
+_WRITERS = {
+    "parity": (["parity", "--kernel", "sinkhorn", "--device", "cpu"], "-o"),
+    "bench": (["bench", "--kernel", "sinkhorn", "--device", "cpu"], "-o"),
+    "identify": (["identify", "--kernel", "sinkhorn", "--impl", "torch", "--device", "cpu"], "-o"),
+    "stability gain": (["stability", "gain", "--depth", "2"], "-o"),
+    "train": (["train", "--impl", "torch", "--device", "cpu", "--steps", "1"], "-o"),
+    "gate": (["gate", "--suite", Path(__file__).resolve().parents[2] / "scenarios" / "ci-gate.toml"], "-o"),
+    "report merge": (["report", "merge", "a.parquet"], "-o"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_WRITERS))
+@pytest.mark.parametrize("where,needle", [
+    ("missing/x.parquet", "does not exist"),
+    ("/proc/mhctool-nope.parquet", "cannot create a file in /proc"),
+    ("x.csv", "the name's suffix sets the format; accepted: .parquet, .json"),
+])
+def test_every_report_writer_refuses_an_output_it_cannot_write_before_any_work(tmp_path, monkeypatch, name, where,
+                                                                                needle):
+    """A folder that does not exist (none is made), a place no file can be created in (even for
+    root, where ``os.access`` says yes), a suffix that is no format: one sentence, exit 2, nothing
+    run and nothing written."""
+    ran = []
+    monkeypatch.setattr(runner, "run_case", lambda *a, **k: ran.append(a))
+    args, flag = _WRITERS[name]
+    target = where if where.startswith("/") else tmp_path / where
+    res = run(*args, flag, target)
+    _one_sentence(res, needle)
+    assert not ran and not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["parity", "--kernel", "sinkhorn", "--device", "cpu", "-o", "{tmp}/r.parquet", "--plot", "{tmp}/r.parquet.d"],
+    ["train", "--impl", "torch", "--device", "cpu", "--steps", "1", "-o", "{tmp}/r.parquet", "--plot", "{tmp}/f"],
+])
+def test_a_plot_folder_that_is_a_file_is_refused_before_any_work(tmp_path, args):
+    (tmp_path / "r.parquet.d").write_text("")
+    (tmp_path / "f").write_text("")
+    res = run(*[a.format(tmp=tmp_path) for a in args])
+    _one_sentence(res, "is a file; name a folder for the figures")
+    assert not (tmp_path / "r.parquet").exists()
+
+
+def test_the_other_writers_check_their_place_too(tmp_path):
+    """Outputs whose format is fixed (a golden-value JSON, a page, JUnit, a summary) take any name
+    but still must be writable: one sentence, exit 2."""
+    g = next(_GOLDEN.rglob("*.json"))
+    r = report.write_atomic(report.to_table([], "r", "parity", {}), tmp_path / "r.parquet")
+    for args, needle in ((["goldens", "extract", "x.log", "-o", "/proc/nope.json"], "cannot create a file in /proc"),
+                         (["report", "html", r, "-o", tmp_path / "missing" / "x.html"], "does not exist"),
+                         (["gate", "--suite", Path(__file__).resolve().parents[2] / "scenarios" / "ci-gate.toml",
+                           "--junit", "/proc/nope.xml"], "--junit /proc/nope.xml: cannot create a file"),
+                         (["report", "compare", r, r, "--json", tmp_path / "missing" / "c.json"], "does not exist"),
+                         (["goldens", "diff", g, g, "--plot", g], "is a file; name a folder")):
+        _one_sentence(run(*args), needle)

@@ -22,6 +22,7 @@ cli = CliRunner()
 
 
 def parity(tmp_path, *args, kernel=MHC, scenario=SCENARIO):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "r.parquet"
     res = cli.invoke(app, ["parity", "--kernel", kernel, "--device", "cpu", "--scenario", str(scenario),
                            "-o", str(out), *map(str, args)])

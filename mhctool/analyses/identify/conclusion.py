@@ -147,6 +147,15 @@ class Identification:
             return None
         return f"matmul_precision={self.precision}: {PRECISION_NOTES[self.precision]}"
 
+    def defect(self) -> bool:
+        """What fits is likely a defect in a knob the implementation takes: one it follows to
+        another value, or takes and ignores (a knob it takes no parameter for is a fixed choice,
+        declared as a convention)."""
+        if self.best is None or self.best.level != "likely a defect":
+            return False
+        return any(self.ignored.get(k) != "takes no" for k, v in self.best.knobs.items()
+                   if not _same(v, self.asked.get(k)) and k in get_family(self.kernel).knobs)
+
     def flags(self) -> str:
         """The ``parity`` options that judge it as identified (conventions, then the precision)."""
         out = [f"--convention {k}={fmt_value(v)}" for k, v in self.conventions().items()]
