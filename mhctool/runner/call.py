@@ -3,6 +3,8 @@ upstream gradients, its outputs conformed to the family's contract, every failur
 refusal, a raise, an exit); and the float64 reference's call."""
 from __future__ import annotations
 
+import os
+
 import functools
 from dataclasses import replace
 
@@ -33,11 +35,28 @@ def refusal(e: BaseException) -> bool:
     the other shapes (an implementation refusing every case is still judged on nothing, a failure)."""
     if isinstance(e, _LIMIT_TYPES):
         return True
+    if _interpreter_refusal(e):
+        return True
     for cls in type(e).__mro__:  # raised by a kernel compiler (not, say, torch.compile's failures)
         module = cls.__module__ or ""
         if any(module == m or module.startswith(m + ".") for m in _COMPILER_MODULES):
             return True
     return False
+
+
+def _interpreter_refusal(e: BaseException) -> bool:
+    """Triton's CPU interpreter wraps what the GPU compiler raises while it traces a kernel (an
+    ``arange`` whose range is no power of two, a constexpr a check refuses) in an
+    ``InterpreterError``: a refusal as on the GPU where the wrapped error was raised by Triton's
+    language front end; an error of the kernel's own running (a bad load) is not."""
+    if type(e).__name__ != "InterpreterError" or not (type(e).__module__ or "").startswith("triton."):
+        return False
+    cause = e.__cause__ or e.__context__
+    if cause is None or cause.__traceback__ is None:
+        return False
+    import traceback
+    frames = traceback.extract_tb(cause.__traceback__)
+    return bool(frames) and f"triton{os.sep}language{os.sep}" in frames[-1].filename
 
 
 def short_error(e: BaseException) -> str:
