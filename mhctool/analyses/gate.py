@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -334,7 +335,7 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
         found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
         cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
                           "; ".join(a.message for a in found) or "no anomaly", k))
-    return cases
+    return [_relative(c, suite.path.parent) for c in cases]
 
 
 def _train_cases(item: dict, device_default: str, unit: int, isolation, interrupted) -> list[Case]:
@@ -367,6 +368,19 @@ def _train_cases(item: dict, device_default: str, unit: int, isolation, interrup
         msg = o.nonfinite or "; ".join(f"{d.metric}: {d.message}" for d in o.drifts)
         out.append(Case(item["name"], "train", "drift from the float64 run", o.passed, msg, unit))
     return out
+
+
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^/\s:]+/)*[^/\s:]+")
+
+
+def _relative(c: Case, base: Path) -> Case:
+    """A case whose name, message and hint name files relative to the suite's folder, never by an
+    absolute path: the same JUnit and Markdown names in every checkout."""
+    def rel(text: str) -> str:
+        return _ABSOLUTE_PATH.sub(lambda m: os.path.relpath(m.group(0), base)
+                                  if Path(m.group(0)).is_absolute() and Path(m.group(0)).exists() else m.group(0),
+                                  text) if text else text
+    return replace(c, name=rel(c.name), message=rel(c.message), hint=rel(c.hint))
 
 
 def cases_from_rows(rows: list[dict]) -> list[Case]:
