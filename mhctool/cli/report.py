@@ -160,10 +160,12 @@ def report_compare(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the comparison as JSON here (what got worse, what either report has alone)."),
     junit: Optional[Path] = typer.Option(None, "--junit", help="Also write JUnit XML here: a failed test per verdict that flipped to fail, a passed one per row that grew, a skipped one per row only one report has."),
     summary: Optional[Path] = typer.Option(None, "--summary", help="Also write a Markdown summary here (and append it to $GITHUB_STEP_SUMMARY when set)."),
+    pair: Optional[list[str]] = typer.Option(None, "--pair", help="OLD=NEW: the earlier report's rows of implementation OLD are compared with the later one's of NEW (a kernel and its renamed fixed version; names as report show prints them, e.g. mine.py:sinkhorn_eps8=mine.py:sinkhorn). Repeat for several."),
 ):
     """What got worse from BEFORE to AFTER, and by how much, for reports of one kind (parity, gate,
     identify, stability, train, bench); rows either has alone are counted and listed. Exit 1 if a
-    verdict flipped to fail, 2 for reports that cannot be compared."""
+    verdict flipped to fail or more than a tenth of the earlier report's rows have no match in the
+    later one (not compared, so not passed), 2 for reports that cannot be compared or share no row."""
     from mhctool.core import report
     from mhctool.core.combine import COMPARE_KEYS, compare
     for path_, what in ((json_path, "--json"), (junit, "--junit"), (summary, "--summary")):
@@ -178,11 +180,23 @@ def report_compare(
     if kind not in COMPARE_KEYS:
         raise UsageError(f"report compare does not compare {kind} reports; it compares "
                          + ", ".join(COMPARE_KEYS))
-    c = compare(a, b, tolerance, kind)
+    pairs = {}
+    for item in pair or []:
+        old, sep, new = item.partition("=")
+        if not sep or not old.strip() or not new.strip():
+            raise UsageError(f"malformed --pair {item!r}; expected OLD=NEW (two implementation names)")
+        pairs[old.strip()] = new.strip()
+    c = compare(a, b, tolerance, kind, pairs)
+    from mhctool.core.combine import UNMATCHED_SHARE
+    if c.matched == 0 and (c.only_before or c.only_after):
+        raise UsageError(f"{before} and {after} share no row ({len(c.only_before)} and {len(c.only_after)} rows): "
+                         "nothing was compared; pair a renamed implementation with --pair OLD=NEW")
+    unmatched = len(c.only_before) / max(1, c.matched + len(c.only_before))
     flipped = [w for w in c.worse if w["passed_before"] is True and w["passed_after"] is False]
     if json_path is not None:
         payload = {"kind": kind, "before": str(before), "after": str(after), "tolerance": tolerance,
-                   "matched": c.matched, "worse": c.worse, "flipped": len(flipped),
+                   "matched": c.matched, "worse": c.worse, "flipped": len(flipped), "pairs": pairs,
+                   "unmatched_earlier_share": unmatched,
                    "only_before": [list(k) for k in c.only_before], "only_after": [list(k) for k in c.only_after]}
         report.atomic(json_path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2, default=str)))
     keys = COMPARE_KEYS[kind]
@@ -204,6 +218,11 @@ def report_compare(
             out.print(f"{len(rows)} rows only in the {'earlier' if side == 'before' else 'later'} report, not compared; "
                       "first: " + "; ".join("/".join(str(v) for v in k if v is not None) for k in rows[:3]),
                       markup=False)
+    if unmatched > UNMATCHED_SHARE:
+        out.print(f"[red]FAILED[/]: {len(c.only_before)} of the earlier report's {c.matched + len(c.only_before)} rows "
+                  f"({unmatched:.0%}, more than {UNMATCHED_SHARE:.0%}) have no match in the later one: not compared, so "
+                  "not passed (a renamed implementation: --pair OLD=NEW)")
+        raise typer.Exit(1)
     raise typer.Exit(1 if flipped else 0)
 
 

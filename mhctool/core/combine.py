@@ -3,6 +3,7 @@ shards of one run merged into one report."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,7 +33,7 @@ _HIGHER_IS_BETTER = ("gbps", "pct_copy_bw", "tflops", "speedup_vs_torch", "speed
 
 
 # an absolute path to a file (``/abs/dir/k.py``), not the slashes of a name (``kernel/impl/family``)
-_ABSOLUTE = __import__("re").compile(r"(?<![\w.])/(?:[^/\s:]+/)+([^/\s:]+\.\w+)")
+_ABSOLUTE = re.compile(r"(?<![\w.])/(?:[^/\s:]+/)+([^/\s:]+\.\w+)")
 
 
 def stable(value):
@@ -47,16 +48,37 @@ class Comparison(NamedTuple):
     only_after: list[tuple]
 
 
-def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1, kind: str = "parity") -> Comparison:
+# the share of the earlier report's rows the later one may lack before a comparison fails: what
+# was not compared cannot have passed
+UNMATCHED_SHARE = 0.1
+
+
+def _renamer(pairs: dict[str, str] | None):
+    """``OLD=NEW`` pairs applied to the earlier report's key values (an implementation's name as
+    ``stable`` shows it, whole: not where it is the start of a longer name)."""
+    subs = [(re.compile(re.escape(old) + r"(?![\w.])"), new) for old, new in (pairs or {}).items()]
+
+    def rename(v):
+        if isinstance(v, str):
+            for pattern, new in subs:
+                v = pattern.sub(new, v)
+        return v
+    return rename
+
+
+def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1, kind: str = "parity",
+            pairs: dict[str, str] | None = None) -> Comparison:
     """Rows of B that got worse than in A (the same key of ``kind``, :data:`COMPARE_KEYS`): the
     verdict flipped to failed, or the value grew by more than ``tolerance`` (relative; for a bench
-    throughput, shrank); and the rows either has alone."""
+    throughput, shrank); and the rows either has alone. ``pairs``: OLD=NEW names of A's rows
+    matched with B's (an implementation and its renamed successor)."""
     keys = COMPARE_KEYS[kind]
     cols = set(a.column_names) & set(b.column_names)
+    rename = _renamer(pairs)
 
-    def key(r):
-        return tuple(stable(r.get(k)) for k in keys)
-    before = {key(r): r for r in a.to_pylist()}
+    def key(r, rename=lambda v: v):
+        return tuple(rename(stable(r.get(k))) for k in keys)
+    before = {key(r, rename): r for r in a.to_pylist()}
     after = {key(r): r for r in b.to_pylist()}
     out = []
     for k, r in after.items():

@@ -192,3 +192,25 @@ def test_the_gate_carries_parity_s_hint(tmp_path):
     assert hint in (tmp_path / "g.xml").read_text() and f"> {hint}" in (tmp_path / "g.md").read_text()
     from mhctool.core import report
     assert any(h.startswith(hint) for h in report.read(tmp_path / "g.parquet")[1]["run"]["hints"])
+
+
+def test_compare_pairs_a_renamed_implementation_and_never_passes_what_it_could_not_match(tmp_path):
+    """A kernel and its fixed version under another name: without --pair most rows match nothing,
+    which fails (exit 1) instead of 'nothing got worse'; with --pair OLD=NEW the rows are matched
+    and the fix's improvement is no flip."""
+    impls = Path(__file__).resolve().parents[1] / "impls"
+    (tmp_path / "old.py").write_text((impls / "defects.py").read_text())
+    (tmp_path / "new.py").write_text((impls / "correct.py").read_text())
+    paths = {}
+    for name, fn in (("a", "old.py:sinkhorn_eps_1e8"), ("b", "new.py:sinkhorn")):
+        paths[name] = tmp_path / f"{name}.parquet"
+        _run("parity", "--kernel", "sinkhorn", "--device", "cpu", "--dtype", "fp32", "--shape", "9x2x4x1",
+             "--impl", tmp_path / fn, "-o", paths[name], "-q")
+    res, text = _run("report", "compare", paths["a"], paths["b"])
+    assert res.exit_code == 1, text
+    assert "have no match in the later one: not compared, so not passed" in text and "nothing got worse" in text
+    res, text = _run("report", "compare", paths["a"], paths["b"], "--pair", "old.py:sinkhorn_eps_1e8=new.py:sinkhorn")
+    assert res.exit_code == 0, text
+    assert "have no match" not in text
+    res, text = _run("report", "compare", paths["a"], paths["b"], "--pair", "nonsense")
+    assert res.exit_code == 2 and "malformed --pair" in text
