@@ -114,10 +114,11 @@ def parity_hint(kernel: str, impl: Impl, short: str, device: str, isolated: bool
 
 
 def hints(pl, vs: list[dict], device: str, iso=None, transport: str = "shm", case_timeout=None,
-          stop=lambda: False) -> list[tuple[str, str, str]]:
+          stop=lambda: False, started=None) -> list[tuple[str, str, str]]:
     """(kernel, implementation, hint) for every outside implementation that failed in a parity run
     of plan ``pl`` with verdicts ``vs``; ``iso``: the run's isolation (the reruns use it);
-    ``stop()``: an interrupt."""
+    ``stop()``: an interrupt; ``started(kernel, name)``: called before each identification (it
+    takes seconds to a minute: what the user waits for)."""
     out = []
     for (k, name), kind in failed_externals(vs).items():
         impl = next((i for i in pl.impls.get(k, []) if i.name == name), None)
@@ -126,6 +127,8 @@ def hints(pl, vs: list[dict], device: str, iso=None, transport: str = "shm", cas
         if "raised" in kind:
             out.append((k, name, raised_hint(vs, k, impl)))
         if "measured" in kind:
+            if started:
+                started(k, name)
             out.append((k, name, parity_hint(k, impl, short_impl(name), device, iso is not None, transport,
                                              case_timeout, asked=pl.conventions.get(k),
                                              verify=verifier(pl, k, impl, iso))))

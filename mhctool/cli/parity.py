@@ -187,8 +187,11 @@ def parity(
         for name, why in skipped_everywhere(table).items():
             out.print(f"note: {name} skipped for every case: {why}", markup=False)
     from mhctool.analyses.hints import hints as find_hints
+    def identifying(kernel, name):  # a minute may pass here: say what runs
+        err.print(f"parity: identifying {_short_impl(name)} on {kernel} for a hint (mhctool identify)", markup=False)
     hints = [] if interrupts.requested else [h for _, _, h in find_hints(pl, vs, dev, iso, isolate_transport,
-                                                                        case_timeout, lambda: interrupts.requested)]
+                                                                        case_timeout, lambda: interrupts.requested,
+                                                                        None if quiet else identifying)]
     for hint in hints:
         out.print(hint, markup=False)
     if hints:  # kept in the report too (report html shows them)

@@ -214,3 +214,14 @@ def test_compare_pairs_a_renamed_implementation_and_never_passes_what_it_could_n
     assert "have no match" not in text
     res, text = _run("report", "compare", paths["a"], paths["b"], "--pair", "nonsense")
     assert res.exit_code == 2 and "malformed --pair" in text
+
+
+def test_parity_says_when_it_identifies_a_failed_kernel_for_its_hint(tmp_path):
+    """The hint's identification takes seconds to a minute after the cases are done: a line says
+    what runs (stderr; -q leaves it out), before the hint."""
+    spec = str(Path(__file__).resolve().parents[1] / "impls" / "conventions.py") + ":sinkhorn_softmax_first"
+    args = ["parity", "--kernel", "sinkhorn", "--dtype", "fp32", "--device", "cpu", "--shape", "9x2x4x1",
+            "--impl", spec]
+    res, text = _run(*args, "-o", tmp_path / "a.parquet")
+    assert "parity: identifying conventions.py:sinkhorn_softmax_first on sinkhorn for a hint" in text, text
+    assert text.index("parity: identifying") < text.index("hint: ")
