@@ -58,14 +58,15 @@ def _import(module_name: str, target: str):
 
 
 def load_file(path: Path):
-    """A Python file as a module (once per process and path), its folder first on ``sys.path``."""
+    """A Python file as a module (once per process and path), its folder on ``sys.path`` after
+    what is installed: its own imports find its sibling files, and a file named like what it wraps
+    (``NAME.py`` importing the installed ``NAME``) finds that, not itself."""
     mod_name = f"mhctool_file_{abs(hash(str(path.resolve())))}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    folder = str(path.parent.resolve())  # what a script's own imports see: its folder first
-    if folder in sys.path:
-        sys.path.remove(folder)
-    sys.path.insert(0, folder)
+    folder = str(path.parent.resolve())
+    if folder not in sys.path:
+        sys.path.append(folder)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
