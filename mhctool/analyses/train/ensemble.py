@@ -181,15 +181,11 @@ def _ratio(d: Drift) -> float:
 
 
 def _spread(values: list[float]) -> str:
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return "inf"
-    med = statistics.median(values) if len(finite) == len(values) else statistics.median(
-        sorted(values, key=lambda v: (not math.isfinite(v), v)))
+    """``median (least-largest)`` of the seeds' values (an infinite one sorts last)."""
+    med = statistics.median(values)
     if len(values) == 1:
         return f"{med:.3g}"
-    lo, hi = min(values), max(values)
-    return f"{med:.3g} ({lo:.3g}-{hi:.3g})"
+    return f"{med:.3g} ({min(values):.3g}-{max(values):.3g})"
 
 
 def judge_ensemble(runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule | None = None,
