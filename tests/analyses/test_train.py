@@ -117,7 +117,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, words):
 
 
 def test_a_gate_trains_and_diffs_against_stored_golden_values(tmp_path):
-    res, _ = train(tmp_path, "--impl", "triton", *SMALL, "--goldens", tmp_path / "golden.json", "--no-compare",
+    res, _ = train(tmp_path, "--impl", "torch", *SMALL, "--goldens", tmp_path / "golden.json", "--no-compare",
                    "--seeds", "1")
     assert res.exit_code == 0
     suite = tmp_path / "suite.toml"
