@@ -370,12 +370,17 @@ def train_figures(table: pa.Table, out_dir: str | Path) -> list[Path]:
         dist.set_title(f"{metric}: distance from the reference (equal steps left out)")
         dist.set_xlabel("step")
         if metric in parted:
-            for ax_ in (ax, dist):
-                ax_.axvline(parted[metric], color="tab:red", ls=":", lw=1.2)
-            ax.annotate(f"parts at step {parted[metric]}", (parted[metric], ax.get_ylim()[1]), color="tab:red",
-                        fontsize=8, ha="left", va="top", xytext=(3, -3), textcoords="offset points")
+            _mark_parting(ax, dist, parted[metric])
     axes[0, 0].legend(fontsize=8)
     return [_save(fig, out_dir / "train-metrics.png", 110), *_train_health(rows, out_dir, None)]
+
+
+def _mark_parting(ax, dist, step: int) -> None:
+    """The step where the verdict says the run parts from the reference, on a metric and its distance."""
+    for ax_ in (ax, dist):
+        ax_.axvline(step, color="tab:red", ls=":", lw=1.2)
+    ax.annotate(f"parts at step {step}", (step, ax.get_ylim()[1]), color="tab:red", fontsize=8, ha="left",
+                va="top", xytext=(3, -3), textcoords="offset points")
 
 
 def _train_bands(rows: list[dict], seeds: list[int], out_dir: Path) -> Path:
@@ -431,10 +436,7 @@ def _train_bands(rows: list[dict], seeds: list[int], out_dir: Path) -> Path:
         dist.set_title(f"{metric}: distance from each seed's float64 run")
         dist.set_xlabel("step")
         if metric in parted:
-            for ax_ in (ax, dist):
-                ax_.axvline(parted[metric], color="tab:red", ls=":", lw=1.2)
-            ax.annotate(f"parts at step {parted[metric]}", (parted[metric], ax.get_ylim()[1]), color="tab:red",
-                        fontsize=8, ha="left", va="top", xytext=(3, -3), textcoords="offset points")
+            _mark_parting(ax, dist, parted[metric])
     axes[0, 0].legend(fontsize=8)
     axes[1, 0].legend(fontsize=8)
     return _save(fig, out_dir / "train-metrics.png", 110)

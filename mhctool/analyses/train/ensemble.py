@@ -189,11 +189,12 @@ def _spread(values: list[float]) -> str:
 
 
 def judge_ensemble(runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule | None = None,
-                   params: int = 0) -> list[EnsembleDrift]:
-    """The implementation's drift over the seeds, per judged metric (the module docstring's test)."""
+                   params: int = 0, zeros: ZeroFindings | None = None) -> list[EnsembleDrift]:
+    """The implementation's drift over the seeds, per judged metric (the module docstring's test);
+    ``zeros``: :func:`zero_findings` of ``runs`` where the caller has them already."""
     rule = rule or VerdictRule()
     per_seed = [judge(r.impl, r.native, r.reference, replace(cfg, seed=r.seed), rule, params) for r in runs]
-    zeros = zero_findings(runs)
+    zeros = zeros or zero_findings(runs)
     out = []
     k = len(runs)
     for i, metric in enumerate(JUDGED):
@@ -212,7 +213,7 @@ def judge_ensemble(runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule | No
         drifting = sum(not d.passed for d in plain)
         majority = drifting >= k // 2 + 1
         passed = not (g > 1.0 and majority) and not short and anomaly is None
-        natives = [_native_median(d, rule) for d in plain]
+        natives = [d.native for d in plain]
         evidence = (f"median distance {_spread([d.median for d in plain])} against native's "
                     f"{_spread(natives)}; distance / allowed {g:.3g} over the seeds (geometric mean; "
                     f"drifts above 1 with a majority of the seeds)")
@@ -238,11 +239,6 @@ def judge_ensemble(runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule | No
 
 def _short(d: Drift) -> bool:
     return d.message.startswith("ended at step")
-
-
-def _native_median(d: Drift, rule: VerdictRule) -> float:
-    """Native's median distance, from the threshold the single-seed rule gave (kappa x it + floor)."""
-    return d.native if d.native is not None else d.threshold / rule.kappa
 
 
 # --- the zero counts over the ensemble --------------------------------------------------------

@@ -210,8 +210,8 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             out.drifts = judge(r.impl, r.native, r.reference, cfg, rule, params)
             out.nonfinite = nonfinite_sentence(r.impl, r.reference)
         else:
-            out.drifts = judge_ensemble(runs, cfg, rule, params)
             out.zeros = zero_findings(runs)
+            out.drifts = judge_ensemble(runs, cfg, rule, params, out.zeros)
             out.nonfinite = _nonfinite_ensemble(runs)
         if trace and not out.nonfinite and not out.errors and not all(d.passed for d in out.drifts) \
                 and not interrupted():

@@ -47,6 +47,17 @@ def candidate_knobs(specs: dict[str, str], eff: dict[str, dict], pieces: dict[st
     return out
 
 
+def _with_knob(eff: dict[str, dict], precision: dict[str, str], family: str, knob: str, value) -> dict[str, Piece]:
+    """The native pieces with one candidate convention (or matmul precision) for ``family``."""
+    def piece(f: str) -> Piece:
+        if f != family:
+            return native_piece(f, eff[f], precision.get(f, "ieee"))
+        if knob == "matmul_precision":
+            return native_piece(f, eff[f], value)
+        return native_piece(f, {**eff[f], knob: value}, precision.get(f, "ieee"))
+    return {f: piece(f) for f in FAMILIES}
+
+
 def attribute(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: TrainConfig,
               eff: dict[str, dict], candidates: list[tuple], rule: VerdictRule, params: int,
               interrupted: Callable[[], bool] = lambda: False,
@@ -59,10 +70,7 @@ def attribute(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: 
     for family, knob, value, why in candidates:
         if interrupted():
             break
-        pieces = {f: (native_piece(f, eff[f], value) if knob == "matmul_precision" and f == family
-                      else native_piece(f, {**eff[f], knob: value}, prec.get(f, "ieee")) if f == family
-                      else native_piece(f, eff[f], prec.get(f, "ieee")))
-                  for f in FAMILIES}
+        pieces = _with_knob(eff, prec, family, knob, value)
         role = f"native:{family}.{knob}={value}"
         alt = run(cfg, pieces, role, interrupted)
         runs.append(alt)
@@ -90,10 +98,7 @@ def attribute_ensemble(runs: list, cfg: TrainConfig, eff: dict[str, dict], candi
     for family, knob, value, why in candidates:
         if interrupted():
             break
-        pieces = {f: (native_piece(f, eff[f], value) if knob == "matmul_precision" and f == family
-                      else native_piece(f, {**eff[f], knob: value}, prec.get(f, "ieee")) if f == family
-                      else native_piece(f, eff[f], prec.get(f, "ieee")))
-                  for f in FAMILIES}
+        pieces = _with_knob(eff, prec, family, knob, value)
         role = f"native:{family}.{knob}={value}"
         alts = []
         for r in runs:
