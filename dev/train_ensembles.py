@@ -7,7 +7,10 @@ starts at seed 1000 * e), every one judged as `mhctool train --seeds K` judges i
 
 Prints a line per ensemble as it ends and a Markdown table at the end; with --out, JSON lines
 (one per ensemble: the verdict, and per metric the ratio and the per-seed distances) in
-FOLDER/train-ensembles.jsonl. The rates are what the guide's training page quotes.
+FOLDER/train-ensembles.jsonl. The rates are what the guide's training page quotes. With --gpus, a
+process per entry (an index may repeat), each running whole ensembles: every label of an ensemble
+in one process, so that its native and float64 runs are run once a seed and shared by the labels
+whose knobs and precision are the same.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("where", choices=("cpu", "gpu"))
     ap.add_argument("--ensembles", type=int, default=10)
+    ap.add_argument("--first", type=int, default=0, help="the first ensemble's index (to go on from a run cut short)")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--only", default=None, help="comma-separated substrings of the labels to run")
@@ -85,10 +89,11 @@ def main() -> int:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         log = open(Path(a.out) / "train-ensembles.jsonl", "a")
     todo = [c for c in cases(a.where, a.megatron) if not a.only or any(s in c["label"] for s in a.only.split(","))]
-    jobs = [(c, e) for e in range(a.ensembles) for c in todo]  # ensemble-major: every label advances
-    if a.shard:
+    jobs = [(c, e) for e in range(a.first, a.first + a.ensembles) for c in todo]  # ensemble-major: every label advances
+    if a.shard:  # by ensemble: a process runs every label of its ensembles, native and float64 once a seed
         k, n = map(int, a.shard.split("/"))
-        jobs = jobs[k::n]
+        jobs = [(c, e) for c, e in jobs if e % n == k]
+    shared: dict = {}
     tally: dict[str, list[bool]] = {}
     for c, e in jobs:
         if a.deadline and time.time() - t_start > a.deadline:
@@ -104,7 +109,7 @@ def main() -> int:
                 marks.append(time.time())
         o = T.session(cfg, T.assign([c["impl"]]), c.get("knobs", {}), {}, trace=False, seeds=a.seeds,
                       workers=workers, as_used=c.get("as_used", False), isolation_factory=lambda: Worker("shm"),
-                      progress=progress if a.verbose else None)
+                      progress=progress if a.verbose else None, shared=shared if workers == 1 else None)
         verdict = "PASS" if o.passed else "DRIFT" if o.drifts and not all(d.passed for d in o.drifts) else "FAIL"
         why = o.nonfinite or next((d.message for d in o.drifts if not d.passed), "")
         tally.setdefault(c["label"], []).append(o.passed)

@@ -1,3 +1,4 @@
+import math
 import os
 
 # pytest-xdist's workers (`pytest -n 2`): one intra-op thread each, set before torch is imported
@@ -40,3 +41,21 @@ def family_cases():
     for c in scenario.resolve(None).cases("cpu"):
         seen.setdefault((c.kernel, c.family), c.shape)
     return [(k, f, sh) for (k, f), sh in seen.items()]
+
+
+@pytest.fixture
+def underflowing_logits():
+    """``make(tokens, n, knobs, device)``: Sinkhorn logits whose last column sits 200 below the rest
+    (as mHC's learned logits come to at a large learning rate), so that exp underflows to zero
+    there in fp32, and the float64 function the fp32 kernels then compute: the reference with that
+    column at -inf (its gradient there is zero). Returns (fp32 leaf, float64 leaf)."""
+    def make(tokens, n, knobs, device="cpu", seed=0):
+        g = torch.Generator().manual_seed(seed)
+        L = torch.randn(tokens, n, n, generator=g) * 3
+        L[..., n - 1] -= 200.0
+        if knobs.get("stabilize") == "none":
+            L -= 50.0  # no max subtraction: keep exp of the largest entries in range
+        Ld = L.double()
+        Ld[..., n - 1] = -math.inf
+        return L.to(device).requires_grad_(), Ld.to(device).requires_grad_()
+    return make

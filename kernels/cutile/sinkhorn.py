@@ -3,7 +3,7 @@
 The same schedule and math as the Triton kernels (``kernels/schedule.py``): fp32 math whatever
 the input dtype, knobs as compile-time constants, a backward that recomputes each step's input on
 chip, two-level (segments of about sqrt(pairs) pairs), with no per-iteration state in global
-memory.
+memory, and carries the gradient times each step's output (bounded where a line underflows).
 
 - Per-token path (n <= ``EL_MAX_N`` = 4, mHC's case): a matrix is a tuple of n^2 ``(BT,)`` tiles,
   one entry across BT tokens, so row and column sums are adds of whole tiles and nothing is
@@ -42,14 +42,14 @@ def _norm(p, eps, axis, clamp):
     return p * (1.0 / d)
 
 
-def _norm_bwd(q, g, eps, axis, clamp):
-    """VJP of ``y = q / d(q)`` along axis: ``(g - sum(g * y)) / d`` (no sum term where clamped)."""
+def _step_bwd(q, G, eps, axis, clamp):
+    """VJP of ``y = q / d(q)`` along axis, carried as the gradient times the step's output:
+    ``G - y * sum(G)`` (no sum term where clamped), as the Triton kernel's ``_step_bwd``."""
     d, s = _denom(q, eps, axis, clamp)
-    inv = 1.0 / d
-    gy = ct.sum(g * (q * inv), axis=axis, keepdims=True)
+    gs = ct.sum(G, axis=axis, keepdims=True)
     if clamp:
-        gy = ct.where(s >= eps, gy, 0.0)
-    return (g - gy) * inv
+        gs = ct.where(s >= eps, gs, 0.0)
+    return G - (q * (1.0 / d)) * gs
 
 
 def _pairs(p, eps, count, a, b, clamp):
@@ -108,6 +108,9 @@ def _sinkhorn_bwd(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, NP: C
     start = p0
     if ODD:
         start = _norm(p0, eps, B, CLAMP)
+    # G = g * (the output of the step being undone): the last step's output first
+    if PAIRS == 0:
+        g = g * start
     nseg = (PAIRS + SEG - 1) // SEG
     for r in range(nseg):
         base = (nseg - 1 - r) * SEG
@@ -116,22 +119,24 @@ def _sinkhorn_bwd(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, NP: C
         for kk in range(count):
             q = _pairs(c, eps, count - 1 - kk, A, B, CLAMP)  # input of pair base + k
             q2 = _norm(q, eps, A, CLAMP)
-            g = _norm_bwd(q2, g, eps, B, CLAMP)
-            # padded entries (n not a power of two) get (0 - sum) / eps per step: keep them zero
-            # before they overflow and turn the next step's sums into inf * 0 = NaN
-            g = ct.where(valid, _norm_bwd(q, g, eps, A, CLAMP), 0.0)
+            last = (r == 0) & (kk == 0)
+            g = ct.where(last, g * _norm(q2, eps, B, CLAMP), g)
+            g = _step_bwd(q2, g, eps, B, CLAMP)
+            g = _step_bwd(q, g, eps, A, CLAMP)
     if ODD:
-        g = ct.where(valid, _norm_bwd(p0, g, eps, B, CLAMP), 0.0)
+        g = _step_bwd(p0, g, eps, B, CLAMP)
+    # g is now the gradient times p0
     if STAB == 1:
-        dx = g * p0
+        dx = g
     elif STAB == 0:
         # p0 = exp(x - max): the max receives minus the row sum of g * p0, split over ties
-        gp = g * p0
         is_max = (x == _rowmax(x)) & valid
         ties = ct.maximum(ct.sum(ct.where(is_max, 1.0, 0.0), axis=2, keepdims=True), 1.0)
-        dx = gp - ct.where(is_max, ct.sum(gp, axis=2, keepdims=True) / ties, 0.0)
+        dx = g - ct.where(is_max, ct.sum(g, axis=2, keepdims=True) / ties, 0.0)
     else:
-        dx = sm * (g - ct.sum(g * sm, axis=2, keepdims=True))
+        # p0 = softmax + eps: the gradient at p0 times the softmax is g * sm / p0 (at most g)
+        w = g * ct.where(p0 > 0.0, sm / ct.where(p0 > 0.0, p0, 1.0), 0.0)
+        dx = w - sm * ct.sum(w, axis=2, keepdims=True)
     ct.store(grad_in, index=(i, 0, 0), tile=dx.astype(grad_in.dtype))
 
 
@@ -199,21 +204,25 @@ def _el_norm(p, eps, axis, clamp, N):
     return _el_scale(p, _el_inv(_el_sums(p, axis, N), eps, clamp, N), axis, N)
 
 
-def _el_norm_bwd(q, g, eps, axis, clamp, N):
-    """VJP of a normalisation step, as ``_norm_bwd``."""
+def _el_step_bwd(q, G, eps, axis, clamp, N):
+    """VJP of a normalisation step carried as the gradient times its output, as ``_step_bwd``."""
     s = _el_sums(q, axis, N)
     inv = _el_inv(s, eps, clamp, N)
-    gq = ()
-    for e in ct.static_iter(range(N * N)):
-        gq = gq + (g[e] * q[e],)
-    gy = _el_sums(gq, axis, N)
+    gs = _el_sums(G, axis, N)
     out = ()
     for e in ct.static_iter(range(N * N)):
         k = _line(e, axis, N)
-        t = gy[k] * inv[k]
+        t = gs[k]
         if clamp:
             t = ct.where(s[k] >= eps, t, 0.0)
-        out = out + ((g[e] - t) * inv[k],)
+        out = out + (G[e] - (q[e] * inv[k]) * t,)
+    return out
+
+
+def _el_mul(a, b, N):
+    out = ()
+    for e in ct.static_iter(range(N * N)):
+        out = out + (a[e] * b[e],)
     return out
 
 
@@ -317,6 +326,9 @@ def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT
     start = p0
     if ODD:
         start = _el_norm(p0, eps, B, CLAMP, N)
+    # G = g * (the output of the step being undone): the last step's output first
+    if PAIRS == 0:
+        g = _el_mul(g, start, N)
     # two-level recomputation, unrolled at compile time: for each segment of SEG pairs, last first,
     # its starting state comes from the logits (a loop of constant length), its states are kept
     # in registers, and its steps are undone from the last. (cuTile 1.7 fails to compile a loop
@@ -334,35 +346,42 @@ def _sinkhorn_bwd_el(logits, grad_out, grad_in, eps: ConstFloat, N: ConstInt, BT
                 q = _el_norm(_el_norm(q, eps, A, CLAMP, N), eps, B, CLAMP, N)
         for k in ct.static_iter(range(count)):
             q = states[count - 1 - k]
-            g = _el_norm_bwd(_el_norm(q, eps, A, CLAMP, N), g, eps, B, CLAMP, N)
-            g = _el_norm_bwd(q, g, eps, A, CLAMP, N)
+            q2 = _el_norm(q, eps, A, CLAMP, N)
+            if rs == 0 and k == 0:
+                g = _el_mul(g, _el_norm(q2, eps, B, CLAMP, N), N)
+            g = _el_step_bwd(q2, g, eps, B, CLAMP, N)
+            g = _el_step_bwd(q, g, eps, A, CLAMP, N)
     if ODD:
-        g = _el_norm_bwd(p0, g, eps, B, CLAMP, N)
+        g = _el_step_bwd(p0, g, eps, B, CLAMP, N)
+    # g is now the gradient times p0
     dx = ()
     if STAB == 1:
-        for e in ct.static_iter(range(N * N)):
-            dx = dx + (g[e] * p0[e],)
+        dx = g
     elif STAB == 0:
         # the row max receives minus the row sum of g * p0, split over ties
         m = _el_rowmax(x, N)
         for r in ct.static_iter(range(N)):
-            tot = g[r * N] * p0[r * N]
+            tot = g[r * N]
             ties = ct.where(x[r * N] == m[r], 1.0, 0.0)
             for c in ct.static_iter(range(1, N)):
-                tot = tot + g[r * N + c] * p0[r * N + c]
+                tot = tot + g[r * N + c]
                 ties = ties + ct.where(x[r * N + c] == m[r], 1.0, 0.0)
             share = tot / ct.maximum(ties, 1.0)
             for c in ct.static_iter(range(N)):
                 e = r * N + c
-                dx = dx + (g[e] * p0[e] - ct.where(x[e] == m[r], share, 0.0),)
+                dx = dx + (g[e] - ct.where(x[e] == m[r], share, 0.0),)
     else:
+        # p0 = softmax + eps: the gradient at p0 times the softmax is g * sm / p0 (at most g)
+        w = ()
+        for e in ct.static_iter(range(N * N)):
+            w = w + (g[e] * ct.where(p0[e] > 0.0, sm[e] / ct.where(p0[e] > 0.0, p0[e], 1.0), 0.0),)
         for r in ct.static_iter(range(N)):
-            tot = g[r * N] * sm[r * N]
+            tot = w[r * N]
             for c in ct.static_iter(range(1, N)):
-                tot = tot + g[r * N + c] * sm[r * N + c]
+                tot = tot + w[r * N + c]
             for c in ct.static_iter(range(N)):
                 e = r * N + c
-                dx = dx + (sm[e] * (g[e] - tot),)
+                dx = dx + (w[e] - sm[e] * tot,)
     _el_store(grad_in, ct.bid(0), tok, dx, N, BT, BWD_TILE_IO)
 
 

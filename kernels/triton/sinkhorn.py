@@ -5,9 +5,10 @@ Every ``n x n`` matrix of a block of tokens lives in registers as a ``[BT, NP, N
 whatever the input dtype. The knobs (``stabilize``, ``eps_mode``, ``order``, ``iters``) are
 compile-time constants. The backward keeps no per-iteration state in global memory: for each
 normalisation step, from last to first, it recomputes the step's input on chip and applies that
-step's vector-Jacobian product. The recomputation is two-level: the pairs are cut into segments
-of about sqrt(pairs); each segment's starting state is recomputed from the logits once, and each
-step's input from that state, so 20 iterations recompute 70 pairs instead of 190.
+step's vector-Jacobian product, carried as the gradient times the step's output (``_step_bwd``).
+The recomputation is two-level: the pairs are cut into segments of about sqrt(pairs); each
+segment's starting state is recomputed from the logits once, and each step's input from that
+state, so 20 iterations recompute 70 pairs instead of 190.
 """
 from __future__ import annotations
 
@@ -66,15 +67,18 @@ def _norm(p, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
-def _norm_bwd(q, g, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
-    """VJP of ``y = q / d(q)`` along AXIS: ``(g - sum(g * y)) / d`` (no sum term where clamped)."""
+def _step_bwd(q, G, eps, AXIS: tl.constexpr, CLAMP: tl.constexpr):
+    """VJP of ``y = q / d(q)`` along AXIS in log terms: with ``G = g * y`` the gradient times the
+    step's output, the same product for its input is ``G - y * sum(G)`` (no sum term where
+    clamped: there ``d`` is the constant eps). Every factor is at most 1: the linear form
+    ``(g - sum(g * y)) / d`` multiplies by ``1 / d``, up to ``1 / eps`` a step, which overflows fp32
+    within a few iterations where a line's entries underflow (logits ~100 apart)."""
     d, s = _denom(q, eps, AXIS, CLAMP)
-    inv = 1.0 / d
-    y = q * inv
-    gy = tl.sum(g * y, axis=AXIS, keep_dims=True)
+    y = q * (1.0 / d)
+    gs = tl.sum(G, axis=AXIS, keep_dims=True)
     if CLAMP:
-        gy = tl.where(s >= eps, gy, 0.0)
-    return (g - gy) * inv
+        gs = tl.where(s >= eps, gs, 0.0)
+    return G - y * gs
 
 
 @triton.jit
@@ -116,30 +120,35 @@ def _sinkhorn_bwd(x_ptr, g_ptr, dx_ptr, T, eps, N: tl.constexpr, NP: tl.constexp
     start = p0
     if ODD:
         start = _norm(p0, eps, B, CLAMP)
+    # G = g * (the output of the step being undone): the last step's output first
+    if PAIRS == 0:
+        g = g * start
     for seg in range(tl.cdiv(PAIRS, SEG) - 1, -1, -1):
         base = seg * SEG
         c = _pairs(start, eps, base, A, B, CLAMP)  # the state before pair `base`
         for k in range(tl.minimum(base + SEG, PAIRS) - base - 1, -1, -1):
             q = _pairs(c, eps, k, A, B, CLAMP)  # input of pair base + k: the same operations as
             q2 = _norm(q, eps, A, CLAMP)        # the forward's, so the same fp32 values
-            g = _norm_bwd(q2, g, eps, B, CLAMP)
-            # padded entries (n not a power of two) get (0 - sum) / eps per step: keep them zero
-            # before they overflow and turn the next step's sums into inf * 0 = NaN
-            g = tl.where(mask, _norm_bwd(q, g, eps, A, CLAMP), 0.0)
+            if base + k == PAIRS - 1:
+                g = g * _norm(q2, eps, B, CLAMP)
+            g = _step_bwd(q2, g, eps, B, CLAMP)
+            g = _step_bwd(q, g, eps, A, CLAMP)
     if ODD:
-        g = tl.where(mask, _norm_bwd(p0, g, eps, B, CLAMP), 0.0)
+        g = _step_bwd(p0, g, eps, B, CLAMP)
+    # g is now the gradient times p0
     if STAB == 1:
-        dx = g * p0
+        dx = g
     elif STAB == 0:
         # p0 = exp(x - max): the max receives minus the row sum of g * p0, split over ties
-        gp = g * p0
         xm = tl.where(mask, x, float("-inf"))
         m = tl.max(xm, axis=2, keep_dims=True)
         is_max = (xm == m) & mask
         ties = tl.maximum(tl.sum(is_max.to(tl.float32), axis=2, keep_dims=True), 1.0)
-        dx = gp - tl.where(is_max, tl.sum(gp, axis=2, keep_dims=True) / ties, 0.0)
+        dx = g - tl.where(is_max, tl.sum(g, axis=2, keep_dims=True) / ties, 0.0)
     else:
-        dx = sm * (g - tl.sum(g * sm, axis=2, keep_dims=True))
+        # p0 = softmax + eps: the gradient at p0 times the softmax is g * sm / p0 (at most g)
+        w = g * tl.where(p0 > 0.0, sm / tl.where(p0 > 0.0, p0, 1.0), 0.0)
+        dx = w - sm * tl.sum(w, axis=2, keep_dims=True)
     tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
 
 

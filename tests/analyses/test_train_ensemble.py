@@ -93,6 +93,27 @@ def test_the_rows_are_the_same_whatever_the_spread(tmp_path):
     assert tables[0] == tables[1]
 
 
+def test_a_sweep_runs_native_and_float64_once_a_seed():
+    """Two implementations at one configuration given one ``shared`` dict: the second session
+    takes the first's native and float64 runs (the same objects), runs only its own, and judges as
+    a session of its own would."""
+    cfg = T.config("cpu", steps=3, layers=1, seq=8)
+    ran: list[str] = []
+
+    def progress(role, step):
+        if step.step == cfg.steps:
+            ran.append(role)
+    shared: dict = {}
+    a = T.session(cfg, T.assign([f"{IMPLS}/correct.py:sinkhorn"]), trace=False, seeds=2, shared=shared,
+                  progress=progress)
+    b = T.session(cfg, T.assign([f"{IMPLS}/defects.py:sinkhorn_eps_1e8"]), trace=False, seeds=2, shared=shared,
+                  progress=progress)
+    alone = T.session(cfg, T.assign([f"{IMPLS}/defects.py:sinkhorn_eps_1e8"]), trace=False, seeds=2)
+    assert ran == ["impl", "native", "reference"] * 2 + ["impl"] * 2
+    assert all(x.native is y.native and x.reference is y.reference for x, y in zip(a.runs, b.runs))
+    assert [(d.metric, d.passed, d.ratio) for d in b.drifts] == [(d.metric, d.passed, d.ratio) for d in alone.drifts]
+
+
 def _traj(role: str, seed: int, loss: list[float]) -> "T.Trajectory":
     t = T.Trajectory(role, {}, seed=seed)
     t.steps = [T.Step(i + 1, {"lm loss": v, "grad-norm": 1.0, "num-zeros": 0.0}, {}, []) for i, v in enumerate(loss)]

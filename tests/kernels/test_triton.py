@@ -478,6 +478,24 @@ def test_sinkhorn_backward_stays_finite_when_n_is_not_a_power_of_two(n):
     assert (gx.double() - gr).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("knobs", [{}, {"stabilize": "none"}, {"stabilize": "softmax"}, {"eps_mode": "clamp"},
+                                   {"order": "col_first"}])
+def test_sinkhorn_backward_stays_finite_where_a_column_underflows(knobs, underflowing_logits):
+    """Regression: the backward carried ``(g - sum(g * y)) / (sum + eps)`` a step, so a column
+    whose entries underflowed multiplied the gradient by 1 / eps = 1e6 each step, overflowed fp32
+    within the 20 iterations and turned every gradient of the matrix into NaN (training at lr 0.05
+    reached such logits). Carried as the gradient times each step's output, no factor exceeds 1."""
+    L, Ld = underflowing_logits(37, 4, knobs)
+    with poisoning():
+        (out,), (g,), (up,) = _grads(lambda t: tsk.sinkhorn(t, 20, 1e-6, **knobs), [L])
+    r = ref.sinkhorn(Ld, 20, 1e-6, **knobs)
+    (rg,) = torch.autograd.grad(r, Ld, up.double())
+    assert torch.isfinite(rg).all()
+    assert torch.isfinite(out).all() and torch.isfinite(g).all()
+    torch.testing.assert_close(out.double(), r, rtol=0, atol=2e-6)
+    torch.testing.assert_close(g.double(), rg, rtol=0, atol=2e-6)
+
+
 def test_ordered_row_sum_adds_rows_one_by_one_in_order():
     # h_post_bda's per-token gradients are finished by this sum: its order must not depend on the
     # layout Triton picks for another number of columns (tokens), so it must be plain row order

@@ -151,13 +151,17 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             conventions: dict[str, dict] | None = None, rule: VerdictRule | None = None, compare: bool = True,
             trace: bool = True, isolation=None, interrupted: Callable[[], bool] = lambda: False,
             progress: Callable[[str, Step], None] | None = None, as_used: bool = False, seeds: int = 1,
-            workers: int = 1, isolation_factory: Callable[[], object] | None = None) -> Outcome:
+            workers: int = 1, isolation_factory: Callable[[], object] | None = None,
+            shared: dict | None = None) -> Outcome:
     """The implementation's trajectory, then (``compare``) the native and float64 ones, the
     verdict, and (``trace``) the attribution of a drift; from ``seeds`` seeds (the base seed and
     those after it), judged over the ensemble where there are several (:mod:`.ensemble`).
     ``isolation``: an isolation Worker the implementation's trajectories run in (a crash or a hang
     ends one with its steps kept). ``workers``: processes the seeds are spread over;
-    ``isolation_factory``: a Worker for a seed run again here after its worker died."""
+    ``isolation_factory``: a Worker for a seed run again here after its worker died. ``shared``: a
+    dict that keeps the native and float64 trajectories of the seeds run in this process, by seed,
+    configuration, knobs and precision, for the next session given it (a sweep over
+    implementations at one configuration runs them once)."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
@@ -173,10 +177,15 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
         impl.seed = c.seed
         r = SeedRun(c.seed, impl)
         if compare and not interrupted():
-            r.native = run(c, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES}, "native",
-                           interrupted, say("native"))
-            r.reference = run(c, {f: reference_piece(f, eff[f]) for f in FAMILIES}, "reference", interrupted,
-                              say("reference"))
+            key = repr((to_dict(c), eff, {f: p.precision for f, p in pieces.items()}))
+            r.native, r.reference = shared.get(key, (None, None)) if shared is not None else (None, None)
+            if r.native is None:
+                r.native = run(c, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES}, "native",
+                               interrupted, say("native"))
+                r.reference = run(c, {f: reference_piece(f, eff[f]) for f in FAMILIES}, "reference", interrupted,
+                                  say("reference"))
+                if shared is not None and not interrupted():
+                    shared[key] = (r.native, r.reference)
         return r
 
     def again(c: TrainConfig) -> SeedRun:  # a seed whose worker died, here with the implementation isolated
