@@ -45,7 +45,10 @@ def _init(x, mask, eps, STAB: tl.constexpr):
         p = tl.where(mask, exp(x - m), 0.0)
         sm = p
         if STAB == 2:  # softmax + eps
-            sm = p / tl.maximum(tl.sum(p, axis=2, keep_dims=True), 1e-38)
+            # a row of only padding sums to 0 (any valid row to at least 1); the floor is a normal
+            # fp32 number: Triton types a literal below fp32's normal range (1e-38) as fp64, and
+            # everything it touches became fp64 on the GPU (the interpreter keeps fp32)
+            sm = p / tl.maximum(tl.sum(p, axis=2, keep_dims=True), 1e-30)
             p = tl.where(mask, sm + eps, 0.0)
     return p, sm
 
