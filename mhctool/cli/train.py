@@ -48,7 +48,7 @@ def train(
     dtype: str = typer.Option("fp32", "--dtype", help="The activations' dtype: fp32, bf16 or fp16 (the mapping path stays fp32)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seeds the initial model and the synthetic tokens (the ensemble's first seed)."),
-    seeds: int = typer.Option(4, "--seeds", min=1, help="Train from this many seeds (--seed and those after it) and judge the drift over the ensemble: a metric drifts where the geometric mean over the seeds of its distance from the float64 run over what kappa x native's allows is above 1 and most seeds are past 1 (1: one sample)."),
+    seeds: int = typer.Option(4, "--seeds", min=1, help="Train from this many seeds (--seed and those after it) and judge the drift over the ensemble: a metric drifts where the geometric mean over the seeds of its distance from the float64 run over what kappa x native's allows is above 1 and most seeds are past 1 (every seed for num-zeros; 1: one sample)."),
     workers: str = typer.Option("auto", "--workers", help="Processes the seeds are spread over: a number, or auto (one per GPU on a GPU, one per core on a CPU, at most one a seed). The rows are the same whatever the spread."),
     knob: Optional[list[str]] = typer.Option(None, "--knob", help="FAMILY.KNOB=VALUE or KNOB=VALUE (every family that has it): what every trajectory asks for, e.g. sinkhorn.eps=1e-8."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="FAMILY.KNOB=VALUE or KNOB=VALUE: a convention the implementation computes; the native and float64 trajectories compute it too."),

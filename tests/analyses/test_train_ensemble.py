@@ -114,9 +114,11 @@ def test_a_sweep_runs_native_and_float64_once_a_seed():
     assert [(d.metric, d.passed, d.ratio) for d in b.drifts] == [(d.metric, d.passed, d.ratio) for d in alone.drifts]
 
 
-def _traj(role: str, seed: int, loss: list[float]) -> "T.Trajectory":
+def _traj(role: str, seed: int, loss: list[float], zeros: list[float] | None = None) -> "T.Trajectory":
     t = T.Trajectory(role, {}, seed=seed)
-    t.steps = [T.Step(i + 1, {"lm loss": v, "grad-norm": 1.0, "num-zeros": 0.0}, {}, []) for i, v in enumerate(loss)]
+    zeros = zeros or [0.0] * len(loss)
+    t.steps = [T.Step(i + 1, {"lm loss": v, "grad-norm": 1.0, "num-zeros": z}, {}, [])
+               for i, (v, z) in enumerate(zip(loss, zeros))]
     return t
 
 
@@ -148,6 +150,27 @@ def test_the_ensemble_verdict_takes_the_geometric_mean_and_a_majority_of_seeds(o
     words = f"drifts in {over} of 4 seeds" if drifts else f"stays with the reference in {4 - over} of 4 seeds"
     assert loss.message.startswith(words), loss.message
     assert math.isclose(loss.ratio, math.prod(o / 2.0 for o in offsets) ** 0.25, rel_tol=1e-3)
+
+
+@pytest.mark.parametrize("offsets,drifts", [
+    ([4.0, 4.0, 4.0, 0.5], False),  # twice kappa in three seeds of four: a majority, not every seed
+    ([4.0, 4.0, 4.0, 4.0], True),   # in every seed: drifts
+])
+def test_num_zeros_drifts_only_where_every_seed_does(offsets, drifts):
+    """Zero counts move by discrete events that one native run a seed samples poorly: num-zeros
+    drifts where the single-seed rule fails in every seed (lm loss and grad-norm: a majority)."""
+    from mhctool.analyses.train.ensemble import SeedRun, judge_ensemble
+    cfg = T.config("cpu", steps=8)
+    runs = []
+    loss = [3.0 - 0.1 * i for i in range(8)]
+    for seed, off in enumerate(offsets):
+        ref = [100.0] * 8
+        runs.append(SeedRun(seed, _traj("impl", seed, loss, [v + 10 * off for v in ref]),
+                            _traj("native", seed, loss, [v + 10 for v in ref]), _traj("reference", seed, loss, ref)))
+    (_, _, zeros) = judge_ensemble(runs, cfg, params=1000)
+    assert zeros.passed is not drifts and zeros.drifting == sum(o > 2.0 for o in offsets)
+    assert zeros.ratio > 1.0
+    assert "drifts above 1 with every seed" in zeros.message
 
 
 def test_the_same_seed_twice_writes_the_same_golden_values(tmp_path):

@@ -11,7 +11,8 @@ float64 trajectory over the steps, ``d_s``, and what it may be, ``a_s = kappa * 
 (``n_s`` native's median distance). The ratios ``d_s / a_s`` are paired over the seeds (the same
 seed's data and initial model in all three runs), and the metric drifts when both say so: their
 geometric mean is above 1 (how far, pooled over the seeds), and the single-seed rule fails in a
-majority of the seeds (how consistently: more than half). A correct kernel's distance is native's
+majority of the seeds (how consistently: more than half; every seed for num-zeros, see
+:func:`seeds_needed`). A correct kernel's distance is native's
 in distribution, so its ratios sit around ``1 / kappa``; in a chaotic run one seed's native
 distance can be small by chance, and its ratio alone can lift the mean past 1, which the
 majority condition does not let decide. A run that ended early in any seed fails. The message
@@ -211,12 +212,12 @@ def judge_ensemble(runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule | No
         short = [r.seed for r, d in zip(runs, ds) if _short(d)]
         anomaly = zeros.anomaly if metric == "num-zeros" else None
         drifting = sum(not d.passed for d in plain)
-        majority = drifting >= k // 2 + 1
-        passed = not (g > 1.0 and majority) and not short and anomaly is None
+        needed = seeds_needed(metric, k)
+        passed = not (g > 1.0 and drifting >= needed) and not short and anomaly is None
         natives = [d.native for d in plain]
         evidence = (f"median distance {_spread([d.median for d in plain])} against native's "
                     f"{_spread(natives)}; distance / allowed {g:.3g} over the seeds (geometric mean; "
-                    f"drifts above 1 with a majority of the seeds)")
+                    f"drifts above 1 with {'every seed' if needed == k and k > 2 else 'a majority of the seeds'})")
         if short:
             msg = (f"ended early in {len(short)} of {k} seeds (seed {short[0]}: "
                    f"{next(d.message for r, d in zip(runs, ds) if r.seed == short[0])})")
@@ -235,6 +236,17 @@ def judge_ensemble(runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule | No
                                  None if passed or first is None else first.parted_at, msg, anomaly,
                                  zeros.parameters if metric == "num-zeros" else []))
     return out
+
+
+def seeds_needed(metric: str, k: int) -> int:
+    """In how many of k seeds the single-seed rule must fail for the metric to drift: more than half,
+    and every seed for num-zeros. A zero count moves by discrete events (a unit that dies zeroes its
+    row of the weight's gradient), so one seed's native run bounds its distance poorly: on the GPU
+    default model at lr 0.05 a correct kernel's single-seed num-zeros rule failed in 12 of 80 seeds,
+    three of them in one ensemble. A kernel that writes zeros it should not (an unwritten or
+    detached gradient) does so in every seed; dead units beyond the float64 runs' are the zero
+    findings' to judge."""
+    return k if metric == "num-zeros" else k // 2 + 1
 
 
 def _short(d: Drift) -> bool:

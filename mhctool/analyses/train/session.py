@@ -293,7 +293,8 @@ def settings(out: Outcome, **extra) -> dict:
     if out.ensemble and out.drifts:
         ensemble = {"test": "per metric, the geometric mean over the seeds of the single-seed distance / allowed "
                             "(allowed: kappa x native's median distance from the float64 run, plus the floor); "
-                            "drifts above 1 where the single-seed rule fails in more than half the seeds",
+                            "drifts above 1 where the single-seed rule fails in more than half the seeds (in every seed for "
+                            "num-zeros)",
                     "distances": {d.metric: [{"seed": s, "impl": p.median, "native": p.native, "allowed": p.threshold}
                                              for s, p in zip(d.seeds, d.per_seed)] for d in out.drifts}}
     return {"command": "train", "impl": out.spec, "config": to_dict(out.cfg), "knobs": out.eff,
