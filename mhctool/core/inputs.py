@@ -157,17 +157,33 @@ def _sk_dead(shape, g, knobs):
     return {"logits": logits - offset[..., None, None] * where}
 
 
-def _sk_eps_sweep(shape, g, knobs):
-    # one column per matrix 5 to 28 below the rest, log-uniformly over the matrices: the column
-    # sums sweep about 1e-2 down to 1e-12, so every eps in that range changes some matrices' result
-    # (mhctool identify pins eps with it)
+def _column_below(shape, g, least: float, width: float):
+    """Unit normal logits with one column per matrix ``least`` to ``least + width`` below the rest
+    (uniform over the matrices)."""
     s, b, n = shape.s, shape.b, shape.n
     logits = _randn(g, s, b, n, n)
-    offset = 5 + 23 * _rand(g, s, b)
+    offset = least + width * _rand(g, s, b)
     col = torch.randint(0, n, (s, b), generator=g, device=g.device)
     cols = torch.nn.functional.one_hot(col, n).float()[..., None, :]
     offset, cols = _on(logits, offset, cols)
     return {"logits": logits - offset[..., None, None] * cols}
+
+
+def _sk_underflow(shape, g, knobs):
+    # one column per matrix 600 to 700 below the rest: exp underflows to zero there in fp32 (from
+    # about 104 below), the regime training at a large rate reaches, and a backward that divides by
+    # sum + eps a step multiplies the gradient by 1/eps into inf. This far below, float64 keeps the
+    # column near zero too (its 20 iterations scale it by at most 1/eps each, 1e120 at eps 1e-6):
+    # both functions agree to below fp32's smallest number, where nearer offsets would let float64
+    # bring the column back and no fp32 kernel could follow
+    return _column_below(shape, g, 600, 100)
+
+
+def _sk_eps_sweep(shape, g, knobs):
+    # one column per matrix 5 to 28 below the rest: the column sums sweep about 1e-2 down to
+    # 1e-12, so every eps in that range changes some matrices' result (mhctool identify pins eps
+    # with it)
+    return _column_below(shape, g, 5, 23)
 
 
 def _sk_near_perm(shape, g, knobs):
@@ -407,6 +423,15 @@ FAMILIES["mapping"] = {
 }
 
 
+# families a scenario runs only where it names them (`families = [...]`): a regime in which the
+# native PyTorch implementation itself fails, so that "all of a kernel's" families (the default
+# scenario, the CI gate) keep judging against a native baseline that holds
+STRESS: dict[str, dict[str, InputFamily]] = {
+    "sinkhorn": {"underflow_cols": InputFamily(
+        "underflow_cols", "a column 600-700 below the rest: exp underflows to 0 in fp32; autograd through the "
+        "native Sinkhorn returns NaN there, a backward must not", _sk_underflow)},
+}
+
 # probe families of `mhctool identify`: named like the others, never part of "all of a kernel's"
 PROBES: dict[str, dict[str, InputFamily]] = {
     "sinkhorn": {"eps_sweep": InputFamily(
@@ -436,7 +461,7 @@ def families_for(kernel: str) -> dict[str, InputFamily]:
 
 
 def get_family(kernel: str, name: str) -> InputFamily:
-    fams = {**FAMILIES[kernel], **PROBES.get(kernel, {})}
+    fams = {**FAMILIES[kernel], **STRESS.get(kernel, {}), **PROBES.get(kernel, {})}
     if name not in fams:
         raise UsageError(
             f"unknown input family {name!r} for kernel {kernel}; accepted: {', '.join(fams)}"

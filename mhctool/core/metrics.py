@@ -124,9 +124,14 @@ def unwritten(out, ref) -> float:
 
 
 def extra_zeros(out, ref) -> float:
-    """Elements exactly zero in the output where the reference is not (underflow, skipped writes)."""
+    """Elements exactly zero in the output where the reference is not, even rounded to the output's
+    dtype (underflow, skipped writes; a reference below the dtype's smallest number rounds to zero)."""
     o, r = out.detach(), ref.detach()
-    return float(((o == 0) & (r != 0)).sum())
+    return float(((o == 0) & _nonzero_at(r, o.dtype)).sum())
+
+
+def _nonzero_at(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return ref.to(dtype) != 0 if dtype.is_floating_point else ref != 0
 
 
 def row_residual(out, ref=None) -> float:
@@ -208,7 +213,7 @@ def measure(out: torch.Tensor, ref: torch.Tensor, sinkhorn_output: bool = False,
         # a finite output: no non-finite element, no poison (a NaN); zeros looked for in its own dtype
         zero = out.detach() == 0
         vals |= {"nonfinite": 0.0, "unwritten": 0.0,
-                 "extra_zeros": float((zero & (ref.detach() != 0)).sum()) if bool(zero.any()) else 0.0}
+                 "extra_zeros": float((zero & _nonzero_at(ref.detach(), out.dtype)).sum()) if bool(zero.any()) else 0.0}
     else:
         vals |= {name: fn(out, ref) for name, fn in COUNT_METRICS.items()}
     if sinkhorn_output:

@@ -60,9 +60,17 @@ class VerdictRule:
         """``fmt`` is the measured tensor's format, ``case_fmt`` the case's activation format;
         ``native`` is the native implementation's metrics on the same case, or None when the row
         *is* the native implementation (judged by the tolerance of the coarser of the two)."""
+        coarse = fmt if case_fmt is None or fmt.mantissa_bits < case_fmt.mantissa_bits else case_fmt
         if native is None:
-            coarse = fmt if case_fmt is None or fmt.mantissa_bits < case_fmt.mantissa_bits else case_fmt
             return self._judge_baseline(metric, value, coarse, ref_amax)
+        if metric in GATED_ERRORS and not math.isfinite(native[metric]):
+            # native went non-finite where the reference is finite: kappa x inf would bound
+            # nothing, so the implementation is held to the tolerance native itself is judged by
+            j = self._judge_baseline(metric, value, coarse, ref_amax)
+            rule = f"{j.rule} (native non-finite)"
+            if math.isinf(value):  # non-finite itself, where the reference is finite
+                rule = NONFINITE_RULE
+            return Judgement(j.threshold, j.passed, rule)
         if metric in GATED_ERRORS:
             ratio_part = self.kappa * native[metric]
             floor = self.floor(metric, fmt, ref_amax, term_scale)

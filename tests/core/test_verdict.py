@@ -43,12 +43,13 @@ def test_nan_error_fails_and_counts_are_gated():
 
 def test_an_overflow_is_never_excused_by_the_native_one():
     """Non-finite where the float64 contract is finite fails whatever the native baseline (of any
-    declared convention) does: its infinite error does not pass an infinite threshold."""
+    declared convention) does; where native's error is infinite, the threshold is the tolerance
+    native is held to, never kappa x inf."""
     r = VerdictRule()
     j = r.judge("nonfinite", 3, FP32, 1.0, dict(NATIVE, nonfinite=3))
     assert not j.passed and j.rule == "non-finite where the contract is finite"
     j = r.judge("max_abs", math.inf, FP32, 1.0, dict(NATIVE, max_abs=math.inf))
-    assert not j.passed and j.threshold == math.inf and j.rule == "non-finite where the contract is finite"
+    assert not j.passed and j.threshold == 1e-4 and j.rule == "non-finite where the contract is finite"
     assert not r.judge("rel_l2", math.inf, FP32, 1.0, None).passed  # the baseline's own row too
 
 
@@ -170,3 +171,23 @@ def test_ulp_size_reads_the_exponent_of_a_float64():
         assert torch.equal(ulp_size(x, f), via_log2), f.name
         below = torch.nextafter(torch.tensor([8.0, -2.0 ** 40]).double(), torch.zeros(2).double())
         assert ulp_size(below, f).tolist() == [2.0 ** (2 - f.mantissa_bits), 2.0 ** (39 - f.mantissa_bits)]
+
+
+def test_where_native_is_non_finite_the_implementation_is_held_to_natives_tolerance():
+    """kappa x inf would pass anything: the implementation gets the baseline tolerance instead."""
+    nat = dict(NATIVE, max_abs=math.inf, rel_l2=math.nan)
+    ok = VerdictRule().judge("max_abs", 1e-7, FP32, 1.0, nat)
+    assert ok.passed and ok.threshold == 1e-4 and ok.rule == "baseline tol 0.0001 (native non-finite)"
+    assert not VerdictRule().judge("max_abs", 1e-3, FP32, 1.0, nat).passed
+    assert not VerdictRule().judge("rel_l2", 2e-4, FP32, 1.0, nat).passed
+
+
+def test_a_reference_below_the_dtypes_smallest_number_is_no_extra_zero():
+    import torch
+
+    from mhctool.core.metrics import extra_zeros, measure
+    ref = torch.tensor([1e-50, 1e-30, 1.0], dtype=torch.float64)
+    out = torch.tensor([0.0, 0.0, 1.0])
+    assert extra_zeros(out, ref) == 1  # 1e-30 is an fp32 number; 1e-50 rounds to zero
+    assert measure(out, ref)["extra_zeros"] == 1
+    assert extra_zeros(out.bfloat16(), ref) == 1

@@ -496,6 +496,24 @@ def test_sinkhorn_backward_stays_finite_where_a_column_underflows(knobs, underfl
     torch.testing.assert_close(g.double(), rg, rtol=0, atol=2e-6)
 
 
+def test_the_underflow_scenario_fails_natives_backward_and_passes_tritons(tmp_path):
+    """`parity --scenario underflow`: autograd through the native Sinkhorn returns NaN where a
+    column underflows; mhctool's Triton kernel stays finite and within the tolerance native is held
+    to (kappa x native's inf would bound nothing)."""
+    out = tmp_path / "u.parquet"
+    res = runner.invoke(app, ["parity", "--scenario", "underflow", "--impl", "triton", "--device", "cpu",
+                              "--shape", "9x2x3x1", "-o", str(out)])
+    assert res.exit_code == 1, res.output
+    rows = [r for r in pq.read_table(out).to_pylist() if r["passed"] is not None]
+    assert {r["family"] for r in rows} == {"underflow_cols"}
+    assert all(r["passed"] for r in rows if r["impl"] == "triton")
+    native_bwd = {r["metric"]: r for r in rows if r["impl"] == "torch" and r["direction"] == "bwd"}
+    assert native_bwd["nonfinite"]["value"] > 0 and not native_bwd["nonfinite"]["passed"]
+    assert all(r["passed"] for r in rows if r["impl"] == "torch" and r["direction"] == "fwd")
+    triton_bwd = [r for r in rows if r["impl"] == "triton" and r["direction"] == "bwd" and r["metric"] == "max_abs"]
+    assert triton_bwd and all(r["rule"].endswith("(native non-finite)") for r in triton_bwd)
+
+
 def test_ordered_row_sum_adds_rows_one_by_one_in_order():
     # h_post_bda's per-token gradients are finished by this sum: its order must not depend on the
     # layout Triton picks for another number of columns (tokens), so it must be plain row order
