@@ -4,6 +4,7 @@ starts at seed 1000 * e), every one judged as `mhctool train --seeds K` judges i
 
     python dev/train_ensembles.py cpu [--ensembles 10] [--seeds 4] [--workers 2] [--only LABEL,...]
     python3 dev/train_ensembles.py gpu --out $OUT [--megatron .anchors/megatron/m3828] ...
+    python dev/train_ensembles.py gpu --rejudge A.jsonl B.jsonl --group 2   # 4-seed records as 8
 
 Prints a line per ensemble as it ends and a Markdown table at the end; with --out, JSON lines
 (one per ensemble: the verdict, and per metric the ratio and the per-seed distances) in
@@ -49,12 +50,51 @@ def cases(where: str, megatron: str | None) -> list[dict]:
     return out
 
 
+def rejudge(files: list[str], group: int) -> int:
+    """The verdict of every ``group`` recorded ensembles of a label in a row (by index) judged as one
+    ensemble of their seeds together, by mhctool's own test (``ensemble.pooled``); an ensemble that
+    went non-finite or ended early fails as recorded. Prints the tally and every failure."""
+    from collections import defaultdict
+
+    from mhctool.analyses.train.ensemble import pooled
+    recorded: dict[str, dict[int, dict]] = defaultdict(dict)
+    failures = []
+    for f in files:
+        for line in open(f):
+            d = json.loads(line)
+            recorded[d["label"]][d["ensemble"]] = d
+    print("| what | ensembles PASSED | largest geometric mean |\n|---|---|---|")
+    for label, runs in recorded.items():
+        idx = sorted(runs)
+        groups = [idx[i:i + group] for i in range(0, len(idx) - group + 1, group)]
+        passed, worst = 0, 0.0
+        for g in groups:
+            ok = not any(runs[e]["nonfinite"] for e in g)
+            if not ok:
+                failures.append(f"{label} ensembles {g}: non-finite")
+            for metric in runs[g[0]]["metrics"]:
+                seeds = [(m, a) for e in g for m, _, a in runs[e]["metrics"][metric]["per_seed"]]
+                mean, drifts = pooled(metric, seeds)
+                worst = max(worst, mean)
+                if drifts:
+                    ok = False
+                    failures.append(f"{label} ensembles {g}: {metric} {mean:.3g}")
+            passed += ok
+        print(f"| {label} | {passed} of {len(groups)} | {worst:.3g} |")
+    for f in failures:
+        print(f)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("where", choices=("cpu", "gpu"))
     ap.add_argument("--ensembles", type=int, default=10)
     ap.add_argument("--first", type=int, default=0, help="the first ensemble's index (to go on from a run cut short)")
-    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--seeds", type=int, default=None, help="seeds an ensemble (default: mhctool train's on the device)")
+    ap.add_argument("--rejudge", nargs="+", default=None, metavar="JSONL",
+                    help="run nothing: judge the seeds these files recorded, --group ensembles in a row as one")
+    ap.add_argument("--group", type=int, default=1)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--only", default=None, help="comma-separated substrings of the labels to run")
     ap.add_argument("--megatron", default=None, help="a staged Megatron-LM tree (gpu)")
@@ -66,6 +106,8 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true", help="a line per trajectory with its time")
     a = ap.parse_args()
     t_start = time.time()
+    if a.rejudge:
+        return rejudge(a.rejudge, a.group)
     if a.gpus:
         import os
         import subprocess
@@ -81,6 +123,7 @@ def main() -> int:
     from mhctool.spread.forkserver import start_forkserver
     from mhctool.spread.isolation import Worker
     device = "cuda" if a.where == "gpu" else "cpu"
+    a.seeds = a.seeds or T.default_seeds(device)
     workers = a.workers or pool.worker_count("auto", device, a.seeds)
     if workers > 1:
         start_forkserver()

@@ -48,7 +48,7 @@ def train(
     dtype: str = typer.Option("fp32", "--dtype", help="The activations' dtype: fp32, bf16 or fp16 (the mapping path stays fp32)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seeds the initial model and the synthetic tokens (the ensemble's first seed)."),
-    seeds: int = typer.Option(4, "--seeds", min=1, help="Train from this many seeds (--seed and those after it) and judge the drift over the ensemble: a metric drifts where the geometric mean over the seeds of its distance from the float64 run over what kappa x native's allows is above 1 and most seeds are past 1 (every seed for num-zeros; 1: one sample)."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", min=1, show_default="4 on a CPU, 8 on a GPU", help="Train from this many seeds (--seed and those after it) and judge the drift over the ensemble: a metric drifts where the geometric mean over the seeds of its distance from the float64 run over what kappa x native's allows is above 1 and most seeds are past 1 (every seed for num-zeros; 1: one sample)."),
     workers: str = typer.Option("auto", "--workers", help="Processes the seeds are spread over: a number, or auto (one per GPU on a GPU, one per core on a CPU, at most one a seed). The rows are the same whatever the spread."),
     knob: Optional[list[str]] = typer.Option(None, "--knob", help="FAMILY.KNOB=VALUE or KNOB=VALUE (every family that has it): what every trajectory asks for, e.g. sinkhorn.eps=1e-8."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="FAMILY.KNOB=VALUE or KNOB=VALUE: a convention the implementation computes; the native and float64 trajectories compute it too."),
@@ -68,7 +68,7 @@ def train(
     reference, 1 when it drifts, goes non-finite or fails, 2 on bad input."""
     from mhctool.cli.kit import isolation_for, precheck
     from mhctool.spread import pool
-    pool.warm(workers if seeds > 1 else 1)
+    pool.warm(workers if seeds is None or seeds > 1 else 1)
     precheck(dtypes=[dtype], device_name=device)
     workers_asked = pool.parse_workers(workers)
     if input_dtypes not in ("contract", "library"):
@@ -83,6 +83,7 @@ def train(
     dev = parse_device(device)
     from mhctool.analyses import train as T
     from mhctool.core.dtypes import parse_dtype
+    seeds = seeds if seeds is not None else T.default_seeds(dev)
     cfg = T.config(dev, steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq,
                    batch=batch, vocab=vocab, lr=lr, dtype=parse_dtype(dtype).name, seed=seed)
     knobs = T.parse_knobs(knob_items(knob, "--knob", "sinkhorn.eps=1e-8"), "--knob")
@@ -179,7 +180,7 @@ def train(
         raise typer.Exit(0 if ok else 1)
     verdict = "[green]PASSED[/] stays with the float64 reference" if o.passed else "[red]FAILED[/] drifts from the float64 reference"
     over = (f"over {len(o.seeds)} seeds" if o.ensemble else
-            f"one seed: a single sample of a chaotic run, --seeds {T.DEFAULT_SEEDS} judges over an ensemble")
+            f"one seed: a single sample of a chaotic run, --seeds {T.default_seeds(o.cfg.device)} judges over an ensemble")
     out.print(f"{verdict} (kappa {kappa:g} x native's drift, {over}; {written})")
     raise typer.Exit(0 if o.passed else 1)
 

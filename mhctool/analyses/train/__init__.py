@@ -47,6 +47,7 @@ from mhctool.analyses.train.setup import (
     MarkovSource,
     TrainConfig,
     config,
+    default_seeds,
     from_dict,
     to_dict,
 )
@@ -60,7 +61,7 @@ from mhctool.analyses.train.trajectory import (
 )
 from mhctool.analyses.train.verdict import Drift, judge, nonfinite_sentence
 
-__all__ = ["DEFAULT_SEEDS", "FAMILIES", "GOLDEN_METRICS", "JUDGED", "Drift", "MarkovSource", "Outcome", "Piece", "Step",
+__all__ = ["DEFAULT_SEEDS", "default_seeds", "FAMILIES", "GOLDEN_METRICS", "JUDGED", "Drift", "MarkovSource", "Outcome", "Piece", "Step",
            "TrainConfig", "Trajectory", "assign", "config", "from_dict", "impl_pieces", "judge", "native_piece",
            "nonfinite_sentence", "param_count", "parse_knobs", "reference_piece", "report_rows", "rows", "run",
            "session", "settings", "to_dict", "to_golden", "zero_sources"]
