@@ -171,16 +171,22 @@ class Interrupts:
 
 
 def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_timeout: Optional[float],
-                  transport: str, interrupts: Interrupts, default_on: bool = False):
+                  transport: Optional[str], interrupts: Interrupts, default_on: bool = False):
     """The runner's Isolation, or None. Default: on where ``default_on`` (the gate), when an
-    external implementation runs on a GPU, or when a case time limit is asked for."""
+    external implementation runs on a GPU, or when a case time limit is asked for. ``transport``:
+    None where the user named none (shm)."""
     external = any(":" in s for s in specs)
+    asked = isolate
     if isolate is None:
         isolate = default_on or (external and device == "cuda") or case_timeout is not None
     if not isolate:
         if case_timeout is not None:
             raise UsageError("--case-timeout needs --isolate (a time limit needs a child process to stop)")
+        if transport is not None:
+            raise UsageError(f"--isolate-transport {transport} needs isolation, which "
+                             + ("--no-isolate turns off" if asked is False else "is off here: add --isolate"))
         return None
+    transport = transport or "shm"
     from mhctool.spread.isolation import TRANSPORTS
     if transport not in TRANSPORTS:
         raise UsageError(f"unknown --isolate-transport {transport!r}; accepted: {', '.join(TRANSPORTS)}")

@@ -77,7 +77,7 @@ def parity(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run each implementation under test in a child process, so exits, crashes, hangs and CUDA faults become failed rows. Default: on for an external --impl on a GPU or with --case-timeout, off otherwise."),
     case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: 120 s plus 30 s per GiB the case needs, 300 s more for an external one, which compiles inside the call; 4x that on the CPU)."),
-    isolate_transport: str = typer.Option("shm", "--isolate-transport", help="How tensors reach the child: shm (CUDA tensors as CUDA IPC handles, CPU ones in host shared memory), host (everything through host shared memory) or file (torch.save in /dev/shm)."),
+    isolate_transport: Optional[str] = typer.Option(None, "--isolate-transport", show_default="shm", help="How tensors reach the child (needs isolation): shm (CUDA tensors as CUDA IPC handles, CPU ones in host shared memory), host (everything through host shared memory) or file (torch.save in /dev/shm)."),
     check: Optional[list[str]] = typer.Option(None, "--check", help="Also compare bits: determinism (the same inputs, run after run) and/or batch-invariance (each token's result at other batch sizes). Repeat or comma-separate; a difference is a failed row."),
     repeats_determinism: int = typer.Option(3, "--repeats-determinism", min=2, help="Runs in all for --check determinism."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="KNOB=VALUE (repeat): the convention the external implementation computes (stabilize=softmax, transpose_res=true, eps_mode=clamp, eps=0, iters=10, rms_eps=inside, compute_h_eps=1e-6); the reference and the native baseline compute it too, and a function that takes no such parameter is called without it."),
@@ -126,6 +126,7 @@ def parity(
     show = not quiet and out.is_terminal
     interrupts = clikit.Interrupts()
     iso = clikit.isolation_for(isolate, specs, dev, case_timeout, isolate_transport, interrupts)
+    isolate_transport = isolate_transport or "shm"
     log = clikit.LogProgress("parity", len(cases), enabled=not quiet and not out.is_terminal, unit="cases done")
 
     def started(c):

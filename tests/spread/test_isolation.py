@@ -84,6 +84,14 @@ def test_case_timeout_without_isolation_is_bad_input(tmp_path):
     assert res.exit_code == 2 and "--case-timeout needs --isolate" in res.output
 
 
+def test_a_transport_without_isolation_is_bad_input(tmp_path):
+    res, _ = _parity(tmp_path, "sinkhorn_slow", "--no-isolate", "--isolate-transport", "host")
+    assert res.exit_code == 2 and "--isolate-transport host needs isolation, which --no-isolate turns off" in \
+        " ".join(res.output.split())
+    res, _ = _parity(tmp_path, "sinkhorn_slow", "--isolate-transport", "file")  # off by default on the CPU
+    assert res.exit_code == 2 and "is off here: add --isolate" in " ".join(res.output.split())
+
+
 @pytest.mark.parametrize("transport", ["shm", "file"])
 def test_worker_round_trips_tensors_bitwise(transport):
     import torch
