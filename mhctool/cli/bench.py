@@ -132,7 +132,7 @@ def bench(
     results = []
     show = not quiet and out.is_terminal
     interrupts = clikit.Interrupts()
-    iso = clikit.isolation_for(isolate, specs, dev, case_timeout, "shm", interrupts)
+    iso = clikit.isolation_for(isolate, specs, dev, case_timeout, None, interrupts)
     with interrupts, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
         task = bar.add_task("bench", total=len(plan) * len(dirs))

@@ -44,7 +44,7 @@ def gate(
     n_workers = pool.parse_workers(workers)  # per parity entry: pool.worker_count of its cases
     pool.check_backend(backend)
     interrupts = clikit.Interrupts()
-    iso = clikit.isolation_for(isolate, [], dev, case_timeout, "shm", interrupts, default_on=isolate)
+    iso = clikit.isolation_for(isolate, [], dev, case_timeout, None, interrupts, default_on=isolate)
     log = clikit.LogProgress("gate", None, enabled=not quiet and not out.is_terminal, unit="checks started")
 
     def progress(what: str) -> None:

@@ -60,7 +60,7 @@ def identify(
         if why := i.unsupported(dev, dt):
             raise UsageError(f"--impl {i.name} cannot run {kernel} at {dt} on {dev}: {why}")
     interrupts = Interrupts()
-    iso = isolation_for(isolate, [impl], dev, None, "shm", interrupts)
+    iso = isolation_for(isolate, [impl], dev, None, None, interrupts)
     rows, failed = [], False
     from mhctool.registry.families import call_problem, get_family, signature
     try:

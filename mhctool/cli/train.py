@@ -96,7 +96,7 @@ def train(
     for f, spec in assigned.items():  # an unknown implementation, a function of the wrong form: before training
         resolve_impls(f, [spec])
     interrupts = Interrupts()
-    iso = isolation_for(isolate, specs, dev, None, "shm", interrupts)
+    iso = isolation_for(isolate, specs, dev, None, None, interrupts)
     n_workers = pool.worker_count(workers_asked, dev, seeds)
     worker = None
     from mhctool.spread.isolation import Worker
