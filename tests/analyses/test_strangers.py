@@ -181,3 +181,16 @@ def test_identify_help_lists_every_family_it_takes():
     text = " ".join(res.output.split())
     for k in ("mapping_sinkhorn", "mix_aggregate", "clamped_swiglu"):
         assert k in text, text
+
+
+@pytest.mark.parametrize("fn,verdict", [("sinkhorn_clamped_exp", "is"),
+                                        ("sinkhorn_clamped_exp_wrong_backward", "is not")])
+def test_where_nothing_fits_the_backward_is_checked_against_its_own_forward(tmp_path, fn, verdict):
+    """A clamped exponential (no knob of mhctool's describes it): no convention fits the forward,
+    and the backward is judged by directional finite differences of the kernel's own forward,
+    autograd's agreeing and a formula that forgets the normalisations not."""
+    res, text = identify(tmp_path, fn)
+    assert res.exit_code == 1, text
+    assert text.startswith("no convention fits"), text
+    assert f"its backward {verdict} the derivative of its own forward (directional finite differences of " \
+           "its forward, 3 of 3 directions, largest relative difference" in text

@@ -75,3 +75,34 @@ def h_aggregate_streams_reversed(x, h_pre):
     for j in range(x.shape[-2] - 2, -1, -1):
         out = out + xf[..., j, :] * hf[..., j:j + 1]
     return out.to(x.dtype)
+
+
+def sinkhorn_clamped_exp(logits, iters=20, eps=1e-6):
+    """No max subtraction: the exponential of the logits clamped at 20 (``__expf(min(x, 20))``), a
+    convention mhctool has no knob for; its backward is autograd's, the derivative of that forward."""
+    p = logits.clamp(max=20.0).exp()
+    for _ in range(iters):
+        p = p / (p.sum(-1, keepdim=True) + eps)
+        p = p / (p.sum(-2, keepdim=True) + eps)
+    return p
+
+
+class _ClampedWrongBackward(torch.autograd.Function):
+    """The clamped forward with a backward that forgets the clamp and the normalisations' second
+    term: the gradient of exp alone, ``g * p``."""
+
+    @staticmethod
+    def forward(ctx, logits, iters, eps):
+        out = sinkhorn_clamped_exp(logits, iters, eps)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return g * out, None, None
+
+
+def sinkhorn_clamped_exp_wrong_backward(logits, iters=20, eps=1e-6):
+    """``sinkhorn_clamped_exp`` forward, a backward that is not its derivative."""
+    return _ClampedWrongBackward.apply(logits, iters, eps)

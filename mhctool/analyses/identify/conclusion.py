@@ -72,6 +72,8 @@ class Identification:
     # (family, its description, non-finite outputs, outputs where the contract is finite)
     overflow: list = field(default_factory=list)
     ignored: dict = field(default_factory=dict)  # knob -> "takes no" / "ignores": it runs its own value
+    # where no convention fits the forward: its backward against its own forward (derivative.py)
+    derivative: str | None = None
 
     @property
     def asked_all(self) -> dict:
@@ -135,7 +137,8 @@ class Identification:
             return (f"forward matches {self._knobs()}; the backward is not the derivative of that forward"
                     + (f" ({b.worst})" if b.worst else ""))
         return (f"no convention fits: closest {self._knobs()}, error {b.max_rel:.2g}"
-                + (f"; the forward is off first: {b.worst}" if b.worst else ""))
+                + (f"; the forward is off first: {b.worst}" if b.worst else "")
+                + (f"; {self.derivative}" if self.derivative else ""))
 
     def precision_note(self) -> str | None:
         """What the fitted matmul precision is, where it is not what the implementation declares."""

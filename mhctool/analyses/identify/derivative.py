@@ -1,0 +1,93 @@
+"""The backward judged against the kernel's own forward, where no convention fits the forward.
+
+A directional finite-difference test: for a random direction ``v`` of the differentiable inputs,
+the upstream gradients ``u`` (the probe's) and a step ``h``, the central difference
+``<u, f(x + h v) - f(x - h v)> / 2h`` is what ``<backward(u), v>`` must be, whatever ``f`` computes.
+Both sides are scalars, formed in float64 from the kernel's own outputs and gradients. The central
+difference is trusted only where it is stable: computed at ``h`` and ``h / 2``, the two must agree
+within the tolerance (else the forward is not smooth there, or rounding dominates, and the
+direction is left out). fp32 inputs only (a bf16 input cannot carry a small step); the step is
+1e-3 of each input's root mean square, and the tolerance 1e-2 relative: far above the central
+difference's error there (``h^2`` truncation, ``u_fp32 / h`` rounding; a Sinkhorn stand-in whose
+backward is autograd's agreed to 5e-5) and far below a wrong formula's (0.68 for one that forgets
+the normalisations).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mhctool.runner.call import output_specs
+
+STEP = 1e-3  # times each input's root mean square
+TOLERANCE = 1e-2  # relative
+DIRECTIONS = 3
+
+
+@dataclass
+class OwnDerivative:
+    agrees: bool | None  # None: no direction was smooth enough, or nothing to check
+    worst: float  # the largest relative difference over the directions used
+    used: int  # directions where the forward was smooth
+    tried: int
+    why: str | None = None  # why nothing was checked
+
+    def sentence(self) -> str:
+        if self.agrees is None:
+            return f"its backward could not be checked against its own forward ({self.why})"
+        how = (f"directional finite differences of its forward, {self.used} of {self.tried} directions, "
+               f"largest relative difference {self.worst:.2g} against {TOLERANCE:g} allowed")
+        if self.agrees:
+            return f"its backward is the derivative of its own forward ({how})"
+        return f"its backward is not the derivative of its own forward ({how})"
+
+
+def _dot(a: list, b: list) -> float:
+    return float(sum((x.double() * y.double()).sum() for x, y in zip(a, b) if x is not None and y is not None))
+
+
+def own_derivative(subject, probe, seed: int = 0) -> OwnDerivative:
+    """``subject``: the identification's Subject (it calls the implementation, isolated where it
+    is); ``probe``: a probe it has run, forward and backward."""
+    res = probe.res
+    if res.grads is None or res.bwd_error or res.bwd_unsupported:
+        return OwnDerivative(None, math.nan, 0, 0, "it has no backward here")
+    names = [k for k, g in res.grads.items() if g is not None and probe.base.get(k) is not None]
+    if not names:
+        return OwnDerivative(None, math.nan, 0, 0, "no input has a gradient")
+    if any(probe.base[k].dtype != torch.float32 for k in names):
+        return OwnDerivative(None, math.nan, 0, 0, "the check needs fp32 inputs: run identify with --dtype fp32")
+    knobs, expect = subject._impl_knobs(), output_specs(res.outputs)
+    g = torch.Generator().manual_seed(seed + 0xD1FF)
+    worst, used = 0.0, 0
+    for _ in range(DIRECTIONS):
+        v = {k: torch.randn(probe.base[k].shape, generator=g).to(probe.base[k].device) for k in names}
+        scale = {k: float(probe.base[k].double().pow(2).mean().sqrt()) or 1.0 for k in names}
+
+        def central(h: float) -> float | None:
+            outs = []
+            for sign in (1.0, -1.0):
+                shifted = dict(probe.base)
+                for k in names:
+                    shifted[k] = (probe.base[k].double() + sign * h * scale[k] * v[k].double()).float()
+                r = subject._call(probe.case, shifted, knobs, probe.upstream, expect)
+                if r.fwd_error or r.outputs is None:
+                    return None
+                outs.append(r.outputs)
+            diff = [a.double() - b.double() for a, b in zip(*outs)]
+            return _dot(probe.upstream, diff) / (2 * h)
+
+        coarse, fine = central(STEP), central(STEP / 2)
+        if coarse is None or fine is None or not (math.isfinite(coarse) and math.isfinite(fine)):
+            continue
+        size = max(abs(coarse), abs(fine), 1e-30)
+        if abs(coarse - fine) > TOLERANCE * size / 4:
+            continue  # not smooth along this direction at these steps
+        analytic = _dot([res.grads[k] for k in names], [scale[k] * v[k] for k in names])
+        used += 1
+        worst = max(worst, abs(analytic - fine) / max(abs(fine), abs(analytic), 1e-30))
+    if not used:
+        return OwnDerivative(None, math.nan, 0, DIRECTIONS, "its forward is not smooth along any direction tried")
+    return OwnDerivative(worst <= TOLERANCE, worst, used, DIRECTIONS)
