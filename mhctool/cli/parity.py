@@ -74,6 +74,7 @@ def parity(
     matmul_precision: str = typer.Option("ieee", "--matmul-precision", help="ieee, tf32 (rounded to nearest, cuBLAS), tf32_trunc (truncated operands, Triton's tl.dot default on fp32) or bf16: the precision external kernels multiply at by design; they are judged against the native implementation at it."),
     kappa: Optional[float] = typer.Option(None, "--kappa", min=1.0, help="Error may be kappa x the native error (default: scenario's, 2)."),
     top: int = typer.Option(20, "--top", min=1, help="Rows of the worst-cases table."),
+    hint: bool = typer.Option(True, "--hint/--no-hint", help="Where an outside implementation fails on a measurement, identify what it computes (seconds to a minute a kernel) and print a hint with the flags that judge it."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run each implementation under test in a child process, so exits, crashes, hangs and CUDA faults become failed rows. Default: on for an external --impl on a GPU or with --case-timeout, off otherwise."),
     case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: 120 s plus 30 s per GiB the case needs, 300 s more for an external one, which compiles inside the call; 4x that on the CPU)."),
@@ -190,7 +191,7 @@ def parity(
     from mhctool.analyses.hints import hints as find_hints
     def identifying(kernel, name):  # a minute may pass here: say what runs
         err.print(f"parity: identifying {_short_impl(name)} on {kernel} for a hint (mhctool identify)", markup=False)
-    hints = [] if interrupts.requested else [h for _, _, h in find_hints(pl, vs, dev, iso, isolate_transport,
+    hints = [] if interrupts.requested or not hint else [h for _, _, h in find_hints(pl, vs, dev, iso, isolate_transport,
                                                                         case_timeout, lambda: interrupts.requested,
                                                                         None if quiet else identifying)]
     for hint in hints:

@@ -88,7 +88,7 @@ def test_correct_external_written_differently_passes(tmp_path, kernel, fn):
 def test_defect_is_flagged_with_the_family_that_exposes_it(tmp_path, kernel, fn, exposing, dtype):
     impl = f"{DEFECTS}:{fn}"
     out = tmp_path / "r.parquet"
-    res = run("parity", "--kernel", kernel, "--device", "cpu", "--impl", impl, "--dtype", dtype, "-o", out)
+    res = run("parity", "--kernel", kernel, "--device", "cpu", "--impl", impl, "--dtype", dtype, "-o", out, "--no-hint")
     assert res.exit_code == 1, res.output
     assert "FAIL" in res.output
     assert exposing in _failed_families(out, impl)
@@ -273,3 +273,17 @@ def test_a_checkout_that_differs_from_its_commit_says_so(tmp_path, monkeypatch):
     assert environment.git_dirty() is True
     monkeypatch.setattr(environment, "__file__", str(tmp_path / "elsewhere" / "mhctool" / "environment.py"))
     assert environment.git_commit() is None and environment.git_dirty() is None
+
+
+def test_no_hint_leaves_the_identification_out(tmp_path):
+    """The same failing run with and without --no-hint: the verdicts alike, the hint (and the
+    identification it runs) only without."""
+    args = ["parity", "--kernel", "sinkhorn", "--device", "cpu", "--dtype", "fp32", "--shape", "9x2x4x1",
+            "--impl", f"{DEFECTS}:sinkhorn_eps_1e8"]
+    plain = run(*args, "-o", tmp_path / "a.parquet")
+    quiet = run(*args, "-o", tmp_path / "b.parquet", "--no-hint")
+    assert plain.exit_code == quiet.exit_code == 1
+    assert "hint:" in plain.output and "hint:" not in quiet.output and "identifying" not in quiet.output
+    verdicts = [[(r["family"], r["metric"], r["passed"]) for r in pq.read_table(tmp_path / n).to_pylist()]
+                for n in ("a.parquet", "b.parquet")]
+    assert verdicts[0] == verdicts[1]

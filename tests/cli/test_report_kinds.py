@@ -205,7 +205,7 @@ def test_compare_pairs_a_renamed_implementation_and_never_passes_what_it_could_n
     for name, fn in (("a", "old.py:sinkhorn_eps_1e8"), ("b", "new.py:sinkhorn")):
         paths[name] = tmp_path / f"{name}.parquet"
         _run("parity", "--kernel", "sinkhorn", "--device", "cpu", "--dtype", "fp32", "--shape", "9x2x4x1",
-             "--impl", tmp_path / fn, "-o", paths[name], "-q")
+             "--impl", tmp_path / fn, "-o", paths[name], "-q", "--no-hint")
     res, text = _run("report", "compare", paths["a"], paths["b"])
     assert res.exit_code == 1, text
     assert "have no match in the later one: not compared, so not passed" in text and "nothing got worse" in text

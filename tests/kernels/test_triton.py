@@ -428,7 +428,7 @@ def test_unwritten_elements_are_caught(tmp_path):
     """A kernel that allocates its output poisoned and skips the last token fails `unwritten`."""
     out = tmp_path / "r.parquet"
     res = runner.invoke(app, ["parity", "--kernel", "sinkhorn", "--device", "cpu", "--dtype", "fp32",
-                              "--impl", f"{DEFECTS}:sinkhorn_skips_last_token", "-o", str(out)])
+                              "--impl", f"{DEFECTS}:sinkhorn_skips_last_token", "-o", str(out), "--no-hint"])
     assert res.exit_code == 1
     rows = pq.read_table(out).to_pylist()
     bad = [r for r in rows if r["metric"] == "unwritten" and r["passed"] is False]

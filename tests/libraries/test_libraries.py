@@ -129,7 +129,7 @@ def test_te_shaped_module_passes_with_its_layouts_and_conventions(tmp_path):
 
 
 def test_te_defects_fail_on_measurements(tmp_path):
-    res, rows = parity(tmp_path, "--impl", f"te:{IMPLS / 'te_standin_defects'}")
+    res, rows = parity(tmp_path, "--impl", f"te:{IMPLS / 'te_standin_defects'}", "--no-hint")  # no hint asserted
     assert res.exit_code == 1, res.output
     failed = failures(rows)
     # the composite carries both defects: the short Sinkhorn everywhere, eps outside the root on tiny norms
