@@ -18,15 +18,7 @@ runner = CliRunner()
 SMALL = ["--steps", "6", "--layers", "2", "--seq", "8", "--device", "cpu"]
 
 
-def train(tmp_path, *args, name="t"):
-    """``mhctool train`` in this process; its seeds in it too unless the test asks for workers (the
-    suite's own workers are the cores already)."""
-    spread = [] if "--workers" in map(str, args) else ["--workers", "1"]
-    res = runner.invoke(app, ["train", *map(str, args), *spread, "-o", str(tmp_path / f"{name}.parquet"), "-q"])
-    return res, " ".join(res.output.split())
-
-
-def test_a_transposed_h_post_bda_drifts_and_is_traced_to_transpose_res(tmp_path):
+def test_a_transposed_h_post_bda_drifts_and_is_traced_to_transpose_res(tmp_path, train):
     """The default model (its streams start equal and are averaged, so H^T's effect is small at
     first: 1.5e-4 in the loss at step 1, against 5.7e-7 allowed)."""
     res, text = train(tmp_path, "--impl", IMPLS / "defects.py:h_post_bda_transposed", "--device", "cpu", "--seeds", "1")
@@ -42,7 +34,7 @@ def test_a_transposed_h_post_bda_drifts_and_is_traced_to_transpose_res(tmp_path)
     assert "native:h_post_bda.transpose_res=True" in {r["run"] for r in rows}
 
 
-def test_a_raw_exp_sinkhorn_goes_non_finite_where_the_logits_grow(tmp_path):
+def test_a_raw_exp_sinkhorn_goes_non_finite_where_the_logits_grow(tmp_path, train):
     """At lr 0.2 the Sinkhorn logits pass 88 within the run: the bare exponential overflows there,
     the float64 trajectory (and the native one) stay finite. Behaviour only: the step and the logit
     are a chaotic trajectory's (step 14 at 102.3 on an Intel CPU, 15 at 106.3 on an AMD EPYC)."""
@@ -64,7 +56,7 @@ def test_a_raw_exp_sinkhorn_goes_non_finite_where_the_logits_grow(tmp_path):
     assert max(r["step"] for r in rows if r["run"] == "reference" and r["metric"] == "lm loss") == 20
 
 
-def test_a_kernel_at_the_bf16_floor_does_not_drift(tmp_path):
+def test_a_kernel_at_the_bf16_floor_does_not_drift(tmp_path, train):
     """The streams summed in another order and rounded once to bf16: the native run's rounding,
     so no false alarm, though both are far from the float64 run."""
     res, text = train(tmp_path, "--impl", IMPLS / "strangers.py:h_aggregate_streams_reversed", *SMALL,
@@ -81,7 +73,7 @@ def test_a_kernel_at_the_bf16_floor_does_not_drift(tmp_path):
     ("--no-isolate", "sinkhorn_raises_at_step_5", "step 5: RuntimeError: the kernel's launch failed"),
     ("--isolate", "sinkhorn_exits_at_step_5", "step 5: the implementation ended its process with exit code 3"),
 ])
-def test_a_kernel_that_fails_mid_run_ends_it_with_the_steps_so_far(tmp_path, isolate, fn, words):
+def test_a_kernel_that_fails_mid_run_ends_it_with_the_steps_so_far(tmp_path, isolate, fn, words, train):
     res, text = train(tmp_path, "--impl", IMPLS / f"train_faults.py:{fn}", *SMALL, isolate, "--seeds", "1")
     assert res.exit_code == 1, text
     assert f"the implementation's run ended at {words}" in text
@@ -116,7 +108,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, words):
     assert words in " ".join(res.output.split()) and "Traceback" not in res.output
 
 
-def test_a_gate_trains_and_diffs_against_stored_golden_values(tmp_path):
+def test_a_gate_trains_and_diffs_against_stored_golden_values(tmp_path, train):
     res, _ = train(tmp_path, "--impl", "torch", *SMALL, "--goldens", tmp_path / "golden.json", "--no-compare",
                    "--seeds", "1")
     assert res.exit_code == 0
@@ -146,7 +138,7 @@ def test_the_model_reads_the_families_signatures():
     assert math.isfinite(traj.steps[0].metrics["lm loss"])
 
 
-def test_without_an_implementation_it_trains_mhctools_triton_kernels(tmp_path):
+def test_without_an_implementation_it_trains_mhctools_triton_kernels(tmp_path, train):
     """As parity has a default: ``mhctool train`` alone runs mhctool's Triton kernels."""
     res, text = train(tmp_path, "--device", "cpu", "--steps", "2", "--layers", "1", "--seq", "4", "--seeds", "1")
     assert res.exit_code == 0, text

@@ -19,15 +19,7 @@ runner = CliRunner()
 SMALL = ["--steps", "6", "--layers", "2", "--seq", "8", "--device", "cpu"]
 
 
-def train(tmp_path, *args, name="t"):
-    """``mhctool train`` in this process; its seeds in it too unless the test asks for workers (the
-    suite's own workers are the cores already)."""
-    spread = [] if "--workers" in map(str, args) else ["--workers", "1"]
-    res = runner.invoke(app, ["train", *map(str, args), *spread, "-o", str(tmp_path / f"{name}.parquet"), "-q"])
-    return res, " ".join(res.output.split())
-
-
-def test_a_correct_kernel_stays_with_the_reference_over_an_ensemble(tmp_path):
+def test_a_correct_kernel_stays_with_the_reference_over_an_ensemble(tmp_path, train):
     """mhctool's Triton kernels through the interpreter, from two seeds: every mHC family runs
     them, the drift is the native one's in both, the report has each seed's runs and judgement and
     the ensemble's verdict, and the golden values are the first seed's run."""
@@ -61,7 +53,7 @@ def test_a_correct_kernel_stays_with_the_reference_over_an_ensemble(tmp_path):
     assert golden["lm loss"].values == first
 
 
-def test_a_missing_backward_is_the_kernels_own_drift(tmp_path):
+def test_a_missing_backward_is_the_kernels_own_drift(tmp_path, train):
     """A Sinkhorn whose outputs carry no gradient: H_res's rows of the mapping weight learn nothing
     (their gradients are exact zeros: num-zeros jumps by n^2 x nC a layer), and no convention
     explains it."""
@@ -79,7 +71,7 @@ def test_a_missing_backward_is_the_kernels_own_drift(tmp_path):
     assert "layers.0.phi: up to 2,048 zeros in 2 of 2 seeds (the float64 runs at most 0)" in finding["message"]
 
 
-def test_the_rows_are_the_same_whatever_the_spread(tmp_path):
+def test_the_rows_are_the_same_whatever_the_spread(tmp_path, train):
     """Three seeds in this process and over two worker processes: the same rows (times apart)."""
     args = ["--impl", IMPLS / "correct.py:sinkhorn", "--steps", "4", "--layers", "1", "--seq", "8", "--device", "cpu",
             "--seeds", "3", "--no-trace"]
@@ -173,7 +165,7 @@ def test_num_zeros_drifts_only_where_every_seed_does(offsets, drifts):
     assert "drifts above 1 with every seed" in zeros.message
 
 
-def test_the_same_seed_twice_writes_the_same_golden_values(tmp_path):
+def test_the_same_seed_twice_writes_the_same_golden_values(tmp_path, train):
     """goldens diff --deterministic passes on two runs of one seed (the data and the initial model
     come from the seed alone)."""
     for name in ("a", "b"):

@@ -15,7 +15,7 @@ from mhctool.analyses.train.pieces import (
 )
 from mhctool.analyses.train.ensemble import SeedRun, ZeroFindings, judge_ensemble, seeds_of, spread_seeds, zero_findings
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig, to_dict
-from mhctool.analyses.train.trace import Attribution, attribute, attribute_ensemble, candidate_knobs
+from mhctool.analyses.train.trace import Attribution, attribute, candidate_knobs
 from mhctool.analyses.train.trajectory import (
     Step,
     Trajectory,
@@ -226,12 +226,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
                 and not interrupted():
             cands = candidate_knobs(specs, eff, pieces, cfg.device)
             precision = {f: p.precision for f, p in pieces.items()}
-            if len(runs) == 1:
-                out.attributions, alts = attribute(runs[0].impl, runs[0].native, runs[0].reference, cfg, eff, cands,
-                                                   rule, params, interrupted, precision)
-            else:
-                out.attributions, alts = attribute_ensemble(runs, cfg, eff, cands, rule, params, interrupted,
-                                                            precision)
+            out.attributions, alts = attribute(runs, cfg, eff, cands, rule, params, interrupted, precision)
             out.trajectories.extend(alts)
     out.interrupted = interrupted() or any(t.error == "interrupted" for t in out.trajectories) or \
         len(runs) < len(seed_list)

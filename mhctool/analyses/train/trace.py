@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from mhctool.analyses.train.ensemble import SeedRun, judge_ensemble
 from mhctool.analyses.train.pieces import Piece, _pick, native_piece
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig
 from mhctool.analyses.train.trajectory import Trajectory, run
@@ -58,43 +59,16 @@ def _with_knob(eff: dict[str, dict], precision: dict[str, str], family: str, kno
     return {f: piece(f) for f in FAMILIES}
 
 
-def attribute(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: TrainConfig,
-              eff: dict[str, dict], candidates: list[tuple], rule: VerdictRule, params: int,
-              interrupted: Callable[[], bool] = lambda: False,
+def attribute(runs: list[SeedRun], cfg: TrainConfig, eff: dict[str, dict], candidates: list[tuple],
+              rule: VerdictRule, params: int, interrupted: Callable[[], bool] = lambda: False,
               precision: dict[str, str] | None = None) -> tuple[list[Attribution], list[Trajectory]]:
-    """Rerun the native implementation with each candidate knob; it reproduces the drift where
-    the implementation's trajectory stays with that run as it would with the reference (every
-    judged metric within kappa times the native noise)."""
-    found, runs = [], []
-    prec = precision or {}
-    for family, knob, value, why in candidates:
-        if interrupted():
-            break
-        pieces = _with_knob(eff, prec, family, knob, value)
-        role = f"native:{family}.{knob}={value}"
-        alt = run(cfg, pieces, role, interrupted)
-        runs.append(alt)
-        same = all(d.passed for d in judge(traj, native, replace(alt, role="as-reference"), cfg, rule, params))
-        # the knob must also be what moves native: a knob that changes nothing explains nothing
-        moves = not all(d.passed for d in judge(alt, native, reference, cfg, rule, params))
-        ok = same and moves
-        found.append(Attribution(family, knob, value, ok,
-                                 f"the native run with {family}.{knob}={value} ({why}) "
-                                 + ("drifts the same way" if ok else "does not drift the same way"
-                                    if moves else "does not drift from the reference")))
-    return found, runs
-
-
-def attribute_ensemble(runs: list, cfg: TrainConfig, eff: dict[str, dict], candidates: list[tuple], rule: VerdictRule,
-                       params: int, interrupted: Callable[[], bool] = lambda: False,
-                       precision: dict[str, str] | None = None) -> tuple[list[Attribution], list[Trajectory]]:
-    """:func:`attribute` over a seed ensemble: the native implementation with each candidate knob
-    from every seed; it reproduces the drift where the implementation's runs stay with those runs
-    over the ensemble (as they would with the reference) and those runs drift from the reference
-    over the ensemble."""
-    from mhctool.analyses.train.ensemble import SeedRun, judge_ensemble
+    """Rerun the native implementation with each candidate knob from every seed of ``runs``; it
+    reproduces the drift where the implementation's runs stay with those runs as they would with
+    the reference, and those runs drift from the reference (a knob that moves nothing explains
+    nothing). One seed is judged by the single-seed rule, several over the ensemble."""
     found, made = [], []
     prec = precision or {}
+    several = len(runs) > 1
     for family, knob, value, why in candidates:
         if interrupted():
             break
@@ -108,14 +82,24 @@ def attribute_ensemble(runs: list, cfg: TrainConfig, eff: dict[str, dict], candi
         made.extend(alts)
         if len(alts) < len(runs):
             break
-        as_ref = [SeedRun(r.seed, r.impl, r.native, replace(a, role="as-reference")) for r, a in zip(runs, alts)]
-        same = all(d.passed for d in judge_ensemble(as_ref, cfg, rule, params))
-        moved = [SeedRun(r.seed, a, r.native, r.reference) for r, a in zip(runs, alts)]
-        moves = not all(d.passed for d in judge_ensemble(moved, cfg, rule, params))
+        same = _stays(cfg, rule, params, [SeedRun(r.seed, r.impl, r.native, replace(a, role="as-reference"))
+                                          for r, a in zip(runs, alts)])
+        moves = not _stays(cfg, rule, params, [SeedRun(r.seed, a, r.native, r.reference) for r, a in zip(runs, alts)])
         ok = same and moves
-        found.append(Attribution(family, knob, value, ok,
-                                 f"the native runs with {family}.{knob}={value} ({why}) "
-                                 + ("drift the same way" if ok else "do not drift the same way"
-                                    if moves else "do not drift from the reference")
-                                 + f" over {len(runs)} seeds"))
+        if several:
+            said = "drift the same way" if ok else "do not drift the same way" if moves else "do not drift from the reference"
+            message = f"the native runs with {family}.{knob}={value} ({why}) {said} over {len(runs)} seeds"
+        else:
+            said = "drifts the same way" if ok else "does not drift the same way" if moves else "does not drift from the reference"
+            message = f"the native run with {family}.{knob}={value} ({why}) {said}"
+        found.append(Attribution(family, knob, value, ok, message))
     return found, made
+
+
+def _stays(cfg: TrainConfig, rule: VerdictRule, params: int, runs: list[SeedRun]) -> bool:
+    """Every judged metric of the runs' implementation stays with their reference: one seed by the
+    single-seed rule, several over the ensemble."""
+    if len(runs) == 1:
+        r = runs[0]
+        return all(d.passed for d in judge(r.impl, r.native, r.reference, replace(cfg, seed=r.seed), rule, params))
+    return all(d.passed for d in judge_ensemble(runs, cfg, rule, params))
