@@ -48,8 +48,8 @@ def test_two_workers_write_the_rows_of_one_process_and_a_crash_fails_its_case_on
     """Without isolation the crash takes the case's worker down: the case is run again with the
     implementation isolated, so its rows are those of an isolated single-process run."""
     shapes = ("8x2x4x1", "101x1x4x1", "9x1x4x3")
-    one, one_out = _parity(tmp_path, "one", "--isolate", shapes=shapes)
-    two, two_out = _parity(tmp_path, "two", "--workers", "2", "--no-isolate", shapes=shapes)
+    one, one_out = _parity(tmp_path, "one", "--isolate", "--no-hint", shapes=shapes)
+    two, two_out = _parity(tmp_path, "two", "--workers", "2", "--no-isolate", "--no-hint", shapes=shapes)
     assert one.exit_code == two.exit_code == 1, (one.output, two.output)
     assert _rows(one_out) == _rows(two_out)
     crashed = {r["shape"] for r in _rows(two_out) if r["passed"] is False}
