@@ -12,10 +12,9 @@ import sys
 
 import torch
 
-from mhctool.core import inputs
+from mhctool.families import FAMILIES, generate, get_family
 from mhctool.runner.call import cast_inputs, native_at, run_impl, run_reference, upstream_for
 from mhctool.analyses import scenario
-from mhctool.registry.families import FAMILIES, get_family
 from mhctool.registry.specs import resolve_one
 from mhctool.core.shapes import parse_shape
 
@@ -25,7 +24,7 @@ family = sys.argv[3] if len(sys.argv) > 3 else "random"
 kernel = "mix_aggregate"
 seed = next(c.seed for c in scenario.resolve(None).cases(device) if c.kernel == kernel)
 fam = get_family(kernel)
-_, raw = inputs.generate(kernel, family, shape, seed, {}, draw_on=device)
+_, raw = generate(kernel, family, shape, seed, {}, draw_on=device)
 base = cast_inputs(fam, raw, "fp32", device)
 native = run_impl(fam, native_at(kernel, "ieee"), base, {},
                          lambda outs: upstream_for(fam, outs, seed))

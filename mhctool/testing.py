@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import pyarrow as pa
 
 from mhctool.analyses import parity as engine
-from mhctool.registry import families as registry
+from mhctool.families import get_family
 from mhctool.registry.builtin import native_impl
 from mhctool.core import findings
 from mhctool.cli.kit import device as _device
@@ -141,7 +141,7 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
         True
     """
     dev = _device(device)
-    p = engine.plan([registry.get_family(kernel).name], [_impl_of(impl, kernel, name)], device=dev,
+    p = engine.plan([get_family(kernel).name], [_impl_of(impl, kernel, name)], device=dev,
                     scenario=scenario, dtypes=list(dtypes) if dtypes else None,
                     shapes=list(shapes) if shapes else None, seeds=[seed],
                     families=list(families) if families else None,

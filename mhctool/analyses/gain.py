@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mhctool.core import inputs as inputs_mod
+from mhctool.families import generate
 from mhctool.core.dtypes import FORMATS
 from mhctool.registry.impl import Impl
 from mhctool.core.shapes import Shape
@@ -43,7 +43,7 @@ class GainConfig:
 def layer_logits(family: str, depth: int, tokens: int, n: int, seed: int) -> list[torch.Tensor]:
     """Per layer, seeded logits ``[tokens, n, n]`` of a Sinkhorn input family."""
     shape = Shape(tokens, 1, n, 1)
-    return [inputs_mod.generate("sinkhorn", family, shape, seed + 1000 * layer, {})[1]["logits"].reshape(tokens, n, n)
+    return [generate("sinkhorn", family, shape, seed + 1000 * layer, {})[1]["logits"].reshape(tokens, n, n)
             for layer in range(depth)]
 
 

@@ -54,7 +54,7 @@ from pathlib import Path
 from mhctool.analyses import goldens as G
 from mhctool.analyses import parity
 from mhctool.core import profile
-from mhctool.registry import families as registry
+from mhctool.families import get_family
 from mhctool.registry.specs import resolve_impls
 from mhctool.analyses import stability as st
 from mhctool.analyses import scenario as scenario_mod
@@ -160,10 +160,10 @@ def load_suite(path: str | os.PathLike) -> Suite:
         try:
             kernels = parity.kernels_of(kernel)
             declared = {k: parity.check_conventions(k, {n: v for n, v in item.get("conventions", {}).items()
-                                                        if n in registry.get_family(k).conventions})
+                                                        if n in get_family(k).conventions})
                         for k in kernels}
             dtypes_in = {k: parity.check_input_dtypes(k, {n: v for n, v in item.get("input_dtypes", {}).items()
-                                                          if n in registry.get_family(k).inputs})
+                                                          if n in get_family(k).inputs})
                          for k in kernels}
             for key, taken in (("conventions", {n for d in declared.values() for n in d}),
                                ("input_dtypes", {n for d in dtypes_in.values() for n in d})):

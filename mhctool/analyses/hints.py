@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mhctool.analyses import parity
-from mhctool.registry import families as registry
+from mhctool.families import get_family
 from mhctool.registry.impl import Impl
 from mhctool.core import report
 from mhctool.core.findings import verdicts
@@ -59,7 +59,7 @@ def raised_hint(vs: list[dict], kernel: str, impl) -> str:
     where = f"every {'/'.join(dtypes)} case" if by_dtype else f"{len(raised)} of {len(mine)} cases"
     msg = raised[0]["message"] or ""
     hint = f"hint: {short_impl(impl.name)} raised on {where} of {kernel}: {msg[:300]}"
-    fam = registry.get_family(kernel)
+    fam = get_family(kernel)
     dtype_error = any(w in msg for w in ("scalar type", "dtype", "BFloat16", "Half", "same type"))
     if dtype_error and fam.mapping and impl.backend == "external" and dtypes != ["fp32"]:
         names = ",".join(f"{n}=activation" for n in fam.mapping)

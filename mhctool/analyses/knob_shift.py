@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mhctool.core import inputs as inputs_mod
+from mhctool.families import Family, generate, get_family
 from mhctool.core import metrics
 from mhctool.core.dtypes import FORMATS, fmt_of
 from mhctool.core.errors import UsageError
 from mhctool.references import mhc as ref
-from mhctool.registry.families import Family, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import cast_inputs
 from mhctool.core.shapes import Shape
@@ -113,7 +112,7 @@ def kernel_shift(change: KnobChange, impl: Impl, family: str, dtype: str, device
     base_knobs = {k: v.default for k, v in fam.knobs.items() if v.passed}
     ka, kb = dict(base_knobs, **{change.knob: change.a}), dict(base_knobs, **{change.knob: change.b})
     shape_knobs = {k: v.default for k, v in fam.knobs.items() if not v.passed}
-    _, raw = inputs_mod.generate(change.kernel, family, KERNEL_SHAPES[change.kernel], seed, shape_knobs)
+    _, raw = generate(change.kernel, family, KERNEL_SHAPES[change.kernel], seed, shape_knobs)
     args = cast_inputs(fam, raw, dtype, device)
     args64 = {n: None if t is None else t.double().cpu() for n, t in args.items()}
     with torch.no_grad():

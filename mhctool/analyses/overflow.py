@@ -18,11 +18,10 @@ import math
 
 import torch
 
-from mhctool.core import inputs as inputs_mod
+from mhctool.families import generate, get_family
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import UsageError
 from mhctool.registry.impl import Impl
-from mhctool.registry.families import get_family
 from mhctool.runner.call import cast_inputs
 from mhctool.core.shapes import Shape
 from mhctool.analyses.stability import NEAR_OVERFLOW, first_scale
@@ -65,7 +64,7 @@ def check_kernel(kernel: str) -> None:
 def _base_inputs(kernel: str, family: str, seed: int) -> dict[str, torch.Tensor | None]:
     fam = get_family(kernel)
     knobs = {k: v.default for k, v in fam.knobs.items() if not v.passed}
-    _, raw = inputs_mod.generate(kernel, family, SHAPES[kernel], seed, knobs)
+    _, raw = generate(kernel, family, SHAPES[kernel], seed, knobs)
     raw = {k: (None if v is None else v.double()) for k, v in raw.items()}
     if kernel == "sinkhorn":  # unit amplitude per matrix, so the scale is the largest |logit|
         L = raw["logits"]

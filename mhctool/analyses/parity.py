@@ -13,7 +13,7 @@ from typing import Callable
 import pyarrow as pa
 
 from mhctool.core import environment, profile, report
-from mhctool.registry import families as registry
+from mhctool.families import GROUPS, KERNELS, PRECISIONS, get_family, kernels_named
 from mhctool.registry.builtin import native_impl
 from mhctool.registry.specs import is_function_spec, resolve_impls
 from mhctool.runner import run as runner
@@ -22,7 +22,6 @@ from mhctool.spread.case_isolation import Isolation
 from mhctool.analyses import scenario as scenario_mod
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
-from mhctool.registry.families import PRECISIONS
 from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case
 from mhctool.analyses.scenario import Scenario
@@ -69,14 +68,14 @@ def kernels_of(kernel: str | list[str]) -> list[str]:
     kernel names (checked)."""
     names = kernel if isinstance(kernel, list) else [k.strip() for k in kernel.split(",") if k.strip()]
     if not names:
-        raise UsageError("no kernel named; accepted: " + ", ".join(registry.KERNELS) + ", or a group: "
-                         + ", ".join(registry.GROUPS))
-    return registry.kernels_named(names)
+        raise UsageError("no kernel named; accepted: " + ", ".join(KERNELS) + ", or a group: "
+                         + ", ".join(GROUPS))
+    return kernels_named(names)
 
 
 def check_conventions(kernel: str, conventions: dict | None) -> dict:
     """``{knob: value}`` declared for ``kernel``'s external implementation, each value checked."""
-    fam = registry.get_family(kernel)
+    fam = get_family(kernel)
     out = {}
     for name, value in (conventions or {}).items():
         if name not in fam.conventions:
@@ -90,7 +89,7 @@ def check_input_dtypes(kernel: str, declared: dict | None) -> dict:
     """``{input: dtype}`` declared for ``kernel``'s external implementation, each checked: an
     input of the family, and ``activation`` (the case's dtype) or a format name."""
     from mhctool.runner.call import INPUT_DTYPES
-    fam = registry.get_family(kernel)
+    fam = get_family(kernel)
     out = {}
     for name, value in (declared or {}).items():
         if name not in fam.inputs:
@@ -143,7 +142,7 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
         if not kappa >= 1.0:
             raise UsageError(f"kappa {kappa!r} must be at least 1")
         sc = replace(sc, rule=replace(sc.rule, kappa=float(kappa)))
-    if shapes and len({registry.get_family(k).shape_kind for k in kernels}) > 1:
+    if shapes and len({get_family(k).shape_kind for k in kernels}) > 1:
         raise UsageError("a shape takes one form per kind of kernel (SxBxNxC for mHC, TxHxFxE for the grouped "
                          "MLP); pick the kernels (mhc or moe: every kernel of one kind)")
     dtypes = [parse_dtype(d).name for d in dtypes] if dtypes else None

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from mhctool.core import inputs
+from mhctool.families import get_family, input_families, input_family
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
-from mhctool.registry.families import get_family
 from mhctool.runner.case import Case
 from mhctool.core.shapes import Shape, parse_shape_for
 from mhctool.core.verdict import VerdictRule
@@ -68,9 +67,9 @@ class Scenario:
         out = []
         for k in kernels or []:
             for f in families or []:
-                if f not in inputs.families_for(k):
+                if f not in input_families(k):
                     raise UsageError(f"unknown input family {f!r} for kernel {k}; accepted: "
-                                     + ", ".join(inputs.families_for(k)))
+                                     + ", ".join(input_families(k)))
         for spec in self.specs:
             if kernels and spec.kernel not in kernels:
                 continue
@@ -136,9 +135,9 @@ def _parse_case(c: dict, where: str, src: str) -> CaseSpec:
         default_shape = "37x64x96x5" if fam.shape_kind == "moe" else "33x2x4x67"
         shapes = [parse_shape_for(fam.shape_kind, s) for s in _as_list(c.get("shapes", [default_shape]))]
         dtypes = [parse_dtype(d).name for d in _as_list(c.get("dtypes", ["fp32"]))]
-        fams = _as_list(c.get("families", list(inputs.families_for(fam.name))))
+        fams = _as_list(c.get("families", list(input_families(fam.name))))
         for f in fams:
-            inputs.get_family(fam.name, f)
+            input_family(fam.name, f)
         seeds = _as_list(c.get("seeds", [0]))
         if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
             raise UsageError(f"seeds must be non-negative integers, got {seeds!r}")

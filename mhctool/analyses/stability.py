@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mhctool.core import inputs as inputs_mod
+from mhctool.families import generate
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import UsageError
 from mhctool.references import mhc as ref
@@ -105,7 +105,7 @@ def parse_iters(values: list[str], option: str = "--iters") -> tuple[int, ...]:
 def _base_logits(family: str, spec: SweepSpec) -> torch.Tensor:
     """Unit-amplitude logits of the family: each matrix divided by its largest |entry|."""
     shape = Shape(spec.tokens, 1, spec.n, 1)
-    _, raw = inputs_mod.generate("sinkhorn", family, shape, spec.seed, {})
+    _, raw = generate("sinkhorn", family, shape, spec.seed, {})
     L = raw["logits"].double()
     return L / L.abs().amax(dim=(-1, -2), keepdim=True)
 

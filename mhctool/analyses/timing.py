@@ -38,8 +38,8 @@ from typing import Callable
 import torch
 
 from mhctool.core import inputs as inputs_mod
+from mhctool.families import Family, generate, get_family
 from mhctool.core.dtypes import dtype_named, fmt_of
-from mhctool.registry.families import Family, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import _cast_inputs, _leaf
 from mhctool.runner.case import Case
@@ -182,7 +182,7 @@ def _inputs(kernel: str, shape: Shape, dtype: str, device: str, seed: int, copie
     case = Case(kernel, "random", dtype, shape, (), seed, device)
     out = []
     for i in range(copies):
-        _, raw = inputs_mod.generate(kernel, "random", shape, seed + i, {}, device=device)
+        _, raw = generate(kernel, "random", shape, seed + i, {}, device=device)
         out.append(_cast_inputs(fam, raw, case))
     return fam, out
 
@@ -459,7 +459,7 @@ class PathSum:
 
 def _tf32_variants() -> set[str]:
     """mhctool's implementations that multiply at TF32 by design (``triton-tf32``)."""
-    from mhctool.registry.families import KERNELS
+    from mhctool.families import KERNELS
     from mhctool.registry.builtin import impls_for
     return {i.name for k in KERNELS for i in impls_for(k) if i.precision == "tf32"}
 

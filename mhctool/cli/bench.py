@@ -67,7 +67,7 @@ def bench(
     contract = input_dtypes == "contract"
     from mhctool.analyses import parity as parity_mod
     kernels = parity_mod.kernels_of(_split([kernel]))
-    from mhctool.registry.families import get_family
+    from mhctool.families import get_family
     kinds = {get_family(k).shape_kind for k in kernels}
     if experts is not None:
         if kinds != {"moe"}:

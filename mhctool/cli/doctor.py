@@ -35,7 +35,7 @@ def doctor():
                 "to nearest even)") if mended_casts else ""
         out.print(f"  fp32 <-> bf16 casts: {state}{mend}")
     from mhctool.registry.builtin import impls_for
-    from mhctool.registry.families import KERNELS
+    from mhctool.families import KERNELS
     for k in KERNELS:
         names = ", ".join(f"{i.name}{'' if not i.unavailable() else ' (unavailable)'}" for i in impls_for(k))
         out.print(f"{k}: {names}")

@@ -62,7 +62,7 @@ def identify(
     interrupts = Interrupts()
     iso = isolation_for(isolate, [impl], dev, None, None, interrupts)
     rows, failed = [], False
-    from mhctool.registry.families import call_problem, get_family, signature
+    from mhctool.families import call_problem, get_family, signature
     try:
         with interrupts:
             for i in impls:

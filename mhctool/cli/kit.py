@@ -222,7 +222,7 @@ def conventions(items: Optional[list[str]], kernels: list[str]) -> dict[str, dic
     knob as a convention (values checked like scenario knobs); a knob none of them has is an error."""
     out: dict[str, dict] = {}
     from mhctool.analyses.knob_shift import typed_value
-    from mhctool.registry.families import get_family
+    from mhctool.families import get_family
     for name, raw in knob_items(items, "--convention", "stabilize=softmax"):
         takers = [k for k in kernels if name in get_family(k).conventions]
         if not takers:
@@ -240,7 +240,7 @@ def input_dtypes(items: Optional[list[str]], kernels: list[str]) -> dict[str, di
     input (each checked by parity.check_input_dtypes); an input none of them has is an error."""
     out: dict[str, dict] = {}
     from mhctool.analyses.parity import check_input_dtypes
-    from mhctool.registry.families import get_family
+    from mhctool.families import get_family
     for name, raw in knob_items(items, "--input-dtypes", "h_pre=activation"):
         takers = [k for k in kernels if name in get_family(k).inputs]
         if not takers:

@@ -46,7 +46,7 @@ def _check_call_shape(vs: list[dict], outside: list[str]) -> None:
     """An outside implementation whose every case failed because it cannot be called with the
     family's signature, or returns what the contract cannot take, is bad input: one sentence
     naming the signature (the report keeps its rows)."""
-    from mhctool.registry.families import call_problem, get_family, signature
+    from mhctool.families import call_problem, get_family, signature
     for name in outside:
         mine = [v for v in vs if v["impl"] == name and v["direction"] == "fwd" and v["passed"] is not None]
         if mine and all(v["passed"] is False and call_problem(v["message"]) for v in mine):

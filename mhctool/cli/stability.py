@@ -86,11 +86,11 @@ def stability_sinkhorn(
         spec = dataclasses.replace(spec, scales=st.parse_range(scales, "--scales"))
     if iters:
         spec = dataclasses.replace(spec, iters=st.parse_iters(split(iters)))
-    from mhctool.core import inputs as inputs_mod
+    from mhctool.families import input_family
     if family:
         fams = split(family)
         for f in fams:
-            inputs_mod.get_family("sinkhorn", f)
+            input_family("sinkhorn", f)
         spec = dataclasses.replace(spec, families=tuple(fams))
     spec = dataclasses.replace(spec, dtypes=_dtypes(split(dtype), spec.dtypes))
     specs = split(impl)
@@ -144,7 +144,7 @@ def stability_eps(
     report.check_writable(out_path)
     if plot:
         report.check_folder(plot)
-    from mhctool.registry.families import get_family
+    from mhctool.families import get_family
     get_family(kernel)
     from mhctool.analyses import knob_shift as ks
     change = ks.parse_change(kernel, knob, frm, to)
@@ -222,10 +222,10 @@ def stability_overflow(
         report.check_folder(plot)
     from mhctool.analyses import overflow as ov
     ov.check_kernel(kernel)
-    from mhctool.registry.families import get_family
+    from mhctool.families import get_family
     fam = get_family(kernel)
-    from mhctool.core import inputs as inputs_mod
-    inputs_mod.get_family(kernel, family)
+    from mhctool.families import input_family
+    input_family(kernel, family)
     knobs = {k: v.default for k, v in fam.knobs.items() if v.passed}
     for item in split(knob):
         name, sep, value = item.partition("=")
@@ -302,8 +302,8 @@ def stability_gain(
         raise UsageError(f"--tokens {tokens} / --n {n}: give 1 to 1048576 tokens and 2 to 16 streams")
     if not hc_scale > 0:
         raise UsageError(f"--hc-scale {hc_scale:g} must be positive")
-    from mhctool.core import inputs as inputs_mod
-    inputs_mod.get_family("sinkhorn", family)
+    from mhctool.families import input_family
+    input_family("sinkhorn", family)
     from mhctool.analyses import stability as st
     counts = st.parse_iters(split(iters)) if iters else (1, 3, 5, 20)
     dt = parse_dtype(dtype).name

@@ -136,7 +136,7 @@ def _absent(*args, **kwargs):
 def _bound(module, binding: Binding, kernel: str, convert: bool = True) -> Callable:
     """A function with the family's signature (its inputs, then the knobs the binding takes);
     ``convert``: it puts its inputs in the library's layouts itself (else they come converted)."""
-    from mhctool.registry.families import get_family
+    from mhctool.families import get_family
     fam = get_family(kernel)
     at = [(fam.inputs.index(k), f) for k, f in binding.layouts.items()] if convert else []
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from mhctool.registry.families import KERNELS, MOE_KERNELS
+from mhctool.families import FAMILIES, KERNELS, MOE_KERNELS
 from mhctool.registry.impl import Impl, import_target
 
 
@@ -56,40 +56,12 @@ def _compiled(target: str) -> Callable:
     return run
 
 
-# Fused kernels shipped with mhctool: family -> "module:function" (autograd-aware entry points).
-TRITON_KERNELS: dict[str, str] = {
-    "sinkhorn": "mhctool.kernels.triton.sinkhorn:sinkhorn",
-    "h_aggregate": "mhctool.kernels.triton.h_aggregate:h_aggregate",
-    "h_post_bda": "mhctool.kernels.triton.h_post_bda:h_post_bda",
-    "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms",
-    "mapping": "mhctool.kernels.triton.mapping:mapping",
-    "mapping_sinkhorn": "mhctool.kernels.triton.mix_aggregate:mapping_sinkhorn",
-    "mix_aggregate": "mhctool.kernels.triton.mix_aggregate:mix_aggregate",
-    "swiglu": "mhctool.kernels.triton.glu:swiglu",
-    "clamped_swiglu": "mhctool.kernels.triton.glu:clamped_swiglu",
-    "srelu": "mhctool.kernels.triton.glu:srelu",
-    "grouped_gemm": "mhctool.kernels.triton.grouped_gemm:grouped_gemm",
-    "grouped_wgrad": "mhctool.kernels.triton.grouped_gemm:grouped_wgrad",
-    "grouped_mlp": "mhctool.kernels.triton.grouped_mlp:grouped_mlp",
-}
-
-
-# the projection's TF32 variants: every product a TF32 product of operands rounded to TF32 (the
-# precision the mHC paper specifies; issue 20: what IEEE accuracy costs, in one bench table)
-TRITON_TF32_KERNELS: dict[str, str] = {
-    "proj_rms": "mhctool.kernels.triton.proj_rms:proj_rms_tf32",
-    "mapping": "mhctool.kernels.triton.mapping:mapping_tf32",
-}
-
-
-CUTILE_KERNELS: dict[str, str] = {
-    "sinkhorn": "mhctool.kernels.cutile.sinkhorn:sinkhorn",
-    "h_aggregate": "mhctool.kernels.cutile.h_aggregate:h_aggregate",
-    "h_post_bda": "mhctool.kernels.cutile.h_post_bda:h_post_bda",
-    "proj_rms": "mhctool.kernels.cutile.proj_rms:proj_rms",
-    "mapping": "mhctool.kernels.cutile.mapping:mapping",
-    "mix_aggregate": "mhctool.kernels.cutile.mix_aggregate:mix_aggregate",
-}
+# Fused kernels shipped with mhctool, from each family's module: family -> "module:function"
+# (autograd-aware entry points); the projection's TF32 variants are asked for by name
+TRITON_KERNELS: dict[str, str] = {k: f.kernels["triton"] for k, f in FAMILIES.items() if "triton" in f.kernels}
+TRITON_TF32_KERNELS: dict[str, str] = {k: f.kernels["triton-tf32"] for k, f in FAMILIES.items()
+                                       if "triton-tf32" in f.kernels}
+CUTILE_KERNELS: dict[str, str] = {k: f.kernels["cutile"] for k, f in FAMILIES.items() if "cutile" in f.kernels}
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mhctool.core.errors import UsageError
-from mhctool.registry.families import FAMILIES, signature
+from mhctool.families import FAMILIES, signature
 
 
 @dataclass

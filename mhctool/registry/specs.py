@@ -11,7 +11,7 @@ from pathlib import Path
 from mhctool.core.errors import UsageError
 from mhctool.registry import adapters, loading
 from mhctool.registry.builtin import BACKEND_NAMES, impls_for
-from mhctool.registry.families import KERNELS
+from mhctool.families import KERNELS
 from mhctool.registry.impl import Impl, check_callable
 
 

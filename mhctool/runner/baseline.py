@@ -11,7 +11,7 @@ from mhctool.core.dtypes import FORMATS, fmt_of
 from mhctool.core.metrics import Reference, measure
 from mhctool.core.metrics import reference as reference_facts  # make_baseline's `reference`: the float64 function
 from mhctool.core.verdict import VerdictRule
-from mhctool.registry.families import Family
+from mhctool.families import Family
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import (
     _leaf,

@@ -16,7 +16,7 @@ from mhctool.core.dtypes import FORMATS, dtype_named, fmt_of
 from mhctool.core.errors import system_exit_message
 from mhctool.core.poison import poisoning
 from mhctool.registry.builtin import native_impl
-from mhctool.registry.families import MATMUL_KERNELS, Family, get_family
+from mhctool.families import MATMUL_KERNELS, Family, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case, ImplResult
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from mhctool.core import inputs as inputs_mod
+from mhctool.families import Family, generate
 from mhctool.core.dtypes import fmt_of
 from mhctool.core.metrics import ulp_size
 from mhctool.core.shapes import Shape
 from mhctool.registry.builtin import native_impl
-from mhctool.registry.families import Family
 from mhctool.registry.impl import Impl
 from mhctool.runner.baseline import _Baseline
 from mhctool.runner.call import (
@@ -317,7 +317,7 @@ class CaseChecks:
         """The batch variants with the outputs' expected layout (from the native run of each),
         built when needed and dropped after: at the paper shape one of them is as large as the case."""
         case, fam = self.case, self.fam
-        _, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict,
+        _, raw = generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict,
                                      draw_on=case.device)
         others = _cast_inputs(fam, raw, case)
         del raw

@@ -14,11 +14,10 @@ import time
 
 import torch
 
-from mhctool.core import inputs as inputs_mod
+from mhctool.families import Family, generate, get_family
 from mhctool.core import profile
 from mhctool.core.verdict import VerdictRule
 from mhctool.registry.builtin import native_impl
-from mhctool.registry.families import Family, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.baseline import (
     _Baseline,
@@ -72,7 +71,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     knobs = case.knob_dict
     def inputs():
         with profile.phase("inputs"):
-            shape, raw = inputs_mod.generate(case.kernel, case.family, case.shape, case.seed, knobs,
+            shape, raw = generate(case.kernel, case.family, case.shape, case.seed, knobs,
                                              draw_on=case.device)
             cast = _cast_inputs(fam, raw, case)
             if case.device.startswith("cuda"):  # the draws are asynchronous: the phase waits for them

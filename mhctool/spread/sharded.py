@@ -38,7 +38,7 @@ import torch
 
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import UsageError
-from mhctool.registry.families import get_family
+from mhctool.families import get_family
 
 # kernel -> the inputs that hold tokens along their first axis (the others are parameters, their
 # gradients all-reduced); every output of these families holds tokens along its first axis

@@ -3,16 +3,15 @@ import pytest
 
 from mhctool.analyses import scenario
 from mhctool.core.errors import UsageError
-from mhctool.registry.families import KERNELS
+from mhctool.families import KERNELS, input_families
 
 
 def test_builtin_default_covers_every_kernel_and_family():
     sc = scenario.builtin("parity-default")
     cases = sc.cases("cpu")
     assert {c.kernel for c in cases} == set(KERNELS)
-    from mhctool.core.inputs import FAMILIES
     for k in KERNELS:
-        assert {c.family for c in cases if c.kernel == k} == set(FAMILIES[k])
+        assert {c.family for c in cases if c.kernel == k} == set(input_families(k))
 
 
 def test_paper_scenario_is_the_paper_shape():

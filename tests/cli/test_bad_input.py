@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mhctool.core import environment, report
-from mhctool.registry import families as registry
+from mhctool.families import get_family
 from mhctool.registry.builtin import impls_for
 from mhctool.registry.impl import Impl
 from mhctool.registry.specs import resolve_impls
@@ -118,7 +118,7 @@ def test_a_backend_missing_for_one_kernel_is_a_skip_reason_not_an_error():
 
 
 def _case(kernel, shape):
-    kind = registry.get_family(kernel).shape_kind
+    kind = get_family(kernel).shape_kind
     return Case(kernel, "random", "bf16", parse_shape_for(kind, shape), (), 0, "cuda")
 
 

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 from mhctool.analyses import timing as bench
 from mhctool.core import report
 from mhctool.cli.app import app
-from mhctool.registry.families import MHC_KERNELS, MOE_KERNELS
+from mhctool.families import MHC_KERNELS, MOE_KERNELS
 from mhctool.core.shapes import MoeShape, Shape
 
 IMPLS = Path(__file__).resolve().parents[1] / "impls"  # loaded by file path, never as a package
@@ -124,7 +124,7 @@ def test_a_group_of_kernels_takes_one_shape_beside_a_library(tmp_path):
                               "-o", str(out)])
     assert res.exit_code == 0, res.output
     rows = report.read(out)[0].to_pylist()
-    from mhctool.registry.families import MHC_KERNELS
+    from mhctool.families import MHC_KERNELS
     assert {r["kernel"] for r in rows} == set(MHC_KERNELS)
     te = {r["kernel"] for r in rows if r["impl"].startswith("te") and r["metric"] == "time_ms"}
     assert {"sinkhorn", "h_aggregate", "h_post_bda"} <= te and "proj_rms" not in te

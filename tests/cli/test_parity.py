@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from mhctool.core import report
 from mhctool.core.findings import verdicts
 from mhctool.cli.app import app
-from mhctool.registry.families import KERNELS
+from mhctool.families import KERNELS
 
 IMPLS = Path(__file__).resolve().parents[1] / "impls"  # loaded by file path, never as a package
 DEFECTS = IMPLS / "defects.py"
@@ -127,7 +127,7 @@ def test_external_errors_are_failed_cases_and_others_still_run(tmp_path):
 def test_outputs_are_conformed_by_value():
     import torch
     from mhctool.runner.call import conform_outputs
-    from mhctool.registry.families import get_family
+    from mhctool.families import get_family
     fam = get_family("proj_rms")
     expect = [((5, 24), torch.float32, "cpu"), ((5,), torch.float32, "cpu")]
     returned = {}
@@ -245,7 +245,7 @@ def test_torch_compile_variant_passes(tmp_path):
 def test_kernel_groups_expand_in_order_once_each():
     from mhctool.analyses import parity as parity_mod
     from mhctool.core.errors import UsageError
-    from mhctool.registry.families import KERNELS, MHC_KERNELS, MOE_KERNELS
+    from mhctool.families import KERNELS, MHC_KERNELS, MOE_KERNELS
 
     assert parity_mod.kernels_of("all") == list(KERNELS)
     assert parity_mod.kernels_of("sinkhorn,mhc") == list(MHC_KERNELS)

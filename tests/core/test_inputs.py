@@ -2,6 +2,7 @@
 import torch
 
 from mhctool.core import inputs
+from mhctool.families import generate
 from mhctool.core.shapes import parse_shape
 
 
@@ -14,10 +15,10 @@ def test_blockwise_draws_depend_on_the_seed_and_shape_only(monkeypatch):
         runs = []
         for n in (1, 3):
             torch.set_num_threads(n)
-            runs.append(inputs.generate("h_post_bda", "random", shape, 7, {})[1])
+            runs.append(generate("h_post_bda", "random", shape, 7, {})[1])
         monkeypatch.setenv("MHCTOOL_DRAW_THREADS", "5")  # a pool worker's share of the cores
         assert inputs.draw_threads() == 5
-        runs.append(inputs.generate("h_post_bda", "random", shape, 7, {})[1])
+        runs.append(generate("h_post_bda", "random", shape, 7, {})[1])
     finally:
         torch.set_num_threads(threads)
     for name, t in runs[0].items():
@@ -29,14 +30,14 @@ def test_blockwise_draws_depend_on_the_seed_and_shape_only(monkeypatch):
     # each block draws values of its own (no block repeats another's)
     flat = x.reshape(-1)
     assert not torch.equal(flat[:256], flat[256:512])
-    other = inputs.generate("h_post_bda", "random", shape, 8, {})[1]["x"]
+    other = generate("h_post_bda", "random", shape, 8, {})[1]["x"]
     assert not torch.equal(x, other)
 
 
 def test_small_tensors_are_drawn_as_before_from_the_case_generator():
     g = torch.Generator().manual_seed(3)
     want = torch.randn(5, 7, generator=g)
-    assert torch.equal(inputs._randn(torch.Generator().manual_seed(3), 5, 7), want)
+    assert torch.equal(inputs.randn(torch.Generator().manual_seed(3), 5, 7), want)
     ups = inputs.upstream_grads([torch.empty(())], 1)
     assert ups[0].shape == () and torch.isfinite(ups[0])
 
@@ -50,8 +51,8 @@ def test_every_family_draws_its_large_tensors_where_asked_with_the_small_ones_un
     cases = family_cases
     assert len({k for k, _, _ in cases}) >= 10
     for kernel, name, shape in cases:
-        want = inputs.generate(kernel, name, shape, 3, {})[1]
-        got = inputs.generate(kernel, name, shape, 3, {}, draw_on="cpu")[1]
+        want = generate(kernel, name, shape, 3, {})[1]
+        got = generate(kernel, name, shape, 3, {}, draw_on="cpu")[1]
         assert want.keys() == got.keys()
         for k, t in want.items():
             assert (t is None and got[k] is None) or torch.equal(t, got[k]), (kernel, name, k)
@@ -69,5 +70,5 @@ def test_every_family_combines_large_tensors_on_another_device_with_its_small_on
     monkeypatch.setattr(inputs, "BIG", 64)
     monkeypatch.setattr(inputs, "_blocks", on_meta)
     for kernel, name, shape in family_cases:
-        raw = inputs.generate(kernel, name, shape, 3, {}, draw_on="meta")[1]
+        raw = generate(kernel, name, shape, 3, {}, draw_on="meta")[1]
         assert any(t is not None and t.is_meta for t in raw.values()), (kernel, name)

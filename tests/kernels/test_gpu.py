@@ -584,12 +584,13 @@ def test_large_inputs_are_drawn_on_the_gpu_the_same_at_every_call(monkeypatch, f
     mhctool.philox on the GPU (the small ones from the CPU generator, moved over by the runner), the
     same bits at every call, and the upstream gradients of a GPU output drawn there too."""
     from mhctool.core import inputs
+    from mhctool.families import generate
     from mhctool.core.shapes import parse_shape
     monkeypatch.setattr(inputs, "BIG", 64)
     for kernel, name, shape in family_cases:
-        first = inputs.generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]
-        again = inputs.generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]
-        on_cpu = inputs.generate(kernel, name, shape, 3, {})[1]
+        first = generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]
+        again = generate(kernel, name, shape, 3, {}, draw_on="cuda")[1]
+        on_cpu = generate(kernel, name, shape, 3, {})[1]
         for k, t in first.items():
             if t is None:
                 continue
@@ -597,7 +598,7 @@ def test_large_inputs_are_drawn_on_the_gpu_the_same_at_every_call(monkeypatch, f
             assert torch.equal(t, again[k]) and bool(torch.isfinite(t.float()).all()), (kernel, name, k)
             if t.is_floating_point() and t.numel() >= 64:
                 assert t.is_cuda, (kernel, name, k)
-    x = inputs.generate("h_aggregate", "random", parse_shape("64x4x4x256"), 5, {}, draw_on="cuda")[1]["x"].reshape(-1)
+    x = generate("h_aggregate", "random", parse_shape("64x4x4x256"), 5, {}, draw_on="cuda")[1]["x"].reshape(-1)
     assert abs(float(x.mean())) < 0.01 and abs(float(x.std()) - 1) < 0.01
     assert not torch.equal(x[:256], x[256:512])
     ups = inputs.upstream_grads([torch.empty(70, 3, device="cuda", dtype=torch.bfloat16)], 1)
@@ -647,7 +648,7 @@ def test_triton_parity_default_scenario_on_gpu(background):
     rc, text, rows, _ = background("triton")
     assert rc == 0, text
     tri = [r for r in rows if r["impl"] == "triton"]
-    from mhctool.registry.families import KERNELS
+    from mhctool.families import KERNELS
     assert {r["kernel"] for r in tri} == set(KERNELS)
     assert all(r["value"] == 0 for r in tri if r["metric"] == "unwritten")
 

@@ -37,7 +37,7 @@ def test_parity_all_triton_passes_under_the_interpreter(tmp_path):
     res = runner.invoke(app, ["parity", "--kernel", "all", "--impl", "triton", "--device", "cpu", "-o", str(out)])
     assert res.exit_code == 0, res.output
     rows = [r for r in pq.read_table(out).to_pylist() if r["impl"] == "triton"]
-    from mhctool.registry.families import KERNELS
+    from mhctool.families import KERNELS
     assert {r["kernel"] for r in rows} == set(KERNELS)
     unwritten = [r for r in rows if r["metric"] == "unwritten"]
     assert unwritten and all(r["value"] == 0 and r["passed"] for r in unwritten)

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from mhctool.registry import families as registry
+from mhctool.families import get_family
 from mhctool.registry.impl import Impl
 from mhctool.registry.specs import load_external, resolve_impls
 from mhctool.cli.app import app
@@ -190,14 +190,14 @@ def test_te_layouts_staged_once_give_what_the_converting_call_gives(kernel):
     alone: that call on the staged inputs is the converting call on mhctool's inputs, bit for bit."""
     import torch
 
-    from mhctool.core import inputs as inputs_mod
+    from mhctool.families import generate
 
     impl = resolve_impls(kernel, [f"te:{IMPLS / 'te_standin'}"])[0]
     assert impl.staged is not None
     stage, fn = impl.staged
-    fam = registry.get_family(kernel)
+    fam = get_family(kernel)
     from mhctool.core.shapes import parse_shape_for
-    _, raw = inputs_mod.generate(kernel, "random", parse_shape_for("mhc", "3x2x4x40"), 0, {}, device="cpu")
+    _, raw = generate(kernel, "random", parse_shape_for("mhc", "3x2x4x40"), 0, {}, device="cpu")
     staged = stage(raw)
     assert staged["x"].shape == (3, 2, 40, 4) and raw["x"].shape == (3, 2, 4, 40)
     want = fam.call(impl.fn, raw, {}, impl.accepts, impl.bind)
@@ -213,12 +213,13 @@ def test_upstream_gradients_come_in_the_outputs_memory_order():
     import torch
 
     from mhctool.core import inputs as inputs_mod
+    from mhctool.families import generate
     from mhctool.core.shapes import parse_shape_for
 
     impl = resolve_impls("h_post_bda", [f"te:{IMPLS / 'te_standin'}"])[0]
     stage, fn = impl.staged
-    fam = registry.get_family("h_post_bda")
-    _, raw = inputs_mod.generate("h_post_bda", "random", parse_shape_for("mhc", "3x2x4x40"), 0, {}, device="cpu")
+    fam = get_family("h_post_bda")
+    _, raw = generate("h_post_bda", "random", parse_shape_for("mhc", "3x2x4x40"), 0, {}, device="cpu")
     out = fam.call(fn, stage(raw), {}, impl.accepts, impl.bind)[0]
     assert not out.is_contiguous()  # the adapter's view back to mhctool's layout
     up = inputs_mod.upstream_grads([out], seed=7)[0]

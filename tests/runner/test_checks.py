@@ -5,8 +5,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool.core import inputs, report
-from mhctool.registry import families as registry
+from mhctool.core import report
+from mhctool.families import generate, get_family, input_families
 from mhctool.runner import checks as repro
 from mhctool.cli.app import app
 from mhctool.runner.call import cast_inputs
@@ -65,11 +65,11 @@ def test_tensors_that_sum_over_tokens_are_left_out_and_said_so(tmp_path):
 
 def test_variants_hold_the_case_tokens_at_their_positions():
     for kernel, shape in [("h_post_bda", "13x3x4x67"), ("mapping", "13x3x4x67"), ("grouped_mlp", "37x64x96x5")]:
-        fam = registry.get_family(kernel)
+        fam = get_family(kernel)
         sh = parse_shape_for(fam.shape_kind, shape)
-        fam_name = next(iter(inputs.families_for(kernel)))
-        _, raw = inputs.generate(kernel, fam_name, sh, 0, {})
-        _, raw2 = inputs.generate(kernel, fam_name, sh, 1, {})
+        fam_name = next(iter(input_families(kernel)))
+        _, raw = generate(kernel, fam_name, sh, 0, {})
+        _, raw2 = generate(kernel, fam_name, sh, 1, {})
         base, others = cast_inputs(fam, raw, "fp32", "cpu"), cast_inputs(fam, raw2, "fp32", "cpu")
         total = repro.token_count(fam, base)
         vs = repro.variants(fam, base, [], others, [])  # no upstream gradients: inputs only

@@ -8,13 +8,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mhctool.core import inputs as inputs_mod
+from mhctool.families import generate, get_family
 from mhctool.runner.call import cast_inputs, run_impl, upstream_for
 from mhctool.runner.case import Case
 from mhctool.spread import sharded
 from mhctool.cli.app import app
 from mhctool.core.dtypes import FORMATS
-from mhctool.registry.families import get_family
 from mhctool.registry.builtin import native_impl
 from mhctool.core.shapes import parse_shape_for
 
@@ -63,7 +62,7 @@ def test_sharded_parity_of_the_mapping_path_passes_with_every_parameter_gradient
 def _native_case(kernel, shape="7x2x4x45", dtype="fp32", device="cpu"):
     case = Case(kernel, "random", dtype, parse_shape_for("mhc", shape), (), 0, "cpu")
     fam = get_family(kernel)
-    _, raw = inputs_mod.generate(kernel, "random", case.shape, case.seed, {})
+    _, raw = generate(kernel, "random", case.shape, case.seed, {})
     base = cast_inputs(fam, raw, dtype, device)
     nat = run_impl(fam, native_impl(kernel), base, {}, lambda outs: upstream_for(fam, outs, 0))
     return fam, base, upstream_for(fam, nat.outputs, 0), nat

@@ -17,7 +17,7 @@ from mhctool.analyses.identify.space import (
     fmt_knobs,
     fmt_value,
 )
-from mhctool.registry.families import get_family
+from mhctool.families import get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case, ImplResult
 

@@ -18,7 +18,7 @@ from mhctool.analyses.identify.space import (
     fmt_value,
 )
 from mhctool.analyses.identify.subject import _batched_errors, _nan_inf
-from mhctool.core import inputs as inputs_mod
+from mhctool.families import input_family
 from mhctool.core.metrics import max_rel, nonfinite
 from mhctool.registry.builtin import native_impl
 from mhctool.runner.baseline import judged_rows, make_baseline
@@ -103,7 +103,7 @@ class Judging(Fitting, Probing):
     def _nonfinite_evidence(self, family: str) -> tuple[bool, str]:
         """Whether the implementation returns non-finite values on ``family`` (a guard, else run
         now) where the float64 contract (what it was asked for) is finite."""
-        doc = inputs_mod.get_family(self.kernel, family).doc
+        doc = input_family(self.kernel, family).doc
         p = next((g for g in self.guards if g.case.family == family), None)
         if p is None:
             p, error = self._probe(family)
@@ -156,7 +156,7 @@ class Judging(Fitting, Probing):
         ``cand``'s knobs) comes to the implementation's forward outputs, and to its gradients: per
         output, the excess of the distance over the least distance, summed; among precisions
         within twice the least excess, the strictest (PRECISIONS' order) first."""
-        from mhctool.registry.families import PRECISIONS
+        from mhctool.families import PRECISIONS
         fwd: dict[str, list[float]] = {}
         bwd: dict[str, list[float]] = {}
         for prec in PRECISIONS:

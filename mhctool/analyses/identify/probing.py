@@ -9,7 +9,7 @@ import torch
 from mhctool.analyses.identify.conclusion import Probe
 from mhctool.analyses.identify.space import _far_from
 from mhctool.analyses.identify.subject import Subject, _batched_errors, _float64
-from mhctool.core import inputs as inputs_mod
+from mhctool.families import generate, input_family
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.metrics import nonfinite
 from mhctool.runner.call import (
@@ -31,7 +31,7 @@ class Probing(Subject):
         knobs = self._impl_knobs()
         case = Case(self.kernel, fam_name, self.dtype, self.shape, tuple(sorted(knobs.items())), self.seed,
                     self.device, "identify")
-        shape, raw = inputs_mod.generate(self.kernel, fam_name, self.shape, self.seed, knobs, draw_on=self.device)
+        shape, raw = generate(self.kernel, fam_name, self.shape, self.seed, knobs, draw_on=self.device)
         base = cast_inputs(self.fam, raw, self.dtype, self.device)
         nat = run_impl(self.fam, native_at(self.kernel, self.precision), base, knobs,
                               lambda outs: upstream_for(self.fam, outs, self.seed))
@@ -77,7 +77,7 @@ class Probing(Subject):
             bad = sum(int(nonfinite(o, r)) for o, r in zip(p.res.outputs, p.refs))
             if bad:
                 total = sum(int(torch.isfinite(r).sum()) for r in p.refs)
-                out.append((p.case.family, inputs_mod.get_family(self.kernel, p.case.family).doc, bad, total))
+                out.append((p.case.family, input_family(self.kernel, p.case.family).doc, bad, total))
         return out
 
     def _ignored(self, probes: list[Probe]) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 from mhctool.core import names
 from mhctool.core.errors import UsageError
-from mhctool.registry.families import get_family
+from mhctool.families import get_family
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 

@@ -14,7 +14,7 @@ from mhctool.analyses.identify.space import checked_knobs, space
 from mhctool.core.errors import UsageError
 from mhctool.core.shapes import parse_shape_for
 from mhctool.core.verdict import VerdictRule
-from mhctool.registry.families import Family, get_family
+from mhctool.families import Family, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import native_at, run_impl
 from mhctool.runner.case import Case, ImplResult
@@ -39,7 +39,7 @@ class Subject:
         self.shape = parse_shape_for(self.fam.shape_kind, shape or self.space.shape)
         if impl.limit and (why := impl.limit(self.shape)):
             raise UsageError(f"--impl {impl.name} cannot run the probe shape {self.shape}: {why}")
-        from mhctool.registry.families import MATMUL_KERNELS
+        from mhctool.families import MATMUL_KERNELS
         self.declared_precision = impl.precision_on(device)
         # the precision is fitted where a product's precision can show: fp32 operands of a matmul kernel
         self.fits_precision = matmul_precision is None and kernel in MATMUL_KERNELS and dtype == "fp32"

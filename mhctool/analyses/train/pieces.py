@@ -12,7 +12,7 @@ import torch
 from mhctool.analyses.train.setup import FAMILIES
 from mhctool.core.dtypes import dtype_named
 from mhctool.core.errors import UsageError
-from mhctool.registry import families as registry
+from mhctool.families import get_family
 from mhctool.registry.specs import is_function_spec, load_external, resolve_impls
 
 
@@ -33,7 +33,7 @@ class Piece:
 
 
 def _family_call(family: str, fn, knobs: dict, accepts=lambda k: True, bind=lambda k: k) -> Callable[[dict], tuple]:
-    fam = registry.get_family(family)
+    fam = get_family(family)
     return lambda args: fam.call(fn, args, knobs, accepts, bind)
 
 
@@ -78,7 +78,7 @@ def native_piece(family: str, knobs: dict, precision: str = "ieee") -> Piece:
 def reference_piece(family: str, knobs: dict) -> Piece:
     """The family's float64 reference on the inputs upcast; each output back at the dtype the
     native implementation gives it (the mapping path fp32, the streams at theirs)."""
-    fam = registry.get_family(family)
+    fam = get_family(family)
     call = _family_call(family, fam.reference, knobs)
 
     def run(args: dict) -> tuple:
@@ -108,8 +108,8 @@ def assign(specs: list[str], kernel: str | None = None) -> dict[str, str]:
                 params = list(inspect.signature(fn).parameters)
             except (TypeError, ValueError):
                 params = []
-            family = next((f for f in FAMILIES if params[:len(registry.get_family(f).inputs)]
-                           == list(registry.get_family(f).inputs)), None)
+            family = next((f for f in FAMILIES if params[:len(get_family(f).inputs)]
+                           == list(get_family(f).inputs)), None)
             if family is None:
                 raise UsageError(f"--impl {spec}: which mHC family is it? Its parameters ({', '.join(params)}) "
                                  f"are named after none of {', '.join(FAMILIES)}'s inputs; say it with --kernel")
@@ -181,7 +181,7 @@ def _pick(family: str, spec: str, device: str, dtype: str):
 def _projection_mapping(proj, knobs: dict) -> Piece:
     """The mapping as a library without one computes it: its proj_rms, then the native compute_h."""
     from mhctool.kernels.torch.mhc import compute_h
-    fam = registry.get_family("proj_rms")
+    fam = get_family("proj_rms")
     pk = {k: v for k, v in knobs.items() if k in fam.knobs}
 
     def run(args: dict) -> tuple:

@@ -26,7 +26,7 @@ from mhctool.analyses.train.trajectory import (
 from mhctool.analyses.train.verdict import judge, nonfinite_sentence
 from mhctool.core.errors import UsageError
 from mhctool.core.verdict import VerdictRule
-from mhctool.registry import families as registry
+from mhctool.families import get_family
 
 
 def rows(trajs: list[Trajectory]) -> list[dict]:
@@ -132,11 +132,11 @@ def parse_knobs(items: list[tuple[str, str]], flag: str, conventions_only: bool 
     out: dict[str, dict] = {}
     for name, raw in items:
         family, _, knob = name.rpartition(".")
-        takers = [family] if family else [f for f in FAMILIES if knob in registry.get_family(f).knobs]
+        takers = [family] if family else [f for f in FAMILIES if knob in get_family(f).knobs]
         for f in takers:
             if f not in FAMILIES:
                 raise UsageError(f"{flag} {name}: the model's mHC families are {', '.join(FAMILIES)}")
-            fam = registry.get_family(f)
+            fam = get_family(f)
             ok = knob in (fam.conventions if conventions_only else fam.knobs)
             if not ok:
                 raise UsageError(f"{flag} {name}: {knob} is no {'convention' if conventions_only else 'knob'} of {f}; "
