@@ -40,35 +40,3 @@ def test_small_tensors_are_drawn_as_before_from_the_case_generator():
     assert torch.equal(inputs.randn(torch.Generator().manual_seed(3), 5, 7), want)
     ups = inputs.upstream_grads([torch.empty(())], 1)
     assert ups[0].shape == () and torch.isfinite(ups[0])
-
-
-def test_every_family_draws_its_large_tensors_where_asked_with_the_small_ones_unchanged(monkeypatch, family_cases):
-    """The families scale and shift a large tensor by small ones drawn on the CPU (moved to it):
-    with every tensor past BIG, drawing 'on' the CPU gives the default's values for every family
-    (tests/kernels/test_gpu.py draws them on a GPU)."""
-    monkeypatch.setattr(inputs, "BIG", 64)
-    monkeypatch.setattr(inputs, "BLOCK", 4096)
-    cases = family_cases
-    assert len({k for k, _, _ in cases}) >= 10
-    for kernel, name, shape in cases:
-        want = generate(kernel, name, shape, 3, {})[1]
-        got = generate(kernel, name, shape, 3, {}, draw_on="cpu")[1]
-        assert want.keys() == got.keys()
-        for k, t in want.items():
-            assert (t is None and got[k] is None) or torch.equal(t, got[k]), (kernel, name, k)
-
-
-def test_every_family_combines_large_tensors_on_another_device_with_its_small_ones(monkeypatch, family_cases):
-    """A GPU case draws its large tensors on the GPU and the small ones on the CPU: every family must
-    move the small ones over before combining. Large tensors 'drawn' on the meta device (shapes
-    only) stand in for the GPU: an operation mixing devices raises."""
-    import math
-
-    def on_meta(g, shape, normal):
-        int(torch.randint(0, 1 << 62, (1,), generator=g))
-        return torch.empty(math.prod(shape), device="meta").view(*shape)
-    monkeypatch.setattr(inputs, "BIG", 64)
-    monkeypatch.setattr(inputs, "_blocks", on_meta)
-    for kernel, name, shape in family_cases:
-        raw = generate(kernel, name, shape, 3, {}, draw_on="meta")[1]
-        assert any(t is not None and t.is_meta for t in raw.values()), (kernel, name)

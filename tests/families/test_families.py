@@ -1,0 +1,80 @@
+"""Kernel families (mhctool.families): each family's module gives a whole contract, its input
+families draw what the contract takes, and its bytes model and kernels are where the registry
+and bench read them."""
+import importlib
+import math
+
+import pytest
+import torch
+
+from mhctool.core import inputs
+from mhctool.core.errors import UsageError
+from mhctool.core.shapes import parse_shape_for
+from mhctool.families import FAMILIES, MATMUL_KERNELS, generate, input_family
+from mhctool.registry import costs
+from mhctool.registry.builtin import CUTILE_KERNELS, TRITON_KERNELS, impls_for
+
+SMALL = {"mhc": "3x2x4x40", "moe": "40x24x16x4"}
+
+
+@pytest.mark.parametrize("kernel", list(FAMILIES))
+def test_every_input_family_draws_the_tensors_the_contract_takes(kernel):
+    fam = FAMILIES[kernel]
+    assert fam.input_families, kernel
+    for name in (*fam.input_families, *fam.stress, *fam.probes):
+        _, raw = generate(kernel, name, parse_shape_for(fam.shape_kind, SMALL[fam.shape_kind]), 0, {})
+        assert set(raw) == set(fam.inputs), (kernel, name)
+        drawn = [t for t in raw.values() if t is not None and t.is_floating_point()]
+        assert drawn and all(bool(torch.isfinite(t).all()) for t in drawn), (kernel, name)
+
+
+@pytest.mark.parametrize("kernel", list(FAMILIES))
+def test_every_family_has_a_bytes_model_and_its_kernels_registered(kernel):
+    fam = FAMILIES[kernel]
+    cost = costs.model(kernel, parse_shape_for(fam.shape_kind, SMALL[fam.shape_kind]), "bf16")
+    assert cost.bytes_fwd > 0 and (cost.bytes_bwd > 0) != fam.forward_only
+    assert (cost.flops_fwd > 0) == (kernel in MATMUL_KERNELS or fam.shape_kind == "moe" and "grouped" in kernel)
+    assert TRITON_KERNELS.get(kernel) == fam.kernels.get("triton") and CUTILE_KERNELS.get(kernel) == fam.kernels.get("cutile")
+    for backend, target in fam.kernels.items():
+        module, fn = target.split(":")
+        assert module.startswith("mhctool.kernels.") and fn, target
+        assert backend in {i.name for i in impls_for(kernel)}
+        if backend != "cutile":  # cuda.tile may be absent on a CPU machine (tests/kernels/test_cutile.py)
+            assert callable(getattr(importlib.import_module(module), fn)), target
+
+
+def test_an_unknown_input_family_names_the_ones_there_are():
+    with pytest.raises(UsageError, match="unknown input family 'bogus' for kernel sinkhorn; accepted: random, "):
+        input_family("sinkhorn", "bogus")
+    assert input_family("sinkhorn", "underflow_cols").name == "underflow_cols"  # a stress family
+    assert input_family("sinkhorn", "eps_sweep").name == "eps_sweep"  # identify's probe
+
+
+def test_every_family_draws_its_large_tensors_where_asked_with_the_small_ones_unchanged(monkeypatch, family_cases):
+    """The families scale and shift a large tensor by small ones drawn on the CPU (moved to it):
+    with every tensor past BIG, drawing 'on' the CPU gives the default's values for every family
+    (tests/kernels/test_gpu.py draws them on a GPU)."""
+    monkeypatch.setattr(inputs, "BIG", 64)
+    monkeypatch.setattr(inputs, "BLOCK", 4096)
+    cases = family_cases
+    assert len({k for k, _, _ in cases}) >= 10
+    for kernel, name, shape in cases:
+        want = generate(kernel, name, shape, 3, {})[1]
+        got = generate(kernel, name, shape, 3, {}, draw_on="cpu")[1]
+        assert want.keys() == got.keys()
+        for k, t in want.items():
+            assert (t is None and got[k] is None) or torch.equal(t, got[k]), (kernel, name, k)
+
+
+def test_every_family_combines_large_tensors_on_another_device_with_its_small_ones(monkeypatch, family_cases):
+    """A GPU case draws its large tensors on the GPU and the small ones on the CPU: every family must
+    move the small ones over before combining. Large tensors 'drawn' on the meta device (shapes
+    only) stand in for the GPU: an operation mixing devices raises."""
+    def on_meta(g, shape, normal):
+        int(torch.randint(0, 1 << 62, (1,), generator=g))
+        return torch.empty(math.prod(shape), device="meta").view(*shape)
+    monkeypatch.setattr(inputs, "BIG", 64)
+    monkeypatch.setattr(inputs, "_blocks", on_meta)
+    for kernel, name, shape in family_cases:
+        raw = generate(kernel, name, shape, 3, {}, draw_on="meta")[1]
+        assert any(t is not None and t.is_meta for t in raw.values()), (kernel, name)
