@@ -23,6 +23,7 @@ from mhctool.registry.builtin import native_impl
 from mhctool.core import findings
 from mhctool.cli.kit import device as _device
 from mhctool.registry.impl import Impl
+from mhctool.analyses.hints import hints
 
 __all__ = ["ParityResult", "assert_parity", "check_parity"]
 
@@ -54,7 +55,6 @@ class ParityResult:
         have in common. Empty when it passed, or for mhctool's own backends."""
         if self.passed or self.plan is None or not self.failures:
             return []
-        from mhctool.analyses.hints import hints
         return [h for _, _, h in hints(self.plan, self.verdicts, self.plan.cases[0].device)]
 
     @property

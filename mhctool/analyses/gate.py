@@ -63,6 +63,11 @@ from mhctool.core.errors import UsageError
 from mhctool.core.findings import judged_nothing, verdicts
 from mhctool.core.combine import stable
 from mhctool.core.report import to_table
+from mhctool.runner.checks import parse_checks
+from mhctool.analyses import train as T
+from mhctool.spread import pool
+from mhctool.spread.isolation import Worker
+from mhctool.analyses.hints import hints
 
 SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train"}
 STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}
@@ -146,7 +151,6 @@ def load_suite(path: str | os.PathLike) -> Suite:
             except UsageError as e:
                 raise _err(src, f"{where}.dtypes", str(e)) from None
         try:
-            from mhctool.runner.checks import parse_checks
             checks = item.get("checks", [])
             if not isinstance(checks, list):
                 raise UsageError(f"must be a list, e.g. checks = [\"determinism\"], got {checks!r}")
@@ -207,7 +211,6 @@ def load_suite(path: str | os.PathLike) -> Suite:
         item = {**item, "impls": [_impl_spec(base, spec) for spec in impls],
                 "golden": _resolve(base, item["golden"], src, f"{where}.golden")}
         try:
-            from mhctool.analyses import train as T
             T.config(item.get("device", "cpu"), **{k: item[k] for k in TRAIN_CONFIG_KEYS if k in item})
             T.assign(item["impls"], item.get("kernel"))
             for key in ("knobs", "conventions"):
@@ -250,7 +253,6 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
     merge`` puts the slices back in the order one run has. ``workers``/``backend``: parity cases
     spread over processes (:mod:`mhctool.pool`). ``timings``: the parity entries' phases are added
     to it (:mod:`mhctool.profile`)."""
-    from mhctool.spread import pool
     cases: list[Case] = []
     unit = 0
 
@@ -341,7 +343,6 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
 def _train_cases(item: dict, device_default: str, unit: int, isolation, interrupted) -> list[Case]:
     """A [[train]] entry: the implementation's run diffed against the stored golden values with
     Megatron's rules (a case per metric), and with ``compare`` the drift from the float64 run."""
-    from mhctool.analyses import train as T
     device = item.get("device", device_default)
     cfg = T.config(device, **{k: item[k] for k in TRAIN_CONFIG_KEYS if k in item})
     knobs, conventions = ({} if not item.get(key) else T.parse_knobs(
@@ -349,7 +350,6 @@ def _train_cases(item: dict, device_default: str, unit: int, isolation, interrup
         key == "conventions") for key in ("knobs", "conventions"))
     worker = None
     if isolation is not None:
-        from mhctool.spread.isolation import Worker
         worker = Worker(isolation.transport)
     try:
         o = T.session(cfg, T.assign(item["impls"], item.get("kernel")), knobs, conventions,
@@ -391,7 +391,6 @@ def cases_from_rows(rows: list[dict]) -> list[Case]:
 def _hinted(cases: list[Case], item: str, plan, table, isolation) -> None:
     """Parity's hint for each outside implementation that failed in this entry, put on its failed
     cases (the JUnit failure, the Markdown summary and the gate's output carry it)."""
-    from mhctool.analyses.hints import hints
     device = plan.cases[0].device if plan.cases else "cpu"
     for kernel, impl, hint in hints(plan, verdicts(table), device, isolation):
         for c in cases:

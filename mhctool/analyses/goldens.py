@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mhctool.core.errors import UsageError
+from mhctool.core.report import atomic
 
 DEFAULT_METRICS = ("lm loss", "num-zeros")
 RTOL = {"lm loss": 0.05, "num-zeros": 0.20, "mem-allocated-bytes": 0.05,
@@ -110,7 +111,6 @@ def to_json(golden: Golden) -> dict:
 
 def dump(golden: Golden, path: str | os.PathLike) -> Path:
     """Write Megatron's format atomically (temp file + rename)."""
-    from mhctool.core.report import atomic
     return atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(to_json(golden), indent=4)))
 
 

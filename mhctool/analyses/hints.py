@@ -11,6 +11,8 @@ from mhctool.registry.impl import Impl
 from mhctool.core import report
 from mhctool.core.findings import verdicts
 from mhctool.cli.kit import fmt, short_impl
+from mhctool.analyses import identify as ident_mod
+from mhctool.spread.case_isolation import Isolation
 
 
 def failed_externals(vs: list[dict]) -> dict[tuple[str, str], set[str]]:
@@ -75,8 +77,6 @@ def parity_hint(kernel: str, impl: Impl, short: str, device: str, isolated: bool
     conventions declared with ``--convention`` (an adapter's own are the implementation's).
     ``verify(conventions, precision) -> (passed, first failure)``: the run again with the flags
     found; a flag is offered as passing only where that run passes."""
-    from mhctool.analyses import identify as ident_mod
-    from mhctool.spread.case_isolation import Isolation
     spec = impl.spec or impl.name
     if kernel not in ident_mod.IDENTIFIABLE:
         return None

@@ -25,6 +25,10 @@ from mhctool.core.errors import UsageError
 from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case
 from mhctool.analyses.scenario import Scenario
+from mhctool.runner.call import INPUT_DTYPES
+from mhctool.runner.checks import parse_checks
+from mhctool.spread import jobs as jobs_mod
+from mhctool.spread import pool
 
 
 @dataclass
@@ -88,7 +92,6 @@ def check_conventions(kernel: str, conventions: dict | None) -> dict:
 def check_input_dtypes(kernel: str, declared: dict | None) -> dict:
     """``{input: dtype}`` declared for ``kernel``'s external implementation, each checked: an
     input of the family, and ``activation`` (the case's dtype) or a format name."""
-    from mhctool.runner.call import INPUT_DTYPES
     fam = get_family(kernel)
     out = {}
     for name, value in (declared or {}).items():
@@ -117,7 +120,6 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
     Every problem with the request is a :class:`~mhctool.errors.UsageError` before anything runs;
     ``strict``: also an implementation named that can run none of the cases (the gate, where a
     suite outlives the machine it was written on, reports those as skipped instead)."""
-    from mhctool.runner.checks import parse_checks
     checks = parse_checks(list(checks or []))
     if not (isinstance(repeats, int) and repeats >= 2):
         raise UsageError(f"repeats {repeats!r} for the determinism check must be an integer of at least 2")
@@ -227,8 +229,6 @@ def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[
 
 
 def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address, into) -> Outcome:
-    from mhctool.spread import jobs as jobs_mod
-    from mhctool.spread import pool
     check_poolable(p)
     iso = None if isolation is None else jobs_mod.IsolationSettings(isolation.transport, isolation.case_timeout)
     jobs = [jobs_mod.Job(c, tuple(p.specs), p.scenario.rule, p.matmul_precision, p.conventions.get(c.kernel),

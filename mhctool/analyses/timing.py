@@ -45,6 +45,9 @@ from mhctool.runner.call import _cast_inputs, _leaf
 from mhctool.runner.case import Case
 from mhctool.core.shapes import Shape
 from mhctool.registry.costs import model
+from mhctool.registry.specs import resolve_one
+from mhctool.families import KERNELS
+from mhctool.registry.builtin import impls_for
 
 
 def bench_dtype(kernel: str, dtype: str) -> str:
@@ -214,7 +217,6 @@ def _call(fam: Family, impl: Impl, args: dict):
 
 def isolated_measure(kernel: str, spec: str, name: str, *args) -> Measurement:
     """The job an isolation worker runs for ``mhctool bench``: resolve ``spec`` there, measure ``name``."""
-    from mhctool.registry.specs import resolve_one
     return measure(kernel, resolve_one(kernel, spec, name), *args)
 
 
@@ -459,8 +461,6 @@ class PathSum:
 
 def _tf32_variants() -> set[str]:
     """mhctool's implementations that multiply at TF32 by design (``triton-tf32``)."""
-    from mhctool.families import KERNELS
-    from mhctool.registry.builtin import impls_for
     return {i.name for k in KERNELS for i in impls_for(k) if i.precision == "tf32"}
 
 

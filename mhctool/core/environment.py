@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mhctool import __version__
+from mhctool.core import interpreter
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,6 @@ def ensure_triton_mode() -> None:
     if not cuda_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if triton_interpreted() and _version("triton") is not None:
-        from mhctool.core import interpreter
         interpreter.prepare()
 
 

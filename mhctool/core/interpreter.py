@@ -39,6 +39,9 @@ import math
 import os
 
 import torch
+import numpy as np
+import inspect
+import importlib.metadata
 
 PROBE_SHAPE = (16, 32, 16)  # M, K, N of the probe's product
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,7 +88,6 @@ def dot_error(dtype: str) -> float:
 
 def _widened(handle):
     """A bf16 operand handle as an fp32 one holding the same values."""
-    import numpy as np
     import triton.language as tl
     from triton.runtime.interpreter import TensorHandle
     bits = np.asarray(handle.data).astype(np.uint32) << np.uint32(16)
@@ -126,7 +128,6 @@ def _mend_repeated_patching() -> None:
     """A helper's call skips ``_patch_lang`` when the launch in progress has patched the same
     language modules (see the module's docstring); the launch's own patch and its restore, and a
     helper that sees other modules, are as Triton does them."""
-    import inspect
 
     from triton.runtime import interpreter as ti
     launches: list[frozenset] = []  # the language modules patched by the launch in progress
@@ -162,7 +163,6 @@ def _mend_repeated_patching() -> None:
 
 def _bf16_bits(data):
     """fp32 values (a numpy array) as bf16 bit patterns, rounded to nearest, ties to even."""
-    import numpy as np
     bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
     nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
@@ -171,12 +171,10 @@ def _bf16_bits(data):
 
 
 def _fp32_of_bf16(data):
-    import numpy as np
     return (np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _mend_bf16_casts() -> None:
-    import numpy as np
     import triton.language as tl
     from triton._C.libtriton import ir
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
@@ -203,7 +201,6 @@ def _mend_bf16_casts() -> None:
 
 
 def _mend_sequential_sums() -> None:
-    import numpy as np
     from triton.runtime.interpreter import ReduceOps
 
     def make(original):
@@ -313,7 +310,6 @@ def fault(dtype: str) -> str | None:
     if dtype not in _DTYPES or not active():
         return None
     err = prepare().get(dtype, 0.0)
-    import importlib.metadata
     try:
         version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from . import TRITON_FP32_DOT, Binding, load_path_or_module
+import importlib.metadata
 
 NAME = "liger"
 MODULE = "liger_kernel.transformers.functional"
@@ -103,7 +104,6 @@ def recognise(m) -> tuple[str, list[Binding]]:
 
 def _version(m) -> str:
     """The installed distribution's version where the module is that distribution's, else "local"."""
-    import importlib.metadata
     try:
         dist = importlib.metadata.distribution("liger-kernel")
     except importlib.metadata.PackageNotFoundError:

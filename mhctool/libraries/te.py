@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import TRITON_FP32_DOT, Binding, load_path_or_module, n_of
+import os
 
 NAME = "te"
 MODULE = "transformer_engine.pytorch.triton.mhc"
@@ -35,7 +36,6 @@ FP32_EPS = float(torch.finfo(torch.float32).eps)
 
 
 def load(target: str):
-    import os
     if os.environ.get("TRITON_INTERPRET") == "1":  # TE's autotuner cannot run under the interpreter
         os.environ.setdefault("NVTE_DISABLE_TRITON_AUTOTUNING", "1")
     return load_path_or_module(target, MODULE, "mhc.py")

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from . import Binding, load_path_or_module, n_of
+import sys
 
 NAME = "tilekernels"
 MODULE = "tile_kernels"
@@ -394,7 +395,6 @@ def recognise(m) -> tuple[str, list[Binding]]:
 def _on_tilelang() -> bool:
     """Whether the library loaded TileLang (its kernels then run on a GPU only); a stand-in written
     from its API in PyTorch runs anywhere."""
-    import sys
     return "tilelang" in sys.modules
 
 

@@ -20,6 +20,10 @@ from typing import TYPE_CHECKING, Callable
 
 from mhctool.core.errors import UsageError
 from mhctool.registry.loading import load_file
+from importlib.metadata import entry_points
+from mhctool.core.environment import ensure_triton_mode
+from mhctool.registry.impl import Impl
+from mhctool.families import get_family
 
 if TYPE_CHECKING:  # the adapters' public API; never imported here at run time
     from mhctool.libraries import Binding
@@ -33,7 +37,6 @@ ENTRY_POINT_GROUP = "mhctool.adapters"
 
 
 def _entry_points() -> dict:
-    from importlib.metadata import entry_points
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
@@ -47,7 +50,6 @@ def find(prefix: str):
     or None when it names none (then the spec is a ``module:function`` or ``FILE.py:function``)."""
     if prefix in NAMES:
         return importlib.import_module(BUILT_IN[prefix])
-    from mhctool.core.environment import ensure_triton_mode
     ensure_triton_mode()  # an adapter's module or file may define Triton kernels as it is imported
     eps = _entry_points()
     if prefix in eps:
@@ -87,7 +89,6 @@ def label(name: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _load(name: str, target: str):
-    from mhctool.core.environment import ensure_triton_mode
     ensure_triton_mode()  # before the library defines its Triton kernels
     return adapter(name).load(target)
 
@@ -108,7 +109,6 @@ def recognised(spec: str) -> tuple[str, list[Binding]]:
 def impls(spec: str, kernel: str) -> list:
     """The implementations ``spec`` offers for ``kernel`` (one per variant), or one that is never
     runnable and says why, when the library has no such kernel."""
-    from mhctool.registry.impl import Impl
     name = spec.partition(":")[0]
     generation, bindings = recognised(spec)
     module = _load(name, spec.partition(":")[2])
@@ -136,7 +136,6 @@ def _absent(*args, **kwargs):
 def _bound(module, binding: Binding, kernel: str, convert: bool = True) -> Callable:
     """A function with the family's signature (its inputs, then the knobs the binding takes);
     ``convert``: it puts its inputs in the library's layouts itself (else they come converted)."""
-    from mhctool.families import get_family
     fam = get_family(kernel)
     at = [(fam.inputs.index(k), f) for k, f in binding.layouts.items()] if convert else []
 

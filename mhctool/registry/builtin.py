@@ -10,15 +10,15 @@ import torch
 
 from mhctool.families import FAMILIES, KERNELS, MOE_KERNELS
 from mhctool.registry.impl import Impl, import_target
+from mhctool.core.environment import triton_status
+from mhctool.core.environment import cutile_status
 
 
 def _triton_requires() -> str | None:
-    from mhctool.core.environment import triton_status
     return triton_status().reason
 
 
 def _cutile_requires() -> str | None:
-    from mhctool.core.environment import cutile_status
     return cutile_status().reason
 
 

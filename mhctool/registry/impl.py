@@ -10,6 +10,8 @@ from typing import Callable
 
 from mhctool.core.errors import UsageError
 from mhctool.families import FAMILIES, signature
+from mhctool.core.environment import triton_interpreted
+from mhctool.core import interpreter
 
 
 @dataclass
@@ -63,7 +65,6 @@ class Impl:
         if device not in self.devices:
             return f"{self.name} runs on {', '.join(self.devices)}, not {device}"
         if self.backend == "triton":
-            from mhctool.core.environment import triton_interpreted
             if device == "cpu" and not triton_interpreted():
                 return "Triton runs on the CPU only through its interpreter (set TRITON_INTERPRET=1)"
             if device == "cuda" and triton_interpreted():
@@ -72,7 +73,6 @@ class Impl:
             return f"{self.name} takes {', '.join(self.dtypes)}, not {dtype}"
         if device == "cpu" and self.backend in ("triton", "external"):
             # a 16-bit product the interpreter computes wrong would blame the kernel: skipped, said why
-            from mhctool.core import interpreter
             return interpreter.fault(dtype)
         return None
 

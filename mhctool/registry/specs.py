@@ -13,6 +13,7 @@ from mhctool.registry import adapters, loading
 from mhctool.registry.builtin import BACKEND_NAMES, impls_for
 from mhctool.families import KERNELS
 from mhctool.registry.impl import Impl, check_callable
+from mhctool.core.environment import ensure_triton_mode
 
 
 def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:
@@ -86,7 +87,6 @@ def _file_module(spec: str, path: Path):
     interpreter first on a CPU; a missing file or one that fails to import is bad input."""
     if not path.is_file():
         raise UsageError(f"--impl {spec!r}: no file {path}")
-    from mhctool.core.environment import ensure_triton_mode
     ensure_triton_mode()  # before the file defines its Triton kernels: on a CPU, the interpreter
     try:
         return loading.load_file(path)
@@ -116,7 +116,6 @@ def load_external(spec: str, kernel: str, check: bool = True) -> Impl:
     if target.endswith(".py") or os.sep in target or "/" in target:
         module = _file_module(spec, Path(target))
     else:
-        from mhctool.core.environment import ensure_triton_mode
         ensure_triton_mode()  # before the module defines its Triton kernels: on a CPU, the interpreter
         try:
             module = importlib.import_module(target)

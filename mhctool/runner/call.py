@@ -19,6 +19,8 @@ from mhctool.registry.builtin import native_impl
 from mhctool.families import MATMUL_KERNELS, Family, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case, ImplResult
+import traceback
+from mhctool.registry.specs import resolve_one
 
 # exception classes (by name or by the module they come from) that mean "this implementation does
 # not take this case": an assert on a shape or a dtype, a kernel compiler refusing the shape
@@ -54,7 +56,6 @@ def _interpreter_refusal(e: BaseException) -> bool:
     cause = e.__cause__ or e.__context__
     if cause is None or cause.__traceback__ is None:
         return False
-    import traceback
     frames = traceback.extract_tb(cause.__traceback__)
     return bool(frames) and f"triton{os.sep}language{os.sep}" in frames[-1].filename
 
@@ -212,7 +213,6 @@ def conform_outputs(fam: Family, outs, expect: list[tuple], returned: dict) -> t
 
 def isolated_impl(kernel: str, spec: str, name: str, base: dict, knobs: dict, upstream: list, expect: list) -> dict:
     """The job an isolation worker runs: resolve ``spec`` for ``kernel`` there, and run ``name``."""
-    from mhctool.registry.specs import resolve_one
     impl = resolve_one(kernel, spec, name)
     return run_impl(get_family(kernel), impl, base, knobs, lambda outs: upstream, expect).to_dict()
 

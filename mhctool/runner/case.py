@@ -12,6 +12,7 @@ from mhctool.core.errors import UsageError
 from mhctool.core.shapes import Shape
 from mhctool.registry.costs import model
 from mhctool.registry.impl import Impl
+import os
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,6 @@ def device_memory(device: str) -> float:
     """Bytes the device has: the GPU's total memory, or the machine's physical memory."""
     if device == "cuda":
         return float(torch.cuda.mem_get_info()[1])
-    import os
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 

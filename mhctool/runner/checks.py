@@ -29,6 +29,7 @@ from mhctool.runner.call import (
     short_error,
 )
 from mhctool.runner.case import Case, ImplResult, device_memory, footprint, row_fields
+from mhctool.core.errors import UsageError
 
 CHECKS = ("determinism", "batch-invariance")
 
@@ -56,7 +57,6 @@ CPU_NOTE = "on the CPU the Triton interpreter runs programs one after another: a
 
 
 def parse_checks(names: list[str]) -> tuple[str, ...]:
-    from mhctool.core.errors import UsageError
     out = []
     for n in names:
         if n not in CHECKS:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
+import multiprocessing as mp
+from multiprocessing import forkserver
 
 # what the fork server imports once for all the processes forked from it (workers, isolation
 # workers, ranks): torch, with mhctool.spread.isolation; and the module PyTorch's autograd imports at its
@@ -33,8 +35,6 @@ def start_forkserver() -> None:
     there is no fork server): the first child forked from it then waits only for what is left of
     its imports. A pool worker that isolates starts its own at its first case, while the case's
     inputs, reference and native run come first (its isolation workers are forked from it)."""
-    import multiprocessing as mp
-    from multiprocessing import forkserver
     if "forkserver" not in mp.get_all_start_methods():
         return
     forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)

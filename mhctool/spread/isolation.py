@@ -43,6 +43,9 @@ import torch
 import torch.multiprocessing as tmp
 
 from mhctool.core.errors import system_exit_message
+from mhctool.spread.forkserver import FORKSERVER_PRELOAD, forkserver_started
+from mhctool.core.environment import ensure_triton_mode
+from mhctool.spread.forkserver import forkserver_has
 
 TRANSPORTS = ("shm", "host", "file")
 _ENVIRON_LOCK = threading.Lock()
@@ -172,7 +175,6 @@ def child_context(spawn: bool = False) -> tuple[Any, dict | None]:
     with ``spawn`` or where there is no fork server (Windows), a fresh interpreter and None."""
     if spawn or "forkserver" not in tmp.get_all_start_methods():
         return tmp.get_context("spawn"), None
-    from mhctool.spread.forkserver import FORKSERVER_PRELOAD, forkserver_started
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver_started(os.environ)  # where the server starts now: with these variables
@@ -190,7 +192,6 @@ def adopt_environment(environ: dict | None) -> None:
 def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> None:  # pragma: no cover - runs in the child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
     adopt_environment(environ)
-    from mhctool.core.environment import ensure_triton_mode
     ensure_triton_mode()
     conn.send(("ready", os.getpid()))
     while True:
@@ -257,7 +258,6 @@ class Worker:
         # environment). A spawned child takes this process's environment: its variables are set
         # here for the moment of its start, under the lock the copy is taken under too, so that no
         # child ever gets another worker's variables.
-        from mhctool.spread.forkserver import forkserver_has
         with _ENVIRON_LOCK:
             ctx, environ = child_context(spawn=any(k not in LATE_VARIABLES and not forkserver_has(k, v)
                                                    for k, v in self.env.items()))

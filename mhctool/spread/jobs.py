@@ -1,6 +1,10 @@
 """One case as a worker process runs it: the job (everything plain enough to pickle), what runs it
 in the worker (:func:`case_job`), how long it may take, and the rows of a case whose worker died
-twice."""
+twice.
+
+The pool imports this module and must stay free of torch until a command has started the fork
+server (``docs/dev/architecture.md``, "Imports inside functions"): what needs the runner or the
+registry is imported inside the function that runs the job."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """Cases as Ray tasks (``--backend ray``): one task per case, a task whose worker dies run again
-with every implementation isolated, as in the local pool."""
+with every implementation isolated, as in the local pool. Imported by the pool, so free of torch
+at import (as :mod:`mhctool.spread.jobs`); Ray itself is optional."""
 from __future__ import annotations
 
 import os

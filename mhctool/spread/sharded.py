@@ -39,6 +39,18 @@ import torch
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
+from mhctool.runner.case import device_memory, footprint
+from mhctool.runner.call import _leaf
+import torch.distributed as dist
+from mhctool.core import environment
+from mhctool.spread.isolation import adopt_environment
+from mhctool.registry.specs import resolve_one
+from mhctool.runner.call import native_at, run_impl
+from mhctool.runner.case import ImplResult
+from mhctool.runner.call import short_error
+from mhctool.spread.isolation import shared_copy
+from mhctool.spread.isolation import child_context
+import queue
 
 # kernel -> the inputs that hold tokens along their first axis (the others are parameters, their
 # gradients all-reduced); every output of these families holds tokens along its first axis
@@ -133,7 +145,6 @@ def overlaps(case, sharding: Sharding) -> bool:
     """Whether the ranks' native run and this process's float64 reference may run at once: where
     both fit in the device's memory (at the paper shape, fp32 h_post_bda's reference is 43 GB: on
     an 80 GB GPU they run one after the other)."""
-    from mhctool.runner.case import device_memory, footprint
     return OVERLAP_FACTOR * footprint(case) <= 0.9 * device_memory(sharding.device)
 
 
@@ -149,7 +160,6 @@ def whole_batch_outputs(fam, kernel: str, native, base: dict, knobs: dict) -> li
     on the first token row alone: every output holds tokens along its first axis, which the batch's
     token inputs give. A sharded case draws its upstream gradients from them (the same draws as
     from the whole batch's outputs) without running the whole batch in this process."""
-    from mhctool.runner.call import _leaf
     token = TOKEN_INPUTS[kernel]
     rows, device = base[token[0]].shape[0], base[token[0]].device
     # on the CPU: shapes and dtypes do not depend on the device, and a GPU would load its kernels
@@ -170,7 +180,6 @@ class _Group:
     """R processes joined by one process group, each serving jobs from its own queue."""
 
     def __init__(self, ranks: int, device: str, start_timeout: float = 300.0):
-        from mhctool.spread.isolation import child_context
         self.ranks = ranks
         self.folder = tempfile.mkdtemp(prefix="mhctool-ranks-")
         ctx, environ = child_context()  # the ranks fork from a server that imported torch once
@@ -211,7 +220,6 @@ class _Group:
         return got, why, kind
 
     def _gather(self, timeout: float) -> tuple[list | None, str | None, str | None]:
-        import queue
         got: dict = {}
         deadline = time.monotonic() + timeout
         while len(got) < self.ranks:
@@ -244,10 +252,7 @@ class _Group:
 
 def _serve(rank: int, ranks: int, folder: str, device: str, jobs, answers, environ: dict | None = None) -> None:
     """One rank's process: joins the group once, then runs each job it is handed until None."""
-    import torch.distributed as dist
 
-    from mhctool.core import environment
-    from mhctool.spread.isolation import adopt_environment
     adopt_environment(environ)
     environment.ensure_triton_mode()
     if device != "cpu":
@@ -272,10 +277,7 @@ def _rank_job(rank: int, ranks: int, device: str, job: dict) -> dict:
     all-reduced (by every rank, or by none where one failed). The answer's tensors stay where they
     are: on a GPU they go back as CUDA IPC handles (copies where they are the sender's own
     tensors, which a process cannot hand on), on the CPU through shared memory."""
-    import torch.distributed as dist
 
-    from mhctool.registry.specs import resolve_one
-    from mhctool.runner.call import native_at, run_impl
     kernel, spec, name, native_precision = job["impl"]
     dev = device if device == "cpu" else f"cuda:{rank}"
     fam = get_family(kernel)
@@ -284,8 +286,6 @@ def _rank_job(rank: int, ranks: int, device: str, job: dict) -> dict:
     try:
         impl = native_at(kernel, native_precision) if native_precision else resolve_one(kernel, spec, name)
     except Exception as e:  # noqa: BLE001 - resolving the implementation failed: its failed row
-        from mhctool.runner.case import ImplResult
-        from mhctool.runner.call import short_error
         res = ImplResult(fwd_error=short_error(e))
     else:
         if job["placed"]:  # this rank's slices and parameters, already on its GPU
@@ -356,7 +356,6 @@ def submit(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding:
     if sharding.device == "cpu":
         # copies in shared memory: the queue pickles the job in a thread of its own while this process
         # goes on with the case, and pickling a tensor not yet shared moves its storage there
-        from mhctool.spread.isolation import shared_copy
         job = {**head, "placed": False, "base": {k: None if v is None else shared_copy(v.detach().cpu())
                                                  for k, v in base.items()},
                "upstream": [shared_copy(u.detach().cpu()) for u in upstream]}
@@ -374,7 +373,6 @@ def submit(kernel: str, impl, base: dict, knobs: dict, upstream: list, sharding:
 def collect(pending: Pending, timeout: float):
     """The :class:`runner.ImplResult` of the whole batch (outputs and token gradients joined,
     parameter gradients all-reduced) of a :func:`submit`-ted job, or its failed result."""
-    from mhctool.runner.case import ImplResult
     sharding = pending.sharding
     parts, why, kind = pending.group.gather(timeout)
     if parts is None:

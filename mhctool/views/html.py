@@ -14,6 +14,8 @@ import pyarrow as pa
 from mhctool.core import report
 from mhctool.core.combine import stable
 from mhctool.core.findings import rows_worst_first, verdicts, worst_first
+from mhctool.views import plots
+from mhctool.analyses.stability import OVERFLOW_LOGIT
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
@@ -64,7 +66,6 @@ def _rows_for(kind: str, table: pa.Table) -> tuple[list[dict], list[str]]:
 
 def _figures(kind: str, table: pa.Table, run: dict, folder: Path) -> list[Path]:
     """The figures the report's own command draws with ``--plot``, into ``folder``."""
-    from mhctool.views import plots
     if kind == "parity":
         return plots.parity_figures(table, folder)
     if kind == "bench" and run.get("copy_bandwidth_Bps"):
@@ -72,7 +73,6 @@ def _figures(kind: str, table: pa.Table, run: dict, folder: Path) -> list[Path]:
     if kind == "train":
         return plots.train_figures(table, folder)
     if kind == "stability":
-        from mhctool.analyses.stability import OVERFLOW_LOGIT
         dtypes = set(table.column("dtype").to_pylist())
         return plots.stability_figures(table, folder, {d: x for d, x in OVERFLOW_LOGIT.items() if d in dtypes})
     if kind == "stability-eps":

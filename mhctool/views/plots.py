@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from mhctool.core.findings import verdicts  # noqa: E402
+import json
 
 
 # Red means "failed" in every figure, so no series is drawn in it: tab20's colours without its two
@@ -90,7 +91,6 @@ def error_scatter(table: pa.Table, kernel: str, out_dir: str | Path) -> Path | N
     and metric (max_abs and rel_l2 of every tensor, forward and backward): on the diagonal an
     implementation is as accurate as PyTorch; the dashed line is kappa times native, the verdict's
     bound. Points of a failed verdict are ringed in red. None when there is nothing to pair."""
-    import json
     rows = [r for r in table.to_pylist() if r["kernel"] == kernel and r["metric"] in ("max_abs", "rel_l2")]
     native = NATIVE
     base = {(r["case_id"], r["direction"], r["tensor"], r["metric"]): r["value"] for r in rows if r["impl"] == native}

@@ -183,9 +183,9 @@ def test_the_ranks_native_run_overlaps_the_reference_only_where_both_fit(monkeyp
     s = sharded.Sharding(2, "fp32", "cuda")
     paper = Case("h_post_bda", "random", "fp32", parse_shape_for("mhc", "8192x4x4x7168"), (), 0, "cuda")
     small = Case("h_post_bda", "random", "fp32", parse_shape_for("mhc", "7x2x4x45"), (), 0, "cuda")
-    monkeypatch.setattr("mhctool.runner.case.device_memory", lambda device: 80e9)
+    monkeypatch.setattr("mhctool.spread.sharded.device_memory", lambda device: 80e9)
     assert sharded.overlaps(small, s) and not sharded.overlaps(paper, s)
-    monkeypatch.setattr("mhctool.runner.case.device_memory", lambda device: 141e9)
+    monkeypatch.setattr("mhctool.spread.sharded.device_memory", lambda device: 141e9)
     assert sharded.overlaps(paper, s)
 
 

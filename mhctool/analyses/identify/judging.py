@@ -23,6 +23,7 @@ from mhctool.core.metrics import max_rel, nonfinite
 from mhctool.registry.builtin import native_impl
 from mhctool.runner.baseline import judged_rows, make_baseline
 from mhctool.runner.call import run_impl
+from mhctool.families import PRECISIONS
 
 
 class Judging(Fitting, Probing):
@@ -156,7 +157,6 @@ class Judging(Fitting, Probing):
         ``cand``'s knobs) comes to the implementation's forward outputs, and to its gradients: per
         output, the excess of the distance over the least distance, summed; among precisions
         within twice the least excess, the strictest (PRECISIONS' order) first."""
-        from mhctool.families import PRECISIONS
         fwd: dict[str, list[float]] = {}
         bwd: dict[str, list[float]] = {}
         for prec in PRECISIONS:

@@ -13,6 +13,9 @@ import torch
 from mhctool.core import names
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
+from mhctool.references.moe import split_glu
+from mhctool.references import mhc as ref
+from mhctool.analyses.knob_shift import typed_value
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 
@@ -90,7 +93,6 @@ def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
     linear half both ways), ``gate`` only, ``linear`` only, ``none``."""
     if where == "both":
         return fn
-    from mhctool.references.moe import split_glu
 
     def variant(x, scale=None, interleave=0, limit=7.0, alpha=1.702, offset=1.0):
         xf = x if x.dtype == torch.float64 else x.float()
@@ -108,7 +110,6 @@ def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
 
 def space(kernel: str, asked: dict) -> Space:
     """What identification tries for ``kernel``; ``iters`` around the asked value."""
-    from mhctool.references import mhc as ref
     if kernel == "sinkhorn":
         it = int(asked.get("iters", 20))
         return Space(("random", "eps_sweep", "dead_rows_cols", "near_perm"), "16x4x4x1",
@@ -154,7 +155,6 @@ IDENTIFIABLE = names.IDENTIFIABLE
 def checked_knobs(kernel: str, values: dict, from_text: bool = False) -> dict:
     """The knob values an implementation is asked for, each checked (``from_text``: typed from
     ``--knob`` strings first); a name that is no knob of the kernel is a UsageError."""
-    from mhctool.analyses.knob_shift import typed_value
     fam = get_family(kernel)
     out = {}
     for name, v in values.items():

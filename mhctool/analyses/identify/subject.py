@@ -18,6 +18,8 @@ from mhctool.families import Family, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import native_at, run_impl
 from mhctool.runner.case import Case, ImplResult
+from mhctool.families import MATMUL_KERNELS
+from mhctool.analyses.parity import check_precision
 
 
 class Subject:
@@ -39,7 +41,6 @@ class Subject:
         self.shape = parse_shape_for(self.fam.shape_kind, shape or self.space.shape)
         if impl.limit and (why := impl.limit(self.shape)):
             raise UsageError(f"--impl {impl.name} cannot run the probe shape {self.shape}: {why}")
-        from mhctool.families import MATMUL_KERNELS
         self.declared_precision = impl.precision_on(device)
         # the precision is fitted where a product's precision can show: fp32 operands of a matmul kernel
         self.fits_precision = matmul_precision is None and kernel in MATMUL_KERNELS and dtype == "fp32"
@@ -48,7 +49,6 @@ class Subject:
         # declares (an adapter's); ``run`` fits it, forward and backward, unless it was asked for
         self.precision = matmul_precision or impl.precision_on(device)
         self.precision_bwd = self.precision  # the backward's (fitted apart from the forward's where they differ)
-        from mhctool.analyses.parity import check_precision
         check_precision(self.precision, "--matmul-precision")
         self.tried: dict[str, Candidate] = {}
         self.family_knobs = {k: v for k, v in asked.items() if k not in self._names()}  # e.g. interleave

@@ -39,6 +39,12 @@ from mhctool.analyses.train.setup import JUDGED, TrainConfig, from_dict, to_dict
 from mhctool.analyses.train.trajectory import Trajectory, to_golden
 from mhctool.analyses.train.verdict import Drift, judge
 from mhctool.core.verdict import VerdictRule
+from mhctool.analyses.train.pieces import impl_pieces, native_piece, reference_piece
+from mhctool.analyses.train.setup import FAMILIES
+from mhctool.analyses.train.trajectory import run
+from mhctool.spread.isolation import Worker
+from mhctool.spread.pool import worker_env
+from mhctool.analyses.goldens import check
 
 ROLES = ("impl", "native", "reference")
 # a ratio of 0 (a run equal to the reference at every step) has no logarithm: it counts as this
@@ -66,9 +72,6 @@ def seeds_of(cfg: TrainConfig, count: int) -> list[int]:
 def seed_job(cfg_dict: dict, specs: dict, knobs: dict, conventions: dict, compare: bool, as_used: bool) -> dict:
     """One seed's trajectories (what a worker process runs): the implementation's, then with
     ``compare`` native's and float64's; as dicts."""
-    from mhctool.analyses.train.pieces import impl_pieces, native_piece, reference_piece
-    from mhctool.analyses.train.setup import FAMILIES
-    from mhctool.analyses.train.trajectory import run
     cfg = from_dict(cfg_dict)
     pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
     out = {"impl": run(cfg, pieces, "impl").to_dict()}
@@ -95,8 +98,6 @@ def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Cal
             if finished:
                 finished(out[k])
         return [r for r in out if r is not None]
-    from mhctool.spread.isolation import Worker
-    from mhctool.spread.pool import worker_env
     n = min(workers, len(seeds))
     todo = list(range(len(seeds)))
     lock = threading.Lock()
@@ -275,7 +276,6 @@ class ZeroFindings:
 
 
 def _zero_kinds(t: Trajectory) -> set[str]:
-    from mhctool.analyses.goldens import check
     if t is None or len(t.steps) < 4:
         return set()
     return {a.kind for a in check(to_golden(t)) if a.metric == "num-zeros" and a.kind in ("bimodal", "jump")}

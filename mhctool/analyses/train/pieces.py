@@ -14,6 +14,10 @@ from mhctool.core.dtypes import dtype_named
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
 from mhctool.registry.specs import is_function_spec, load_external, resolve_impls
+from mhctool.runner.call import native_at
+import inspect
+from mhctool.core.environment import ensure_triton_mode
+from mhctool.kernels.torch.mhc import compute_h
 
 
 @dataclass
@@ -70,7 +74,6 @@ def _conformed(family: str, call: Callable[[dict], tuple]) -> Callable[[dict], t
 
 
 def native_piece(family: str, knobs: dict, precision: str = "ieee") -> Piece:
-    from mhctool.runner.call import native_at
     impl = native_at(family, precision)
     return Piece(family, impl.name, _family_call(family, impl.fn, knobs))
 
@@ -92,7 +95,6 @@ def assign(specs: list[str], kernel: str | None = None) -> dict[str, str]:
     ``module:fn``) implements one family (``kernel``, else the family whose inputs its first
     parameters are named after); a built-in name or a library stands for every family it has.
     A function spec wins over a library for its family; a family no spec has runs natively."""
-    import inspect
     out: dict[str, str] = {}
     functions = [s for s in specs if is_function_spec(s)]
     if kernel is not None and kernel not in FAMILIES:
@@ -135,7 +137,6 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
     family as :func:`assign` gives them), and each family's knobs with what it declares: a family
     no spec has (or cannot run here) runs natively, and says so; a mapping a library lacks beside
     a projection it has runs its projection with the native compute_h."""
-    from mhctool.core.environment import ensure_triton_mode
     ensure_triton_mode()
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
     pieces, eff = {}, {}
@@ -180,7 +181,6 @@ def _pick(family: str, spec: str, device: str, dtype: str):
 
 def _projection_mapping(proj, knobs: dict) -> Piece:
     """The mapping as a library without one computes it: its proj_rms, then the native compute_h."""
-    from mhctool.kernels.torch.mhc import compute_h
     fam = get_family("proj_rms")
     pk = {k: v for k, v in knobs.items() if k in fam.knobs}
 

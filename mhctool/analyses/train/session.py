@@ -27,6 +27,8 @@ from mhctool.analyses.train.verdict import judge, nonfinite_sentence
 from mhctool.core.errors import UsageError
 from mhctool.core.verdict import VerdictRule
 from mhctool.families import get_family
+from mhctool.analyses.knob_shift import typed_value
+import tempfile
 
 
 def rows(trajs: list[Trajectory]) -> list[dict]:
@@ -128,7 +130,6 @@ def parse_knobs(items: list[tuple[str, str]], flag: str, conventions_only: bool 
     """``FAMILY.KNOB=VALUE`` or ``KNOB=VALUE`` (every family of the model that has it) -> per family,
     each value checked; a knob no family of the model has (or no convention, for --convention) is
     a UsageError."""
-    from mhctool.analyses.knob_shift import typed_value
     out: dict[str, dict] = {}
     for name, raw in items:
         family, _, knob = name.rpartition(".")
@@ -245,7 +246,6 @@ def _nonfinite_ensemble(runs: list[SeedRun]) -> str | None:
 
 def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pieces: dict[str, Piece], worker,
               interrupted, as_used: bool = False) -> Trajectory:
-    import tempfile
     with tempfile.TemporaryDirectory(prefix="mhctool-train-") as d:
         log = str(Path(d) / "steps.jsonl")
         value, failure = worker.call("mhctool.analyses.train.trajectory:trajectory_job", (to_dict(cfg), spec, knobs, conventions, log,

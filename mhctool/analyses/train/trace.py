@@ -11,6 +11,7 @@ from mhctool.analyses.train.setup import FAMILIES, TrainConfig
 from mhctool.analyses.train.trajectory import Trajectory, run
 from mhctool.analyses.train.verdict import judge
 from mhctool.core.verdict import VerdictRule
+from mhctool.analyses.identify import IDENTIFIABLE, Identifier, fmt_value
 
 
 @dataclass
@@ -26,7 +27,6 @@ def candidate_knobs(specs: dict[str, str], eff: dict[str, dict], pieces: dict[st
     """(family, knob, value, why) for every convention in which the implementation differs from
     the contract where the run does not already compute it: fitted by ``mhctool identify`` on each
     family the implementation has (fp32, its default probes), and its matmul precision."""
-    from mhctool.analyses.identify import IDENTIFIABLE, Identifier, fmt_value
     out = []
     for family, piece in pieces.items():
         if piece.fallback or family not in IDENTIFIABLE:

@@ -20,6 +20,9 @@ from mhctool.analyses.train.setup import (
 )
 from mhctool.core.dtypes import FORMATS
 from mhctool.references import model as model_mod
+from mhctool.core.errors import system_exit_message
+from mhctool.runner.call import short_error
+from mhctool.analyses.goldens import Series
 
 # whose backward computes the gradient each mHC output receives (a non-finite gradient there is
 # that backward's)
@@ -184,11 +187,9 @@ def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Call
             if cuda:
                 torch.cuda.synchronize()
         except SystemExit as e:  # code under test never decides mhctool's exit code
-            from mhctool.core.errors import system_exit_message
             traj.error = f"step {i}: {system_exit_message(e)}"
             break
         except Exception as e:  # noqa: BLE001 - an implementation that raises ends the run, kept
-            from mhctool.runner.call import short_error
             traj.error = f"step {i}: {short_error(e)}"
             break
         metrics = {"lm loss": float(loss.detach()), "grad-norm": float(gnorm), "num-zeros": float(sum(zeros.values())),
@@ -240,7 +241,6 @@ def where_nonfinite(s: Step) -> str:
 
 def to_golden(traj: Trajectory):
     """The trajectory in Megatron's golden-value form (``mhctool goldens`` reads it)."""
-    from mhctool.analyses.goldens import Series
     out = {}
     steps = [s.step for s in traj.steps]
     for metric in GOLDEN_METRICS:

@@ -14,6 +14,8 @@ from mhctool.analyses.train.trajectory import (
 )
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.verdict import VerdictRule
+import statistics
+from mhctool.analyses.goldens import check
 
 
 @dataclass
@@ -64,7 +66,6 @@ def judge(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: Trai
     run left native's envelope (kappa times native's largest distance so far, plus the floor) says
     where it parted and by how much. A trajectory that ended before the reference's last step
     fails; so does a zero-count series with two levels or jumps the reference's has not."""
-    import statistics
     rule = rule or VerdictRule()
     out = []
     ref_steps = len(reference.steps)
@@ -109,7 +110,6 @@ def judge(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: Trai
 def _zero_anomaly(traj: Trajectory, reference: Trajectory) -> str | None:
     """A num-zeros series with two levels or jumps (``goldens check``) where the reference's has none
     of that kind: the kernel's own zero-count anomaly, whatever its median."""
-    from mhctool.analyses.goldens import check
     if len(traj.steps) < 4:
         return None
     ref_kinds = {a.kind for a in check(to_golden(reference)) if a.metric == "num-zeros"}
