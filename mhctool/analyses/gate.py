@@ -41,6 +41,7 @@ A suite (TOML)::
     quick = true                    # the CPU-sized sweep (default true)
     finite = ["rowmax"]             # stabilize settings that must stay finite at every amplitude
     dtypes = ["fp32", "bf16"]       # ... in these dtypes
+    iters = [20]                    # optional: the iteration counts (default: the sweep's)
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ from mhctool.spread.isolation import Worker
 from mhctool.analyses.hints import hints
 
 SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train"}
-STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes"}
+STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes", "iters"}
 PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa", "checks", "conventions",
                "input_dtypes"}
 GOLDEN_KEYS = {"name", "golden", "actual", "metrics", "deterministic", "rtol"}
@@ -200,6 +201,9 @@ def load_suite(path: str | os.PathLike) -> Suite:
                 parse_dtype(d)
             except UsageError as e:
                 raise _err(src, f"{where}.dtypes", str(e)) from None
+        iters = item.get("iters", [])
+        if not isinstance(iters, list) or not all(isinstance(i, int) and 1 <= i <= st.MAX_ITERS for i in iters):
+            raise _err(src, f"{where}.iters", f"{iters!r} is not a list of iteration counts from 1 to {st.MAX_ITERS}")
         for f in item.get("finite", []):
             if f not in ("rowmax", "none", "softmax"):
                 raise _err(src, f"{where}.finite", f"unknown stabilize {f!r}; accepted: rowmax, none, softmax")
@@ -319,7 +323,7 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
     for k, item in whole(suite.stability):
         spec = st.quick_spec() if item.get("quick", True) else st.full_spec()
         dtypes = tuple(parse_dtype(d).name for d in item.get("dtypes", [])) or spec.dtypes
-        spec = replace(spec, dtypes=dtypes)
+        spec = replace(spec, dtypes=dtypes, iters=tuple(sorted(set(item.get("iters") or spec.iters))))
         impls = resolve_impls("sinkhorn", item.get("impls") or ["torch"])
         rows_ = st.sinkhorn_sweep(impls, spec, item.get("device", device_default), progress)
         finite = set(item.get("finite", ["rowmax"]))

@@ -239,6 +239,7 @@ def test_gate_passing_suite_exit_0(tmp_path):
     ('name = "x"\n', "has no [[parity]]"),
     ('name = "x"\n[[stability]]\nkernel = "h_aggregate"\n', "has no stability sweep"),
     ('name = "x"\n[[stability]]\nfinite = ["log"]\n', "unknown stabilize"),
+    ('name = "x"\n[[stability]]\niters = [0]\n', "stability[0].iters: [0] is not a list of iteration counts"),
 ])
 def test_gate_bad_suite_exit_2(tmp_path, body, needle):
     res = run("gate", "--suite", _suite(tmp_path, body), "--junit", tmp_path / "j.xml")
@@ -248,7 +249,7 @@ def test_gate_bad_suite_exit_2(tmp_path, body, needle):
 
 
 def test_gate_stability_entry_turns_a_sweep_into_cases(tmp_path):
-    s = _suite(tmp_path, 'name = "st"\n[[stability]]\nname = "sk"\nfinite = ["rowmax", "none"]\ndtypes = ["fp32"]\n')
+    s = _suite(tmp_path, 'name = "st"\n[[stability]]\nname = "sk"\nfinite = ["rowmax", "none"]\ndtypes = ["fp32"]\niters = [20]\n')
     res = run("gate", "--suite", s, "--device", "cpu", "--junit", tmp_path / "j.xml", "--summary", tmp_path / "s.md",
               "-o", tmp_path / "g.parquet")
     assert res.exit_code == 1  # bare exp overflows past 88 in fp32: those cases fail
