@@ -103,7 +103,7 @@ def typed_value(kind: type, name: str, text: str):
 
 def _impl_outputs(fam: Family, impl: Impl, args: dict, knobs: dict) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [o.detach() for o in fam.call(impl.fn, args, knobs, impl.accepts, impl.bind)]
+        return [o.detach() for o in fam.call(impl.fn, args, knobs, impl.accepts, impl.bind, impl.takes)]
 
 
 def kernel_shift(change: KnobChange, impl: Impl, family: str, dtype: str, device: str, seed: int = 0) -> list[dict]:

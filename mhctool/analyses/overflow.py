@@ -136,7 +136,7 @@ def _run_impl(fam, impl: Impl, args64: dict, knobs: dict, dtype: str, device: st
     args = cast_inputs(fam, args64, dtype, device)
     try:
         with torch.no_grad():
-            outs = fam.call(impl.fn, args, knobs, impl.accepts, impl.bind)
+            outs = fam.call(impl.fn, args, knobs, impl.accepts, impl.bind, impl.takes)
     except Exception:  # an implementation that refuses non-finite input: the output is lost
         return 1.0, math.inf
     bad = sum(int((~torch.isfinite(o)).sum()) for o in outs)

@@ -212,7 +212,7 @@ def _call(fam: Family, impl: Impl, args: dict):
     """``impl`` on ``args``: inputs already in its library's layouts where its adapter converts
     them (:func:`measure` stages them once, so the conversion is never timed)."""
     fn = impl.staged[1] if impl.staged is not None else impl.fn
-    return fam.call(fn, args, {}, impl.accepts, impl.bind)
+    return fam.call(fn, args, {}, impl.accepts, impl.bind, impl.takes)
 
 
 def isolated_measure(kernel: str, spec: str, name: str, *args) -> Measurement:
@@ -231,6 +231,10 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     copies = max(1, min(8, math.ceil(4 * l2_bytes / max(nbytes, 1)))) if device == "cuda" else 1
     fam, sets = _inputs(kernel, shape, dtype, device, seed, copies)
     sets, used = (sets, None) if contract else used_dtypes(impl, sets, activation)
+    missing = [k for k in fam.optional_inputs if not impl.takes(k)]
+    if missing:  # a function without the optional input (a bias-less h_post_bda): timed without it
+        sets = [{k: None if k in missing else t for k, t in s.items()} for s in sets]
+        used = "; ".join(x for x in (used, f"no {', '.join(missing)} (it takes none)") if x)
     base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction, dtype=dtype,
                 shape=str(shape), model_bytes=nbytes,
                 model_flops=m.flops_fwd if direction == "fwd" else m.flops_bwd, graph=graph,

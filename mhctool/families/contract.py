@@ -88,14 +88,25 @@ class Family:
     # its products may run at TF32 by design (DESIGN.md: the projection; TransformerEngine's mixing
     # kernels multiply with TF32 by default too)
     matmul: bool = False
+    # trailing inputs a function may have no parameter for (h_post_bda's bias): it is called without
+    # them where they are None, and a case that has one is not for it. Each is a knob of the same
+    # name too (passed=False: it shapes the inputs)
+    optional_inputs: tuple[str, ...] = ()
 
     def arguments(self, args: dict, knobs: dict, accepted,
-                  bind: Callable[[str], str | int | None] = lambda k: k) -> tuple[list, dict]:
+                  bind: Callable[[str], str | int | None] = lambda k: k,
+                  takes: Callable[[str], bool] = lambda name: True) -> tuple[list, dict]:
         """(positional, keyword) arguments of a call with the family's signature: the inputs, then
         every knob the function takes (at the case's value or the default; knobs it does not
         accept are left out). ``bind`` names the parameter a knob goes to (an alias), or its
-        position for positional-only ones."""
-        pos = [args[k] for k in self.inputs]
+        position for positional-only ones; ``takes`` says whether the function has a parameter for
+        an optional input (left out of the call when it has none and the input is None)."""
+        pos = []
+        for k in self.inputs:
+            if takes(k):
+                pos.append(args[k])
+            elif args[k] is not None:
+                raise ValueError(f"the function takes no {k} input, and this call has one")
         kw, at = {}, {}
         for k, knob in self.knobs.items():
             v = knobs.get(k, knob.default)
@@ -111,9 +122,10 @@ class Family:
         return pos, kw
 
     def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted,
-             bind: Callable[[str], str | int | None] = lambda k: k) -> tuple:
+             bind: Callable[[str], str | int | None] = lambda k: k,
+             takes: Callable[[str], bool] = lambda name: True) -> tuple:
         """Call ``fn`` with the family's signature (:meth:`arguments`); its outputs as a tuple."""
-        pos, kw = self.arguments(args, knobs, accepted, bind)
+        pos, kw = self.arguments(args, knobs, accepted, bind, takes)
         out = fn(*pos, **kw)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -123,7 +135,8 @@ def signature(fam: "Family") -> str:
     ``sinkhorn(logits, iters=20, eps=1e-06, ...) -> out``."""
     knobs = [f"{k}={fam.knobs[k].default!r}" for k in fam.positional_knobs]
     by_name = [k for k, kn in fam.knobs.items() if kn.passed and k not in fam.positional_knobs]
-    args = [*fam.inputs, *knobs] + ([f"*, any of {', '.join(by_name)} it takes"] if by_name else [])
+    inputs = [f"{i}=None (optional)" if i in fam.optional_inputs else i for i in fam.inputs]
+    args = [*inputs, *knobs] + ([f"*, any of {', '.join(by_name)} it takes"] if by_name else [])
     outs = ", ".join(f"{o} (optional)" if o in fam.optional_outputs else o for o in fam.outputs)
     return f"{fam.name}({', '.join(args)}) -> {outs}"
 

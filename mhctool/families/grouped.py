@@ -97,16 +97,17 @@ def _mlp_cost(shape, e: int, f: int) -> Cost:
     return Cost(fwd, 2 * fwd, 2.0 * T * H * (W + F), 4.0 * T * H * (W + F))
 
 
-def _grouped_family(name, inputs, differentiable, mapping, outputs, knobs, reference, cost, forward_only=False):
+def _grouped_family(name, inputs, differentiable, mapping, outputs, knobs, reference, cost, forward_only=False,
+                    optional_inputs=()):
     return Family(name, inputs, differentiable, mapping, outputs, knobs, (), reference, shape_kind="moe",
-                  forward_only=forward_only, input_families=_grouped_families(name),
+                  forward_only=forward_only, input_families=_grouped_families(name), optional_inputs=optional_inputs,
                   kernels={"triton": f"mhctool.kernels.triton.{'grouped_mlp' if name == 'grouped_mlp' else 'grouped_gemm'}:{name}"},
                   cost=cost)
 
 
 GROUPED_GEMM = _grouped_family("grouped_gemm", ("x", "weight", "m_splits", "bias"), ("x", "weight", "bias"), (),
                                ("out",), {"bias": Knob(False, (False, True), bool, passed=False)}, moe_ref.grouped_gemm,
-                               _gemm_cost)
+                               _gemm_cost, optional_inputs=("bias",))
 GROUPED_WGRAD = _grouped_family("grouped_wgrad", ("x", "grad_out", "m_splits", "main_grad", "accumulate"), (),
                                 ("main_grad",), ("wgrad",), {"accumulate": Knob("mask", ("mask", "none"), passed=False)},
                                 moe_ref.grouped_wgrad, _wgrad_cost, forward_only=True)

@@ -51,6 +51,7 @@ FAMILY = Family(
     (),
     ref.h_post_bda,
     conventions=("transpose_res",),
+    optional_inputs=("bias",),
     input_families={f.name: f for f in [
         InputFamily("random", "unit normal x, y, bias; row-stochastic h_res; h_post in (0, 2)", _bda),
         InputFamily("wide_range", "stream magnitudes 1e-3 to 1e3", _bda_wide),

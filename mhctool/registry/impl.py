@@ -106,6 +106,28 @@ class Impl:
     def accepts(self, knob: str) -> bool:
         return self.bind(knob) is not None
 
+    def takes(self, name: str) -> bool:
+        """Whether the function has a parameter for input ``name``: by name, or at its position
+        where no knob sits there. Only a family's optional inputs (h_post_bda's bias) may be
+        missing; a function whose parameters cannot be read, or that takes ``**kwargs``, takes all."""
+        fam = FAMILIES[self.kernel]
+        params = self._params
+        if name not in fam.optional_inputs or params is None or any(p.name == name for p in params):
+            return True
+        knobs = {k for knob in fam.knobs for k in (knob, *KNOB_ALIASES.get(knob, ()))}
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        i = fam.inputs.index(name)
+        return i < len(positional) and positional[i].name not in knobs
+
+    def refuses(self, knobs: dict) -> str | None:
+        """Why a case with these knobs is not for it (an optional input it has no parameter for,
+        which the case has), or None."""
+        fam = FAMILIES[self.kernel]
+        for name in fam.optional_inputs:
+            if not self.takes(name) and knobs.get(name, fam.knobs[name].default):
+                return f"it takes no {name}: judged on the cases without one ({name}=False)"
+        return None
+
 
 # other names public kernels give a knob (Megatron's fused_sinkhorn takes ``num_iterations``)
 KNOB_ALIASES: dict[str, tuple[str, ...]] = {
@@ -131,7 +153,8 @@ def check_callable(impl: Impl) -> None:
     except (TypeError, ValueError):
         return
     # the call's arguments, each named by what it stands for
-    pos, kw = fam.arguments({k: k for k in fam.inputs}, {k: k for k in fam.knobs}, impl.accepts, impl.bind)
+    pos, kw = fam.arguments({k: k if impl.takes(k) else None for k in fam.inputs}, {k: k for k in fam.knobs},
+                            impl.accepts, impl.bind, impl.takes)
     try:
         sig.bind(*pos, **kw)
     except TypeError as e:

@@ -126,7 +126,7 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     args = _leaf(fam, base)
     try:
         with poisoning(True):
-            outs = list(fam.call(impl.fn, args, knobs, impl.accepts, impl.bind))
+            outs = list(fam.call(impl.fn, args, knobs, impl.accepts, impl.bind, impl.takes))
     except SystemExit as e:  # code under test never decides mhctool's exit code
         res.fwd_error = system_exit_message(e)
         return res

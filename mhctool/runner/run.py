@@ -114,7 +114,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
         prec = matmul_precision if external and declared == "ieee" else declared
         eff = {**knobs, **impl.conventions, **(conventions or {})} if external else knobs
         row_base = row_fields(case, shape, impl, prec, eff, sharding)
-        why = (impl.unsupported(case.device, case.dtype) or (impl.limit and impl.limit(shape))
+        why = (impl.unsupported(case.device, case.dtype) or (impl.limit and impl.limit(shape)) or impl.refuses(eff)
                or _knob_gap(fam, impl, eff, set(impl.conventions) | set(conventions or {}) if external else set()))
         if why:
             result.rows.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "unsupported",

@@ -194,3 +194,24 @@ def test_where_nothing_fits_the_backward_is_checked_against_its_own_forward(tmp_
     assert text.startswith("no convention fits"), text
     assert f"its backward {verdict} the derivative of its own forward (directional finite differences of " \
            "its forward, 3 of 3 directions, largest relative difference" in text
+
+
+def test_an_h_post_bda_without_a_bias_is_judged_identified_and_timed_without_one(tmp_path):
+    """A function with no bias parameter (issue 76): parity judges it on the cases without a bias
+    and says why it skips the others; identify probes it without one and asks nothing of a bias;
+    bench times it without one and says so."""
+    res, text = parity(tmp_path, "h_post_bda", "h_post_bda_without_bias", "--dtype", "fp32", "--no-hint")
+    assert res.exit_code == 0, text
+    rows = [r for r in pq.read_table(tmp_path / "p.parquet").to_pylist() if r["impl"].endswith("without_bias")]
+    judged = {json.loads(r["knobs"])["bias"] for r in rows if r["passed"] is not None}
+    skipped = {r["message"] for r in rows if r["metric"] == "unsupported" and json.loads(r["knobs"])["bias"]}
+    assert judged == {False} and all(r["passed"] for r in rows if r["passed"] is not None)
+    assert skipped == {"it takes no bias: judged on the cases without one (bias=False)"}
+    res, text = run("identify", "--kernel", "h_post_bda", "--impl", f"{STRANGERS}:h_post_bda_without_bias",
+                    "--device", "cpu", "-q", "-o", tmp_path / "id.parquet")
+    assert res.exit_code == 0 and text.startswith("best match: transpose_res=false (") and "bias" not in text, text
+    res, text = run("bench", "--kernel", "h_post_bda", "--impl", f"{STRANGERS}:h_post_bda_without_bias",
+                    "--device", "cpu", "--shape", "8x2x4x64", "--repeats", "3", "-q", "-o", tmp_path / "b.parquet")
+    assert res.exit_code == 0, text
+    notes = {r["message"] for r in pq.read_table(tmp_path / "b.parquet").to_pylist() if r["impl"].endswith("without_bias")}
+    assert notes == {"no bias (it takes none)"}

@@ -106,3 +106,10 @@ class _ClampedWrongBackward(torch.autograd.Function):
 def sinkhorn_clamped_exp_wrong_backward(logits, iters=20, eps=1e-6):
     """``sinkhorn_clamped_exp`` forward, a backward that is not its derivative."""
     return _ClampedWrongBackward.apply(logits, iters, eps)
+
+
+def h_post_bda_without_bias(h_res, x, h_post, y):
+    """H_res x + h_post y, with no bias parameter at all (a layer without a bias): correct where
+    the case has no bias."""
+    mixed = torch.einsum("sbij,sbjc->sbic", h_res.float(), x.float())
+    return (mixed + h_post.float().unsqueeze(-1) * y.float().unsqueeze(-2)).to(x.dtype)

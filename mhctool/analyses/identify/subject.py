@@ -4,6 +4,8 @@ candidate's reference and native functions. The errors of outputs against many r
 once."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from typing import Callable
 
@@ -37,6 +39,13 @@ class Subject:
         asked = checked_knobs(kernel, {**{k: v for k, v in impl.conventions.items() if k in self.fam.knobs},
                                        **(asked or {})})
         self.space = space(kernel, {**{k: kn.default for k, kn in self.fam.knobs.items()}, **asked})
+        # an optional input the function has no parameter for (a bias-less h_post_bda) is no
+        # question to ask: probed without it (family_knobs below)
+        missing = [k for k in self.fam.optional_inputs if not impl.takes(k)]
+        if missing:
+            self.space = dataclasses.replace(
+                self.space, discrete={k: v for k, v in self.space.discrete.items() if k not in missing},
+                variants={k: v for k, v in self.space.variants.items() if k not in missing})
         self.asked = {k: asked.get(k, self._default(k)) for k in self._names()}
         self.shape = parse_shape_for(self.fam.shape_kind, shape or self.space.shape)
         if impl.limit and (why := impl.limit(self.shape)):
@@ -52,6 +61,7 @@ class Subject:
         check_precision(self.precision, "--matmul-precision")
         self.tried: dict[str, Candidate] = {}
         self.family_knobs = {k: v for k, v in asked.items() if k not in self._names()}  # e.g. interleave
+        self.family_knobs.update({k: False for k in missing})
         self.guards: list[Probe] = []  # the space's guard probes, run by probes()
         self._stacks: dict = {}  # probes -> their float64 inputs, stacked where the kernel allows
         self.overflow: list = []  # Identification.overflow

@@ -36,9 +36,10 @@ class Piece:
     precision: str = "ieee"
 
 
-def _family_call(family: str, fn, knobs: dict, accepts=lambda k: True, bind=lambda k: k) -> Callable[[dict], tuple]:
+def _family_call(family: str, fn, knobs: dict, accepts=lambda k: True, bind=lambda k: k,
+                 takes=lambda name: True) -> Callable[[dict], tuple]:
     fam = get_family(family)
-    return lambda args: fam.call(fn, args, knobs, accepts, bind)
+    return lambda args: fam.call(fn, args, knobs, accepts, bind, takes)
 
 
 def _expected(family: str, args: dict) -> list[tuple]:
@@ -151,7 +152,7 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
         eff[family] = {**knobs.get(family, {}), **(impl.conventions if impl and impl.backend == "external" else {}),
                        **conventions.get(family, {})}
         if impl is not None:
-            call = _family_call(family, impl.fn, eff[family], impl.accepts, impl.bind)
+            call = _family_call(family, impl.fn, eff[family], impl.accepts, impl.bind, impl.takes)
             if as_used and impl.input_dtypes:
                 call = _as_used(call, impl.input_dtypes, dtype)
             pieces[family] = Piece(family, impl.name, _conformed(family, call), precision=impl.precision_on(device),
