@@ -200,7 +200,10 @@ def test_an_h_post_bda_without_a_bias_is_judged_identified_and_timed_without_one
     """A function with no bias parameter (issue 76): parity judges it on the cases without a bias
     and says why it skips the others; identify probes it without one and asks nothing of a bias;
     bench times it without one and says so."""
-    res, text = parity(tmp_path, "h_post_bda", "h_post_bda_without_bias", "--dtype", "fp32", "--no-hint")
+    sc = tmp_path / "sc.toml"
+    sc.write_text('name = "nb"\n[[cases]]\nkernel = "h_post_bda"\nshapes = ["5x2x4x40"]\ndtypes = ["fp32"]\n'
+                  'families = ["random", "wide_range"]\n[cases.knobs]\nbias = [true, false]\n')
+    res, text = parity(tmp_path, "h_post_bda", "h_post_bda_without_bias", "--scenario", sc, "--no-hint")
     assert res.exit_code == 0, text
     rows = [r for r in pq.read_table(tmp_path / "p.parquet").to_pylist() if r["impl"].endswith("without_bias")]
     judged = {json.loads(r["knobs"])["bias"] for r in rows if r["passed"] is not None}
