@@ -74,6 +74,8 @@ class Identification:
     ignored: dict = field(default_factory=dict)  # knob -> "takes no" / "ignores": it runs its own value
     # where no convention fits the forward: its backward against its own forward (derivative.py)
     derivative: str | None = None
+    # where no candidate comes near (evidence.nothing_near): what its outputs show instead (evidence.py)
+    evidence: str | None = None
 
     @property
     def asked_all(self) -> dict:
@@ -136,6 +138,10 @@ class Identification:
         if b.fwd_passed:
             return (f"forward matches {self._knobs()}; the backward is not the derivative of that forward"
                     + (f" ({b.worst})" if b.worst else ""))
+        if self.evidence:
+            return (f"no convention fits, and none comes near: the nearest ({self._knobs()}) is {b.score:.3g}x "
+                    f"native noise off, no finding; {self.evidence}"
+                    + (f"; {self.derivative}" if self.derivative else ""))
         return (f"no convention fits: closest {self._knobs()}, error {b.max_rel:.2g}"
                 + (f"; the forward is off first: {b.worst}" if b.worst else "")
                 + (f"; {self.derivative}" if self.derivative else ""))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from mhctool.analyses.identify.conclusion import Candidate, Identification
 from mhctool.analyses.identify.derivative import own_derivative
+from mhctool.analyses.identify.evidence import nothing_near, shown
 from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, _signature
 from mhctool.registry.impl import Impl
@@ -38,15 +39,17 @@ class Identifier(Judging):
         else:
             best = next((c for c in judged if c.fwd_passed), judged[0])
         ties = self._ties(best) if (best.passed or best.fwd_passed) else []
-        derivative = None
+        derivative = evidence = None
         if not (best.passed or best.fwd_passed or self.overflow):
             # nothing fits the forward: whether its backward is at least the derivative of what it computes
             derivative = own_derivative(self, probes[0], self.seed).sentence()
+            if nothing_near(best.score, best.max_rel):  # the nearest is far off too: what the outputs show
+                evidence = shown(self.kernel, probes)
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
                               fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
                               declared_precision=self.declared_precision, ties=ties, overflow=self.overflow,
-                              ignored=self.ignored, derivative=derivative)
+                              ignored=self.ignored, derivative=derivative, evidence=evidence)
 
     def _suspicious(self, knobs: dict) -> bool:
         return any((self.kernel, k, v) in SUSPICIOUS_VALUES for k, v in knobs.items())

@@ -1,0 +1,58 @@
+"""What a kernel's outputs show where no convention comes near them (issue 76 item 3): how far each
+probe's outputs are from the contract at the asked knobs, and for Sinkhorn, whether the rows and
+columns sum to one and whether the matrices have collapsed to uniform. A ranking of candidates
+that are all far off says nothing; these do."""
+from __future__ import annotations
+
+import torch
+
+from mhctool.analyses.identify.conclusion import Probe
+
+# no candidate within this many times native noise, and the nearest off by an order-one share of
+# the outputs (max_rel at least NOTHING_NEAR_REL): none is named as the nearest. A kernel that
+# computes the asked convention imprecisely (sums in bf16: 4e4x noise, max_rel 0.1) still is
+NOTHING_NEAR = 100.0
+NOTHING_NEAR_REL = 0.5
+
+
+def nothing_near(score: float, max_rel: float) -> bool:
+    return score > NOTHING_NEAR and max_rel >= NOTHING_NEAR_REL
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    o, r = out.double().cpu(), ref.double().cpu()
+    return float((o - r).abs().max() / r.abs().max().clamp_min(1e-30))
+
+
+def _sums(kernel: str, probes: list[Probe]) -> str | None:
+    """Sinkhorn: the largest distance of the outputs' row and column sums from one, and how many
+    matrices are uniform (every entry 1/n: an exponential that saturates)."""
+    if kernel != "sinkhorn":
+        return None
+    outs = [p.res.outputs[0].double().cpu() for p in probes if p.res.outputs]
+    if not outs:
+        return None
+    rows = max(float((o.sum(-1) - 1).abs().max()) for o in outs)
+    cols = max(float((o.sum(-2) - 1).abs().max()) for o in outs)
+    n = outs[0].shape[-1]
+    flat = torch.cat([o.reshape(-1, n * n) for o in outs])
+    uniform = int(((flat - 1.0 / n).abs().amax(-1) < 1e-3).sum())
+    part = [f"rows sum to one within {rows:.2g}" if rows < 1e-3 else f"rows sum to one only within {rows:.2g}",
+            f"columns within {cols:.2g}" if cols < 1e-3 else f"columns only within {cols:.2g}"]
+    if uniform:
+        part.append(f"{uniform} of {flat.shape[0]} matrices uniform (1/{n} everywhere)")
+    return ", ".join(part)
+
+
+def shown(kernel: str, probes: list[Probe]) -> str:
+    """One clause: each probe's distance from the contract at the asked knobs (in native noise
+    units), then what the output's structure shows."""
+    parts = []
+    for p in probes:
+        if not p.res.outputs or not p.refs:
+            continue
+        worst = max(_rel(o, r) / max(n, 1e-30) for o, r, n in zip(p.res.outputs, p.refs, p.noise))
+        parts.append(f"{p.case.family} {worst:.3g}x")
+    text = "its distance from the contract as asked, in native noise: " + ", ".join(parts)
+    sums = _sums(kernel, probes)
+    return text + (f"; {sums}" if sums else "")
