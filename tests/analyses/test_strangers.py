@@ -231,3 +231,13 @@ def test_where_no_candidate_comes_near_none_is_named_and_the_outputs_speak(tmp_p
     assert text.startswith("no convention fits, and none comes near: the nearest (") and "closest" not in text, text
     assert "no finding; its distance from the contract as asked, in native noise: random " in text
     assert "rows sum to one within " in text and "columns only within " in text, text
+    assert "uniform" not in text and "saturates" not in text, text  # a row softmax saturates nothing
+
+
+def test_a_clamped_exponential_is_named_by_the_matrices_it_collapses(tmp_path):
+    """exp(min(x, 20)) (issue 76 item 2): on large_logits its outputs are finite but every matrix is
+    uniform, where the contract's are not: the guard names the saturation, not only an overflow."""
+    res, text = identify(tmp_path, "sinkhorn_clamped_exp")
+    assert res.exit_code == 1, text
+    assert "on large_logits (" in text and "its outputs are uniform in 64 of 64 matrices where the contract's are not: " \
+                                          "the exponential saturates" in text, text

@@ -76,6 +76,8 @@ class Identification:
     derivative: str | None = None
     # where no candidate comes near (evidence.nothing_near): what its outputs show instead (evidence.py)
     evidence: str | None = None
+    # Sinkhorn's guards where its matrices are uniform and the contract's are not (Probing._saturated)
+    saturated: list = field(default_factory=list)
 
     @property
     def asked_all(self) -> dict:
@@ -122,6 +124,14 @@ class Identification:
         parts = [f"{bad} of {total} outputs non-finite on {fam} ({doc})" for fam, doc, bad, total in self.overflow]
         return "; ".join(parts) + " where the float64 contract is finite"
 
+    def saturation_sentence(self) -> str | None:
+        """The guards where its outputs collapsed to uniform matrices and the contract's did not."""
+        if not self.saturated:
+            return None
+        parts = [f"on {fam} ({doc}) its outputs are uniform in {k} of {total} matrices where the contract's are not"
+                 for fam, doc, k, total in self.saturated]
+        return "; ".join(parts) + ": the exponential saturates (clamped, as exp(min(x, bound)) is)"
+
     def line(self) -> str:
         if self.error:
             return f"no convention fits: the implementation failed: {self.error}"
@@ -138,12 +148,15 @@ class Identification:
         if b.fwd_passed:
             return (f"forward matches {self._knobs()}; the backward is not the derivative of that forward"
                     + (f" ({b.worst})" if b.worst else ""))
+        saturation = self.saturation_sentence()
         if self.evidence:
             return (f"no convention fits, and none comes near: the nearest ({self._knobs()}) is {b.score:.3g}x "
                     f"native noise off, no finding; {self.evidence}"
+                    + (f"; {saturation}" if saturation else "")
                     + (f"; {self.derivative}" if self.derivative else ""))
         return (f"no convention fits: closest {self._knobs()}, error {b.max_rel:.2g}"
                 + (f"; the forward is off first: {b.worst}" if b.worst else "")
+                + (f"; {saturation}" if saturation else "")
                 + (f"; {self.derivative}" if self.derivative else ""))
 
     def precision_note(self) -> str | None:

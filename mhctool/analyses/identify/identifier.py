@@ -49,7 +49,8 @@ class Identifier(Judging):
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
                               fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
                               declared_precision=self.declared_precision, ties=ties, overflow=self.overflow,
-                              ignored=self.ignored, derivative=derivative, evidence=evidence)
+                              ignored=self.ignored, derivative=derivative, evidence=evidence,
+                              saturated=self.saturated)
 
     def _suspicious(self, knobs: dict) -> bool:
         return any((self.kernel, k, v) in SUSPICIOUS_VALUES for k, v in knobs.items())

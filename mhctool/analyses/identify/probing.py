@@ -66,8 +66,26 @@ class Probing(Subject):
                 return out, error
             self.guards.append(p)
         self.overflow = self._overflow()
+        self.saturated = self._saturated()
         self.ignored = self._ignored(out)
         return out, None
+
+    def _saturated(self) -> list:
+        """Sinkhorn's guards where the implementation's matrices are uniform (1/n everywhere: an
+        exponential that saturates, finite but collapsed) and the float64 contract's are not:
+        (family, its description, how many matrices, of how many)."""
+        if self.kernel != "sinkhorn":
+            return []
+        out = []
+        for p in self.guards:
+            o, r = p.res.outputs[0].double().cpu(), p.refs[0].double().cpu()
+            n = o.shape[-1]
+            flat_o, flat_r = o.reshape(-1, n * n), r.reshape(-1, n * n)
+            flat = ((flat_o - 1.0 / n).abs().amax(-1) < 1e-3) & ((flat_r - 1.0 / n).abs().amax(-1) > 1e-2)
+            if int(flat.sum()):
+                out.append((p.case.family, input_family(self.kernel, p.case.family).doc, int(flat.sum()),
+                            flat_o.shape[0]))
+        return out
 
     def _overflow(self) -> list:
         """Per guard where the implementation returned non-finite values that the float64 contract

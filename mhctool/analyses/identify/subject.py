@@ -65,6 +65,7 @@ class Subject:
         self.guards: list[Probe] = []  # the space's guard probes, run by probes()
         self._stacks: dict = {}  # probes -> their float64 inputs, stacked where the kernel allows
         self.overflow: list = []  # Identification.overflow
+        self.saturated: list = []  # Identification.saturated
         self.ignored: dict = {}  # Identification.ignored
 
     def _names(self) -> list[str]:
