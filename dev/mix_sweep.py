@@ -95,9 +95,9 @@ else:
     vs=ast.literal_eval(rest[0]) if rest else [(pr.LOWP_TILE,2),(pr.LOWP_TILE,3)]
     variants={f"tile, AGG_STAGES {v}":tile(v) for v in vs}
 if graph:
-    from mhctool.analyses.timing import _graphed
+    from mhctool.analyses.timing import graphed
     def _try_graph(k,fn):  # a variant that fails to compile is a line, not the end
-        try: return _graphed(fn)
+        try: return graphed(fn)
         except Exception as ex:  # noqa: BLE001
             print(k,"failed:",type(ex).__name__,str(ex).splitlines()[0][:160],flush=True)
     variants={k:g for k,g in ((k,_try_graph(k,fn)) for k,fn in variants.items()) if g is not None}

@@ -257,7 +257,7 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     if direction == "fwd":
         if graph and device == "cuda":
             with torch.no_grad():
-                replay = _graphed(lambda: _call(fam, impl, dict(sets[0])))
+                replay = graphed(lambda: _call(fam, impl, dict(sets[0])))
                 times = timer.time(replay, repeats, queued=True)
                 host = host_time_us(replay)
         else:
@@ -299,7 +299,7 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
         torch.cuda.reset_peak_memory_stats()
     before_mem = torch.cuda.memory_allocated() if device == "cuda" else 0
     if graph and device == "cuda":
-        replay = _graphed(lambda: bwd(0))
+        replay = graphed(lambda: bwd(0))
         times = timer.time(replay, repeats, queued=True)
         host = host_time_us(replay, calls=5)
     else:
@@ -314,7 +314,7 @@ def graph_capturable(kernel: str, impl: Impl) -> bool:
     return not (impl.native and get_family(kernel).shape_kind == "moe")
 
 
-def _graphed(fn, attempts: int = 2):
+def graphed(fn, attempts: int = 2):
     """Capture ``fn`` into a CUDA graph; returns its replay. A backward runs on autograd's own
     thread, which may query events or allocate while this thread captures: the capture is
     thread-local. Seen on an H100 (torch 2.11): the first backward captured in a process failed

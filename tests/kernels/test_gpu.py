@@ -485,7 +485,7 @@ def test_mix_aggregate_backward_with_sinkhorn_beside_gives_the_in_order_bits(mon
     streams form in cuTile) and n = 3, with only g_res or only g_out given too."""
     import importlib
 
-    from mhctool.analyses.timing import _graphed
+    from mhctool.analyses.timing import graphed
 
     mod = importlib.import_module(f"mhctool.kernels.{backend}.mix_aggregate")
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -512,7 +512,7 @@ def test_mix_aggregate_backward_with_sinkhorn_beside_gives_the_in_order_bits(mon
 
             def captured():
                 res["g"] = grads()
-            _graphed(captured)()
+            graphed(captured)()
             torch.cuda.synchronize()
             for name, wt, gt, ct in zip(("x", "weight", "alpha", "h_bias"), want, got, res["g"]):
                 if wt is None:
