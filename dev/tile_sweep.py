@@ -58,7 +58,6 @@ def sweep_sinkhorn(T: int, n: int) -> None:
 
 
 def sweep_h_post_bda(s: int, b: int, n: int, C: int, dtype) -> None:
-    T = s * b
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *sh, dt=dtype: torch.randn(sh, device="cuda", generator=g).to(dt)
     h, hp = mk(s, b, n, n, dt=torch.float32), mk(s, b, n, dt=torch.float32)

@@ -1,5 +1,4 @@
 """Files and folders as modules (mhctool.registry.loading)."""
-from pathlib import Path
 
 from typer.testing import CliRunner
 
