@@ -23,7 +23,9 @@ had every column but the last two):
 | direction  | string  | fwd or bwd                                                          |
 | tensor     | string  | output name, ``grad_<input>`` in bwd, ``*`` for whole-case rows     |
 | metric     | string  | max_abs, rel_l2, max_rel, ulp, nonfinite, unwritten, extra_zeros,   |
-|            |         | row_residual, col_residual, error, unsupported; with --check:       |
+|            |         | row_residual, col_residual, error, unsupported, not_judged (the     |
+|            |         | forward's outputs lost with a CUDA context its backward took);      |
+|            |         | with --check:                                                       |
 |            |         | nondeterministic (share of elements that differ between runs),      |
 |            |         | batch_variant (share of tokens that differ at another batch size)   |
 | value      | float64 | the measurement                                                     |

@@ -124,9 +124,12 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     the contract's (shape, dtype, device) per output; outputs are conformed to it by value."""
     res = ImplResult()
     args = _leaf(fam, base)
+    on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in args.values())
     try:
         with poisoning(True):
             outs = list(fam.call(impl.fn, args, knobs, impl.accepts, impl.bind, impl.takes))
+            if on_gpu:  # an asynchronous CUDA error of the forward's kernels is the forward's, here
+                torch.cuda.synchronize()
     except SystemExit as e:  # code under test never decides mhctool's exit code
         res.fwd_error = system_exit_message(e)
         return res
@@ -156,6 +159,8 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
                 [u for o, u in zip(outs, upstream_fn(outs)) if o.requires_grad],
                 allow_unused=True,
             )
+            if on_gpu:  # and the backward's, not the next call's
+                torch.cuda.synchronize()
     except SystemExit as e:
         res.bwd_error = system_exit_message(e)
         return res

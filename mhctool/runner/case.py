@@ -48,6 +48,9 @@ class ImplResult:
     fwd_refused: str | None = None  # an outside implementation refused the case (a limit it states)
     bwd_error: str | None = None
     bwd_unsupported: str | None = None
+    # the forward returned, but its outputs could not come back: a fault of the backward took the
+    # isolation worker's CUDA context with them (the backward's error is bwd_error)
+    fwd_lost: str | None = None
     returned: dict[str, str] = field(default_factory=dict)  # output -> dtype it came back in, where converted
     failure: str | None = None  # what the code under test did to its process (isolation: crash, timeout, ...)
 

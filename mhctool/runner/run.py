@@ -151,6 +151,14 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                 "message": f"it refuses this case (a limit it states; judged at the others): "
                                            f"{res.fwd_refused}"})
             continue
+        if res.fwd_lost:  # a fault of the backward, placed there (its forward's outputs went with it)
+            result.rows.append({**row_base, "direction": "fwd", "tensor": "*", "metric": "not_judged",
+                                "value": math.nan, "threshold": None, "passed": None, "rule": "cuda",
+                                "message": res.fwd_lost})
+            result.rows.append({**row_base, "direction": "bwd", "tensor": "*", "metric": "error",
+                                "value": math.nan, "threshold": None, "passed": False, "rule": "cuda",
+                                "message": res.bwd_error})
+            continue
         if res.fwd_error:
             for direction in ("fwd", "bwd"):
                 msg = res.fwd_error if direction == "fwd" else "not run: the forward failed"

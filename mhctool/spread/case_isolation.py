@@ -38,6 +38,12 @@ class Isolation:
                                    (case.kernel, impl.spec or impl.name, impl.name, base, knobs, upstream, expect),
                                    footprint(case), case.device)
         if failure is not None:
+            done = failure.partial or {}
+            if failure.kind == "cuda" and done.get("bwd_error") and not done.get("fwd_error"):
+                # the forward returned and the backward faulted: its outputs went with the context
+                return ImplResult(fwd_lost="not judged: the forward ran, and its outputs were lost with the CUDA "
+                                           "context, which its backward's fault took", bwd_error=done["bwd_error"],
+                                  failure="cuda")
             return ImplResult(fwd_error=failure.message, failure=failure.kind)
         return ImplResult(**value)
 

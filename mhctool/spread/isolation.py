@@ -60,6 +60,9 @@ class Failure:
 
     kind: str  # exit, signal, timeout, cuda, raised, lost
     message: str
+    # cuda: what the call had returned before the context was lost, its tensors left behind
+    # (the one-case runner's errors: which direction the fault was in)
+    partial: dict | None = None
 
 
 def describe_exitcode(code: int | None) -> Failure:
@@ -168,6 +171,13 @@ def _cuda_healthy() -> str | None:
         return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
+def _plain(value) -> dict | None:
+    """A result's fields that are no tensors (strings, numbers, None), or None where it is no dict."""
+    if not isinstance(value, dict):
+        return None
+    return {k: v for k, v in value.items() if v is None or isinstance(v, (str, bool, int, float))}
+
+
 def child_context(spawn: bool = False) -> tuple[Any, dict | None]:
     """How to start a child process: ``(context, environ)``. The fork server's context, torch
     imported once in the server (children start in a fraction of a second rather than importing
@@ -210,14 +220,16 @@ def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> No
             received = set()
             _map_tensors((args, kwargs), lambda t: received.add(t.untyped_storage().data_ptr()) if t.is_cuda else None)
             value = _resolve(target)(*args, **kwargs)
-            reply = ("ok", _Packed(value, transport, folder, received=received))
+            sick = _cuda_healthy()  # before packing: tensors of a lost context cannot be copied
+            reply = ("cuda", (sick, _plain(value))) if sick else ("ok", _Packed(value, transport, folder,
+                                                                                   received=received))
         except SystemExit as e:
             reply = ("raised", system_exit_message(e))
         except BaseException as e:  # noqa: BLE001 - everything the code under test raises is a result
             reply = ("raised", "".join(traceback.format_exception_only(type(e), e)).strip())
         sick = _cuda_healthy()
         if sick:
-            conn.send(("cuda", sick))
+            conn.send(reply if reply[0] == "cuda" else ("cuda", (sick, None)))
             os._exit(3)
         conn.send(reply)
         msg = packed = args = kwargs = value = reply = None  # the parent's memory is released here
@@ -344,7 +356,8 @@ class Worker:
             return payload.unpack(), None
         if kind == "cuda":
             self._kill()
-            return None, Failure("cuda", payload)
+            sick, partial = payload
+            return None, Failure("cuda", sick, partial)
         return None, Failure("raised", payload)
 
     def __enter__(self):

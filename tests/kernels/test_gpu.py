@@ -43,6 +43,8 @@ BACKGROUND = {
     "train-cutile": ["train", "--impl", "cutile", *TRAIN],
     "cuda-fault": ["parity", "--kernel", "sinkhorn", "--scenario", str(DATA / "gpu-fault.toml"), "--isolate",
                    "--impl", f"{IMPLS / 'gpu_faults.py'}:sinkhorn_faults_on_large_inputs"],
+    "bwd-fault": ["parity", "--kernel", "h_aggregate", "--scenario", str(DATA / "gpu-bwd-fault.toml"), "--isolate",
+                  "--no-hint", "--impl", f"{IMPLS / 'gpu_faults.py'}:h_aggregate_backward_faults_unless_c4"],
     "cutile-mix-fp32": ["parity", "--kernel", "mix_aggregate", "--impl", "cutile", "--dtype", "fp32",
                         "--scenario", str(DATA / "gpu-mix.toml")],
     "cutile-mix-bf16": ["parity", "--kernel", "mix_aggregate", "--impl", "cutile", "--dtype", "bf16",
@@ -695,6 +697,22 @@ def test_a_cuda_fault_fails_its_row_and_the_next_cases_pass(background):
            and r["passed"] is not None and r["metric"] in ("error", "max_abs")}
     assert fwd["8x2x4x1"]["passed"] and fwd["9x1x4x1"]["passed"], fwd
     assert not fwd["101x1x4x1"]["passed"] and "illegal memory access" in fwd["101x1x4x1"]["message"], fwd
+
+
+@pytest.mark.background("bwd-fault")
+def test_a_fault_of_the_backward_is_the_backwards_row(background):
+    """A backward that faults asynchronously where C % 4 != 0 (issue 76 item 5): the runner waits
+    for each direction's kernels, so the fault is the backward's error row (its forward's outputs,
+    lost with the worker's CUDA context, are not judged, and not blamed); C = 64 passes."""
+    rc, text, rows, _ = background("bwd-fault")
+    assert rc == 1, text
+    ours = [r for r in rows if r["impl"].endswith("unless_c4")]
+    odd = {r["direction"]: r for r in ours if r["shape"] == "13x3x4x67" and r["tensor"] == "*"}
+    assert odd["fwd"]["metric"] == "not_judged" and odd["fwd"]["passed"] is None, odd
+    assert odd["bwd"]["passed"] is False and odd["bwd"]["rule"] == "cuda", odd
+    assert "illegal memory access" in odd["bwd"]["message"], odd
+    even = [r["passed"] for r in ours if r["shape"] == "13x3x4x64" and r["passed"] is not None]
+    assert even and all(even), [r for r in ours if r["shape"] == "13x3x4x64"]
 
 
 @pytest.mark.background("cutile-mix-bf16")

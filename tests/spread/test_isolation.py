@@ -223,3 +223,24 @@ def test_a_worker_has_the_modules_autograd_imports_at_its_first_grad_already():
     probe = "'torch.fx.experimental.symbolic_shapes' in __import__('sys').modules"
     with Worker("shm") as w:
         assert w.call("builtins:eval", (probe,), timeout=120) == (True, None)
+
+
+def test_a_cuda_fault_after_the_forward_returned_is_the_backwards():
+    """The worker that lost its CUDA context sends back what the call had returned, its tensors
+    left behind: where the forward ran and the backward faulted, the backward carries the error
+    and the forward is not judged (tests/kernels/test_gpu.py runs it on a GPU)."""
+    from mhctool.spread.case_isolation import Isolation
+    from mhctool.spread.isolation import Failure
+
+    class Lost(Isolation):
+        def call(self, impl, target, args, footprint_bytes, device):
+            return None, Failure("cuda", "AcceleratorError: CUDA error: an illegal memory access was encountered",
+                                 {"fwd_error": None, "bwd_error": "AcceleratorError: CUDA error: an illegal memory access"})
+
+    from mhctool.core.shapes import parse_shape
+    from mhctool.runner.case import Case
+
+    case = Case("h_aggregate", "random", "fp32", parse_shape("13x3x4x67"), (), 0, "cuda")
+    res = Lost().run(case, type("I", (), {"spec": None, "name": "f"})(), {}, {}, [], [])
+    assert res.fwd_lost.startswith("not judged: the forward ran") and res.fwd_error is None
+    assert "illegal memory access" in res.bwd_error and res.failure == "cuda"
