@@ -241,3 +241,14 @@ def test_a_clamped_exponential_is_named_by_the_matrices_it_collapses(tmp_path):
     assert res.exit_code == 1, text
     assert "on large_logits (" in text and "its outputs are uniform in 64 of 64 matrices where the contract's are not: " \
                                           "the exponential saturates" in text, text
+
+
+def test_a_backward_that_needs_aligned_channels_is_named_by_its_limit(tmp_path):
+    """A backward that fails unless C % 4 == 0 (issue 76 item 5): identify tries the nearest
+    multiples of 2, 4, ... of the probe's C, names the alignment and identifies it where it runs."""
+    res, text = run("identify", "--kernel", "h_aggregate", "--impl", f"{STRANGERS}:h_aggregate_backward_needs_c4",
+                    "--device", "cpu", "-q", "-o", tmp_path / "id.parquet")
+    assert res.exit_code == 0, text
+    assert text.startswith("best match: the contract (") and (
+        "its backward fails at C = 67 (C % 4 = 3: RuntimeError: misaligned address) and runs at C = 64 and 68: "
+        "an alignment requirement of its backward (C % 4 == 0)") in text, text

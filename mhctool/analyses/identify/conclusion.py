@@ -78,6 +78,8 @@ class Identification:
     evidence: str | None = None
     # Sinkhorn's guards where its matrices are uniform and the contract's are not (Probing._saturated)
     saturated: list = field(default_factory=list)
+    # a direction that failed at the probe shape and runs at aligned ones (limits.py): the sentence
+    limit: str | None = None
 
     @property
     def asked_all(self) -> dict:
@@ -133,6 +135,9 @@ class Identification:
         return "; ".join(parts) + ": the exponential saturates (clamped, as exp(min(x, bound)) is)"
 
     def line(self) -> str:
+        return self._line() + (f"; {self.limit}" if self.limit else "")
+
+    def _line(self) -> str:
         if self.error:
             return f"no convention fits: the implementation failed: {self.error}"
         b = self.best

@@ -1,9 +1,12 @@
 """The whole identification: probe, fit, refine, pick, judge the best few, and conclude."""
 from __future__ import annotations
 
+import re
+
 from mhctool.analyses.identify.conclusion import Candidate, Identification
 from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown
+from mhctool.analyses.identify.limits import shape_limit
 from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, _signature
 from mhctool.registry.impl import Impl
@@ -14,8 +17,19 @@ class Identifier(Judging):
 
     def run(self) -> Identification:
         probes, error = self.probes()
+        limit = None
+        # a direction that fails at the probe shape: whether the channel count is why (an alignment
+        # requirement), and then identified at a shape where it runs
+        failed = ((("forward", m.group(1), m.group(2)) if (m := re.match(r"(.*) \(probe (\w+)\)$", error, re.S))
+                   else None) if error else
+                  next((("backward", p.res.bwd_error, p.case.family) for p in probes if p.res.bwd_error), None))
+        if failed and (limit := shape_limit(self, failed[2], failed[:2])):
+            self.shape, self._stacks = limit.shape, {}
+            probes, error = self.probes()
+        limit_text = limit.sentence() if limit else None
         if error:
-            return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs)
+            return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs,
+                                  limit=limit_text)
         grid = self.grid(probes)
         # the continuous knobs of the few best discrete combinations are refined before the pick:
         # a sensitive knob (eps inside a square root) can sit between two grid points
@@ -50,7 +64,7 @@ class Identifier(Judging):
                               fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
                               declared_precision=self.declared_precision, ties=ties, overflow=self.overflow,
                               ignored=self.ignored, derivative=derivative, evidence=evidence,
-                              saturated=self.saturated)
+                              saturated=self.saturated, limit=limit_text)
 
     def _suspicious(self, knobs: dict) -> bool:
         return any((self.kernel, k, v) in SUSPICIOUS_VALUES for k, v in knobs.items())
