@@ -715,6 +715,19 @@ def test_a_fault_of_the_backward_is_the_backwards_row(background):
     assert even and all(even), [r for r in ours if r["shape"] == "13x3x4x64"]
 
 
+def test_identify_names_the_alignment_a_faulting_backward_needs(tmp_path):
+    """The same faulting backward through identify (isolated, as an outside function on a GPU): the
+    fault is the backward's, the channel count is found to be why, and the kernel is identified
+    at an aligned shape."""
+    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "identify", "--kernel", "h_aggregate", "--impl",
+                          f"{IMPLS / 'gpu_faults.py'}:h_aggregate_backward_faults_unless_c4", "--device", "cuda",
+                          "-q", "-o", str(tmp_path / "id.parquet")], capture_output=True, text=True, timeout=600)
+    text = " ".join(res.stdout.split())
+    assert res.returncode == 0, text + res.stderr[-2000:]
+    assert text.startswith("best match: the contract (") and "its backward fails at C = 67 (C % 4 = 3: " in text, text
+    assert "illegal memory access" in text and "runs at C = 64 and 68: an alignment requirement of its backward" in text
+
+
 @pytest.mark.background("cutile-mix-bf16")
 @pytest.mark.background("cutile-mix-fp32")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -1,8 +1,6 @@
 """The whole identification: probe, fit, refine, pick, judge the best few, and conclude."""
 from __future__ import annotations
 
-import re
-
 from mhctool.analyses.identify.conclusion import Candidate, Identification
 from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown
@@ -20,9 +18,8 @@ class Identifier(Judging):
         limit = None
         # a direction that fails at the probe shape: whether the channel count is why (an alignment
         # requirement), and then identified at a shape where it runs
-        failed = ((("forward", m.group(1), m.group(2)) if (m := re.match(r"(.*) \(probe (\w+)\)$", error, re.S))
-                   else None) if error else
-                  next((("backward", p.res.bwd_error, p.case.family) for p in probes if p.res.bwd_error), None))
+        failed = self.failed if error else next((("backward", p.res.bwd_error, p.case.family)
+                                                 for p in probes if p.res.bwd_error), None)
         if failed and (limit := shape_limit(self, failed[2], failed[:2])):
             self.shape, self._stacks = limit.shape, {}
             probes, error = self.probes()

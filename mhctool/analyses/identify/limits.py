@@ -22,15 +22,16 @@ class ShapeLimit:
 
     def sentence(self) -> str:
         ran = " and ".join(str(c) for c in self.ran_c)
+        error = self.error.split(" | ")[0]  # the error's first line (PyTorch's CUDA errors add advice lines)
         return (f"its {self.direction} fails at C = {self.failed_c} (C % {self.modulus} = {self.failed_c % self.modulus}: "
-                f"{self.error}) and runs at C = {ran}: an alignment requirement of its {self.direction} "
+                f"{error}) and runs at C = {ran}: an alignment requirement of its {self.direction} "
                 f"(C % {self.modulus} == 0), a limit to state or to lift; identified at {self.shape}")
 
 
 def _failure(res) -> tuple[str, str] | None:
     if res.fwd_error:
         return "forward", res.fwd_error
-    if res.bwd_error:
+    if res.bwd_error or res.fwd_lost:
         return "backward", res.bwd_error
     return None
 

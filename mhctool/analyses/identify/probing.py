@@ -43,7 +43,11 @@ class Probing(Subject):
     def _probe(self, fam_name: str) -> tuple[Probe | None, str | None]:
         case, shape, base, nat, upstream, res = self._run_on(fam_name)
         if res.fwd_error:
+            self.failed = ("forward", res.fwd_error, fam_name)
             return None, f"{res.fwd_error} (probe {fam_name})"
+        if res.fwd_lost:  # its backward faulted and took the forward's outputs (an isolation worker's context)
+            self.failed = ("backward", res.bwd_error, fam_name)
+            return None, f"its backward failed: {res.bwd_error} (probe {fam_name})"
         with torch.no_grad():
             refs = self.fam.call(self.fam.reference, _float64(base), self._split(self.asked)[0], lambda k: True)
         floor = 2 * FORMATS[self.dtype].unit_roundoff

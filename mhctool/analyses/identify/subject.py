@@ -66,6 +66,7 @@ class Subject:
         self._stacks: dict = {}  # probes -> their float64 inputs, stacked where the kernel allows
         self.overflow: list = []  # Identification.overflow
         self.saturated: list = []  # Identification.saturated
+        self.failed: tuple | None = None  # the probe that failed: (direction, error, input family)
         self.ignored: dict = {}  # Identification.ignored
 
     def _names(self) -> list[str]:
