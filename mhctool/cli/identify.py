@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from mhctool.cli.kit import Interrupts, fmt, isolation_for, knob_items, out, parse_dtype
+from mhctool.cli.kit import Interrupts, err, fmt, isolation_for, knob_items, out, parse_dtype
 from mhctool.cli.kit import device as parse_device
 from mhctool.core import names
 from mhctool.core.errors import UsageError
@@ -37,6 +37,7 @@ def identify(
     top: int = typer.Option(8, "--top", min=1, help="Rows of the candidates table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the result lines."),
     isolate: Optional[bool] = typer.Option(None, "--isolate/--no-isolate", help="Run the implementation in a child process (default: on for an external one on a GPU)."),
+    verbose: bool = typer.Option(False, "--verbose", help="Let the libraries' own log lines (TileLang, Triton, NCCL) show; by default they go to a log file beside the report, named in its metadata and in the last line."),
     matmul_precision: Optional[str] = typer.Option(None, "--matmul-precision", help="ieee, tf32, tf32_trunc or bf16: what the implementation multiplies at by design (default: fitted with the conventions; an adapter's declared precision is where the fit starts)."),
 ):
     """Tell which convention a kernel computes: fit the family's convention knobs against the float64
@@ -63,8 +64,10 @@ def identify(
     iso = isolation_for(isolate, [impl], dev, None, None, interrupts)
     rows, failed = [], False
     from mhctool.families import call_problem, get_family, signature
+    from mhctool.core.library_log import library_log
+    log_path = out_path.with_name(out_path.stem + ".libraries.log")
     try:
-        with interrupts:
+        with interrupts, library_log(log_path, {"stdout": out, "stderr": err}, enabled=not verbose) as log:
             for i in impls:
                 ident = ident_mod.identify(kernel, i, dtype=dt, device=dev, shape=shape, asked=asked, seed=seed,
                                            isolation=iso, matmul_precision=matmul_precision)
@@ -96,9 +99,10 @@ def identify(
         if iso is not None:
             iso.close()
     table = report.to_table(rows, report.new_run_id(), "identify", environment.metadata(),
-                            {"kernel": kernel, "impl": impl, "dtype": dt, "device": dev, "asked": asked},
+                            {"kernel": kernel, "impl": impl, "dtype": dt, "device": dev, "asked": asked,
+                             "library_log": log["path"]},
                             schema=report.IDENTIFY_SCHEMA)
     path = report.write_atomic(table, out_path)
     if not quiet:
-        out.print(f"report {path}")
+        out.print(f"report {path}" + (f"; the libraries' own output: {log['path']}" if log["path"] else ""))
     raise typer.Exit(1 if failed else 0)

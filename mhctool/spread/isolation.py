@@ -45,6 +45,7 @@ import torch.multiprocessing as tmp
 from mhctool.core.errors import system_exit_message
 from mhctool.spread.forkserver import FORKSERVER_PRELOAD, forkserver_started
 from mhctool.core.environment import ensure_triton_mode
+from mhctool.core.library_log import ENV as LIBRARY_LOG, to_log
 from mhctool.spread.forkserver import forkserver_has
 
 TRANSPORTS = ("shm", "host", "file")
@@ -202,6 +203,7 @@ def adopt_environment(environ: dict | None) -> None:
 def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> None:  # pragma: no cover - runs in the child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
     adopt_environment(environ)
+    to_log(os.environ.get(LIBRARY_LOG))  # the libraries' own lines to the command's log, where it keeps one
     ensure_triton_mode()
     conn.send(("ready", os.getpid()))
     while True:

@@ -252,3 +252,22 @@ def test_a_backward_that_needs_aligned_channels_is_named_by_its_limit(tmp_path):
     assert text.startswith("best match: the contract (") and (
         "its backward fails at C = 67 (C % 4 = 3: RuntimeError: misaligned address) and runs at C = 64 and 68: "
         "an alignment requirement of its backward (C % 4 == 0)") in text, text
+
+
+@pytest.mark.parametrize("where", ["--no-isolate", "--isolate"])
+def test_a_librarys_own_output_goes_to_a_log_not_between_the_conclusions(tmp_path, where):
+    """A library that logs through a handler of its own, prints and writes to the stderr descriptor
+    at every call (issue 76 item 7, as TileLang's compile logs): from a shell, none of it shows,
+    whether it runs in mhctool's process or in an isolation worker; it is in the log beside the
+    report, named in the last line and in the report's metadata."""
+    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "identify", "--kernel", "h_aggregate", "--impl",
+                          f"{STRANGERS.parent / 'noisy.py'}:h_aggregate", "--device", "cpu", where,
+                          "-o", str(tmp_path / "id.parquet")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "noisylib" not in res.stdout + res.stderr, res.stdout + res.stderr
+    log = tmp_path / "id.libraries.log"
+    assert res.stdout.splitlines()[-1].endswith(f"the libraries' own output: {log}"), res.stdout
+    text = log.read_text()
+    assert "noisylib INFO: compiling a kernel" in text and "autotuning done" in text and "a C library's line" in text
+    run = json.loads(pq.read_table(tmp_path / "id.parquet").schema.metadata[b"mhctool.run"])
+    assert run["library_log"] == str(log)

@@ -1,0 +1,89 @@
+"""The libraries' own output kept apart from mhctool's (issue 76 item 7): TileLang's compile logs,
+Triton's and PyTorch's C-level warnings, NCCL's lines. While a command works, whatever goes to the
+process's stdout and stderr (a library's ``logging`` handler, a ``print``, a ``warnings`` line, a
+C library's write to its descriptor) goes to a log file instead; mhctool's own consoles are
+pointed at the terminal meanwhile, so its lines and its conclusions are all that shows. Isolation workers started meanwhile write to the same file
+(``MHCTOOL_LIBRARY_LOG``, read in :mod:`mhctool.spread.isolation`).
+
+A descriptor is redirected only where Python's stream is that descriptor (a command run from a
+shell): under a test runner that captures the streams nothing is, and the workers still log."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from pathlib import Path
+
+ENV = "MHCTOOL_LIBRARY_LOG"
+
+
+def _fd_of(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def to_log(path: str | None) -> None:
+    """In a worker process: its stdout and stderr descriptors to the log (appended)."""
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def library_log(path: Path, consoles: dict, enabled: bool = True):
+    """Yields a dict whose ``"path"`` is the log's path once the block ends, where anything was
+    written to it (None otherwise: the empty file is removed). ``consoles``: mhctool's own rich
+    consoles by the stream they print to (``{"stdout": out, "stderr": err}``), pointed at the
+    terminal meanwhile. ``enabled`` False (``--verbose``): the libraries' lines show where they are
+    written."""
+    state: dict = {"path": None}
+    if not enabled:
+        yield state
+        return
+    for s in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            s.flush()
+    log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    saved_fds, terminals = {}, []
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        if _fd_of(stream) != fd:
+            continue
+        saved_fds[fd] = os.dup(fd)
+        os.dup2(log_fd, fd)
+        if name in consoles:
+            terminal = io.TextIOWrapper(os.fdopen(os.dup(saved_fds[fd]), "wb"), encoding=stream.encoding,
+                                        errors=stream.errors, line_buffering=True, write_through=True)
+            consoles[name].file = terminal
+            terminals.append((consoles[name], terminal))
+    previous_env = os.environ.get(ENV)
+    os.environ[ENV] = str(path)
+    try:
+        yield state
+    finally:
+        if previous_env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = previous_env
+        for console, terminal in terminals:
+            console.file = None  # back to the stream it prints to (resolved at each print)
+            with contextlib.suppress(Exception):
+                terminal.close()
+        for s in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                s.flush()
+        for fd, saved in saved_fds.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        os.close(log_fd)
+        if path.exists() and path.stat().st_size > 0:
+            state["path"] = str(path)
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
