@@ -89,6 +89,7 @@ def parity(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to join (ray.init's address; default: a local one)."),
     ranks: int = typer.Option(1, "--ranks", help="Split each case's tokens over R processes joined by torch.distributed (Gloo on the CPU, NCCL on GPUs, a GPU a rank), the parameter gradients all-reduced, as under data or sequence parallelism; the native baseline runs the same way."),
     grad_reduce: str = typer.Option("fp32", "--grad-reduce", help="With --ranks: the dtype the parameter gradients are all-reduced in: fp32, or bf16 (as --grad-reduce-in-bf16 trains)."),
+    verbose: bool = typer.Option(False, "--verbose", help="Let the libraries' own log lines (TileLang, Triton, NCCL) show; by default they go to a log file beside the report, named in its metadata and after the summary."),
     show_profile: bool = typer.Option(False, "--profile", help="Print where the time went: inputs, the native run, the float64 reference, each implementation (its first call in a process, which compiles, apart), judging, checks, and with --workers what was spent outside the cases (the report keeps it in any case)."),
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
@@ -137,65 +138,77 @@ def parity(
     def finished(c):
         bar.advance(task)
         log.done += 1
-    with interrupts, log, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                   TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
-        task = bar.add_task("parity", total=len(cases))
+    from mhctool.core.library_log import library_log
+    code = 0
+    with library_log(out_path.with_name(out_path.stem + ".libraries.log"), {"stdout": out, "stderr": err},
+                     enabled=not verbose) as libraries:
         try:
-            o = parity_mod.execute(pl, iso, interrupts, started, n_workers, backend, finished, ray_address)
-        finally:
-            if iso is not None:
-                iso.close()
-            if pl.sharding is not None:
-                pl.sharding.close()
-    done = o.cases_run
-    table = parity_mod.table(pl, o, kernel=kernel, device=dev, isolate=iso is not None,
-                             case_timeout=case_timeout, workers=n_workers, backend=backend)
-    path = report.write_atomic(table, out_path)
-    vs = worst_first(verdicts(table))
-    _check_call_shape(vs, outside_impls(table))
-    p, f, s = _summary(vs)
-    if not quiet:
-        out.print(_verdict_table(vs, top, f"parity: worst of {len(vs)} (case x impl x direction)"))
-    if plot is not None:
-        from mhctool.views.plots import parity_figures
-        for png in parity_figures(table, plot):
+            with interrupts, log, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                           TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
+                task = bar.add_task("parity", total=len(cases))
+                try:
+                    o = parity_mod.execute(pl, iso, interrupts, started, n_workers, backend, finished, ray_address)
+                finally:
+                    if iso is not None:
+                        iso.close()
+                    if pl.sharding is not None:
+                        pl.sharding.close()
+            done = o.cases_run
+            table = parity_mod.table(pl, o, kernel=kernel, device=dev, isolate=iso is not None,
+                                     case_timeout=case_timeout, workers=n_workers, backend=backend)
+            path = report.write_atomic(table, out_path)
+            vs = worst_first(verdicts(table))
+            _check_call_shape(vs, outside_impls(table))
+            p, f, s = _summary(vs)
             if not quiet:
-                out.print(f"plot: {png}")
-    if show_profile:
-        from mhctool.core.profile import lines
-        for line in lines(o.timings, o.wall, n_workers):
-            out.print(line, markup=False)
-    if interrupts.requested:
-        out.print(f"[yellow]INTERRUPTED[/] after {done} of {len(cases)} cases: {p} passed, {f} failed, {s} skipped "
-                  f"(report {path}, marked interrupted)")
-        raise typer.Exit(130)
-    unjudged = judged_nothing(table, parity_mod.asked_outside(pl))
-    status = "[red]FAILED[/]" if f or unjudged else "[green]PASSED[/]"
-    out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(cases)} cases on {dev}; report {path})")
-    for name in outside_impls(table):  # the implementations under test, apart from the baselines
-        pp, ff, ss = counts(vs, name)
-        out.print(f"  of them {_short_impl(name)}: {pp} passed, {ff} failed, {ss} skipped", markup=False)
-    for name, why in unjudged.items():
-        out.print(f"FAILED: {_short_impl(name)} was judged on no case: every row of it was skipped ({why}); "
-                  "the native rows are no verdict on it", markup=False)
-    findings = baseline_findings(table) if pl.checks else {}
-    for (name, k, rule), n in sorted(findings.items()):
-        out.print(f"note: {name} (not gated: baseline) fails {rule} on {k} in {n} row(s); see the report's messages",
-                  markup=False)
-    if "determinism" in pl.checks and dev == "cpu":
-        from mhctool.runner.checks import CPU_NOTE
-        out.print(f"note: determinism on cpu: {CPU_NOTE}; run the check on a GPU where it matters", markup=False)
-    if not specs:  # a default run that judged no kernel of a built-in backend says so
-        for name, why in skipped_everywhere(table).items():
-            out.print(f"note: {name} skipped for every case: {why}", markup=False)
-    from mhctool.analyses.hints import hints as find_hints
-    def identifying(kernel, name):  # a minute may pass here: say what runs
-        err.print(f"parity: identifying {_short_impl(name)} on {kernel} for a hint (mhctool identify)", markup=False)
-    hints = [] if interrupts.requested or not hint else [h for _, _, h in find_hints(pl, vs, dev, iso, isolate_transport,
-                                                                        case_timeout, lambda: interrupts.requested,
-                                                                        None if quiet else identifying)]
-    for hint in hints:
-        out.print(hint, markup=False)
-    if hints:  # kept in the report too (report html shows them)
-        report.write_atomic(report.with_run(table, hints=hints), out_path)
-    raise typer.Exit(1 if f or unjudged else 0)
+                out.print(_verdict_table(vs, top, f"parity: worst of {len(vs)} (case x impl x direction)"))
+            if plot is not None:
+                from mhctool.views.plots import parity_figures
+                for png in parity_figures(table, plot):
+                    if not quiet:
+                        out.print(f"plot: {png}")
+            if show_profile:
+                from mhctool.core.profile import lines
+                for line in lines(o.timings, o.wall, n_workers):
+                    out.print(line, markup=False)
+            if interrupts.requested:
+                out.print(f"[yellow]INTERRUPTED[/] after {done} of {len(cases)} cases: {p} passed, {f} failed, {s} skipped "
+                          f"(report {path}, marked interrupted)")
+                raise typer.Exit(130)
+            unjudged = judged_nothing(table, parity_mod.asked_outside(pl))
+            status = "[red]FAILED[/]" if f or unjudged else "[green]PASSED[/]"
+            out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(cases)} cases on {dev}; report {path})")
+            for name in outside_impls(table):  # the implementations under test, apart from the baselines
+                pp, ff, ss = counts(vs, name)
+                out.print(f"  of them {_short_impl(name)}: {pp} passed, {ff} failed, {ss} skipped", markup=False)
+            for name, why in unjudged.items():
+                out.print(f"FAILED: {_short_impl(name)} was judged on no case: every row of it was skipped ({why}); "
+                          "the native rows are no verdict on it", markup=False)
+            findings = baseline_findings(table) if pl.checks else {}
+            for (name, k, rule), n in sorted(findings.items()):
+                out.print(f"note: {name} (not gated: baseline) fails {rule} on {k} in {n} row(s); see the report's messages",
+                          markup=False)
+            if "determinism" in pl.checks and dev == "cpu":
+                from mhctool.runner.checks import CPU_NOTE
+                out.print(f"note: determinism on cpu: {CPU_NOTE}; run the check on a GPU where it matters", markup=False)
+            if not specs:  # a default run that judged no kernel of a built-in backend says so
+                for name, why in skipped_everywhere(table).items():
+                    out.print(f"note: {name} skipped for every case: {why}", markup=False)
+            from mhctool.analyses.hints import hints as find_hints
+            def identifying(kernel, name):  # a minute may pass here: say what runs
+                err.print(f"parity: identifying {_short_impl(name)} on {kernel} for a hint (mhctool identify)", markup=False)
+            hints = [] if interrupts.requested or not hint else [h for _, _, h in find_hints(pl, vs, dev, iso, isolate_transport,
+                                                                                case_timeout, lambda: interrupts.requested,
+                                                                                None if quiet else identifying)]
+            for hint in hints:
+                out.print(hint, markup=False)
+            if hints:  # kept in the report too (report html shows them)
+                report.write_atomic(report.with_run(table, hints=hints), out_path)
+            raise typer.Exit(1 if f or unjudged else 0)
+        except typer.Exit as e:  # the verdict's exit code, once the libraries' log is closed
+            code = e.exit_code
+    if libraries["path"]:
+        report.write_atomic(report.with_run(report.read(out_path)[0], library_log=libraries["path"]), out_path)
+        if not quiet:
+            out.print(f"the libraries' own output: {libraries['path']}", markup=False)
+    raise typer.Exit(code)

@@ -254,14 +254,16 @@ def test_a_backward_that_needs_aligned_channels_is_named_by_its_limit(tmp_path):
         "an alignment requirement of its backward (C % 4 == 0)") in text, text
 
 
-@pytest.mark.parametrize("where", ["--no-isolate", "--isolate"])
-def test_a_librarys_own_output_goes_to_a_log_not_between_the_conclusions(tmp_path, where):
+@pytest.mark.parametrize("command,where", [("identify", "--no-isolate"), ("identify", "--isolate"),
+                                           ("parity", "--isolate")])
+def test_a_librarys_own_output_goes_to_a_log_not_between_the_conclusions(tmp_path, command, where):
     """A library that logs through a handler of its own, prints and writes to the stderr descriptor
     at every call (issue 76 item 7, as TileLang's compile logs): from a shell, none of it shows,
     whether it runs in mhctool's process or in an isolation worker; it is in the log beside the
     report, named in the last line and in the report's metadata."""
-    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "identify", "--kernel", "h_aggregate", "--impl",
-                          f"{STRANGERS.parent / 'noisy.py'}:h_aggregate", "--device", "cpu", where,
+    extra = ["--dtype", "fp32"] if command == "parity" else []
+    res = subprocess.run([sys.executable, "-m", "mhctool.cli", command, "--kernel", "h_aggregate", "--impl",
+                          f"{STRANGERS.parent / 'noisy.py'}:h_aggregate", "--device", "cpu", where, *extra,
                           "-o", str(tmp_path / "id.parquet")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "noisylib" not in res.stdout + res.stderr, res.stdout + res.stderr
