@@ -254,8 +254,7 @@ def test_a_backward_that_needs_aligned_channels_is_named_by_its_limit(tmp_path):
         "an alignment requirement of its backward (C % 4 == 0)") in text, text
 
 
-@pytest.mark.parametrize("command,where", [("identify", "--no-isolate"), ("identify", "--isolate"),
-                                           ("parity", "--isolate")])
+@pytest.mark.parametrize("command,where", [("identify", "--no-isolate"), ("parity", "--isolate")])
 def test_a_librarys_own_output_goes_to_a_log_not_between_the_conclusions(tmp_path, command, where):
     """A library that logs through a handler of its own, prints and writes to the stderr descriptor
     at every call (issue 76 item 7, as TileLang's compile logs): from a shell, none of it shows,

@@ -146,8 +146,11 @@ def test_an_adapter_from_an_installed_packages_entry_point(tmp_path):
     (info / "entry_points.txt").write_text("[mhctool.adapters]\nmylib = mylib_adapter\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
+    sc = tmp_path / "sc.toml"  # what is tested is finding the adapter: one small case
+    sc.write_text('name = "ep"\n[[cases]]\nkernel = "h_aggregate"\nshapes = ["5x3x4x40"]\ndtypes = ["fp32"]\n'
+                  'families = ["random"]\n')
     out = subprocess.run([sys.executable, "-m", "mhctool.cli", "parity", "--kernel", "h_aggregate", "--impl",
-                          f"mylib:{site}", "--device", "cpu", "--shape", "5x3x4x40", "--quiet",
+                          f"mylib:{site}", "--device", "cpu", "--scenario", str(sc), "--quiet",
                           "-o", str(tmp_path / "r.parquet")], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
