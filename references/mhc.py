@@ -20,7 +20,7 @@ Trace = Callable[[str, torch.Tensor], None] | None
 
 STABILIZE = ("rowmax", "none", "softmax", "colmax")
 RMS_EPS = ("outside", "inside")
-EPS_MODES = ("add", "clamp")
+EPS_MODES = ("add", "clamp", "threshold", "threshold_zero")
 DOMAINS = ("linear", "log")
 ORDERS = ("row_first", "col_first")
 
@@ -32,6 +32,16 @@ def _normalize(p: torch.Tensor, dim: int, eps: float, eps_mode: str, trace: Trac
     elif eps_mode == "clamp":
         # eps may be a tensor of several values along a leading axis (mhctool identify's grid)
         den = torch.maximum(s, eps) if torch.is_tensor(eps) else s.clamp(min=eps)
+    elif eps_mode in ("threshold", "threshold_zero"):
+        # eps as a threshold: a sum above it divides; a row or column at or below it is left as it
+        # is (threshold) or set to zero (threshold_zero)
+        above = s > eps
+        den = torch.where(above, s, torch.ones_like(s))
+        if eps_mode == "threshold_zero":
+            if trace:
+                trace("row_sum" if dim == -1 else "col_sum", s)
+                trace("reciprocal", 1.0 / den)
+            return torch.where(above, p / den, torch.zeros_like(p))
     else:
         raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
     if trace:
@@ -71,7 +81,8 @@ def sinkhorn(
 
     Each iteration normalises rows then columns (``row_first``) or columns then rows
     (``col_first``); a normalisation divides by ``sum + eps`` (``add``) or ``max(sum, eps)``
-    (``clamp``).
+    (``clamp``), or by the sum where it is above eps, leaving a row or column at or below eps as
+    it is (``threshold``) or zeroing it (``threshold_zero``).
     """
     if stabilize not in STABILIZE:
         raise ValueError(f"stabilize must be one of {STABILIZE}, got {stabilize!r}")

@@ -29,7 +29,13 @@ def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowma
 
     def norm(p, dim):
         s = p.sum(dim=dim, keepdim=True)
-        return p / (s + eps) if eps_mode == "add" else p / s.clamp_min(eps)
+        if eps_mode == "add":
+            return p / (s + eps)
+        if eps_mode == "clamp":
+            return p / s.clamp_min(eps)
+        above = s > eps  # threshold: at or below eps kept (threshold) or zeroed (threshold_zero)
+        q = p / torch.where(above, s, torch.ones_like(s))
+        return q if eps_mode == "threshold" else torch.where(above, q, torch.zeros_like(q))
 
     first, second = (-1, -2) if order == "row_first" else (-2, -1)
     for it in range(iters):

@@ -112,3 +112,17 @@ def test_a_librarys_own_output_goes_to_a_log_not_between_the_conclusions(tmp_pat
     assert "noisylib INFO: compiling a kernel" in text and "autotuning done" in text and "a C library's line" in text
     run = json.loads(pq.read_table(tmp_path / "id.parquet").schema.metadata[b"mhctool.run"])
     assert run["library_log"] == str(log)
+
+
+def test_eps_as_a_threshold_is_a_convention_identify_finds_when_the_common_ones_fit_nothing(tmp_path):
+    """A row or column whose sum is at or below eps left as it is (issue 76 item 1): add and clamp
+    fit nothing on the eps sweep's columns, so the rarer modes are tried, and threshold fits; the
+    hint's flag makes parity pass."""
+    res, text = identify(tmp_path, "sinkhorn_eps_threshold")
+    assert res.exit_code == 0, text
+    assert text.startswith("best match: stabilize=rowmax eps_mode=threshold order=row_first iters=20 eps=1e-06 "), text
+    assert "--convention eps_mode=threshold" in text, text
+    res, text = run("parity", "--kernel", "sinkhorn", "--impl", f"{STRANGERS}:sinkhorn_eps_threshold", "--device", "cpu",
+                    "--dtype", "fp32", "-q", "--no-hint", "--convention", "eps_mode=threshold",
+                    "-o", tmp_path / "p.parquet")
+    assert res.exit_code == 0, text

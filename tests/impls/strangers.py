@@ -138,3 +138,14 @@ class _AggregateAlignedBackward(torch.autograd.Function):
 def h_aggregate_backward_needs_c4(x, h_pre):
     """Correct, but its backward fails unless C % 4 == 0 (a vectorised load that assumes it)."""
     return _AggregateAlignedBackward.apply(x, h_pre)
+
+
+def sinkhorn_eps_threshold(logits, iters=20, eps=1e-6):
+    """Max subtraction, then rows and columns divided by their sums where a sum is above eps; a row
+    or column whose sum is at or below eps is left as it is (eps as a threshold, not an addend)."""
+    p = torch.exp(logits - logits.amax(-1, keepdim=True))
+    for _ in range(iters):
+        for dim in (-1, -2):
+            s = p.sum(dim, keepdim=True)
+            p = p / torch.where(s > eps, s, torch.ones_like(s))
+    return p

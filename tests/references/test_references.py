@@ -184,3 +184,20 @@ def test_mix_aggregate_is_mapping_then_sinkhorn_then_aggregation_by_hand():
     torch.testing.assert_close(out, ref.h_aggregate(x, pre.reshape(3, 2, 4)))
     torch.testing.assert_close(h_post, post.reshape(3, 2, 4))
     torch.testing.assert_close(h_res, ref.sinkhorn(logits.reshape(3, 2, 4, 4), 7, 1e-5, stabilize="softmax"))
+
+
+@pytest.mark.parametrize("mode", ["threshold", "threshold_zero"])
+def test_eps_as_a_threshold_keeps_or_zeroes_what_sums_below_it_and_the_native_one_agrees(mode):
+    """A column 30 below the rest sums to about 1e-13 after the max subtraction: at eps 1e-6 it is
+    left as it is (threshold) or zeroed (threshold_zero); the other columns are normalised."""
+    from mhctool.kernels.torch import mhc as native
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, 4, generator=g, dtype=torch.float64)
+    logits[..., 2] -= 30.0
+    out = ref.sinkhorn(logits, 1, 1e-6, eps_mode=mode, order="col_first")
+    if mode == "threshold":  # the column kept (tiny, positive), the rows then normalised around it
+        assert bool((out[..., 2] > 0).all()) and float(out[..., 2].max()) < 1e-6
+    else:
+        assert bool((out[..., 2] == 0).all())
+    assert torch.allclose(out.sum(-1), torch.ones(6, 4, dtype=torch.float64))  # the rows, normalised last
+    assert torch.allclose(native.sinkhorn(logits, 1, 1e-6, eps_mode=mode, order="col_first"), out)

@@ -1,6 +1,8 @@
 """The whole identification: probe, fit, refine, pick, judge the best few, and conclude."""
 from __future__ import annotations
 
+import dataclasses
+
 from mhctool.analyses.identify.conclusion import Candidate, Identification
 from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown
@@ -8,6 +10,10 @@ from mhctool.analyses.identify.limits import shape_limit
 from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, _signature
 from mhctool.registry.impl import Impl
+
+
+# the best grid score (in native noise) past which the space's rarer conventions are tried too
+LATER_AFTER = 10.0
 
 
 class Identifier(Judging):
@@ -28,6 +34,12 @@ class Identifier(Judging):
             return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs,
                                   limit=limit_text)
         grid = self.grid(probes)
+        if self.space.later and min(c.score for c in grid) > LATER_AFTER:
+            # nothing near among the common conventions: the rarer ones too (the grid again, with them)
+            self.space = dataclasses.replace(
+                self.space, later={},
+                discrete={k: (*v, *self.space.later.get(k, ())) for k, v in self.space.discrete.items()})
+            grid = self.grid(probes)
         # the continuous knobs of the few best discrete combinations are refined before the pick:
         # a sensitive knob (eps inside a square root) can sit between two grid points
         refined = [self.refine(probes, c) for c in self._combos(grid, self.judge_top)]
