@@ -12,6 +12,7 @@ What is public is listed in ``__all__``; the rest may change between versions. I
 mhctool is cheap: the names below load their modules (and torch) on first use.
 """
 from __future__ import annotations
+
 import importlib
 
 __version__ = "0.1.0"

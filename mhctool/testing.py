@@ -18,12 +18,12 @@ from typing import Callable, Sequence
 import pyarrow as pa
 
 from mhctool.analyses import parity as engine
+from mhctool.analyses.hints import hints
+from mhctool.cli.kit import device as _device
+from mhctool.core import findings
 from mhctool.families import get_family
 from mhctool.registry.builtin import native_impl
-from mhctool.core import findings
-from mhctool.cli.kit import device as _device
 from mhctool.registry.impl import Impl
-from mhctool.analyses.hints import hints
 
 __all__ = ["ParityResult", "assert_parity", "check_parity"]
 

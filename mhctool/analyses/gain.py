@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mhctool.families import generate
 from mhctool.core.dtypes import FORMATS
-from mhctool.registry.impl import Impl
 from mhctool.core.shapes import Shape
+from mhctool.families import generate
+from mhctool.registry.impl import Impl
 
 
 @dataclass(frozen=True)

@@ -54,21 +54,21 @@ from pathlib import Path
 
 from mhctool.analyses import goldens as G
 from mhctool.analyses import parity
-from mhctool.core import profile
-from mhctool.families import get_family
-from mhctool.registry.specs import resolve_impls
-from mhctool.analyses import stability as st
 from mhctool.analyses import scenario as scenario_mod
+from mhctool.analyses import stability as st
+from mhctool.analyses import train as T
+from mhctool.analyses.hints import hints
+from mhctool.core import profile
+from mhctool.core.combine import stable
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
 from mhctool.core.findings import judged_nothing, verdicts
-from mhctool.core.combine import stable
 from mhctool.core.report import to_table
+from mhctool.families import get_family
+from mhctool.registry.specs import resolve_impls
 from mhctool.runner.checks import parse_checks
-from mhctool.analyses import train as T
 from mhctool.spread import pool
 from mhctool.spread.isolation import Worker
-from mhctool.analyses.hints import hints
 
 SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train"}
 STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes", "iters"}

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mhctool.analyses import identify as ident_mod
 from mhctool.analyses import parity
-from mhctool.families import get_family
-from mhctool.registry.impl import Impl
+from mhctool.cli.kit import fmt, short_impl
 from mhctool.core import report
 from mhctool.core.findings import verdicts
-from mhctool.cli.kit import fmt, short_impl
-from mhctool.analyses import identify as ident_mod
+from mhctool.families import get_family
+from mhctool.registry.impl import Impl
 from mhctool.spread.case_isolation import Isolation
 
 

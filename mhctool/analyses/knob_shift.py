@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mhctool.families import Family, generate, get_family
 from mhctool.core import metrics
 from mhctool.core.dtypes import FORMATS, fmt_of
 from mhctool.core.errors import UsageError
+from mhctool.core.shapes import Shape
+from mhctool.families import Family, generate, get_family
 from mhctool.references import mhc as ref
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import cast_inputs
-from mhctool.core.shapes import Shape
 
 # kernel knob -> keyword of references.mhc.mhc_layer
 _LAYER_KW = {

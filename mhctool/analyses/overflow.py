@@ -18,13 +18,13 @@ import math
 
 import torch
 
-from mhctool.families import generate, get_family
+from mhctool.analyses.stability import NEAR_OVERFLOW, first_scale
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import UsageError
+from mhctool.core.shapes import Shape
+from mhctool.families import generate, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import cast_inputs
-from mhctool.core.shapes import Shape
-from mhctool.analyses.stability import NEAR_OVERFLOW, first_scale
 
 SHAPES = {
     "sinkhorn": Shape(128, 1, 4, 1),

@@ -12,23 +12,22 @@ from typing import Callable
 
 import pyarrow as pa
 
-from mhctool.core import environment, profile, report
-from mhctool.families import GROUPS, KERNELS, PRECISIONS, get_family, kernels_named
-from mhctool.registry.builtin import native_impl
-from mhctool.registry.specs import is_function_spec, resolve_impls
-from mhctool.runner import run as runner
-from mhctool.runner.case import check_fits, check_runnable
-from mhctool.spread.case_isolation import Isolation
 from mhctool.analyses import scenario as scenario_mod
+from mhctool.analyses.scenario import Scenario
+from mhctool.core import environment, profile, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
+from mhctool.families import GROUPS, KERNELS, PRECISIONS, get_family, kernels_named
+from mhctool.registry.builtin import native_impl
 from mhctool.registry.impl import Impl
-from mhctool.runner.case import Case
-from mhctool.analyses.scenario import Scenario
+from mhctool.registry.specs import is_function_spec, resolve_impls
+from mhctool.runner import run as runner
 from mhctool.runner.call import INPUT_DTYPES
+from mhctool.runner.case import Case, check_fits, check_runnable
 from mhctool.runner.checks import parse_checks
 from mhctool.spread import jobs as jobs_mod
 from mhctool.spread import pool
+from mhctool.spread.case_isolation import Isolation
 
 
 @dataclass

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from mhctool.families import get_family, input_families, input_family
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
-from mhctool.runner.case import Case
 from mhctool.core.shapes import Shape, parse_shape_for
 from mhctool.core.verdict import VerdictRule
+from mhctool.families import get_family, input_families, input_family
+from mhctool.runner.case import Case
 
 TOP_KEYS = {"name", "description", "verdict", "cases"}
 CASE_KEYS = {"kernel", "shapes", "dtypes", "families", "seeds", "knobs"}

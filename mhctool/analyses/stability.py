@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mhctool.families import generate
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import UsageError
+from mhctool.core.shapes import Shape
+from mhctool.families import generate
 from mhctool.references import mhc as ref
 from mhctool.registry.impl import Impl
-from mhctool.core.shapes import Shape
 
 CONVERGED_ITERS = 500
 # the largest logit whose exp is finite, per dtype: ln(max finite)

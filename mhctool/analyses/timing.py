@@ -38,16 +38,15 @@ from typing import Callable
 import torch
 
 from mhctool.core import inputs as inputs_mod
-from mhctool.families import Family, generate, get_family
 from mhctool.core.dtypes import dtype_named, fmt_of
+from mhctool.core.shapes import Shape
+from mhctool.families import KERNELS, Family, generate, get_family
+from mhctool.registry.builtin import impls_for
+from mhctool.registry.costs import model
 from mhctool.registry.impl import Impl
+from mhctool.registry.specs import resolve_one
 from mhctool.runner.call import _cast_inputs, _leaf
 from mhctool.runner.case import Case
-from mhctool.core.shapes import Shape
-from mhctool.registry.costs import model
-from mhctool.registry.specs import resolve_one
-from mhctool.families import KERNELS
-from mhctool.registry.builtin import impls_for
 
 
 def bench_dtype(kernel: str, dtype: str) -> str:
@@ -231,7 +230,7 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     copies = max(1, min(8, math.ceil(4 * l2_bytes / max(nbytes, 1)))) if device == "cuda" else 1
     fam, sets = _inputs(kernel, shape, dtype, device, seed, copies)
     sets, used = (sets, None) if contract else used_dtypes(impl, sets, activation)
-    missing = [k for k in fam.optional_inputs if not impl.takes(k)]
+    missing = impl.missing_inputs()
     if missing:  # a function without the optional input (a bias-less h_post_bda): timed without it
         sets = [{k: None if k in missing else t for k, t in s.items()} for s in sets]
         used = "; ".join(x for x in (used, f"no {', '.join(missing)} (it takes none)") if x)

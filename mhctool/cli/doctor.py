@@ -34,8 +34,8 @@ def doctor():
         mend = (f" after mhctool's mend (it truncated or misrounded {before} of {interpreter.CAST_PROBES}; now rounded "
                 "to nearest even)") if mended_casts else ""
         out.print(f"  fp32 <-> bf16 casts: {state}{mend}")
-    from mhctool.registry.builtin import impls_for
     from mhctool.families import KERNELS
+    from mhctool.registry.builtin import impls_for
     for k in KERNELS:
         names = ", ".join(f"{i.name}{'' if not i.unavailable() else ' (unavailable)'}" for i in impls_for(k))
         out.print(f"{k}: {names}")

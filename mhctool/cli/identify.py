@@ -7,7 +7,15 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from mhctool.cli.kit import Interrupts, err, fmt, isolation_for, knob_items, out, parse_dtype
+from mhctool.cli.kit import (
+    Interrupts,
+    err,
+    fmt,
+    isolation_for,
+    knob_items,
+    out,
+    parse_dtype,
+)
 from mhctool.cli.kit import device as parse_device
 from mhctool.core import names
 from mhctool.core.errors import UsageError
@@ -63,8 +71,8 @@ def identify(
     interrupts = Interrupts()
     iso = isolation_for(isolate, [impl], dev, None, None, interrupts)
     rows, failed = [], False
-    from mhctool.families import call_problem, get_family, signature
     from mhctool.core.library_log import library_log
+    from mhctool.families import call_problem, get_family, signature
     log_path = out_path.with_name(out_path.stem + ".libraries.log")
     try:
         with interrupts, library_log(log_path, {"stdout": out, "stderr": err}, enabled=not verbose) as log:

@@ -98,7 +98,15 @@ def parity(
     prewarm.start(device)  # Triton's hash of itself, on a thread
     clikit.precheck(kernel, _split([dtype]) if dtype else None, shape, device)
     from mhctool.core import report
-    from mhctool.core.findings import baseline_findings, counts, judged_nothing, outside_impls, skipped_everywhere, verdicts, worst_first
+    from mhctool.core.findings import (
+        baseline_findings,
+        counts,
+        judged_nothing,
+        outside_impls,
+        skipped_everywhere,
+        verdicts,
+        worst_first,
+    )
     report.check_writable(out_path)
     if plot is not None:
         report.check_folder(plot)

@@ -35,13 +35,13 @@ of an implementation that runs on the interpreter cannot be judged here (None wh
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import inspect
 import math
 import os
 
-import torch
 import numpy as np
-import inspect
-import importlib.metadata
+import torch
 
 PROBE_SHAPE = (16, 32, 16)  # M, K, N of the probe's product
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

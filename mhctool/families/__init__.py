@@ -14,9 +14,27 @@ from mhctool.core import names
 from mhctool.core.errors import UsageError
 from mhctool.core.inputs import InputFamily, Tensors, drawing_on
 from mhctool.core.shapes import Shape
-from mhctool.families import activations, composites, grouped, h_aggregate, h_post_bda, mapping, proj_rms, sinkhorn
-from mhctool.families.contract import CALL_PROBLEMS, Cost, Family, Knob, call_problem, signature
-from mhctool.kernels.torch.mhc import PRECISIONS  # the matmul precisions, named here for mhctool
+from mhctool.families import (
+    activations,
+    composites,
+    grouped,
+    h_aggregate,
+    h_post_bda,
+    mapping,
+    proj_rms,
+    sinkhorn,
+)
+from mhctool.families.contract import (
+    CALL_PROBLEMS,
+    Cost,
+    Family,
+    Knob,
+    call_problem,
+    signature,
+)
+from mhctool.kernels.torch.mhc import (
+    PRECISIONS,  # the matmul precisions, named here for mhctool
+)
 
 __all__ = ["CALL_PROBLEMS", "Cost", "FAMILIES", "Family", "GROUPS", "KERNELS", "Knob", "MATMUL_KERNELS",
            "MHC_KERNELS", "MOE_KERNELS", "PRECISIONS", "call_problem", "generate", "get_family", "input_families",

@@ -97,23 +97,23 @@ def _mlp_cost(shape, e: int, f: int) -> Cost:
     return Cost(fwd, 2 * fwd, 2.0 * T * H * (W + F), 4.0 * T * H * (W + F))
 
 
-def _grouped_family(name, inputs, differentiable, mapping, outputs, knobs, reference, cost, forward_only=False,
-                    optional_inputs=()):
+def _grouped_family(name, inputs, differentiable, mapping, outputs, knobs, reference, cost, triton,
+                    forward_only=False, optional_inputs=()):
     return Family(name, inputs, differentiable, mapping, outputs, knobs, (), reference, shape_kind="moe",
                   forward_only=forward_only, input_families=_grouped_families(name), optional_inputs=optional_inputs,
-                  kernels={"triton": f"mhctool.kernels.triton.{'grouped_mlp' if name == 'grouped_mlp' else 'grouped_gemm'}:{name}"},
-                  cost=cost)
+                  kernels={"triton": triton}, cost=cost)
 
 
 GROUPED_GEMM = _grouped_family("grouped_gemm", ("x", "weight", "m_splits", "bias"), ("x", "weight", "bias"), (),
                                ("out",), {"bias": Knob(False, (False, True), bool, passed=False)}, moe_ref.grouped_gemm,
-                               _gemm_cost, optional_inputs=("bias",))
+                               _gemm_cost, "mhctool.kernels.triton.grouped_gemm:grouped_gemm", optional_inputs=("bias",))
 GROUPED_WGRAD = _grouped_family("grouped_wgrad", ("x", "grad_out", "m_splits", "main_grad", "accumulate"), (),
                                 ("main_grad",), ("wgrad",), {"accumulate": Knob("mask", ("mask", "none"), passed=False)},
-                                moe_ref.grouped_wgrad, _wgrad_cost, forward_only=True)
+                                moe_ref.grouped_wgrad, _wgrad_cost, "mhctool.kernels.triton.grouped_gemm:grouped_wgrad",
+                                forward_only=True)
 GROUPED_MLP = _grouped_family(
     "grouped_mlp", ("x", "fc1_weight", "fc2_weight", "m_splits", "fc1_bias", "fc2_bias", "scale"),
     ("x", "fc1_weight", "fc2_weight", "fc1_bias", "fc2_bias", "scale"), ("scale",), ("out",),
     {"activation": Knob("swiglu", moe_ref.ACTIVATIONS), "interleave": INTERLEAVE,
      "bias": Knob(True, (False, True), bool, passed=False), "scaled": SCALED},
-    moe_ref.grouped_mlp, _mlp_cost)
+    moe_ref.grouped_mlp, _mlp_cost, "mhctool.kernels.triton.grouped_mlp:grouped_mlp")

@@ -9,6 +9,7 @@ from mhctool.core.inputs import InputFamily, beside, log_uniform, rand, randn
 from mhctool.families.contract import Cost, Family, Knob
 from mhctool.references import mhc as ref
 
+
 def _sk_random(shape, g, knobs):
     # per-matrix scale from 0.1 to 10: the easy regime and the moderately peaked one
     scale = log_uniform(g, -1, 1, shape.s, shape.b, 1, 1)

@@ -28,12 +28,12 @@ be a power of two.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from pathlib import Path
 
 import torch
 
 from . import TRITON_FP32_DOT, Binding, load_path_or_module
-import importlib.metadata
 
 NAME = "liger"
 MODULE = "liger_kernel.transformers.functional"

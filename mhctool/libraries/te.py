@@ -25,10 +25,11 @@ What differs from mhctool's contracts, and how it is met here:
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import TRITON_FP32_DOT, Binding, load_path_or_module, n_of
-import os
 
 NAME = "te"
 MODULE = "transformer_engine.pytorch.triton.mhc"

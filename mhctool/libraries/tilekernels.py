@@ -39,12 +39,12 @@ TF32): ``tf32``; the pip layout's GEMM is the glue's, IEEE.
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 
 import torch
 
 from . import Binding, load_path_or_module, n_of
-import sys
 
 NAME = "tilekernels"
 MODULE = "tile_kernels"

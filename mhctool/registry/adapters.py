@@ -15,15 +15,15 @@ import functools
 import importlib
 import importlib.util
 import inspect
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from mhctool.core.errors import UsageError
-from mhctool.registry.loading import load_file
-from importlib.metadata import entry_points
 from mhctool.core.environment import ensure_triton_mode
-from mhctool.registry.impl import Impl
+from mhctool.core.errors import UsageError
 from mhctool.families import get_family
+from mhctool.registry.impl import Impl
+from mhctool.registry.loading import load_file
 
 if TYPE_CHECKING:  # the adapters' public API; never imported here at run time
     from mhctool.libraries import Binding

@@ -8,10 +8,9 @@ from typing import Callable
 
 import torch
 
+from mhctool.core.environment import cutile_status, triton_status
 from mhctool.families import FAMILIES, KERNELS, MOE_KERNELS
 from mhctool.registry.impl import Impl, import_target
-from mhctool.core.environment import triton_status
-from mhctool.core.environment import cutile_status
 
 
 def _triton_requires() -> str | None:

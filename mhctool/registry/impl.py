@@ -8,10 +8,10 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
+from mhctool.core import interpreter
+from mhctool.core.environment import triton_interpreted
 from mhctool.core.errors import UsageError
 from mhctool.families import FAMILIES, signature
-from mhctool.core.environment import triton_interpreted
-from mhctool.core import interpreter
 
 
 @dataclass
@@ -119,12 +119,17 @@ class Impl:
         i = fam.inputs.index(name)
         return i < len(positional) and positional[i].name not in knobs
 
+    def missing_inputs(self) -> list[str]:
+        """The family's optional inputs it has no parameter for (a bias-less h_post_bda's bias):
+        it is called, probed and timed without them."""
+        return [k for k in FAMILIES[self.kernel].optional_inputs if not self.takes(k)]
+
     def refuses(self, knobs: dict) -> str | None:
         """Why a case with these knobs is not for it (an optional input it has no parameter for,
         which the case has), or None."""
         fam = FAMILIES[self.kernel]
-        for name in fam.optional_inputs:
-            if not self.takes(name) and knobs.get(name, fam.knobs[name].default):
+        for name in self.missing_inputs():
+            if knobs.get(name, fam.knobs[name].default):
                 return f"it takes no {name}: judged on the cases without one ({name}=False)"
         return None
 

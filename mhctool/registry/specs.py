@@ -8,12 +8,12 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from mhctool.core.environment import ensure_triton_mode
 from mhctool.core.errors import UsageError
+from mhctool.families import KERNELS
 from mhctool.registry import adapters, loading
 from mhctool.registry.builtin import BACKEND_NAMES, impls_for
-from mhctool.families import KERNELS
 from mhctool.registry.impl import Impl, check_callable
-from mhctool.core.environment import ensure_triton_mode
 
 
 def resolve_impls(kernel: str, specs: list[str] | None) -> list[Impl]:

@@ -9,7 +9,9 @@ import torch
 from mhctool.core import profile
 from mhctool.core.dtypes import FORMATS, fmt_of
 from mhctool.core.metrics import Reference, measure
-from mhctool.core.metrics import reference as reference_facts  # make_baseline's `reference`: the float64 function
+from mhctool.core.metrics import (
+    reference as reference_facts,  # make_baseline's `reference`: the float64 function
+)
 from mhctool.core.verdict import VerdictRule
 from mhctool.families import Family
 from mhctool.registry.impl import Impl

@@ -3,9 +3,9 @@ upstream gradients, its outputs conformed to the family's contract, every failur
 refusal, a raise, an exit); and the float64 reference's call."""
 from __future__ import annotations
 
-import os
-
 import functools
+import os
+import traceback
 from dataclasses import replace
 
 import torch
@@ -15,12 +15,11 @@ from mhctool.core import inputs as inputs_mod
 from mhctool.core.dtypes import FORMATS, dtype_named, fmt_of
 from mhctool.core.errors import system_exit_message
 from mhctool.core.poison import poisoning
-from mhctool.registry.builtin import native_impl
 from mhctool.families import MATMUL_KERNELS, Family, get_family
+from mhctool.registry.builtin import native_impl
 from mhctool.registry.impl import Impl
-from mhctool.runner.case import Case, ImplResult
-import traceback
 from mhctool.registry.specs import resolve_one
+from mhctool.runner.case import Case, ImplResult
 
 # exception classes (by name or by the module they come from) that mean "this implementation does
 # not take this case": an assert on a shape or a dtype, a kernel compiler refusing the shape

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +13,6 @@ from mhctool.core.errors import UsageError
 from mhctool.core.shapes import Shape
 from mhctool.registry.costs import model
 from mhctool.registry.impl import Impl
-import os
 
 
 @dataclass(frozen=True)

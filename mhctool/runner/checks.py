@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from mhctool.core import inputs as inputs_mod
-from mhctool.families import Family, generate
 from mhctool.core.dtypes import fmt_of
+from mhctool.core.errors import UsageError
 from mhctool.core.metrics import ulp_size
 from mhctool.core.shapes import Shape
+from mhctool.families import Family, generate
 from mhctool.registry.builtin import native_impl
 from mhctool.registry.impl import Impl
 from mhctool.runner.baseline import _Baseline
@@ -29,7 +30,6 @@ from mhctool.runner.call import (
     short_error,
 )
 from mhctool.runner.case import Case, ImplResult, device_memory, footprint, row_fields
-from mhctool.core.errors import UsageError
 
 CHECKS = ("determinism", "batch-invariance")
 

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from mhctool.families import Family, generate, get_family
 from mhctool.core import profile
 from mhctool.core.verdict import VerdictRule
+from mhctool.families import Family, generate, get_family
 from mhctool.registry.builtin import native_impl
 from mhctool.registry.impl import Impl
 from mhctool.runner.baseline import (

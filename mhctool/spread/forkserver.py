@@ -2,9 +2,9 @@
 the variables it started with, and its start in the background at a command's start."""
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import threading
-import multiprocessing as mp
 from multiprocessing import forkserver
 
 # what the fork server imports once for all the processes forked from it (workers, isolation

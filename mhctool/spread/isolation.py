@@ -42,11 +42,15 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
-from mhctool.core.errors import system_exit_message
-from mhctool.spread.forkserver import FORKSERVER_PRELOAD, forkserver_started
 from mhctool.core.environment import ensure_triton_mode
-from mhctool.core.library_log import ENV as LIBRARY_LOG, to_log
-from mhctool.spread.forkserver import forkserver_has
+from mhctool.core.errors import system_exit_message
+from mhctool.core.library_log import ENV as LIBRARY_LOG
+from mhctool.core.library_log import to_log
+from mhctool.spread.forkserver import (
+    FORKSERVER_PRELOAD,
+    forkserver_has,
+    forkserver_started,
+)
 
 TRANSPORTS = ("shm", "host", "file")
 _ENVIRON_LOCK = threading.Lock()

@@ -30,27 +30,22 @@ others are stopped, and the next case starts R new ones.
 """
 from __future__ import annotations
 
+import queue
 import shutil
 import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
+from mhctool.core import environment
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
-from mhctool.runner.case import device_memory, footprint
-from mhctool.runner.call import _leaf
-import torch.distributed as dist
-from mhctool.core import environment
-from mhctool.spread.isolation import adopt_environment
 from mhctool.registry.specs import resolve_one
-from mhctool.runner.call import native_at, run_impl
-from mhctool.runner.case import ImplResult
-from mhctool.runner.call import short_error
-from mhctool.spread.isolation import shared_copy
-from mhctool.spread.isolation import child_context
-import queue
+from mhctool.runner.call import _leaf, native_at, run_impl, short_error
+from mhctool.runner.case import ImplResult, device_memory, footprint
+from mhctool.spread.isolation import adopt_environment, child_context, shared_copy
 
 # kernel -> the inputs that hold tokens along their first axis (the others are parameters, their
 # gradients all-reduced); every output of these families holds tokens along its first axis

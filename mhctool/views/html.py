@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from mhctool.analyses.stability import OVERFLOW_LOGIT
 from mhctool.core import report
 from mhctool.core.combine import stable
 from mhctool.core.findings import rows_worst_first, verdicts, worst_first
 from mhctool.views import plots
-from mhctool.analyses.stability import OVERFLOW_LOGIT
 
 _STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}

@@ -7,12 +7,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import json
+
 import matplotlib.pyplot as plt  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from mhctool.core.findings import verdicts  # noqa: E402
-import json
-
 
 # Red means "failed" in every figure, so no series is drawn in it: tab20's colours without its two
 # reds, the dark shades first (ten distinct colours), then the light ones; past 18 series the line

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from mhctool.analyses.identify.conclusion import Probe
+from mhctool.analyses.identify.subject import _batched_errors
 
 # no candidate within this many times native noise, and the nearest off by an order-one share of
 # the outputs (max_rel at least NOTHING_NEAR_REL): none is named as the nearest. A kernel that
@@ -19,9 +20,10 @@ def nothing_near(score: float, max_rel: float) -> bool:
     return score > NOTHING_NEAR and max_rel >= NOTHING_NEAR_REL
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    o, r = out.double().cpu(), ref.double().cpu()
-    return float((o - r).abs().max() / r.abs().max().clamp_min(1e-30))
+def uniform(out: torch.Tensor, tol: float = 1e-3) -> torch.Tensor:
+    """Per matrix of a Sinkhorn output ``[..., n, n]``: whether every entry is within ``tol`` of 1/n."""
+    n = out.shape[-1]
+    return (out.double().cpu().reshape(-1, n * n) - 1.0 / n).abs().amax(-1) < tol
 
 
 def _sums(kernel: str, probes: list[Probe]) -> str | None:
@@ -35,12 +37,11 @@ def _sums(kernel: str, probes: list[Probe]) -> str | None:
     rows = max(float((o.sum(-1) - 1).abs().max()) for o in outs)
     cols = max(float((o.sum(-2) - 1).abs().max()) for o in outs)
     n = outs[0].shape[-1]
-    flat = torch.cat([o.reshape(-1, n * n) for o in outs])
-    uniform = int(((flat - 1.0 / n).abs().amax(-1) < 1e-3).sum())
+    flat = torch.cat([uniform(o) for o in outs])
     part = [f"rows sum to one within {rows:.2g}" if rows < 1e-3 else f"rows sum to one only within {rows:.2g}",
             f"columns within {cols:.2g}" if cols < 1e-3 else f"columns only within {cols:.2g}"]
-    if uniform:
-        part.append(f"{uniform} of {flat.shape[0]} matrices uniform (1/{n} everywhere)")
+    if int(flat.sum()):
+        part.append(f"{int(flat.sum())} of {flat.numel()} matrices uniform (1/{n} everywhere)")
     return ", ".join(part)
 
 
@@ -51,7 +52,8 @@ def shown(kernel: str, probes: list[Probe]) -> str:
     for p in probes:
         if not p.res.outputs or not p.refs:
             continue
-        worst = max(_rel(o, r) / max(n, 1e-30) for o, r, n in zip(p.res.outputs, p.refs, p.noise))
+        worst = max(_batched_errors(o, r.unsqueeze(0))[0][0] / max(n, 1e-30)
+                    for o, r, n in zip(p.res.outputs, p.refs, p.noise))
         parts.append(f"{p.case.family} {worst:.3g}x")
     text = "its distance from the contract as asked, in native noise: " + ", ".join(parts)
     sums = _sums(kernel, probes)

@@ -60,9 +60,12 @@ class Fitting(Subject):
         return {"as asked": 0, "known convention": 1, "variant": 2, "likely a defect": 3}[level] + \
             0.01 * sum(not _same(v, self.asked[k]) for k, v in cand.items())
 
-    def grid(self, probes: list[Probe]) -> list[Candidate]:
-        names = list(self.space.discrete) + list(self.space.continuous)
-        values = [self.space.discrete[k] for k in self.space.discrete] + \
+    def grid(self, probes: list[Probe], discrete: dict | None = None) -> list[Candidate]:
+        """Every discrete combination (``discrete``: other values for some knobs, default the
+        space's) with the continuous knobs on their grids, scored."""
+        discrete = {**self.space.discrete, **(discrete or {})}
+        names = list(discrete) + list(self.space.continuous)
+        values = [discrete[k] for k in discrete] + \
                  [sorted({*self.space.continuous[k], self.asked[k], *self._known(k)}) for k in self.space.continuous]
         cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
         # max(sum, 0) is add with eps 0

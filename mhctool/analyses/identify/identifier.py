@@ -6,11 +6,10 @@ import dataclasses
 from mhctool.analyses.identify.conclusion import Candidate, Identification
 from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown
-from mhctool.analyses.identify.limits import shape_limit
 from mhctool.analyses.identify.judging import Judging
+from mhctool.analyses.identify.limits import shape_limit
 from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, _signature
 from mhctool.registry.impl import Impl
-
 
 # the best grid score (in native noise) past which the space's rarer conventions are tried too: far
 # past any rounding difference (a kernel that sums in bf16 is 4e4 off, one that thresholds eps 2e6)
@@ -36,13 +35,11 @@ class Identifier(Judging):
                                   limit=limit_text)
         grid = self.grid(probes)
         if self.space.later and min(c.score for c in grid) > LATER_AFTER:
-            # nothing near among the common conventions: the rarer ones too (a grid of them alone,
-            # then the space holds both)
-            later, full = self.space.later, {k: (*v, *self.space.later.get(k, ())) for k, v in self.space.discrete.items()}
-            self.space = dataclasses.replace(self.space, later={},
-                                             discrete={**self.space.discrete, **later})
-            grid = grid + self.grid(probes)
-            self.space = dataclasses.replace(self.space, discrete=full)
+            # nothing near among the common conventions: a grid of the rarer ones too, and the space
+            # holds both from here (the ties and the table's combinations)
+            grid = grid + self.grid(probes, self.space.later)
+            self.space = dataclasses.replace(self.space, later={}, discrete={
+                k: (*v, *self.space.later.get(k, ())) for k, v in self.space.discrete.items()})
         # the continuous knobs of the few best discrete combinations are refined before the pick:
         # a sensitive knob (eps inside a square root) can sit between two grid points
         refined = [self.refine(probes, c) for c in self._combos(grid, self.judge_top)]

@@ -18,12 +18,11 @@ from mhctool.analyses.identify.space import (
     fmt_value,
 )
 from mhctool.analyses.identify.subject import _batched_errors, _nan_inf
-from mhctool.families import input_family
 from mhctool.core.metrics import max_rel, nonfinite
+from mhctool.families import PRECISIONS, input_family
 from mhctool.registry.builtin import native_impl
 from mhctool.runner.baseline import judged_rows, make_baseline
 from mhctool.runner.call import run_impl
-from mhctool.families import PRECISIONS
 
 
 class Judging(Fitting, Probing):

@@ -7,11 +7,12 @@ from dataclasses import replace
 import torch
 
 from mhctool.analyses.identify.conclusion import Probe
+from mhctool.analyses.identify.evidence import uniform
 from mhctool.analyses.identify.space import _far_from
 from mhctool.analyses.identify.subject import Subject, _batched_errors, _float64
-from mhctool.families import generate, input_family
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.metrics import nonfinite
+from mhctool.families import generate, input_family
 from mhctool.runner.call import (
     cast_inputs,
     native_at,
@@ -82,13 +83,10 @@ class Probing(Subject):
             return []
         out = []
         for p in self.guards:
-            o, r = p.res.outputs[0].double().cpu(), p.refs[0].double().cpu()
-            n = o.shape[-1]
-            flat_o, flat_r = o.reshape(-1, n * n), r.reshape(-1, n * n)
-            flat = ((flat_o - 1.0 / n).abs().amax(-1) < 1e-3) & ((flat_r - 1.0 / n).abs().amax(-1) > 1e-2)
-            if int(flat.sum()):
-                out.append((p.case.family, input_family(self.kernel, p.case.family).doc, int(flat.sum()),
-                            flat_o.shape[0]))
+            collapsed = uniform(p.res.outputs[0]) & ~uniform(p.refs[0], 1e-2)
+            if int(collapsed.sum()):
+                out.append((p.case.family, input_family(self.kernel, p.case.family).doc, int(collapsed.sum()),
+                            collapsed.numel()))
         return out
 
     def _overflow(self) -> list:

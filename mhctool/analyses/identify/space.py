@@ -10,12 +10,12 @@ from typing import Callable
 
 import torch
 
+from mhctool.analyses.knob_shift import typed_value
 from mhctool.core import names
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
-from mhctool.references.moe import split_glu
 from mhctool.references import mhc as ref
-from mhctool.analyses.knob_shift import typed_value
+from mhctool.references.moe import split_glu
 
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 

@@ -5,7 +5,6 @@ once."""
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from typing import Callable
 
@@ -13,15 +12,14 @@ import torch
 
 from mhctool.analyses.identify.conclusion import Candidate, Probe
 from mhctool.analyses.identify.space import checked_knobs, space
+from mhctool.analyses.parity import check_precision
 from mhctool.core.errors import UsageError
 from mhctool.core.shapes import parse_shape_for
 from mhctool.core.verdict import VerdictRule
-from mhctool.families import Family, get_family
+from mhctool.families import MATMUL_KERNELS, Family, get_family
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import native_at, run_impl
 from mhctool.runner.case import Case, ImplResult
-from mhctool.families import MATMUL_KERNELS
-from mhctool.analyses.parity import check_precision
 
 
 class Subject:
@@ -41,7 +39,7 @@ class Subject:
         self.space = space(kernel, {**{k: kn.default for k, kn in self.fam.knobs.items()}, **asked})
         # an optional input the function has no parameter for (a bias-less h_post_bda) is no
         # question to ask: probed without it (family_knobs below)
-        missing = [k for k in self.fam.optional_inputs if not impl.takes(k)]
+        missing = impl.missing_inputs()
         if missing:
             self.space = dataclasses.replace(
                 self.space, discrete={k: v for k, v in self.space.discrete.items() if k not in missing},

@@ -35,16 +35,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from mhctool.analyses.train.setup import JUDGED, TrainConfig, from_dict, to_dict
-from mhctool.analyses.train.trajectory import Trajectory, to_golden
+from mhctool.analyses.goldens import check
+from mhctool.analyses.train.pieces import impl_pieces, native_piece, reference_piece
+from mhctool.analyses.train.setup import (
+    FAMILIES,
+    JUDGED,
+    TrainConfig,
+    from_dict,
+    to_dict,
+)
+from mhctool.analyses.train.trajectory import Trajectory, run, to_golden
 from mhctool.analyses.train.verdict import Drift, judge
 from mhctool.core.verdict import VerdictRule
-from mhctool.analyses.train.pieces import impl_pieces, native_piece, reference_piece
-from mhctool.analyses.train.setup import FAMILIES
-from mhctool.analyses.train.trajectory import run
 from mhctool.spread.isolation import Worker
 from mhctool.spread.pool import worker_env
-from mhctool.analyses.goldens import check
 
 ROLES = ("impl", "native", "reference")
 # a ratio of 0 (a run equal to the reference at every step) has no logarithm: it counts as this

@@ -3,6 +3,7 @@ outputs conformed to what the model takes), the native one, or the float64 refer
 which ``--impl`` spec runs which family."""
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -11,13 +12,12 @@ import torch
 
 from mhctool.analyses.train.setup import FAMILIES
 from mhctool.core.dtypes import dtype_named
+from mhctool.core.environment import ensure_triton_mode
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
+from mhctool.kernels.torch.mhc import compute_h
 from mhctool.registry.specs import is_function_spec, load_external, resolve_impls
 from mhctool.runner.call import native_at
-import inspect
-from mhctool.core.environment import ensure_triton_mode
-from mhctool.kernels.torch.mhc import compute_h
 
 
 @dataclass

@@ -3,17 +3,26 @@ and float64 ones, the verdict, the tracing; its report rows and settings."""
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mhctool.analyses.knob_shift import typed_value
+from mhctool.analyses.train.ensemble import (
+    SeedRun,
+    ZeroFindings,
+    judge_ensemble,
+    seeds_of,
+    spread_seeds,
+    zero_findings,
+)
 from mhctool.analyses.train.pieces import (
     Piece,
     impl_pieces,
     native_piece,
     reference_piece,
 )
-from mhctool.analyses.train.ensemble import SeedRun, ZeroFindings, judge_ensemble, seeds_of, spread_seeds, zero_findings
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig, to_dict
 from mhctool.analyses.train.trace import Attribution, attribute, candidate_knobs
 from mhctool.analyses.train.trajectory import (
@@ -27,8 +36,6 @@ from mhctool.analyses.train.verdict import judge, nonfinite_sentence
 from mhctool.core.errors import UsageError
 from mhctool.core.verdict import VerdictRule
 from mhctool.families import get_family
-from mhctool.analyses.knob_shift import typed_value
-import tempfile
 
 
 def rows(trajs: list[Trajectory]) -> list[dict]:

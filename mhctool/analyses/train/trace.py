@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from mhctool.analyses.identify import IDENTIFIABLE, Identifier, fmt_value
 from mhctool.analyses.train.ensemble import SeedRun, judge_ensemble
 from mhctool.analyses.train.pieces import Piece, _pick, native_piece
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig
 from mhctool.analyses.train.trajectory import Trajectory, run
 from mhctool.analyses.train.verdict import judge
 from mhctool.core.verdict import VerdictRule
-from mhctool.analyses.identify import IDENTIFIABLE, Identifier, fmt_value
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from mhctool.analyses.goldens import Series
 from mhctool.analyses.train.pieces import Piece, impl_pieces
 from mhctool.analyses.train.setup import (
     GOLDEN_METRICS,
@@ -19,10 +20,9 @@ from mhctool.analyses.train.setup import (
     from_dict,
 )
 from mhctool.core.dtypes import FORMATS
-from mhctool.references import model as model_mod
 from mhctool.core.errors import system_exit_message
+from mhctool.references import model as model_mod
 from mhctool.runner.call import short_error
-from mhctool.analyses.goldens import Series
 
 # whose backward computes the gradient each mHC output receives (a non-finite gradient there is
 # that backward's)

@@ -3,8 +3,10 @@ metric; a zero-count anomaly the reference has not; where a run went non-finite.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
+from mhctool.analyses.goldens import check
 from mhctool.analyses.train.setup import JUDGED, TrainConfig
 from mhctool.analyses.train.trajectory import (
     Trajectory,
@@ -14,8 +16,6 @@ from mhctool.analyses.train.trajectory import (
 )
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.verdict import VerdictRule
-import statistics
-from mhctool.analyses.goldens import check
 
 
 @dataclass
