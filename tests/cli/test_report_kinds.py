@@ -35,7 +35,7 @@ def reports(tmp_path_factory):
         "train": ["train", "--impl", "torch", "--steps", "3", "--layers", "1", "--seq", "8", "--device", "cpu", "--seeds", "2", "--workers", "1",
                   "-q"],
         "stability-gain": ["stability", "gain", "--tokens", "8", "--depth", "4", "--device", "cpu", "-q"],
-        "stability": ["stability", "sinkhorn", "--quick", "--iters", "1,20", "--device", "cpu", "-q"],
+        "stability": ["stability", "sinkhorn", "--quick", "--iters", "1,20", "--dtype", "fp32", "--device", "cpu", "-q"],
         "bench": ["bench", "--device", "cpu", "--shape", "4x2x4x64", "--kernel", "sinkhorn", "--impl", "torch",
                   "--repeats", "3", "-q"],
     }
