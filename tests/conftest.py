@@ -6,6 +6,9 @@ import os
 # OpenMP threads on the same cores, and every process of a test computes with one thread count
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the commands' cases in the test's own process, as the tests were written for (the test files are
+# spread over the cores already); a test of the default spread unsets it
+os.environ.setdefault("MHCTOOL_WORKERS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -23,7 +23,7 @@ def gate(
     quiet: bool = typer.Option(False, "--quiet", "-q"),
     isolate: bool = typer.Option(True, "--isolate/--no-isolate", help="Run the implementations under test in child processes (default on: a crash, an exit or a hang fails its check and the suite goes on)."),
     case_timeout: Optional[float] = typer.Option(None, "--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: scaled with the case)."),
-    workers: Optional[str] = typer.Option(None, "--workers", help="N or auto: spread each parity entry's cases over N worker processes (auto: one per visible GPU, or per core)."),
+    workers: Optional[str] = typer.Option(None, "--workers", envvar="MHCTOOL_WORKERS", show_default="spread where it pays", help="N or auto: spread each parity entry's cases over N worker processes (auto: one per visible GPU, or per core). Unset: one per GPU, or per core with at least 4 cases each."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only the I-th of N deterministic slices of the suite (a CI matrix); join the reports with mhctool report merge."),
     backend: str = typer.Option("local", "--backend", help="local (worker processes here) or ray: one Ray task per parity case (needs pip install ray)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to join (default: a local one)."),
@@ -31,7 +31,7 @@ def gate(
 ):
     """Run a suite of checks as one CI verdict: exit 0 pass, 1 a failure, 2 bad input."""
     from mhctool.spread import pool, prewarm
-    pool.warm(workers, backend, isolate)  # the fork server (workers, isolation) imports torch while this process plans
+    pool.warm(workers, backend, isolate, device)  # the fork server (workers, isolation) imports torch while this process plans
     prewarm.start(device)
     from mhctool.core import environment, report
     for path_, what in ((junit, "--junit"), (summary, "--summary"), (out_path, "--out")):
@@ -52,10 +52,13 @@ def gate(
         log.now = what
     timings: dict = {}
     t0 = time.perf_counter()
+    size = pool.worker_count(n_workers, dev, 1 << 30)  # the most any entry gets
+    from mhctool.spread.machine import pinned_threads, threads_for
     try:
-        with interrupts, log:
+        with interrupts, log, pinned_threads(threads_for(dev, size)):
             cases = gate_mod.run_suite(s, dev, progress=progress, isolation=iso, interrupted=interrupts, shard=cut,
                                        workers=n_workers, backend=backend, ray_address=ray_address, timings=timings)
+            meta = environment.metadata()  # with the threads the run computed with
     finally:
         if iso is not None:
             iso.close()
@@ -63,17 +66,17 @@ def gate(
     rows = [{"suite": s.name, "entry": c.suite_item, "kind": c.kind, "name": c.name, "passed": c.passed,
              "message": c.message} for c in cases]
     settings = {"command": "gate", "suite": str(suite), "suite_name": s.name, "isolate": iso is not None,
-                "interrupted": interrupts.requested, "workers": workers or 1, "backend": backend,
+                "interrupted": interrupts.requested, "workers": size, "backend": backend,
                 "profile": {k: round(v, 4) for k, v in timings.items()}, "wall_s": round(wall, 3)}
     if show_profile:
         from mhctool.core.profile import lines
-        for line in lines(timings, wall, pool.worker_count(n_workers, dev, 1 << 30) if n_workers != 1 else 1):
+        for line in lines(timings, wall, size):
             out.print(line, markup=False)
     if cut is not None:
         settings |= {"shard": f"{cut[0]}/{cut[1]}", "units": [c.unit for c in cases]}
     if gate_mod.hints_of(cases):
         settings["hints"] = gate_mod.hints_of(cases)
-    table = report.to_table(rows, report.new_run_id(), "gate", environment.metadata(), settings,
+    table = report.to_table(rows, report.new_run_id(), "gate", meta, settings,
                             schema=report.GATE_SCHEMA)
     _gate_outputs(table, s.name, cases, out_path, junit, summary, quiet, interrupts.requested)
 

@@ -74,11 +74,26 @@ def identify(
     from mhctool.core.library_log import library_log
     from mhctool.families import call_problem, get_family, signature
     log_path = out_path.with_name(out_path.stem + ".libraries.log")
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from mhctool.cli.kit import LogProgress, short_impl
+    from mhctool.spread.machine import pinned_threads, threads_for
+    # while it works: a spinner with the stage on a terminal, a line every few seconds in a log
+    beat = LogProgress("identify", len(impls), enabled=not quiet and not out.is_terminal, unit="implementations done")
     try:
-        with interrupts, library_log(log_path, {"stdout": out, "stderr": err}, enabled=not verbose) as log:
+        with interrupts, pinned_threads(threads_for(dev, 1)), beat, \
+                library_log(log_path, {"stdout": out, "stderr": err}, enabled=not verbose) as log:
             for i in impls:
-                ident = ident_mod.identify(kernel, i, dtype=dt, device=dev, shape=shape, asked=asked, seed=seed,
-                                           isolation=iso, matmul_precision=matmul_precision)
+                with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                              transient=True, disable=quiet or not out.is_terminal) as bar:
+                    task = bar.add_task("identify")
+
+                    def stage(what: str, name: str = i.name, bar=bar, task=task) -> None:
+                        beat.now = f"{short_impl(name)}: {what}"
+                        bar.update(task, description=f"identify {kernel} {short_impl(name)}: {what}")
+                    ident = ident_mod.identify(kernel, i, dtype=dt, device=dev, shape=shape, asked=asked, seed=seed,
+                                               isolation=iso, matmul_precision=matmul_precision, progress=stage)
+                beat.done += 1
                 if ident.error and call_problem(ident.error.rsplit(" (probe ", 1)[0]):
                     raise UsageError(f"--impl {i.name} cannot be judged as {kernel}: {ident.error}; expected "
                                      f"{signature(get_family(kernel))}")
@@ -103,10 +118,11 @@ def identify(
                 elif defect:  # a defect is no convention to declare: the kernel is what to change
                     out.print("not a convention to declare: the kernel computes it whatever it is asked", markup=False)
                 failed |= not ident.passed or defect
+            meta = environment.metadata()  # with the threads it computed with
     finally:
         if iso is not None:
             iso.close()
-    table = report.to_table(rows, report.new_run_id(), "identify", environment.metadata(),
+    table = report.to_table(rows, report.new_run_id(), "identify", meta,
                             {"kernel": kernel, "impl": impl, "dtype": dt, "device": dev, "asked": asked,
                              "library_log": log["path"]},
                             schema=report.IDENTIFY_SCHEMA)

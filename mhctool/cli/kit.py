@@ -194,13 +194,22 @@ def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_t
     return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts)
 
 
-def spread_for(workers: Optional[str], backend: str, device: str, plan) -> tuple[int, str]:
+def spread_for(workers: Optional[str], backend: str, device: str, plan, alone: bool = False) -> tuple[int, str]:
     """``--workers`` and ``--backend`` for a parity plan -> (worker processes, backend), checked
-    before anything runs."""
+    before anything runs. ``alone``: the run keeps its cases in this process (``--ranks``); with
+    ``--workers`` unset, so does a plan whose implementations cannot be spread (Python callables)."""
     from mhctool.spread import pool
     pool.check_backend(backend)
-    n = pool.worker_count(pool.parse_workers(workers), device, max(len(plan.cases), 1))
+    asked = pool.parse_workers(workers)
     from mhctool.analyses.parity import check_poolable
+    if asked == pool.DEFAULT and backend == "local":
+        try:
+            check_poolable(plan)
+        except UsageError:
+            alone = True
+        if alone:
+            return 1, backend
+    n = pool.worker_count(asked, device, max(len(plan.cases), 1))
     if n > 1 or backend == "ray":
         check_poolable(plan)
     return n, backend

@@ -83,7 +83,7 @@ def parity(
     repeats_determinism: int = typer.Option(3, "--repeats-determinism", min=2, help="Runs in all for --check determinism."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="KNOB=VALUE (repeat): the convention the external implementation computes (stabilize=softmax, transpose_res=true, eps_mode=clamp, eps=0, iters=10, rms_eps=inside, compute_h_eps=1e-6); the reference and the native baseline compute it too, and a function that takes no such parameter is called without it."),
     input_dtypes: Optional[list[str]] = typer.Option(None, "--input-dtypes", help="NAME=DTYPE (repeat or comma-separate): the dtype the external implementation takes an input in: activation (the case's dtype), fp32, bf16 or fp16, e.g. h_pre=activation for a function that multiplies in one dtype. The float64 reference and the native baseline see the same rounded values; its gradients are judged at the contract's threshold."),
-    workers: Optional[str] = typer.Option(None, "--workers", help="N or auto: spread the cases over N worker processes (auto: one per visible GPU, or per core on a CPU); the report has the same rows in the same order as one process."),
+    workers: Optional[str] = typer.Option(None, "--workers", envvar="MHCTOOL_WORKERS", show_default="spread where it pays", help="N or auto: spread the cases over N worker processes (auto: one per visible GPU, or per core on a CPU). Unset: one per GPU, or per core with at least 4 cases each. The report has the same rows in the same order as one process."),
     shard: Optional[str] = typer.Option(None, "--shard", help="I/N: run only the I-th of N deterministic slices of the cases (a CI matrix, a Slurm array); join the reports with mhctool report merge."),
     backend: str = typer.Option("local", "--backend", help="local (worker processes here) or ray: one Ray task per case (needs pip install ray)."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="With --backend ray: the cluster to join (ray.init's address; default: a local one)."),
@@ -94,7 +94,7 @@ def parity(
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
     from mhctool.spread import pool, prewarm
-    pool.warm(workers, backend, bool(isolate))  # the fork server imports torch while this process plans
+    pool.warm(workers, backend, bool(isolate), device)  # the fork server imports torch while this process plans
     prewarm.start(device)  # Triton's hash of itself, on a thread
     clikit.precheck(kernel, _split([dtype]) if dtype else None, shape, device)
     from mhctool.core import report
@@ -126,9 +126,9 @@ def parity(
                          input_dtypes=clikit.input_dtypes(input_dtypes, kernels))
     pl = parity_mod.sharded(pl, parity_mod.parse_shard(shard))
     cases = pl.cases
-    n_workers, backend = clikit.spread_for(workers, backend, dev, pl)
     from mhctool.spread import sharded
     pl.sharding = sharded.parse(ranks, grad_reduce, sorted({c.kernel for c in pl.cases}), dev)
+    n_workers, backend = clikit.spread_for(workers, backend, dev, pl, alone=pl.sharding is not None)
     if pl.sharding is not None and (n_workers > 1 or backend != "local" or pl.checks):
         raise UsageError("--ranks runs each case over its own processes: it takes neither --workers, "
                          "--backend ray nor --check")
@@ -148,8 +148,10 @@ def parity(
         log.done += 1
     from mhctool.core.library_log import library_log
     code = 0
-    with library_log(out_path.with_name(out_path.stem + ".libraries.log"), {"stdout": out, "stderr": err},
-                     enabled=not verbose) as libraries:
+    from mhctool.spread.machine import pinned_threads, threads_for
+    with pinned_threads(threads_for(dev, n_workers)), \
+            library_log(out_path.with_name(out_path.stem + ".libraries.log"), {"stdout": out, "stderr": err},
+                        enabled=not verbose) as libraries:
         try:
             with interrupts, log, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                            TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:

@@ -49,7 +49,7 @@ def train(
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seeds the initial model and the synthetic tokens (the ensemble's first seed)."),
     seeds: Optional[int] = typer.Option(None, "--seeds", min=1, show_default="4 on a CPU, 8 on a GPU", help="Train from this many seeds (--seed and those after it) and judge the drift over the ensemble: a metric drifts where the geometric mean over the seeds of its distance from the float64 run over what kappa x native's allows is above 1 and most seeds are past 1 (every seed for num-zeros; 1: one sample)."),
-    workers: str = typer.Option("auto", "--workers", help="Processes the seeds are spread over: a number, or auto (one per GPU on a GPU, one per core on a CPU, at most one a seed). The rows are the same whatever the spread."),
+    workers: str = typer.Option("auto", "--workers", envvar="MHCTOOL_WORKERS", help="Processes the seeds are spread over: a number, or auto (one per GPU on a GPU, one per core on a CPU, at most one a seed). The rows are the same whatever the spread."),
     knob: Optional[list[str]] = typer.Option(None, "--knob", help="FAMILY.KNOB=VALUE or KNOB=VALUE (every family that has it): what every trajectory asks for, e.g. sinkhorn.eps=1e-8."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="FAMILY.KNOB=VALUE or KNOB=VALUE: a convention the implementation computes; the native and float64 trajectories compute it too."),
     input_dtypes: str = typer.Option("contract", "--input-dtypes", help="contract: every family's inputs at mhctool's contract dtypes (the mapping path fp32); library: a library's at the dtypes its adapter says it is used with (Megatron-LM's h_pre, h_res, h_post in the activations' dtype)."),
@@ -66,7 +66,7 @@ def train(
     """Train a small mHC language model with an implementation, natively and in float64; judge the
     drift from the float64 trajectory with kappa, trace it to a knob. Exit 0 when it stays with the
     reference, 1 when it drifts, goes non-finite or fails, 2 on bad input."""
-    from mhctool.cli.kit import isolation_for, precheck
+    from mhctool.cli.kit import LogProgress, isolation_for, precheck
     from mhctool.spread import pool
     pool.warm(workers if seeds is None or seeds > 1 else 1)
     precheck(dtypes=[dtype], device_name=device)
@@ -119,21 +119,26 @@ def train(
     )
     total = cfg.steps * (3 if compare else 1) * seeds
     from mhctool.core.verdict import VerdictRule
+    from mhctool.spread.machine import pinned_threads, threads_for
+    log = LogProgress("train", total, enabled=not quiet and not out.is_terminal, unit="steps done")
     try:
-        with interrupts, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        with interrupts, log, pinned_threads(threads_for(dev, n_workers)), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TimeElapsedColumn(), console=err, transient=True, disable=not show) as bar:
             task = bar.add_task("train", total=total)
 
             def progress(role, step):
+                log.done += 1
+                log.now = f"{role} step {step.step}"
                 bar.update(task, advance=1, description=f"{role} step {step.step} loss {step.metrics['lm loss']:.4g}")
             o = T.session(cfg, assigned, knobs, conventions, VerdictRule(kappa=kappa), compare, trace, worker,
                           interrupts, progress, as_used=input_dtypes == "library", seeds=seeds, workers=n_workers,
                           isolation_factory=lambda: Worker("shm"))
+            meta = environment.metadata()  # with the threads it trained with
     finally:
         if worker is not None:
             worker.stop()
-    table = report.to_table(T.report_rows(o), report.new_run_id(), "train", environment.metadata(),
-                            T.settings(o, kappa=kappa, input_dtypes=input_dtypes), schema=report.TRAIN_SCHEMA)
+    table = report.to_table(T.report_rows(o), report.new_run_id(), "train", meta,
+                            T.settings(o, kappa=kappa, input_dtypes=input_dtypes, workers=n_workers), schema=report.TRAIN_SCHEMA)
     path = report.write_atomic(table, out_path)
     if goldens is not None:
         from mhctool.analyses.goldens import dump

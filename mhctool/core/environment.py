@@ -14,6 +14,7 @@ import torch
 
 from mhctool import __version__
 from mhctool.core import interpreter
+from mhctool.core.host import cores
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,10 @@ def metadata() -> dict:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        # the cores this process may use, and PyTorch's threads in each of the run's processes
+        # (mhctool.spread.machine: one on the CPU, so that the rows do not depend on the machine)
+        "cores": cores(),
+        "threads": torch.get_num_threads(),
         "triton": _version("triton"),
         "cuda_tile": _version("cuda-tile"),
         "triton_mode": triton_status().mode,

@@ -51,12 +51,14 @@ from mhctool.spread.forkserver import (
     forkserver_has,
     forkserver_started,
 )
+from mhctool.spread.machine import THREADS_ENV, apply_threads
 
 TRANSPORTS = ("shm", "host", "file")
 _ENVIRON_LOCK = threading.Lock()
 # variables a child may set after the fork server's fork: read when CUDA starts, not at import
 # (dev/forkserver_gpu.py: a child of the fork server sees the GPU its CUDA_VISIBLE_DEVICES names)
-LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES", "MHCTOOL_DRAW_THREADS", "MHCTOOL_SHARED_GPU"}
+# MHCTOOL_THREADS: set with torch.set_num_threads by _serve
+LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES", "MHCTOOL_DRAW_THREADS", "MHCTOOL_SHARED_GPU", THREADS_ENV}
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ def adopt_environment(environ: dict | None) -> None:
 def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> None:  # pragma: no cover - runs in the child
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
     adopt_environment(environ)
+    apply_threads()  # the run's PyTorch thread count (machine.py: the rows the same on any machine)
     to_log(os.environ.get(LIBRARY_LOG))  # the libraries' own lines to the command's log, where it keeps one
     ensure_triton_mode()
     conn.send(("ready", os.getpid()))

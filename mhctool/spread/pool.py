@@ -19,7 +19,8 @@ others their verdicts. Should that run die too (mhctool's own code, the native r
 reference, is what crashed), every implementation of the case gets one error row saying so.
 
 On a GPU machine each worker sees one GPU (``CUDA_VISIBLE_DEVICES``), round-robin over the
-visible ones; ``auto`` is one worker per visible GPU, or one per core on a CPU.
+visible ones; ``auto`` is one worker per visible GPU, or one per core on a CPU; unset, a run is
+spread where it pays (:mod:`mhctool.spread.machine`).
 """
 from __future__ import annotations
 
@@ -32,17 +33,25 @@ from typing import Callable
 
 from mhctool.core import profile
 from mhctool.core.errors import UsageError
+from mhctool.core.host import cores
 from mhctool.spread.forkserver import start_forkserver
 from mhctool.spread.jobs import IsolationSettings, Job, Spread, job_timeout, lost_rows
+from mhctool.spread.machine import default_workers
+from mhctool.spread.prewarm import gpu_machine
 from mhctool.spread.ray_cluster import ray_module, run_on_ray
 
 BACKENDS = ("local", "ray")
 
 
+# ``--workers`` unset: spread where it pays (machine.default_workers); "auto" and a number are asked
+DEFAULT = "default"
+
+
 def parse_workers(value: str | int | None) -> str | int:
-    """``--workers``: a positive integer or ``auto``; anything else is a UsageError."""
+    """``--workers``: a positive integer or ``auto``; None (unset) is :data:`DEFAULT`; anything
+    else is a UsageError."""
     if value is None:
-        return 1
+        return DEFAULT
     if isinstance(value, int) and not isinstance(value, bool):
         n = value
     else:
@@ -81,16 +90,15 @@ def visible_gpus() -> list[str]:
 
 def worker_count(workers: str | int, device: str, cases: int) -> int:
     """How many workers a run gets: ``auto`` is one per visible GPU (cuda) or per core (cpu);
-    never more than there are cases."""
+    :data:`DEFAULT` spreads where it pays (:func:`machine.default_workers`); never more than
+    there are cases."""
+    if workers == DEFAULT:
+        return default_workers(device, cases, len(visible_gpus()) if device == "cuda" else 0)
     if workers == "auto":
         n = len(visible_gpus()) if device == "cuda" else cores()
     else:
         n = int(workers)
     return max(1, min(n, cases))
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def worker_env(index: int, device: str, workers: int = 1) -> dict[str, str]:
@@ -113,16 +121,22 @@ def worker_env(index: int, device: str, workers: int = 1) -> dict[str, str]:
     return env
 
 
-def warm(workers: str | int | None, backend: str = "local", isolate: bool = False) -> None:
+def warm(workers: str | int | None, backend: str = "local", isolate: bool = False, device: str | None = None) -> None:
     """At the start of a command that spreads its cases or isolates the implementations under test
     (before its own imports): the fork server starts in the background, importing torch while this
     process plans the run, so that the workers are forked from it at once; where the cases are
     spread, idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``, unless set already). Anything
-    else (one worker without isolation, Ray, a malformed value) does nothing here."""
+    else (one worker without isolation, Ray, a malformed value) does nothing here. ``workers``
+    unset: started where the run will be on the CPU (``device``, else no NVIDIA driver here) of a
+    machine of several cores, where the default spreads any run of 8 cases or more."""
     try:
-        spread = parse_workers(workers) != 1
+        asked = parse_workers(workers)
     except UsageError:
         return  # said once the command checks its options
+    spread = asked != 1
+    if asked == DEFAULT:
+        on_cpu = device == "cpu" or (device is None and not gpu_machine())
+        spread = on_cpu and cores() > 1
     if backend != "local" or not (spread or isolate):
         return
     if spread:

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from mhctool.core.errors import UsageError
 from mhctool.spread.jobs import IsolationSettings, Job, Spread, case_job, lost_rows
+from mhctool.spread.machine import THREADS_ENV, apply_threads
 
 
 def ray_module():
@@ -21,6 +22,7 @@ def ray_module():
 def _ray_task(job: Job) -> dict:  # runs in a Ray worker process
     from mhctool.core.environment import ensure_triton_mode
     ensure_triton_mode()
+    apply_threads()  # the run's thread count (its runtime environment carries MHCTOOL_THREADS)
     return case_job(job)
 
 
@@ -30,7 +32,7 @@ def run_on_ray(jobs, impl_names, interrupted, started, finished, address) -> Spr
     ray = ray_module()
     owns = not ray.is_initialized()
     if owns:
-        env = {"env_vars": {k: v for k, v in os.environ.items() if k in ("TRITON_INTERPRET", "PYTHONPATH")}}
+        env = {"env_vars": {k: v for k, v in os.environ.items() if k in ("TRITON_INTERPRET", "PYTHONPATH", THREADS_ENV)}}
         ray.init(address=address, runtime_env=env, log_to_driver=False, include_dashboard=False)
     try:
         gpu = jobs and jobs[0].case.device == "cuda"

@@ -20,12 +20,15 @@ class Identifier(Judging):
     """Fits the convention knobs of one implementation; see :mod:`mhctool.analyses.identify`."""
 
     def run(self) -> Identification:
+        self.progress("running it on the probe inputs")
         probes, error = self.probes()
         limit = None
         # a direction that fails at the probe shape: whether the channel count is why (an alignment
         # requirement), and then identified at a shape where it runs
         failed = self.failed if error else next((("backward", p.res.bwd_error, p.case.family)
                                                  for p in probes if p.res.bwd_error), None)
+        if failed:
+            self.progress("looking for a shape it runs at")
         if failed and (limit := shape_limit(self, failed[2], failed[:2])):
             self.shape, self._stacks = limit.shape, {}
             probes, error = self.probes()
@@ -33,20 +36,24 @@ class Identifier(Judging):
         if error:
             return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs,
                                   limit=limit_text)
+        self.progress("fitting the conventions")
         grid = self.grid(probes)
         if self.space.later and min(c.score for c in grid) > LATER_AFTER:
             # nothing near among the common conventions: a grid of the rarer ones too, and the space
             # holds both from here (the ties and the table's combinations)
+            self.progress("nothing near: fitting the rarer conventions too")
             grid = grid + self.grid(probes, self.space.later)
             self.space = dataclasses.replace(self.space, later={}, discrete={
                 k: (*v, *self.space.later.get(k, ())) for k, v in self.space.discrete.items()})
         # the continuous knobs of the few best discrete combinations are refined before the pick:
         # a sensitive knob (eps inside a square root) can sit between two grid points
+        self.progress("refining the best fits")
         refined = [self.refine(probes, c) for c in self._combos(grid, self.judge_top)]
         first = self.pick(refined + [self.refine(probes, self.pick(grid))])
         if self.fits_precision:
             self.precision, self.precision_bwd = self.fit_precision(probes, first)
         others = [c for c in self._combos(refined + grid, self.judge_top + 1) if c.key != first.key]
+        self.progress("judging the best fits forward and backward")
         judged = [self.judge(probes, c) for c in [first, *others][: self.judge_top]]
         if self.overflow and not any(c.overflows for c in judged):
             # the candidate whose native baseline overflows as it does (no max subtraction): what its
@@ -65,6 +72,7 @@ class Identifier(Judging):
         derivative = evidence = None
         if not (best.passed or best.fwd_passed or self.overflow):
             # nothing fits the forward: whether its backward is at least the derivative of what it computes
+            self.progress("checking its backward against its own forward")
             derivative = own_derivative(self, probes[0], self.seed).sentence()
             if nothing_near(best.score, best.max_rel):  # the nearest is far off too: what the outputs show
                 evidence = shown(self.kernel, probes)

@@ -29,8 +29,10 @@ class Subject:
     def __init__(self, kernel: str, impl: Impl, *, dtype: str = "fp32", device: str = "cpu",
                  shape: str | None = None, asked: dict | None = None, seed: int = 0,
                  rule: VerdictRule | None = None, isolation=None, judge_top: int = 3,
-                 matmul_precision: str | None = None):
+                 matmul_precision: str | None = None, progress: Callable[[str], None] | None = None):
         self.fam: Family = get_family(kernel)
+        # progress(stage): what the identification does now (a command shows it while it waits)
+        self.progress = progress or (lambda stage: None)
         self.kernel, self.impl, self.dtype, self.device = kernel, impl, dtype, device
         # what an adapter declares its function computes is what parity judges it under: the
         # convention it is asked for, unless the caller names another
