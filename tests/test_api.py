@@ -15,35 +15,34 @@ from mhctool.testing import ParityResult, assert_parity, check_parity
 
 IMPLS = Path(__file__).resolve().parent / "impls"  # loaded by file path, never as a package
 
-# What a kernel author's own test file looks like: it knows nothing of mhctool's tests.
-USER_TESTS = '''
-import torch
-from mhctool.testing import assert_parity
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
-def sinkhorn(logits, iters=20, eps=1e-6):
-    p = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
-    for _ in range(iters):
-        p = p / (p.sum(-1, keepdim=True) + eps)
-        p = p / (p.sum(-2, keepdim=True) + eps)
-    return p
+def _page_blocks() -> tuple[str, list[str]]:
+    """What a kernel author's own test file looks like (the API page's, which knows nothing of
+    mhctool's tests), and the output the page shows for it."""
+    text = PAGE.read_text()
+    code = text.split("```python\n# test_my_sinkhorn.py\n", 1)[1].split("```", 1)[0]
+    shown = text.split("<!-- sample of the command above -->\n```\n", 1)[1].split("```", 1)[0].splitlines()
+    return code, [ln for ln in shown if not ln.startswith("$ ")]
 
 
-def sinkhorn_eps_1e8(logits, iters=20, eps=1e-6):
-    return sinkhorn(logits, iters, 1e-8)  # ignores the eps it is asked for
-
-
-def test_correct_sinkhorn():
-    assert_parity(sinkhorn, "sinkhorn", dtypes=["fp32"], device="cpu")
-
-
-def test_sinkhorn_with_eps_1e8():
-    assert_parity(sinkhorn_eps_1e8, "sinkhorn", dtypes=["fp32"], device="cpu")
-'''
+USER_TESTS, SHOWN = _page_blocks()
 
 
 _HAS_ENTRY_POINT = ("import importlib.metadata as m; "
                     "print(any(e.value == 'mhctool.pytest_plugin' for e in m.entry_points(group='pytest11')))")
+
+
+def _sampling():
+    """tests/docs/sampling.py (its matching of a page's sample with what a command printed)."""
+    import importlib.util
+    if "sampling" in sys.modules:
+        return sys.modules["sampling"]
+    spec = importlib.util.spec_from_file_location("sampling", Path(__file__).resolve().parent / "docs" / "sampling.py")
+    module = sys.modules["sampling"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _pytest(args, cwd):
@@ -57,11 +56,13 @@ def _pytest(args, cwd):
 
 
 def test_a_users_test_file_passes_the_correct_kernel_and_fails_eps_1e8_with_one_report(tmp_path):
-    (tmp_path / "test_user_kernel.py").write_text(USER_TESTS)
+    (tmp_path / "test_my_sinkhorn.py").write_text(USER_TESTS)
     out = tmp_path / "reports" / "parity.parquet"
-    res = _pytest(["test_user_kernel.py", f"--mhctool-report={out}"], tmp_path)
+    res = _pytest(["test_my_sinkhorn.py", f"--mhctool-report={out}"], tmp_path)
     text = res.stdout + res.stderr
     assert res.returncode == 1, text
+    missing = _sampling().mismatches(SHOWN, text)  # the API page's sample is what pytest prints
+    assert not missing, (missing, text)
     assert "1 failed, 1 passed" in text
     assert "test_sinkhorn_with_eps_1e8" in text and "AssertionError: mhctool parity failed" in text
     failure = text[text.index("AssertionError: mhctool parity failed"):]
@@ -73,7 +74,7 @@ def test_a_users_test_file_passes_the_correct_kernel_and_fails_eps_1e8_with_one_
     assert [c["test"].split("::")[1] for c in calls] == ["test_correct_sinkhorn", "test_sinkhorn_with_eps_1e8"]
     assert [c["passed"] for c in calls] == [True, False]
     impls = set(table.column("impl").to_pylist())
-    assert {"test_user_kernel:sinkhorn", "test_user_kernel:sinkhorn_eps_1e8", "torch"} <= impls
+    assert {"test_my_sinkhorn:sinkhorn", "test_my_sinkhorn:sinkhorn_eps_1e8", "torch"} <= impls
     assert len(set(table.column("run_id").to_pylist())) == 2
 
 
