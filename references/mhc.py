@@ -19,6 +19,8 @@ import torch
 Trace = Callable[[str, torch.Tensor], None] | None
 
 STABILIZE = ("rowmax", "none", "softmax", "colmax")
+# rarer starts a hand-written kernel uses: the exponential clamped at ``clamp_at`` (no max subtraction)
+STABILIZE_RARE = ("clamp",)
 RMS_EPS = ("outside", "inside")
 EPS_MODES = ("add", "clamp", "threshold", "threshold_zero")
 DOMAINS = ("linear", "log")
@@ -59,6 +61,7 @@ def sinkhorn(
     eps_mode: str = "add",
     order: str = "row_first",
     domain: str = "linear",
+    clamp_at: float = 20.0,
     trace: Trace = None,
 ) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits[..., n, n])`` towards a doubly stochastic matrix.
@@ -75,6 +78,9 @@ def sinkhorn(
       * ``none``: ``exp(L)`` (overflows for large logits: the bug this knob exists to show);
       * ``colmax``: ``exp(L - max_i L[i, j])`` (max subtraction per column: a kernel that
         normalises columns first subtracts the max along that axis);
+      * ``clamp``: ``exp(min(L, clamp_at))`` (no max subtraction; the exponential clamped, as a
+        CUDA kernel writes ``__expf(fminf(x, 20.f))``: finite, but a row whose logits pass the
+        bound loses their differences);
       * ``softmax``: ``softmax(L, -1) + eps``. The softmax *is* the first row normalisation, so
         with ``row_first`` the sequence is softmax, col, then ``iters - 1`` (row, col) pairs
         (DeepSeek's order); with ``col_first`` it is softmax then ``iters`` (col, row) pairs.
@@ -84,8 +90,8 @@ def sinkhorn(
     (``clamp``), or by the sum where it is above eps, leaving a row or column at or below eps as
     it is (``threshold``) or zeroing it (``threshold_zero``).
     """
-    if stabilize not in STABILIZE:
-        raise ValueError(f"stabilize must be one of {STABILIZE}, got {stabilize!r}")
+    if stabilize not in STABILIZE + STABILIZE_RARE:
+        raise ValueError(f"stabilize must be one of {STABILIZE + STABILIZE_RARE}, got {stabilize!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if domain not in DOMAINS:
@@ -97,6 +103,8 @@ def sinkhorn(
         p = torch.exp(logits)
     elif stabilize == "colmax":
         p = torch.exp(logits - logits.amax(dim=-2, keepdim=True))
+    elif stabilize == "clamp":
+        p = torch.exp(logits.clamp(max=clamp_at))
     else:
         p = torch.softmax(logits, dim=-1) + eps
     if trace:

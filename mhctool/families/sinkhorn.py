@@ -78,6 +78,18 @@ def _sk_eps_sweep(shape, g, knobs):
     return _column_below(shape, g, 5, 23)
 
 
+def _sk_clamp_sweep(shape, g, knobs):
+    # a level per matrix from 3 to 80 (log-uniform) with a spread of one or two units: every bound
+    # of a clamped exponential between shows on some matrices (those above it lose their
+    # differences), and below 88 nothing overflows fp32 even without max subtraction
+    s, b, n = shape.s, shape.b, shape.n
+    level = 3.0 * (80.0 / 3.0) ** rand(g, s, b, 1, 1)
+    spread = 1.0 + rand(g, s, b, 1, 1)
+    noise = randn(g, s, b, n, n)
+    level, spread = beside(noise, level, spread)
+    return {"logits": (level + spread * noise).clamp(max=86.0)}
+
+
 def _sk_near_perm(shape, g, knobs):
     # a permutation plus noise: Sinkhorn converges slowly, so iteration count and order matter
     s, b, n = shape.s, shape.b, shape.n
@@ -102,7 +114,9 @@ FAMILY = Family(
     {
         "iters": Knob(20, kind=int),
         "eps": Knob(1e-6, kind=float, zero_ok=True),
-        "stabilize": Knob("rowmax", ref.STABILIZE),
+        "stabilize": Knob("rowmax", ref.STABILIZE + ref.STABILIZE_RARE),
+        # where the exponential is clamped (stabilize=clamp): no meaning otherwise
+        "clamp_at": Knob(20.0, kind=float),
         "eps_mode": Knob("add", ref.EPS_MODES),
         "order": Knob("row_first", ref.ORDERS),
         "domain": Knob("linear", ref.DOMAINS),
@@ -111,7 +125,7 @@ FAMILY = Family(
     _reference,
     # iters too: a kernel may fix its own count (declared, it is judged at it, called without it
     # where it takes no such parameter)
-    conventions=("stabilize", "eps_mode", "eps", "order", "domain", "iters"),
+    conventions=("stabilize", "clamp_at", "eps_mode", "eps", "order", "domain", "iters"),
     input_families={f.name: f for f in [
         InputFamily("random", "normal logits, per-matrix scale log-uniform in [0.1, 10]", _sk_random),
         InputFamily("unit_random", "unit normal logits: the benign regime, eps only nudges the sums", _sk_unit),
@@ -124,7 +138,10 @@ FAMILY = Family(
         "underflow_cols", "a column 600-700 below the rest: exp underflows to 0 in fp32; autograd through the "
         "native Sinkhorn returns NaN there, a backward must not", _sk_underflow)},
     probes={"eps_sweep": InputFamily(
-        "eps_sweep", "a column per matrix 5-28 below the rest: its sums sweep 1e-2 to 1e-12", _sk_eps_sweep)},
+        "eps_sweep", "a column per matrix 5-28 below the rest: its sums sweep 1e-2 to 1e-12", _sk_eps_sweep),
+        "clamp_sweep": InputFamily(
+            "clamp_sweep", "logits at a level of 3 to 80 per matrix, a spread of one or two: where an exponential "
+            "clamped at a bound between loses the differences", _sk_clamp_sweep)},
     kernels={"triton": "mhctool.kernels.triton.sinkhorn:sinkhorn", "cutile": "mhctool.kernels.cutile.sinkhorn:sinkhorn"},
     cost=_cost,
 )

@@ -26,16 +26,14 @@ def identify(tmp_path, fn, kernel="sinkhorn"):
                "-o", tmp_path / "id.parquet")
 
 
-@pytest.mark.parametrize("fn,verdict", [("sinkhorn_clamped_exp", "is"),
-                                        ("sinkhorn_clamped_exp_wrong_backward", "is not")])
-def test_where_nothing_fits_the_backward_is_checked_against_its_own_forward(tmp_path, fn, verdict):
-    """A clamped exponential (no knob of mhctool's describes it): no convention fits the forward,
-    and the backward is judged by directional finite differences of the kernel's own forward,
-    autograd's agreeing and a formula that forgets the normalisations not."""
-    res, text = identify(tmp_path, fn)
+def test_where_nothing_fits_the_backward_is_checked_against_its_own_forward(tmp_path):
+    """A row softmax whose backward forgets the softmax's second term (no knob of mhctool's
+    describes the forward): no convention fits it, and the backward is judged by directional finite
+    differences of the kernel's own forward (autograd's agrees: below, and the saturating one)."""
+    res, text = identify(tmp_path, "sinkhorn_rows_only_wrong_backward")
     assert res.exit_code == 1, text
     assert text.startswith("no convention fits"), text
-    assert f"its backward {verdict} the derivative of its own forward (directional finite differences of " \
+    assert "its backward is not the derivative of its own forward (directional finite differences of " \
            "its forward, 3 of 3 directions, largest relative difference" in text
 
 
@@ -73,15 +71,36 @@ def test_where_no_candidate_comes_near_none_is_named_and_the_outputs_speak(tmp_p
     assert "no finding; its distance from the contract as asked, in native noise: random " in text
     assert "rows sum to one within " in text and "columns only within " in text, text
     assert "uniform" not in text and "saturates" not in text, text  # a row softmax saturates nothing
+    assert "its backward is the derivative of its own forward (directional finite differences of its forward, " \
+           "3 of 3 directions" in text, text  # autograd's
 
 
-def test_a_clamped_exponential_is_named_by_the_matrices_it_collapses(tmp_path):
-    """exp(min(x, 20)) (issue 76 item 2): on large_logits its outputs are finite but every matrix is
-    uniform, where the contract's are not: the guard names the saturation, not only an overflow."""
-    res, text = identify(tmp_path, "sinkhorn_clamped_exp")
+def test_a_saturating_exponential_is_named_by_the_matrices_it_collapses(tmp_path):
+    """exp(20 tanh(x / 20)) (issue 76 item 2): on large_logits its outputs are finite but every
+    matrix is uniform, where the contract's are not: the guard names the saturation, not only an
+    overflow; no clamp at any bound fits it either, and its backward is its forward's derivative."""
+    res, text = identify(tmp_path, "sinkhorn_soft_clamped_exp")
     assert res.exit_code == 1, text
+    assert text.startswith("no convention fits"), text
     assert "on large_logits (" in text and "its outputs are uniform in 64 of 64 matrices where the contract's are not: " \
                                           "the exponential saturates" in text, text
+    assert "its backward is the derivative of its own forward" in text, text
+
+
+def test_a_clamped_exponential_is_a_convention_with_its_bound_fitted(tmp_path):
+    """exp(min(x, 20)) (issue 76 item 1): where the guard saturates, identify fits stabilize=clamp
+    and its bound on logits that sweep the bounds, says what it costs, and parity passes it with the
+    convention its hint names."""
+    res, text = identify(tmp_path, "sinkhorn_clamped_exp")
+    assert res.exit_code == 0, text
+    assert text.startswith("best match: stabilize=clamp eps_mode=add order=row_first iters=20 eps=1e-06 clamp_at=20 "), text
+    assert "stabilize=clamp clamp_at=20: the exponential clamped at 20 (exp(min(x, 20)), no max subtraction" in text
+    assert "judge it with: mhctool parity --kernel sinkhorn --impl " in text and "--convention stabilize=clamp" in text
+    res, text = run("parity", "--kernel", "sinkhorn", "--impl", f"{STRANGERS}:sinkhorn_clamped_exp", "--dtype", "fp32",
+                    "--device", "cpu", "-q", "--convention", "stabilize=clamp", "--convention", "clamp_at=20",
+                    "-o", tmp_path / "p.parquet")
+    assert res.exit_code == 0, text
+    assert "of them strangers.py:sinkhorn_clamped_exp: 40 passed, 0 failed, 0 skipped" in text, text
 
 
 def test_a_backward_that_needs_aligned_channels_is_named_by_its_limit(tmp_path):

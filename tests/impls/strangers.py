@@ -78,8 +78,8 @@ def h_aggregate_streams_reversed(x, h_pre):
 
 
 def sinkhorn_clamped_exp(logits, iters=20, eps=1e-6):
-    """No max subtraction: the exponential of the logits clamped at 20 (``__expf(min(x, 20))``), a
-    convention mhctool has no knob for; its backward is autograd's, the derivative of that forward."""
+    """No max subtraction: the exponential of the logits clamped at 20 (``__expf(fminf(x, 20))``),
+    mhctool's ``stabilize=clamp clamp_at=20``; its backward is autograd's."""
     p = logits.clamp(max=20.0).exp()
     for _ in range(iters):
         p = p / (p.sum(-1, keepdim=True) + eps)
@@ -87,13 +87,23 @@ def sinkhorn_clamped_exp(logits, iters=20, eps=1e-6):
     return p
 
 
-class _ClampedWrongBackward(torch.autograd.Function):
-    """The clamped forward with a backward that forgets the clamp and the normalisations' second
-    term: the gradient of exp alone, ``g * p``."""
+def sinkhorn_soft_clamped_exp(logits, iters=20, eps=1e-6):
+    """The exponential of ``20 tanh(x / 20)``: a smooth clamp, no convention of mhctool's (nor a
+    clamp at any bound) computes it; finite everywhere, uniform where the logits are large.
+    Its backward is autograd's, the derivative of that forward."""
+    p = (20.0 * torch.tanh(logits / 20.0)).exp()
+    for _ in range(iters):
+        p = p / (p.sum(-1, keepdim=True) + eps)
+        p = p / (p.sum(-2, keepdim=True) + eps)
+    return p
+
+
+class _RowsOnlyWrongBackward(torch.autograd.Function):
+    """A row softmax with a backward that forgets its second term: ``g * p``."""
 
     @staticmethod
     def forward(ctx, logits, iters, eps):
-        out = sinkhorn_clamped_exp(logits, iters, eps)
+        out = torch.softmax(logits, dim=-1)
         ctx.save_for_backward(out)
         return out
 
@@ -103,9 +113,9 @@ class _ClampedWrongBackward(torch.autograd.Function):
         return g * out, None, None
 
 
-def sinkhorn_clamped_exp_wrong_backward(logits, iters=20, eps=1e-6):
-    """``sinkhorn_clamped_exp`` forward, a backward that is not its derivative."""
-    return _ClampedWrongBackward.apply(logits, iters, eps)
+def sinkhorn_rows_only_wrong_backward(logits, iters=20, eps=1e-6):
+    """``sinkhorn_rows_only``'s forward, a backward that is not its derivative."""
+    return _RowsOnlyWrongBackward.apply(logits, iters, eps)
 
 
 def h_post_bda_without_bias(h_res, x, h_post, y):

@@ -201,3 +201,20 @@ def test_eps_as_a_threshold_keeps_or_zeroes_what_sums_below_it_and_the_native_on
         assert bool((out[..., 2] == 0).all())
     assert torch.allclose(out.sum(-1), torch.ones(6, 4, dtype=torch.float64))  # the rows, normalised last
     assert torch.allclose(native.sinkhorn(logits, 1, 1e-6, eps_mode=mode, order="col_first"), out)
+
+
+def test_a_clamped_exponential_loses_the_differences_past_its_bound_and_the_native_one_agrees():
+    """stabilize=clamp: exp(min(x, clamp_at)). Below the bound it is bare exp (rowmax's matrix, at
+    eps 0 rows first); logits all past it give the uniform matrix; the native one computes the same."""
+    from mhctool.kernels.torch import mhc as native
+    g = torch.Generator().manual_seed(0)
+    small = torch.randn(5, 4, 4, generator=g, dtype=torch.float64)
+    assert torch.allclose(ref.sinkhorn(small, 20, 0.0, stabilize="clamp", clamp_at=20.0),
+                          ref.sinkhorn(small, 20, 0.0, stabilize="rowmax"))
+    large = 40.0 + torch.rand(5, 4, 4, generator=g, dtype=torch.float64)
+    out = ref.sinkhorn(large, 20, 1e-6, stabilize="clamp", clamp_at=20.0)
+    assert torch.allclose(out, torch.full_like(out, 0.25))
+    assert not torch.allclose(ref.sinkhorn(large, 20, 1e-6), out)  # the contract keeps the differences
+    mixed = 15.0 * torch.randn(5, 4, 4, generator=g, dtype=torch.float64)
+    assert torch.allclose(native.sinkhorn(mixed, 20, 1e-6, stabilize="clamp", clamp_at=10.0),
+                          ref.sinkhorn(mixed, 20, 1e-6, stabilize="clamp", clamp_at=10.0))

@@ -70,6 +70,9 @@ class Fitting(Subject):
         cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
         # max(sum, 0) is add with eps 0
         cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and c.get("eps") == 0.0)]
+        for (knob, value), grids in self.space.depends.items():  # a clamped exponential at each bound
+            cands = [{**c, **dict(zip(grids, point))} for c in cands
+                     for point in (itertools.product(*grids.values()) if c.get(knob) == value else [()])]
         b = self.space.batched
         if b is None:
             return [self.score(probes, c, "grid") for c in cands]

@@ -37,12 +37,27 @@ class Identifier(Judging):
             return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs,
                                   limit=limit_text)
         self.progress("fitting the conventions")
+        common = dict(self.space.discrete)  # the rarer knobs below are tried against these values of the others
+        if self.saturated and "stabilize" in self.space.later:
+            # finite but collapsed on the guard: an exponential clamped at a bound, fitted on logits
+            # that sweep the bounds (the other probes' logits stay below where a kernel clamps)
+            self.progress("the guard saturates: fitting a clamped exponential too")
+            probe, error = self._probe("clamp_sweep")
+            if error:
+                return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs,
+                                      limit=limit_text)
+            probes, self._stacks = [*probes, probe], {}
+            rare = self.space.later["stabilize"]
+            self.space = dataclasses.replace(
+                self.space, later={k: v for k, v in self.space.later.items() if k != "stabilize"},
+                discrete={**self.space.discrete, "stabilize": (*self.space.discrete["stabilize"], *rare)})
         grid = self.grid(probes)
         if self.space.later and min(c.score for c in grid) > LATER_AFTER:
             # nothing near among the common conventions: a grid of the rarer ones too, and the space
             # holds both from here (the ties and the table's combinations)
             self.progress("nothing near: fitting the rarer conventions too")
-            grid = grid + self.grid(probes, self.space.later)
+            for knob, values in self.space.later.items():  # one rarer knob at a time, the others as usual
+                grid = grid + self.grid(probes, {**common, knob: values})
             self.space = dataclasses.replace(self.space, later={}, discrete={
                 k: (*v, *self.space.later.get(k, ())) for k, v in self.space.discrete.items()})
         # the continuous knobs of the few best discrete combinations are refined before the pick:

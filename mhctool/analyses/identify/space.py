@@ -30,6 +30,10 @@ ITERS_MAX = 64
 
 LIMIT_GRID = (1.0, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0, 1e9)
 
+# where a kernel clamps the exponential's argument (stabilize=clamp): 20 and 88 (fp32's exp
+# overflow, rounded) the common bounds, the rest a grid between
+CLAMP_GRID = (5.0, 10.0, 15.0, 20.0, 30.0, 50.0, 88.0)
+
 
 def _drop_bias(fn: Callable, keep: bool) -> Callable:
     if keep:
@@ -89,6 +93,10 @@ class Space:
     # discrete values rarer kernels compute, tried only where nothing in the first grid comes near
     # (Sinkhorn's eps as a threshold): knob -> the values added
     later: dict = field(default_factory=dict)
+    # a knob that means something under one value of another only: (knob, value) -> {the other
+    # knob: its grid}, the candidates with that value tried at each point (a clamped exponential's
+    # bound)
+    depends: dict = field(default_factory=dict)
 
 
 def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
@@ -122,7 +130,8 @@ def space(kernel: str, asked: dict) -> Space:
                      # without eps, as in the log domain: its rounding is the log-domain baseline's
                      judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None,
                      guards=("large_logits",), stackable="logits",
-                     later={"eps_mode": ("threshold", "threshold_zero")})
+                     later={"eps_mode": ("threshold", "threshold_zero"), "stabilize": ref.STABILIZE_RARE},
+                     depends={("stabilize", "clamp"): {"clamp_at": CLAMP_GRID}})
     if kernel == "h_post_bda":
         return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
                      variants={"bias": Variant((True, False), _drop_bias)})
@@ -265,7 +274,9 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
     evidence shows (a candidate that fails its own judging explains nothing else). In the log
     domain nothing is exponentiated raw, so no stabilisation is claimed at all."""
     ignored = ignored or {}
-    diff = {k: v for k, v in fitted.items() if not _same(v, asked.get(k))}
+    diff = {k: v for k, v in fitted.items() if k not in asked or not _same(v, asked[k])}
+    # Sinkhorn's bound is said with stabilize=clamp, the only start it means something for
+    bound = diff.pop("clamp_at", None) if kernel == "sinkhorn" else None
     if fitted.get("domain") == "log" and "stabilize" in diff:
         del diff["stabilize"]  # a log-domain iteration never exponentiates the raw logits
     fixed = [f"ignores {k}: runs {fmt_value(fitted[k])} whatever it is asked, which is what was asked"
@@ -283,6 +294,12 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
             continue
         if known:
             notes.append(f"{own}: a known convention, {known}" if own else f"{k}={fmt_value(v)}: a known convention, {known}")
+        elif (kernel, k, v) == ("sinkhorn", "stabilize", "clamp"):
+            level = max(level, 1)
+            b = fmt_value(bound if bound is not None else fitted.get("clamp_at"))
+            notes.append(f"stabilize=clamp clamp_at={b}: the exponential clamped at {b} (exp(min(x, {b})), no max "
+                         f"subtraction, as a CUDA kernel's __expf(fminf(x, {b}))): finite, but logits past {b} lose "
+                         "their differences (a variant no library mhctool knows uses: check it is intended)")
         elif (odd or k in DEFECT_KNOBS) and shown is False:
             level = max(level, 1)
             notes.append(f"{own}; no difference shows on its outputs: {measured}" if own

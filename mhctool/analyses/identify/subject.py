@@ -70,7 +70,10 @@ class Subject:
         self.ignored: dict = {}  # Identification.ignored
 
     def _names(self) -> list[str]:
-        return [*self.space.discrete, *self.space.continuous]
+        """The knobs fitted: the space's discrete and continuous ones, and those that mean something
+        under one value of another (a clamped exponential's bound)."""
+        return [*self.space.discrete, *self.space.continuous,
+                *(k for grids in self.space.depends.values() for k in grids)]
 
     def _default(self, name: str):
         if name in self.space.variants:
