@@ -83,8 +83,12 @@ class Identification:
 
     @property
     def asked_all(self) -> dict:
-        """Everything it was asked for: the searched knobs' asked values and the held ones."""
-        return {**self.asked, **self.fixed}
+        """Everything it was asked for: the searched knobs' asked values and the held ones (a
+        Sinkhorn's clamp bound only where its exponential was asked to be clamped)."""
+        out = {**self.asked, **self.fixed}
+        if self.kernel == "sinkhorn" and out.get("stabilize") != "clamp":
+            out.pop("clamp_at", None)
+        return out
 
     def shown(self, top: int) -> list[Candidate]:
         """The judged candidates, then the best fit of each other discrete combination (``top`` in all)."""
