@@ -268,17 +268,5 @@ def test_the_iteration_counts_batched_in_the_grid_score_as_one_at_a_time():
     assert (best.knobs["iters"], best.knobs["eps"]) == (20, 1e-6)
 
 
-def test_a_kernel_that_ignores_eps_is_a_defect_not_a_convention_to_declare(tmp_path):
-    """Fitted exactly (eps=1e-8, whatever it is asked), but a defect: exit 1, and no ``judge it
-    with ... --convention`` offered."""
-    res = runner.invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", f"{IMPLS / 'defects.py'}:sinkhorn_eps_1e8",
-                              "--device", "cpu", "-q", "-o", str(tmp_path / "id.parquet")])
-    assert res.exit_code == 1, res.output
-    text = " ".join(res.output.split())
-    assert "runs 1e-08 whatever it is asked" in text and "likely a defect" in text
-    assert "judge it with" not in text and "not a convention to declare" in text
-    res = runner.invoke(app, ["parity", "--kernel", "sinkhorn", "--dtype", "fp32", "--device", "cpu", "-q", "--impl",
-                              f"{IMPLS / 'defects.py'}:sinkhorn_eps_1e8", "-o", str(tmp_path / "p.parquet")])
-    text = " ".join(res.output.split())
-    assert res.exit_code == 1 and "--convention eps" not in text
-    assert "a defect to fix in the kernel, not a convention to declare" in text
+# a Sinkhorn that ignores eps: identify's exit 1 and no flag offered in tests/cli/test_waiting.py,
+# parity's hint ("a defect to fix in the kernel, not a convention to declare") in the README's sample

@@ -18,7 +18,10 @@ def test_identify_says_which_stage_it_is_in_while_it_works(tmp_path, monkeypatch
     monkeypatch.setenv("MHCTOOL_PROGRESS_SECONDS", "0.05")
     res = cli.invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", f"{DEFECTS}:sinkhorn_eps_1e8",
                            "--device", "cpu", "-o", str(tmp_path / "i.parquet")])
-    assert res.exit_code == 1, res.output  # a likely defect
+    assert res.exit_code == 1, res.output  # a likely defect: fitted exactly (eps=1e-8 whatever it is asked), no flag
+    text = " ".join(res.output.split())
+    assert "runs 1e-08 whatever it is asked" in text and "likely a defect" in text, text
+    assert "judge it with" not in text and "not a convention to declare" in text, text
     lines = _lines(res.output, "identify")
     assert lines[-1].startswith("identify: 1/1 implementations done"), res.output
     assert any("; now defects.py:sinkhorn_eps_1e8: fitting the conventions" in ln for ln in lines), res.output
