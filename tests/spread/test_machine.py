@@ -54,22 +54,39 @@ def _scenario(tmp_path):
     return sc
 
 
-def test_a_default_cpu_run_of_eight_cases_spreads_and_its_report_says_how(tmp_path, monkeypatch):
-    """Unset --workers: 8 cases on a machine of 2 cores or more are spread over 2 workers, each
-    computing with one thread whatever this process had (which it has again afterwards). That a
-    spread run's rows are one process's: tests/spread/test_pool.py."""
-    monkeypatch.delenv("MHCTOOL_WORKERS", raising=False)
+def test_parity_spreads_a_default_run_of_eight_cases_and_not_one_it_cannot_spread(tmp_path, monkeypatch):
+    """What parity's command decides before it runs (the spread itself, rows as one process's:
+    tests/spread/test_pool.py): unset --workers over 2 cores spreads 8 cases over 2 workers; a run
+    of ranks, or of a callable, stays in one process where nothing was asked, and says why where
+    it was."""
+    from mhctool.analyses import parity
+    from mhctool.cli import kit
+    from mhctool.kernels.torch import mhc
+    from mhctool.registry.impl import Impl
     for where in (machine, pool):
         monkeypatch.setattr(where, "cores", lambda: 2)
-    out = tmp_path / "spread.parquet"
+    plan = parity.plan(["sinkhorn"], ["torch"], device="cpu", scenario=str(_scenario(tmp_path)))
+    assert len(plan.cases) == 8
+    assert kit.spread_for(None, "local", "cpu", plan) == (2, "local")
+    assert kit.spread_for(None, "local", "cpu", plan, alone=True) == (1, "local")
+    callable_plan = parity.plan(["sinkhorn"], [Impl("mine", "sinkhorn", "external", mhc.sinkhorn)], device="cpu",
+                                scenario=str(_scenario(tmp_path)))
+    assert kit.spread_for(None, "local", "cpu", callable_plan) == (1, "local")
+    with pytest.raises(UsageError, match="exists in this process only"):
+        kit.spread_for("2", "local", "cpu", callable_plan)
+
+
+def test_a_cpu_report_says_its_cores_and_one_thread_whatever_this_process_had(tmp_path):
+    """The environment metadata of a CPU run: the cores, and the one thread every process of it
+    computed with, though the command's process had two (which it has again afterwards)."""
+    out = tmp_path / "p.parquet"
     torch.set_num_threads(2)
     try:
-        res = cli.invoke(app, ["parity", "--kernel", "sinkhorn", "--impl", "torch", "--device", "cpu",
-                               "--scenario", str(_scenario(tmp_path)), "--no-hint", "-o", str(out)])
+        res = cli.invoke(app, ["parity", "--kernel", "sinkhorn", "--impl", "torch", "--device", "cpu", "--dtype",
+                               "fp32", "--shape", "5x3x2x1", "--no-hint", "-o", str(out)])
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
     assert res.exit_code == 0, res.output
-    _, meta = report.read(out)
-    assert meta["run"]["workers"] == 2
-    assert meta["environment"]["threads"] == 1 and meta["environment"]["cores"] >= 1
+    env = report.read(out)[1]["environment"]
+    assert env["threads"] == 1 and env["cores"] >= 1
