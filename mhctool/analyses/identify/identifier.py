@@ -38,19 +38,19 @@ class Identifier(Judging):
                                   limit=limit_text)
         self.progress("fitting the conventions")
         common = dict(self.space.discrete)  # the rarer knobs below are tried against these values of the others
-        if self.saturated and "stabilize" in self.space.later:
+        rare, extra = self.space.saturating
+        if self.saturated and rare:
             # finite but collapsed on the guard: an exponential clamped at a bound, fitted on logits
             # that sweep the bounds (the other probes' logits stay below where a kernel clamps)
             self.progress("the guard saturates: fitting a clamped exponential too")
-            probe, error = self._probe("clamp_sweep")
-            if error:
-                return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs,
-                                      limit=limit_text)
-            probes, self._stacks = [*probes, probe], {}
-            rare = self.space.later["stabilize"]
-            self.space = dataclasses.replace(
-                self.space, later={k: v for k, v in self.space.later.items() if k != "stabilize"},
-                discrete={**self.space.discrete, "stabilize": (*self.space.discrete["stabilize"], *rare)})
+            for fam_name in extra:
+                probe, error = self._probe(fam_name)
+                if error:
+                    return Identification(self.kernel, self.impl, self.asked, [], None, error,
+                                          fixed=self.family_knobs, limit=limit_text)
+                probes, self._stacks = [*probes, probe], {}
+            self.space = dataclasses.replace(self.space, discrete={
+                **self.space.discrete, **{k: (*self.space.discrete[k], *v) for k, v in rare.items()}})
         grid = self.grid(probes)
         if self.space.later and min(c.score for c in grid) > LATER_AFTER:
             # nothing near among the common conventions: a grid of the rarer ones too, and the space

@@ -93,6 +93,9 @@ class Space:
     # discrete values rarer kernels compute, tried only where nothing in the first grid comes near
     # (Sinkhorn's eps as a threshold): knob -> the values added
     later: dict = field(default_factory=dict)
+    # discrete values tried only where a guard's outputs are finite but collapsed (Sinkhorn's
+    # clamped exponential), fitted with the probes named: (knob -> the values added, the probes)
+    saturating: tuple = ({}, ())
     # a knob that means something under one value of another only: (knob, value) -> {the other
     # knob: its grid}, the candidates with that value tried at each point (a clamped exponential's
     # bound)
@@ -130,7 +133,8 @@ def space(kernel: str, asked: dict) -> Space:
                      # without eps, as in the log domain: its rounding is the log-domain baseline's
                      judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None,
                      guards=("large_logits",), stackable="logits",
-                     later={"eps_mode": ("threshold", "threshold_zero"), "stabilize": ref.STABILIZE_RARE},
+                     later={"eps_mode": ("threshold", "threshold_zero")},
+                     saturating=({"stabilize": ref.STABILIZE_RARE}, ("clamp_sweep",)),
                      depends={("stabilize", "clamp"): {"clamp_at": CLAMP_GRID}})
     if kernel == "h_post_bda":
         return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
