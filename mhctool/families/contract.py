@@ -32,6 +32,13 @@ class Knob:
     passed: bool = True  # passed to the implementation (False: it only shapes the inputs)
     signed: bool = False  # a float knob that may be zero or negative
     zero_ok: bool = False  # a float knob that may be zero (Sinkhorn without eps, as TransformerEngine's)
+    # (knob, value): this knob means something only where that knob has that value (a clamped
+    # exponential's bound, under stabilize=clamp); said with it, never asked or claimed apart
+    only_with: tuple | None = None
+
+    def applies(self, knobs: dict) -> bool:
+        """Whether this knob means something under ``knobs`` (always, unless :attr:`only_with`)."""
+        return self.only_with is None or knobs.get(self.only_with[0]) == self.only_with[1]
 
     def check(self, kernel: str, name: str, value):
         if self.choices is not None:

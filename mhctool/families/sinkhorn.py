@@ -115,8 +115,8 @@ FAMILY = Family(
         "iters": Knob(20, kind=int),
         "eps": Knob(1e-6, kind=float, zero_ok=True),
         "stabilize": Knob("rowmax", ref.STABILIZE + ref.STABILIZE_RARE),
-        # where the exponential is clamped (stabilize=clamp): no meaning otherwise
-        "clamp_at": Knob(20.0, kind=float),
+        # where the exponential is clamped: no meaning but under stabilize=clamp
+        "clamp_at": Knob(20.0, kind=float, only_with=("stabilize", "clamp")),
         "eps_mode": Knob("add", ref.EPS_MODES),
         "order": Knob("row_first", ref.ORDERS),
         "domain": Knob("linear", ref.DOMAINS),

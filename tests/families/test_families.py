@@ -78,3 +78,12 @@ def test_every_family_combines_large_tensors_on_another_device_with_its_small_on
     for kernel, name, shape in family_cases:
         raw = generate(kernel, name, shape, 3, {}, draw_on="meta")[1]
         assert any(t is not None and t.is_meta for t in raw.values()), (kernel, name)
+
+
+def test_a_knob_that_means_something_under_another_only_says_so():
+    """Sinkhorn's clamp bound means something under stabilize=clamp alone (Knob.only_with): identify
+    neither asks for it nor claims it apart from the clamp."""
+    from mhctool.families import get_family
+    bound = get_family("sinkhorn").knobs["clamp_at"]
+    assert bound.applies({"stabilize": "clamp"}) and not bound.applies({"stabilize": "rowmax"})
+    assert get_family("sinkhorn").knobs["eps"].applies({})

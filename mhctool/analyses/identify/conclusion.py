@@ -83,12 +83,11 @@ class Identification:
 
     @property
     def asked_all(self) -> dict:
-        """Everything it was asked for: the searched knobs' asked values and the held ones (a
-        Sinkhorn's clamp bound only where its exponential was asked to be clamped)."""
+        """Everything it was asked for: the searched knobs' asked values and the held ones (a knob
+        that means something under another's value only where it has it: Knob.only_with)."""
         out = {**self.asked, **self.fixed}
-        if self.kernel == "sinkhorn" and out.get("stabilize") != "clamp":
-            out.pop("clamp_at", None)
-        return out
+        knobs = get_family(self.kernel).knobs
+        return {k: v for k, v in out.items() if k not in knobs or knobs[k].applies(out)}
 
     def shown(self, top: int) -> list[Candidate]:
         """The judged candidates, then the best fit of each other discrete combination (``top`` in all)."""

@@ -70,9 +70,11 @@ class Fitting(Subject):
         cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
         # max(sum, 0) is add with eps 0
         cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and c.get("eps") == 0.0)]
-        for (knob, value), grids in self.space.depends.items():  # a clamped exponential at each bound
-            cands = [{**c, **dict(zip(grids, point))} for c in cands
-                     for point in (itertools.product(*grids.values()) if c.get(knob) == value else [()])]
+        for name, values in self.space.depends.items():  # a clamped exponential at each bound
+            knob, expanded = self.fam.knobs[name], []
+            for c in cands:
+                expanded += [{**c, name: v} for v in values] if knob.applies(c) else [c]
+            cands = expanded
         b = self.space.batched
         if b is None:
             return [self.score(probes, c, "grid") for c in cands]

@@ -108,11 +108,10 @@ class Probing(Subject):
             return {}
         out = {}
         knobs = self._impl_knobs()
-        dependent = {k for grids in self.space.depends.values() for k in grids}  # said with what they depend on
         for k in self._names():
             knob = self.fam.knobs.get(k)
-            if k in self.space.variants or k in dependent or knob is None or not knob.passed \
-                    or knob.kind not in (int, float):
+            if k in self.space.variants or knob is None or not knob.passed or knob.kind not in (int, float) \
+                    or knob.only_with is not None:  # said with what it depends on
                 continue
             if not self.impl.accepts(k):
                 out[k] = "takes no"

@@ -96,9 +96,8 @@ class Space:
     # discrete values tried only where a guard's outputs are finite but collapsed (Sinkhorn's
     # clamped exponential), fitted with the probes named: (knob -> the values added, the probes)
     saturating: tuple = ({}, ())
-    # a knob that means something under one value of another only: (knob, value) -> {the other
-    # knob: its grid}, the candidates with that value tried at each point (a clamped exponential's
-    # bound)
+    # knobs that mean something under one value of another only (Knob.only_with): knob -> its grid,
+    # the candidates with that value tried at each point (a clamped exponential's bound)
     depends: dict = field(default_factory=dict)
 
 
@@ -135,7 +134,7 @@ def space(kernel: str, asked: dict) -> Space:
                      guards=("large_logits",), stackable="logits",
                      later={"eps_mode": ("threshold", "threshold_zero")},
                      saturating=({"stabilize": ref.STABILIZE_RARE}, ("clamp_sweep",)),
-                     depends={("stabilize", "clamp"): {"clamp_at": CLAMP_GRID}})
+                     depends={"clamp_at": CLAMP_GRID})
     if kernel == "h_post_bda":
         return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
                      variants={"bias": Variant((True, False), _drop_bias)})
@@ -278,9 +277,10 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
     evidence shows (a candidate that fails its own judging explains nothing else). In the log
     domain nothing is exponentiated raw, so no stabilisation is claimed at all."""
     ignored = ignored or {}
-    diff = {k: v for k, v in fitted.items() if k not in asked or not _same(v, asked[k])}
-    # Sinkhorn's bound is said with stabilize=clamp, the only start it means something for
-    bound = diff.pop("clamp_at", None) if kernel == "sinkhorn" else None
+    knobs = get_family(kernel).knobs
+    # a knob that means something under one value of another only is said with it (Knob.only_with)
+    diff = {k: v for k, v in fitted.items() if (k not in asked or not _same(v, asked[k]))
+            and (k not in knobs or knobs[k].only_with is None)}
     if fitted.get("domain") == "log" and "stabilize" in diff:
         del diff["stabilize"]  # a log-domain iteration never exponentiates the raw logits
     fixed = [f"ignores {k}: runs {fmt_value(fitted[k])} whatever it is asked, which is what was asked"
@@ -300,7 +300,7 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
             notes.append(f"{own}: a known convention, {known}" if own else f"{k}={fmt_value(v)}: a known convention, {known}")
         elif (kernel, k, v) == ("sinkhorn", "stabilize", "clamp"):
             level = max(level, 1)
-            b = fmt_value(bound if bound is not None else fitted.get("clamp_at"))
+            b = fmt_value(fitted["clamp_at"])
             notes.append(f"stabilize=clamp clamp_at={b}: the exponential clamped at {b} (exp(min(x, {b})), no max "
                          f"subtraction, as a CUDA kernel's __expf(fminf(x, {b}))): finite, but logits past {b} lose "
                          "their differences (a variant no library mhctool knows uses: check it is intended)")
