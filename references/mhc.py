@@ -24,6 +24,9 @@ STABILIZE_RARE = ("clamp",)
 RMS_EPS = ("outside", "inside")
 EPS_MODES = ("add", "clamp", "threshold", "threshold_zero")
 DOMAINS = ("linear", "log")
+# how a kernel computes its elementwise math: ieee, or fast (--use_fast_math: __expf, reciprocal-multiply);
+# like ``domain``, it changes no float64 value, only the native baseline a kernel is compared with
+MATHS = ("ieee", "fast")
 ORDERS = ("row_first", "col_first")
 
 
@@ -62,9 +65,13 @@ def sinkhorn(
     order: str = "row_first",
     domain: str = "linear",
     clamp_at: float = 20.0,
+    math: str = "ieee",
     trace: Trace = None,
 ) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits[..., n, n])`` towards a doubly stochastic matrix.
+
+    ``math`` (``ieee`` or ``fast``), like ``domain``, changes nothing here: it picks the native
+    baseline a kernel built with fast math is compared with.
 
     ``domain`` (``linear`` or ``log``) says how an implementation iterates; in exact arithmetic
     (and so in this float64 reference) both give the same matrix, so it changes nothing here: it
@@ -96,6 +103,8 @@ def sinkhorn(
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if domain not in DOMAINS:
         raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+    if math not in MATHS:
+        raise ValueError(f"math must be one of {MATHS}, got {math!r}")
     row, col = -1, -2
     if stabilize == "rowmax":
         p = torch.exp(logits - logits.amax(dim=-1, keepdim=True))

@@ -12,31 +12,48 @@ import math
 import torch
 
 
+_LOG2E = 1.4426950408889634
+
+
+def _fast_exp(x):
+    """``__expf`` as nvcc's ``--use_fast_math`` computes it: 2 to the power of ``x * log2(e)``, the
+    product rounded to ``x``'s format, which costs about ``|x|`` units of the last place at large
+    ``|x|``. ``ex2.approx`` itself is nearly IEEE's ``expf`` (0.54 against 0.47 ulp rms on [-1, 1],
+    measured on an H200 by dev/fast_math_probe.py), so the power is computed exactly here."""
+    return torch.exp2(x * _LOG2E)
+
+
 def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
-             eps_mode: str = "add", order: str = "row_first", domain: str = "linear", clamp_at: float = 20.0):
+             eps_mode: str = "add", order: str = "row_first", domain: str = "linear", clamp_at: float = 20.0,
+             math: str = "ieee"):
     if domain == "log":
         return _sinkhorn_log(logits, iters, order)
+    fast = math == "fast"  # a kernel built with fast math: __expf and a reciprocal-multiply per division
+    exp = _fast_exp if fast else torch.exp
     if stabilize == "rowmax":
-        p = (logits - logits.max(dim=-1, keepdim=True).values).exp()
+        p = exp(logits - logits.max(dim=-1, keepdim=True).values)
     elif stabilize == "none":
-        p = logits.exp()
+        p = exp(logits)
     elif stabilize == "colmax":
-        p = (logits - logits.max(dim=-2, keepdim=True).values).exp()
+        p = exp(logits - logits.max(dim=-2, keepdim=True).values)
     elif stabilize == "softmax":
         p = logits.softmax(dim=-1) + eps
     elif stabilize == "clamp":  # a hand-written kernel's __expf(fminf(x, bound))
-        p = logits.clamp(max=clamp_at).exp()
+        p = exp(logits.clamp(max=clamp_at))
     else:
         raise ValueError(f"unknown stabilize {stabilize!r}")
+
+    def div(p, d):
+        return p * torch.reciprocal(d) if fast else p / d
 
     def norm(p, dim):
         s = p.sum(dim=dim, keepdim=True)
         if eps_mode == "add":
-            return p / (s + eps)
+            return div(p, s + eps)
         if eps_mode == "clamp":
-            return p / s.clamp_min(eps)
+            return div(p, s.clamp_min(eps))
         above = s > eps  # threshold: at or below eps kept (threshold) or zeroed (threshold_zero)
-        q = p / torch.where(above, s, torch.ones_like(s))
+        q = div(p, torch.where(above, s, torch.ones_like(s)))
         return q if eps_mode == "threshold" else torch.where(above, q, torch.zeros_like(q))
 
     first, second = (-1, -2) if order == "row_first" else (-2, -1)

@@ -145,3 +145,21 @@ def test_eps_as_a_threshold_is_a_convention_identify_finds_when_the_common_ones_
                     "--dtype", "fp32", "-q", "--no-hint", "--convention", "eps_mode=threshold",
                     "-o", tmp_path / "p.parquet")
     assert res.exit_code == 0, text
+
+
+def test_fast_math_is_a_convention_judged_against_a_native_baseline_that_computes_so(tmp_path):
+    """A clamped Sinkhorn built with --use_fast_math (__expf: the product x log2(e) rounded in fp32,
+    about |x| ulps at large |x|; a reciprocal-multiply per division; issue 76 item 1): judged at
+    stabilize=clamp against the IEEE baseline it fails on the dead rows (where logits reach the
+    bound), so identify names math=fast too (only a failing candidate is judged again under it), and
+    parity passes it with the hint's flags."""
+    res, text = identify(tmp_path, "sinkhorn_fast_math")
+    assert res.exit_code == 0, text
+    assert text.startswith("best match: stabilize=clamp eps_mode=add order=row_first iters=20 eps=1e-06 clamp_at=20 "
+                           "math=fast "), text
+    assert "math=fast: a known convention, as a kernel built with --use_fast_math computes" in text, text
+    flags = "--convention stabilize=clamp --convention math=fast"
+    assert f"judge it with: mhctool parity --kernel sinkhorn --impl {STRANGERS}:sinkhorn_fast_math {flags}" in text
+    res, text = run("parity", "--kernel", "sinkhorn", "--impl", f"{STRANGERS}:sinkhorn_fast_math", "--dtype", "fp32",
+                    "--device", "cpu", "-q", "--no-hint", *flags.split(), "-o", tmp_path / "p.parquet")
+    assert res.exit_code == 0 and "of them strangers.py:sinkhorn_fast_math: 40 passed, 0 failed" in text, text

@@ -218,3 +218,22 @@ def test_a_clamped_exponential_loses_the_differences_past_its_bound_and_the_nati
     mixed = 15.0 * torch.randn(5, 4, 4, generator=g, dtype=torch.float64)
     assert torch.allclose(native.sinkhorn(mixed, 20, 1e-6, stabilize="clamp", clamp_at=10.0),
                           ref.sinkhorn(mixed, 20, 1e-6, stabilize="clamp", clamp_at=10.0))
+
+
+def test_fast_math_changes_the_native_baseline_by_a_few_units_of_fp32_and_not_the_reference():
+    """math=fast (a kernel built with --use_fast_math): the float64 reference is the same matrix; the
+    native one computes 2^(x log2 e) with the product rounded and reciprocal-multiplies: other
+    roundings, as close where the exponent is small, and further past the bound's logits."""
+    from mhctool.kernels.torch import mhc as native
+    g = torch.Generator().manual_seed(0)
+    logits = 3.0 * torch.randn(64, 4, 4, generator=g, dtype=torch.float64)
+    assert torch.equal(ref.sinkhorn(logits, math="fast"), ref.sinkhorn(logits))
+    exact = ref.sinkhorn(logits)
+    out = {m: native.sinkhorn(logits.float(), math=m) for m in ("ieee", "fast")}
+    assert not torch.equal(out["ieee"], out["fast"])
+    for m, o in out.items():
+        assert float((o.double() - exact).abs().max()) < 8 * 2.0 ** -24, m
+    x = torch.linspace(-30.0, 0.0, 10001)  # __expf's error grows with |x|: the product's rounding
+    ulp = torch.ldexp(torch.ones_like(x, dtype=torch.float64), torch.frexp(x.double().exp())[1] - 24)
+    err = {m: ((native._fast_exp(x) if m == "fast" else x.exp()).double() - x.double().exp()).abs() / ulp for m in out}
+    assert float(err["ieee"].max()) <= 1.0 < 8.0 < float(err["fast"].max()) < 40.0

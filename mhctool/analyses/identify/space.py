@@ -130,7 +130,8 @@ def space(kernel: str, asked: dict) -> Space:
                       "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
                      {"eps": EPS_GRID}, batched="eps", prefix="iters",
                      # without eps, as in the log domain: its rounding is the log-domain baseline's
-                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else None,
+                     # fast math otherwise (__expf, reciprocal-multiply): its rounding is the fast baseline's
+                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else {"math": "fast"},
                      guards=("large_logits",), stackable="logits",
                      later={"eps_mode": ("threshold", "threshold_zero")},
                      saturating=({"stabilize": ref.STABILIZE_RARE}, ("clamp_sweep",)),
@@ -196,6 +197,8 @@ KNOWN = {
                                          "columns first, a common PyTorch form)",
     ("sinkhorn", "eps", 0.0): "as in TransformerEngine (log-domain iterations, no eps)",
     ("sinkhorn", "domain", "log"): "as in TransformerEngine (judged against the log-domain native baseline)",
+    ("sinkhorn", "math", "fast"): "as a kernel built with --use_fast_math computes (__expf, a reciprocal-multiply "
+                                  "per division; judged against a native baseline that computes the same way)",
     ("h_post_bda", "transpose_res", True): "as in Megatron-LM's dev branch and TransformerEngine (H_res^T)",
     ("proj_rms", "rms_eps", "inside"): "as in TransformerEngine and RMSNorm (eps inside the square root)",
     ("proj_rms", "eps", FP32_EPS): "as in TransformerEngine (eps = fp32 machine epsilon)",
