@@ -1,0 +1,248 @@
+"""Megatron-core's own training step, driven from a staged tree (issue 77's engine): its
+``TransformerConfig`` with the mHC recipe's options, ``GPTModel`` on the local layer spec with
+hyper-connections, ``Float16Module``, its ``DistributedDataParallel``, ``get_megatron_optimizer``
+(whose step returns the grad norm and the count of zeros ``--log-num-zeros-in-grad`` logs),
+``OptimizerParamScheduler`` and ``get_forward_backward_func``, put together in the order
+Megatron's ``megatron/training/training.py`` does (``get_model``, ``setup_model_and_optimizer``,
+``train_step``). Nothing of Megatron's is copied or changed: the tree is put first on
+``sys.path`` (``../shared/anchors/stage.sh megatron-core GIT_DIR`` writes one).
+
+Run in its own process, one per rank (a GPU; Megatron-core's model takes its buffers on CUDA)::
+
+    python -m mhctool.libraries.megatron_core TREE --recipe '{"steps": 20}' --log steps.jsonl
+
+Each step is a JSON line in ``--log`` (rank 0): Megatron's golden-value metrics, the exact zeros
+of every parameter's gradient, and the hyper-connection projections' zeros split into their
+H_pre, H_post and H_res rows.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """``gpt3_mcore_te_tp2_pp2_mhc``'s options (Megatron-LM's functional test at the PR 3828 merge),
+    as Megatron's argument defaults complete them; the sizes can be scaled down. The recipe runs
+    Megatron's unfused mHC path: ``use_fused_mhc`` is False by default and the recipe does not set
+    it."""
+    layers: int = 12
+    hidden: int = 512
+    heads: int = 8
+    seq: int = 1024
+    vocab: int = 50304  # GPT-2's BPE padded to a multiple of 128 x TP, as Megatron pads it
+    micro_batch: int = 4
+    global_batch: int = 32
+    steps: int = 50
+    lr: float = 1.5e-4
+    min_lr: float = 1e-5
+    lr_decay_iters: int = 320000
+    warmup_fraction: float = 0.01
+    weight_decay: float = 1e-2
+    clip_grad: float = 1.0
+    adam_beta2: float = 0.999
+    streams: int = 4
+    sinkhorn_iters: int = 20
+    gating: float = 0.01
+    recompute: bool = True  # --recompute-granularity selective --recompute-modules [mhc]
+    recompute_layers: int | None = 2  # --mhc-recompute-layer-num
+    fused: bool = False  # use_fused_mhc: PR 3828's cuTile kernels
+    sinkhorn_eps: float | None = None  # None: the module's own (its norm_eps, 1e-6)
+    tp: int = 1
+    sequence_parallel: bool = False
+    seed: int = 1234
+    deterministic: bool = True
+
+    def changed(self) -> dict:
+        """The options that differ from the recipe's."""
+        base = Recipe()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(base, f.name)}
+
+
+def recipe_from(d: dict) -> Recipe:
+    known = {f.name for f in fields(Recipe)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown recipe option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return Recipe(**d)
+
+
+def _import_tree(tree: str) -> None:
+    root = os.path.abspath(tree)
+    if not os.path.isdir(os.path.join(root, "megatron", "core")):
+        raise FileNotFoundError(f"{tree} holds no megatron/core (stage one with ../shared/anchors/stage.sh megatron-core)")
+    sys.path.insert(0, root)
+
+
+def _tokens(r: Recipe, step: int, micro: int):
+    """A micro-batch of mock tokens from the seed, the same in every run and on every rank:
+    uniform over the vocabulary, as Megatron's --mock-data draws them."""
+    import torch
+    g = torch.Generator().manual_seed(r.seed * 1_000_003 + step * 1009 + micro)
+    return torch.randint(0, r.vocab, (r.micro_batch, r.seq + 1), generator=g)
+
+
+def _mapping_parts(name: str, grad, n: int) -> dict[str, int]:
+    """A hyper-connection projection's zeros by the rows they feed: H_pre (n), H_post (n), H_res (n^2)."""
+    z = grad == 0
+    return {f"{name}:h_pre": int(z[:n].sum()), f"{name}:h_post": int(z[n:2 * n].sum()), f"{name}:h_res": int(z[2 * n:].sum())}
+
+
+def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None) -> list[dict]:
+    """Train Megatron-core's GPT with hyper-connections by the recipe; every step's record."""
+    _import_tree(tree)
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_ALGO", "Ring")  # deterministic mode asks for one (Megatron asserts it)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+    if r.deterministic:
+        torch.use_deterministic_algorithms(True)
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=r.tp, pipeline_model_parallel_size=1)
+    torch.manual_seed(r.seed)
+    model_parallel_cuda_manual_seed(r.seed)
+    recompute = dict(recompute_granularity="selective", recompute_modules=["mhc"],
+                     mhc_recompute_layer_num=r.recompute_layers) if r.recompute else {}
+    config = TransformerConfig(
+        num_layers=r.layers, hidden_size=r.hidden, num_attention_heads=r.heads,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        tensor_model_parallel_size=r.tp, sequence_parallel=r.sequence_parallel,
+        enable_hyper_connections=True, num_residual_streams=r.streams, mhc_sinkhorn_iterations=r.sinkhorn_iters,
+        mhc_init_gating_factor=r.gating, use_fused_mhc=r.fused, deterministic_mode=r.deterministic,
+        attention_softmax_in_fp32=True, gradient_accumulation_fusion=False, **recompute)
+    fused_ran = bool(config.use_fused_mhc)  # Megatron turns it off (with a warning) without cuTile
+    model = GPTModel(config, get_gpt_layer_local_spec(enable_hyper_connection=True), vocab_size=r.vocab,
+                     max_sequence_length=r.seq, position_embedding_type="learned_absolute",
+                     # tied, as Megatron ties them unless --untie-embeddings-and-output-weights
+                     share_embeddings_and_output_weights=True)
+    from megatron.core import tensor_parallel
+    for p in model.parameters():
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+    model.cuda(torch.cuda.current_device())
+    if r.sinkhorn_eps is not None:
+        for m in model.modules():
+            if hasattr(m, "_sinkhorn_op"):  # the module's Sinkhorn entry point, called (logits, iters, eps)
+                m._sinkhorn_op = functools.partial(lambda op, eps, x, iters, _eps: op(x, iters, eps),
+                                                   m._sinkhorn_op, r.sinkhorn_eps)
+    model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False, check_for_nan_in_grad=False,
+                                               bucket_size=None)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=r.lr, min_lr=r.min_lr, weight_decay=r.weight_decay, adam_beta1=0.9,
+                        adam_beta2=r.adam_beta2, adam_eps=1e-8, clip_grad=r.clip_grad, bf16=True,
+                        params_dtype=torch.bfloat16, log_num_zeros_in_grad=True), [model])
+    decay = r.lr_decay_iters * r.global_batch
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=r.lr, min_lr=r.min_lr,
+                                    lr_warmup_steps=int(r.warmup_fraction * decay), lr_decay_steps=decay,
+                                    lr_decay_style="cosine", start_wd=r.weight_decay, end_wd=r.weight_decay,
+                                    wd_incr_steps=r.steps * r.global_batch, wd_incr_style="constant")
+    dp = parallel_state.get_data_parallel_world_size()
+    micro_batches = r.global_batch // (r.micro_batch * dp)
+    fwd_bwd = get_forward_backward_func()
+    mask = torch.tril(torch.ones(r.seq, r.seq, dtype=torch.bool, device="cuda")).logical_not().view(1, 1, r.seq, r.seq)
+    position = torch.arange(r.seq, device="cuda").unsqueeze(0).expand(r.micro_batch, -1)
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def loss_func(loss_mask, output):
+        losses = output.view(-1).float()
+        loss = torch.sum(losses * loss_mask.view(-1))
+        tokens = loss_mask.sum().clone().detach().to(torch.int)
+        return loss, tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), tokens.view(1)])}
+
+    def forward_step(data, model):
+        t = next(data).cuda()
+        tokens, labels = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        out = model(tokens, position, mask, labels=labels)
+        return out, functools.partial(loss_func, torch.ones_like(labels, dtype=torch.float))
+
+    records = []
+    for step in range(1, r.steps + 1):
+        data = iter([_tokens(r, step, dp_micro) for dp_micro in range(
+            parallel_state.get_data_parallel_rank() * micro_batches, (parallel_state.get_data_parallel_rank() + 1) * micro_batches)])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        reports = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[model],
+                          num_microbatches=micro_batches, seq_length=r.seq, micro_batch_size=r.micro_batch,
+                          decoder_seq_length=r.seq, forward_only=False)
+        zeros: dict[str, int] = {}
+        for p in model.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                continue
+            name = names[id(p)].removeprefix("module.").removeprefix("module.")
+            zeros[name] = int(g.numel() - torch.count_nonzero(g))
+            if name.endswith("mapping_proj.weight"):
+                zeros.update(_mapping_parts(name, g, r.streams))
+        ok, grad_norm, num_zeros = opt.step()
+        sched.step(increment=r.global_batch)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        total = torch.stack([x["lm loss"] for x in reports]).sum(0)
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        rec = {"step": step, "lm loss": float(total[0] / total[1]),
+               "grad-norm": float(grad_norm) if grad_norm is not None else math.nan,
+               "num-zeros": float(num_zeros) if num_zeros is not None else math.nan,
+               "iteration-time": elapsed, "mem-allocated-bytes": float(torch.cuda.memory_allocated()),
+               "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated()),
+               "update": bool(ok), "lr": float(opt.param_groups[0]["lr"]) if hasattr(opt, "param_groups") else None,
+               "fused": fused_ran, "zeros": {k: v for k, v in zeros.items() if v}}
+        records.append(rec)
+        if progress and rank == 0:
+            progress(rec)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mhctool.libraries.megatron_core")
+    ap.add_argument("tree", help="a staged megatron-core generation (the folder holding megatron/core)")
+    ap.add_argument("--recipe", default="{}", help="JSON of the options that differ from the recipe's")
+    ap.add_argument("--log", required=True, help="JSON lines, a step each (rank 0)")
+    a = ap.parse_args(argv)
+    r = recipe_from(json.loads(a.recipe))
+    with open(a.log, "a") as f:
+        def progress(rec: dict) -> None:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        f.write(json.dumps({"recipe": asdict(r), "changed": r.changed()}) + "\n")
+        train(a.tree, r, progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
