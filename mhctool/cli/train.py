@@ -62,6 +62,8 @@ def train(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots (the curves per trajectory, the parting step marked; H_res's health per layer)."),
     every: int = typer.Option(5, "--every", min=1, help="Rows of the curves table: every N-th step."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict lines."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="Train another trainer's own model instead of mhctool's: megatron:DIR (a staged megatron-core: its GPT with hyper-connections, optimizer, schedule and num-zeros count, on a GPU; the recipe of Megatron-LM's mHC test, scaled by --layers, --hidden, --heads, --seq, --batch, --vocab, --steps, --lr), or FILE.py:function (an engine of your own). --impl megatron is Megatron's own fused kernels; another --impl is swapped in at its module's entry points."),
+    recipe: Optional[list[str]] = typer.Option(None, "--recipe", help="KEY=VALUE: an option of the engine's recipe (repeat), e.g. recompute=false, recompute_layers=1, sinkhorn_eps=1e-8, global_batch=16."),
 ):
     """Train a small mHC language model with an implementation, natively and in float64; judge the
     drift from the float64 trajectory with kappa, trace it to a knob. Exit 0 when it stays with the
@@ -84,27 +86,43 @@ def train(
     from mhctool.analyses import train as T
     from mhctool.core.dtypes import parse_dtype
     seeds = seeds if seeds is not None else T.default_seeds(dev)
-    cfg = T.config(dev, steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq,
-                   batch=batch, vocab=vocab, lr=lr, dtype=parse_dtype(dtype).name, seed=seed)
-    knobs = T.parse_knobs(knob_items(knob, "--knob", "sinkhorn.eps=1e-8"), "--knob")
-    conventions = T.parse_knobs(knob_items(convention, "--convention", "transpose_res=true"), "--convention",
-                                conventions_only=True)
     from mhctool.cli.kit import split
-    specs = split(impl or ["triton"])
-    assigned = T.assign(specs, kernel)
-    from mhctool.registry.specs import resolve_impls
-    for f, spec in assigned.items():  # an unknown implementation, a function of the wrong form: before training
-        resolve_impls(f, [spec])
+    runner = None
+    if engine is not None:
+        cfg, runner = _engine_setup(engine, recipe, split(impl or ["megatron"]), dev, dict(
+            steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq, micro_batch=batch,
+            vocab=vocab, lr=lr), seed, knob, convention)
+        assigned, specs = runner.specs, list(dict.fromkeys(runner.specs.values()))
+        knobs, conventions = runner.knobs, runner.conventions
+    else:
+        cfg = T.config(dev, steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq,
+                       batch=batch, vocab=vocab, lr=lr, dtype=parse_dtype(dtype).name, seed=seed)
+        knobs = T.parse_knobs(knob_items(knob, "--knob", "sinkhorn.eps=1e-8"), "--knob")
+        conventions = T.parse_knobs(knob_items(convention, "--convention", "transpose_res=true"), "--convention",
+                                    conventions_only=True)
+        specs = split(impl or ["triton"])
+        assigned = T.assign(specs, kernel)
+        from mhctool.registry.specs import resolve_impls
+        for f, spec in assigned.items():  # an unknown implementation, a function of the wrong form: before training
+            resolve_impls(f, [spec])
     interrupts = Interrupts()
-    iso = isolation_for(isolate, specs, dev, None, None, interrupts)
-    n_workers = pool.worker_count(workers_asked, dev, seeds)
+    iso = isolation_for(isolate, specs, dev, None, None, interrupts) if runner is None else None
+    n_workers = pool.worker_count(workers_asked, dev, seeds) if runner is None else 1
     worker = None
     from mhctool.spread.isolation import Worker
     if iso is not None and n_workers == 1:
         worker = Worker("shm")
     m = cfg.model
-    src = T.MarkovSource(m.vocab, cfg.branch, cfg.seed)
-    if not quiet:
+    if runner is not None and not quiet:
+        r = runner.recipe
+        out.print(f"train --engine {runner.spec.name} ({r.layers} layers x {r.streams} streams, hidden {r.hidden}, "
+                  f"{r.heads} heads, seq {r.seq}, micro-batch {r.micro_batch} of {r.global_batch}, vocab {r.vocab}, "
+                  f"{r.steps} steps at lr {r.lr:g} (the recipe's schedule), bf16 on {dev} "
+                  f"({_seeds_phrase(cfg.seed, seeds, 1)})); changed from the recipe: "
+                  + (", ".join(f"{k}={v}" for k, v in r.changed().items() if k != "seed") or "nothing"),
+                  markup=False, emoji=False)
+    elif not quiet:
+        src = T.MarkovSource(m.vocab, cfg.branch, cfg.seed)
         out.print(f"train: {m.layers} layers x {m.streams} streams, hidden {m.hidden}, {m.heads} heads, seq {m.seq} x "
                   f"batch {cfg.batch}, vocab {m.vocab}, {cfg.steps} steps at lr {cfg.lr:g}, {cfg.dtype} on {dev} "
                   f"({_seeds_phrase(cfg.seed, seeds, n_workers)}); the source's floor {src.entropy():.3f} nats a token",
@@ -132,20 +150,21 @@ def train(
                 bar.update(task, advance=1, description=f"{role} step {step.step} loss {step.metrics['lm loss']:.4g}")
             o = T.session(cfg, assigned, knobs, conventions, VerdictRule(kappa=kappa), compare, trace, worker,
                           interrupts, progress, as_used=input_dtypes == "library", seeds=seeds, workers=n_workers,
-                          isolation_factory=lambda: Worker("shm"))
+                          isolation_factory=lambda: Worker("shm"), engine=runner)
             meta = environment.metadata()  # with the threads it trained with
     finally:
         if worker is not None:
             worker.stop()
     table = report.to_table(T.report_rows(o), report.new_run_id(), "train", meta,
-                            T.settings(o, kappa=kappa, input_dtypes=input_dtypes, workers=n_workers), schema=report.TRAIN_SCHEMA)
+                            T.settings(o, kappa=kappa, input_dtypes=input_dtypes, workers=n_workers,
+                                       **_engine_settings(runner)), schema=report.TRAIN_SCHEMA)
     path = report.write_atomic(table, out_path)
     if goldens is not None:
         from mhctool.analyses.goldens import dump
         dump(T.to_golden(o.impl), goldens)
     if not quiet:
         out.print("  " + " | ".join(f"{f}: {o.impl.pieces[f]}" + (f" ({o.impl.notes[f]})" if f in o.impl.notes else "")
-                                    for f in T.FAMILIES), markup=False)
+                                    for f in o.impl.pieces), markup=False)
         out.print(_curves(o, every))
         for traj in o.trajectories[:3]:
             if traj.steps:
@@ -188,6 +207,42 @@ def train(
             f"one seed: a single sample of a chaotic run, --seeds {T.default_seeds(o.cfg.device)} judges over an ensemble")
     out.print(f"{verdict} (kappa {kappa:g} x native's drift, {over}; {written})")
     raise typer.Exit(0 if o.passed else 1)
+
+
+def _engine_setup(engine: str, recipe: Optional[list[str]], specs: list[str], dev: str, sizes: dict, seed: int,
+                  knob: Optional[list[str]], convention: Optional[list[str]]):
+    """The run's configuration and the engine's runner for ``--engine``; bad input exits 2."""
+    from dataclasses import replace
+
+    from mhctool.analyses import train as T
+    from mhctool.analyses.train import engine as E
+    from mhctool.libraries.megatron_core import Recipe
+    spec = E.parse_engine(engine)
+    if spec.target == E.MEGATRON and dev != "cuda":
+        raise UsageError("--engine megatron runs Megatron-core's model on a GPU (it takes its buffers on CUDA); "
+                         "no GPU here (--device cuda)")
+    opts = E.recipe_options(knob_items(recipe, "--recipe", "recompute=false"))
+    r = replace(Recipe(), **{k: v for k, v in sizes.items() if v is not None}, **opts, seed=seed)
+    if r.global_batch % r.micro_batch:
+        raise UsageError(f"--recipe global_batch={r.global_batch} must be a multiple of the micro-batch ({r.micro_batch})")
+    assigned = E.assign(specs)
+    from mhctool.registry.specs import resolve_impls
+    for f, s in assigned.items():
+        if s != "megatron":
+            resolve_impls(f, [s])
+    knobs = T.parse_knobs(knob_items(knob, "--knob", "sinkhorn.eps=1e-8"), "--knob")
+    conventions = T.parse_knobs(knob_items(convention, "--convention", "transpose_res=true"), "--convention",
+                                conventions_only=True)
+    cfg = T.config(dev, steps=r.steps, layers=r.layers, streams=r.streams, hidden=r.hidden, heads=r.heads, seq=r.seq,
+                   batch=r.micro_batch, vocab=r.vocab, lr=r.lr, dtype="bf16", seed=seed)
+    return cfg, E.EngineRunner(spec, r, assigned, knobs, conventions, device=dev)
+
+
+def _engine_settings(runner) -> dict:
+    if runner is None:
+        return {}
+    from dataclasses import asdict
+    return {"engine": runner.spec.name, "recipe": asdict(runner.recipe), "generation": runner.spec.generation}
 
 
 def _seeds_phrase(first: int, seeds: int, workers: int) -> str:

@@ -52,6 +52,10 @@ class Recipe:
     streams: int = 4
     sinkhorn_iters: int = 20
     gating: float = 0.01
+    # Megatron's default --hidden-dropout, which the recipe keeps. While it is above zero, the module
+    # never calls its h_post_bda entry point in training (fused or native): it applies H_res, H_post
+    # and bias-dropout-add one after the other
+    hidden_dropout: float = 0.1
     recompute: bool = True  # --recompute-granularity selective --recompute-modules [mhc]
     recompute_layers: int | None = 2  # --mhc-recompute-layer-num
     fused: bool = False  # use_fused_mhc: PR 3828's cuTile kernels
@@ -96,8 +100,69 @@ def _mapping_parts(name: str, grad, n: int) -> dict[str, int]:
     return {f"{name}:h_pre": int(z[:n].sum()), f"{name}:h_post": int(z[n:2 * n].sum()), f"{name}:h_res": int(z[2 * n:].sum())}
 
 
-def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None) -> list[dict]:
-    """Train Megatron-core's GPT with hyper-connections by the recipe; every step's record."""
+# the conventions of Megatron's own (unfused) mHC path, by generation, read from its
+# hyper_connection.py: PR 3828 subtracts the row max and clamps the sums at eps (``M / M.sum().clamp(min=eps)``)
+# and mixes with H_res; dev starts from a row softmax plus eps, adds eps to the sums and mixes with H_res^T.
+# Both compute r = 1 / (||x|| / sqrt(K) + eps).
+NATIVE_CONVENTIONS = {
+    "pr3828": {"sinkhorn": {"stabilize": "rowmax", "eps_mode": "clamp"}, "h_post_bda": {"transpose_res": False},
+               "proj_rms": {"rms_eps": "outside"}},
+    "dev": {"sinkhorn": {"stabilize": "softmax", "eps_mode": "add"}, "h_post_bda": {"transpose_res": True},
+            "proj_rms": {"rms_eps": "outside"}},
+}
+# the module's entry points, by the family each computes (called as Megatron calls them)
+ENTRY_POINTS = {"proj_rms": "_proj_rms_op", "sinkhorn": "_sinkhorn_op", "h_aggregate": "_h_aggregate_op",
+                "h_post_bda": "_h_post_bda_op"}
+
+
+def generation(tree: str) -> str:
+    """``dev`` where the staged fused kernels have dev's ``fused_proj_rms_compute_h``, else ``pr3828``."""
+    path = os.path.join(tree, "megatron", "core", "fusions", "fused_mhc_kernels.py")
+    try:
+        with open(path) as f:
+            return "dev" if "def fused_proj_rms_compute_h" in f.read() else "pr3828"
+    except OSError:
+        return "pr3828"
+
+
+def swap_entry_points(model, ops: dict[str, Callable]) -> int:
+    """Every HyperConnectionModule's entry points replaced by ``ops`` (family -> a callable with
+    Megatron's signature); dev's fused projection-and-mapping path turned off where the projection
+    is swapped. How many modules."""
+    count = 0
+    for m in model.modules():
+        if not hasattr(m, "_sinkhorn_op"):
+            continue
+        count += 1
+        for family, op in ops.items():
+            setattr(m, ENTRY_POINTS[family], op)
+        if "proj_rms" in ops and getattr(m, "_proj_rms_compute_h_op", None) is not None:
+            m._proj_rms_compute_h_op = None
+    return count
+
+
+def count_calls(model) -> dict[str, int]:
+    """Every HyperConnectionModule's entry points wrapped to count their calls, by family (the
+    counts grow as the model runs): what the model's path called, whatever was swapped in."""
+    calls = {f: 0 for f in ENTRY_POINTS}
+
+    def counted(op, family):
+        def call(*args, **kwargs):
+            calls[family] += 1
+            return op(*args, **kwargs)
+        return call
+    for m in model.modules():
+        if hasattr(m, "_sinkhorn_op"):
+            for family, attr in ENTRY_POINTS.items():
+                if getattr(m, attr, None) is not None:
+                    setattr(m, attr, counted(getattr(m, attr), family))
+    return calls
+
+
+def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
+          ops: dict[str, Callable] | None = None) -> list[dict]:
+    """Train Megatron-core's GPT with hyper-connections by the recipe; every step's record.
+    ``ops``: the module's entry points swapped (family -> callable, :data:`ENTRY_POINTS`)."""
     _import_tree(tree)
     import torch
     import torch.distributed as dist
@@ -140,7 +205,8 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None) 
         tensor_model_parallel_size=r.tp, sequence_parallel=r.sequence_parallel,
         enable_hyper_connections=True, num_residual_streams=r.streams, mhc_sinkhorn_iterations=r.sinkhorn_iters,
         mhc_init_gating_factor=r.gating, use_fused_mhc=r.fused, deterministic_mode=r.deterministic,
-        attention_softmax_in_fp32=True, gradient_accumulation_fusion=False, **recompute)
+        attention_softmax_in_fp32=True, gradient_accumulation_fusion=False, hidden_dropout=r.hidden_dropout,
+        **recompute)
     fused_ran = bool(config.use_fused_mhc)  # Megatron turns it off (with a warning) without cuTile
     model = GPTModel(config, get_gpt_layer_local_spec(enable_hyper_connection=True), vocab_size=r.vocab,
                      max_sequence_length=r.seq, position_embedding_type="learned_absolute",
@@ -150,11 +216,15 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None) 
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     model.cuda(torch.cuda.current_device())
+    if ops:
+        swap_entry_points(model, ops)
     if r.sinkhorn_eps is not None:
         for m in model.modules():
             if hasattr(m, "_sinkhorn_op"):  # the module's Sinkhorn entry point, called (logits, iters, eps)
                 m._sinkhorn_op = functools.partial(lambda op, eps, x, iters, _eps: op(x, iters, eps),
                                                    m._sinkhorn_op, r.sinkhorn_eps)
+    calls = count_calls(model)
+    params = sum(p.numel() for p in model.parameters())
     model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False, check_for_nan_in_grad=False,
@@ -221,7 +291,7 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None) 
                "iteration-time": elapsed, "mem-allocated-bytes": float(torch.cuda.memory_allocated()),
                "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated()),
                "update": bool(ok), "lr": float(opt.param_groups[0]["lr"]) if hasattr(opt, "param_groups") else None,
-               "fused": fused_ran, "zeros": {k: v for k, v in zeros.items() if v}}
+               "fused": fused_ran, "params": params, "calls": dict(calls), "zeros": {k: v for k, v in zeros.items() if v}}
         records.append(rec)
         if progress and rank == 0:
             progress(rec)

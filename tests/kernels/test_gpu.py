@@ -777,3 +777,30 @@ def test_train_on_gpu_stays_with_the_float64_run(background, impl):
     ran = set(meta["pieces"].values())
     assert impl in ran, meta["pieces"]
     assert any(r["metric"] == "mem-max-allocated-bytes" for r in rows)
+
+
+def _megatron_core_tree() -> Path | None:
+    """A staged megatron-core at the PR 3828 merge: $MCORE (dev/mcore_gpu.sh unpacks one there) or
+    .anchors/megatron-core/m3828 (../shared/anchors/stage.sh megatron-core)."""
+    for p in (os.environ.get("MCORE"), Path(__file__).resolve().parents[2] / ".anchors" / "megatron-core" / "m3828"):
+        if p and (Path(p) / "megatron" / "core").is_dir():
+            return Path(p)
+    return None
+
+
+@pytest.mark.slow  # three processes, each compiling Megatron's torch.compile'd mHC functions
+@pytest.mark.parametrize("impl", ["megatron", "triton"])
+def test_megatron_engine_trains_its_own_gpt_with_the_kernels_swapped_in(tmp_path, impl):
+    """mhctool train --engine megatron:TREE (issue 77) on one GPU: Megatron-core's GPT with
+    hyper-connections, its optimizer and num-zeros, the recipe at toy sizes; its own fused kernels
+    (its switch) and mhctool's Triton kernels at the module's entry points stay with the float64 run."""
+    tree = _megatron_core_tree()
+    if tree is None:
+        pytest.skip("no megatron-core staged ($MCORE or .anchors/megatron-core/m3828)")
+    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "train", "--engine", f"megatron:{tree}", "--impl", impl,
+                          "--layers", "2", "--hidden", "128", "--heads", "4", "--seq", "64", "--batch", "2",
+                          "--vocab", "1024", "--steps", "3", "--seeds", "1", "--recipe", "global_batch=4",
+                          "-o", str(tmp_path / "t.parquet")], capture_output=True, text=True, timeout=500)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text
+    assert "PASSED stays with the float64 reference" in text, text

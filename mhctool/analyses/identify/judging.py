@@ -35,6 +35,8 @@ class Judging(Fitting, Probing):
         passes. A candidate that fails explains nothing but what its evidence shows."""
         c = self._judge(probes, cand, {})
         also = None if c.passed else self.space.judge_also(cand.knobs)
+        if also and set(also) <= set(self.space.rounding_only) and not cand.score <= self.space.near_miss:
+            also = None  # rounding alone does not explain an error this far from native's
         if also:
             other = self._judge(probes, cand, also)
             if other.passed or (other.fwd_passed and not c.fwd_passed):

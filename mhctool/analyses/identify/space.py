@@ -87,6 +87,11 @@ class Space:
     # knobs that change no float64 value but the native baseline (how a kernel computes), tried when
     # a candidate fails the verdict: candidate knobs -> {knob: value} to judge it again with, or None
     judge_also: Callable[[dict], dict | None] = lambda knobs: None
+    # of those, the knobs that only round differently (fast math: a few times IEEE's error at most,
+    # measured), tried only on a near miss: a candidate whose error is within this many native
+    # noise units
+    rounding_only: tuple[str, ...] = ("math",)
+    near_miss: float = 8.0
     # input families run and judged but never fitted: where an overflow shows (a non-finite output
     # fits nothing, so fitting on it would blur every candidate's score)
     guards: tuple[str, ...] = ()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -160,7 +160,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             trace: bool = True, isolation=None, interrupted: Callable[[], bool] = lambda: False,
             progress: Callable[[str, Step], None] | None = None, as_used: bool = False, seeds: int = 1,
             workers: int = 1, isolation_factory: Callable[[], object] | None = None,
-            shared: dict | None = None) -> Outcome:
+            shared: dict | None = None, engine=None) -> Outcome:
     """The implementation's trajectory, then (``compare``) the native and float64 ones, the
     verdict, and (``trace``) the attribution of a drift; from ``seeds`` seeds (the base seed and
     those after it), judged over the ensemble where there are several (:mod:`.ensemble`).
@@ -169,12 +169,16 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     ``isolation_factory``: a Worker for a seed run again here after its worker died. ``shared``: a
     dict that keeps the native and float64 trajectories of the seeds run in this process, by seed,
     configuration, knobs and precision, for the next session given it (a sweep over
-    implementations at one configuration runs them once)."""
+    implementations at one configuration runs them once). ``engine``: an
+    :class:`~mhctool.analyses.train.engine.EngineRunner` whose trainer runs the three trajectories
+    (each in a process of its own, the seeds one after another; no tracing)."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
-    pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
     say = (lambda role: (lambda step: progress(role, step))) if progress else (lambda role: None)
+    if engine is not None:
+        return _engine_session(cfg, engine, rule, compare, interrupted, say, seeds)
+    pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
 
     def one_seed(c: TrainConfig, worker=None) -> SeedRun:
         worker = worker if worker is not None else isolation
@@ -238,6 +242,35 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             out.trajectories.extend(alts)
     out.interrupted = interrupted() or any(t.error == "interrupted" for t in out.trajectories) or \
         len(runs) < len(seed_list)
+    return out
+
+
+def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, interrupted, say,
+                    seeds: int) -> Outcome:
+    """:func:`session` with another trainer's trajectories (``engine``), judged as mhctool's."""
+    runs = []
+    for seed in seeds_of(cfg, seeds):
+        if interrupted():
+            break
+        r = SeedRun(seed, engine.trajectory(seed, "impl", say("impl")))
+        if compare and not interrupted():
+            r.native = engine.trajectory(seed, "native", say("native"))
+            r.reference = engine.trajectory(seed, "reference", say("reference"))
+        runs.append(r)
+    eff = engine.effective("impl")
+    cfg = replace(cfg, dtype=engine.dtype)  # the floors of the dtype it trained at
+    out = Outcome(cfg, engine.spec_text, [t for r in runs for t in r.trajectories()], eff, traced_asked=False,
+                  runs=runs)
+    if compare and runs and len(runs) == seeds and all(r.reference is not None for r in runs) and not interrupted():
+        if len(runs) == 1:
+            r = runs[0]
+            out.drifts = judge(r.impl, r.native, r.reference, cfg, rule, engine.params)
+            out.nonfinite = nonfinite_sentence(r.impl, r.reference)
+        else:
+            out.zeros = zero_findings(runs)
+            out.drifts = judge_ensemble(runs, cfg, rule, engine.params, out.zeros)
+            out.nonfinite = _nonfinite_ensemble(runs)
+    out.interrupted = interrupted() or len(runs) < seeds
     return out
 
 

@@ -1,0 +1,332 @@
+"""``mhctool train --engine``: the trajectories come from another trainer's own model, optimizer and
+schedule (Megatron-core's, staged unchanged: :mod:`mhctool.libraries.megatron_core`), with the
+implementation under test swapped in at its mHC module's entry points.
+
+An engine is a function ``train(tree, recipe, progress, ops)``: ``recipe`` a
+:class:`~mhctool.libraries.megatron_core.Recipe`, ``progress(record)`` called after every step with
+Megatron's golden-value metrics and each parameter's exact-zero count (``zeros``), ``ops`` the
+module's entry points to replace (family -> callable, called as Megatron calls them: ``proj_rms(x2d,
+weight, eps) -> (proj, r)``, ``sinkhorn(logits, iters, eps)``, ``h_aggregate(x, h_pre)``,
+``h_post_bda(h_res, residual, h_post, x, bias)``). ``megatron:DIR`` is Megatron-core's;
+``FILE.py:function`` or ``module:function`` is anyone's with that interface (the tests' stand-in).
+
+Each trajectory runs in a process of its own (Megatron keeps global state, and a crash or an exit
+in it ends that run with its steps kept, never mhctool):
+
+- ``impl``: the implementation under test. ``megatron`` is Megatron's own switch
+  (``use_fused_mhc``: its fused kernels); any other ``--impl`` is swapped in at the entry points,
+  with its declared conventions, its inputs at the contract's dtypes (the Sinkhorn logits and the
+  projection's weight fp32) and its outputs at the dtypes Megatron's own ops return;
+- ``native``: Megatron's own unfused path;
+- ``reference``: mhctool's float64 references at the entry points, at the conventions of
+  Megatron's own path (:data:`~mhctool.libraries.megatron_core.NATIVE_CONVENTIONS`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from mhctool.core.errors import UsageError
+
+# the entry points of Megatron's HyperConnectionModule, by the mhctool family each computes
+ENGINE_FAMILIES = ("proj_rms", "sinkhorn", "h_aggregate", "h_post_bda")
+MEGATRON = "mhctool.libraries.megatron_core:train"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    target: str  # module:function or FILE.py:function of the engine's train
+    tree: str | None  # what it is given first (Megatron-core's staged tree)
+    name: str  # as the user wrote it
+    generation: str = "pr3828"  # whose native conventions the float64 run takes
+
+
+def parse_engine(text: str) -> EngineSpec:
+    """``megatron:DIR`` (a staged megatron-core: DIR/megatron/core), or an engine function; bad
+    input is a UsageError (exit 2) in one sentence."""
+    from mhctool.libraries import megatron_core as mc
+    kind, sep, rest = text.partition(":")
+    if kind == "megatron":
+        if not sep or not rest:
+            raise UsageError("--engine megatron:DIR needs the folder of a staged megatron-core "
+                             "(../shared/anchors/stage.sh megatron-core GIT_DIR writes .anchors/megatron-core/m3828)")
+        if not (Path(rest) / "megatron" / "core").is_dir():
+            raise UsageError(f"--engine {text}: {rest} holds no megatron/core "
+                             "(stage one with ../shared/anchors/stage.sh megatron-core GIT_DIR)")
+        return EngineSpec(MEGATRON, str(Path(rest).resolve()), text, mc.generation(rest))
+    target, _, tree = text.partition("@")
+    if ":" not in target:
+        raise UsageError(f"unknown --engine {text!r}; accepted: megatron:DIR, or FILE.py:function[@DIR] "
+                         "(a function train(tree, recipe, progress, ops))")
+    try:
+        load_engine(target)
+    except UsageError as e:
+        raise UsageError(f"--engine {text}: {e}") from None
+    return EngineSpec(target, tree or None, text)
+
+
+def load_engine(target: str) -> Callable:
+    """``module:function`` or ``FILE.py:function`` -> the engine's train; a UsageError if absent."""
+    import importlib
+
+    from mhctool.registry import loading
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py") or "/" in where:
+        if not Path(where).is_file():
+            raise UsageError(f"no file {where}")
+        module = loading.load_file(Path(where))
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise UsageError(f"cannot import module {where} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UsageError(f"{where} has no function {name}")
+    return fn
+
+
+def recipe_options(items: list[tuple[str, str]]):
+    """``--recipe KEY=VALUE`` items as the recipe's typed options; an unknown key or a value of the
+    wrong kind is a UsageError."""
+    from dataclasses import fields
+
+    from mhctool.libraries.megatron_core import Recipe
+    kinds = {f.name: f.type for f in fields(Recipe)}
+    out = {}
+    for key, raw in items:
+        if key not in kinds:
+            raise UsageError(f"--recipe {key}: no such option; accepted: {', '.join(kinds)}")
+        kind = str(kinds[key])
+        try:
+            if raw.lower() in ("none", "null") and "None" in kind:
+                out[key] = None
+            elif kind.startswith("bool"):
+                if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
+                    raise ValueError(raw)
+                out[key] = raw.lower() in ("true", "1", "on")
+            elif kind.startswith("int"):
+                out[key] = int(raw)
+            else:
+                out[key] = float(raw)
+        except ValueError:
+            raise UsageError(f"--recipe {key}={raw}: expected {kind.split(' ')[0]}") from None
+    return out
+
+
+def assign(specs: list[str]) -> dict[str, str]:
+    """Which spec each entry point runs: ``megatron`` (Megatron's own fused kernels, by its switch)
+    stands alone; a function spec is the family its parameters are named after; a built-in or a
+    library stands for every entry point it has."""
+    if "megatron" in specs:
+        if len(specs) > 1:
+            raise UsageError("--impl megatron is Megatron's own fused kernels (its use_fused_mhc switch): "
+                             "it does not combine with another --impl")
+        return {f: "megatron" for f in ENGINE_FAMILIES}
+    from mhctool.analyses.train.pieces import assign as model_assign
+    out = {}
+    for spec, fams in ((s, model_assign([s])) for s in specs):
+        for family, s in fams.items():
+            out.setdefault("proj_rms" if family == "mapping" else family, s)
+    return out
+
+
+# --- in the engine's process ----------------------------------------------------------------------
+
+def _conformed(call: Callable[[dict], tuple], like: Callable[[dict], list]) -> Callable[[dict], tuple]:
+    def run(args: dict) -> tuple:
+        outs = call(args)
+        return tuple(o.reshape(shape).to(dtype) for o, (shape, dtype) in zip(outs, like(args)))
+    return run
+
+
+def _ops(pieces: dict[str, Callable[[dict], tuple]]) -> dict[str, Callable]:
+    """Megatron's signatures over mhctool's family calls: inputs by name at the contract's dtypes
+    (the mapping path fp32: the Sinkhorn logits, the projection's weight, h_pre, h_post and h_res;
+    the streams as Megatron hands them), outputs at the shapes and dtypes Megatron's own ops give."""
+    def proj_rms(x2d, weight, eps=1e-6, call=pieces.get("proj_rms")):
+        proj, r = call({"x2d": x2d, "weight": weight.float()})[:2]
+        return proj.to(x2d.dtype).reshape(x2d.shape[0], weight.shape[0]), r.to(x2d.dtype).reshape(x2d.shape[0], 1)
+
+    def sinkhorn(logits, iters, eps=1e-6, call=pieces.get("sinkhorn")):
+        return call({"logits": logits.float()})[0].to(logits.dtype).reshape(logits.shape)
+
+    def h_aggregate(x, h_pre, call=pieces.get("h_aggregate")):
+        return call({"x": x, "h_pre": h_pre.float()})[0].to(x.dtype).reshape(*x.shape[:-2], x.shape[-1])
+
+    def h_post_bda(h_res, residual, h_post, x, bias=None, call=pieces.get("h_post_bda")):
+        out = call({"h_res": h_res.float(), "x": residual, "h_post": h_post.float(), "y": x, "bias": bias})[0]
+        return out.to(residual.dtype).reshape(residual.shape).contiguous()
+    ops = {"proj_rms": proj_rms, "sinkhorn": sinkhorn, "h_aggregate": h_aggregate, "h_post_bda": h_post_bda}
+    return {f: op for f, op in ops.items() if f in pieces}
+
+
+def _pieces(role: str, specs: dict[str, str], eff: dict[str, dict], device: str, dtype: str):
+    """Family calls for ``role`` (reference: float64; impl: the specs'), as the train pieces build them."""
+    from mhctool.analyses.train.pieces import _family_call, _pick
+    from mhctool.families import get_family
+    out, names = {}, {}
+    for family in ENGINE_FAMILIES:
+        if role == "reference":
+            fam = get_family(family)
+            call = _family_call(family, fam.reference, eff.get(family, {}))
+
+            def wide(args, call=call):
+                return call({k: (v.double() if hasattr(v, "is_floating_point") and v.is_floating_point() else v)
+                             for k, v in args.items()})
+            out[family], names[family] = wide, "float64"
+        elif family in specs:
+            impl, why = _pick(family, specs[family], device, dtype)
+            if impl is None:
+                names[family] = f"Megatron's own ({why})"
+                continue
+            out[family] = _family_call(family, impl.fn, eff.get(family, {}), impl.accepts, impl.bind, impl.takes)
+            names[family] = impl.name
+    return out, names
+
+
+def effective_knobs(spec: EngineSpec, recipe, specs: dict[str, str], knobs: dict, conventions: dict,
+                    role: str, device: str = "cuda") -> dict[str, dict]:
+    """Per entry point, the knobs a run computes: the native path's conventions (the float64 run's),
+    the recipe's Sinkhorn count and eps, then the implementation's declared conventions and what
+    was asked."""
+    from mhctool.libraries.megatron_core import NATIVE_CONVENTIONS
+    base = NATIVE_CONVENTIONS.get(spec.generation, NATIVE_CONVENTIONS["pr3828"])
+    eff = {f: dict(base.get(f, {})) for f in ENGINE_FAMILIES}
+    eff["sinkhorn"].update(iters=recipe.sinkhorn_iters, eps=recipe.sinkhorn_eps if recipe.sinkhorn_eps is not None
+                           else 1e-6)
+    eff["proj_rms"]["eps"] = 1e-6
+    if role == "impl":
+        from mhctool.analyses.train.pieces import _pick
+        for f, s in specs.items():
+            if s != "megatron":
+                impl = _pick(f, s, device, "bf16")[0]
+                if impl is not None and impl.backend == "external":
+                    eff[f].update(impl.conventions)
+    for f in ENGINE_FAMILIES:
+        eff[f].update(knobs.get(f, {}))
+        eff[f].update(conventions.get(f, {}))
+    return eff
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """One trajectory, in its own process: the engine trained with ``--role``'s entry points."""
+    ap = argparse.ArgumentParser(prog="python -m mhctool.analyses.train.engine")
+    ap.add_argument("--engine", required=True, help="module:function of the engine's train")
+    ap.add_argument("--tree", default=None)
+    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--role", required=True, choices=("impl", "native", "reference"))
+    ap.add_argument("--specs", default="{}")
+    ap.add_argument("--eff", default="{}")
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args(argv)
+    from mhctool.core.environment import ensure_triton_mode
+    from mhctool.libraries.megatron_core import recipe_from
+    ensure_triton_mode()
+    recipe = recipe_from(json.loads(a.recipe))
+    specs, eff = json.loads(a.specs), json.loads(a.eff)
+    fused = a.role == "impl" and set(specs.values()) == {"megatron"}
+    if a.role == "impl" and not fused or a.role == "reference":
+        calls, names = _pieces(a.role, {} if a.role == "reference" else specs, eff, a.device, "bf16")
+        ops = _ops(calls)
+    else:
+        ops, names = {}, {f: "Megatron's fused" if fused else "Megatron's own" for f in ENGINE_FAMILIES}
+    from dataclasses import replace
+    recipe = replace(recipe, fused=fused)
+    train = load_engine(a.engine)
+    with open(a.log, "a") as f:
+        f.write(json.dumps({"pieces": names}) + "\n")
+        f.flush()
+
+        def progress(rec: dict) -> None:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        train(a.tree, recipe, progress, ops)
+    return 0
+
+
+# --- in mhctool's process -------------------------------------------------------------------------
+
+def _free_port() -> int:
+    """A port no one listens on now, for the engine's process group (runs side by side differ)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class EngineRunner:
+    """Runs one role's trajectory in a child process and reads its steps back."""
+
+    spec: EngineSpec
+    recipe: object  # Recipe
+    specs: dict[str, str]
+    knobs: dict
+    conventions: dict
+    device: str = "cuda"
+    timeout: float | None = None
+    params: int = 0
+    dtype: str = "bf16"  # the activations' dtype the engine trains at (its steps may say; Megatron's recipe: bf16)
+
+    @property
+    def spec_text(self) -> str:
+        return " ".join(dict.fromkeys(self.specs.values()))
+
+    def effective(self, role: str) -> dict[str, dict]:
+        return effective_knobs(self.spec, self.recipe, self.specs, self.knobs, self.conventions, role, self.device)
+
+    def trajectory(self, seed: int, role: str, progress: Callable | None = None):
+        from dataclasses import replace
+
+        from mhctool.analyses.train.trajectory import Step, Trajectory
+        recipe = replace(self.recipe, seed=seed)
+        eff = effective_knobs(self.spec, recipe, self.specs, self.knobs, self.conventions, role, self.device)
+        with tempfile.TemporaryDirectory(prefix="mhctool-engine-") as d:
+            log = Path(d) / "steps.jsonl"
+            cmd = [sys.executable, "-m", "mhctool.analyses.train.engine", "--engine", self.spec.target,
+                   "--recipe", json.dumps(asdict(recipe)), "--role", role, "--specs", json.dumps(self.specs),
+                   "--eff", json.dumps(eff), "--log", str(log), "--device", self.device]
+            if self.spec.tree:
+                cmd += ["--tree", self.spec.tree]
+            env = {**os.environ, "MASTER_PORT": str(_free_port())}
+            error = None
+            try:
+                res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=self.timeout)
+                if res.returncode:
+                    tail = [ln for ln in (res.stderr or res.stdout).strip().splitlines() if ln.strip()][-1:]
+                    error = f"exit {res.returncode}" + (f": {tail[0][:300]}" if tail else "")
+            except subprocess.TimeoutExpired:
+                error = f"no step for {self.timeout:g} s (a hang)"
+            lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
+        pieces = next((x["pieces"] for x in lines if "pieces" in x), {})
+        steps = [x for x in lines if "step" in x]
+        # an entry point the model never called ran nothing of what was swapped in: said, not hidden
+        calls = steps[-1].get("calls", {}) if steps else {}
+        notes = {f: "never called by the engine's model" for f, c in calls.items() if c == 0 and f in pieces}
+        traj = Trajectory(role, pieces, notes, seed=seed)
+        for rec in steps:
+            metrics = {k: float(rec[k]) for k in ("lm loss", "grad-norm", "num-zeros", "iteration-time",
+                                                  "mem-allocated-bytes", "mem-max-allocated-bytes") if k in rec}
+            traj.steps.append(Step(rec["step"], metrics, rec.get("zeros", {}), []))
+            self.params = rec.get("params", self.params)
+            self.dtype = rec.get("dtype", self.dtype)
+            if progress:
+                progress(traj.steps[-1])
+        if error is not None:
+            traj.error = f"step {len(traj.steps) + 1}: {error}"
+        elif len(traj.steps) < recipe.steps:
+            traj.error = f"step {len(traj.steps) + 1}: the engine stopped"
+        return traj
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

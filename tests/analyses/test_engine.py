@@ -1,0 +1,89 @@
+"""``mhctool train --engine`` (issue 77): another trainer's model, optimizer and num-zeros count,
+with the implementation under test swapped in at its mHC module's entry points. CI drives the
+engine interface through a stand-in (impls/engine_standin.py), never Megatron's code; the GPU
+test in tests/kernels/test_gpu.py runs Megatron-core itself where a tree is staged."""
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mhctool.analyses.train import engine as E
+from mhctool.cli.app import app
+from mhctool.libraries import megatron_core as mc
+
+IMPLS = Path(__file__).resolve().parents[1] / "impls"
+STANDIN = f"{IMPLS / 'engine_standin.py'}:train"
+# a stand-in model small enough for two CPU cores: three trajectories of two steps in about 7 s
+TINY = ["--device", "cpu", "--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "8", "--batch", "2",
+        "--vocab", "32", "--steps", "2", "--seeds", "1", "--lr", "0.01", "--recipe", "global_batch=4",
+        "--recipe", "sinkhorn_iters=5", "-q"]
+
+
+def run(*args):
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    return res, " ".join(res.output.split())
+
+
+def test_the_engines_own_switch_trains_and_a_sinkhorn_without_gradient_parts_from_the_float64_run(tmp_path):
+    """--impl megatron is the engine's own fused switch (the stand-in's reciprocal-multiplying
+    Sinkhorn), trained alone here; a function swapped in at the Sinkhorn entry point that detaches
+    its output leaves every layer's H_res rows of the projection without gradient: num-zeros parts
+    from the float64 run (mhctool's references at the entry points, at the native conventions) at
+    step 1."""
+    res, text = run("train", "--engine", STANDIN, *TINY, "--no-compare", "-o", tmp_path / "a.parquet")
+    assert res.exit_code == 0, text
+    assert f"TRAINED 2 steps, not compared (report {tmp_path / 'a.parquet'})" in text, text
+    res, text = run("train", "--engine", STANDIN, "--impl", f"{IMPLS / 'train_faults.py'}:sinkhorn_detached", *TINY,
+                    "-o", tmp_path / "b.parquet")
+    assert res.exit_code == 1, text
+    assert "DRIFT num-zeros:" in text and "parts from the reference at step 1" in text, text
+    import pyarrow.parquet as pq
+    rows = pq.read_table(tmp_path / "b.parquet").to_pylist()
+    zeros = {r["metric"] for r in rows if r["run"] == "impl" and r["metric"].endswith(":h_res")}
+    assert zeros == {f"zeros:layers.{i}.{hc}_hyper_connection.mapping_proj.weight:h_res"
+                     for i in range(1) for hc in ("self_attention", "mlp")}, zeros
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--engine", "nonsense"], "unknown --engine 'nonsense'; accepted: megatron:DIR, or FILE.py:function[@DIR]"),
+    (["--engine", "megatron:/no/such/tree"], "--engine megatron:/no/such/tree: /no/such/tree holds no megatron/core"),
+    (["--engine", STANDIN, "--recipe", "no_such=1"], "--recipe no_such: no such option; accepted: layers, hidden"),
+    (["--engine", STANDIN, "--recipe", "recompute=maybe"], "--recipe recompute=maybe: expected bool"),
+    (["--engine", STANDIN, "--impl", "megatron,triton"], "--impl megatron is Megatron's own fused kernels"),
+])
+def test_bad_engine_input_is_one_sentence_and_exit_2(tmp_path, args, said):
+    res, text = run("train", *args, "--device", "cpu", "-o", tmp_path / "r.parquet")
+    assert res.exit_code == 2 and said in text, text
+
+
+def test_megatron_needs_a_gpu_and_its_generation_is_read_from_the_staged_kernels(tmp_path):
+    fusions = tmp_path / "megatron" / "core" / "fusions"
+    fusions.mkdir(parents=True)
+    assert mc.generation(str(tmp_path)) == "pr3828"
+    (fusions / "fused_mhc_kernels.py").write_text("def fused_proj_rms_compute_h(x):\n    pass\n")
+    assert E.parse_engine(f"megatron:{tmp_path}").generation == "dev"
+    res, text = run("train", "--engine", f"megatron:{tmp_path}", "--device", "cpu", "-o", tmp_path / "r.parquet")
+    assert res.exit_code == 2 and "--engine megatron runs Megatron-core's model on a GPU" in text, text
+
+
+def test_swapped_entry_points_take_megatrons_signatures_and_give_its_dtypes():
+    """What the engine's module calls, with Megatron's argument order, bf16 where Megatron hands
+    bf16: the float64 references answer at the shapes and dtypes Megatron's own ops give."""
+    eff = {"sinkhorn": {"stabilize": "rowmax", "eps_mode": "clamp", "iters": 20, "eps": 1e-6},
+           "h_post_bda": {"transpose_res": False}, "proj_rms": {"rms_eps": "outside", "eps": 1e-6}}
+    calls, names = E._pieces("reference", {}, eff, "cpu", "bf16")
+    ops = E._ops(calls)
+    assert set(names.values()) == {"float64"}
+    g = torch.Generator().manual_seed(0)
+    s, b, n, c = 3, 2, 4, 8
+    logits = torch.randn(s, b, n, n, generator=g).bfloat16()
+    h_res = ops["sinkhorn"](logits, 20, 1e-6)
+    assert h_res.dtype == torch.bfloat16 and torch.allclose(h_res.float().sum(-2), torch.ones(s, b, n), atol=1e-2)
+    x = torch.randn(s, b, n, c, generator=g).bfloat16()
+    out = ops["h_post_bda"](h_res, x, torch.rand(s, b, n).bfloat16(), torch.randn(s, b, c).bfloat16(), None)
+    assert out.shape == (s, b, n, c) and out.dtype == torch.bfloat16
+    agg = ops["h_aggregate"](x, torch.rand(s, b, n).bfloat16())
+    assert agg.shape == (s, b, c) and agg.dtype == torch.bfloat16
+    proj, r = ops["proj_rms"](x.reshape(s * b, n * c), torch.randn(n * n + 2 * n, n * c).bfloat16())
+    assert proj.shape == (s * b, n * n + 2 * n) and r.shape == (s * b, 1) and r.dtype == torch.bfloat16
