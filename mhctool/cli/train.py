@@ -63,7 +63,7 @@ def train(
     every: int = typer.Option(5, "--every", min=1, help="Rows of the curves table: every N-th step."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict lines."),
     engine: Optional[str] = typer.Option(None, "--engine", help="Train another trainer's own model instead of mhctool's: megatron:DIR (a staged megatron-core: its GPT with hyper-connections, optimizer, schedule and num-zeros count, on a GPU; the recipe of Megatron-LM's mHC test, scaled by --layers, --hidden, --heads, --seq, --batch, --vocab, --steps, --lr), or FILE.py:function (an engine of your own). --impl megatron is Megatron's own fused kernels; another --impl is swapped in at its module's entry points."),
-    recipe: Optional[list[str]] = typer.Option(None, "--recipe", help="KEY=VALUE: an option of the engine's recipe (repeat), e.g. recompute=false, recompute_layers=1, sinkhorn_eps=1e-8, global_batch=16."),
+    recipe: Optional[list[str]] = typer.Option(None, "--recipe", help="KEY=VALUE: an option of the engine's recipe (repeat), e.g. recompute=false, recompute_layers=1, sinkhorn_eps=1e-8, global_batch=16, hidden_dropout=0, tp=2 with sequence_parallel=true (a rank a GPU, as the recipe runs)."),
 ):
     """Train a small mHC language model with an implementation, natively and in float64; judge the
     drift from the float64 trajectory with kappa, trace it to a knob. Exit 0 when it stays with the
@@ -223,6 +223,14 @@ def _engine_setup(engine: str, recipe: Optional[list[str]], specs: list[str], de
                          "no GPU here (--device cuda)")
     opts = E.recipe_options(knob_items(recipe, "--recipe", "recompute=false"))
     r = replace(Recipe(), **{k: v for k, v in sizes.items() if v is not None}, **opts, seed=seed)
+    if spec.target == E.MEGATRON and r.tp > 1:
+        import torch
+        if torch.cuda.device_count() < r.tp:
+            raise UsageError(f"--recipe tp={r.tp} runs a rank a GPU; this machine has {torch.cuda.device_count()}")
+        if r.heads % r.tp or r.vocab % r.tp:
+            raise UsageError(f"--recipe tp={r.tp} must divide the heads ({r.heads}) and the vocabulary ({r.vocab})")
+    if r.sequence_parallel and r.tp < 2:
+        raise UsageError("--recipe sequence_parallel=true needs tensor parallelism (tp=2 or more)")
     if r.global_batch % r.micro_batch:
         raise UsageError(f"--recipe global_batch={r.global_batch} must be a multiple of the micro-batch ({r.micro_batch})")
     assigned = E.assign(specs)

@@ -7,13 +7,16 @@ Megatron's ``megatron/training/training.py`` does (``get_model``, ``setup_model_
 ``train_step``). Nothing of Megatron's is copied or changed: the tree is put first on
 ``sys.path`` (``../shared/anchors/stage.sh megatron-core GIT_DIR`` writes one).
 
-Run in its own process, one per rank (a GPU; Megatron-core's model takes its buffers on CUDA)::
+Run in its own process, one per rank (a GPU; Megatron-core's model takes its buffers on CUDA; the
+ranks' ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``MASTER_PORT`` in the environment, tensor
+parallelism over all of them: ``tp`` = the world size)::
 
     python -m mhctool.libraries.megatron_core TREE --recipe '{"steps": 20}' --log steps.jsonl
 
-Each step is a JSON line in ``--log`` (rank 0): Megatron's golden-value metrics, the exact zeros
-of every parameter's gradient, and the hyper-connection projections' zeros split into their
-H_pre, H_post and H_res rows.
+Each step is a JSON line in ``--log`` (rank 0): Megatron's golden-value metrics (``num-zeros`` as
+its optimizer counts them, over every rank), the exact zeros of rank 0's part of every parameter's
+gradient, and the hyper-connection projections' zeros split into their H_pre, H_post and H_res rows
+(those projections are whole on every rank).
 """
 from __future__ import annotations
 
@@ -234,6 +237,12 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
         OptimizerConfig(optimizer="adam", lr=r.lr, min_lr=r.min_lr, weight_decay=r.weight_decay, adam_beta1=0.9,
                         adam_beta2=r.adam_beta2, adam_eps=1e-8, clip_grad=r.clip_grad, bf16=True,
                         params_dtype=torch.bfloat16, log_num_zeros_in_grad=True), [model])
+    # as training.py's train() sets them: the loss scaled by the optimizer's scaler (none in bf16),
+    # and the gradients finished after the schedule (the data-parallel reduction, and the
+    # sequence-parallel parameters' all-reduce over the tensor-parallel group)
+    from megatron.core.distributed import finalize_model_grads
+    config.grad_scale_func = opt.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
     decay = r.lr_decay_iters * r.global_batch
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=r.lr, min_lr=r.min_lr,
                                     lr_warmup_steps=int(r.warmup_fraction * decay), lr_decay_steps=decay,

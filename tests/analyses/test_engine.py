@@ -51,6 +51,7 @@ def test_the_engines_own_switch_trains_and_a_sinkhorn_without_gradient_parts_fro
     (["--engine", STANDIN, "--recipe", "no_such=1"], "--recipe no_such: no such option; accepted: layers, hidden"),
     (["--engine", STANDIN, "--recipe", "recompute=maybe"], "--recipe recompute=maybe: expected bool"),
     (["--engine", STANDIN, "--impl", "megatron,triton"], "--impl megatron is Megatron's own fused kernels"),
+    (["--engine", STANDIN, "--recipe", "sequence_parallel=true"], "sequence_parallel=true needs tensor parallelism"),
 ])
 def test_bad_engine_input_is_one_sentence_and_exit_2(tmp_path, args, said):
     res, text = run("train", *args, "--device", "cpu", "-o", tmp_path / "r.parquet")
@@ -87,3 +88,10 @@ def test_swapped_entry_points_take_megatrons_signatures_and_give_its_dtypes():
     assert agg.shape == (s, b, c) and agg.dtype == torch.bfloat16
     proj, r = ops["proj_rms"](x.reshape(s * b, n * c), torch.randn(n * n + 2 * n, n * c).bfloat16())
     assert proj.shape == (s * b, n * n + 2 * n) and r.shape == (s * b, 1) and r.dtype == torch.bfloat16
+
+
+def test_ranks_start_as_one_group_and_the_first_that_fails_is_named():
+    import sys
+    code = "import os, sys; assert os.environ['WORLD_SIZE'] == '2'; sys.exit(3 * int(os.environ['RANK']))"
+    assert E._run_ranks([sys.executable, "-c", code], 2, 60) == "rank 1 exit 3"
+    assert E._run_ranks([sys.executable, "-c", "pass"], 2, 60) is None

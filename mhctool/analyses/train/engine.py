@@ -242,7 +242,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
     recipe = replace(recipe, fused=fused)
     train = load_engine(a.engine)
-    with open(a.log, "a") as f:
+    first = os.environ.get("RANK", "0") == "0"
+    with open(a.log if first else os.devnull, "a") as f:
         f.write(json.dumps({"pieces": names}) + "\n")
         f.flush()
 
@@ -254,6 +255,32 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 
 # --- in mhctool's process -------------------------------------------------------------------------
+
+def _run_ranks(cmd: list[str], ranks: int, timeout: float | None) -> str | None:
+    """``cmd`` as ``ranks`` processes of one group (RANK, LOCAL_RANK, WORLD_SIZE, one MASTER_PORT),
+    as torchrun starts them; what ended it early, or None."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(ranks):
+        env = {**os.environ, "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    error = None
+    for rank, p in enumerate(procs):
+        try:
+            text, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return f"no end within {timeout:g} s (a hang)"
+        if p.returncode and error is None:
+            tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:]
+            where = f"rank {rank} " if ranks > 1 else ""
+            error = f"{where}exit {p.returncode}" + (f": {tail[0][:300]}" if tail else "")
+            for q in procs:  # the others would wait on it in a collective
+                if q.poll() is None:
+                    q.kill()
+    return error
+
 
 def _free_port() -> int:
     """A port no one listens on now, for the engine's process group (runs side by side differ)."""
@@ -297,15 +324,7 @@ class EngineRunner:
                    "--eff", json.dumps(eff), "--log", str(log), "--device", self.device]
             if self.spec.tree:
                 cmd += ["--tree", self.spec.tree]
-            env = {**os.environ, "MASTER_PORT": str(_free_port())}
-            error = None
-            try:
-                res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=self.timeout)
-                if res.returncode:
-                    tail = [ln for ln in (res.stderr or res.stdout).strip().splitlines() if ln.strip()][-1:]
-                    error = f"exit {res.returncode}" + (f": {tail[0][:300]}" if tail else "")
-            except subprocess.TimeoutExpired:
-                error = f"no step for {self.timeout:g} s (a hang)"
+            error = _run_ranks(cmd, getattr(recipe, "tp", 1), self.timeout)
             lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
         pieces = next((x["pieces"] for x in lines if "pieces" in x), {})
         steps = [x for x in lines if "step" in x]
