@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -273,7 +274,10 @@ def _run_ranks(cmd: list[str], ranks: int, timeout: float | None) -> str | None:
                 q.kill()
             return f"no end within {timeout:g} s (a hang)"
         if p.returncode and error is None:
-            tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:]
+            lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+            # the exception's line, not a warning printed at the exit after it
+            raised = [ln for ln in lines if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", ln)]
+            tail = (raised or lines)[-1:]
             where = f"rank {rank} " if ranks > 1 else ""
             error = f"{where}exit {p.returncode}" + (f": {tail[0][:300]}" if tail else "")
             for q in procs:  # the others would wait on it in a collective
