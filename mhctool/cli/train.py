@@ -63,6 +63,7 @@ def train(
     every: int = typer.Option(5, "--every", min=1, help="Rows of the curves table: every N-th step."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict lines."),
     engine: Optional[str] = typer.Option(None, "--engine", help="Train another trainer's own model instead of mhctool's: megatron:DIR (a staged megatron-core: its GPT with hyper-connections, optimizer, schedule and num-zeros count, on a GPU; the recipe of Megatron-LM's mHC test, scaled by --layers, --hidden, --heads, --seq, --batch, --vocab, --steps, --lr), or FILE.py:function (an engine of your own). --impl megatron is Megatron's own fused kernels; another --impl is swapped in at its module's entry points."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", min=1, help="With --engine: the processes of one trajectory, a GPU each, tensor parallel over them (the recipe's tensor parallel 2: --ranks 2); the same as --recipe tp=N."),
     recipe: Optional[list[str]] = typer.Option(None, "--recipe", help="KEY=VALUE: an option of the engine's recipe (repeat), e.g. recompute=false, recompute_layers=1, sinkhorn_eps=1e-8, global_batch=16, hidden_dropout=0, tp=2 with sequence_parallel=true (a rank a GPU, as the recipe runs)."),
 ):
     """Train a small mHC language model with an implementation, natively and in float64; judge the
@@ -88,10 +89,12 @@ def train(
     seeds = seeds if seeds is not None else T.default_seeds(dev)
     from mhctool.cli.kit import split
     runner = None
+    if ranks is not None and engine is None:
+        raise UsageError("--ranks trains over several processes only with --engine (mhctool's own model runs in one)")
     if engine is not None:
         cfg, runner = _engine_setup(engine, recipe, split(impl or ["megatron"]), dev, dict(
             steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq, micro_batch=batch,
-            vocab=vocab, lr=lr), seed, knob, convention)
+            vocab=vocab, lr=lr), seed, knob, convention, ranks)
         assigned, specs = runner.specs, list(dict.fromkeys(runner.specs.values()))
         knobs, conventions = runner.knobs, runner.conventions
     else:
@@ -210,7 +213,7 @@ def train(
 
 
 def _engine_setup(engine: str, recipe: Optional[list[str]], specs: list[str], dev: str, sizes: dict, seed: int,
-                  knob: Optional[list[str]], convention: Optional[list[str]]):
+                  knob: Optional[list[str]], convention: Optional[list[str]], ranks: Optional[int] = None):
     """The run's configuration and the engine's runner for ``--engine``; bad input exits 2."""
     from dataclasses import replace
 
@@ -222,6 +225,10 @@ def _engine_setup(engine: str, recipe: Optional[list[str]], specs: list[str], de
         raise UsageError("--engine megatron runs Megatron-core's model on a GPU (it takes its buffers on CUDA); "
                          "no GPU here (--device cuda)")
     opts = E.recipe_options(knob_items(recipe, "--recipe", "recompute=false"))
+    if ranks is not None:
+        if opts.get("tp", ranks) != ranks:
+            raise UsageError(f"--ranks {ranks} and --recipe tp={opts['tp']} disagree")
+        opts["tp"] = ranks
     r = replace(Recipe(), **{k: v for k, v in sizes.items() if v is not None}, **opts, seed=seed)
     if spec.target == E.MEGATRON and r.tp > 1:
         import torch

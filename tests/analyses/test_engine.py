@@ -52,6 +52,8 @@ def test_the_engines_own_switch_trains_and_a_sinkhorn_without_gradient_parts_fro
     (["--engine", STANDIN, "--recipe", "recompute=maybe"], "--recipe recompute=maybe: expected bool"),
     (["--engine", STANDIN, "--impl", "megatron,triton"], "--impl megatron is Megatron's own fused kernels"),
     (["--engine", STANDIN, "--recipe", "sequence_parallel=true"], "sequence_parallel=true needs tensor parallelism"),
+    (["--ranks", "2"], "--ranks trains over several processes only with --engine"),
+    (["--engine", STANDIN, "--ranks", "2", "--recipe", "tp=4"], "--ranks 2 and --recipe tp=4 disagree"),
 ])
 def test_bad_engine_input_is_one_sentence_and_exit_2(tmp_path, args, said):
     res, text = run("train", *args, "--device", "cpu", "-o", tmp_path / "r.parquet")
