@@ -25,24 +25,39 @@ def run(*args):
     return res, " ".join(res.output.split())
 
 
-def test_the_engines_own_switch_trains_and_a_sinkhorn_without_gradient_parts_from_the_float64_run(tmp_path):
-    """--impl megatron is the engine's own fused switch (the stand-in's reciprocal-multiplying
-    Sinkhorn), trained alone here; a function swapped in at the Sinkhorn entry point that detaches
-    its output leaves every layer's H_res rows of the projection without gradient: num-zeros parts
-    from the float64 run (mhctool's references at the entry points, at the native conventions) at
-    step 1."""
-    res, text = run("train", "--engine", STANDIN, *TINY, "--no-compare", "-o", tmp_path / "a.parquet")
-    assert res.exit_code == 0, text
-    assert f"TRAINED 2 steps, not compared (report {tmp_path / 'a.parquet'})" in text, text
+def test_a_sinkhorn_without_gradient_parts_from_the_float64_run_and_is_traced_to_no_convention(tmp_path):
+    """A function swapped in at the Sinkhorn entry point that detaches its output leaves every
+    layer's H_res rows of the projection without gradient: num-zeros parts from the float64 run
+    (mhctool's references at the entry points, at the native conventions) at step 1. The tracing
+    reruns the engine's own path with mhctool's native Sinkhorn at what identify fits (eps added, as
+    the function computes, where the native path clamps): that run does not drift the same way."""
     res, text = run("train", "--engine", STANDIN, "--impl", f"{IMPLS / 'train_faults.py'}:sinkhorn_detached", *TINY,
                     "-o", tmp_path / "b.parquet")
     assert res.exit_code == 1, text
     assert "DRIFT num-zeros:" in text and "parts from the reference at step 1" in text, text
+    assert "traced: no convention in which it differs reproduces it (tried: sinkhorn.eps_mode=add): the drift is " \
+           "the kernel's own error" in text, text
     import pyarrow.parquet as pq
     rows = pq.read_table(tmp_path / "b.parquet").to_pylist()
     zeros = {r["metric"] for r in rows if r["run"] == "impl" and r["metric"].endswith(":h_res")}
-    assert zeros == {f"zeros:layers.{i}.{hc}_hyper_connection.mapping_proj.weight:h_res"
-                     for i in range(1) for hc in ("self_attention", "mlp")}, zeros
+    assert zeros == {f"zeros:layers.0.{hc}_hyper_connection.mapping_proj.weight:h_res"
+                     for hc in ("self_attention", "mlp")}, zeros
+    assert {r["run"] for r in rows} == {"impl", "native", "reference", "native:sinkhorn.eps_mode=add"}
+
+
+def test_the_engines_own_fused_switch_is_what_impl_megatron_runs(tmp_path):
+    """--impl megatron: no entry point swapped, the engine's switch on (the stand-in's
+    reciprocal-multiplying Sinkhorn); its process's log says so, step by step."""
+    import json
+    from dataclasses import asdict, replace
+    recipe = replace(mc.Recipe(), layers=1, hidden=16, heads=2, seq=8, vocab=32, micro_batch=2, global_batch=2,
+                     steps=1, sinkhorn_iters=3)
+    log = tmp_path / "steps.jsonl"
+    E.worker_main(["--engine", STANDIN, "--recipe", json.dumps(asdict(recipe)), "--role", "impl", "--specs",
+                   json.dumps({f: "megatron" for f in E.ENGINE_FAMILIES}), "--log", str(log), "--device", "cpu"])
+    head, step = [json.loads(x) for x in log.read_text().splitlines()]
+    assert set(head["pieces"].values()) == {"Megatron's fused"}
+    assert step["fused"] is True and step["calls"]["sinkhorn"] == 2 and step["step"] == 1
 
 
 @pytest.mark.parametrize("args,said", [

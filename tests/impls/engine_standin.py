@@ -130,7 +130,7 @@ def train(tree, recipe, progress, ops):
             t = torch.randint(0, recipe.vocab, (recipe.seq + 1, recipe.micro_batch), generator=g)
             loss = nn.functional.cross_entropy(model(t[:-1]).flatten(0, 1), t[1:].flatten()) / micro
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         zeros = {}
         for p in model.parameters():
             name = names[id(p)]

@@ -223,7 +223,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", required=True, help="module:function of the engine's train")
     ap.add_argument("--tree", default=None)
     ap.add_argument("--recipe", required=True)
-    ap.add_argument("--role", required=True, choices=("impl", "native", "reference"))
+    ap.add_argument("--role", required=True, help="impl, native, reference, or native:FAMILY.KNOB=VALUE (--alt)")
+    ap.add_argument("--alt", default=None, help="JSON {family, knobs, precision}: mhctool's native piece at that "
+                                                 "entry point (the rest Megatron's own), to trace a drift")
     ap.add_argument("--specs", default="{}")
     ap.add_argument("--eff", default="{}")
     ap.add_argument("--log", required=True)
@@ -235,7 +237,13 @@ def worker_main(argv: list[str] | None = None) -> int:
     recipe = recipe_from(json.loads(a.recipe))
     specs, eff = json.loads(a.specs), json.loads(a.eff)
     fused = a.role == "impl" and set(specs.values()) == {"megatron"}
-    if a.role == "impl" and not fused or a.role == "reference":
+    if a.alt:
+        from mhctool.analyses.train.pieces import native_piece
+        alt = json.loads(a.alt)
+        piece = native_piece(alt["family"], alt["knobs"], alt.get("precision", "ieee"))
+        ops = _ops({alt["family"]: piece.call})
+        names = {f: (piece.name if f == alt["family"] else "Megatron's own") for f in ENGINE_FAMILIES}
+    elif a.role == "impl" and not fused or a.role == "reference":
         calls, names = _pieces(a.role, {} if a.role == "reference" else specs, eff, a.device, "bf16")
         ops = _ops(calls)
     else:
@@ -315,12 +323,30 @@ class EngineRunner:
     def effective(self, role: str) -> dict[str, dict]:
         return effective_knobs(self.spec, self.recipe, self.specs, self.knobs, self.conventions, role, self.device)
 
-    def trajectory(self, seed: int, role: str, progress: Callable | None = None):
+    def alternative(self, seed: int, family: str, knob: str, value, role: str):
+        """Megatron's own path with mhctool's native ``family`` at its entry point, computing
+        ``knob=value`` (the tracing's rerun)."""
+        knobs = dict(self.effective("native")[family])
+        precision = "ieee"
+        if knob == "matmul_precision":
+            precision = value
+        else:
+            knobs[knob] = value
+        return self.trajectory(seed, role, alt={"family": family, "knobs": knobs, "precision": precision})
+
+    def candidates(self) -> list[tuple]:
+        """The conventions identify fits to each swapped-in implementation beside the native path's."""
+        from mhctool.analyses.train.trace import fitted
+        eff = self.effective("native")
+        return [c for f, s in self.specs.items() if s != "megatron" for c in fitted(f, s, eff[f], self.device)]
+
+    def trajectory(self, seed: int, role: str, progress: Callable | None = None, alt: dict | None = None):
         from dataclasses import replace
 
         from mhctool.analyses.train.trajectory import Step, Trajectory
         recipe = replace(self.recipe, seed=seed)
-        eff = effective_knobs(self.spec, recipe, self.specs, self.knobs, self.conventions, role, self.device)
+        eff = effective_knobs(self.spec, recipe, self.specs, self.knobs, self.conventions,
+                              "native" if role.startswith("native") else role, self.device)
         with tempfile.TemporaryDirectory(prefix="mhctool-engine-") as d:
             log = Path(d) / "steps.jsonl"
             cmd = [sys.executable, "-m", "mhctool.analyses.train.engine", "--engine", self.spec.target,
@@ -328,6 +354,8 @@ class EngineRunner:
                    "--eff", json.dumps(eff), "--log", str(log), "--device", self.device]
             if self.spec.tree:
                 cmd += ["--tree", self.spec.tree]
+            if alt is not None:
+                cmd += ["--alt", json.dumps(alt)]
             error = _run_ranks(cmd, getattr(recipe, "tp", 1), self.timeout)
             lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
         pieces = next((x["pieces"] for x in lines if "pieces" in x), {})

@@ -177,7 +177,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
     say = (lambda role: (lambda step: progress(role, step))) if progress else (lambda role: None)
     if engine is not None:
-        return _engine_session(cfg, engine, rule, compare, interrupted, say, seeds)
+        return _engine_session(cfg, engine, rule, compare, interrupted, say, seeds, trace)
     pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
 
     def one_seed(c: TrainConfig, worker=None) -> SeedRun:
@@ -246,8 +246,10 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
 
 
 def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, interrupted, say,
-                    seeds: int) -> Outcome:
-    """:func:`session` with another trainer's trajectories (``engine``), judged as mhctool's."""
+                    seeds: int, trace: bool = True) -> Outcome:
+    """:func:`session` with another trainer's trajectories (``engine``), judged and traced as
+    mhctool's (the tracing's reruns: the engine's own path with mhctool's native piece computing
+    the knob at one entry point)."""
     runs = []
     for seed in seeds_of(cfg, seeds):
         if interrupted():
@@ -259,7 +261,7 @@ def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, 
         runs.append(r)
     eff = engine.effective("impl")
     cfg = replace(cfg, dtype=engine.dtype)  # the floors of the dtype it trained at
-    out = Outcome(cfg, engine.spec_text, [t for r in runs for t in r.trajectories()], eff, traced_asked=False,
+    out = Outcome(cfg, engine.spec_text, [t for r in runs for t in r.trajectories()], eff, traced_asked=trace,
                   runs=runs)
     if compare and runs and len(runs) == seeds and all(r.reference is not None for r in runs) and not interrupted():
         if len(runs) == 1:
@@ -270,6 +272,11 @@ def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, 
             out.zeros = zero_findings(runs)
             out.drifts = judge_ensemble(runs, cfg, rule, engine.params, out.zeros)
             out.nonfinite = _nonfinite_ensemble(runs)
+        if trace and not out.nonfinite and not out.errors and not all(d.passed for d in out.drifts) \
+                and not interrupted():
+            out.attributions, alts = attribute(runs, cfg, eff, engine.candidates(), rule, engine.params, interrupted,
+                                               rerun=engine.alternative)
+            out.trajectories.extend(alts)
     out.interrupted = interrupted() or len(runs) < seeds
     return out
 

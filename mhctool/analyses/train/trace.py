@@ -29,22 +29,30 @@ def candidate_knobs(specs: dict[str, str], eff: dict[str, dict], pieces: dict[st
     family the implementation has (fp32, its default probes), and its matmul precision."""
     out = []
     for family, piece in pieces.items():
-        if piece.fallback or family not in IDENTIFIABLE:
-            continue
-        impl, _ = _pick(family, specs[family], device, "fp32")
-        if impl is None:
-            continue
-        try:
-            ident = Identifier(family, impl, dtype="fp32", device=device, asked=dict(eff[family])).run()
-        except Exception:  # noqa: BLE001 - no candidate from a family identify cannot run
-            continue
-        if ident.best is None or not (ident.best.passed or ident.best.fwd_passed):
-            continue
-        for k, v in ident.conventions().items():
-            out.append((family, k, v, f"identify fits {k}={fmt_value(v)}"))
-        if ident.judged_precision() != ident.declared_precision:
-            out.append((family, "matmul_precision", ident.judged_precision(),
-                        f"identify fits matmul_precision={ident.judged_precision()}"))
+        if not piece.fallback:
+            out += fitted(family, specs[family], eff[family], device)
+    return out
+
+
+def fitted(family: str, spec: str, asked: dict, device: str) -> list[tuple]:
+    """(family, knob, value, why) for each convention (and matmul precision) ``mhctool identify``
+    fits to ``spec``'s implementation of ``family`` beside what ``asked`` says; none where identify
+    cannot run it or nothing passes."""
+    if family not in IDENTIFIABLE:
+        return []
+    impl, _ = _pick(family, spec, device, "fp32")
+    if impl is None:
+        return []
+    try:
+        ident = Identifier(family, impl, dtype="fp32", device=device, asked=dict(asked)).run()
+    except Exception:  # noqa: BLE001 - no candidate from a family identify cannot run
+        return []
+    if ident.best is None or not (ident.best.passed or ident.best.fwd_passed):
+        return []
+    out = [(family, k, v, f"identify fits {k}={fmt_value(v)}") for k, v in ident.conventions().items()]
+    if ident.judged_precision() != ident.declared_precision:
+        out.append((family, "matmul_precision", ident.judged_precision(),
+                    f"identify fits matmul_precision={ident.judged_precision()}"))
     return out
 
 
@@ -61,24 +69,29 @@ def _with_knob(eff: dict[str, dict], precision: dict[str, str], family: str, kno
 
 def attribute(runs: list[SeedRun], cfg: TrainConfig, eff: dict[str, dict], candidates: list[tuple],
               rule: VerdictRule, params: int, interrupted: Callable[[], bool] = lambda: False,
-              precision: dict[str, str] | None = None) -> tuple[list[Attribution], list[Trajectory]]:
+              precision: dict[str, str] | None = None,
+              rerun: Callable[[int, str, str, object, str], Trajectory] | None = None
+              ) -> tuple[list[Attribution], list[Trajectory]]:
     """Rerun the native implementation with each candidate knob from every seed of ``runs``; it
     reproduces the drift where the implementation's runs stay with those runs as they would with
     the reference, and those runs drift from the reference (a knob that moves nothing explains
-    nothing). One seed is judged by the single-seed rule, several over the ensemble."""
+    nothing). One seed is judged by the single-seed rule, several over the ensemble. ``rerun(seed,
+    family, knob, value, role)``: another trainer's native run with the knob (an engine's), in
+    place of mhctool's model's."""
     found, made = [], []
     prec = precision or {}
     several = len(runs) > 1
     for family, knob, value, why in candidates:
         if interrupted():
             break
-        pieces = _with_knob(eff, prec, family, knob, value)
+        pieces = _with_knob(eff, prec, family, knob, value) if rerun is None else None
         role = f"native:{family}.{knob}={value}"
         alts = []
         for r in runs:
             if interrupted():
                 break
-            alts.append(run(replace(cfg, seed=r.seed), pieces, role, interrupted))
+            alts.append(rerun(r.seed, family, knob, value, role) if rerun is not None else
+                        run(replace(cfg, seed=r.seed), pieces, role, interrupted))
         made.extend(alts)
         if len(alts) < len(runs):
             break
