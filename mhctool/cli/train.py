@@ -95,6 +95,7 @@ def train(
         cfg, runner = _engine_setup(engine, recipe, split(impl or ["megatron"]), dev, dict(
             steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq, micro_batch=batch,
             vocab=vocab, lr=lr), seed, knob, convention, ranks)
+        runner.workers = _engine_workers(workers_asked, dev, seeds, runner.recipe.tp)
         assigned, specs = runner.specs, list(dict.fromkeys(runner.specs.values()))
         knobs, conventions = runner.knobs, runner.conventions
     else:
@@ -253,11 +254,30 @@ def _engine_setup(engine: str, recipe: Optional[list[str]], specs: list[str], de
     return cfg, E.EngineRunner(spec, r, assigned, knobs, conventions, device=dev)
 
 
+# trajectories of --engine side by side on one GPU where --workers is auto: Megatron's recipe at 12
+# layers ran 16 processes side by side on one H200 (dev/mcore_ablation.py, 2026-11-28); its steps are
+# many small kernels, so the GPU takes several at once
+ENGINE_PER_GPU = 4
+
+
+def _engine_workers(asked, dev: str, seeds: int, tp: int) -> int:
+    """Trajectories run at once: --workers N (a number), else on a GPU ENGINE_PER_GPU for each group of ``tp``
+    GPUs (at most the three roles of every seed), one on a CPU."""
+    jobs = 3 * seeds
+    if isinstance(asked, int):
+        return max(1, min(asked, jobs))
+    if dev != "cuda":
+        return 1
+    import torch
+    return max(1, min(jobs, ENGINE_PER_GPU * max(1, torch.cuda.device_count() // max(1, tp))))
+
+
 def _engine_settings(runner) -> dict:
     if runner is None:
         return {}
     from dataclasses import asdict
-    return {"engine": runner.spec.name, "recipe": asdict(runner.recipe), "generation": runner.spec.generation}
+    return {"engine": runner.spec.name, "recipe": asdict(runner.recipe), "generation": runner.spec.generation,
+            "side_by_side": runner.workers}
 
 
 def _seeds_phrase(first: int, seeds: int, workers: int) -> str:

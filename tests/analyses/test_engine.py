@@ -112,3 +112,31 @@ def test_ranks_start_as_one_group_and_the_first_that_fails_is_named():
     code = "import os, sys; assert os.environ['WORLD_SIZE'] == '2'; sys.exit(3 * int(os.environ['RANK']))"
     assert E._run_ranks([sys.executable, "-c", code], 2, 60) == "rank 1 exit 3"
     assert E._run_ranks([sys.executable, "-c", "pass"], 2, 60) is None
+
+
+def test_trajectories_run_side_by_side_and_each_lands_under_its_seed_and_role():
+    import threading
+    import time
+
+    class Runner(E.EngineRunner):
+        def trajectory(self, seed, role, progress=None, alt=None):
+            with lock:
+                running.append(1)
+                peak[0] = max(peak[0], len(running))
+            time.sleep(0.05)
+            with lock:
+                running.pop()
+            return (seed, role)
+    lock, running, peak = threading.Lock(), [], [0]
+    r = Runner(E.EngineSpec(STANDIN, None, STANDIN), mc.Recipe(), {}, {}, {}, device="cpu", workers=3)
+    jobs = [(s, role) for s in (5, 6) for role in ("impl", "native", "reference")]
+    got = r.side_by_side(jobs, lambda role: None)
+    assert got == {j: j for j in jobs} and peak[0] == 3
+    assert r.side_by_side(jobs, lambda role: None, interrupted=lambda: True) == {}
+
+
+def test_side_by_side_by_default_on_a_gpu_one_at_a_time_on_a_cpu():
+    from mhctool.cli.train import _engine_workers
+    assert _engine_workers("auto", "cpu", 8, 1) == 1
+    assert _engine_workers(5, "cpu", 1, 1) == 3  # at most the three roles of one seed
+    assert _engine_workers(2, "cuda", 8, 2) == 2

@@ -315,6 +315,20 @@ class EngineRunner:
     timeout: float | None = None
     params: int = 0
     dtype: str = "bf16"  # the activations' dtype the engine trains at (its steps may say; Megatron's recipe: bf16)
+    workers: int = 1  # trajectories run side by side (processes of their own; on a GPU they share it)
+
+    def side_by_side(self, jobs: list[tuple[int, str]], say: Callable[[str], Callable | None],
+                     interrupted: Callable[[], bool] = lambda: False) -> dict:
+        """(seed, role) -> trajectory for each job, ``workers`` at a time; a job not started before
+        ``interrupted()`` turned true is left out."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(job):
+            seed, role = job
+            return None if interrupted() else self.trajectory(seed, role, say(role))
+        with ThreadPoolExecutor(max(1, self.workers)) as pool:
+            done = dict(zip(jobs, pool.map(one, jobs)))
+        return {k: v for k, v in done.items() if v is not None}
 
     @property
     def spec_text(self) -> str:

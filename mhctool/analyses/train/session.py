@@ -250,15 +250,15 @@ def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, 
     """:func:`session` with another trainer's trajectories (``engine``), judged and traced as
     mhctool's (the tracing's reruns: the engine's own path with mhctool's native piece computing
     the knob at one entry point)."""
+    roles = ("impl", "native", "reference") if compare else ("impl",)
+    got = engine.side_by_side([(seed, role) for seed in seeds_of(cfg, seeds) for role in roles], say, interrupted)
     runs = []
     for seed in seeds_of(cfg, seeds):
-        if interrupted():
+        if (seed, "impl") not in got:
             break
-        r = SeedRun(seed, engine.trajectory(seed, "impl", say("impl")))
-        if compare and not interrupted():
-            r.native = engine.trajectory(seed, "native", say("native"))
-            r.reference = engine.trajectory(seed, "reference", say("reference"))
-        runs.append(r)
+        runs.append(SeedRun(seed, got[(seed, "impl")], got.get((seed, "native")), got.get((seed, "reference"))))
+        if compare and (runs[-1].native is None or runs[-1].reference is None):
+            break
     eff = engine.effective("impl")
     cfg = replace(cfg, dtype=engine.dtype)  # the floors of the dtype it trained at
     out = Outcome(cfg, engine.spec_text, [t for r in runs for t in r.trajectories()], eff, traced_asked=trace,
