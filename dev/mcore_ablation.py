@@ -15,10 +15,11 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mhctool.analyses.goldens import Series, dump
+from mhctool.analyses.goldens import Series, check, dump
 
 ROWS = [  # (name, tree variable, the options changed)
     ("m3828 recipe", "MCORE", {}),
@@ -95,8 +96,15 @@ def main() -> int:
         golden(steps, log.with_suffix(".golden.json"))
         nz = " ".join(f"{int(s['num-zeros'])}" for s in steps)
         fused = {s["fused"] for s in steps}
+        levels = "; ".join(a.message for a in check({"num-zeros": Series(1, len(steps), 1, {
+            s["step"]: s["num-zeros"] for s in steps})}) if a.metric == "num-zeros") if len(steps) >= 4 else ""
         print(f"{name:24s} {seed:4d}  {nz:40s} {where(steps)}  fused ran: {fused} loss {steps[-1]['lm loss']:.4f}"
+              f"  {levels or 'no two levels, no jump'}"
               if steps else f"{name:24s} {seed:4d}  no step: {log.with_suffix('.out').read_text()[-300:]!r}")
+    # the golden values in one file: a device run brings back a limited count of files
+    with tarfile.open(out / "goldens.tar.gz", "w:gz") as tar:
+        for g in sorted(out.glob("*.golden.json")):
+            tar.add(g, arcname=g.name)
     return 0
 
 
