@@ -112,6 +112,8 @@ def test_ranks_start_as_one_group_and_the_first_that_fails_is_named():
     code = "import os, sys; assert os.environ['WORLD_SIZE'] == '2'; sys.exit(3 * int(os.environ['RANK']))"
     assert E._run_ranks([sys.executable, "-c", code], 2, 60) == "rank 1 exit 3"
     assert E._run_ranks([sys.executable, "-c", "pass"], 2, 60) is None
+    # a rank that neither ends nor logs a step is a hang, ended
+    assert E._run_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 1, 0.5) == "no step for 0.5 s (a hang)"
 
 
 def test_trajectories_run_side_by_side_and_each_lands_under_its_seed_and_role():

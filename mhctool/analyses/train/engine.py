@@ -265,33 +265,52 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 # --- in mhctool's process -------------------------------------------------------------------------
 
-def _run_ranks(cmd: list[str], ranks: int, timeout: float | None) -> str | None:
+# a trajectory whose log has not grown for this long is hung: the first step of Megatron's recipe
+# at 12 layers compiles for about a minute on an H200, several side by side for longer
+STALL_S = 900.0
+
+
+def _run_ranks(cmd: list[str], ranks: int, stall: float | None = STALL_S, log: Path | None = None) -> str | None:
     """``cmd`` as ``ranks`` processes of one group (RANK, LOCAL_RANK, WORLD_SIZE, one MASTER_PORT),
-    as torchrun starts them; what ended it early, or None."""
+    as torchrun starts them; what ended it early, or None. A rank that fails ends the group (the
+    others would wait on it in a collective); ``log`` not growing for ``stall`` seconds is a hang."""
+    import time
     port = str(_free_port())
-    procs = []
-    for rank in range(ranks):
-        env = {**os.environ, "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks)}
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    error = None
-    for rank, p in enumerate(procs):
-        try:
-            text, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return f"no end within {timeout:g} s (a hang)"
-        if p.returncode and error is None:
-            lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-            # the exception's line, not a warning printed at the exit after it
-            raised = [ln for ln in lines if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", ln)]
-            tail = (raised or lines)[-1:]
-            where = f"rank {rank} " if ranks > 1 else ""
-            error = f"{where}exit {p.returncode}" + (f": {tail[0][:300]}" if tail else "")
-            for q in procs:  # the others would wait on it in a collective
-                if q.poll() is None:
-                    q.kill()
-    return error
+    with tempfile.TemporaryDirectory(prefix="mhctool-ranks-") as d:
+        outs = [open(Path(d) / f"rank{r}.txt", "w+") for r in range(ranks)]
+        procs = [subprocess.Popen(cmd, stdout=outs[r], stderr=subprocess.STDOUT, env={
+            **os.environ, "MASTER_PORT": port, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks)})
+            for r in range(ranks)]
+        size, since, hung = -1, time.monotonic(), False
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            now = log.stat().st_size if log is not None and log.is_file() else 0
+            if now != size:
+                size, since = now, time.monotonic()
+            elif stall is not None and time.monotonic() - since > stall:
+                hung = True
+                break
+            time.sleep(0.2)
+        failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if hung:
+            return f"no step for {stall:g} s (a hang)"
+        if not failed:
+            return None
+        rank, code = failed[0]
+        outs[rank].seek(0)
+        lines = [ln for ln in outs[rank].read().strip().splitlines() if ln.strip()]
+        for f in outs:
+            f.close()
+    # the exception's line, not a warning printed at the exit after it
+    raised = [ln for ln in lines if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", ln)]
+    tail = (raised or lines)[-1:]
+    where = f"rank {rank} " if ranks > 1 else ""
+    return f"{where}exit {code}" + (f": {tail[0][:300]}" if tail else "")
 
 
 def _free_port() -> int:
@@ -312,7 +331,7 @@ class EngineRunner:
     knobs: dict
     conventions: dict
     device: str = "cuda"
-    timeout: float | None = None
+    stall: float | None = STALL_S  # no step for this long: a hang
     params: int = 0
     dtype: str = "bf16"  # the activations' dtype the engine trains at (its steps may say; Megatron's recipe: bf16)
     workers: int = 1  # trajectories run side by side (processes of their own; on a GPU they share it)
@@ -370,7 +389,7 @@ class EngineRunner:
                 cmd += ["--tree", self.spec.tree]
             if alt is not None:
                 cmd += ["--alt", json.dumps(alt)]
-            error = _run_ranks(cmd, getattr(recipe, "tp", 1), self.timeout)
+            error = _run_ranks(cmd, getattr(recipe, "tp", 1), self.stall, log)
             lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
         pieces = next((x["pieces"] for x in lines if "pieces" in x), {})
         steps = [x for x in lines if "step" in x]
