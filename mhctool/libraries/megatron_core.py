@@ -144,22 +144,77 @@ def swap_entry_points(model, ops: dict[str, Callable]) -> int:
     return count
 
 
-def count_calls(model) -> dict[str, int]:
-    """Every HyperConnectionModule's entry points wrapped to count their calls, by family (the
-    counts grow as the model runs): what the model's path called, whatever was swapped in."""
-    calls = {f: 0 for f in ENTRY_POINTS}
+# the outputs of each entry point, by the names mhctool's families give them
+OUTPUTS = {"proj_rms": ("proj", "r"), "sinkhorn": ("h_res",), "h_aggregate": ("out",), "h_post_bda": ("out",)}
 
-    def counted(op, family):
+
+class Watch:
+    """Every HyperConnectionModule's entry points wrapped: their calls counted by family (what the
+    model's path called, whatever was swapped in), and per step, as mhctool's own model records
+    them, H_res's health per layer (its row- and column-sum deviation from 1, its smallest entry)
+    and the first non-finite output (forward) and output gradient (backward). The checks stay on
+    the device until :meth:`step_end` reads them, once a step."""
+
+    def __init__(self, model):
+        self.calls = {f: 0 for f in ENTRY_POINTS}
+        self._pending: list[tuple] = []  # (order, layer, kind, family, output, device tensor)
+        self._order = 0
+        for m in model.modules():
+            if hasattr(m, "_sinkhorn_op"):
+                layer = int(getattr(m, "layer_number", 1)) - 1
+                for family, attr in ENTRY_POINTS.items():
+                    if getattr(m, attr, None) is not None:
+                        setattr(m, attr, self._wrapped(getattr(m, attr), family, layer))
+
+    def _wrapped(self, op, family: str, layer: int):
+        import torch
+
         def call(*args, **kwargs):
-            calls[family] += 1
-            return op(*args, **kwargs)
+            self.calls[family] += 1
+            out = op(*args, **kwargs)
+            outs = out if isinstance(out, tuple) else (out,)
+            with torch.no_grad():
+                for name, t in zip(OUTPUTS[family], outs):
+                    self._order += 1
+                    self._pending.append((self._order, layer, "nonfinite", family, name,
+                                          (~torch.isfinite(t)).sum()))
+                    if t.requires_grad:
+                        t.register_hook(lambda g, at=(layer, family, name): self._grad(at, g))
+                if family == "sinkhorn":
+                    h = outs[0].detach().double()
+                    for kind, v in (("row-sum deviation", (h.sum(-1) - 1).abs().nan_to_num(math.inf).max()),
+                                    ("col-sum deviation", (h.sum(-2) - 1).abs().nan_to_num(math.inf).max()),
+                                    ("smallest entry", h.nan_to_num(math.inf).min())):
+                        self._pending.append((0, layer, kind, family, "h_res", v))
+            return out
         return call
-    for m in model.modules():
-        if hasattr(m, "_sinkhorn_op"):
-            for family, attr in ENTRY_POINTS.items():
-                if getattr(m, attr, None) is not None:
-                    setattr(m, attr, counted(getattr(m, attr), family))
-    return calls
+
+    def _grad(self, at: tuple, g) -> None:
+        import torch
+        self._order += 1
+        self._pending.append((self._order, at[0], "nonfinite_grad", at[1], at[2], (~torch.isfinite(g)).sum()))
+
+    def step_end(self, layers: int) -> dict:
+        """The step's health per layer and its first non-finite output and gradient; reset."""
+        health = [{} for _ in range(layers)]
+        first = first_grad = None
+        for order, layer, kind, family, name, v in sorted(self._pending, key=lambda e: e[0]):
+            x = float(v)
+            h = health[layer] if 0 <= layer < layers else {}
+            if kind == "nonfinite":
+                key = f"nonfinite:{family}.{name}"
+                h[key] = max(h.get(key, 0), int(x))
+                if x and first is None:
+                    first = [layer, family, name]
+            elif kind == "nonfinite_grad":
+                if x and first_grad is None:
+                    first_grad = [layer, family, name, int(x)]
+            elif kind == "smallest entry":
+                h[kind] = min(h.get(kind, math.inf), x)
+            else:
+                h[kind] = max(h.get(kind, 0.0), x)
+        self._pending, self._order = [], 0
+        return {"health": health, "first_nonfinite": first, "first_nonfinite_grad": first_grad}
 
 
 def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
@@ -226,7 +281,7 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
             if hasattr(m, "_sinkhorn_op"):  # the module's Sinkhorn entry point, called (logits, iters, eps)
                 m._sinkhorn_op = functools.partial(lambda op, eps, x, iters, _eps: op(x, iters, eps),
                                                    m._sinkhorn_op, r.sinkhorn_eps)
-    calls = count_calls(model)
+    watch = Watch(model)
     params = sum(p.numel() for p in model.parameters())
     model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -300,7 +355,8 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
                "iteration-time": elapsed, "mem-allocated-bytes": float(torch.cuda.memory_allocated()),
                "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated()),
                "update": bool(ok), "lr": float(opt.param_groups[0]["lr"]) if hasattr(opt, "param_groups") else None,
-               "fused": fused_ran, "params": params, "calls": dict(calls), "zeros": {k: v for k, v in zeros.items() if v}}
+               "fused": fused_ran, "params": params, "calls": dict(watch.calls), **watch.step_end(r.layers),
+               "zeros": {k: v for k, v in zeros.items() if v}}
         records.append(rec)
         if progress and rank == 0:
             progress(rec)

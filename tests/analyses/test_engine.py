@@ -142,3 +142,32 @@ def test_side_by_side_by_default_on_a_gpu_one_at_a_time_on_a_cpu():
     assert _engine_workers("auto", "cpu", 8, 1) == 1
     assert _engine_workers(5, "cpu", 1, 1) == 3  # at most the three roles of one seed
     assert _engine_workers(2, "cuda", 8, 2) == 2
+
+
+def test_the_watch_counts_calls_and_records_health_and_the_first_non_finite_output_and_gradient():
+    """What the engine's step records beside the metrics, from Megatron's module's entry points (a
+    module with its attributes, here): H_res's health per layer, the first non-finite output in
+    the forward's order and the first non-finite gradient in the backward's."""
+    class Module(torch.nn.Module):
+        def __init__(self, layer_number):
+            super().__init__()
+            self.layer_number = layer_number
+            self._proj_rms_op, self._h_aggregate_op, self._h_post_bda_op = None, None, None
+            self._sinkhorn_op = lambda logits, iters, eps: logits.softmax(-1)
+    model = torch.nn.Sequential(Module(1), Module(2))
+    watch = mc.Watch(model)
+    a, b = model[0], model[1]
+    logits = torch.zeros(3, 4, 4, requires_grad=True)
+    bad = logits.clone()
+    bad.data[0, 0, 0] = float("nan")
+    out = a._sinkhorn_op(logits, 20, 1e-6) + b._sinkhorn_op(bad, 20, 1e-6)
+    out.sum().backward()
+    rec = watch.step_end(2)
+    assert watch.calls == {"proj_rms": 0, "sinkhorn": 2, "h_aggregate": 0, "h_post_bda": 0}
+    assert rec["first_nonfinite"] == [1, "sinkhorn", "h_res"]
+    assert rec["health"][0]["row-sum deviation"] < 1e-6 and rec["health"][0]["smallest entry"] == 0.25
+    assert rec["health"][1]["nonfinite:sinkhorn.h_res"] == 4  # the row the NaN is in
+    assert rec["first_nonfinite_grad"] is None  # the upstream gradient is finite everywhere
+    (b._sinkhorn_op(torch.zeros(3, 4, 4, requires_grad=True), 20, 1e-6) * float("nan")).sum().backward()
+    rec = watch.step_end(2)
+    assert rec["first_nonfinite"] is None and rec["first_nonfinite_grad"] == [1, "sinkhorn", "h_res", 48]

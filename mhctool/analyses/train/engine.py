@@ -400,7 +400,8 @@ class EngineRunner:
         for rec in steps:
             metrics = {k: float(rec[k]) for k in ("lm loss", "grad-norm", "num-zeros", "iteration-time",
                                                   "mem-allocated-bytes", "mem-max-allocated-bytes") if k in rec}
-            traj.steps.append(Step(rec["step"], metrics, rec.get("zeros", {}), []))
+            traj.steps.append(Step(rec["step"], metrics, rec.get("zeros", {}), rec.get("health", []),
+                                   rec.get("first_nonfinite"), rec.get("first_nonfinite_grad")))
             self.params = rec.get("params", self.params)
             self.dtype = rec.get("dtype", self.dtype)
             if progress:
