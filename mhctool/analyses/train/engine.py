@@ -10,16 +10,20 @@ weight, eps) -> (proj, r)``, ``sinkhorn(logits, iters, eps)``, ``h_aggregate(x, 
 ``h_post_bda(h_res, residual, h_post, x, bias)``). ``megatron:DIR`` is Megatron-core's;
 ``FILE.py:function`` or ``module:function`` is anyone's with that interface (the tests' stand-in).
 
-Each trajectory runs in a process of its own (Megatron keeps global state, and a crash or an exit
-in it ends that run with its steps kept, never mhctool):
+Each trajectory runs in a process of its own, one a rank at tensor parallelism (Megatron keeps
+global state, and a crash, an exit or a hang in it ends that run with its steps kept, never
+mhctool); several run side by side:
 
 - ``impl``: the implementation under test. ``megatron`` is Megatron's own switch
   (``use_fused_mhc``: its fused kernels); any other ``--impl`` is swapped in at the entry points,
-  with its declared conventions, its inputs at the contract's dtypes (the Sinkhorn logits and the
-  projection's weight fp32) and its outputs at the dtypes Megatron's own ops return;
+  with its declared conventions, its inputs at the contract's dtypes (the mapping path fp32: the
+  Sinkhorn logits, the projection's weight, h_pre, h_post and h_res) and its outputs at the
+  dtypes Megatron's own ops return;
 - ``native``: Megatron's own unfused path;
 - ``reference``: mhctool's float64 references at the entry points, at the conventions of
-  Megatron's own path (:data:`~mhctool.libraries.megatron_core.NATIVE_CONVENTIONS`).
+  Megatron's own path (:data:`~mhctool.libraries.megatron_core.NATIVE_CONVENTIONS`);
+- ``native:FAMILY.KNOB=VALUE``: the tracing's reruns, Megatron's own path with mhctool's native
+  piece computing the knob at one entry point.
 """
 from __future__ import annotations
 
