@@ -225,6 +225,9 @@ def _engine_setup(engine: str, recipe: Optional[list[str]], specs: list[str], de
     if spec.target == E.MEGATRON and dev != "cuda":
         raise UsageError("--engine megatron runs Megatron-core's model on a GPU (it takes its buffers on CUDA); "
                          "no GPU here (--device cuda)")
+    import importlib.util
+    if spec.target == E.MEGATRON and importlib.util.find_spec("einops") is None:
+        raise UsageError("--engine megatron: Megatron-core imports einops, which is not installed (pip install einops)")
     opts = E.recipe_options(knob_items(recipe, "--recipe", "recompute=false"))
     if ranks is not None:
         if opts.get("tp", ranks) != ranks:
