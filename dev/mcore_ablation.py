@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mhctool.analyses.goldens import Series, check, dump
+from mhctool.analyses.train.engine import ENGINE_FAMILIES, MEGATRON
 
 ROWS = [  # (name, tree variable, the options changed)
     ("m3828 recipe", "MCORE", {}),
@@ -42,10 +43,14 @@ def launch(out: Path, name: str, tree: str, changed: dict, seed: int, port: int,
     log = out / f"{slug(name)}.s{seed}.jsonl"
     log.unlink(missing_ok=True)
     env = {**os.environ, "MASTER_PORT": str(port)}
-    recipe = json.dumps({**extra, **changed, "seed": seed})
+    # the engine's own worker: Megatron's fused switch is the impl role with --impl megatron
+    fused = changed.get("fused", False)
+    recipe = json.dumps({**extra, **{k: v for k, v in changed.items() if k != "fused"}, "seed": seed})
+    specs = json.dumps({f: "megatron" for f in ENGINE_FAMILIES} if fused else {})
     with open(out / f"{slug(name)}.s{seed}.out", "w") as f:
-        subprocess.run([sys.executable, "-m", "mhctool.libraries.megatron_core", os.environ[tree], "--recipe", recipe,
-                        "--log", str(log)], env=env, stdout=f, stderr=subprocess.STDOUT, timeout=560)
+        subprocess.run([sys.executable, "-m", "mhctool.analyses.train.engine", "--engine", MEGATRON,
+                        "--tree", os.environ[tree], "--recipe", recipe, "--role", "impl" if fused else "native",
+                        "--specs", specs, "--log", str(log)], env=env, stdout=f, stderr=subprocess.STDOUT, timeout=560)
     return log
 
 

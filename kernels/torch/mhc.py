@@ -28,6 +28,7 @@ def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowma
              math: str = "ieee"):
     if domain == "log":
         return _sinkhorn_log(logits, iters, order)
+    # ``math`` is the knob's name (math=fast): in this function it shadows the module, which it does not use
     fast = math == "fast"  # a kernel built with fast math: __expf and a reciprocal-multiply per division
     exp = _fast_exp if fast else torch.exp
     if stabilize == "rowmax":

@@ -49,7 +49,7 @@ def train(
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     seed: int = typer.Option(0, "--seed", min=0, help="Seeds the initial model and the synthetic tokens (the ensemble's first seed)."),
     seeds: Optional[int] = typer.Option(None, "--seeds", min=1, show_default="4 on a CPU, 8 on a GPU", help="Train from this many seeds (--seed and those after it) and judge the drift over the ensemble: a metric drifts where the geometric mean over the seeds of its distance from the float64 run over what kappa x native's allows is above 1 and most seeds are past 1 (every seed for num-zeros; 1: one sample)."),
-    workers: str = typer.Option("auto", "--workers", envvar="MHCTOOL_WORKERS", help="Processes the seeds are spread over: a number, or auto (one per GPU on a GPU, one per core on a CPU, at most one a seed). The rows are the same whatever the spread."),
+    workers: str = typer.Option("auto", "--workers", envvar="MHCTOOL_WORKERS", help="Processes the seeds are spread over: a number, or auto (one per GPU on a GPU, one per core on a CPU, at most one a seed). The rows are the same whatever the spread. With --engine: trajectories run side by side (auto: four a GPU, one on a CPU)."),
     knob: Optional[list[str]] = typer.Option(None, "--knob", help="FAMILY.KNOB=VALUE or KNOB=VALUE (every family that has it): what every trajectory asks for, e.g. sinkhorn.eps=1e-8."),
     convention: Optional[list[str]] = typer.Option(None, "--convention", help="FAMILY.KNOB=VALUE or KNOB=VALUE: a convention the implementation computes; the native and float64 trajectories compute it too."),
     input_dtypes: str = typer.Option("contract", "--input-dtypes", help="contract: every family's inputs at mhctool's contract dtypes (the mapping path fp32); library: a library's at the dtypes its adapter says it is used with (Megatron-LM's h_pre, h_res, h_post in the activations' dtype)."),
@@ -92,10 +92,12 @@ def train(
     if ranks is not None and engine is None:
         raise UsageError("--ranks trains over several processes only with --engine (mhctool's own model runs in one)")
     if engine is not None:
-        cfg, runner = _engine_setup(engine, recipe, split(impl or ["megatron"]), dev, dict(
-            steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq, micro_batch=batch,
-            vocab=vocab, lr=lr), seed, knob, convention, ranks)
-        runner.workers = _engine_workers(workers_asked, dev, seeds, runner.recipe.tp)
+        from mhctool.analyses.train import engine as E
+        cfg, runner = E.configure(
+            engine, knob_items(recipe, "--recipe", "recompute=false"), split(impl or ["megatron"]), dev,
+            dict(steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq, micro_batch=batch,
+                 vocab=vocab, lr=lr), seed, knob_items(knob, "--knob", "sinkhorn.eps=1e-8"),
+            knob_items(convention, "--convention", "transpose_res=true"), ranks, workers_asked, seeds)
         assigned, specs = runner.specs, list(dict.fromkeys(runner.specs.values()))
         knobs, conventions = runner.knobs, runner.conventions
     else:
@@ -161,7 +163,7 @@ def train(
             worker.stop()
     table = report.to_table(T.report_rows(o), report.new_run_id(), "train", meta,
                             T.settings(o, kappa=kappa, input_dtypes=input_dtypes, workers=n_workers,
-                                       **_engine_settings(runner)), schema=report.TRAIN_SCHEMA)
+                                       **(runner.settings() if runner else {})), schema=report.TRAIN_SCHEMA)
     path = report.write_atomic(table, out_path)
     if goldens is not None:
         from mhctool.analyses.goldens import dump
@@ -211,76 +213,6 @@ def train(
             f"one seed: a single sample of a chaotic run, --seeds {T.default_seeds(o.cfg.device)} judges over an ensemble")
     out.print(f"{verdict} (kappa {kappa:g} x native's drift, {over}; {written})")
     raise typer.Exit(0 if o.passed else 1)
-
-
-def _engine_setup(engine: str, recipe: Optional[list[str]], specs: list[str], dev: str, sizes: dict, seed: int,
-                  knob: Optional[list[str]], convention: Optional[list[str]], ranks: Optional[int] = None):
-    """The run's configuration and the engine's runner for ``--engine``; bad input exits 2."""
-    from dataclasses import replace
-
-    from mhctool.analyses import train as T
-    from mhctool.analyses.train import engine as E
-    from mhctool.libraries.megatron_core import Recipe
-    spec = E.parse_engine(engine)
-    if spec.target == E.MEGATRON and dev != "cuda":
-        raise UsageError("--engine megatron runs Megatron-core's model on a GPU (it takes its buffers on CUDA); "
-                         "no GPU here (--device cuda)")
-    import importlib.util
-    if spec.target == E.MEGATRON and importlib.util.find_spec("einops") is None:
-        raise UsageError("--engine megatron: Megatron-core imports einops, which is not installed (pip install einops)")
-    opts = E.recipe_options(knob_items(recipe, "--recipe", "recompute=false"))
-    if ranks is not None:
-        if opts.get("tp", ranks) != ranks:
-            raise UsageError(f"--ranks {ranks} and --recipe tp={opts['tp']} disagree")
-        opts["tp"] = ranks
-    r = replace(Recipe(), **{k: v for k, v in sizes.items() if v is not None}, **opts, seed=seed)
-    if spec.target == E.MEGATRON and r.tp > 1:
-        import torch
-        if torch.cuda.device_count() < r.tp:
-            raise UsageError(f"--recipe tp={r.tp} runs a rank a GPU; this machine has {torch.cuda.device_count()}")
-        if r.heads % r.tp or r.vocab % r.tp:
-            raise UsageError(f"--recipe tp={r.tp} must divide the heads ({r.heads}) and the vocabulary ({r.vocab})")
-    if r.sequence_parallel and r.tp < 2:
-        raise UsageError("--recipe sequence_parallel=true needs tensor parallelism (tp=2 or more)")
-    if r.global_batch % r.micro_batch:
-        raise UsageError(f"--recipe global_batch={r.global_batch} must be a multiple of the micro-batch ({r.micro_batch})")
-    assigned = E.assign(specs)
-    from mhctool.registry.specs import resolve_impls
-    for f, s in assigned.items():
-        if s != "megatron":
-            resolve_impls(f, [s])
-    knobs = T.parse_knobs(knob_items(knob, "--knob", "sinkhorn.eps=1e-8"), "--knob")
-    conventions = T.parse_knobs(knob_items(convention, "--convention", "transpose_res=true"), "--convention",
-                                conventions_only=True)
-    cfg = T.config(dev, steps=r.steps, layers=r.layers, streams=r.streams, hidden=r.hidden, heads=r.heads, seq=r.seq,
-                   batch=r.micro_batch, vocab=r.vocab, lr=r.lr, dtype="bf16", seed=seed)
-    return cfg, E.EngineRunner(spec, r, assigned, knobs, conventions, device=dev)
-
-
-# trajectories of --engine side by side on one GPU where --workers is auto: Megatron's recipe at 12
-# layers ran 16 processes side by side on one H200 (dev/mcore_ablation.py, 2026-11-28); its steps are
-# many small kernels, so the GPU takes several at once
-ENGINE_PER_GPU = 4
-
-
-def _engine_workers(asked, dev: str, seeds: int, tp: int) -> int:
-    """Trajectories run at once: --workers N (a number), else on a GPU ENGINE_PER_GPU for each group of ``tp``
-    GPUs (at most the three roles of every seed), one on a CPU."""
-    jobs = 3 * seeds
-    if isinstance(asked, int):
-        return max(1, min(asked, jobs))
-    if dev != "cuda":
-        return 1
-    import torch
-    return max(1, min(jobs, ENGINE_PER_GPU * max(1, torch.cuda.device_count() // max(1, tp))))
-
-
-def _engine_settings(runner) -> dict:
-    if runner is None:
-        return {}
-    from dataclasses import asdict
-    return {"engine": runner.spec.name, "recipe": asdict(runner.recipe), "generation": runner.spec.generation,
-            "side_by_side": runner.workers}
 
 
 def _seeds_phrase(first: int, seeds: int, workers: int) -> str:

@@ -7,27 +7,23 @@ Megatron's ``megatron/training/training.py`` does (``get_model``, ``setup_model_
 ``train_step``). Nothing of Megatron's is copied or changed: the tree is put first on
 ``sys.path`` (``../shared/anchors/stage.sh megatron-core GIT_DIR`` writes one).
 
-Run in its own process, one per rank (a GPU; Megatron-core's model takes its buffers on CUDA; the
-ranks' ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``MASTER_PORT`` in the environment, tensor
-parallelism over all of them: ``tp`` = the world size)::
-
-    python -m mhctool.libraries.megatron_core TREE --recipe '{"steps": 20}' --log steps.jsonl
-
-Each step is a JSON line in ``--log`` (rank 0): Megatron's golden-value metrics (``num-zeros`` as
-its optimizer counts them, over every rank), the exact zeros of rank 0's part of every parameter's
-gradient, and the hyper-connection projections' zeros split into their H_pre, H_post and H_res rows
-(those projections are whole on every rank).
+:func:`train` is the engine of ``mhctool train --engine megatron:DIR``
+(:mod:`mhctool.analyses.train.engine` runs it in a process of its own, one per rank: a GPU;
+Megatron-core's model takes its buffers on CUDA; the ranks' ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE`` and ``MASTER_PORT`` in the environment, tensor parallelism over all of them).
+Each step's record (rank 0) holds Megatron's golden-value metrics (``num-zeros`` as its optimizer
+counts them, over every rank), the exact zeros of rank 0's part of every parameter's gradient, the
+hyper-connection projections' zeros split into their H_pre, H_post and H_res rows (those
+projections are whole on every rank), and what :class:`Watch` saw at the module's entry points.
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Callable
 
 
@@ -128,20 +124,17 @@ def generation(tree: str) -> str:
         return "pr3828"
 
 
-def swap_entry_points(model, ops: dict[str, Callable]) -> int:
+def swap_entry_points(model, ops: dict[str, Callable]) -> None:
     """Every HyperConnectionModule's entry points replaced by ``ops`` (family -> a callable with
     Megatron's signature); dev's fused projection-and-mapping path turned off where the projection
-    is swapped. How many modules."""
-    count = 0
+    is swapped."""
     for m in model.modules():
         if not hasattr(m, "_sinkhorn_op"):
             continue
-        count += 1
         for family, op in ops.items():
             setattr(m, ENTRY_POINTS[family], op)
         if "proj_rms" in ops and getattr(m, "_proj_rms_compute_h_op", None) is not None:
             m._proj_rms_compute_h_op = None
-    return count
 
 
 # the outputs of each entry point, by the names mhctool's families give them
@@ -361,23 +354,3 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
         if progress and rank == 0:
             progress(rec)
     return records
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mhctool.libraries.megatron_core")
-    ap.add_argument("tree", help="a staged megatron-core generation (the folder holding megatron/core)")
-    ap.add_argument("--recipe", default="{}", help="JSON of the options that differ from the recipe's")
-    ap.add_argument("--log", required=True, help="JSON lines, a step each (rank 0)")
-    a = ap.parse_args(argv)
-    r = recipe_from(json.loads(a.recipe))
-    with open(a.log, "a") as f:
-        def progress(rec: dict) -> None:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-        f.write(json.dumps({"recipe": asdict(r), "changed": r.changed()}) + "\n")
-        train(a.tree, r, progress)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

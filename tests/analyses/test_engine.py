@@ -138,10 +138,11 @@ def test_trajectories_run_side_by_side_and_each_lands_under_its_seed_and_role():
 
 
 def test_side_by_side_by_default_on_a_gpu_one_at_a_time_on_a_cpu():
-    from mhctool.cli.train import _engine_workers
-    assert _engine_workers("auto", "cpu", 8, 1) == 1
-    assert _engine_workers(5, "cpu", 1, 1) == 3  # at most the three roles of one seed
-    assert _engine_workers(2, "cuda", 8, 2) == 2
+    def workers(asked, seeds):
+        return E.configure(STANDIN, [], ["megatron"], "cpu", {}, 0, [], [], None, asked, seeds)[1].workers
+    assert workers("auto", 8) == 1 and E.side_by_side_default("cpu") == 1
+    assert workers(5, 1) == 3  # at most the three roles of one seed
+    assert workers(2, 8) == 2
 
 
 def test_the_watch_counts_calls_and_records_health_and_the_first_non_finite_output_and_gradient():

@@ -99,30 +99,28 @@ def load_engine(target: str) -> Callable:
 
 
 def recipe_options(items: list[tuple[str, str]]):
-    """``--recipe KEY=VALUE`` items as the recipe's typed options; an unknown key or a value of the
-    wrong kind is a UsageError."""
+    """``--recipe KEY=VALUE`` items as the recipe's typed options (parsed as knob values are); an
+    unknown key or a value of the wrong kind is a UsageError."""
     from dataclasses import fields
 
+    from mhctool.analyses.knob_shift import typed_value
     from mhctool.libraries.megatron_core import Recipe
-    kinds = {f.name: f.type for f in fields(Recipe)}
+    kinds = {f.name: str(f.type) for f in fields(Recipe)}
     out = {}
     for key, raw in items:
         if key not in kinds:
             raise UsageError(f"--recipe {key}: no such option; accepted: {', '.join(kinds)}")
-        kind = str(kinds[key])
+        kind = kinds[key].split(" ")[0]  # bool, int or float (| None: none is accepted)
+        if raw.lower() in ("none", "null") and "None" in kinds[key]:
+            out[key] = None
+            continue
         try:
-            if raw.lower() in ("none", "null") and "None" in kind:
-                out[key] = None
-            elif kind.startswith("bool"):
-                if raw.lower() not in ("true", "false", "1", "0", "on", "off"):
-                    raise ValueError(raw)
-                out[key] = raw.lower() in ("true", "1", "on")
-            elif kind.startswith("int"):
-                out[key] = int(raw)
-            else:
-                out[key] = float(raw)
-        except ValueError:
-            raise UsageError(f"--recipe {key}={raw}: expected {kind.split(' ')[0]}") from None
+            v = typed_value({"bool": bool, "int": int, "float": float}[kind], key, raw)
+        except UsageError:
+            v = None
+        if v is None or (kind == "int" and not isinstance(v, int)):
+            raise UsageError(f"--recipe {key}={raw}: expected {kind}")
+        out[key] = v
     return out
 
 
@@ -143,14 +141,71 @@ def assign(specs: list[str]) -> dict[str, str]:
     return out
 
 
+def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str], device: str, sizes: dict,
+              seed: int, knob_items: list[tuple[str, str]], convention_items: list[tuple[str, str]],
+              ranks: int | None, workers, seeds: int):
+    """The run's configuration and its runner for ``--engine``: the recipe with the sizes given
+    (None: the recipe's) and its ``--recipe`` options, ``--ranks`` as its tensor parallelism, the
+    implementations assigned, the knobs and conventions checked, how many trajectories run side by
+    side (``workers``: a number, else :func:`side_by_side_default`); bad input is a UsageError."""
+    from dataclasses import replace
+
+    from mhctool.analyses.train.session import parse_knobs
+    from mhctool.analyses.train.setup import config
+    from mhctool.libraries.megatron_core import Recipe
+    from mhctool.registry.specs import resolve_impls
+    spec = parse_engine(engine)
+    if spec.target == MEGATRON and device != "cuda":
+        raise UsageError("--engine megatron runs Megatron-core's model on a GPU (it takes its buffers on CUDA); "
+                         "no GPU here (--device cuda)")
+    import importlib.util
+    if spec.target == MEGATRON and importlib.util.find_spec("einops") is None:
+        raise UsageError("--engine megatron: Megatron-core imports einops, which is not installed (pip install einops)")
+    opts = recipe_options(recipe_items)
+    if ranks is not None:
+        if opts.get("tp", ranks) != ranks:
+            raise UsageError(f"--ranks {ranks} and --recipe tp={opts['tp']} disagree")
+        opts["tp"] = ranks
+    r = replace(Recipe(), **{k: v for k, v in sizes.items() if v is not None}, **opts, seed=seed)
+    if spec.target == MEGATRON and r.tp > 1:
+        import torch
+        if torch.cuda.device_count() < r.tp:
+            raise UsageError(f"--recipe tp={r.tp} runs a rank a GPU; this machine has {torch.cuda.device_count()}")
+        if r.heads % r.tp or r.vocab % r.tp:
+            raise UsageError(f"--recipe tp={r.tp} must divide the heads ({r.heads}) and the vocabulary ({r.vocab})")
+    if r.sequence_parallel and r.tp < 2:
+        raise UsageError("--recipe sequence_parallel=true needs tensor parallelism (tp=2 or more)")
+    if r.global_batch % r.micro_batch:
+        raise UsageError(f"--recipe global_batch={r.global_batch} must be a multiple of the micro-batch ({r.micro_batch})")
+    assigned = assign(specs)
+    for f, s in assigned.items():  # an unknown implementation, a function of the wrong form: before training
+        if s != "megatron":
+            resolve_impls(f, [s])
+    knobs = parse_knobs(knob_items, "--knob")
+    conventions = parse_knobs(convention_items, "--convention", conventions_only=True)
+    cfg = config(device, steps=r.steps, layers=r.layers, streams=r.streams, hidden=r.hidden, heads=r.heads,
+                 seq=r.seq, batch=r.micro_batch, vocab=r.vocab, lr=r.lr, dtype="bf16", seed=seed)
+    together = workers if isinstance(workers, int) else side_by_side_default(device, r.tp)
+    return cfg, EngineRunner(spec, r, assigned, knobs, conventions, device=device,
+                             workers=max(1, min(together, 3 * seeds)))
+
+
+# trajectories side by side on one GPU by default: Megatron's recipe at 12 layers ran 16 processes
+# side by side on one H200 (dev/mcore_ablation.py, 2026-11-28); its steps are many small kernels, so
+# the GPU takes several at once
+PER_GPU = 4
+
+
+def side_by_side_default(device: str, tp: int = 1) -> int:
+    """Trajectories at once where ``--workers`` is auto: :data:`PER_GPU` for each group of ``tp``
+    GPUs, one on a CPU."""
+    if device != "cuda":
+        return 1
+    import torch
+    return PER_GPU * max(1, torch.cuda.device_count() // max(1, tp))
+
+
 # --- in the engine's process ----------------------------------------------------------------------
-
-def _conformed(call: Callable[[dict], tuple], like: Callable[[dict], list]) -> Callable[[dict], tuple]:
-    def run(args: dict) -> tuple:
-        outs = call(args)
-        return tuple(o.reshape(shape).to(dtype) for o, (shape, dtype) in zip(outs, like(args)))
-    return run
-
 
 def _ops(pieces: dict[str, Callable[[dict], tuple]]) -> dict[str, Callable]:
     """Megatron's signatures over mhctool's family calls: inputs by name at the contract's dtypes
@@ -175,18 +230,11 @@ def _ops(pieces: dict[str, Callable[[dict], tuple]]) -> dict[str, Callable]:
 
 def _pieces(role: str, specs: dict[str, str], eff: dict[str, dict], device: str, dtype: str):
     """Family calls for ``role`` (reference: float64; impl: the specs'), as the train pieces build them."""
-    from mhctool.analyses.train.pieces import _family_call, _pick
-    from mhctool.families import get_family
+    from mhctool.analyses.train.pieces import _family_call, _pick, reference_piece
     out, names = {}, {}
     for family in ENGINE_FAMILIES:
         if role == "reference":
-            fam = get_family(family)
-            call = _family_call(family, fam.reference, eff.get(family, {}))
-
-            def wide(args, call=call):
-                return call({k: (v.double() if hasattr(v, "is_floating_point") and v.is_floating_point() else v)
-                             for k, v in args.items()})
-            out[family], names[family] = wide, "float64"
+            out[family], names[family] = reference_piece(family, eff.get(family, {})).call, "float64"
         elif family in specs:
             impl, why = _pick(family, specs[family], device, dtype)
             if impl is None:
@@ -352,6 +400,11 @@ class EngineRunner:
         with ThreadPoolExecutor(max(1, self.workers)) as pool:
             done = dict(zip(jobs, pool.map(one, jobs)))
         return {k: v for k, v in done.items() if v is not None}
+
+    def settings(self) -> dict:
+        """What the report's settings add for an engine's run."""
+        return {"engine": self.spec.name, "recipe": asdict(self.recipe), "generation": self.spec.generation,
+                "side_by_side": self.workers}
 
     @property
     def spec_text(self) -> str:

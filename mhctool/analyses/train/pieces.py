@@ -50,6 +50,9 @@ def _expected(family: str, args: dict) -> list[tuple]:
         return [((t, n), torch.float32), ((t, n), torch.float32), ((t, n, n), torch.float32)]
     if family == "sinkhorn":
         return [(tuple(args["logits"].shape), torch.float32)]
+    if family == "proj_rms":  # an engine's entry point: the projection and r of the mapping path
+        t = args["x2d"].shape[0]
+        return [((t, args["weight"].shape[0]), torch.float32), ((t,), torch.float32)]
     x = args["x"]
     return [((*x.shape[:-2], x.shape[-1]) if family == "h_aggregate" else tuple(x.shape), x.dtype)]
 

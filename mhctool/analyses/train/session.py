@@ -171,7 +171,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     configuration, knobs and precision, for the next session given it (a sweep over
     implementations at one configuration runs them once). ``engine``: an
     :class:`~mhctool.analyses.train.engine.EngineRunner` whose trainer runs the three trajectories
-    (each in a process of its own, the seeds one after another; no tracing)."""
+    (each in a process of its own, side by side), judged and traced the same way."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
