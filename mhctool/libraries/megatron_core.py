@@ -210,6 +210,45 @@ class Watch:
         return {"health": health, "first_nonfinite": first, "first_nonfinite_grad": first_grad}
 
 
+class SequenceParallelNorm:
+    """The local layer spec's norm with sequence parallelism allowed. Megatron's ``WrappedTorchNorm``
+    builds the same torch ``LayerNorm`` (or ``RMSNorm``) but refuses sequence parallelism, because it
+    leaves the weights unmarked: under sequence parallelism each tensor-parallel rank sees its own
+    part of the sequence, so a replicated norm's gradient is partial on every rank, and Megatron's
+    ``finalize_model_grads`` all-reduces only the parameters marked ``sequence_parallel`` (as its
+    TransformerEngine and apex norms mark theirs). This one marks them; the module and its numbers
+    are torch's, as in the local spec."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        import torch
+        kind = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
+        if kind is None:
+            raise ValueError(f"normalization {config.normalization!r}: LayerNorm or RMSNorm with sequence parallelism")
+        norm = kind(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def layer_spec(layers: int, sequence_parallel: bool):
+    """The local layer spec with hyper-connections, as Megatron builds it; under sequence parallelism,
+    the whole block's (each layer's and the final one) with :class:`SequenceParallelNorm` where the
+    spec has Megatron's torch norm."""
+    from dataclasses import fields as dc_fields
+    from dataclasses import replace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(enable_hyper_connection=True)
+    if not sequence_parallel:
+        return spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    sub = spec.submodules
+    swapped = {f.name: SequenceParallelNorm for f in dc_fields(sub) if getattr(sub, f.name) is WrappedTorchNorm}
+    layer = replace(spec, submodules=replace(sub, **swapped))
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=SequenceParallelNorm)
+
+
 def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
           ops: dict[str, Callable] | None = None) -> list[dict]:
     """Train Megatron-core's GPT with hyper-connections by the recipe; every step's record.
@@ -236,7 +275,6 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
         DistributedDataParallel,
         DistributedDataParallelConfig,
     )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -259,7 +297,7 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
         attention_softmax_in_fp32=True, gradient_accumulation_fusion=False, hidden_dropout=r.hidden_dropout,
         **recompute)
     fused_ran = bool(config.use_fused_mhc)  # Megatron turns it off (with a warning) without cuTile
-    model = GPTModel(config, get_gpt_layer_local_spec(enable_hyper_connection=True), vocab_size=r.vocab,
+    model = GPTModel(config, layer_spec(r.layers, r.sequence_parallel), vocab_size=r.vocab,
                      max_sequence_length=r.seq, position_embedding_type="learned_absolute",
                      # tied, as Megatron ties them unless --untie-embeddings-and-output-weights
                      share_embeddings_and_output_weights=True)

@@ -145,6 +145,19 @@ def test_side_by_side_by_default_on_a_gpu_one_at_a_time_on_a_cpu():
     assert workers(2, 8) == 2
 
 
+def test_trajectories_side_by_side_are_dealt_over_the_visible_gpus_in_groups_of_the_ranks(monkeypatch):
+    """Each trajectory's ranks get a group of GPUs of their own (CUDA_VISIBLE_DEVICES), the groups
+    dealt round robin, so four GPUs take four one-rank trajectories, or two at tensor parallel 2."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert E.gpu_groups(1) == ["4", "5", "6", "7"] and E.gpu_groups(2) == ["4,5", "6,7"]
+    assert E.gpu_groups(4) == ["4,5,6,7"] and E.gpu_groups(8) == ["4,5,6,7"]  # too few: configure says so
+    r = E.EngineRunner(E.EngineSpec(STANDIN, None, STANDIN), mc.Recipe(tp=2), {}, {}, {}, device="cuda", workers=5)
+    taken = [r._take_gpus() for _ in range(5)]
+    assert sorted(taken) == ["4,5", "4,5", "4,5", "6,7", "6,7"] and taken[:2] == ["4,5", "6,7"]
+    assert E.EngineRunner(E.EngineSpec(STANDIN, None, STANDIN), mc.Recipe(), {}, {}, {},
+                          device="cpu")._take_gpus() is None
+
+
 def test_the_watch_counts_calls_and_records_health_and_the_first_non_finite_output_and_gradient():
     """What the engine's step records beside the metrics, from Megatron's module's entry points (a
     module with its attributes, here): H_res's health per layer, the first non-finite output in

@@ -75,6 +75,7 @@ def test_correct_external_written_differently_passes(tmp_path, kernel, fn):
     ("sinkhorn", "sinkhorn_eps_1e8", "dead_rows_cols", "fp32"),
     ("sinkhorn", "sinkhorn_col_first", "near_perm", "fp32"),
     ("sinkhorn", "sinkhorn_no_max", "large_logits", "fp32"),
+    ("sinkhorn", "sinkhorn_nan_last_token", "unit_random", "fp32"),
     ("proj_rms", "proj_rms_eps_in_sqrt", "tiny_norm", "fp32"),
     ("h_post_bda", "h_post_bda_transposed", "random", "fp32"),
     ("h_post_bda", "h_post_bda_bf16_bias_grad", "long_tokens", "bf16"),

@@ -131,6 +131,15 @@ def sinkhorn_skips_last_token(logits, iters=20, eps=1e-6):
     return out
 
 
+def sinkhorn_nan_last_token(logits, iters=20, eps=1e-6):
+    """Right everywhere but the last token's matrix, which is NaN (a tile run past the end that
+    writes garbage): a run goes non-finite at the first Sinkhorn it is called in."""
+    out = native.sinkhorn(logits, iters, eps)
+    last = torch.zeros(out.shape[:-2].numel(), dtype=torch.bool, device=out.device)
+    last[-1] = True
+    return torch.where(last.view(*out.shape[:-2], 1, 1), torch.nan, out)
+
+
 class _PerTokenAlphaBf16Sum(torch.autograd.Function):
     """Broadcasts a vector (alpha, h_bias) to every token; the backward sums the per-token
     gradients in bf16."""

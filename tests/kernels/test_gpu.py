@@ -804,3 +804,22 @@ def test_megatron_engine_trains_its_own_gpt_with_the_kernels_swapped_in(tmp_path
     text = res.stdout + res.stderr
     assert res.returncode == 0, text
     assert "PASSED stays with the float64 reference" in text, text
+
+
+@pytest.mark.slow
+def test_megatron_engine_runs_the_recipe_at_tensor_and_sequence_parallel_2(tmp_path):
+    """--ranks 2 --recipe sequence_parallel=true (issue 77): the recipe's parallelism, a GPU a rank,
+    with the norms marked for Megatron's sequence-parallel gradient all-reduce
+    (megatron_core.SequenceParallelNorm); Megatron's fused kernels stay with the float64 run."""
+    import torch
+    tree = _megatron_core_tree()
+    if tree is None or torch.cuda.device_count() < 2:
+        pytest.skip("needs a staged megatron-core and two GPUs")
+    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "train", "--engine", f"megatron:{tree}", "--impl",
+                          "megatron", "--layers", "2", "--hidden", "128", "--heads", "4", "--seq", "64", "--batch", "2",
+                          "--vocab", "1024", "--steps", "3", "--seeds", "1", "--recipe", "global_batch=4",
+                          "--ranks", "2", "--recipe", "sequence_parallel=true", "-o", str(tmp_path / "t.parquet")],
+                         capture_output=True, text=True, timeout=500)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text
+    assert "PASSED stays with the float64 reference" in text, text

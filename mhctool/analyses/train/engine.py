@@ -34,7 +34,8 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+import threading
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -322,16 +323,18 @@ def worker_main(argv: list[str] | None = None) -> int:
 STALL_S = 900.0
 
 
-def _run_ranks(cmd: list[str], ranks: int, stall: float | None = STALL_S, log: Path | None = None) -> str | None:
+def _run_ranks(cmd: list[str], ranks: int, stall: float | None = STALL_S, log: Path | None = None,
+               env: dict[str, str] | None = None) -> str | None:
     """``cmd`` as ``ranks`` processes of one group (RANK, LOCAL_RANK, WORLD_SIZE, one MASTER_PORT),
-    as torchrun starts them; what ended it early, or None. A rank that fails ends the group (the
-    others would wait on it in a collective); ``log`` not growing for ``stall`` seconds is a hang."""
+    as torchrun starts them, with ``env`` added; what ended it early, or None. A rank that fails
+    ends the group (the others would wait on it in a collective); ``log`` not growing for ``stall``
+    seconds is a hang."""
     import time
     port = str(_free_port())
     with tempfile.TemporaryDirectory(prefix="mhctool-ranks-") as d:
         outs = [open(Path(d) / f"rank{r}.txt", "w+") for r in range(ranks)]
         procs = [subprocess.Popen(cmd, stdout=outs[r], stderr=subprocess.STDOUT, env={
-            **os.environ, "MASTER_PORT": port, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks)})
+            **os.environ, **(env or {}), "MASTER_PORT": port, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks)})
             for r in range(ranks)]
         size, since, hung = -1, time.monotonic(), False
         while any(p.poll() is None for p in procs):
@@ -365,12 +368,28 @@ def _run_ranks(cmd: list[str], ranks: int, stall: float | None = STALL_S, log: P
     return f"{where}exit {code}" + (f": {tail[0][:300]}" if tail else "")
 
 
+def gpu_groups(tp: int) -> list[str]:
+    """The visible GPUs in groups of ``tp`` (each a ``CUDA_VISIBLE_DEVICES`` value): the GPUs of one
+    trajectory's ranks. Trajectories side by side are spread over the groups."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [x.strip() for x in visible.split(",") if x.strip()]
+    else:
+        import torch
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    tp = max(1, tp)
+    return [",".join(ids[k * tp:(k + 1) * tp]) for k in range(len(ids) // tp)] or [",".join(ids)]
+
+
 def _free_port() -> int:
     """A port no one listens on now, for the engine's process group (runs side by side differ)."""
     import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_SLOTS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -387,6 +406,21 @@ class EngineRunner:
     params: int = 0
     dtype: str = "bf16"  # the activations' dtype the engine trains at (its steps may say; Megatron's recipe: bf16)
     workers: int = 1  # trajectories run side by side (processes of their own; on a GPU they share it)
+    _slots: object = field(default=None, init=False, repr=False)  # the free GPU groups (a queue)
+
+    def _take_gpus(self) -> str | None:
+        """A group of GPUs for one trajectory's ranks, the groups dealt round robin over the
+        trajectories side by side; None on a CPU."""
+        if self.device != "cuda":
+            return None
+        import queue
+        with _SLOTS_LOCK:
+            if self._slots is None:
+                groups = gpu_groups(getattr(self.recipe, "tp", 1))
+                self._slots = queue.Queue()
+                for i in range(max(self.workers, len(groups))):
+                    self._slots.put(groups[i % len(groups)])
+        return self._slots.get()
 
     def side_by_side(self, jobs: list[tuple[int, str]], say: Callable[[str], Callable | None],
                      interrupted: Callable[[], bool] = lambda: False) -> dict:
@@ -446,7 +480,13 @@ class EngineRunner:
                 cmd += ["--tree", self.spec.tree]
             if alt is not None:
                 cmd += ["--alt", json.dumps(alt)]
-            error = _run_ranks(cmd, getattr(recipe, "tp", 1), self.stall, log)
+            gpus = self._take_gpus()
+            try:
+                error = _run_ranks(cmd, getattr(recipe, "tp", 1), self.stall, log,
+                                   None if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus})
+            finally:
+                if gpus is not None:
+                    self._slots.put(gpus)
             lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
         pieces = next((x["pieces"] for x in lines if "pieces" in x), {})
         steps = [x for x in lines if "step" in x]
