@@ -59,7 +59,10 @@ def test_a_missing_backward_is_the_kernels_own_drift(tmp_path, train):
     explains it."""
     res, text = train(tmp_path, "--impl", IMPLS / "train_faults.py:sinkhorn_detached", *SMALL, "--seeds", "2")
     assert res.exit_code == 1, text
-    assert "DRIFT num-zeros: drifts in 2 of 2 seeds: median distance 4.13e+03 (4.13e+03-4.13e+03)" in text
+    # the whole block, zero in every seed where no native or float64 run has a zero there
+    assert ("DRIFT num-zeros: a block of exact-zero gradients the native and float64 runs do not have: layers.0.phi "
+            "(and 1 more parameter) holds 2,048 or more zeros at the median step of every seed (2 of 2), the native "
+            "and float64 runs at most 0 at any step; median distance 4.13e+03 (4.13e+03-4.13e+03)") in text
     assert "the drift is the kernel's own error" in text
     rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
     per_seed = [r for r in rows if r["metric"] == "seed-drift:num-zeros"]
@@ -174,3 +177,28 @@ def test_the_same_seed_twice_writes_the_same_golden_values(tmp_path, train):
         assert res.exit_code == 0, text
     res = runner.invoke(app, ["goldens", "diff", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--deterministic"])
     assert res.exit_code == 0, res.output
+
+
+def test_a_zeroed_block_fails_num_zeros_only_when_every_seed_has_it_far_beyond_native_and_float64():
+    """The zero findings' block rule: a parameter's zeros at the implementation's median step, in
+    every seed, above twice the most any native or float64 run had plus a hundred (inside
+    Megatron's model the planted H^T h_post_bda zeroed layer 0's attention H_res rows this way)."""
+    from mhctool.analyses.train.ensemble import SeedRun, zero_findings
+    from mhctool.analyses.train.trajectory import Step, Trajectory
+
+    def run(role, seed, counts):
+        t = Trajectory(role, {}, seed=seed)
+        t.steps = [Step(i + 1, {"num-zeros": float(n)}, {"L0.w:h_res": n, "L0.w": n + 3, "L1.w": 5}, []) for i, n in enumerate(counts)]
+        return t
+
+    def runs(impl_counts):
+        return [SeedRun(s, run("impl", s, c), run("native", s, [40, 300, 40, 40]), run("reference", s, [20] * 4))
+                for s, c in enumerate(impl_counts)]
+    zeroed = [16384, 16384, 0, 16384]  # the median step: 16,384
+    f = zero_findings(runs([zeroed] * 4))
+    assert f.anomaly.startswith("a block of exact-zero gradients the native and float64 runs do not have: L0.w:h_res "
+                                "holds 16,384 or more zeros at the median step of every seed "
+                                "(4 of 4), the native and float64 runs at most 300 at any step")
+    assert zero_findings(runs([zeroed] * 3 + [[40] * 4])).anomaly is None  # one seed without it
+    assert zero_findings(runs([[650] * 4] * 4)).anomaly is None  # within 2 x 300 + 100: chaotic counts
+    assert zero_findings(runs([[16384, 0, 0, 0]] * 4)).anomaly is None  # the typical (median) step has none
