@@ -2,6 +2,7 @@
 with the implementation under test swapped in at its mHC module's entry points. CI drives the
 engine interface through a stand-in (impls/engine_standin.py), never Megatron's code; the GPU
 test in tests/kernels/test_gpu.py runs Megatron-core itself where a tree is staged."""
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,21 @@ def test_the_watch_counts_calls_and_records_health_and_the_first_non_finite_outp
     (b._sinkhorn_op(torch.zeros(3, 4, 4, requires_grad=True), 20, 1e-6) * float("nan")).sum().backward()
     rec = watch.step_end(2)
     assert rec["first_nonfinite"] is None and rec["first_nonfinite_grad"] == [1, "sinkhorn", "h_res", 48]
+
+
+def test_a_group_whose_port_was_taken_meanwhile_starts_again_on_another(tmp_path):
+    """Groups side by side each take a free port; two may take the same one, and the second's
+    rendezvous fails with EADDRINUSE (seen with 40 groups on four H200s): that group starts again,
+    any other failure is the run's."""
+    marker = tmp_path / "tried"
+    script = ("import os, sys\n"
+              f"m = {str(marker)!r}\n"
+              "if not os.path.exists(m):\n"
+              "    open(m, 'w').close()\n"
+              "    print('torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+              "network address. port: 1, code: -98, name: EADDRINUSE, message: address already in use')\n"
+              "    sys.exit(1)\n"
+              "print('port', os.environ['MASTER_PORT'])\n")
+    assert E._run_ranks([sys.executable, "-c", script], 2, stall=None) is None and marker.exists()
+    failing = "raise SystemExit('ValueError: no such option')"
+    assert "exit 1" in E._run_ranks([sys.executable, "-c", failing], 1, stall=None)

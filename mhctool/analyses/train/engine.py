@@ -328,9 +328,24 @@ def _run_ranks(cmd: list[str], ranks: int, stall: float | None = STALL_S, log: P
     """``cmd`` as ``ranks`` processes of one group (RANK, LOCAL_RANK, WORLD_SIZE, one MASTER_PORT),
     as torchrun starts them, with ``env`` added; what ended it early, or None. A rank that fails
     ends the group (the others would wait on it in a collective); ``log`` not growing for ``stall``
-    seconds is a hang."""
+    seconds is a hang. A group whose rendezvous port was taken in the meantime (another group side
+    by side took the same free port first) starts again on another, up to three times."""
+    for _attempt in range(3):
+        error = _run_group(cmd, ranks, stall, log, env, str(_free_port()))
+        if error is None or "EADDRINUSE" not in error or _steps_in(log):
+            return error
+    return error
+
+
+def _steps_in(log: Path | None) -> int:
+    if log is None or not log.is_file():
+        return 0
+    return sum(1 for line in log.read_text().splitlines() if line.startswith('{"step"'))
+
+
+def _run_group(cmd: list[str], ranks: int, stall: float | None, log: Path | None, env: dict[str, str] | None,
+               port: str) -> str | None:
     import time
-    port = str(_free_port())
     with tempfile.TemporaryDirectory(prefix="mhctool-ranks-") as d:
         outs = [open(Path(d) / f"rank{r}.txt", "w+") for r in range(ranks)]
         procs = [subprocess.Popen(cmd, stdout=outs[r], stderr=subprocess.STDOUT, env={
