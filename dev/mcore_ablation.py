@@ -28,12 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mhctool.analyses.goldens import Series, check, dump
-from mhctool.analyses.train.engine import (
-    ENGINE_FAMILIES,
-    MEGATRON,
-    _run_ranks,
-    gpu_groups,
-)
+from mhctool.analyses.train.engine import ENGINE_FAMILIES, MEGATRON
+from mhctool.analyses.train.ranks import gpu_groups, run_ranks
 
 ROWS = [  # (name, tree variable, the options changed)
     ("m3828 recipe", "MCORE", {}),
@@ -70,7 +66,7 @@ def launch(out: Path, name: str, tree: str, changed: dict, seed: int, extra: dic
     tp = recipe.get("tp", 1)
     gpus = slots[tp].get()
     try:
-        error = _run_ranks(cmd, tp, 600, log, {"CUDA_VISIBLE_DEVICES": gpus})
+        error = run_ranks(cmd, tp, 600, log, {"CUDA_VISIBLE_DEVICES": gpus})
     finally:
         slots[tp].put(gpus)
     (out / f"{slug(name)}.s{seed}.out").write_text(f"GPUs {gpus}: {error or 'ok'}\n")

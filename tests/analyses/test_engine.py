@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from mhctool.analyses.train import engine as E
+from mhctool.analyses.train import ranks as R
 from mhctool.cli.app import app
 from mhctool.libraries import megatron_core as mc
 
@@ -111,10 +112,10 @@ def test_swapped_entry_points_take_megatrons_signatures_and_give_its_dtypes():
 def test_ranks_start_as_one_group_and_the_first_that_fails_is_named():
     import sys
     code = "import os, sys; assert os.environ['WORLD_SIZE'] == '2'; sys.exit(3 * int(os.environ['RANK']))"
-    assert E._run_ranks([sys.executable, "-c", code], 2, 60) == "rank 1 exit 3"
-    assert E._run_ranks([sys.executable, "-c", "pass"], 2, 60) is None
+    assert R.run_ranks([sys.executable, "-c", code], 2, 60) == "rank 1 exit 3"
+    assert R.run_ranks([sys.executable, "-c", "pass"], 2, 60) is None
     # a rank that neither ends nor logs a step is a hang, ended
-    assert E._run_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 1, 0.5) == "no step for 0.5 s (a hang)"
+    assert R.run_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 1, 0.5) == "no step for 0.5 s (a hang)"
 
 
 def test_trajectories_run_side_by_side_and_each_lands_under_its_seed_and_role():
@@ -150,8 +151,8 @@ def test_trajectories_side_by_side_are_dealt_over_the_visible_gpus_in_groups_of_
     """Each trajectory's ranks get a group of GPUs of their own (CUDA_VISIBLE_DEVICES), the groups
     dealt round robin, so four GPUs take four one-rank trajectories, or two at tensor parallel 2."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert E.gpu_groups(1) == ["4", "5", "6", "7"] and E.gpu_groups(2) == ["4,5", "6,7"]
-    assert E.gpu_groups(4) == ["4,5,6,7"] and E.gpu_groups(8) == ["4,5,6,7"]  # too few: configure says so
+    assert R.gpu_groups(1) == ["4", "5", "6", "7"] and R.gpu_groups(2) == ["4,5", "6,7"]
+    assert R.gpu_groups(4) == ["4,5,6,7"] and R.gpu_groups(8) == ["4,5,6,7"]  # too few: configure says so
     r = E.EngineRunner(E.EngineSpec(STANDIN, None, STANDIN), mc.Recipe(tp=2), {}, {}, {}, device="cuda", workers=5)
     taken = [r._take_gpus() for _ in range(5)]
     assert sorted(taken) == ["4,5", "4,5", "4,5", "6,7", "6,7"] and taken[:2] == ["4,5", "6,7"]
@@ -201,6 +202,6 @@ def test_a_group_whose_port_was_taken_meanwhile_starts_again_on_another(tmp_path
               "network address. port: 1, code: -98, name: EADDRINUSE, message: address already in use')\n"
               "    sys.exit(1)\n"
               "print('port', os.environ['MASTER_PORT'])\n")
-    assert E._run_ranks([sys.executable, "-c", script], 2, stall=None) is None and marker.exists()
+    assert R.run_ranks([sys.executable, "-c", script], 2, stall=None) is None and marker.exists()
     failing = "raise SystemExit('ValueError: no such option')"
-    assert "exit 1" in E._run_ranks([sys.executable, "-c", failing], 1, stall=None)
+    assert "exit 1" in R.run_ranks([sys.executable, "-c", failing], 1, stall=None)

@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mhctool.analyses.train.ranks import STALL_S, gpu_groups, run_ranks
 from mhctool.core.errors import UsageError
 
 # the entry points of Megatron's HyperConnectionModule, by the mhctool family each computes
@@ -318,92 +317,6 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 # --- in mhctool's process -------------------------------------------------------------------------
 
-# a trajectory whose log has not grown for this long is hung: the first step of Megatron's recipe
-# at 12 layers compiles for about a minute on an H200, several side by side for longer
-STALL_S = 900.0
-
-
-def _run_ranks(cmd: list[str], ranks: int, stall: float | None = STALL_S, log: Path | None = None,
-               env: dict[str, str] | None = None) -> str | None:
-    """``cmd`` as ``ranks`` processes of one group (RANK, LOCAL_RANK, WORLD_SIZE, one MASTER_PORT),
-    as torchrun starts them, with ``env`` added; what ended it early, or None. A rank that fails
-    ends the group (the others would wait on it in a collective); ``log`` not growing for ``stall``
-    seconds is a hang. A group whose rendezvous port was taken in the meantime (another group side
-    by side took the same free port first) starts again on another, up to three times."""
-    for _attempt in range(3):
-        error = _run_group(cmd, ranks, stall, log, env, str(_free_port()))
-        if error is None or "EADDRINUSE" not in error or _steps_in(log):
-            return error
-    return error
-
-
-def _steps_in(log: Path | None) -> int:
-    if log is None or not log.is_file():
-        return 0
-    return sum(1 for line in log.read_text().splitlines() if line.startswith('{"step"'))
-
-
-def _run_group(cmd: list[str], ranks: int, stall: float | None, log: Path | None, env: dict[str, str] | None,
-               port: str) -> str | None:
-    import time
-    with tempfile.TemporaryDirectory(prefix="mhctool-ranks-") as d:
-        outs = [open(Path(d) / f"rank{r}.txt", "w+") for r in range(ranks)]
-        procs = [subprocess.Popen(cmd, stdout=outs[r], stderr=subprocess.STDOUT, env={
-            **os.environ, **(env or {}), "MASTER_PORT": port, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ranks)})
-            for r in range(ranks)]
-        size, since, hung = -1, time.monotonic(), False
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                break
-            now = log.stat().st_size if log is not None and log.is_file() else 0
-            if now != size:
-                size, since = now, time.monotonic()
-            elif stall is not None and time.monotonic() - since > stall:
-                hung = True
-                break
-            time.sleep(0.2)
-        failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        if hung:
-            return f"no step for {stall:g} s (a hang)"
-        if not failed:
-            return None
-        rank, code = failed[0]
-        outs[rank].seek(0)
-        lines = [ln for ln in outs[rank].read().strip().splitlines() if ln.strip()]
-        for f in outs:
-            f.close()
-    # the exception's line, not a warning printed at the exit after it
-    raised = [ln for ln in lines if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", ln)]
-    tail = (raised or lines)[-1:]
-    where = f"rank {rank} " if ranks > 1 else ""
-    return f"{where}exit {code}" + (f": {tail[0][:300]}" if tail else "")
-
-
-def gpu_groups(tp: int) -> list[str]:
-    """The visible GPUs in groups of ``tp`` (each a ``CUDA_VISIBLE_DEVICES`` value): the GPUs of one
-    trajectory's ranks. Trajectories side by side are spread over the groups."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [x.strip() for x in visible.split(",") if x.strip()]
-    else:
-        import torch
-        ids = [str(i) for i in range(torch.cuda.device_count())]
-    tp = max(1, tp)
-    return [",".join(ids[k * tp:(k + 1) * tp]) for k in range(len(ids) // tp)] or [",".join(ids)]
-
-
-def _free_port() -> int:
-    """A port no one listens on now, for the engine's process group (runs side by side differ)."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 _SLOTS_LOCK = threading.Lock()
 
 
@@ -497,7 +410,7 @@ class EngineRunner:
                 cmd += ["--alt", json.dumps(alt)]
             gpus = self._take_gpus()
             try:
-                error = _run_ranks(cmd, getattr(recipe, "tp", 1), self.stall, log,
+                error = run_ranks(cmd, getattr(recipe, "tp", 1), self.stall, log,
                                    None if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus})
             finally:
                 if gpus is not None:
