@@ -4,8 +4,8 @@ each row over an ensemble of seeds, the runs side by side on the machine's GPUs 
 
     python3 dev/mcore_ablation.py OUT [--steps 8] [--seeds 8] [--jobs 16] [--rows 0,1,...]
 
-Rows 0-7 run on one GPU each; rows 8 and up at tensor parallel 2 (sequence parallelism on and off),
-a pair of GPUs each. Runs are dealt over the visible GPUs (groups of the row's ranks), each started
+Rows 0-7 and 13-16 run on one GPU each; rows 8-12 at tensor parallel 2 (sequence parallelism on and
+off), a pair of GPUs each. Runs are dealt over the visible GPUs (groups of the row's ranks), each started
 through the engine's own worker and rank launcher.
 
 Per run: num-zeros per step, whether it alternates between two levels, and which parameters'
@@ -46,6 +46,11 @@ ROWS = [  # (name, tree variable, the options changed)
     ("m3828 tp2 SP fused", "MCORE", {"tp": 2, "sequence_parallel": True, "fused": True}),
     ("dev tp2 SP", "MCORE_DEV", {"tp": 2, "sequence_parallel": True}),
     ("dev tp2 SP fused", "MCORE_DEV", {"tp": 2, "sequence_parallel": True, "fused": True}),
+    # dev with one factor changed, as rows 2-5 change PR 3828's
+    ("dev no recompute", "MCORE_DEV", {"recompute": False}),
+    ("dev recompute 1", "MCORE_DEV", {"recompute_layers": 1}),
+    ("dev eps 1e-8", "MCORE_DEV", {"sinkhorn_eps": 1e-8}),
+    ("dev fused eps 1e-8", "MCORE_DEV", {"fused": True, "sinkhorn_eps": 1e-8}),
 ]
 METRICS = ("lm loss", "num-zeros", "grad-norm", "iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes")
 
