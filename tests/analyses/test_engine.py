@@ -205,3 +205,17 @@ def test_a_group_whose_port_was_taken_meanwhile_starts_again_on_another(tmp_path
     assert R.run_ranks([sys.executable, "-c", script], 2, stall=None) is None and marker.exists()
     failing = "raise SystemExit('ValueError: no such option')"
     assert "exit 1" in R.run_ranks([sys.executable, "-c", failing], 1, stall=None)
+
+
+def test_the_sequence_parallel_norm_is_torchs_with_its_parameters_marked_for_the_all_reduce():
+    """megatron_core.SequenceParallelNorm: what the local spec's WrappedTorchNorm builds (torch's
+    LayerNorm or RMSNorm), with weight and bias marked ``sequence_parallel`` as Megatron's
+    finalize_model_grads asks before it all-reduces them over the tensor-parallel ranks."""
+    from types import SimpleNamespace
+    ln = mc.SequenceParallelNorm(SimpleNamespace(normalization="LayerNorm", sequence_parallel=True), 8, eps=1e-5)
+    assert type(ln) is torch.nn.LayerNorm and ln.eps == 1e-5 and ln.normalized_shape == (8,)
+    assert [getattr(p, "sequence_parallel", None) for p in ln.parameters()] == [True, True]
+    rms = mc.SequenceParallelNorm(SimpleNamespace(normalization="RMSNorm", sequence_parallel=False), 8)
+    assert type(rms) is torch.nn.RMSNorm and [p.sequence_parallel for p in rms.parameters()] == [False]
+    with pytest.raises(ValueError, match="LayerNorm or RMSNorm"):
+        mc.SequenceParallelNorm(SimpleNamespace(normalization="L2Norm", sequence_parallel=True), 8)
