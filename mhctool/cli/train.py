@@ -63,7 +63,7 @@ def train(
     every: int = typer.Option(5, "--every", min=1, help="Rows of the curves table: every N-th step."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict lines."),
     engine: Optional[str] = typer.Option(None, "--engine", help="Train another trainer's own model instead of mhctool's: megatron:DIR (a staged megatron-core: its GPT with hyper-connections, optimizer, schedule and num-zeros count, on a GPU; the recipe of Megatron-LM's mHC test, scaled by --layers, --hidden, --heads, --seq, --batch, --vocab, --steps, --lr), or FILE.py:function (an engine of your own). --impl megatron is Megatron's own fused kernels; another --impl is swapped in at its module's entry points."),
-    ranks: Optional[int] = typer.Option(None, "--ranks", min=1, help="With --engine: the processes of one trajectory, a GPU each, tensor parallel over them (the recipe's tensor parallel 2: --ranks 2); the same as --recipe tp=N."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", min=1, help="With --engine: the processes of one trajectory, a GPU each, tensor parallel over them with sequence parallelism, as the recipe runs (--ranks 2; --recipe sequence_parallel=false turns that off); the same as --recipe tp=N."),
     recipe: Optional[list[str]] = typer.Option(None, "--recipe", help="KEY=VALUE: an option of the engine's recipe (repeat), e.g. recompute=false, recompute_layers=1, sinkhorn_eps=1e-8, global_batch=16, hidden_dropout=0, tp=2 with sequence_parallel=true (a rank a GPU, as the recipe runs)."),
 ):
     """Train a small mHC language model with an implementation, natively and in float64; judge the

@@ -219,3 +219,14 @@ def test_the_sequence_parallel_norm_is_torchs_with_its_parameters_marked_for_the
     assert type(rms) is torch.nn.RMSNorm and [p.sequence_parallel for p in rms.parameters()] == [False]
     with pytest.raises(ValueError, match="LayerNorm or RMSNorm"):
         mc.SequenceParallelNorm(SimpleNamespace(normalization="L2Norm", sequence_parallel=True), 8)
+
+
+def test_ranks_run_the_recipes_parallelism_sequence_parallel_unless_turned_off():
+    """--ranks 2 is the recipe's tensor parallel 2 with its sequence parallelism; --recipe
+    sequence_parallel=false turns that off, and one rank has none."""
+    def recipe(ranks, items=()):
+        return E.configure(STANDIN, list(items), ["megatron"], "cpu", {}, 0, [], [], ranks, 1, 1)[1].recipe
+    assert (recipe(2).tp, recipe(2).sequence_parallel) == (2, True)
+    assert recipe(2, [("sequence_parallel", "false")]).sequence_parallel is False
+    assert recipe(None, [("tp", "2")]).sequence_parallel is True
+    assert recipe(None).sequence_parallel is False and recipe(1).sequence_parallel is False

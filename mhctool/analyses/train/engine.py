@@ -145,7 +145,8 @@ def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str]
               seed: int, knob_items: list[tuple[str, str]], convention_items: list[tuple[str, str]],
               ranks: int | None, workers, seeds: int):
     """The run's configuration and its runner for ``--engine``: the recipe with the sizes given
-    (None: the recipe's) and its ``--recipe`` options, ``--ranks`` as its tensor parallelism, the
+    (None: the recipe's) and its ``--recipe`` options, ``--ranks`` as its tensor parallelism (with
+    the recipe's sequence parallelism unless ``--recipe sequence_parallel=false``), the
     implementations assigned, the knobs and conventions checked, how many trajectories run side by
     side (``workers``: a number, else :func:`side_by_side_default`); bad input is a UsageError."""
     from dataclasses import replace
@@ -166,6 +167,8 @@ def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str]
         if opts.get("tp", ranks) != ranks:
             raise UsageError(f"--ranks {ranks} and --recipe tp={opts['tp']} disagree")
         opts["tp"] = ranks
+    if opts.get("tp", 1) > 1:  # the recipe's parallelism: sequence parallel wherever tensor parallel
+        opts.setdefault("sequence_parallel", True)
     r = replace(Recipe(), **{k: v for k, v in sizes.items() if v is not None}, **opts, seed=seed)
     if spec.target == MEGATRON and r.tp > 1:
         import torch
