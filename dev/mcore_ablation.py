@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import sys
 import tarfile
@@ -29,7 +28,8 @@ from pathlib import Path
 
 from mhctool.analyses.goldens import Series, check, dump
 from mhctool.analyses.train.engine import ENGINE_FAMILIES, MEGATRON
-from mhctool.analyses.train.ranks import gpu_groups, run_ranks
+from mhctool.analyses.train.ranks import gpu_slots, run_ranks
+from mhctool.analyses.train.setup import GOLDEN_METRICS
 
 ROWS = [  # (name, tree variable, the options changed)
     ("m3828 recipe", "MCORE", {}),
@@ -52,7 +52,6 @@ ROWS = [  # (name, tree variable, the options changed)
     ("dev eps 1e-8", "MCORE_DEV", {"sinkhorn_eps": 1e-8}),
     ("dev fused eps 1e-8", "MCORE_DEV", {"fused": True, "sinkhorn_eps": 1e-8}),
 ]
-METRICS = ("lm loss", "num-zeros", "grad-norm", "iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes")
 
 
 def slug(name: str) -> str:
@@ -87,7 +86,7 @@ def read(log: Path) -> list[dict]:
 def golden(steps: list[dict], path: Path) -> None:
     if steps:
         first, last = steps[0]["step"], steps[-1]["step"]
-        dump({m: Series(first, last, 1, {s["step"]: s[m] for s in steps}) for m in METRICS}, path)
+        dump({m: Series(first, last, 1, {s["step"]: s[m] for s in steps}) for m in GOLDEN_METRICS}, path)
 
 
 def where(steps: list[dict]) -> str:
@@ -150,12 +149,8 @@ def main() -> int:
     rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
     extra = {"steps": a.steps, **json.loads(a.recipe)}
     jobs = [(name, tree, changed, seed) for name, tree, changed in rows for seed in range(1, a.seeds + 1)]
-    slots = {}
-    for tp in {c.get("tp", 1) for _, _, c in rows}:  # each run's GPUs, dealt round robin
-        groups = gpu_groups(tp)
-        slots[tp] = queue.Queue()
-        for i in range(max(a.jobs, len(groups))):
-            slots[tp].put(groups[i % len(groups)])
+    # each run's GPUs, dealt round robin
+    slots = {tp: gpu_slots(tp, a.jobs) for tp in {c.get("tp", 1) for _, _, c in rows}}
     with ThreadPoolExecutor(a.jobs) as pool:
         logs = list(pool.map(lambda j: launch(out, *j, extra, slots), jobs))
     print(f"{'row':24s} seed  num-zeros per step                      where (>= 1000 zeros)")

@@ -146,6 +146,16 @@ def col_residual(out, ref=None) -> float:
     return float((s - 1).abs().max()) if s.numel() else 0.0
 
 
+def h_res_health(h: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A doubly stochastic H_res's health in training, as 0-d float64 tensors on its device (read
+    them where a sync is due): its largest row- and column-sum deviation from 1 and its smallest
+    entry, a non-finite entry counting as infinitely far off (never as the smallest)."""
+    m = h.detach().double()
+    return {"row-sum deviation": (m.sum(-1) - 1).abs().nan_to_num(math.inf).max(),
+            "col-sum deviation": (m.sum(-2) - 1).abs().nan_to_num(math.inf).max(),
+            "smallest entry": m.nan_to_num(math.inf).min()}
+
+
 ERROR_METRICS = {"max_abs": max_abs, "rel_l2": rel_l2, "max_rel": max_rel, "ulp": ulp}
 COUNT_METRICS = {"nonfinite": nonfinite, "unwritten": unwritten, "extra_zeros": extra_zeros}
 SINKHORN_METRICS = {"row_residual": row_residual, "col_residual": col_residual}

@@ -162,6 +162,8 @@ class Watch:
     def _wrapped(self, op, family: str, layer: int):
         import torch
 
+        from mhctool.core.metrics import h_res_health
+
         def call(*args, **kwargs):
             self.calls[family] += 1
             out = op(*args, **kwargs)
@@ -174,10 +176,7 @@ class Watch:
                     if t.requires_grad:
                         t.register_hook(lambda g, at=(layer, family, name): self._grad(at, g))
                 if family == "sinkhorn":
-                    h = outs[0].detach().double()
-                    for kind, v in (("row-sum deviation", (h.sum(-1) - 1).abs().nan_to_num(math.inf).max()),
-                                    ("col-sum deviation", (h.sum(-2) - 1).abs().nan_to_num(math.inf).max()),
-                                    ("smallest entry", h.nan_to_num(math.inf).min())):
+                    for kind, v in h_res_health(outs[0]).items():
                         self._pending.append((0, layer, kind, family, "h_res", v))
             return out
         return call

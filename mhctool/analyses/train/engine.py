@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mhctool.analyses.train.ranks import STALL_S, gpu_groups, run_ranks
+from mhctool.analyses.train.ranks import STALL_S, gpu_slots, run_ranks
 from mhctool.core.errors import UsageError
 
 # the entry points of Megatron's HyperConnectionModule, by the mhctool family each computes
@@ -79,19 +79,9 @@ def parse_engine(text: str) -> EngineSpec:
 
 def load_engine(target: str) -> Callable:
     """``module:function`` or ``FILE.py:function`` -> the engine's train; a UsageError if absent."""
-    import importlib
-
     from mhctool.registry import loading
     where, _, name = target.rpartition(":")
-    if where.endswith(".py") or "/" in where:
-        if not Path(where).is_file():
-            raise UsageError(f"no file {where}")
-        module = loading.load_file(Path(where))
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise UsageError(f"cannot import module {where} ({e})") from None
+    module = loading.load_path_or_module(where, where, Path(where).name)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UsageError(f"{where} has no function {name}")
@@ -344,13 +334,9 @@ class EngineRunner:
         trajectories side by side; None on a CPU."""
         if self.device != "cuda":
             return None
-        import queue
         with _SLOTS_LOCK:
             if self._slots is None:
-                groups = gpu_groups(getattr(self.recipe, "tp", 1))
-                self._slots = queue.Queue()
-                for i in range(max(self.workers, len(groups))):
-                    self._slots.put(groups[i % len(groups)])
+                self._slots = gpu_slots(getattr(self.recipe, "tp", 1), self.workers)
         return self._slots.get()
 
     def side_by_side(self, jobs: list[tuple[int, str]], say: Callable[[str], Callable | None],
@@ -398,6 +384,7 @@ class EngineRunner:
     def trajectory(self, seed: int, role: str, progress: Callable | None = None, alt: dict | None = None):
         from dataclasses import replace
 
+        from mhctool.analyses.train.setup import GOLDEN_METRICS
         from mhctool.analyses.train.trajectory import Step, Trajectory
         recipe = replace(self.recipe, seed=seed)
         eff = effective_knobs(self.spec, recipe, self.specs, self.knobs, self.conventions,
@@ -426,8 +413,7 @@ class EngineRunner:
         notes = {f: "never called by the engine's model" for f, c in calls.items() if c == 0 and f in pieces}
         traj = Trajectory(role, pieces, notes, seed=seed)
         for rec in steps:
-            metrics = {k: float(rec[k]) for k in ("lm loss", "grad-norm", "num-zeros", "iteration-time",
-                                                  "mem-allocated-bytes", "mem-max-allocated-bytes") if k in rec}
+            metrics = {k: float(rec[k]) for k in GOLDEN_METRICS if k in rec}
             traj.steps.append(Step(rec["step"], metrics, rec.get("zeros", {}), rec.get("health", []),
                                    rec.get("first_nonfinite"), rec.get("first_nonfinite_grad")))
             self.params = rec.get("params", self.params)

@@ -285,11 +285,13 @@ def _zero_kinds(t: Trajectory) -> set[str]:
     return {a.kind for a in check(to_golden(t)) if a.metric == "num-zeros" and a.kind in ("bimodal", "jump")}
 
 
-def _largest_zeros(t: Trajectory) -> dict[str, int]:
+def _largest_zeros(*trajectories: Trajectory) -> dict[str, int]:
+    """Per parameter, the most zeros its gradient held at any step of these trajectories."""
     out: dict[str, int] = {}
-    for s in t.steps:
-        for name, n in s.zeros.items():
-            out[name] = max(out.get(name, 0), n)
+    for t in trajectories:
+        for s in t.steps:
+            for name, n in s.zeros.items():
+                out[name] = max(out.get(name, 0), n)
     return out
 
 
@@ -306,11 +308,7 @@ def zero_findings(runs: list[SeedRun]) -> ZeroFindings:
     anomaly = None
     if len(impl) - len(ref) >= need:
         anomaly = (f"zero-count excursions the float64 runs do not have: {sentence}")
-    envelope: dict[str, int] = {}
-    for r in runs:
-        if r.reference is not None:
-            for name, n in _largest_zeros(r.reference).items():
-                envelope[name] = max(envelope.get(name, 0), n)
+    envelope = _largest_zeros(*(r.reference for r in runs if r.reference is not None))
     beyond: dict[str, list[int]] = {}
     for r in runs:
         for name, n in _largest_zeros(r.impl).items():
@@ -330,7 +328,7 @@ def zero_findings(runs: list[SeedRun]) -> ZeroFindings:
 # near the envelope: inside Megatron-core's model (4 layers, lr 0.01, 8 seeds, 2026-11-28) the fused
 # kernels' and the Triton kernels' least count over the seeds was at most 1.3x it, for every
 # parameter; the planted H^T h_post_bda zeroed layer 0's attention H_res rows (16,384) at the
-# median step of 8 of 8 seeds, where the float64 runs had at most 40.
+# median step of 8 of 8 seeds, where the native and float64 runs had at most 40.
 ZEROED_FACTOR = 2.0
 ZEROED_FLOOR = 100
 
@@ -338,22 +336,15 @@ ZEROED_FLOOR = 100
 def _zeroed_block(runs: list[SeedRun]) -> str | None:
     """The parameter whose gradient the implementation zeroes far beyond every native and float64
     run, at its median step in every seed; None when there is none (or no baseline to weigh it)."""
-    envelope: dict[str, int] = {}
-    baselines = 0
-    for r in runs:
-        for t in (r.native, r.reference):
-            if t is not None and t.steps:
-                baselines += 1
-                for name, n in _largest_zeros(t).items():
-                    envelope[name] = max(envelope.get(name, 0), n)
-    if not baselines or not runs:
+    baselines = [t for r in runs for t in (r.native, r.reference) if t is not None and t.steps]
+    if not baselines:
         return None
+    envelope = _largest_zeros(*baselines)
     typical: dict[str, list[float]] = {}
     for r in runs:
         names = {name for s in r.impl.steps for name in s.zeros}
         for name in names:
-            typical.setdefault(name, []).append(
-                statistics.median(s.zeros.get(name, 0) for s in r.impl.steps) if r.impl.steps else 0.0)
+            typical.setdefault(name, []).append(statistics.median(s.zeros.get(name, 0) for s in r.impl.steps))
     k = len(runs)
     zeroed = [(min(ns), name) for name, ns in typical.items()
               if len(ns) == k and min(ns) > ZEROED_FACTOR * envelope.get(name, 0) + ZEROED_FLOOR]

@@ -88,6 +88,17 @@ def gpu_groups(tp: int) -> list[str]:
     return [",".join(ids[k * tp:(k + 1) * tp]) for k in range(len(ids) // tp)] or [",".join(ids)]
 
 
+def gpu_slots(tp: int, holders: int):
+    """A queue of :func:`gpu_groups` dealt round robin, one entry for each of ``holders`` jobs side
+    by side (at least one a group): a job takes one (``get``) and puts it back when it ends."""
+    import queue
+    groups = gpu_groups(tp)
+    slots = queue.Queue()
+    for i in range(max(holders, len(groups))):
+        slots.put(groups[i % len(groups)])
+    return slots
+
+
 def _free_port() -> int:
     """A port no one listens on now, for the engine's process group (runs side by side differ)."""
     import socket

@@ -226,16 +226,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     complete = compare and runs and all(r.reference is not None for r in runs) and len(runs) == len(seed_list)
     if complete and not interrupted():
         params = param_count(cfg)
-        if len(runs) == 1:
-            r = runs[0]
-            out.drifts = judge(r.impl, r.native, r.reference, cfg, rule, params)
-            out.nonfinite = nonfinite_sentence(r.impl, r.reference)
-        else:
-            out.zeros = zero_findings(runs)
-            out.drifts = judge_ensemble(runs, cfg, rule, params, out.zeros)
-            out.nonfinite = _nonfinite_ensemble(runs)
-        if trace and not out.nonfinite and not out.errors and not all(d.passed for d in out.drifts) \
-                and not interrupted():
+        if _judge(out, runs, cfg, rule, params) and trace and not interrupted():
             cands = candidate_knobs(specs, eff, pieces, cfg.device)
             precision = {f: p.precision for f, p in pieces.items()}
             out.attributions, alts = attribute(runs, cfg, eff, cands, rule, params, interrupted, precision)
@@ -243,6 +234,21 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     out.interrupted = interrupted() or any(t.error == "interrupted" for t in out.trajectories) or \
         len(runs) < len(seed_list)
     return out
+
+
+def _judge(out: Outcome, runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule, params: int) -> bool:
+    """The verdict on ``runs`` into ``out``: one seed by the single-seed rule, several over the
+    ensemble (with its zero findings), and where the implementation went non-finite; whether a
+    drift is left to trace (judged, finite, no run failed)."""
+    if len(runs) == 1:
+        r = runs[0]
+        out.drifts = judge(r.impl, r.native, r.reference, cfg, rule, params)
+        out.nonfinite = nonfinite_sentence(r.impl, r.reference)
+    else:
+        out.zeros = zero_findings(runs)
+        out.drifts = judge_ensemble(runs, cfg, rule, params, out.zeros)
+        out.nonfinite = _nonfinite_ensemble(runs)
+    return not out.nonfinite and not out.errors and not all(d.passed for d in out.drifts)
 
 
 def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, interrupted, say,
@@ -264,16 +270,7 @@ def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, 
     out = Outcome(cfg, engine.spec_text, [t for r in runs for t in r.trajectories()], eff, traced_asked=trace,
                   runs=runs)
     if compare and runs and len(runs) == seeds and all(r.reference is not None for r in runs) and not interrupted():
-        if len(runs) == 1:
-            r = runs[0]
-            out.drifts = judge(r.impl, r.native, r.reference, cfg, rule, engine.params)
-            out.nonfinite = nonfinite_sentence(r.impl, r.reference)
-        else:
-            out.zeros = zero_findings(runs)
-            out.drifts = judge_ensemble(runs, cfg, rule, engine.params, out.zeros)
-            out.nonfinite = _nonfinite_ensemble(runs)
-        if trace and not out.nonfinite and not out.errors and not all(d.passed for d in out.drifts) \
-                and not interrupted():
+        if _judge(out, runs, cfg, rule, engine.params) and trace and not interrupted():
             out.attributions, alts = attribute(runs, cfg, eff, engine.candidates(), rule, engine.params, interrupted,
                                                rerun=engine.alternative)
             out.trajectories.extend(alts)

@@ -21,6 +21,7 @@ from mhctool.analyses.train.setup import (
 )
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import system_exit_message
+from mhctool.core.metrics import h_res_health
 from mhctool.references import model as model_mod
 from mhctool.runner.call import short_error
 
@@ -62,10 +63,7 @@ class Recorder:
         if family == "mapping":
             h["largest logit"] = float(outs[2].detach().float().nan_to_num(0.0).abs().max())
         if family == "sinkhorn":
-            m = outs[0].detach().double()
-            h["row-sum deviation"] = float((m.sum(-1) - 1).abs().nan_to_num(math.inf).max())
-            h["col-sum deviation"] = float((m.sum(-2) - 1).abs().nan_to_num(math.inf).max())
-            h["smallest entry"] = float(m.nan_to_num(math.inf).min())
+            h.update({k: float(v) for k, v in h_res_health(outs[0]).items()})
 
 
     def _grad(self, where: tuple, g: torch.Tensor) -> None:
