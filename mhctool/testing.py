@@ -19,8 +19,7 @@ import pyarrow as pa
 
 from mhctool.analyses import parity as engine
 from mhctool.analyses.hints import hints
-from mhctool.cli.kit import device as _device
-from mhctool.core import findings
+from mhctool.core import environment, findings
 from mhctool.families import get_family
 from mhctool.registry.builtin import native_impl
 from mhctool.registry.impl import Impl
@@ -140,7 +139,7 @@ def check_parity(impl: str | Callable, kernel: str, *, dtypes: Sequence[str] | N
         >>> r.passed
         True
     """
-    dev = _device(device)
+    dev = environment.resolve_device(device)
     p = engine.plan([get_family(kernel).name], [_impl_of(impl, kernel, name)], device=dev,
                     scenario=scenario, dtypes=list(dtypes) if dtypes else None,
                     shapes=list(shapes) if shapes else None, seeds=[seed],

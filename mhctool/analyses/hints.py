@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from mhctool.analyses import identify as ident_mod
 from mhctool.analyses import parity
-from mhctool.cli.kit import fmt, short_impl
+from mhctool.core.text import fmt, short_impl
 from mhctool.core import report
 from mhctool.core.findings import verdicts
 from mhctool.families import get_family

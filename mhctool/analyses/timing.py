@@ -45,7 +45,7 @@ from mhctool.registry.builtin import impls_for
 from mhctool.registry.costs import model
 from mhctool.registry.impl import Impl
 from mhctool.registry.specs import resolve_one
-from mhctool.runner.call import _cast_inputs, _leaf
+from mhctool.runner.call import cast_case_inputs, leaf_inputs
 from mhctool.runner.case import Case
 
 
@@ -185,7 +185,7 @@ def _inputs(kernel: str, shape: Shape, dtype: str, device: str, seed: int, copie
     out = []
     for i in range(copies):
         _, raw = generate(kernel, "random", shape, seed + i, {}, device=device)
-        out.append(_cast_inputs(fam, raw, case))
+        out.append(cast_case_inputs(fam, raw, case))
     return fam, out
 
 
@@ -260,7 +260,7 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
                 times = timer.time(replay, repeats, queued=True)
                 host = host_time_us(replay)
         else:
-            leaves = [_leaf(fam, s) for s in sets]  # with autograd on: what training pays
+            leaves = [leaf_inputs(fam, s) for s in sets]  # with autograd on: what training pays
             times = timer.time(lambda: _call(fam, impl, leaves[state["i"] % len(leaves)]), repeats,
                                before=pick)
             host = host_time_us(lambda: _call(fam, impl, leaves[0]))
@@ -274,7 +274,7 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     # its forward's stream, and the legacy default stream cannot join a capture
     fwd_stream = torch.cuda.Stream() if graph and device == "cuda" else None
     for s in sets:
-        leaves = _leaf(fam, s)
+        leaves = leaf_inputs(fam, s)
         if fwd_stream is not None:
             fwd_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(fwd_stream):
@@ -352,7 +352,7 @@ def _saved_bytes(fam: Family, impl: Impl, args: dict) -> float:
                 total += t.untyped_storage().nbytes()
         return t
 
-    leaves = _leaf(fam, args)
+    leaves = leaf_inputs(fam, args)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _call(fam, impl, leaves)
     return float(total)

@@ -14,6 +14,7 @@ import torch
 
 from mhctool import __version__
 from mhctool.core import interpreter
+from mhctool.core.errors import UsageError
 from mhctool.core.host import cores
 
 
@@ -35,6 +36,18 @@ def _version(dist: str) -> str | None:
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def resolve_device(name: str | None) -> str:
+    """A ``--device`` value -> ``cpu`` or ``cuda`` (None: cuda where a GPU is visible); a device
+    named that is not here is a UsageError."""
+    if name is None:
+        return "cuda" if cuda_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"unknown device {name!r}; accepted: cpu, cuda")
+    if name == "cuda" and not cuda_available():
+        raise UsageError("--device cuda was asked for but no CUDA GPU is visible here; use --device cpu")
+    return name
 
 
 def ensure_triton_mode() -> None:

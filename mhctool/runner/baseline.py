@@ -16,7 +16,7 @@ from mhctool.core.verdict import VerdictRule
 from mhctool.families import Family
 from mhctool.registry.impl import Impl
 from mhctool.runner.call import (
-    _leaf,
+    leaf_inputs,
     named_tensors,
     native_at,
     output_specs,
@@ -27,7 +27,7 @@ from mhctool.runner.call import (
 from mhctool.runner.case import Case, ImplResult, default_timeout, footprint
 
 
-def judged_rows(judged: "_Baseline", res: ImplResult, row_base: dict, rule: VerdictRule, dtype: str,
+def judged_rows(judged: "Baseline", res: ImplResult, row_base: dict, rule: VerdictRule, dtype: str,
                 native: bool = False) -> list[dict]:
     """One row per (direction, tensor, metric) of ``res`` measured against the float64 reference
     of ``judged`` and judged by ``rule`` against its native run (``native``: ``res`` is that run,
@@ -52,7 +52,7 @@ def judged_rows(judged: "_Baseline", res: ImplResult, row_base: dict, rule: Verd
 
 
 @dataclass
-class _Baseline:
+class Baseline:
     """What an implementation is judged against for one (matmul precision, knobs): the native
     implementation's run and metrics, the float64 reference's outputs and gradients."""
 
@@ -85,7 +85,7 @@ class _Baseline:
 
 def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str = "ieee",
                   references: dict | None = None, knobs_key: str = "", native_impl_: Impl | None = None,
-                  reference=None, sharding=None) -> _Baseline:
+                  reference=None, sharding=None) -> Baseline:
     """The native run and the float64 reference of one case under ``knobs``; ``references`` caches
     the reference by ``knobs_key`` across precisions. ``native_impl_`` and ``reference``: other
     native and float64 functions of the family's signature (mhctool identify's variants that are
@@ -121,13 +121,13 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
                 _reference(fam, base, knobs, upstream, references, knobs_key, reference)
         finally:  # waited for even where the reference failed: the next job's answers come after it
             with profile.phase("native (the baseline)"):
-                native = sharding.collect(pending, _sharded_timeout(case))
+                native = sharding.collect(pending, sharded_timeout(case))
         if native.fwd_error or native.bwd_error:
             raise RuntimeError(f"the native {case.kernel} failed on {case.family} over {sharding.ranks} ranks: "
                                f"{native.fwd_error or native.bwd_error}")
     _reference(fam, base, knobs, upstream, references, knobs_key, reference)
     ref_outs, ref_grads, term_scale = references[knobs_key]
-    b = _Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
+    b = Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
     with profile.phase("judging"):
         b.native_metrics = b.measured(native)
     return b
@@ -141,9 +141,9 @@ def _reference(fam: Family, base: dict, knobs: dict, upstream: list, references:
             ref_outs, ref_grads = run_reference(fam, base, knobs, upstream, reference)
             term_scale = {}
             if fam.term_scale is not None:
-                term_scale = fam.term_scale(_leaf(fam, base, torch.float64), [u.double() for u in upstream], knobs)
+                term_scale = fam.term_scale(leaf_inputs(fam, base, torch.float64), [u.double() for u in upstream], knobs)
         references[knobs_key] = (ref_outs, ref_grads, term_scale)
 
 
-def _sharded_timeout(case: Case, external: bool = False) -> float:
+def sharded_timeout(case: Case, external: bool = False) -> float:
     return default_timeout(footprint(case), case.device, external)

@@ -65,7 +65,7 @@ def short_error(e: BaseException) -> str:
     return " | ".join(lines)[:1500]
 
 
-def _cast_inputs(fam: Family, raw: dict, case: Case) -> dict:
+def cast_case_inputs(fam: Family, raw: dict, case: Case) -> dict:
     return cast_inputs(fam, raw, case.dtype, case.device)
 
 
@@ -86,7 +86,7 @@ def cast_inputs(fam: Family, raw: dict, dtype: str, device: str) -> dict:
     return out
 
 
-def _leaf(fam: Family, base: dict, dtype=None) -> dict:
+def leaf_inputs(fam: Family, base: dict, dtype=None) -> dict:
     out = {}
     for name, t in base.items():
         if t is None:
@@ -106,7 +106,7 @@ def _grad_inputs(fam: Family, args: dict) -> list[str]:
 
 def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Tensor], fn=None):
     """The float64 reference (``fn``: another function of the family's signature) and its gradients."""
-    args = _leaf(fam, base, torch.float64)
+    args = leaf_inputs(fam, base, torch.float64)
     outs = fam.call(fn or fam.reference, args, knobs, lambda k: True)
     names = _grad_inputs(fam, args)
     if fam.forward_only or not names:
@@ -122,7 +122,7 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     """Forward, then backward with the upstream gradients ``upstream_fn(outputs)``. ``expect``:
     the contract's (shape, dtype, device) per output; outputs are conformed to it by value."""
     res = ImplResult()
-    args = _leaf(fam, base)
+    args = leaf_inputs(fam, base)
     on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in args.values())
     try:
         with poisoning(True):

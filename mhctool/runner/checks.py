@@ -20,9 +20,9 @@ from mhctool.core.shapes import Shape
 from mhctool.families import Family, generate
 from mhctool.registry.builtin import native_impl
 from mhctool.registry.impl import Impl
-from mhctool.runner.baseline import _Baseline
+from mhctool.runner.baseline import Baseline
 from mhctool.runner.call import (
-    _cast_inputs,
+    cast_case_inputs,
     named_tensors,
     output_specs,
     run_impl,
@@ -304,7 +304,7 @@ class CaseChecks:
     """The determinism and batch-invariance checks of one case (mhctool.repro): reruns of each
     implementation on the same inputs, and runs on the batch variants of the case."""
 
-    def __init__(self, fam: Family, case: Case, shape: Shape, base: dict, nat_base: "_Baseline",
+    def __init__(self, fam: Family, case: Case, shape: Shape, base: dict, nat_base: "Baseline",
                  checks: tuple[str, ...], repeats: int):
         self.fam, self.case, self.shape, self.base, self.checks, self.repeats = fam, case, shape, base, checks, repeats
         self.total = token_count(fam, base) if fam.name in TOKEN_DIMS else None
@@ -319,7 +319,7 @@ class CaseChecks:
         case, fam = self.case, self.fam
         _, raw = generate(case.kernel, case.family, case.shape, case.seed + 1, case.knob_dict,
                                      draw_on=case.device)
-        others = _cast_inputs(fam, raw, case)
+        others = cast_case_inputs(fam, raw, case)
         del raw
         others_up = inputs_mod.upstream_grads([torch.empty(sh, dtype=dt, device=dev) for sh, dt, dev in self.out_specs],
                                               case.seed + 1)

@@ -20,13 +20,13 @@ from mhctool.families import Family, generate, get_family
 from mhctool.registry.builtin import native_impl
 from mhctool.registry.impl import Impl
 from mhctool.runner.baseline import (
-    _Baseline,
-    _sharded_timeout,
+    Baseline,
+    sharded_timeout,
     judged_rows,
     make_baseline,
 )
 from mhctool.runner.call import (
-    _cast_inputs,
+    cast_case_inputs,
     contract_grads,
     declared_inputs,
     output_specs,
@@ -73,7 +73,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
         with profile.phase("inputs"):
             shape, raw = generate(case.kernel, case.family, case.shape, case.seed, knobs,
                                              draw_on=case.device)
-            cast = _cast_inputs(fam, raw, case)
+            cast = cast_case_inputs(fam, raw, case)
             if case.device.startswith("cuda"):  # the draws are asynchronous: the phase waits for them
                 torch.cuda.synchronize()
             return shape, cast
@@ -83,10 +83,10 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             sharding.start()
     shape, base = inputs()
     result = CaseResult(case, shape)
-    baselines: dict[tuple, _Baseline] = {}
+    baselines: dict[tuple, Baseline] = {}
     references: dict[str, tuple] = {}  # the float64 reference depends on the knobs, not the precision
 
-    def baseline(precision: str, eff: dict, rounded: dict | None = None, cast: dict | None = None) -> "_Baseline":
+    def baseline(precision: str, eff: dict, rounded: dict | None = None, cast: dict | None = None) -> "Baseline":
         knobs_key = json.dumps([eff, cast or {}], sort_keys=True, default=str)
         if (precision, knobs_key) not in baselines:
             baselines[precision, knobs_key] = make_baseline(fam, case, rounded or base, eff, precision, references,
@@ -130,7 +130,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             with profile.phase(profile.call_name(impl.name, (impl.name, case.kernel, case.dtype, case.device))):
                 if sharding is not None:
                     res = sharding.run(case.kernel, impl, given, eff, judged.upstream,
-                                      _sharded_timeout(case, external), expect=output_specs(nat.outputs))
+                                      sharded_timeout(case, external), expect=output_specs(nat.outputs))
                 elif isolation is not None and isolation.isolates(impl):
                     res = isolation.run(case, impl, given, eff, judged.upstream, output_specs(nat.outputs))
                 else:

@@ -43,7 +43,7 @@ from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
 from mhctool.registry.specs import resolve_one
-from mhctool.runner.call import _leaf, native_at, run_impl, short_error
+from mhctool.runner.call import leaf_inputs, native_at, run_impl, short_error
 from mhctool.runner.case import ImplResult, device_memory, footprint
 from mhctool.spread.isolation import adopt_environment, child_context, shared_copy
 
@@ -161,7 +161,7 @@ def whole_batch_outputs(fam, kernel: str, native, base: dict, knobs: dict) -> li
     first = {k: (None if v is None else (v[:1] if k in token else v).cpu()) for k, v in base.items()}
     with torch.no_grad():
         try:
-            outs = list(fam.call(native.fn, _leaf(fam, first), knobs, native.accepts, native.bind))
+            outs = list(fam.call(native.fn, leaf_inputs(fam, first), knobs, native.accepts, native.bind))
         except Exception as e:  # noqa: BLE001 - mhctool's own code failed: the case's error
             raise RuntimeError(f"the native {kernel} failed on the first token row: {e}") from e
     return [torch.empty((rows, *o.shape[1:]), dtype=o.dtype, device=device) for o in outs]

@@ -11,9 +11,9 @@ from mhctool.analyses.identify.space import (
     LOOSENESS,
     PRECISION_NOTES,
     SUSPICIOUS_VALUES,
-    _key,
-    _same,
-    _signature,
+    knob_key,
+    same_value,
+    knob_signature,
     fmt_knobs,
     fmt_value,
 )
@@ -51,7 +51,7 @@ class Candidate:
 
     @property
     def key(self) -> tuple:
-        return _key(self.knobs)
+        return knob_key(self.knobs)
 
 
 @dataclass
@@ -92,10 +92,10 @@ class Identification:
     def shown(self, top: int) -> list[Candidate]:
         """The judged candidates, then the best fit of each other discrete combination (``top`` in all)."""
         judged = [c for c in self.candidates if c.stage == "judged"]
-        seen = {_signature(c.knobs, self.discrete) for c in judged}
+        seen = {knob_signature(c.knobs, self.discrete) for c in judged}
         rest = []
         for c in self.candidates:
-            sig = _signature(c.knobs, self.discrete)
+            sig = knob_signature(c.knobs, self.discrete)
             if sig not in seen:
                 seen.add(sig)
                 rest.append(c)
@@ -184,7 +184,7 @@ class Identification:
         if self.best is None or self.best.level != "likely a defect":
             return False
         return any(self.ignored.get(k) != "takes no" for k, v in self.best.knobs.items()
-                   if not _same(v, self.asked.get(k)) and k in get_family(self.kernel).knobs)
+                   if not same_value(v, self.asked.get(k)) and k in get_family(self.kernel).knobs)
 
     def flags(self) -> str:
         """The ``parity`` options that judge it as identified (conventions, then the precision)."""
@@ -199,7 +199,7 @@ class Identification:
         would compute something else again): those are what it was asked for, or a defect."""
         fam = get_family(self.kernel)
         return {k: v for k, v in (self.best.knobs if self.best else {}).items()
-                if k in fam.conventions and not _same(v, self.asked.get(k))
+                if k in fam.conventions and not same_value(v, self.asked.get(k))
                 and (k in self.ignored or not (fam.knobs[k].passed and self.impl.accepts(k)))}
 
 

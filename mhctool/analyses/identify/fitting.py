@@ -15,17 +15,17 @@ import torch
 from mhctool.analyses.identify.conclusion import Candidate, Probe
 from mhctool.analyses.identify.space import (
     KNOWN,
-    _key,
-    _roundness,
-    _same,
-    _signature,
+    knob_key,
+    roundness,
+    same_value,
+    knob_signature,
     classify,
 )
 from mhctool.analyses.identify.subject import (
     Subject,
-    _batched_errors,
-    _float64,
-    _nan_inf,
+    batched_errors,
+    float64_inputs,
+    nan_as_inf,
 )
 
 
@@ -34,7 +34,7 @@ class Fitting(Subject):
 
     def score(self, probes: list[Probe], cand: dict, stage: str) -> Candidate:
         """The candidate's fit (cached): its reference on every probe against the implementation's outputs."""
-        key = _key(cand)
+        key = knob_key(cand)
         if key not in self.tried:
             knobs, ref_fn, _ = self._split(cand)
             self.tried[key] = self._fit(probes, [cand], knobs, ref_fn, lambda outs: [o.unsqueeze(0) for o in outs], stage)[0]
@@ -45,11 +45,11 @@ class Fitting(Subject):
         yet scored in one reference call per probe where the space batches that knob."""
         if name != self.space.batched:
             return [self.score(probes, c, stage) for c in cands]
-        new = [c for c in {_key(c): c for c in cands}.values() if _key(c) not in self.tried]
+        new = [c for c in {knob_key(c): c for c in cands}.values() if knob_key(c) not in self.tried]
         if new:
             for c in self.score_batch(probes, new, name):
                 self.tried[c.key] = replace(c, stage=stage)
-        return [self.tried[_key(c)] for c in cands]
+        return [self.tried[knob_key(c)] for c in cands]
 
     def _tol(self, best: float) -> float:
         """Scores within this of the best are the same fit (one unit of native rounding noise)."""
@@ -58,7 +58,7 @@ class Fitting(Subject):
     def _cost(self, cand: dict) -> float:
         level = classify(self.kernel, cand, self.asked)[0]
         return {"as asked": 0, "known convention": 1, "variant": 2, "likely a defect": 3}[level] + \
-            0.01 * sum(not _same(v, self.asked[k]) for k, v in cand.items())
+            0.01 * sum(not same_value(v, self.asked[k]) for k, v in cand.items())
 
     def grid(self, probes: list[Probe], discrete: dict | None = None) -> list[Candidate]:
         """Every discrete combination (``discrete``: other values for some knobs, default the
@@ -145,7 +145,7 @@ class Fitting(Subject):
                     for o, r, noise in zip(p.res.outputs, outs, p.noise):
                         if r.dim() == o.dim():  # an output the batched knob does not change: one fit for all
                             r = r.unsqueeze(0)
-                        q, m = _batched_errors(o, r.narrow(1, at, rows) if len(group) > 1 else r)
+                        q, m = batched_errors(o, r.narrow(1, at, rows) if len(group) > 1 else r)
                         if len(q) == 1 < len(cands):
                             q, m = q * len(cands), m * len(cands)
                         if len(q) != len(cands):
@@ -153,7 +153,7 @@ class Fitting(Subject):
                         ratio = [max(a, b / noise) for a, b in zip(ratio, q)]
                         rel = [max(a, b) for a, b in zip(rel, m)]
                     at += rows
-        return [Candidate(dict(c), _nan_inf(q), _nan_inf(m), stage) for c, q, m in zip(cands, ratio, rel)]
+        return [Candidate(dict(c), nan_as_inf(q), nan_as_inf(m), stage) for c, q, m in zip(cands, ratio, rel)]
 
     def _stacked(self, probes: list[Probe]) -> list[tuple[list[Probe], dict]]:
         """The probes as (group, its float64 inputs): where the space names a stackable input (its
@@ -163,12 +163,12 @@ class Fitting(Subject):
         name = self.space.stackable
         if key not in self._stacks:
             if name is None or len(self.fam.inputs) != 1:
-                self._stacks[key] = [([p], _float64(p.base)) for p in probes]
+                self._stacks[key] = [([p], float64_inputs(p.base)) for p in probes]
             else:
                 groups: dict = {}
                 for p in probes:
                     groups.setdefault(tuple(p.base[name].shape[1:]), []).append(p)
-                self._stacks[key] = [(g, {name: torch.cat([_float64(p.base)[name] for p in g])})
+                self._stacks[key] = [(g, {name: torch.cat([float64_inputs(p.base)[name] for p in g])})
                                      for g in groups.values()]
         return self._stacks[key]
 
@@ -202,14 +202,14 @@ class Fitting(Subject):
             tol = self._tol(cur.score)
             fits = [s for s in snaps if s.score <= tol]
             if fits:
-                cur = min(fits, key=lambda c: (self._cost(c.knobs), _roundness(c.knobs[name], preferred), c.score))
+                cur = min(fits, key=lambda c: (self._cost(c.knobs), roundness(c.knobs[name], preferred), c.score))
         return cur
 
     def _combos(self, cands: list[Candidate], n: int) -> list[Candidate]:
         """The best candidate of each of the ``n`` best-fitting discrete combinations."""
         seen, out = set(), []
         for c in sorted(cands, key=lambda c: c.score):
-            sig = _signature(c.knobs, self.space.discrete)
+            sig = knob_signature(c.knobs, self.space.discrete)
             if sig not in seen:
                 seen.add(sig)
                 out.append(c)

@@ -8,7 +8,7 @@ from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown
 from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.limits import shape_limit
-from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, _signature
+from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, knob_signature
 from mhctool.registry.impl import Impl
 
 # the best grid score (in native noise) past which the space's rarer conventions are tried too: far
@@ -107,11 +107,11 @@ class Identifier(Judging):
         was asked. Where the guards showed the implementation finite, no candidate that would
         overflow there (the guard tells the two apart)."""
         tol = self._tol(min(c.score for c in self.tried.values()))
-        seen = {_signature(best.knobs, self.space.discrete)}
+        seen = {knob_signature(best.knobs, self.space.discrete)}
         judged: list[Candidate] = []
         close: dict[tuple, list[Candidate]] = {}
         for c in sorted(self.tried.values(), key=lambda c: c.score):
-            sig = _signature(c.knobs, self.space.discrete)
+            sig = knob_signature(c.knobs, self.space.discrete)
             if sig in seen or c is best or (self.guards and self._suspicious(c.knobs)):
                 continue  # (judged in the log domain, no stabilisation is one: the same tie again)
             if c.stage == "judged" and c.passed:

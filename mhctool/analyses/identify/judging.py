@@ -13,11 +13,11 @@ from mhctool.analyses.identify.probing import Probing
 from mhctool.analyses.identify.space import (
     DEFECT_KNOBS,
     SUSPICIOUS_VALUES,
-    _same,
+    same_value,
     classify,
     fmt_value,
 )
-from mhctool.analyses.identify.subject import _batched_errors, _nan_inf
+from mhctool.analyses.identify.subject import batched_errors, nan_as_inf
 from mhctool.core.metrics import max_rel, nonfinite
 from mhctool.families import PRECISIONS, input_family
 from mhctool.registry.builtin import native_impl
@@ -93,7 +93,7 @@ class Judging(Fitting, Probing):
         """knob -> (shown, what was measured) for each fitted value that would be a defect."""
         out = {}
         for k, v in cand.knobs.items():
-            if _same(v, self.asked.get(k)):
+            if same_value(v, self.asked.get(k)):
                 continue
             odd = SUSPICIOUS_VALUES.get((self.kernel, k, v))
             if odd:
@@ -167,11 +167,11 @@ class Judging(Fitting, Probing):
             for p in probes:
                 res = run_impl(self.fam, nat, p.base, knobs, lambda outs, p=p: p.upstream)
                 for o, r in zip(p.res.outputs, res.outputs):
-                    fwd[prec].append(_nan_inf(_batched_errors(o, r.detach().double().unsqueeze(0))[0][0]))
+                    fwd[prec].append(nan_as_inf(batched_errors(o, r.detach().double().unsqueeze(0))[0][0]))
                 for k, g in (p.res.grads or {}).items():
                     r = (res.grads or {}).get(k)
                     if r is not None:
-                        bwd[prec].append(_nan_inf(_batched_errors(g, r.detach().double().unsqueeze(0))[0][0]))
+                        bwd[prec].append(nan_as_inf(batched_errors(g, r.detach().double().unsqueeze(0))[0][0]))
 
         def ranked(dist: dict[str, list[float]]) -> list[str]:
             if not any(dist.values()):

@@ -8,8 +8,8 @@ import torch
 
 from mhctool.analyses.identify.conclusion import Probe
 from mhctool.analyses.identify.evidence import uniform
-from mhctool.analyses.identify.space import _far_from
-from mhctool.analyses.identify.subject import Subject, _batched_errors, _float64
+from mhctool.analyses.identify.space import far_from
+from mhctool.analyses.identify.subject import Subject, batched_errors, float64_inputs
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.metrics import nonfinite
 from mhctool.families import generate, input_family
@@ -50,9 +50,9 @@ class Probing(Subject):
             self.failed = ("backward", res.bwd_error, fam_name)
             return None, f"its backward failed: {res.bwd_error} (probe {fam_name})"
         with torch.no_grad():
-            refs = self.fam.call(self.fam.reference, _float64(base), self._split(self.asked)[0], lambda k: True)
+            refs = self.fam.call(self.fam.reference, float64_inputs(base), self._split(self.asked)[0], lambda k: True)
         floor = 2 * FORMATS[self.dtype].unit_roundoff
-        noise = [max(_batched_errors(o, r.unsqueeze(0))[0][0], floor) for o, r in zip(nat.outputs, refs)]
+        noise = [max(batched_errors(o, r.unsqueeze(0))[0][0], floor) for o, r in zip(nat.outputs, refs)]
         return Probe(replace(case, shape=shape), base, upstream, res, noise, list(refs)), None
 
     def probes(self) -> tuple[list[Probe], str | None]:
@@ -116,7 +116,7 @@ class Probing(Subject):
             if not self.impl.accepts(k):
                 out[k] = "takes no"
                 continue
-            alt = _far_from(knob.kind, self.asked[k])
+            alt = far_from(knob.kind, self.asked[k])
             same = True
             for p in probes:
                 res = self._call(p.case, p.base, {**knobs, k: alt}, p.upstream, output_specs(p.res.outputs))

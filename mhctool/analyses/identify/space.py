@@ -249,7 +249,7 @@ SUSPICIOUS_VALUES = {("sinkhorn", "stabilize", "none"): ("no max subtraction: ex
                                                         "large_logits")}
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         a, b = float(a), float(b)
         return a == b or (a != 0 and b != 0 and abs(a - b) <= 1e-3 * max(abs(a), abs(b)))
@@ -264,7 +264,7 @@ def fmt_value(v) -> str:
     return str(v)
 
 
-def _signature(knobs: dict, names) -> tuple:
+def knob_signature(knobs: dict, names) -> tuple:
     """A candidate's values of the knobs ``names`` (its discrete combination)."""
     return tuple(fmt_value(knobs[k]) for k in names)
 
@@ -287,7 +287,7 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
     ignored = ignored or {}
     knobs = get_family(kernel).knobs
     # a knob that means something under one value of another only is said with it (Knob.only_with)
-    diff = {k: v for k, v in fitted.items() if (k not in asked or not _same(v, asked[k]))
+    diff = {k: v for k, v in fitted.items() if (k not in asked or not same_value(v, asked[k]))
             and (k not in knobs or knobs[k].only_with is None)}
     if fitted.get("domain") == "log" and "stabilize" in diff:
         del diff["stabilize"]  # a log-domain iteration never exponentiates the raw logits
@@ -297,7 +297,7 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
         return "as asked", "; ".join(["computes what it was asked for", *fixed])
     notes, level = [], 0
     for k, v in diff.items():
-        known = next((who for (kk, kn, kv), who in KNOWN.items() if kk == kernel and kn == k and _same(kv, v)), None)
+        known = next((who for (kk, kn, kv), who in KNOWN.items() if kk == kernel and kn == k and same_value(kv, v)), None)
         odd = SUSPICIOUS_VALUES.get((kernel, k, v))
         shown, measured = (evidence or {}).get(k, (None, None))
         own = (f"ignores {k}: runs {fmt_value(v)} whatever it is asked (asked for {fmt_value(asked.get(k))}"
@@ -333,12 +333,12 @@ def _param_note(knob: str, how: str) -> str:
     return f"; it takes no {knob} parameter" if how == "takes no" else ""
 
 
-def _key(knobs: dict) -> tuple:
+def knob_key(knobs: dict) -> tuple:
     """A candidate's identity: its knob values by name (the cache of fits, the table's rows)."""
     return tuple(sorted((k, str(v)) for k, v in knobs.items()))
 
 
-def _far_from(kind: type, v):
+def far_from(kind: type, v):
     """A value of a knob far from ``v``: one iteration (two where ``v`` is one), or 1e-3 times
     (1e3 times, for values under 1e-4; 1e-3 for zero) a float."""
     if kind is int:
@@ -348,11 +348,11 @@ def _far_from(kind: type, v):
     return v * 1e3 if abs(v) < 1e-4 else v * 1e-3
 
 
-def _roundness(v: float, preferred: list) -> int:
+def roundness(v: float, preferred: list) -> int:
     """0 for an asked or known value, 1 for a power of ten, 2 for 2 or 5 times one, 3 otherwise."""
-    if any(_same(v, p) for p in preferred):
+    if any(same_value(v, p) for p in preferred):
         return 0
     if v <= 0:
         return 3
     m = v / 10.0 ** math.floor(math.log10(v) + 1e-9)
-    return 1 if _same(m, 1.0) else 2 if _same(m, 2.0) or _same(m, 5.0) else 3
+    return 1 if same_value(m, 1.0) else 2 if same_value(m, 2.0) or same_value(m, 5.0) else 3

@@ -104,11 +104,11 @@ class Subject:
         return knobs, ref_fn, nat_fn
 
 
-def _float64(base: dict) -> dict:
+def float64_inputs(base: dict) -> dict:
     return {k: (None if t is None else t.double() if t.is_floating_point() else t) for k, t in base.items()}
 
 
-def _batched_errors(out: torch.Tensor, refs: torch.Tensor) -> tuple[list[float], list[float]]:
+def batched_errors(out: torch.Tensor, refs: torch.Tensor) -> tuple[list[float], list[float]]:
     """The normalised max error (max |out - ref| / max |ref|) and ``metrics.max_rel`` of ``out``
     against each ``refs[i]`` at once; inf where a reference is non-finite and the output is not,
     or the output is non-finite where the reference is finite."""
@@ -138,5 +138,5 @@ def _batched_errors(out: torch.Tensor, refs: torch.Tensor) -> tuple[list[float],
     return norm.tolist(), rel.tolist()
 
 
-def _nan_inf(v: float) -> float:
+def nan_as_inf(v: float) -> float:
     return math.inf if math.isnan(v) else v

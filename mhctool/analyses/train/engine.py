@@ -223,17 +223,17 @@ def _ops(pieces: dict[str, Callable[[dict], tuple]]) -> dict[str, Callable]:
 
 def _pieces(role: str, specs: dict[str, str], eff: dict[str, dict], device: str, dtype: str):
     """Family calls for ``role`` (reference: float64; impl: the specs'), as the train pieces build them."""
-    from mhctool.analyses.train.pieces import _family_call, _pick, reference_piece
+    from mhctool.analyses.train.pieces import family_call, pick_impl, reference_piece
     out, names = {}, {}
     for family in ENGINE_FAMILIES:
         if role == "reference":
             out[family], names[family] = reference_piece(family, eff.get(family, {})).call, "float64"
         elif family in specs:
-            impl, why = _pick(family, specs[family], device, dtype)
+            impl, why = pick_impl(family, specs[family], device, dtype)
             if impl is None:
                 names[family] = f"Megatron's own ({why})"
                 continue
-            out[family] = _family_call(family, impl.fn, eff.get(family, {}), impl.accepts, impl.bind, impl.takes)
+            out[family] = family_call(family, impl.fn, eff.get(family, {}), impl.accepts, impl.bind, impl.takes)
             names[family] = impl.name
     return out, names
 
@@ -250,10 +250,10 @@ def effective_knobs(spec: EngineSpec, recipe, specs: dict[str, str], knobs: dict
                            else 1e-6)
     eff["proj_rms"]["eps"] = 1e-6
     if role == "impl":
-        from mhctool.analyses.train.pieces import _pick
+        from mhctool.analyses.train.pieces import pick_impl
         for f, s in specs.items():
             if s != "megatron":
-                impl = _pick(f, s, device, "bf16")[0]
+                impl = pick_impl(f, s, device, "bf16")[0]
                 if impl is not None and impl.backend == "external":
                     eff[f].update(impl.conventions)
     for f in ENGINE_FAMILIES:

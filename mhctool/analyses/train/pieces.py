@@ -36,7 +36,7 @@ class Piece:
     precision: str = "ieee"
 
 
-def _family_call(family: str, fn, knobs: dict, accepts=lambda k: True, bind=lambda k: k,
+def family_call(family: str, fn, knobs: dict, accepts=lambda k: True, bind=lambda k: k,
                  takes=lambda name: True) -> Callable[[dict], tuple]:
     fam = get_family(family)
     return lambda args: fam.call(fn, args, knobs, accepts, bind, takes)
@@ -79,14 +79,14 @@ def _conformed(family: str, call: Callable[[dict], tuple]) -> Callable[[dict], t
 
 def native_piece(family: str, knobs: dict, precision: str = "ieee") -> Piece:
     impl = native_at(family, precision)
-    return Piece(family, impl.name, _family_call(family, impl.fn, knobs))
+    return Piece(family, impl.name, family_call(family, impl.fn, knobs))
 
 
 def reference_piece(family: str, knobs: dict) -> Piece:
     """The family's float64 reference on the inputs upcast; each output back at the dtype the
     native implementation gives it (the mapping path fp32, the streams at theirs)."""
     fam = get_family(family)
-    call = _family_call(family, fam.reference, knobs)
+    call = family_call(family, fam.reference, knobs)
 
     def run(args: dict) -> tuple:
         wide = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in args.items()}
@@ -151,18 +151,18 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
                                      fallback=True)
             continue
         spec_ = specs[family]
-        impl, why = _pick(family, spec_, device, dtype)
+        impl, why = pick_impl(family, spec_, device, dtype)
         eff[family] = {**knobs.get(family, {}), **(impl.conventions if impl and impl.backend == "external" else {}),
                        **conventions.get(family, {})}
         if impl is not None:
-            call = _family_call(family, impl.fn, eff[family], impl.accepts, impl.bind, impl.takes)
+            call = family_call(family, impl.fn, eff[family], impl.accepts, impl.bind, impl.takes)
             if as_used and impl.input_dtypes:
                 call = _as_used(call, impl.input_dtypes, dtype)
             pieces[family] = Piece(family, impl.name, _conformed(family, call), precision=impl.precision_on(device),
                                    note="its inputs at the dtypes its library is used with" if as_used and
                                    impl.input_dtypes else "")
             continue
-        proj = _pick("proj_rms", spec_, device, dtype)[0] if family == "mapping" and \
+        proj = pick_impl("proj_rms", spec_, device, dtype)[0] if family == "mapping" and \
             not is_function_spec(spec_) else None
         if proj is not None:
             pieces[family] = replace(_projection_mapping(proj, eff[family]), precision=proj.precision_on(device),
@@ -172,7 +172,7 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
     return pieces, eff
 
 
-def _pick(family: str, spec: str, device: str, dtype: str):
+def pick_impl(family: str, spec: str, device: str, dtype: str):
     """The first implementation ``spec`` gives ``family`` that can run here, or (None, why not)."""
     impls = resolve_impls(family, [spec])
     why = None

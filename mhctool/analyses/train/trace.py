@@ -7,7 +7,7 @@ from typing import Callable
 
 from mhctool.analyses.identify import IDENTIFIABLE, Identifier, fmt_value
 from mhctool.analyses.train.ensemble import SeedRun, judge_ensemble
-from mhctool.analyses.train.pieces import Piece, _pick, native_piece
+from mhctool.analyses.train.pieces import Piece, pick_impl, native_piece
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig
 from mhctool.analyses.train.trajectory import Trajectory, run
 from mhctool.analyses.train.verdict import judge
@@ -40,7 +40,7 @@ def fitted(family: str, spec: str, asked: dict, device: str) -> list[tuple]:
     cannot run it or nothing passes."""
     if family not in IDENTIFIABLE:
         return []
-    impl, _ = _pick(family, spec, device, "fp32")
+    impl, _ = pick_impl(family, spec, device, "fp32")
     if impl is None:
         return []
     try:
