@@ -51,7 +51,7 @@ class Plan:
 
 
 @dataclass
-class Outcome:
+class Executed:
     rows: list[dict]
     cases_run: int
     interrupted: bool
@@ -195,7 +195,7 @@ def check_poolable(p: Plan) -> None:
 def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[], bool] = lambda: False,
             progress: Callable[[Case], None] | None = None, workers: int = 1, backend: str = "local",
             finished: Callable[[Case], None] | None = None, ray_address: str | None = None,
-            pool=None) -> Outcome:
+            pool=None) -> Executed:
     """Run every case of the plan (the native implementation always, as the baseline); stops
     before the next case once ``interrupted()`` is true. ``progress(case)``: called as each
     starts, ``finished(case)`` as each ends. ``workers`` > 1 or ``backend`` ray: the cases are
@@ -224,10 +224,10 @@ def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[
         done += 1
         if finished:
             finished(c)
-    return Outcome(rows, done, interrupted(), timings, time.perf_counter() - t0)
+    return Executed(rows, done, interrupted(), timings, time.perf_counter() - t0)
 
 
-def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address, into) -> Outcome:
+def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address, into) -> Executed:
     check_poolable(p)
     iso = None if isolation is None else jobs_mod.IsolationSettings(isolation.transport, isolation.case_timeout)
     jobs = [jobs_mod.Job(c, tuple(p.specs), p.scenario.rule, p.matmul_precision, p.conventions.get(c.kernel),
@@ -239,7 +239,7 @@ def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backen
                             progress and (lambda i: progress(p.cases[i])),
                             finished and (lambda i: finished(p.cases[i])), ray_address, into)
     rows = [r for case_rows in spread.rows if case_rows is not None for r in case_rows]
-    return Outcome(rows, sum(r is not None for r in spread.rows), spread.interrupted, spread.timings)
+    return Executed(rows, sum(r is not None for r in spread.rows), spread.interrupted, spread.timings)
 
 
 def asked_outside(p: Plan) -> dict[str, list[str]]:
@@ -256,7 +256,7 @@ def asked_outside(p: Plan) -> dict[str, list[str]]:
     return out
 
 
-def settings(p: Plan, o: Outcome, **extra) -> dict:
+def settings(p: Plan, o: Executed, **extra) -> dict:
     """The run's settings as the report's ``mhctool.run`` metadata records them."""
     return {"command": "parity", "impl": p.specs or [i.name for lst in p.impls.values() for i in lst],
             "scenario": p.scenario.name, "scenario_source": p.scenario.source, "kappa": p.scenario.rule.kappa,
@@ -270,6 +270,6 @@ def settings(p: Plan, o: Outcome, **extra) -> dict:
             **(p.sharding.row() if p.sharding is not None else {}), **extra}
 
 
-def table(p: Plan, o: Outcome, **extra) -> pa.Table:
+def table(p: Plan, o: Executed, **extra) -> pa.Table:
     """The Parquet report of a run (schema: mhctool.report.SCHEMA), not yet written."""
     return report.to_table(o.rows, report.new_run_id(), "parity", environment.metadata(), settings(p, o, **extra))

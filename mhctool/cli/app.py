@@ -15,15 +15,13 @@ from mhctool.cli import bench as cli_bench
 from mhctool.cli import doctor as cli_doctor
 from mhctool.cli import gate as cli_gate
 from mhctool.cli import identify as cli_identify
-from mhctool.cli import kit as clikit
 from mhctool.cli import parity as cli_parity
 from mhctool.cli import train as cli_train
 from mhctool.cli.goldens import goldens_app
-from mhctool.cli.kit import err, out
-from mhctool.cli.kit import guard as _guard
+from mhctool.cli.console import err, guard, out, state
 from mhctool.cli.report import report_app
 from mhctool.cli.stability import stability_app
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import Interrupted, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Numerics validation for fused mHC and grouped-MLP kernels.")
@@ -38,10 +36,10 @@ app.add_typer(stability_app, name="stability")
 app.add_typer(goldens_app, name="goldens")
 
 
-app.command()(_guard(cli_identify.identify))
+app.command()(guard(cli_identify.identify))
 
 
-app.command()(_guard(cli_train.train))
+app.command()(guard(cli_train.train))
 # registered in this order, which --help lists
 app.command()(cli_parity.parity)
 app.command()(cli_bench.bench)
@@ -55,7 +53,7 @@ def main() -> None:
     except UsageError as e:
         err.print(f"error: {e}")
         sys.exit(2)
-    except clikit.Interrupted:
+    except Interrupted:
         err.print("interrupted: stopped at once; no report written")
         sys.exit(130)
 
@@ -70,7 +68,7 @@ def _version(value: bool) -> None:
 def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
           version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print mhctool's version and exit.")):
-    clikit.state["debug"] = debug
+    state["debug"] = debug
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -91,9 +91,7 @@ def fmt(v) -> str:
     return str(v)
 
 
-class Interrupted(BaseException):
-    """A second Ctrl-C (or SIGTERM): leave at once; ``main`` turns it into exit code 130. A
-    BaseException, so that nothing on the way swallows it and atomic writers still clean up."""
+from mhctool.core.errors import Interrupted  # noqa: E402,F401
 
 
 class LogProgress:
@@ -140,34 +138,7 @@ class LogProgress:
                   markup=False)
 
 
-class Interrupts:
-    """SIGINT and SIGTERM during a long run: the first one asks the run to stop starting new cases
-    (``requested``), so what was measured is written; the second one raises :class:`Interrupted`."""
-
-    def __init__(self):
-        self.requested = False
-        self._old: dict = {}
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise Interrupted()
-        self.requested = True
-        err.print(f"{signal.Signals(signum).name}: finishing the case in hand, then writing what was measured "
-                  "(again to stop at once)", markup=False)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old.clear()
-
-    def __call__(self) -> bool:
-        return self.requested
+from mhctool.spread.setup import Interrupts  # noqa: E402,F401
 
 
 def isolation_for(isolate: Optional[bool], specs: list[str], device: str, case_timeout: Optional[float],

@@ -9,12 +9,12 @@ import typer
 from rich.table import Table
 
 from mhctool.cli import kit as clikit
-from mhctool.cli.bench import _bench_table, _bench_totals
 from mhctool.cli.gate import _gate_outputs
 from mhctool.cli.kit import fmt as _fmt
 from mhctool.cli.kit import guard as _guard
 from mhctool.cli.kit import out
-from mhctool.cli.parity import _summary, _verdict_table
+from mhctool.cli.tables import bench_table, bench_totals, verdict_table
+from mhctool.core.findings import tally
 from mhctool.core.errors import UsageError
 
 report_app = typer.Typer(no_args_is_help=True, help="Read Parquet reports: show one, compare two.")
@@ -40,15 +40,16 @@ def report_show(
                   "cases were run before the run was stopped")
     if meta["kind"] == "parity":
         vs = worst_first(verdicts(table))
-        out.print(_verdict_table(vs, top, "verdicts (worst first)"))
-        p, f, s = _summary(vs)
+        out.print(verdict_table(vs, top, "verdicts (worst first)"))
+        p, f, s = tally(v["passed"] for v in vs)
         out.print(f"{p} passed, {f} failed, {s} skipped")
     elif meta["kind"] == "bench":  # the tables bench printed, from the rows
         from mhctool.analyses import timing as bench_mod
         rows = table.to_pylist()
         run = meta["run"]
-        out.print(_bench_table(rows, f"bench {run.get('shape')} {run.get('dtype')} on {run.get('device')}"))
-        for t in _bench_totals(bench_mod, rows):
+        out.print(bench_table(rows, f"bench {run.get('shape')} {run.get('dtype')} on {run.get('device')}"))
+        tots = bench_mod.totals(rows)
+        for t in bench_totals(tots, bench_mod.whole_path(tots), bench_mod.PATH):
             out.print(t)
     else:
         _show_rows(meta["kind"], table.to_pylist(), top)
@@ -144,7 +145,7 @@ def report_merge(
                       summary or out_path.with_suffix(".md"), quiet, interrupted)
     path = report.write_atomic(table, out_path)
     vs = verdicts(table)
-    p, f, s = _summary(vs)
+    p, f, s = tally(v["passed"] for v in vs)
     status = "[red]FAILED[/]" if f else "[green]PASSED[/]"
     out.print(f"{status} {p} passed, {f} failed, {s} skipped  ({len(paths)} slices merged; report {path})")
     raise typer.Exit(1 if f else 0)

@@ -9,3 +9,8 @@ class UsageError(ValueError):
 def system_exit_message(e: SystemExit) -> str:
     """The failed row's message of an implementation that called ``sys.exit``."""
     return f"the implementation called sys.exit({e.code!r})"
+
+
+class Interrupted(BaseException):
+    """A second Ctrl-C (or SIGTERM): leave at once; the command line turns it into exit code 130.
+    A BaseException, so that nothing on the way swallows it and atomic writers still clean up."""

@@ -60,20 +60,22 @@ def test_parity_spreads_a_default_run_of_eight_cases_and_not_one_it_cannot_sprea
     of ranks, or of a callable, stays in one process where nothing was asked, and says why where
     it was."""
     from mhctool.analyses import parity
-    from mhctool.cli import kit
+    from mhctool.spread import setup
     from mhctool.kernels.torch import mhc
     from mhctool.registry.impl import Impl
     for where in (machine, pool):
         monkeypatch.setattr(where, "cores", lambda: 2)
     plan = parity.plan(["sinkhorn"], ["torch"], device="cpu", scenario=str(_scenario(tmp_path)))
     assert len(plan.cases) == 8
-    assert kit.spread_for(None, "local", "cpu", plan) == (2, "local")
-    assert kit.spread_for(None, "local", "cpu", plan, alone=True) == (1, "local")
+    def spread(workers, p, alone=False):
+        return setup.spread_for(workers, "local", "cpu", len(p.cases), lambda: parity.check_poolable(p), alone)
+    assert spread(None, plan) == (2, "local")
+    assert spread(None, plan, alone=True) == (1, "local")
     callable_plan = parity.plan(["sinkhorn"], [Impl("mine", "sinkhorn", "external", mhc.sinkhorn)], device="cpu",
                                 scenario=str(_scenario(tmp_path)))
-    assert kit.spread_for(None, "local", "cpu", callable_plan) == (1, "local")
+    assert spread(None, callable_plan) == (1, "local")
     with pytest.raises(UsageError, match="exists in this process only"):
-        kit.spread_for("2", "local", "cpu", callable_plan)
+        spread("2", callable_plan)
 
 
 def test_a_cpu_report_says_its_cores_and_one_thread_whatever_this_process_had(tmp_path):

@@ -1,0 +1,92 @@
+"""The tables a command prints and ``report show`` prints again from the report's rows."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from mhctool.core.text import fmt as _fmt
+from mhctool.core.text import short_impl as _short_impl
+
+
+def verdict_table(vs: list[dict], top: int, title: str) -> Table:
+    """Verdict rows (worst first) as a table, the first ``top`` of them."""
+    t = Table(title=title, show_lines=False)
+    for c in ("kernel", "impl", "family", "dtype", "shape", "knobs", "dir", "verdict", "worst",
+              "value", "threshold", "rule / reason"):
+        t.add_column(c, overflow="fold")
+    for v in vs[:top]:
+        w = v["worst"] or {}
+        verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[yellow]skip[/]"}[v["passed"]]
+        worst = f"{w.get('tensor')}.{w.get('metric')}" if w else "-"
+        reason = v["message"] if (v["passed"] is not True and v["message"]) else w.get("rule", "-")
+        t.add_row(v["kernel"], _short_impl(v["impl"]), v["family"], v["dtype"], v["shape"],
+                  v["knobs"].strip("{}").replace('"', ""), v["direction"], verdict, worst,
+                  _fmt(w.get("value")), _fmt(w.get("threshold")), str(reason))
+    return t
+
+
+def bench_table(rows: list[dict], title: str) -> Table:
+    """Bench rows as a table: one line per kernel, shape, direction and implementation."""
+    t = Table(title=title)
+    shapes = len({r["shape"] for r in rows}) > 1
+    for c in ("kernel", *(("shape",) if shapes else ()), "dir", "impl", "inputs", "ms", "p10-p90", "GB/s", "% copy",
+              "TFLOP/s", "bound", "host us", "vs eager", "vs compile", "peak MiB", "note"):
+        t.add_column(c)
+    by = {}
+    for r in rows:
+        by.setdefault((r["kernel"], r["shape"], r["direction"], r["impl"], r["graph"]), {})[r["metric"]] = r
+    for (k, shp, d, i, graphed), m in by.items():
+        g = lambda name: m.get(name, {}).get("value")  # noqa: E731
+        note = next((r["message"] for r in m.values() if r.get("message")), "") or ""
+        host = g("host_us")
+        flag = " [yellow](host-bound)[/]" if note and "host-bound" in note else ""
+        inputs = next((r.get("inputs") for r in m.values() if r.get("inputs")), None)
+        t.add_row(k, *((shp,) if shapes else ()), d, _short_impl(i) + (" (graph)" if graphed else ""),
+                  short_inputs(inputs), _fmt(g("time_ms")),
+                  f"{_fmt(g('time_ms_p10'))}-{_fmt(g('time_ms_p90'))}" if g("time_ms") is not None else "-",
+                  _fmt(g("gbps")), _fmt(g("pct_copy_bw")), _fmt(g("tflops")),
+                  next((r["bound"] for r in m.values() if r.get("bound")), "-"), _fmt(host) + flag,
+                  _fmt(g("speedup_vs_torch")), _fmt(g("speedup_vs_compile")),
+                  _fmt(g("peak_bytes") / 2**20 if g("peak_bytes") is not None and g("peak_bytes") == g("peak_bytes") else None),
+                  note)
+    return t
+
+
+def short_inputs(text: str | None) -> str:
+    """``x=bf16,h_pre=fp32,y=bf16`` -> ``bf16; fp32 h_pre``: the commonest dtype alone, then the
+    others with their inputs (the report's ``inputs`` column has them all)."""
+    if not text:
+        return "-"
+    by: dict = {}
+    for part in text.split(","):
+        name, _, dt = part.partition("=")
+        by.setdefault(dt, []).append(name)
+    common = max(by, key=lambda dt: len(by[dt]))
+    return "; ".join([common] + [f"{dt} {' '.join(names)}" for dt, names in by.items() if dt != common])
+
+
+def bench_totals(tots: list, paths: list, path_parts: tuple) -> list[Table]:
+    """fwd + bwd per kernel and implementation (``tots``: timing.totals), and the whole mHC path
+    per implementation (``paths``: timing.whole_path, made of ``path_parts``), where both
+    directions were timed."""
+    if not tots:
+        return []
+    shapes = len({t.shape for t in tots}) > 1
+    label = lambda name, graph: _short_impl(name) + (" (graph)" if graph else "")  # noqa: E731
+    a = Table(title="fwd + bwd")
+    for c in ("kernel", *(("shape",) if shapes else ()), "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "% copy"):
+        a.add_column(c)
+    for t in tots:
+        a.add_row(t.kernel, *((t.shape,) if shapes else ()), label(t.impl, t.graph), _fmt(t.fwd_ms), _fmt(t.bwd_ms),
+                  _fmt(t.ms), _fmt(t.pct_copy_bw))
+    if not paths:
+        return [a]
+    b = Table(title="the whole mHC path, fwd + bwd, ms (projection: proj_rms, or the mapping where there is no "
+                    "proj_rms; a library's fastest variant per kernel)")
+    for c in ("implementation", *(("shape",) if shapes else ()), *path_parts, "total ms", "% copy"):
+        b.add_column(c)
+    for p in sorted(paths, key=lambda p: (p.shape, p.ms)):
+        b.add_row(label(p.name, p.graph), *((p.shape,) if shapes else ()),
+                  *(_fmt(p.parts[s].ms) + ("" if p.parts[s].impl == p.name else f" {_short_impl(p.parts[s].impl)}")
+                    for s in path_parts),
+                  _fmt(p.ms), _fmt(p.pct_copy_bw))
+    return [a, b]

@@ -1,0 +1,168 @@
+"""A run's set-up, one function for every command: what stops it (SIGINT, SIGTERM), whether the
+implementations under test run in a child process (isolation), how many worker processes and
+PyTorch threads it uses, and where the libraries' own output goes (the library log).
+
+An analysis calls :func:`prepare` with what its request asks and runs inside
+:meth:`Setup.running`; the command that asked only prints. Torch-free, like the rest of the
+spreading layer's entry points: a usage error found here answers before torch is imported.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mhctool.core.errors import Interrupted, UsageError
+from mhctool.spread import pool, prewarm
+from mhctool.spread.machine import pinned_threads, threads_for
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Interrupts:
+    """SIGINT and SIGTERM during a long run: the first one asks the run to stop starting new cases
+    (``requested``), so what was measured is written; the second one raises :class:`Interrupted`.
+    ``say``: where the first one's sentence goes (the command's console)."""
+
+    def __init__(self, say: Callable[[str], None] = _stderr):
+        self.requested = False
+        self.say = say
+        self._old: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise Interrupted()
+        self.requested = True
+        self.say(f"{signal.Signals(signum).name}: finishing the case in hand, then writing what was measured "
+                 "(again to stop at once)")
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old.clear()
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
+def warm(workers: str | int | None, backend: str = "local", isolate: bool = False,
+         device: str | None = None) -> None:
+    """The first thing a command that spreads or isolates does: the fork server imports torch, and
+    Triton hashes itself, while the command plans (:func:`pool.warm`, :func:`prewarm.start`)."""
+    pool.warm(workers, backend, isolate, device)
+    prewarm.start(device)
+
+
+def is_outside(spec: str) -> bool:
+    """Whether an ``--impl`` spec names code mhctool did not ship (a function or a library)."""
+    return ":" in spec
+
+
+def isolation_for(isolate: bool | None, specs: list[str], device: str, case_timeout: float | None,
+                  transport: str | None, interrupts: Interrupts, default_on: bool = False):
+    """The runner's Isolation, or None. Default: on where ``default_on`` (the gate), when an
+    outside implementation runs on a GPU, or when a case time limit is asked for. ``transport``:
+    None where the user named none (shm)."""
+    external = any(is_outside(s) for s in specs)
+    asked = isolate
+    if isolate is None:
+        isolate = default_on or (external and device == "cuda") or case_timeout is not None
+    if not isolate:
+        if case_timeout is not None:
+            raise UsageError("--case-timeout needs --isolate (a time limit needs a child process to stop)")
+        if transport is not None:
+            raise UsageError(f"--isolate-transport {transport} needs isolation, which "
+                             + ("--no-isolate turns off" if asked is False else "is off here: add --isolate"))
+        return None
+    transport = transport or "shm"
+    from mhctool.spread.isolation import TRANSPORTS
+    if transport not in TRANSPORTS:
+        raise UsageError(f"unknown --isolate-transport {transport!r}; accepted: {', '.join(TRANSPORTS)}")
+    from mhctool.spread.case_isolation import Isolation
+    return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts)
+
+
+def spread_for(workers: str | int | None, backend: str, device: str, units: int,
+               check_spreadable: Callable[[], None], alone: bool = False) -> tuple[int, str]:
+    """``--workers`` and ``--backend`` for a run of ``units`` cases -> (worker processes, backend),
+    checked before anything runs. ``check_spreadable()`` raises a UsageError where the run's
+    implementations cannot leave this process (Python callables). ``alone``: the run keeps its
+    cases in this process (``--ranks``); with ``--workers`` unset, so does a run that cannot be
+    spread."""
+    pool.check_backend(backend)
+    asked = pool.parse_workers(workers)
+    if asked == pool.DEFAULT and backend == "local":
+        try:
+            check_spreadable()
+        except UsageError:
+            alone = True
+        if alone:
+            return 1, backend
+    n = pool.worker_count(asked, device, max(units, 1))
+    if n > 1 or backend == "ray":
+        check_spreadable()
+    return n, backend
+
+
+@dataclass
+class Setup:
+    """How one run uses the machine; :meth:`running` puts it in force."""
+
+    device: str
+    interrupts: Interrupts
+    isolation: object | None = None  # case_isolation.Isolation
+    workers: int = 1
+    backend: str = "local"
+    threads: int | None = None  # PyTorch threads a process (None: left as they are)
+    log_path: Path | None = None  # the library log asked for (None: the libraries' lines show)
+    consoles: dict = field(default_factory=dict)  # mhctool's consoles, kept on the terminal
+    library_log: str | None = None  # after running: the log's path, where anything was written to it
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self.isolation is None else self.isolation.transport
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Setup]:
+        """Signals caught, threads pinned, the libraries' output in the log; the isolation
+        workers stopped and the log's path known on leaving, however the run ends."""
+        from mhctool.core.library_log import library_log
+        with contextlib.ExitStack() as stack:
+            stack.callback(self._close)
+            stack.enter_context(self.interrupts)
+            if self.threads is not None:
+                stack.enter_context(pinned_threads(self.threads))
+            if self.log_path is not None:
+                state = stack.enter_context(library_log(self.log_path, self.consoles))
+                stack.callback(lambda: setattr(self, "library_log", state["path"]))
+            yield self
+
+    def _close(self) -> None:
+        if self.isolation is not None:
+            self.isolation.close()
+
+
+def prepare(device: str, *, specs: list[str] = (), isolate: bool | None = None, case_timeout: float | None = None,
+            transport: str | None = None, default_isolate: bool = False, workers: int = 1, backend: str = "local",
+            pin_threads: bool = True, library_log: Path | None = None, consoles: dict | None = None,
+            say: Callable[[str], None] = _stderr) -> Setup:
+    """A run's set-up, checked before anything runs (a UsageError otherwise): isolation as
+    :func:`isolation_for` decides, ``workers`` processes (from :func:`spread_for`), PyTorch threads
+    for them (:func:`machine.threads_for`) unless ``pin_threads`` is false, and the libraries'
+    output to ``library_log`` where one is given."""
+    interrupts = Interrupts(say)
+    iso = isolation_for(isolate, list(specs), device, case_timeout, transport, interrupts, default_on=default_isolate)
+    return Setup(device, interrupts, iso, workers, backend, threads_for(device, workers) if pin_threads else None,
+                 library_log, dict(consoles or {}))
