@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from mhctool.cli import kit as clikit
-from mhctool.cli.gate import _gate_outputs
+from mhctool.cli.gate import show as show_gate
 from mhctool.cli.kit import fmt as _fmt
 from mhctool.cli.kit import guard as _guard
 from mhctool.cli.kit import out
@@ -141,8 +141,10 @@ def report_merge(
         cases = gate_mod.cases_from_rows(table.to_pylist())
         name = meta["run"].get("suite_name") or (cases[0].suite_item if cases else "gate")
         interrupted = json.loads(table.schema.metadata[b"mhctool.run"]).get("interrupted", False)
-        _gate_outputs(table, name, cases, out_path, junit or out_path.with_suffix(".xml"),
-                      summary or out_path.with_suffix(".md"), quiet, interrupted)
+        from mhctool.analyses.runs.gate import write_outputs
+        paths = (out_path, junit or out_path.with_suffix(".xml"), summary or out_path.with_suffix(".md"))
+        write_outputs(table, name, cases, *paths)
+        raise typer.Exit(show_gate(name, cases, paths, quiet, interrupted))
     path = report.write_atomic(table, out_path)
     vs = verdicts(table)
     p, f, s = tally(v["passed"] for v in vs)
@@ -266,7 +268,7 @@ def _compare_outputs(c, kind: str, keys: tuple, before: Path, after: Path, toler
             if len(c.worse) > gate_mod.MARKDOWN_CAP:
                 lines.append(f"\n... and {len(c.worse) - gate_mod.MARKDOWN_CAP} more (the JUnit XML and --json "
                              "have every one)")
-        clikit.write_summary(summary, "\n".join(lines) + "\n")
+        report.write_summary(summary, "\n".join(lines) + "\n")
 
 
 

@@ -400,3 +400,12 @@ def read(path: str | os.PathLike) -> tuple[pa.Table, dict]:
         "run": json.loads(raw.get(b"mhctool.run", b"{}")),
     }
     return table, meta
+
+
+def write_summary(path: str | os.PathLike, md: str) -> Path:
+    """A Markdown summary, written atomically and appended to ``$GITHUB_STEP_SUMMARY`` when set."""
+    written = atomic(path, lambda tmp: Path(tmp).write_text(md))
+    if os.environ.get("GITHUB_STEP_SUMMARY"):
+        with open(os.environ["GITHUB_STEP_SUMMARY"], "a") as f:
+            f.write(md)
+    return written
