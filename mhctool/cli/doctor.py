@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from mhctool.cli.kit import guard as _guard
-from mhctool.cli.kit import out
+from mhctool.cli.console import guard, out
 
 
-@_guard
+@guard
 def doctor():
     """Which backends work here, and why not."""
     t = Table(title="backends")

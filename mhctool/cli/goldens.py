@@ -8,10 +8,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from mhctool.cli.kit import fmt as _fmt
-from mhctool.cli.kit import guard as _guard
-from mhctool.cli.kit import out
-from mhctool.cli.kit import split as _split
+from mhctool.cli.console import guard, out
+from mhctool.core.text import fmt as _fmt
+from mhctool.core.text import split as _split
 from mhctool.core.errors import UsageError
 
 goldens_app = typer.Typer(no_args_is_help=True, help="Megatron golden-value files and training logs: show, diff, check, extract.")
@@ -37,7 +36,7 @@ def _read_run(path: Path):
 
 
 @goldens_app.command("show")
-@_guard
+@guard
 def goldens_show(path: Path = typer.Argument(..., help="Golden-value JSON or a Megatron training log.")):
     """Per metric: steps, range and a sparkline."""
     g = _read_run(path)
@@ -66,7 +65,7 @@ def _rtol_overrides(items: Optional[list[str]]) -> dict[str, float]:
 
 
 @goldens_app.command("diff")
-@_guard
+@guard
 def goldens_diff(
     golden: Path = typer.Argument(..., help="The golden values (JSON)."),
     actual: Path = typer.Argument(..., help="The run to check (JSON, or a training log)."),
@@ -119,7 +118,7 @@ def goldens_diff(
 
 
 @goldens_app.command("check")
-@_guard
+@guard
 def goldens_check(
     path: Path = typer.Argument(..., help="Golden-value JSON or a training log."),
     factor: float = typer.Option(5.0, "--factor", min=1.0, help="A count that moves by this factor is an anomaly."),
@@ -145,7 +144,7 @@ def goldens_check(
 
 
 @goldens_app.command("extract")
-@_guard
+@guard
 def goldens_extract(
     log: Path = typer.Argument(..., help="A Megatron training log."),
     out_path: Path = typer.Option(..., "--out", "-o", help="Golden-value JSON to write."),

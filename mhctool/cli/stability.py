@@ -1,186 +1,135 @@
-"""``mhctool stability``: sinkhorn (sweep), eps (one knob changed), overflow (headroom), gain (depth)."""
+"""``mhctool stability``: sinkhorn (sweep), eps (one knob changed), overflow (headroom), gain
+(depth): their options, the runs (:mod:`mhctool.analyses.runs.stability`) and their tables.
+
+The runs are imported inside the commands, so that ``--help`` and a usage error answer without
+importing torch."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Annotated, Optional
 
 import typer
-from rich.progress import Progress, TextColumn
 from rich.table import Table
 
-from mhctool.cli.kit import device as parse_device
-from mhctool.cli.kit import err, fmt, guard, out, parse_dtype, split
-from mhctool.core.errors import UsageError
-
-if TYPE_CHECKING:
-    from mhctool.registry.impl import Impl
-
-
-
-def typed_value(kind, name, value):
-    from mhctool.analyses.knob_shift import typed_value as typed
-    return typed(kind, name, value)
-
-
+from mhctool.cli import options as opts
+from mhctool.cli.console import guard, out
+from mhctool.cli.progress import watching
+from mhctool.core.text import fmt, split
 
 stability_app = typer.Typer(no_args_is_help=True, help="Where and why a computation breaks: sweeps and analyses.")
 
 _IMPL_HELP = "Implementations (built-in name or module:function); repeat or comma-separate."
+Quiet = Annotated[bool, typer.Option("--quiet", "-q")]
+Plot = Annotated[Optional[Path], typer.Option("--plot", help="Folder for PNG plots.")]
+SinkhornImpl = Annotated[Optional[list[str]], typer.Option("--impl", "-i", help=_IMPL_HELP + " Default: every available built-in one.")]
+SinkhornQuick = Annotated[bool, typer.Option("--quick", help="A CPU-sized sweep (under a minute).")]
+SinkhornScales = Annotated[Optional[str], typer.Option("--scales", help="Logit amplitudes LO:HI[:POINTS], log-spaced (default 0.1:1000 plus points near the overflows).")]
+SinkhornIters = Annotated[Optional[list[str]], typer.Option("--iters", help="Iteration counts (1 to 10000), e.g. 1,5,20,100.")]
+SinkhornFamily = Annotated[Optional[list[str]], typer.Option("--family", "-f", help="Input families (default: random, near_perm, dead_rows_cols).")]
+SinkhornDtype = Annotated[Optional[list[str]], typer.Option("--dtype", help="fp32, bf16, fp16 (default: all three).")]
+SinkhornOut = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
+EpsKernel = Annotated[str, typer.Option("--kernel", "-k", help="sinkhorn, proj_rms, mapping or h_post_bda.")]
+EpsFrm = Annotated[Optional[str], typer.Option("--from", help="eps before the change (e.g. 1e-6).")]
+EpsTo = Annotated[Optional[str], typer.Option("--to", help="eps after the change (e.g. 1e-8).")]
+EpsKnob = Annotated[Optional[str], typer.Option("--knob", help="Any knob instead: NAME=A,B (e.g. order=row_first,col_first).")]
+EpsFamily = Annotated[Optional[list[str]], typer.Option("--family", "-f", help="Input families (default: all of the kernel's).")]
+EpsDtype = Annotated[Optional[list[str]], typer.Option("--dtype", help="Output dtypes to judge the shift in (default fp32,bf16).")]
+EpsImpl = Annotated[Optional[list[str]], typer.Option("--impl", "-i", help=_IMPL_HELP + " Default: the native one.")]
+EpsDepth = Annotated[int, typer.Option("--depth", "-L", help="Layers in the mHC stack (the mHC test recipe has 12).")]
+EpsSeed = Annotated[int, typer.Option("--seed")]
+EpsOut = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
+OverflowKernel = Annotated[str, typer.Option("--kernel", "-k", help="sinkhorn, h_aggregate, h_post_bda, proj_rms or mapping.")]
+OverflowFamily = Annotated[str, typer.Option("--family", "-f", help="Input family to scale.")]
+OverflowScales = Annotated[Optional[str], typer.Option("--scales", help="Input scales LO:HI[:POINTS] (default 0.1:1000 for Sinkhorn's logit amplitude, 0.1:1e21 otherwise).")]
+OverflowKnob = Annotated[Optional[list[str]], typer.Option("--knob", help="NAME=VALUE for the kernel's knobs (e.g. stabilize=none).")]
+OverflowDtype = Annotated[Optional[list[str]], typer.Option("--dtype", help="Dtypes to judge headroom in (default fp32,bf16,fp16).")]
+OverflowImpl = Annotated[Optional[str], typer.Option("--impl", "-i", help="Implementation whose output finiteness is checked (default: the native one).")]
+OverflowQuick = Annotated[bool, typer.Option("--quick", help="Fewer scales.")]
+OverflowOut = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
+GainDepth = Annotated[int, typer.Option("--depth", "-L", help="Layers to compose.")]
+GainIters = Annotated[Optional[list[str]], typer.Option("--iters", help="Sinkhorn iteration counts (default 1,3,5,20).")]
+GainHcScale = Annotated[float, typer.Option("--hc-scale", help="HC baseline: H_res = I + hc_scale * tanh(logits).")]
+GainFamily = Annotated[str, typer.Option("--family", "-f", help="Sinkhorn input family for the per-layer logits.")]
+GainTokens = Annotated[int, typer.Option("--tokens", help="Tokens (one H_res per token and layer).")]
+GainN = Annotated[int, typer.Option("--n", help="Residual streams.")]
+GainImpl = Annotated[Optional[list[str]], typer.Option("--impl", "-i", help=_IMPL_HELP + " Default: the native one.")]
+GainDtype = Annotated[str, typer.Option("--dtype", help="Dtype the implementation computes H_res in (the mapping path is fp32).")]
+GainSeed = Annotated[int, typer.Option("--seed")]
+GainOut = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
 
 
-def _impls(kernel: str, specs: list[str], default: str) -> list[Impl]:
-    """``specs`` resolved and usable here; without specs, the native one (``default="native"``) or
-    every available built-in one (``default="all"``)."""
-    from mhctool.registry.specs import resolve_impls
-    if specs:
-        impls = resolve_impls(kernel, specs)
-        for i in impls:
-            if why := i.unavailable():
-                raise UsageError(f"--impl {i.name} cannot run here: {why}")
-        return impls
-    from mhctool.registry.builtin import impls_for, native_impl
-    if default == "native":
-        return [native_impl(kernel)]
-    return [i for i in impls_for(kernel) if i.default and not i.unavailable()]
-
-
-def _dtypes(values: list[str], default: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(parse_dtype(v).name for v in values) if values else default
-
-
-def _progress(quiet: bool):
-    return Progress(TextColumn("{task.description}"), console=err, transient=True,
-                    disable=quiet or not err.is_terminal)
-
-
-def _write(rows, kind: str, run: dict, schema, out_path: Path) -> "tuple":
-    from mhctool.core import environment, report
-    table = report.to_table(rows, report.new_run_id(), kind, environment.metadata(), run, schema=schema)
-    return table, report.write_atomic(table, out_path)
+def _written(o) -> None:
+    for png in o.plots:
+        out.print(f"plot: {png}")
+    out.print(f"report {o.report} ({len(o.rows)} rows)")
 
 
 @stability_app.command("sinkhorn")
 @guard
 def stability_sinkhorn(
-    impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help=_IMPL_HELP + " Default: every available built-in one."),
-    quick: bool = typer.Option(False, "--quick", help="A CPU-sized sweep (under a minute)."),
-    scales: Optional[str] = typer.Option(None, "--scales", help="Logit amplitudes LO:HI[:POINTS], log-spaced (default 0.1:1000 plus points near the overflows)."),
-    iters: Optional[list[str]] = typer.Option(None, "--iters", help="Iteration counts (1 to 10000), e.g. 1,5,20,100."),
-    family: Optional[list[str]] = typer.Option(None, "--family", "-f", help="Input families (default: random, near_perm, dead_rows_cols)."),
-    dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="fp32, bf16, fp16 (default: all three)."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
-    out_path: Path = typer.Option(Path("mhctool-stability.parquet"), "--out", "-o", help="Parquet report to write."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    impl: SinkhornImpl = None,
+    quick: SinkhornQuick = False,
+    scales: SinkhornScales = None,
+    iters: SinkhornIters = None,
+    family: SinkhornFamily = None,
+    dtype: SinkhornDtype = None,
+    device: opts.Device = None,
+    out_path: SinkhornOut = Path("mhctool-stability.parquet"),
+    plot: Plot = None,
+    quiet: Quiet = False,
 ):
     """Sweep logit amplitude, family, dtype, stabilize, eps, eps_mode, order and iterations."""
-    from mhctool.core import report
-    report.check_writable(out_path)
-    if plot:
-        report.check_folder(plot)
-    dev = parse_device(device)
-    from mhctool.analyses import stability as st
-    spec = st.quick_spec() if quick else st.full_spec()
-    if scales:
-        spec = dataclasses.replace(spec, scales=st.parse_range(scales, "--scales"))
-    if iters:
-        spec = dataclasses.replace(spec, iters=st.parse_iters(split(iters)))
-    from mhctool.families import input_family
-    if family:
-        fams = split(family)
-        for f in fams:
-            input_family("sinkhorn", f)
-        spec = dataclasses.replace(spec, families=tuple(fams))
-    spec = dataclasses.replace(spec, dtypes=_dtypes(split(dtype), spec.dtypes))
-    specs = split(impl)
-    impls = _impls("sinkhorn", specs, "all")
-    if quick and not specs:
-        impls = [i for i in impls if i.native]  # the interpreter is too slow for a one-minute sweep
-    with _progress(quiet) as bar:
-        task = bar.add_task("stability")
-        rows = st.sinkhorn_sweep(impls, spec, dev, lambda d: bar.update(task, description=d))
-    table, path = _write(rows, "stability", {"command": "stability sinkhorn", "quick": quick, "device": dev,
-                                             "impls": [i.name for i in impls], "converged_iters": st.CONVERGED_ITERS},
-                         report.STABILITY_SCHEMA, out_path)
+    from mhctool.analyses.runs import stability as run
+    req = run.SinkhornRequest(split(impl), quick, scales, split(iters), split(family), split(dtype), device, out_path,
+                              plot)
+    with watching("stability sinkhorn", None, quiet, spinner=True) as watch:
+        o = run.sinkhorn(req, watch)
+    if not quiet:
+        out.print(_sinkhorn_table(o))
+    _written(o)
+
+
+def _sinkhorn_table(o) -> Table:
+    from mhctool.analyses.stability import OVERFLOW_LOGIT
     t = Table(title="first logit amplitude with a non-finite output (at the most iterations swept)")
     for c in ("impl", "family", "dtype", "stabilize", "eps", "first non-finite", "dtype exp overflow"):
         t.add_column(c)
-    top = max(spec.iters)
-    for f in st.first_nonfinite(rows):
+    top = max(o.extra["spec"].iters)
+    for f in o.extra["first_nonfinite"]:
         if f["iters"] != top or f["eps_mode"] != "add" or f["order"] != "row_first":
             continue
         t.add_row(f["impl"], f["family"], f["dtype"], f["stabilize"], f"{f['eps']:g}",
                   fmt(f["first_nonfinite_scale"]) if f["first_nonfinite_scale"] else "[green]finite[/]",
-                  f"{st.OVERFLOW_LOGIT[f['dtype']]:.4g}")
-    if not quiet:
-        out.print(t)
-    if plot:
-        from mhctool.views.plots import stability_figures
-        for png in stability_figures(table, plot, {d: st.OVERFLOW_LOGIT[d] for d in spec.dtypes}):
-            out.print(f"plot: {png}")
-    out.print(f"report {path} ({len(rows)} rows)")
+                  f"{OVERFLOW_LOGIT[f['dtype']]:.4g}")
+    return t
 
 
 @stability_app.command("eps")
 @guard
 def stability_eps(
-    kernel: str = typer.Option(..., "--kernel", "-k", help="sinkhorn, proj_rms, mapping or h_post_bda."),
-    frm: Optional[str] = typer.Option(None, "--from", help="eps before the change (e.g. 1e-6)."),
-    to: Optional[str] = typer.Option(None, "--to", help="eps after the change (e.g. 1e-8)."),
-    knob: Optional[str] = typer.Option(None, "--knob", help="Any knob instead: NAME=A,B (e.g. order=row_first,col_first)."),
-    family: Optional[list[str]] = typer.Option(None, "--family", "-f", help="Input families (default: all of the kernel's)."),
-    dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Output dtypes to judge the shift in (default fp32,bf16)."),
-    impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help=_IMPL_HELP + " Default: the native one."),
-    depth: int = typer.Option(12, "--depth", "-L", help="Layers in the mHC stack (the mHC test recipe has 12)."),
-    seed: int = typer.Option(0, "--seed"),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
-    out_path: Path = typer.Option(Path("mhctool-eps.parquet"), "--out", "-o", help="Parquet report to write."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    kernel: EpsKernel,
+    frm: EpsFrm = None,
+    to: EpsTo = None,
+    knob: EpsKnob = None,
+    family: EpsFamily = None,
+    dtype: EpsDtype = None,
+    impl: EpsImpl = None,
+    depth: EpsDepth = 12,
+    seed: EpsSeed = 0,
+    device: opts.Device = None,
+    out_path: EpsOut = Path("mhctool-eps.parquet"),
+    plot: Plot = None,
+    quiet: Quiet = False,
 ):
     """What changing one knob (eps by default) does: per input family at the kernel, and through a stack of L layers."""
-    from mhctool.core import report
-    report.check_writable(out_path)
-    if plot:
-        report.check_folder(plot)
-    from mhctool.families import get_family
-    get_family(kernel)
-    from mhctool.analyses import knob_shift as ks
-    change = ks.parse_change(kernel, knob, frm, to)
-    if not 1 <= depth <= 1000:
-        raise UsageError(f"--depth {depth} is not a possible stack depth; give 1 to 1000 layers")
-    dev = parse_device(device)
-    fams = split(family) or list(ks.STACK_FAMILIES[kernel])
-    for f in fams:
-        if f not in ks.STACK_FAMILIES[kernel]:
-            raise UsageError(f"unknown input family {f!r} for stability eps on {kernel}; accepted: "
-                             + ", ".join(ks.STACK_FAMILIES[kernel]))
-    dtypes = _dtypes(split(dtype), ("fp32", "bf16"))
-    impls = _impls(kernel, split(impl), "native")
-    rows = []
-    with _progress(quiet) as bar:
-        task = bar.add_task("eps")
-        for f in fams:
-            for dt in dtypes:
-                for i in impls:
-                    bar.update(task, description=f"{f} {dt} {i.name}")
-                    if why := i.unsupported(dev, dt):
-                        raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
-                    rows += ks.kernel_shift(change, i, f, dt, dev, seed)
-                bar.update(task, description=f"{f} {dt} stack of {depth}")
-                rows += ks.stack_shift(change, f, dt, depth, seed)
-    common = dict(kernel=kernel, knob=change.knob, setting_a=repr(change.a), setting_b=repr(change.b))
-    rows = [{**common, **r} for r in rows]
-    table, path = _write(rows, "stability-eps", {"command": "stability eps", "device": dev, "depth": depth,
-                                                 "impls": [i.name for i in impls], "change": change.label},
-                         report.KNOB_SHIFT_SCHEMA, out_path)
+    from mhctool.analyses.runs import stability as run
+    req = run.EpsRequest(kernel, frm, to, knob, split(family), split(dtype), split(impl), depth, seed, device, out_path,
+                         plot)
+    with watching("stability eps", None, quiet, spinner=True) as watch:
+        o = run.eps(req, watch)
     if not quiet:
-        out.print(_eps_table(rows, change, depth))
-    if plot:
-        from mhctool.views.plots import knob_shift_figure
-        out.print(f"plot: {knob_shift_figure(table, plot)}")
-    out.print(f"report {path} ({len(rows)} rows)")
+        out.print(_eps_table(o.rows, o.extra["change"], depth))
+    _written(o)
 
 
 def _eps_table(rows: list[dict], change, depth: int) -> Table:
@@ -200,56 +149,38 @@ def _eps_table(rows: list[dict], change, depth: int) -> Table:
     return t
 
 
+
 @stability_app.command("overflow")
 @guard
 def stability_overflow(
-    kernel: str = typer.Option(..., "--kernel", "-k", help="sinkhorn, h_aggregate, h_post_bda, proj_rms or mapping."),
-    family: str = typer.Option("random", "--family", "-f", help="Input family to scale."),
-    scales: Optional[str] = typer.Option(None, "--scales", help="Input scales LO:HI[:POINTS] (default 0.1:1000 for Sinkhorn's logit amplitude, 0.1:1e21 otherwise)."),
-    knob: Optional[list[str]] = typer.Option(None, "--knob", help="NAME=VALUE for the kernel's knobs (e.g. stabilize=none)."),
-    dtype: Optional[list[str]] = typer.Option(None, "--dtype", help="Dtypes to judge headroom in (default fp32,bf16,fp16)."),
-    impl: Optional[str] = typer.Option(None, "--impl", "-i", help="Implementation whose output finiteness is checked (default: the native one)."),
-    quick: bool = typer.Option(False, "--quick", help="Fewer scales."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
-    out_path: Path = typer.Option(Path("mhctool-overflow.parquet"), "--out", "-o", help="Parquet report to write."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    kernel: OverflowKernel,
+    family: OverflowFamily = "random",
+    scales: OverflowScales = None,
+    knob: OverflowKnob = None,
+    dtype: OverflowDtype = None,
+    impl: OverflowImpl = None,
+    quick: OverflowQuick = False,
+    device: opts.Device = None,
+    out_path: OverflowOut = Path("mhctool-overflow.parquet"),
+    plot: Plot = None,
+    quiet: Quiet = False,
 ):
     """Headroom to the dtype's largest finite value of every intermediate as the input scale grows."""
-    from mhctool.core import report
-    report.check_writable(out_path)
-    if plot:
-        report.check_folder(plot)
-    from mhctool.analyses import overflow as ov
-    ov.check_kernel(kernel)
-    from mhctool.families import get_family
-    fam = get_family(kernel)
-    from mhctool.families import input_family
-    input_family(kernel, family)
-    knobs = {k: v.default for k, v in fam.knobs.items() if v.passed}
-    for item in split(knob):
-        name, sep, value = item.partition("=")
-        if not sep or name not in knobs:
-            raise UsageError(f"--knob {item!r}: give NAME=VALUE with NAME one of {', '.join(knobs) or '(none)'}")
-        knobs[name] = fam.knobs[name].check(kernel, name, typed_value(fam.knobs[name].kind, name, value))
-    dev = parse_device(device)
-    dtypes = _dtypes(split(dtype), ("fp32", "bf16", "fp16"))
-    from mhctool.analyses import stability as st
-    if scales:
-        grid = st.parse_range(scales, "--scales")
-    else:
-        grid = ov.default_scales(kernel, 12 if quick else 45)
-    (im,) = _impls(kernel, [impl] if impl else [], "native")
-    with _progress(quiet) as bar:
-        task = bar.add_task("overflow")
-        rows = ov.sweep(kernel, im, family, dtypes, grid, knobs, dev,
-                        progress=lambda d: bar.update(task, description=d))
-    table, path = _write(rows, "stability-overflow", {"command": "stability overflow", "device": dev, "impl": im.name,
-                                                      "knobs": knobs, "family": family},
-                         report.OVERFLOW_SCHEMA, out_path)
-    summ = ov.summary(rows)
+    from mhctool.analyses.runs import stability as run
+    req = run.OverflowRequest(kernel, family, scales, split(knob), split(dtype), impl, quick, device, out_path, plot)
+    with watching("stability overflow", None, quiet, spinner=True) as watch:
+        o = run.overflow(req, watch)
+    if not quiet:
+        out.print(_overflow_table(o, kernel, family))
+        if any(s["silent"] for s in o.extra["summary"]):
+            out.print("[red]silent[/]: the intermediate overflows the dtype at a scale where the output is still finite")
+    _written(o)
+
+
+def _overflow_table(o, kernel: str, family: str) -> Table:
+    summ, knobs, dtypes, impl = (o.extra[k] for k in ("summary", "knobs", "dtypes", "impl"))
     t = Table(title=f"{kernel} ({family}, {', '.join(f'{k}={v}' for k, v in knobs.items()) or 'no knobs'}): "
-                    f"first input scale with no headroom left; output checked with {im.name}")
+                    f"first input scale with no headroom left; output checked with {impl}")
     for c in ("intermediate", *dtypes):
         t.add_column(c)
     by = {(s["intermediate"], s["dtype"]): s for s in summ}
@@ -263,66 +194,40 @@ def stability_overflow(
             cells.append(cell)
         t.add_row(name, *cells)
     first_out = {s["dtype"]: s["output_first_nonfinite"] for s in summ}
-    t.add_row(f"{im.name} output non-finite", *[fmt(first_out.get(dt)) if first_out.get(dt) else "[green]-[/]" for dt in dtypes])
-    if not quiet:
-        out.print(t)
-        if any(s["silent"] for s in summ):
-            out.print("[red]silent[/]: the intermediate overflows the dtype at a scale where the output is still finite")
-    if plot:
-        from mhctool.views.plots import overflow_figure
-        out.print(f"plot: {overflow_figure(table, plot)}")
-    out.print(f"report {path} ({len(rows)} rows)")
+    t.add_row(f"{impl} output non-finite", *[fmt(first_out.get(dt)) if first_out.get(dt) else "[green]-[/]"
+                                              for dt in dtypes])
+    return t
 
 
 @stability_app.command("gain")
 @guard
 def stability_gain(
-    depth: int = typer.Option(64, "--depth", "-L", help="Layers to compose."),
-    iters: Optional[list[str]] = typer.Option(None, "--iters", help="Sinkhorn iteration counts (default 1,3,5,20)."),
-    hc_scale: float = typer.Option(0.3, "--hc-scale", help="HC baseline: H_res = I + hc_scale * tanh(logits)."),
-    family: str = typer.Option("random", "--family", "-f", help="Sinkhorn input family for the per-layer logits."),
-    tokens: int = typer.Option(256, "--tokens", help="Tokens (one H_res per token and layer)."),
-    n: int = typer.Option(4, "--n", help="Residual streams."),
-    impl: Optional[list[str]] = typer.Option(None, "--impl", "-i", help=_IMPL_HELP + " Default: the native one."),
-    dtype: str = typer.Option("fp32", "--dtype", help="Dtype the implementation computes H_res in (the mapping path is fp32)."),
-    seed: int = typer.Option(0, "--seed"),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
-    out_path: Path = typer.Option(Path("mhctool-gain.parquet"), "--out", "-o", help="Parquet report to write."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Folder for PNG plots."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    depth: GainDepth = 64,
+    iters: GainIters = None,
+    hc_scale: GainHcScale = 0.3,
+    family: GainFamily = "random",
+    tokens: GainTokens = 256,
+    n: GainN = 4,
+    impl: GainImpl = None,
+    dtype: GainDtype = "fp32",
+    seed: GainSeed = 0,
+    device: opts.Device = None,
+    out_path: GainOut = Path("mhctool-gain.parquet"),
+    plot: Plot = None,
+    quiet: Quiet = False,
 ):
     """Amax gain of the composite H_res over depth: Sinkhorn configurations against unconstrained HC."""
-    from mhctool.core import report
-    report.check_writable(out_path)
-    if plot:
-        report.check_folder(plot)
-    if not 1 <= depth <= 10_000:
-        raise UsageError(f"--depth {depth} is not a possible depth; give 1 to 10000 layers")
-    if not 1 <= tokens <= 1 << 20 or not 2 <= n <= 16:
-        raise UsageError(f"--tokens {tokens} / --n {n}: give 1 to 1048576 tokens and 2 to 16 streams")
-    if not hc_scale > 0:
-        raise UsageError(f"--hc-scale {hc_scale:g} must be positive")
-    from mhctool.families import input_family
-    input_family("sinkhorn", family)
-    from mhctool.analyses import stability as st
-    counts = st.parse_iters(split(iters)) if iters else (1, 3, 5, 20)
-    dt = parse_dtype(dtype).name
-    dev = parse_device(device)
-    impls = _impls("sinkhorn", split(impl), "native")
-    from mhctool.analyses import gain as gn
-    layers = gn.layer_logits(family, depth, tokens, n, seed)
-    rows = []
-    for i in impls:
-        if why := i.unsupported(dev, dt):
-            raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
-        for it in counts:
-            rows += [{**r, "impl": i.name, "dtype": dt}
-                     for r in gn.composite_gain(gn.GainConfig("sinkhorn", it), layers, i, dt, dev)]
-    rows += [{**r, "impl": "reference", "dtype": "fp64"}
-             for r in gn.composite_gain(gn.GainConfig("hc", hc_scale=hc_scale), layers, None, "fp64", "cpu")]
-    table, path = _write(rows, "stability-gain", {"command": "stability gain", "device": dev, "family": family,
-                                                  "tokens": tokens, "n": n, "hc_scale": hc_scale},
-                         report.GAIN_SCHEMA, out_path)
+    from mhctool.analyses.runs import stability as run
+    req = run.GainRequest(depth, split(iters), hc_scale, family, tokens, n, split(impl), dtype, seed, device, out_path,
+                          plot)
+    with watching("stability gain", None, quiet, spinner=True) as watch:
+        o = run.gain(req, watch)
+    if not quiet:
+        out.print(_gain_table(o.rows, depth, tokens))
+    _written(o)
+
+
+def _gain_table(rows: list[dict], depth: int, tokens: int) -> Table:
     marks = sorted({d for d in (1, 4, 16, 64, 256, depth) if d <= depth})
     t = Table(title=f"composite Amax gain, forward / backward (mean over {tokens} tokens; max in the last column)")
     for c in ("config", "impl", *[f"L={d}" for d in marks], f"max over tokens, L={depth}"):
@@ -331,9 +236,4 @@ def stability_gain(
     for cfg, im in dict.fromkeys((r["config"], r["impl"]) for r in rows):
         t.add_row(cfg, im, *[f"{get[(cfg, im, d, 'fwd_gain')]:.3g} / {get[(cfg, im, d, 'bwd_gain')]:.3g}" for d in marks],
                   f"{get[(cfg, im, depth, 'fwd_gain_max')]:.3g} / {get[(cfg, im, depth, 'bwd_gain_max')]:.3g}")
-    if not quiet:
-        out.print(t)
-    if plot:
-        from mhctool.views.plots import gain_figure
-        out.print(f"plot: {gain_figure(table, plot)}")
-    out.print(f"report {path} ({len(rows)} rows)")
+    return t

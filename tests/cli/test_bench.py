@@ -242,7 +242,7 @@ def test_a_library_is_timed_at_the_dtypes_it_is_used_with(tmp_path):
 
 
 def test_the_table_shows_input_dtypes_compactly():
-    from mhctool.cli.bench import _short_inputs
+    from mhctool.cli.tables import short_inputs as _short_inputs
     assert _short_inputs("h_res=fp32,x=bf16,h_post=fp32,y=bf16,bias=bf16") == "bf16; fp32 h_res h_post"
     assert _short_inputs("logits=fp32") == "fp32"
     assert _short_inputs(None) == "-"

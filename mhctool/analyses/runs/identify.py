@@ -1,0 +1,112 @@
+"""``mhctool identify`` as a run: which convention and matmul precision an implementation
+computes, or that none fits, with the evidence (the fitting is :mod:`mhctool.analyses.identify`'s)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mhctool.analyses import identify as ident_mod
+from mhctool.analyses.runs import Watch
+from mhctool.core import environment, names, report
+from mhctool.core.dtypes import parse_dtype
+from mhctool.core.errors import UsageError
+from mhctool.core.text import short_impl
+from mhctool.families import call_problem, get_family, signature
+from mhctool.registry.specs import resolve_impls
+from mhctool.spread import setup
+
+
+@dataclass
+class Request:
+    kernel: str
+    impl: str
+    dtype: str = "fp32"
+    device: str | None = None
+    shape: str | None = None
+    knobs: list[tuple[str, str]] = field(default_factory=list)  # what the implementation is asked for
+    seed: int = 0
+    out: Path = Path("mhctool-identify.parquet")
+    isolate: bool | None = None
+    verbose: bool = False
+    matmul_precision: str | None = None
+
+
+@dataclass
+class Found:
+    """One implementation's identification and the sentences it supports."""
+
+    ident: object  # identify.conclusion.Identification
+    lines: list[str]
+    failed: bool
+
+
+@dataclass
+class Outcome:
+    request: Request
+    found: list[Found]
+    report: Path
+    library_log: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(f.failed for f in self.found) else 0
+
+
+def conclusions(ident, impl, req: Request, asked: dict) -> Found:
+    """The lines under an identification's table: what fits, what it is, how to judge it."""
+    lines = [ident.line()]
+    if ident.best is not None and ident.best.note and ident.best.level != "as asked" and not ident.overflow:
+        lines.append(ident.best.note)
+    elif ident.best is not None and ident.passed and impl.conventions and not asked:
+        declared = " ".join(f"{k}={ident_mod.fmt_value(v)}" for k, v in impl.conventions.items())
+        lines.append(f"as its adapter declares: {declared}")
+    if ident.best is not None and (note := ident.precision_note()):
+        lines.append(note)
+    if ident.ties:
+        lines.append("fits as well (within native noise): " + "; ".join(ident_mod.fmt_knobs(c.knobs) for c in ident.ties))
+    flags = ident.flags() if ident.best is not None else ""
+    defect = ident.defect()
+    if ident.passed and flags and not defect:  # judged as it computes, the rest may still fail
+        lines.append(f"judge it with: mhctool parity --kernel {req.kernel} --impl {req.impl} {flags}")
+    elif defect:  # a defect is no convention to declare: the kernel is what to change
+        lines.append("not a convention to declare: the kernel computes it whatever it is asked")
+    return Found(ident, lines, bool(not ident.passed or defect))
+
+
+def run(req: Request, watch: Watch = Watch()) -> Outcome:
+    """Identify each implementation the request's ``--impl`` stands for (a library: each of its
+    functions for the kernel); the report holds one row per candidate tried."""
+    if req.kernel not in names.IDENTIFIABLE:
+        raise UsageError(f"mhctool identify knows no conventions of {req.kernel}; it identifies "
+                         + ", ".join(names.IDENTIFIABLE))
+    report.check_writable(req.out)
+    ident_mod.check_kernel(req.kernel)
+    dt = parse_dtype(req.dtype).name
+    dev = environment.resolve_device(req.device)
+    asked = ident_mod.checked_knobs(req.kernel, dict(req.knobs), from_text=True)
+    impls = resolve_impls(req.kernel, [req.impl])
+    for i in impls:
+        if why := i.unsupported(dev, dt):
+            raise UsageError(f"--impl {i.name} cannot run {req.kernel} at {dt} on {dev}: {why}")
+    s = setup.prepare(dev, specs=[req.impl], isolate=req.isolate, workers=1,
+                      library_log=None if req.verbose else req.out.with_name(req.out.stem + ".libraries.log"),
+                      consoles=watch.consoles, say=watch.say)
+    watch.planned(len(impls))
+    rows, found = [], []
+    with s.running():
+        for i in impls:
+            def stage(what: str, name: str = i.name) -> None:
+                watch.started(f"identify {req.kernel} {short_impl(name)}: {what}", f"{short_impl(name)}: {what}")
+            ident = ident_mod.identify(req.kernel, i, dtype=dt, device=dev, shape=req.shape, asked=asked, seed=req.seed,
+                                       isolation=s.isolation, matmul_precision=req.matmul_precision, progress=stage)
+            watch.finished()
+            if ident.error and call_problem(ident.error.rsplit(" (probe ", 1)[0]):
+                raise UsageError(f"--impl {i.name} cannot be judged as {req.kernel}: {ident.error}; expected "
+                                 f"{signature(get_family(req.kernel))}")
+            rows.extend(ident_mod.rows(ident, dt, dev))
+            found.append(conclusions(ident, i, req, asked))
+        meta = environment.metadata()  # with the threads it computed with
+    table = report.to_table(rows, report.new_run_id(), "identify", meta,
+                            {"kernel": req.kernel, "impl": req.impl, "dtype": dt, "device": dev, "asked": asked,
+                             "library_log": s.library_log}, schema=report.IDENTIFY_SCHEMA)
+    return Outcome(req, found, report.write_atomic(table, req.out), s.library_log)
