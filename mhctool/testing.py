@@ -1,7 +1,7 @@
 """mhctool's verdict rule inside your own pytest suite.
 
 ``assert_parity(my_sinkhorn, "sinkhorn")`` runs the cases of ``mhctool parity --kernel sinkhorn
---impl my_module:my_sinkhorn`` in this process, through the same engine (:mod:`mhctool.parity`):
+--impl my_module:my_sinkhorn`` in this process, through the same engine (:mod:`mhctool.analyses.parity`):
 the same input families, float64 reference, native baseline and rule (error at most kappa times
 the native implementation's error at the same dtype). It passes silently and, on failure, raises
 an ``AssertionError`` whose message is the worst rows as a table, as ``mhctool parity`` prints it.

@@ -255,8 +255,8 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
     entry, then each goldens, stability, train and goldens_check entry whole. ``shard`` (I, N) runs the
     units whose number is I-1 modulo N; each JUnit case carries its unit, so ``mhctool report
     merge`` puts the slices back in the order one run has. ``workers``/``backend``: parity cases
-    spread over processes (:mod:`mhctool.pool`). ``timings``: the parity entries' phases are added
-    to it (:mod:`mhctool.profile`)."""
+    spread over processes (:mod:`mhctool.spread.pool`). ``timings``: the parity entries' phases are added
+    to it (:mod:`mhctool.core.profile`)."""
     cases: list[Case] = []
     unit = 0
 

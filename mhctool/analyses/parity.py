@@ -40,7 +40,7 @@ class Plan:
     specs: list[str]  # the implementations as asked for (empty: every default built-in)
     conventions: dict[str, dict]  # kernel -> {knob: value} the external implementations compute
     matmul_precision: str = "ieee"
-    checks: tuple[str, ...] = ()  # reproducibility checks (mhctool.repro.CHECKS)
+    checks: tuple[str, ...] = ()  # reproducibility checks (mhctool.runner.checks.CHECKS)
     repeats: int = 3  # runs in all for the determinism check
     shard: tuple[int, int] | None = None  # (I, N): this run is the I-th of N slices of the cases
     planned: list[str] | None = None  # with a shard: every case id of the whole run, in order
@@ -55,7 +55,7 @@ class Executed:
     rows: list[dict]
     cases_run: int
     interrupted: bool
-    timings: dict = field(default_factory=dict)  # phase -> seconds over the run (mhctool.profile)
+    timings: dict = field(default_factory=dict)  # phase -> seconds over the run (mhctool.core.profile)
     wall: float = 0.0  # seconds the cases took, start to end
 
 
@@ -114,9 +114,9 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
     dtypes, shapes, seeds and input families given, and the implementations to judge.
 
     ``impls``: ``--impl``-style spec strings (``triton``, ``file.py:fn``, ``te:DIR``) or
-    :class:`~mhctool.registry.Impl` objects (a Python callable, from :mod:`mhctool.testing`).
+    :class:`~mhctool.registry.impl.Impl` objects (a Python callable, from :mod:`mhctool.testing`).
     ``checks``: ``determinism`` and/or ``batch-invariance`` (``repeats`` runs in all for the first).
-    Every problem with the request is a :class:`~mhctool.errors.UsageError` before anything runs;
+    Every problem with the request is a :class:`~mhctool.core.errors.UsageError` before anything runs;
     ``strict``: also an implementation named that can run none of the cases (the gate, where a
     suite outlives the machine it was written on, reports those as skipped instead)."""
     checks = parse_checks(list(checks or []))
@@ -199,8 +199,8 @@ def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[
     """Run every case of the plan (the native implementation always, as the baseline); stops
     before the next case once ``interrupted()`` is true. ``progress(case)``: called as each
     starts, ``finished(case)`` as each ends. ``workers`` > 1 or ``backend`` ray: the cases are
-    spread over processes (:mod:`mhctool.pool`); the rows come back in the plan's order.
-    ``pool``: a :class:`mhctool.pool.Pool` kept by the caller, whose workers run the cases."""
+    spread over processes (:mod:`mhctool.spread.pool`); the rows come back in the plan's order.
+    ``pool``: a :class:`mhctool.spread.pool.Pool` kept by the caller, whose workers run the cases."""
     t0 = time.perf_counter()
     if workers > 1 or backend != "local":
         o = _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address, pool)
@@ -271,5 +271,5 @@ def settings(p: Plan, o: Executed, **extra) -> dict:
 
 
 def table(p: Plan, o: Executed, **extra) -> pa.Table:
-    """The Parquet report of a run (schema: mhctool.report.SCHEMA), not yet written."""
+    """The Parquet report of a run (schema: mhctool.core.report.SCHEMA), not yet written."""
     return report.to_table(o.rows, report.new_run_id(), "parity", environment.metadata(), settings(p, o, **extra))

@@ -71,8 +71,9 @@ def bench(
             out.print(t)
         for k, name, glue in o.glue:
             out.print(f"note: {short_impl(name)} ({k}) is timed with its adapter's glue: {glue}", markup=False)
-    if o.plot is not None:
-        out.print(f"plot: {o.plot}")
+    if plot is not None:
+        from mhctool.views.plots import bench_figure
+        out.print(f"plot: {bench_figure(o.table, plot, o.copy_bw)}")
     out.print(f"report {o.report}")
     if o.interrupted:
         out.print("[yellow]INTERRUPTED[/]: the report holds what was timed before the stop")

@@ -15,6 +15,7 @@ from mhctool.cli import options as opts
 from mhctool.cli.console import out
 from mhctool.cli.progress import watching
 from mhctool.core import names
+from mhctool.core.errors import UsageError
 from mhctool.core.text import fmt
 
 Kernel = Annotated[str, typer.Option("--kernel", "-k", help="One kernel: " + ", ".join(names.IDENTIFIABLE) + ".")]
@@ -62,6 +63,9 @@ def identify(
     reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does or
     what fits is likely a defect."""
     opts.precheck(kernel, [dtype], shape, device)
+    if kernel not in names.IDENTIFIABLE:
+        raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "
+                         + ", ".join(names.IDENTIFIABLE))
     from mhctool.analyses.runs import identify as run
     req = run.Request(kernel, impl, dtype, device, shape, opts.knob_items(knob, "--knob", "iters=20"), seed, out_path,
                       isolate, verbose, matmul_precision)

@@ -83,17 +83,22 @@ def parity(
                       isolate_transport, workers, backend, ray_address, shard, ranks, grad_reduce, verbose)
     with watching("parity", None, quiet, unit="cases done") as watch:
         o = run.run(req, watch)
-    show(o, top, quiet, show_profile)
+    show(o, top, quiet, show_profile, plot)
     raise typer.Exit(o.exit_code)
 
 
-def show(o, top: int, quiet: bool, show_profile: bool) -> None:
-    """A parity run's outcome: the worst verdicts, the plots, the summary line and what follows it."""
+def show(o, top: int, quiet: bool, show_profile: bool, plot: Optional[Path] = None) -> None:
+    """A parity run's outcome: the worst verdicts, the plots (drawn from the report into ``plot``),
+    the summary line and what follows it."""
     p, f, s = o.counts
     n = len(o.plan.cases)
+    pngs = []
+    if plot is not None:
+        from mhctool.views.plots import parity_figures
+        pngs = parity_figures(o.table, plot)
     if not quiet:
         out.print(verdict_table(o.verdicts, top, f"parity: worst of {len(o.verdicts)} (case x impl x direction)"))
-        for png in o.plots:
+        for png in pngs:
             out.print(f"plot: {png}")
     if show_profile:
         from mhctool.core.profile import lines

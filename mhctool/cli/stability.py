@@ -58,9 +58,12 @@ GainSeed = Annotated[int, typer.Option("--seed")]
 GainOut = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
 
 
-def _written(o) -> None:
-    for png in o.plots:
-        out.print(f"plot: {png}")
+def _written(o, plot: Optional[Path], figures) -> None:
+    """The figures drawn from the report into ``plot`` (``figures(table, folder)``), and the report's line."""
+    if plot:
+        pngs = figures(o.table, plot)
+        for png in pngs if isinstance(pngs, list) else [pngs]:
+            out.print(f"plot: {png}")
     out.print(f"report {o.report} ({len(o.rows)} rows)")
 
 
@@ -86,7 +89,10 @@ def stability_sinkhorn(
         o = run.sinkhorn(req, watch)
     if not quiet:
         out.print(_sinkhorn_table(o))
-    _written(o)
+    from mhctool.analyses.stability import OVERFLOW_LOGIT
+    from mhctool.views.plots import stability_figures
+    _written(o, plot, lambda t, folder: list(stability_figures(t, folder, {d: OVERFLOW_LOGIT[d]
+                                                                          for d in o.extra["spec"].dtypes})))
 
 
 def _sinkhorn_table(o) -> Table:
@@ -129,7 +135,8 @@ def stability_eps(
         o = run.eps(req, watch)
     if not quiet:
         out.print(_eps_table(o.rows, o.extra["change"], depth))
-    _written(o)
+    from mhctool.views.plots import knob_shift_figure
+    _written(o, plot, knob_shift_figure)
 
 
 def _eps_table(rows: list[dict], change, depth: int) -> Table:
@@ -174,7 +181,8 @@ def stability_overflow(
         out.print(_overflow_table(o, kernel, family))
         if any(s["silent"] for s in o.extra["summary"]):
             out.print("[red]silent[/]: the intermediate overflows the dtype at a scale where the output is still finite")
-    _written(o)
+    from mhctool.views.plots import overflow_figure
+    _written(o, plot, overflow_figure)
 
 
 def _overflow_table(o, kernel: str, family: str) -> Table:
@@ -224,7 +232,8 @@ def stability_gain(
         o = run.gain(req, watch)
     if not quiet:
         out.print(_gain_table(o.rows, depth, tokens))
-    _written(o)
+    from mhctool.views.plots import gain_figure
+    _written(o, plot, gain_figure)
 
 
 def _gain_table(rows: list[dict], depth: int, tokens: int) -> Table:

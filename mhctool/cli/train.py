@@ -121,15 +121,20 @@ def train(
         if not quiet:
             out.print(plan.header(), markup=False, emoji=False)
         o = run.run(plan, watch)
-    show(o, every, quiet)
+    show(o, every, quiet, plot)
     raise typer.Exit(o.exit_code)
 
 
-def show(o, every: int, quiet: bool) -> None:
-    """A training run's outcome: the pieces, the curves, the golden-value findings, the verdict."""
+def show(o, every: int, quiet: bool, plot: Optional[Path] = None) -> None:
+    """A training run's outcome: the pieces, the curves, the figures (drawn from the report into
+    ``plot``), the golden-value findings, the verdict."""
     from mhctool.analyses import train as T
     from mhctool.analyses.runs.train import golden_lines
     s = o.session
+    pngs = []
+    if plot is not None:
+        from mhctool.views.plots import train_figures
+        pngs = train_figures(o.table, plot)
     if not quiet:
         out.print("  " + " | ".join(f"{f}: {s.impl.pieces[f]}" + (f" ({s.impl.notes[f]})" if f in s.impl.notes else "")
                                     for f in s.impl.pieces), markup=False)
@@ -140,7 +145,7 @@ def show(o, every: int, quiet: bool) -> None:
                 zs = ", ".join(f"{n} {c:.0f}" for n, c in T.zero_sources(traj))
                 out.print(f"{traj.role}: lm loss {first:.4f} -> {last:.4f} over {len(traj.steps)} steps; "
                           f"zeros mostly in {zs or 'no gradient'}", markup=False)
-        for png in o.plots:
+        for png in pngs:
             out.print(f"plot: {png}", markup=False)
     lines = golden_lines(s) + [f"{'ok' if d.passed else 'DRIFT'} {d.metric}: {d.message}" for d in s.drifts]
     if s.zeros is not None and not quiet:

@@ -6,7 +6,7 @@ matches: a new thread then has no current *driver* context. PyTorch's own kernel
 prints "Attempting to run cuBLAS, but there was no current CUDA context!" and binds one); a
 library that launches through the driver API (cuTile) fails with "invalid device context". On a
 fresh isolation worker, where that thread made no CUDA call before, the first backward of such
-a library was an error row of mhctool's own making (issue 39).
+a library would be an error row of mhctool's own making.
 
 :func:`bound` wraps a function's CUDA outputs in an identity whose backward runs first on that
 thread and makes the device's primary context current there (``cuCtxSetCurrent`` through the

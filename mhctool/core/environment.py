@@ -53,7 +53,7 @@ def resolve_device(name: str | None) -> str:
 def ensure_triton_mode() -> None:
     """With no GPU, run Triton kernels through its interpreter (set before any kernel is defined:
     mhctool's own, a library adapter's and a plain ``FILE:function``'s alike); then probe the
-    interpreter's known-wrong operations and mend what can be mended (:mod:`mhctool.interpreter`)."""
+    interpreter's known-wrong operations and mend what can be mended (:mod:`mhctool.core.interpreter`)."""
     if not cuda_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if triton_interpreted() and _version("triton") is not None:

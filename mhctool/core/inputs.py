@@ -7,7 +7,7 @@ A generator draws float32 values from a seeded CPU ``torch.Generator``, then the
 activations to the case dtype, mapping tensors (``h_pre``, ``h_post``, ``h_res``) to fp32, the
 mapping path's precision. A tensor of :data:`BIG` values or more is drawn on the case's device
 (:func:`generate`'s ``draw_on``): on the CPU blockwise on threads, on a GPU by a counter-based
-generator in one launch (:mod:`mhctool.philox`), so a GPU case's large tensors have other values
+generator in one launch (:mod:`mhctool.core.philox`), so a GPU case's large tensors have other values
 than a CPU case's at the same seed.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ BIG = 1 << 24
 BLOCK = 1 << 22
 # On a GPU, four workers drawing gigabytes on the host and copying them over contended for the
 # host's cores and memory (the inputs phase doubled from one worker to four on an H200 node), so
-# parity draws a large tensor on the case's device, one launch a tensor (mhctool.philox: a value
+# parity draws a large tensor on the case's device, one launch a tensor (mhctool.core.philox: a value
 # depends on the seed and its index alone, not on the GPU's size).
 
 # where large tensors are drawn (generate's draw_on); None: on the CPU
@@ -94,7 +94,7 @@ def draw_threads() -> int:
 def _blocks(g, shape, normal: bool) -> torch.Tensor:
     """A float32 tensor of ``shape`` of standard normal (``normal``) or uniform [0, 1) values
     from one seed drawn from ``g``: on the CPU a block of BLOCK values at a time on threads, each
-    block from a generator seeded ``seed + k``; on a GPU in one launch (:mod:`mhctool.philox`)."""
+    block from a generator seeded ``seed + k``; on a GPU in one launch (:mod:`mhctool.core.philox`)."""
     seed = int(torch.randint(0, 1 << 62, (1,), generator=g))
     device = _DRAW_ON.get() or torch.device("cpu")
     out = torch.empty(math.prod(shape), dtype=torch.float32, device=device)

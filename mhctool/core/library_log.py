@@ -1,4 +1,4 @@
-"""The libraries' own output kept apart from mhctool's (issue 76 item 7): TileLang's compile logs,
+"""The libraries' own output kept apart from mhctool's: TileLang's compile logs,
 Triton's and PyTorch's C-level warnings, NCCL's lines. While a command works, whatever goes to the
 process's stdout and stderr (a library's ``logging`` handler, a ``print``, a ``warnings`` line, a
 C library's write to its descriptor) goes to a log file instead; mhctool's own consoles are

@@ -56,7 +56,7 @@ FAMILY = Family(
     input_families=INPUTS,
     kernels={"triton": "mhctool.kernels.triton.proj_rms:proj_rms", "cutile": "mhctool.kernels.cutile.proj_rms:proj_rms",
              # the TF32 variant: every product a TF32 product of operands rounded to TF32 (the precision the
-             # mHC paper specifies; issue 20: what IEEE accuracy costs, in one bench table)
+             # mHC paper specifies; beside the IEEE one, what IEEE accuracy costs shows in one bench table)
              "triton-tf32": "mhctool.kernels.triton.proj_rms:proj_rms_tf32"},
     cost=_cost,
     matmul=True,

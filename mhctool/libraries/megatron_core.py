@@ -1,11 +1,12 @@
-"""Megatron-core's own training step, driven from a staged tree (issue 77's engine): its
+"""Megatron-core's own training step, driven from a staged tree (``mhctool train --engine megatron:DIR``): its
 ``TransformerConfig`` with the mHC recipe's options, ``GPTModel`` on the local layer spec with
 hyper-connections, ``Float16Module``, its ``DistributedDataParallel``, ``get_megatron_optimizer``
 (whose step returns the grad norm and the count of zeros ``--log-num-zeros-in-grad`` logs),
 ``OptimizerParamScheduler`` and ``get_forward_backward_func``, put together in the order
 Megatron's ``megatron/training/training.py`` does (``get_model``, ``setup_model_and_optimizer``,
 ``train_step``). Nothing of Megatron's is copied or changed: the tree is put first on
-``sys.path`` (``../shared/anchors/stage.sh megatron-core GIT_DIR`` writes one).
+``sys.path`` (``../shared/anchors/stage.sh megatron-core GIT_DIR`` writes one), so Megatron's own
+modules are imported inside the functions that use them, once :func:`train` has put the tree there.
 
 :func:`train` is the engine of ``mhctool train --engine megatron:DIR``
 (:mod:`mhctool.analyses.train.engine` runs it in a process of its own, one per rank: a GPU;
@@ -23,8 +24,13 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from mhctool.core.metrics import h_res_health
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,6 @@ def _import_tree(tree: str) -> None:
 def _tokens(r: Recipe, step: int, micro: int):
     """A micro-batch of mock tokens from the seed, the same in every run and on every rank:
     uniform over the vocabulary, as Megatron's --mock-data draws them."""
-    import torch
     g = torch.Generator().manual_seed(r.seed * 1_000_003 + step * 1009 + micro)
     return torch.randint(0, r.vocab, (r.micro_batch, r.seq + 1), generator=g)
 
@@ -160,9 +165,7 @@ class Watch:
                         setattr(m, attr, self._wrapped(getattr(m, attr), family, layer))
 
     def _wrapped(self, op, family: str, layer: int):
-        import torch
 
-        from mhctool.core.metrics import h_res_health
 
         def call(*args, **kwargs):
             self.calls[family] += 1
@@ -182,7 +185,6 @@ class Watch:
         return call
 
     def _grad(self, at: tuple, g) -> None:
-        import torch
         self._order += 1
         self._pending.append((self._order, at[0], "nonfinite_grad", at[1], at[2], (~torch.isfinite(g)).sum()))
 
@@ -219,7 +221,6 @@ class SequenceParallelNorm:
     are torch's, as in the local spec."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        import torch
         kind = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}.get(config.normalization)
         if kind is None:
             raise ValueError(f"normalization {config.normalization!r}: LayerNorm or RMSNorm with sequence parallelism")
@@ -233,8 +234,6 @@ def layer_spec(layers: int, sequence_parallel: bool):
     """The local layer spec with hyper-connections, as Megatron builds it; under sequence parallelism,
     the whole block's (each layer's and the final one) with :class:`SequenceParallelNorm` where the
     spec has Megatron's torch norm."""
-    from dataclasses import fields as dc_fields
-    from dataclasses import replace
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(enable_hyper_connection=True)
@@ -243,7 +242,7 @@ def layer_spec(layers: int, sequence_parallel: bool):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     sub = spec.submodules
-    swapped = {f.name: SequenceParallelNorm for f in dc_fields(sub) if getattr(sub, f.name) is WrappedTorchNorm}
+    swapped = {f.name: SequenceParallelNorm for f in fields(sub) if getattr(sub, f.name) is WrappedTorchNorm}
     layer = replace(spec, submodules=replace(sub, **swapped))
     return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=SequenceParallelNorm)
 
@@ -253,8 +252,6 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
     """Train Megatron-core's GPT with hyper-connections by the recipe; every step's record.
     ``ops``: the module's entry points swapped (family -> callable, :data:`ENTRY_POINTS`)."""
     _import_tree(tree)
-    import torch
-    import torch.distributed as dist
 
     os.environ.setdefault("NCCL_ALGO", "Ring")  # deterministic mode asks for one (Megatron asserts it)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -17,7 +17,7 @@ import importlib.util
 import inspect
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from mhctool.core.environment import ensure_triton_mode
 from mhctool.core.errors import UsageError
@@ -25,8 +25,9 @@ from mhctool.families import get_family
 from mhctool.registry.impl import Impl
 from mhctool.registry.loading import load_file
 
-if TYPE_CHECKING:  # the adapters' public API; never imported here at run time
-    from mhctool.libraries import Binding
+# an adapter's bindings are mhctool.libraries.Binding objects (the adapters' public API, a layer
+# above this one): read here by their attributes, never imported
+Binding = object
 
 # the built-in adapters: NAME -> module (imported by name, never by an import of the registry's)
 BUILT_IN = {name: f"mhctool.libraries.{name}" for name in ("megatron", "te", "liger", "tilekernels")}

@@ -64,7 +64,7 @@ class CaseResult:
     shape: Shape  # after the input family's reshape
     rows: list[dict] = field(default_factory=list)
     abandoned: bool = False  # an isolated implementation was stopped because the run was interrupted
-    timings: dict = field(default_factory=dict)  # phase -> seconds (mhctool.profile)
+    timings: dict = field(default_factory=dict)  # phase -> seconds (mhctool.core.profile)
 
 
 def check_runnable(impls: dict[str, list[Impl]], targets) -> None:

@@ -301,7 +301,7 @@ def batch_rows(row_base: dict, fam: Family, full: dict[str, torch.Tensor], total
 
 
 class CaseChecks:
-    """The determinism and batch-invariance checks of one case (mhctool.repro): reruns of each
+    """The determinism and batch-invariance checks of one case (mhctool.runner.checks): reruns of each
     implementation on the same inputs, and runs on the batch variants of the case."""
 
     def __init__(self, fam: Family, case: Case, shape: Shape, base: dict, nat_base: "Baseline",

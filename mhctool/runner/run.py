@@ -40,7 +40,7 @@ def run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
              matmul_precision: str = "ieee", isolation=None,
              conventions: dict | None = None, checks: tuple[str, ...] = (), repeats: int = 3,
              sharding=None, input_dtypes: dict | None = None) -> CaseResult:
-    """:func:`_run_case`, its phases timed (``CaseResult.timings``, :mod:`mhctool.profile`)."""
+    """:func:`_run_case`, its phases timed (``CaseResult.timings``, :mod:`mhctool.core.profile`)."""
     t0 = time.perf_counter()
     with profile.case() as timings:
         result = _run_case(case, impls, rule, matmul_precision, isolation, conventions, checks, repeats, sharding,
@@ -63,7 +63,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
     bits across ``repeats`` runs (determinism) and across batch sizes (batch invariance), for
     every implementation and the float64 reference. ``sharding`` (:class:`sharded.Sharding`):
     every implementation, the native baseline too, runs on the case's tokens split over ranks, its
-    parameter gradients all-reduced (:mod:`mhctool.sharded`). ``input_dtypes`` (``--input-dtypes``):
+    parameter gradients all-reduced (:mod:`mhctool.spread.sharded`). ``input_dtypes`` (``--input-dtypes``):
     input name -> ``activation`` or a format name, the dtypes an external implementation takes its
     inputs in (:func:`declared_inputs`)."""
     rule = rule or VerdictRule()

@@ -249,7 +249,7 @@ def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> No
 class Worker:
     """One spawned worker; ``call`` runs a job in it, replacing it after any failure.
 
-    ``daemon`` False: a worker that may start workers of its own (:mod:`mhctool.pool`'s, which
+    ``daemon`` False: a worker that may start workers of its own (:mod:`mhctool.spread.pool`'s, which
     isolate the implementations under test inside); ``env``: variables set in it first."""
 
     def __init__(self, transport: str = "shm", start_timeout: float = 300.0, daemon: bool = True,

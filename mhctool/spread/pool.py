@@ -4,7 +4,7 @@ A parity run is a list of independent cases. :func:`run_cases` hands them to ``w
 processes (or to Ray tasks) and puts the rows back together in the plan's order, so a run with
 four workers writes the same report as a run with one.
 
-Each worker is an :class:`mhctool.isolation.Worker` that runs :func:`case_job`: it resolves the
+Each worker is an :class:`mhctool.spread.isolation.Worker` that runs :func:`case_job`: it resolves the
 implementations from the same ``--impl`` specs as the parent, runs :func:`runner.run_case` and
 sends back plain rows. Where the run isolates the implementations under test, the worker isolates
 the external ones (a file's, a library's) in workers of its own, as a single process would;

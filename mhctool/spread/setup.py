@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mhctool.core.errors import Interrupted, UsageError
+from mhctool.core.library_log import library_log
 from mhctool.spread import pool, prewarm
 from mhctool.spread.machine import pinned_threads, threads_for
 
@@ -138,15 +139,15 @@ class Setup:
     def running(self) -> Iterator[Setup]:
         """Signals caught, threads pinned, the libraries' output in the log; the isolation
         workers stopped and the log's path known on leaving, however the run ends."""
-        from mhctool.core.library_log import library_log
         with contextlib.ExitStack() as stack:
             stack.callback(self._close)
             stack.enter_context(self.interrupts)
             if self.threads is not None:
                 stack.enter_context(pinned_threads(self.threads))
             if self.log_path is not None:
-                state = stack.enter_context(library_log(self.log_path, self.consoles))
-                stack.callback(lambda: setattr(self, "library_log", state["path"]))
+                log: dict = {}  # read once the log is closed: an ExitStack unwinds last in, first out
+                stack.callback(lambda: setattr(self, "library_log", log["state"]["path"]))
+                log["state"] = stack.enter_context(library_log(self.log_path, self.consoles))
             yield self
 
     def _close(self) -> None:

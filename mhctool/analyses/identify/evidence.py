@@ -1,4 +1,4 @@
-"""What a kernel's outputs show where no convention comes near them (issue 76 item 3): how far each
+"""What a kernel's outputs show where no convention comes near them: how far each
 probe's outputs are from the contract at the asked knobs, and for Sinkhorn, whether the rows and
 columns sum to one and whether the matrices have collapsed to uniform. A ranking of candidates
 that are all far off says nothing; these do."""

@@ -33,12 +33,12 @@ class Judging(Fitting, Probing):
         failing, once more with the space's ``judge_also`` knobs (the float64 reference is the same,
         the native baseline computes the way such a kernel does), which join the fit when that
         passes. A candidate that fails explains nothing but what its evidence shows."""
-        c = self._judge(probes, cand, {})
+        c = self._verdict(probes, cand, {})
         also = None if c.passed else self.space.judge_also(cand.knobs)
         if also and set(also) <= set(self.space.rounding_only) and not cand.score <= self.space.near_miss:
             also = None  # rounding alone does not explain an error this far from native's
         if also:
-            other = self._judge(probes, cand, also)
+            other = self._verdict(probes, cand, also)
             if other.passed or (other.fwd_passed and not c.fwd_passed):
                 c = replace(other, knobs={**other.knobs, **also})
         c.level, c.note = classify(self.kernel, c.knobs, self.asked, self.evidence(probes, c), self.ignored,
@@ -46,17 +46,17 @@ class Judging(Fitting, Probing):
         self.tried[c.key] = c
         return c
 
-    def _judge(self, probes: list[Probe], cand: Candidate, extra: dict) -> Candidate:
+    def _verdict(self, probes: list[Probe], cand: Candidate, extra: dict) -> Candidate:
         """The verdict on every probe: the forward's rows against the native baseline at the
         forward's precision, the backward's at the backward's (the same unless fitted apart)."""
-        fwd = self._judge_at(probes, cand, extra, self.precision)
+        fwd = self._verdict_at(probes, cand, extra, self.precision)
         if self.precision_bwd == self.precision:
             return fwd
-        bwd = self._judge_at(probes, cand, extra, self.precision_bwd)
+        bwd = self._verdict_at(probes, cand, extra, self.precision_bwd)
         failed = (None if fwd.fwd_passed else fwd.worst) or bwd.bwd_worst
         return replace(fwd, passed=failed is None, worst=failed, bwd_worst=bwd.bwd_worst)
 
-    def _judge_at(self, probes: list[Probe], cand: Candidate, extra: dict, precision: str) -> Candidate:
+    def _verdict_at(self, probes: list[Probe], cand: Candidate, extra: dict, precision: str) -> Candidate:
         knobs, ref_fn, nat_fn = self._split(cand.knobs, precision)
         knobs.update(extra)
         nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
@@ -146,7 +146,7 @@ class Judging(Fitting, Probing):
         def first(order, ok):
             for p in order:
                 if p not in verdicts:
-                    verdicts[p] = self._judge_at(probes, cand, {}, p)
+                    verdicts[p] = self._verdict_at(probes, cand, {}, p)
                 if ok(verdicts[p]):
                     return p
             return order[0]

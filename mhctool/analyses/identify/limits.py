@@ -1,4 +1,4 @@
-"""Where a kernel fails at the probe shape: whether it is the shape (issue 76 item 5). The probe is
+"""Where a kernel fails at the probe shape: whether it is the shape. The probe is
 run again at the nearest channel counts that are multiples of 2, 4, 8 and 16; where those run and
 the probe's does not, the failure is an alignment requirement, said as one, and identification
 goes on at an aligned shape."""

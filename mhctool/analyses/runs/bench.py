@@ -68,8 +68,8 @@ class Outcome:
     matmul_tf32: float
     interrupted: bool
     report: Path
+    table: object  # pyarrow.Table: the report as written (the figure is drawn from it)
     glue: list[tuple[str, str, str]] = field(default_factory=list)  # (kernel, impl, what its adapter adds)
-    plot: Path | None = None
 
     @property
     def totals(self) -> list:
@@ -203,8 +203,4 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     path = report.write_atomic(table, req.out)
     glue = [(k, i.name, i.glue) for k, impls in resolved.items() for i in impls  # timed with the library's call
             if i.glue and any(r["impl"] == i.name for r in rows)]
-    plot = None
-    if req.plot is not None:
-        from mhctool.views.plots import bench_figure  # matplotlib: only where a plot is asked for
-        plot = bench_figure(table, req.plot, copy_bw)
-    return Outcome(rows, dev, dtype, shape_text, copy_bw, mm_bf16, mm_tf32, s.interrupts.requested, path, glue, plot)
+    return Outcome(rows, dev, dtype, shape_text, copy_bw, mm_bf16, mm_tf32, s.interrupts.requested, path, table, glue)

@@ -77,7 +77,7 @@ class Outcome:
     notes: list[str]  # what the run noticed that is no verdict (baselines' findings, skipped backends)
     hints: list[str]
     report: Path
-    plots: list[Path] = field(default_factory=list)
+    table: pa.Table  # the report as written (figures are drawn from it)
     library_log: str | None = None
 
     @property
@@ -215,12 +215,9 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
             report.write_atomic(table, req.out)
             raise
     extra = {**({"hints": hints} if hints else {}), **({"library_log": s.library_log} if s.library_log else {})}
-    path = report.write_atomic(report.with_run(table, **extra) if extra else table, req.out)
+    table = report.with_run(table, **extra) if extra else table
+    path = report.write_atomic(table, req.out)
     if problem:
         raise UsageError(problem)
-    plots = []
-    if req.plot is not None:
-        from mhctool.views.plots import parity_figures  # matplotlib: only where a plot is asked for
-        plots = list(parity_figures(table, req.plot))
     return Outcome(pl, ran, dev, n_workers, vs, outside, judged_nothing(table, parity.asked_outside(pl)),
-                   _notes(pl, table, dev), hints, path, plots, s.library_log)
+                   _notes(pl, table, dev), hints, path, table, s.library_log)

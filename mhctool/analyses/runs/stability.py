@@ -24,12 +24,12 @@ from mhctool.registry.specs import resolve_impls
 
 @dataclass
 class Outcome:
-    """A sweep's rows, the report written and the plots made from it; ``extra``: what the sweep's
-    table needs beside the rows (its spec, summary or change)."""
+    """A sweep's rows and the report written; ``extra``: what the sweep's table and figures need
+    beside the rows (its spec, summary or change)."""
 
     rows: list[dict]
     report: Path
-    plots: list[Path] = field(default_factory=list)
+    table: object  # pyarrow.Table: the report as written (figures are drawn from it)
     extra: dict = field(default_factory=dict)
 
 
@@ -96,11 +96,7 @@ def sinkhorn(req: SinkhornRequest, watch: Watch = Watch()) -> Outcome:
     table, path = _write(rows, "stability", {"command": "stability sinkhorn", "quick": req.quick, "device": dev,
                                              "impls": [i.name for i in impls], "converged_iters": st.CONVERGED_ITERS},
                          report.STABILITY_SCHEMA, req.out)
-    plots = []
-    if req.plot:
-        from mhctool.views.plots import stability_figures  # matplotlib: only where a plot is asked for
-        plots = list(stability_figures(table, req.plot, {d: st.OVERFLOW_LOGIT[d] for d in spec.dtypes}))
-    return Outcome(rows, path, plots, {"spec": spec, "first_nonfinite": st.first_nonfinite(rows)})
+    return Outcome(rows, path, table, {"spec": spec, "first_nonfinite": st.first_nonfinite(rows)})
 
 
 @dataclass
@@ -150,11 +146,7 @@ def eps(req: EpsRequest, watch: Watch = Watch()) -> Outcome:
     table, path = _write(rows, "stability-eps", {"command": "stability eps", "device": dev, "depth": req.depth,
                                                  "impls": [i.name for i in impls], "change": change.label},
                          report.KNOB_SHIFT_SCHEMA, req.out)
-    plots = []
-    if req.plot:
-        from mhctool.views.plots import knob_shift_figure  # matplotlib: only where a plot is asked for
-        plots = [knob_shift_figure(table, req.plot)]
-    return Outcome(rows, path, plots, {"change": change})
+    return Outcome(rows, path, table, {"change": change})
 
 
 @dataclass
@@ -198,11 +190,7 @@ def overflow(req: OverflowRequest, watch: Watch = Watch()) -> Outcome:
     table, path = _write(rows, "stability-overflow", {"command": "stability overflow", "device": dev, "impl": im.name,
                                                       "knobs": knobs, "family": req.family},
                          report.OVERFLOW_SCHEMA, req.out)
-    plots = []
-    if req.plot:
-        from mhctool.views.plots import overflow_figure  # matplotlib: only where a plot is asked for
-        plots = [overflow_figure(table, req.plot)]
-    return Outcome(rows, path, plots, {"summary": ov.summary(rows), "knobs": knobs, "dtypes": dtypes, "impl": im.name})
+    return Outcome(rows, path, table, {"summary": ov.summary(rows), "knobs": knobs, "dtypes": dtypes, "impl": im.name})
 
 
 @dataclass
@@ -249,8 +237,4 @@ def gain(req: GainRequest, watch: Watch = Watch()) -> Outcome:
     table, path = _write(rows, "stability-gain", {"command": "stability gain", "device": dev, "family": req.family,
                                                   "tokens": req.tokens, "n": req.n, "hc_scale": req.hc_scale},
                          report.GAIN_SCHEMA, req.out)
-    plots = []
-    if req.plot:
-        from mhctool.views.plots import gain_figure  # matplotlib: only where a plot is asked for
-        plots = [gain_figure(table, req.plot)]
-    return Outcome(rows, path, plots)
+    return Outcome(rows, path, table)

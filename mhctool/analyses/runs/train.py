@@ -92,7 +92,7 @@ class Outcome:
     session: T.Outcome
     report: Path
     goldens: Path | None
-    plots: list[Path] = field(default_factory=list)
+    table: object  # pyarrow.Table: the report as written (figures are drawn from it)
 
     @property
     def exit_code(self) -> int:
@@ -176,11 +176,7 @@ def run(plan: Plan, watch: Watch = Watch()) -> Outcome:
     path = report.write_atomic(table, req.out)
     if req.goldens is not None:
         dump(T.to_golden(o.impl), req.goldens)
-    plots = []
-    if req.plot is not None:
-        from mhctool.views.plots import train_figures  # matplotlib: only where a plot is asked for
-        plots = list(train_figures(table, req.plot))
-    return Outcome(plan, o, path, req.goldens, plots)
+    return Outcome(plan, o, path, req.goldens, table)
 
 
 def golden_lines(o: T.Outcome) -> list[str]:

@@ -28,17 +28,33 @@ mhctool); several run side by side:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 import tempfile
 import threading
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from mhctool.analyses.knob_shift import typed_value
+from mhctool.analyses.train.pieces import assign as model_assign
+from mhctool.analyses.train.pieces import family_call, native_piece, pick_impl, reference_piece
 from mhctool.analyses.train.ranks import STALL_S, gpu_slots, run_ranks
+from mhctool.analyses.train.session import parse_knobs
+from mhctool.analyses.train.setup import GOLDEN_METRICS, config
+from mhctool.analyses.train.trace import fitted
+from mhctool.analyses.train.trajectory import Step, Trajectory
+from mhctool.core.environment import ensure_triton_mode
 from mhctool.core.errors import UsageError
+from mhctool.libraries import megatron_core as mc
+from mhctool.libraries.megatron_core import NATIVE_CONVENTIONS, Recipe, recipe_from
+from mhctool.registry import loading
+from mhctool.registry.specs import resolve_impls
 
 # the entry points of Megatron's HyperConnectionModule, by the mhctool family each computes
 ENGINE_FAMILIES = ("proj_rms", "sinkhorn", "h_aggregate", "h_post_bda")
@@ -56,7 +72,6 @@ class EngineSpec:
 def parse_engine(text: str) -> EngineSpec:
     """``megatron:DIR`` (a staged megatron-core: DIR/megatron/core), or an engine function; bad
     input is a UsageError (exit 2) in one sentence."""
-    from mhctool.libraries import megatron_core as mc
     kind, sep, rest = text.partition(":")
     if kind == "megatron":
         if not sep or not rest:
@@ -79,7 +94,6 @@ def parse_engine(text: str) -> EngineSpec:
 
 def load_engine(target: str) -> Callable:
     """``module:function`` or ``FILE.py:function`` -> the engine's train; a UsageError if absent."""
-    from mhctool.registry import loading
     where, _, name = target.rpartition(":")
     module = loading.load_path_or_module(where, where, Path(where).name)
     fn = getattr(module, name, None)
@@ -91,10 +105,7 @@ def load_engine(target: str) -> Callable:
 def recipe_options(items: list[tuple[str, str]]):
     """``--recipe KEY=VALUE`` items as the recipe's typed options (parsed as knob values are); an
     unknown key or a value of the wrong kind is a UsageError."""
-    from dataclasses import fields
 
-    from mhctool.analyses.knob_shift import typed_value
-    from mhctool.libraries.megatron_core import Recipe
     kinds = {f.name: str(f.type) for f in fields(Recipe)}
     out = {}
     for key, raw in items:
@@ -123,7 +134,6 @@ def assign(specs: list[str]) -> dict[str, str]:
             raise UsageError("--impl megatron is Megatron's own fused kernels (its use_fused_mhc switch): "
                              "it does not combine with another --impl")
         return {f: "megatron" for f in ENGINE_FAMILIES}
-    from mhctool.analyses.train.pieces import assign as model_assign
     out = {}
     for spec, fams in ((s, model_assign([s])) for s in specs):
         for family, s in fams.items():
@@ -139,17 +149,11 @@ def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str]
     the recipe's sequence parallelism unless ``--recipe sequence_parallel=false``), the
     implementations assigned, the knobs and conventions checked, how many trajectories run side by
     side (``workers``: a number, else :func:`side_by_side_default`); bad input is a UsageError."""
-    from dataclasses import replace
 
-    from mhctool.analyses.train.session import parse_knobs
-    from mhctool.analyses.train.setup import config
-    from mhctool.libraries.megatron_core import Recipe
-    from mhctool.registry.specs import resolve_impls
     spec = parse_engine(engine)
     if spec.target == MEGATRON and device != "cuda":
         raise UsageError("--engine megatron runs Megatron-core's model on a GPU (it takes its buffers on CUDA); "
                          "no GPU here (--device cuda)")
-    import importlib.util
     if spec.target == MEGATRON and importlib.util.find_spec("einops") is None:
         raise UsageError("--engine megatron: Megatron-core imports einops, which is not installed (pip install einops)")
     opts = recipe_options(recipe_items)
@@ -161,7 +165,6 @@ def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str]
         opts.setdefault("sequence_parallel", True)
     r = replace(Recipe(), **{k: v for k, v in sizes.items() if v is not None}, **opts, seed=seed)
     if spec.target == MEGATRON and r.tp > 1:
-        import torch
         if torch.cuda.device_count() < r.tp:
             raise UsageError(f"--recipe tp={r.tp} runs a rank a GPU; this machine has {torch.cuda.device_count()}")
         if r.heads % r.tp or r.vocab % r.tp:
@@ -194,7 +197,6 @@ def side_by_side_default(device: str, tp: int = 1) -> int:
     GPUs, one on a CPU."""
     if device != "cuda":
         return 1
-    import torch
     return PER_GPU * max(1, torch.cuda.device_count() // max(1, tp))
 
 
@@ -223,7 +225,6 @@ def _ops(pieces: dict[str, Callable[[dict], tuple]]) -> dict[str, Callable]:
 
 def _pieces(role: str, specs: dict[str, str], eff: dict[str, dict], device: str, dtype: str):
     """Family calls for ``role`` (reference: float64; impl: the specs'), as the train pieces build them."""
-    from mhctool.analyses.train.pieces import family_call, pick_impl, reference_piece
     out, names = {}, {}
     for family in ENGINE_FAMILIES:
         if role == "reference":
@@ -243,14 +244,12 @@ def effective_knobs(spec: EngineSpec, recipe, specs: dict[str, str], knobs: dict
     """Per entry point, the knobs a run computes: the native path's conventions (the float64 run's),
     the recipe's Sinkhorn count and eps, then the implementation's declared conventions and what
     was asked."""
-    from mhctool.libraries.megatron_core import NATIVE_CONVENTIONS
     base = NATIVE_CONVENTIONS.get(spec.generation, NATIVE_CONVENTIONS["pr3828"])
     eff = {f: dict(base.get(f, {})) for f in ENGINE_FAMILIES}
     eff["sinkhorn"].update(iters=recipe.sinkhorn_iters, eps=recipe.sinkhorn_eps if recipe.sinkhorn_eps is not None
                            else 1e-6)
     eff["proj_rms"]["eps"] = 1e-6
     if role == "impl":
-        from mhctool.analyses.train.pieces import pick_impl
         for f, s in specs.items():
             if s != "megatron":
                 impl = pick_impl(f, s, device, "bf16")[0]
@@ -276,14 +275,11 @@ def worker_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", required=True)
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
-    from mhctool.core.environment import ensure_triton_mode
-    from mhctool.libraries.megatron_core import recipe_from
     ensure_triton_mode()
     recipe = recipe_from(json.loads(a.recipe))
     specs, eff = json.loads(a.specs), json.loads(a.eff)
     fused = a.role == "impl" and set(specs.values()) == {"megatron"}
     if a.alt:
-        from mhctool.analyses.train.pieces import native_piece
         alt = json.loads(a.alt)
         piece = native_piece(alt["family"], alt["knobs"], alt.get("precision", "ieee"))
         ops = _ops({alt["family"]: piece.call})
@@ -293,7 +289,6 @@ def worker_main(argv: list[str] | None = None) -> int:
         ops = _ops(calls)
     else:
         ops, names = {}, {f: "Megatron's fused" if fused else "Megatron's own" for f in ENGINE_FAMILIES}
-    from dataclasses import replace
     recipe = replace(recipe, fused=fused)
     train = load_engine(a.engine)
     first = os.environ.get("RANK", "0") == "0"
@@ -343,7 +338,6 @@ class EngineRunner:
                      interrupted: Callable[[], bool] = lambda: False) -> dict:
         """(seed, role) -> trajectory for each job, ``workers`` at a time; a job not started before
         ``interrupted()`` turned true is left out."""
-        from concurrent.futures import ThreadPoolExecutor
 
         def one(job):
             seed, role = job
@@ -377,15 +371,11 @@ class EngineRunner:
 
     def candidates(self) -> list[tuple]:
         """The conventions identify fits to each swapped-in implementation beside the native path's."""
-        from mhctool.analyses.train.trace import fitted
         eff = self.effective("native")
         return [c for f, s in self.specs.items() if s != "megatron" for c in fitted(f, s, eff[f], self.device)]
 
     def trajectory(self, seed: int, role: str, progress: Callable | None = None, alt: dict | None = None):
-        from dataclasses import replace
 
-        from mhctool.analyses.train.setup import GOLDEN_METRICS
-        from mhctool.analyses.train.trajectory import Step, Trajectory
         recipe = replace(self.recipe, seed=seed)
         eff = effective_knobs(self.spec, recipe, self.specs, self.knobs, self.conventions,
                               "native" if role.startswith("native") else role, self.device)

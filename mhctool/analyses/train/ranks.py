@@ -5,10 +5,15 @@ its group and is said in one line; mhctool carries on."""
 from __future__ import annotations
 
 import os
+import queue
 import re
+import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 # a trajectory whose log has not grown for this long is hung: the first step of Megatron's recipe
 # at 12 layers compiles for about a minute on an H200, several side by side for longer
@@ -37,7 +42,6 @@ def _steps_in(log: Path | None) -> int:
 
 def _run_group(cmd: list[str], ranks: int, stall: float | None, log: Path | None, env: dict[str, str] | None,
                port: str) -> str | None:
-    import time
     with tempfile.TemporaryDirectory(prefix="mhctool-ranks-") as d:
         outs = [open(Path(d) / f"rank{r}.txt", "w+") for r in range(ranks)]
         procs = [subprocess.Popen(cmd, stdout=outs[r], stderr=subprocess.STDOUT, env={
@@ -82,7 +86,6 @@ def gpu_groups(tp: int) -> list[str]:
     if visible is not None:
         ids = [x.strip() for x in visible.split(",") if x.strip()]
     else:
-        import torch
         ids = [str(i) for i in range(torch.cuda.device_count())]
     tp = max(1, tp)
     return [",".join(ids[k * tp:(k + 1) * tp]) for k in range(len(ids) // tp)] or [",".join(ids)]
@@ -91,7 +94,6 @@ def gpu_groups(tp: int) -> list[str]:
 def gpu_slots(tp: int, holders: int):
     """A queue of :func:`gpu_groups` dealt round robin, one entry for each of ``holders`` jobs side
     by side (at least one a group): a job takes one (``get``) and puts it back when it ends."""
-    import queue
     groups = gpu_groups(tp)
     slots = queue.Queue()
     for i in range(max(holders, len(groups))):
@@ -101,7 +103,6 @@ def gpu_slots(tp: int, holders: int):
 
 def _free_port() -> int:
     """A port no one listens on now, for the engine's process group (runs side by side differ)."""
-    import socket
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

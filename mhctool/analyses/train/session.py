@@ -226,7 +226,8 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     complete = compare and runs and all(r.reference is not None for r in runs) and len(runs) == len(seed_list)
     if complete and not interrupted():
         params = param_count(cfg)
-        if _judge(out, runs, cfg, rule, params) and trace and not interrupted():
+        _set_verdict(out, runs, cfg, rule, params)
+        if _drift_to_trace(out) and trace and not interrupted():
             cands = candidate_knobs(specs, eff, pieces, cfg.device)
             precision = {f: p.precision for f, p in pieces.items()}
             out.attributions, alts = attribute(runs, cfg, eff, cands, rule, params, interrupted, precision)
@@ -236,10 +237,9 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     return out
 
 
-def _judge(out: Outcome, runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule, params: int) -> bool:
+def _set_verdict(out: Outcome, runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRule, params: int) -> None:
     """The verdict on ``runs`` into ``out``: one seed by the single-seed rule, several over the
-    ensemble (with its zero findings), and where the implementation went non-finite; whether a
-    drift is left to trace (judged, finite, no run failed)."""
+    ensemble (with its zero findings), and where the implementation went non-finite."""
     if len(runs) == 1:
         r = runs[0]
         out.drifts = judge(r.impl, r.native, r.reference, cfg, rule, params)
@@ -248,6 +248,10 @@ def _judge(out: Outcome, runs: list[SeedRun], cfg: TrainConfig, rule: VerdictRul
         out.zeros = zero_findings(runs)
         out.drifts = judge_ensemble(runs, cfg, rule, params, out.zeros)
         out.nonfinite = _nonfinite_ensemble(runs)
+
+
+def _drift_to_trace(out: Outcome) -> bool:
+    """Whether a judged drift is left to trace: the run stayed finite, no run failed, a metric drifted."""
     return not out.nonfinite and not out.errors and not all(d.passed for d in out.drifts)
 
 
@@ -270,7 +274,8 @@ def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, 
     out = Outcome(cfg, engine.spec_text, [t for r in runs for t in r.trajectories()], eff, traced_asked=trace,
                   runs=runs)
     if compare and runs and len(runs) == seeds and all(r.reference is not None for r in runs) and not interrupted():
-        if _judge(out, runs, cfg, rule, engine.params) and trace and not interrupted():
+        _set_verdict(out, runs, cfg, rule, engine.params)
+        if _drift_to_trace(out) and trace and not interrupted():
             out.attributions, alts = attribute(runs, cfg, eff, engine.candidates(), rule, engine.params, interrupted,
                                                rerun=engine.alternative)
             out.trajectories.extend(alts)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# `mhctool train --engine megatron:DIR` on the GPU machine, one device call per phase (each call has
+# 10 minutes); from the project root, Megatron-core staged and packed as dev/README.md says:
+#   run(command="source .device/setup.sh && source dev/mcore_gpu.sh && bash dev/engine-gpu.sh PHASE",
+#       carry=[".device", ".anchors/mcore.tar.xz"], kind=...)
+# Phases (what the guide's engine section cites):
+#   recipe     one GPU: the slow-marked engine tests; the recipe in miniature with Megatron's fused
+#              kernels; at a rate where H_res learns (hidden dropout 0, the only setting in which the
+#              module calls its h_post_bda entry point), the planted H^T h_post_bda (traced), mhctool's
+#              Triton kernels and Megatron's fused kernels, one seed each
+#   parallel   two GPUs: the GPU suite, and the recipe at tensor parallel 2 with and without
+#              sequence parallelism, Megatron's fused kernels and mhctool's Triton kernels
+#   ensembles  four GPUs: over 8 seeds, Megatron's fused kernels, mhctool's Triton kernels and the
+#              planted H^T (traced); a Sinkhorn with a NaN token (the engine's first non-finite watch)
+#   ablation   four GPUs: dev/mcore_ablation.py's rows ($ROWS, default all 17) as 8-seed ensembles
+# Logs and one archive (results.tar.gz: a run brings back a limited count of files) under $OUT.
+set -uo pipefail
+phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation}"
+O="${OUT:-/tmp/out}"; R=/tmp/results; mkdir -p "$O" "$R"
+T=${TIMEOUT:-540}
+FAST="--layers 4 --hidden 256 --heads 4 --seq 128 --batch 4 --recipe global_batch=8 --recipe warmup_fraction=0 --recipe hidden_dropout=0 --lr 0.01 --steps 12"
+RECIPE="--layers 12 --hidden 512 --heads 8 --seq 256 --batch 4 --steps 8 --seeds 1"
+HT=tests/impls/defects.py:h_post_bda_transposed
+# a train run in the background: NAME IMPL ARGS...
+train() { name=$1 impl=$2; shift 2
+  timeout "$T" python3 -m mhctool.cli train --engine "megatron:$MCORE" --impl "$impl" "$@" \
+    -o "$R/$name.parquet" --goldens "$R/$name.golden.json" > "$R/$name.log" 2>&1 & }
+tests() { name=$1; shift; timeout "$T" python3 -m pytest -q -p no:cacheprovider "$@" > "$R/$name.log" 2>&1 & }
+show() { for f in "$@"; do echo "== $f"; grep -v "^train: \|^│\|^┃\|^┏\|^┡\|^└" "$R/$f.log" | tail -12; done; }
+nvidia-smi --query-gpu=name --format=csv,noheader > "$R/gpus.txt"
+case "$phase" in
+  recipe)
+    tests pytest_engine tests/kernels/test_gpu.py -k megatron_engine --slow
+    train recipe megatron $RECIPE
+    train ht "$HT" $FAST --seeds 1
+    train triton triton $FAST --seeds 1
+    train fused megatron $FAST --seeds 1
+    wait; show pytest_engine recipe ht triton fused ;;
+  parallel)
+    tests pytest_gpu -m gpu
+    for impl in megatron triton; do
+      train "tp2sp_$impl" $impl $RECIPE --ranks 2 --recipe sequence_parallel=true
+    done
+    train tp2_megatron megatron $RECIPE --ranks 2 --recipe sequence_parallel=false
+    wait; show pytest_gpu tp2sp_megatron tp2sp_triton tp2_megatron ;;
+  ensembles)
+    train fused megatron $FAST --seeds 8
+    train triton triton $FAST --seeds 8
+    train ht "$HT" $FAST --seeds 8
+    train nan tests/impls/defects.py:sinkhorn_nan_last_token $FAST --steps 3 --seeds 1 --no-trace
+    sleep 60; nvidia-smi > "$R/nvidia-smi-at-60s.txt"
+    wait; show fused triton ht nan ;;
+  ablation)
+    timeout "$T" python3 dev/mcore_ablation.py "$R/abl" --rows "${ROWS:-0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16}" \
+      --seeds 8 --steps 8 --jobs "${JOBS:-64}" --recipe '{"seq": 256}' > "$R/ablation.log" 2>&1
+    tail -9 "$R/ablation.log" ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
+tar -czf "$O/results.tar.gz" -C /tmp results

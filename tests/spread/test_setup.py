@@ -1,0 +1,56 @@
+"""A run's set-up, one function for every command (mhctool.spread.setup): what is isolated, what a
+signal does, and that leaving the run closes what it started and names the library log."""
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from mhctool.core.errors import Interrupted, UsageError
+from mhctool.spread import setup
+
+
+@pytest.mark.parametrize("spec, outside", [("triton", False), ("torch", False), ("cutile", False),
+                                           ("mine.py:sk", True), ("pkg.mod:sk", True), ("te:/x/te", True)])
+def test_an_implementation_mhctool_did_not_ship_is_outside(spec, outside):
+    assert setup.is_outside(spec) is outside
+
+
+def test_isolation_by_default_for_an_outside_implementation_on_a_gpu_or_a_time_limit_only():
+    quiet = setup.Interrupts(lambda line: None)
+    assert setup.isolation_for(None, ["mine.py:sk"], "cpu", None, None, quiet) is None
+    assert setup.isolation_for(None, ["triton"], "cuda", None, None, quiet) is None
+    on_gpu = setup.isolation_for(None, ["mine.py:sk"], "cuda", None, None, quiet)
+    timed = setup.isolation_for(None, ["triton"], "cpu", 5.0, "host", quiet)
+    assert on_gpu.transport == "shm" and (timed.transport, timed.case_timeout) == ("host", 5.0)
+    with pytest.raises(UsageError, match="--case-timeout needs --isolate"):
+        setup.isolation_for(False, ["mine.py:sk"], "cuda", 5.0, None, quiet)
+    with pytest.raises(UsageError, match="unknown --isolate-transport 'pigeon'"):
+        setup.isolation_for(True, [], "cpu", None, "pigeon", quiet)
+
+
+def test_the_first_signal_asks_the_run_to_stop_and_the_second_stops_it_at_once():
+    said = []
+    with setup.Interrupts(said.append) as interrupts:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert interrupts() and said == ["SIGTERM: finishing the case in hand, then writing what was measured "
+                                         "(again to stop at once)"]
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on leaving
+
+
+def test_leaving_a_run_stops_its_isolation_workers_and_names_a_library_log_only_where_written(tmp_path):
+    log = tmp_path / "run.libraries.log"
+    s = setup.prepare("cpu", isolate=True, library_log=log, say=lambda line: None)
+    stopped = []
+    s.isolation.close = lambda: stopped.append(True)
+    with s.running():
+        assert s.threads == 1  # a CPU run computes with one thread a process
+    assert stopped == [True] and s.library_log is None and not log.exists()  # nothing written: no file
+    s = setup.prepare("cpu", library_log=log, say=lambda line: None)
+    with pytest.raises(RuntimeError), s.running():
+        with open(os.environ["MHCTOOL_LIBRARY_LOG"], "a") as f:  # where a worker started meanwhile writes
+            f.write("a library's line\n")
+        raise RuntimeError("the run fails")
+    assert s.library_log == str(log) and Path(s.library_log).read_text() == "a library's line\n"
