@@ -85,7 +85,7 @@ def stability_sinkhorn(
     from mhctool.analyses.runs import stability as run
     req = run.SinkhornRequest(split(impl), quick, scales, split(iters), split(family), split(dtype), device, out_path,
                               plot)
-    with watching("stability sinkhorn", None, quiet, spinner=True) as watch:
+    with watching("stability sinkhorn", None, quiet, unit="stages started", spinner=True) as watch:
         o = run.sinkhorn(req, watch)
     if not quiet:
         out.print(_sinkhorn_table(o))
@@ -131,7 +131,7 @@ def stability_eps(
     from mhctool.analyses.runs import stability as run
     req = run.EpsRequest(kernel, frm, to, knob, split(family), split(dtype), split(impl), depth, seed, device, out_path,
                          plot)
-    with watching("stability eps", None, quiet, spinner=True) as watch:
+    with watching("stability eps", None, quiet, unit="stages started", spinner=True) as watch:
         o = run.eps(req, watch)
     if not quiet:
         out.print(_eps_table(o.rows, o.extra["change"], depth))
@@ -175,7 +175,7 @@ def stability_overflow(
     """Headroom to the dtype's largest finite value of every intermediate as the input scale grows."""
     from mhctool.analyses.runs import stability as run
     req = run.OverflowRequest(kernel, family, scales, split(knob), split(dtype), impl, quick, device, out_path, plot)
-    with watching("stability overflow", None, quiet, spinner=True) as watch:
+    with watching("stability overflow", None, quiet, unit="stages started", spinner=True) as watch:
         o = run.overflow(req, watch)
     if not quiet:
         out.print(_overflow_table(o, kernel, family))
@@ -228,7 +228,7 @@ def stability_gain(
     from mhctool.analyses.runs import stability as run
     req = run.GainRequest(depth, split(iters), hc_scale, family, tokens, n, split(impl), dtype, seed, device, out_path,
                           plot)
-    with watching("stability gain", None, quiet, spinner=True) as watch:
+    with watching("stability gain", None, quiet, unit="stages started", spinner=True) as watch:
         o = run.gain(req, watch)
     if not quiet:
         out.print(_gain_table(o.rows, depth, tokens))

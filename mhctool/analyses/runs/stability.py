@@ -47,6 +47,12 @@ def impls_of(kernel: str, specs: list[str], default: str) -> list[Impl]:
     return [i for i in impls_for(kernel) if i.default and not i.unavailable()]
 
 
+def _stage(watch: Watch, what: str) -> None:
+    """A sweep's stage starts (the progress counts stages: a sweep does not know how many ahead)."""
+    watch.started(what, what)
+    watch.finished()
+
+
 def dtypes_of(values: list[str], default: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(parse_dtype(v).name for v in values) if values else default
 
@@ -92,7 +98,7 @@ def sinkhorn(req: SinkhornRequest, watch: Watch = Watch()) -> Outcome:
     impls = impls_of("sinkhorn", req.impls, "all")
     if req.quick and not req.impls:
         impls = [i for i in impls if i.native]  # the interpreter is too slow for a one-minute sweep
-    rows = st.sinkhorn_sweep(impls, spec, dev, lambda d: watch.started(d, d))
+    rows = st.sinkhorn_sweep(impls, spec, dev, lambda d: _stage(watch, d))
     table, path = _write(rows, "stability", {"command": "stability sinkhorn", "quick": req.quick, "device": dev,
                                              "impls": [i.name for i in impls], "converged_iters": st.CONVERGED_ITERS},
                          report.STABILITY_SCHEMA, req.out)
@@ -135,11 +141,11 @@ def eps(req: EpsRequest, watch: Watch = Watch()) -> Outcome:
     for f in fams:
         for dt in dtypes:
             for i in impls:
-                watch.started(f"{f} {dt} {i.name}", f"{f} {dt} {i.name}")
+                _stage(watch, f"{f} {dt} {i.name}")
                 if why := i.unsupported(dev, dt):
                     raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
                 rows += ks.kernel_shift(change, i, f, dt, dev, req.seed)
-            watch.started(f"{f} {dt} stack of {req.depth}", f"{f} {dt} stack of {req.depth}")
+            _stage(watch, f"{f} {dt} stack of {req.depth}")
             rows += ks.stack_shift(change, f, dt, req.depth, req.seed)
     common = dict(kernel=req.kernel, knob=change.knob, setting_a=repr(change.a), setting_b=repr(change.b))
     rows = [{**common, **r} for r in rows]
@@ -186,7 +192,7 @@ def overflow(req: OverflowRequest, watch: Watch = Watch()) -> Outcome:
     grid = (st.parse_range(req.scales, "--scales") if req.scales else
             ov.default_scales(req.kernel, 12 if req.quick else 45))
     (im,) = impls_of(req.kernel, [req.impl] if req.impl else [], "native")
-    rows = ov.sweep(req.kernel, im, req.family, dtypes, grid, knobs, dev, progress=lambda d: watch.started(d, d))
+    rows = ov.sweep(req.kernel, im, req.family, dtypes, grid, knobs, dev, progress=lambda d: _stage(watch, d))
     table, path = _write(rows, "stability-overflow", {"command": "stability overflow", "device": dev, "impl": im.name,
                                                       "knobs": knobs, "family": req.family},
                          report.OVERFLOW_SCHEMA, req.out)
@@ -229,7 +235,7 @@ def gain(req: GainRequest, watch: Watch = Watch()) -> Outcome:
         if why := i.unsupported(dev, dt):
             raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
         for it in counts:
-            watch.started(f"{i.name} iters={it}", f"{i.name} iters={it}")
+            _stage(watch, f"{i.name} iters={it}")
             rows += [{**r, "impl": i.name, "dtype": dt}
                      for r in gn.composite_gain(gn.GainConfig("sinkhorn", it), layers, i, dt, dev)]
     rows += [{**r, "impl": "reference", "dtype": "fp64"}
