@@ -1,4 +1,7 @@
-"""``mhctool report show|html|merge|compare``: reading reports."""
+"""``mhctool report show|html|merge|compare``: reading reports.
+
+What reads a report (pyarrow) is imported inside each command, so that ``--help`` and a usage
+error answer at once."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +13,6 @@ from rich.table import Table
 from mhctool.cli.gate import show as show_gate
 from mhctool.cli.console import guard, out
 from mhctool.cli.tables import bench_table, bench_totals, verdict_table
-from mhctool.core.findings import tally
-from mhctool.core.combine import UNMATCHED_SHARE, stable
 from mhctool.core.text import fmt
 
 report_app = typer.Typer(no_args_is_help=True, help="Read Parquet reports: show one, compare two.")
@@ -38,6 +39,7 @@ def report_show(
     if meta["kind"] == "parity":
         vs = worst_first(verdicts(table))
         out.print(verdict_table(vs, top, "verdicts (worst first)"))
+        from mhctool.core.findings import tally
         p, f, s = tally(v["passed"] for v in vs)
         out.print(f"{p} passed, {f} failed, {s} skipped")
     elif meta["kind"] == "bench":  # the tables bench printed, from the rows
@@ -170,6 +172,7 @@ def report_compare(
             out.print(f"{len(rows)} rows only in the {side} report, not compared; "
                       "first: " + "; ".join("/".join(str(v) for v in k if v is not None) for k in rows[:3]),
                       markup=False)
+    from mhctool.core.combine import UNMATCHED_SHARE
     if c.unmatched > UNMATCHED_SHARE:
         out.print(f"[red]FAILED[/]: {len(r.only_before)} of the earlier report's {r.matched + len(r.only_before)} rows "
                   f"({c.unmatched:.0%}, more than {UNMATCHED_SHARE:.0%}) have no match in the later one: not compared, "
@@ -179,4 +182,5 @@ def report_compare(
 
 def _short(text: str) -> str:
     """Paths in a cell reduced to their file name (the report keeps them whole)."""
+    from mhctool.core.combine import stable
     return stable(text)

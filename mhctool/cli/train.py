@@ -118,9 +118,7 @@ def train(
                       isolate, out_path, goldens, plot, engine, ranks, knob_items(recipe, "--recipe", "recompute=false"))
     with watching("train", None, quiet, unit="steps done") as watch:
         plan = run.prepare(req, watch)
-        if not quiet:
-            out.print(plan.header(), markup=False, emoji=False)
-        o = run.run(plan, watch)
+        o = run.run(plan, watch, None if quiet else lambda: out.print(plan.header(), markup=False, emoji=False))
     show(o, every, quiet, plot)
     raise typer.Exit(o.exit_code)
 
@@ -147,7 +145,10 @@ def show(o, every: int, quiet: bool, plot: Optional[Path] = None) -> None:
                           f"zeros mostly in {zs or 'no gradient'}", markup=False)
         for png in pngs:
             out.print(f"plot: {png}", markup=False)
-    lines = golden_lines(s) + [f"{'ok' if d.passed else 'DRIFT'} {d.metric}: {d.message}" for d in s.drifts]
+    lines = golden_lines(s)
+    if s.first_step is not None:  # the first verdict line: deterministic, whatever the trajectories do
+        lines.append(f"{'ok' if s.first_step.passed else 'FAIL'} first step: {s.first_step.sentence()}")
+    lines += [f"{'ok' if d.passed else 'DRIFT'} {d.metric}: {d.message}" for d in s.drifts]
     if s.zeros is not None and not quiet:
         lines.append(f"zeros: {s.zeros.sentence}" + "".join(f"; {p}" for p in s.zeros.parameters))
     if s.errors and not s.nonfinite:

@@ -30,7 +30,7 @@ def test_a_correct_kernel_stays_with_the_reference_over_an_ensemble(tmp_path, tr
     for metric in T.JUDGED:
         assert f"ok {metric}: stays with the reference in 2 of 2 seeds: median distance" in text
     rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
-    assert {r["run"] for r in rows} == {"impl", "native", "reference"}
+    assert {r["run"] for r in rows} == {"impl", "native", "reference", "first-step"}
     assert {r["seed"] for r in rows if r["metric"] == "lm loss"} == {0, 1}
     meta = json.loads(pq.read_schema(tmp_path / "t.parquet").metadata[b"mhctool.run"])
     assert meta["pieces"] == {f: "triton" for f in T.FAMILIES}

@@ -209,3 +209,44 @@ def grouped_wgrad_overwrites_idle_experts(x, grad_out, m_splits, main_grad=None,
     if main_grad is not None:
         out[(m_splits == 0).to(out.device)] = 0
     return out
+
+
+class _SoftmaxBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, iters, eps):
+        ctx.save_for_backward(logits)
+        return native.sinkhorn(logits, iters, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        (logits,) = ctx.saved_tensors
+        p = torch.softmax(logits.float(), dim=-1)
+        return (p * (g - (g * p).sum(-1, keepdim=True))).to(logits.dtype), None, None
+
+
+def sinkhorn_softmax_backward(logits, iters=20, eps=1e-6):
+    """Correct forward; the backward skips the normalisations: the gradient of its first row
+    softmax only (close to the true one where H is near a row softmax, wrong in the H_res rows)."""
+    return _SoftmaxBackward.apply(logits, iters, eps)
+
+
+class _OnePassBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, iters, eps):
+        h = native.sinkhorn(logits, iters, eps)
+        ctx.save_for_backward(h)
+        return h
+
+    @staticmethod
+    def backward(ctx, g):
+        (h,) = ctx.saved_tensors
+        d = g * h
+        d = d - h * d.sum(-2, keepdim=True)
+        d = d - h * d.sum(-1, keepdim=True)
+        return d, None, None
+
+
+def sinkhorn_one_pass_backward(logits, iters=20, eps=1e-6):
+    """Correct forward; the backward one pass of d -= w colsum(d w); d -= w rowsum(d w) where the
+    true one unrolls every iteration."""
+    return _OnePassBackward.apply(logits, iters, eps)

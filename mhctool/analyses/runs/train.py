@@ -150,9 +150,10 @@ def prepare(req: Request, watch: Watch = Watch()) -> Plan:
     return Plan(req, cfg, assigned, knobs, conventions, seeds, s)
 
 
-def run(plan: Plan, watch: Watch = Watch()) -> Outcome:
+def run(plan: Plan, watch: Watch = Watch(), begin=None) -> Outcome:
     """Train the plan's trajectories and judge them; the report (and the golden values asked for)
-    written once the run ends, however it ends but a second interrupt."""
+    written once the run ends, however it ends but a second interrupt. ``begin()``: called once
+    the run's signals are caught, before the first step (the command states the plan there)."""
     req, s = plan.req, plan.setup
     watch.planned(plan.total)
 
@@ -162,10 +163,13 @@ def run(plan: Plan, watch: Watch = Watch()) -> Outcome:
     in_process = Worker("shm") if s.isolation is not None and s.workers == 1 else None
     try:
         with s.running():
+            if begin is not None:
+                begin()
             o = T.session(plan.cfg, plan.assigned, plan.knobs, plan.conventions, VerdictRule(kappa=req.kappa),
                           req.compare, req.trace, in_process, s.interrupts, progress,
                           as_used=req.input_dtypes == "library", seeds=plan.seeds, workers=s.workers,
-                          isolation_factory=lambda: Worker("shm"), engine=plan.runner)
+                          isolation_factory=lambda: Worker("shm"), engine=plan.runner,
+                          isolated=s.isolation is not None)
             meta = environment.metadata()  # with the threads it trained with
     finally:
         if in_process is not None:

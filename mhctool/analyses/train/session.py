@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from mhctool.analyses.knob_shift import typed_value
+from mhctool.analyses.train import first_step as first_step_mod
 from mhctool.analyses.train.ensemble import (
     SeedRun,
     ZeroFindings,
@@ -19,6 +20,7 @@ from mhctool.analyses.train.ensemble import (
 )
 from mhctool.analyses.train.pieces import (
     Piece,
+    family_call,
     impl_pieces,
     native_piece,
     reference_piece,
@@ -88,10 +90,13 @@ class Outcome:
     traced_asked: bool = True  # the drift was to be traced (--trace)
     runs: list[SeedRun] = field(default_factory=list)  # per seed, its trajectories
     zeros: ZeroFindings | None = None  # the zero counts over the ensemble (several seeds)
+    first_step: first_step_mod.Check | None = None  # every tensor of the first step judged (compared runs)
 
     @property
     def impl(self) -> Trajectory:
-        return self.trajectories[0]
+        """The implementation's first trajectory; stopped before any seed finished, an empty one
+        that says it was interrupted (the report is written all the same)."""
+        return self.trajectories[0] if self.trajectories else Trajectory("impl", {}, error="interrupted")
 
     @property
     def seeds(self) -> list[int]:
@@ -117,7 +122,8 @@ class Outcome:
     @property
     def passed(self) -> bool:
         return (not self.errors and self.impl.error is None and self.nonfinite is None
-                and all(d.passed for d in self.drifts) and not self.interrupted)
+                and all(d.passed for d in self.drifts) and not self.interrupted
+                and (self.first_step is None or self.first_step.passed))
 
     def traced(self) -> str | None:
         """The sentence that names the knob a drift comes from, or says it is the kernel's own."""
@@ -160,7 +166,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             trace: bool = True, isolation=None, interrupted: Callable[[], bool] = lambda: False,
             progress: Callable[[str, Step], None] | None = None, as_used: bool = False, seeds: int = 1,
             workers: int = 1, isolation_factory: Callable[[], object] | None = None,
-            shared: dict | None = None, engine=None) -> Outcome:
+            shared: dict | None = None, engine=None, isolated: bool = False) -> Outcome:
     """The implementation's trajectory, then (``compare``) the native and float64 ones, the
     verdict, and (``trace``) the attribution of a drift; from ``seeds`` seeds (the base seed and
     those after it), judged over the ensemble where there are several (:mod:`.ensemble`).
@@ -171,7 +177,10 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     configuration, knobs and precision, for the next session given it (a sweep over
     implementations at one configuration runs them once). ``engine``: an
     :class:`~mhctool.analyses.train.engine.EngineRunner` whose trainer runs the three trajectories
-    (each in a process of its own, side by side), judged and traced the same way."""
+    (each in a process of its own, side by side), judged and traced the same way. Before the
+    trajectories, where they are compared, the first step is judged per tensor
+    (:mod:`.first_step`); ``isolated``: the implementation runs in an isolation worker there too
+    (``isolation``, else one from ``isolation_factory``)."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
@@ -221,8 +230,14 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
         runs = spread_seeds(cfg, seed_list, workers, again if workers > 1 else one_seed,
                             (specs, knobs, conventions, compare, as_used), interrupted,
                             finished if workers > 1 else None)
+    first = None
+    if compare and runs and not interrupted():  # the seed's initial weights, whenever it runs
+        first = _first_step(cfg, specs, knobs, conventions, pieces, eff, rule, as_used, interrupted,
+                            isolation if isolation is not None else
+                            (isolation_factory() if isolated and isolation_factory else None),
+                            own=isolation is None)
     out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [t for r in runs for t in r.trajectories()], eff,
-                  traced_asked=trace, runs=runs)
+                  traced_asked=trace, runs=runs, first_step=first)
     complete = compare and runs and all(r.reference is not None for r in runs) and len(runs) == len(seed_list)
     if complete and not interrupted():
         params = param_count(cfg)
@@ -293,6 +308,27 @@ def _nonfinite_ensemble(runs: list[SeedRun]) -> str | None:
     return f"{first} (seed {seed}; non-finite in {len(said)} of {len(runs)} seeds)"
 
 
+def _first_step(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pieces: dict[str, Piece], eff: dict,
+                rule: VerdictRule, as_used: bool, interrupted, worker=None, own: bool = False) -> first_step_mod.Check:
+    """The first step judged per tensor; the implementation's side in ``worker`` where given (a
+    crash there is the check's failure; ``own``: the worker was started for it, and is stopped)."""
+    native = {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES}
+    ref = {f: reference_piece(f, eff[f]) for f in FAMILIES}
+    wide = {f: family_call(f, get_family(f).reference, eff[f]) for f in FAMILIES}
+    isolated = None
+    if worker is not None:
+        def isolated(calls: list) -> tuple | str:
+            try:
+                value, failure = worker.call("mhctool.analyses.train.first_step:job",
+                                             (to_dict(cfg), spec, knobs, conventions, [asdict(c) for c in calls],
+                                              as_used), timeout=None, interrupted=interrupted)
+            finally:
+                if own:
+                    worker.stop()
+            return failure.message if failure is not None else (value["each"], value["grads"])
+    return first_step_mod.check(cfg, pieces, native, ref, wide, rule, eff, isolated)
+
+
 def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pieces: dict[str, Piece], worker,
               interrupted, as_used: bool = False) -> Trajectory:
     with tempfile.TemporaryDirectory(prefix="mhctool-train-") as d:
@@ -311,7 +347,7 @@ def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, piec
 
 def report_rows(out: Outcome) -> list[dict]:
     """Every trajectory's rows, then the verdict's (report.TRAIN_SCHEMA)."""
-    rs = rows(out.trajectories)
+    rs = rows(out.trajectories) + (out.first_step.rows() if out.first_step is not None else [])
     seed = None if out.ensemble else out.cfg.seed
     rs += verdict_rows("impl", out.drifts, seed)
 

@@ -47,14 +47,26 @@ def _distances(a: Trajectory, b: Trajectory, metric: str) -> dict[int, float]:
     return out
 
 
+def spacing(value: float) -> float:
+    """The distance between ``value`` and the next fp32 number away from zero (its ulp): what the
+    metric, an fp32 number, resolves there."""
+    if not math.isfinite(value) or value == 0:
+        return 0.0
+    return math.ldexp(1.0, math.frexp(abs(value))[1] - 24)
+
+
 def _floor(metric: str, value: float, cfg: TrainConfig, rule: VerdictRule, params: int) -> float:
-    """What two correct runs may differ by at the first step: the activations' rounding of the value
-    (``rule.floor_roundoffs`` unit roundoffs), and for a zero count that share of the gradients'
-    elements at their dtype (fp32: the parameters' and the gradients')."""
+    """What two correct runs may differ by where native's distance is 0. The metrics are fp32
+    numbers (the loss from fp32 logits, the grad norm over fp32 gradients), so two runs whose pieces
+    round differently land on the same fp32 number or at least one spacing (ulp) of it apart: the
+    floor is ``rule.floor_roundoffs`` spacings of the value, and no less than as many unit
+    roundoffs of the activations' dtype (bf16's are coarser). For a zero count, that share of the
+    gradients' elements at their dtype (fp32: the parameters' and the gradients')."""
     if metric == "num-zeros":
         return math.ceil(rule.floor_roundoffs * FORMATS["fp32"].unit_roundoff * params)
-    u = rule.floor_roundoffs * FORMATS[cfg.dtype].unit_roundoff
-    return u * abs(value) if math.isfinite(value) else 0.0
+    if not math.isfinite(value):
+        return 0.0
+    return rule.floor_roundoffs * max(FORMATS[cfg.dtype].unit_roundoff * abs(value), spacing(value))
 
 
 def judge(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: TrainConfig,

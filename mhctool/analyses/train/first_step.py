@@ -1,0 +1,357 @@
+"""The first step judged per tensor: parity inside the model.
+
+At the first step every trajectory has the same weights and the same batch. The float64 run's
+first step is recorded at each entry point of each layer (mapping, Sinkhorn, H-aggregate,
+H_post * bias-dropout-add): its inputs, as the model computed them, and the gradient its outputs
+received in the backward. Each entry point is then run again by the implementation, natively and
+by the float64 reference on those very inputs, backward with that very upstream gradient, and
+judged by parity's rule (:class:`~mhctool.core.verdict.VerdictRule`: the implementation's error
+within kappa x native's on the same tensor plus the dtype's floor, no non-finite element where
+the float64 result is finite, no extra exact zeros). That is parity at the model's own
+activations, upstream gradients and shapes, deterministic, with no propagation between the
+pieces to blur it: a wrong gradient that training noise hides in the trajectories (a Sinkhorn
+whose backward skips the normalisations) fails here, named by its layer, entry point and tensor.
+The projection's parameters (the mapping's weight, alpha and bias) are judged a block of rows
+at a time: the rows feeding H_pre, H_post and H_res, and alpha's three gates, each apart.
+
+The whole model's parameter gradients at the first step (the implementation's run against the
+float64 run) are judged too, on what propagation cannot blur: no non-finite element and no extra
+exact zeros where the float64 run's gradient is finite and not zero. Their distances are
+reported beside native's, not gated: every piece's rounding reaches them through the fp32
+network, so one native sample is no yardstick for them (measured: a correct kernel's H_pre rows
+5x native's on a one-layer model).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from mhctool.analyses.train.pieces import Piece
+from mhctool.analyses.train.setup import MarkovSource, TrainConfig
+from mhctool.core.dtypes import FORMATS, fmt_of
+from mhctool.core.errors import system_exit_message
+from mhctool.core.metrics import measure, reference
+from mhctool.core.verdict import VerdictRule
+from mhctool.families import get_family
+from mhctool.runner.call import short_error
+
+GATED = ("max_abs", "rel_l2", "nonfinite", "extra_zeros")
+GATED_WHOLE = ("nonfinite", "extra_zeros")  # the model's parameter gradients, end to end
+OUTPUTS = {"mapping": ("h_pre", "h_post", "h_res_logits"), "sinkhorn": ("h_res",), "h_aggregate": ("out",),
+           "h_post_bda": ("out",)}
+BLOCKS = {"weight", "h_bias", "alpha"}  # the mapping's inputs that are the projection's parameters
+PROJECTION = re.compile(r"layers\.(\d+)\.(phi|h_bias|alpha)$")  # the model's names of them
+# what a gradient the sentence names feeds, where the name alone does not say it
+FEEDS = {"sinkhorn.grad_logits": "the H_res logits' gradient: what the projection's H_res rows receive",
+         "h_aggregate.grad_h_pre": "what the projection's H_pre rows receive",
+         "h_post_bda.grad_h_post": "what the projection's H_post rows receive",
+         "h_post_bda.grad_h_res": "what the Sinkhorn's backward receives"}
+
+
+def blocks(name: str, value: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """A projection parameter's tensor (its gradient) split by the block of h its rows feed
+    ([pre(n) | post(n) | res(n^2)]; alpha by its three gates); any other tensor whole."""
+    if value.shape[0] == 3 and value.dim() == 1:
+        return {f"{name}:{b}": value[i:i + 1] for i, b in enumerate(("h_pre", "h_post", "h_res"))}
+    return {f"{name}:h_pre": value[:n], f"{name}:h_post": value[n:2 * n], f"{name}:h_res": value[2 * n:]}
+
+
+def parts(name: str, value: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """A model parameter's gradient as it is reported: a projection's by its blocks, any other whole."""
+    return blocks(name, value, n) if PROJECTION.search(name) else {name: value}
+
+
+@dataclass
+class Call:
+    """One entry point's call in the float64 run's first step: what it was given and what its
+    outputs received in the backward (None: no gradient reached that output)."""
+
+    layer: int
+    family: str
+    inputs: dict
+    upstream: list
+
+
+@dataclass
+class Judged:
+    """One tensor's metric at the first step, as parity judges it (``passed`` None: reported only)."""
+
+    tensor: str  # "layer 0 sinkhorn.grad_logits", "layer 1 mapping.grad_weight:h_res", "grad layers.0.qkv"
+    metric: str
+    value: float
+    threshold: float | None
+    passed: bool | None
+    rule: str
+    native: float  # native's value of the metric on the same tensor
+
+    def sentence(self) -> str:
+        counted = self.metric in ("nonfinite", "extra_zeros")
+        what = (f"{int(self.value)} {'non-finite elements' if self.metric == 'nonfinite' else 'extra exact zeros'}"
+                if counted else f"{self.metric} {self.value:.3g}")
+        native = f"{int(self.native)}" if counted else f"{self.native:.3g}"
+        allowed = "" if self.threshold is None else f", {self.threshold:.3g} allowed ({self.rule}; native {native})"
+        feeds = next((f" ({v})" for k, v in FEEDS.items() if self.tensor.endswith(k)), "")
+        return f"{self.tensor}{feeds}: {what}{allowed}"
+
+
+class _Recording:
+    """The model's ``ops`` for the first step: calls the pieces, and with ``calls`` given records
+    each entry point's inputs and, through hooks, the gradients its outputs receive."""
+
+    def __init__(self, pieces: dict[str, Piece], calls: list | None = None):
+        self.pieces, self.calls = pieces, calls
+
+    def layer(self, index: int) -> "_RecordingLayer":
+        return _RecordingLayer(self, index)
+
+
+class _RecordingLayer:
+    def __init__(self, rec: _Recording, index: int):
+        self.rec, self.index = rec, index
+
+    def _call(self, family: str, **args) -> tuple:
+        outs = self.rec.pieces[family].call(args)
+        if self.rec.calls is not None:
+            call = Call(self.index, family, {k: v.detach().clone() if torch.is_tensor(v) else v
+                                             for k, v in args.items()}, [None] * len(outs))
+            self.rec.calls.append(call)
+            for i, o in enumerate(outs):
+                if o.requires_grad:
+                    o.register_hook(lambda g, i=i, call=call: call.upstream.__setitem__(i, g.detach().clone()))
+        return outs
+
+    def mapping(self, x2d, weight, alpha, h_bias):
+        return self._call("mapping", x2d=x2d, weight=weight, alpha=alpha, h_bias=h_bias)
+
+    def sinkhorn(self, logits):
+        return self._call("sinkhorn", logits=logits)[0]
+
+    def h_aggregate(self, x, h_pre):
+        return self._call("h_aggregate", x=x, h_pre=h_pre)[0]
+
+    def h_post_bda(self, h_res, x, h_post, y, bias):
+        return self._call("h_post_bda", h_res=h_res, x=x, h_post=h_post, y=y, bias=bias)[0]
+
+
+def _first_batch(cfg: TrainConfig) -> torch.Tensor:
+    return MarkovSource(cfg.model.vocab, cfg.branch, cfg.seed).batch(1, cfg.batch, cfg.model.seq).to(cfg.device)
+
+
+def model_step(cfg: TrainConfig, pieces: dict[str, Piece], calls: list | None = None) -> dict[str, torch.Tensor]:
+    """The model's first forward and backward with ``pieces`` (before any optimizer step): every
+    parameter's gradient, as :func:`parts` names them; ``calls``: the entry points' calls recorded."""
+    from mhctool.analyses.train.trajectory import build_model
+    model = build_model(cfg)
+    model.loss(_first_batch(cfg), _Recording(pieces, calls), FORMATS[cfg.dtype].torch_dtype).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            grads.update({f"grad {k}": v for k, v in parts(name, p.grad.detach(), cfg.model.streams).items()})
+    return grads
+
+
+def entry_point(piece_call, family: str, call: Call, wide: bool = False) -> dict[str, torch.Tensor]:
+    """One entry point run again on a recorded call: its outputs and its inputs' gradients (the
+    projection's parameters by their blocks), by tensor name; ``wide``: on float64 copies (the
+    reference)."""
+    leaves = {}
+    for k, v in call.inputs.items():
+        if torch.is_tensor(v) and v.is_floating_point():
+            v = v.double() if wide else v
+            leaves[k] = v.detach().clone().requires_grad_(True)
+        else:
+            leaves[k] = v
+    outs = piece_call(leaves)
+    got = {f"{name}": o for name, o in zip(OUTPUTS[family], outs)}
+    pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, call.upstream) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    for k, leaf in leaves.items():
+        if torch.is_tensor(leaf) and leaf.requires_grad and leaf.grad is not None:
+            if family == "mapping" and k in BLOCKS:
+                got.update({f"grad_{b}": t for b, t in blocks(k, leaf.grad, _streams(call)).items()})
+            else:
+                got[f"grad_{k}"] = leaf.grad
+    return got
+
+
+def _streams(call: Call) -> int:
+    """n of a mapping call: its weight has n^2 + 2n rows."""
+    return int(round((call.inputs["weight"].shape[0] + 1) ** 0.5 - 1))
+
+
+@dataclass
+class Check:
+    """The first step's verdict: every tensor judged, the failures named (``error``: the
+    implementation's first step did not finish)."""
+
+    judged: list[Judged] = field(default_factory=list)
+    error: str | None = None
+    seed: int = 0
+
+    @property
+    def failures(self) -> list[Judged]:
+        return [j for j in self.judged if j.passed is False]
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and not self.failures
+
+    @property
+    def tensors(self) -> int:
+        return len({j.tensor for j in self.judged if j.passed is not None})
+
+    def sentence(self, shown: int = 3) -> str:
+        if self.error is not None:
+            return f"the implementation's first step failed: {self.error}"
+        if self.passed:
+            return (f"every entry point's outputs and gradients in every layer, and the parameters' gradients, at "
+                    f"the first step ({self.tensors} tensors, seed {self.seed}) are within parity's rule against "
+                    "the float64 run")
+        worst = self.worst()
+        return (f"{len(worst)} of {self.tensors} tensors fail parity's rule at the first step (seed {self.seed}): "
+                + "; ".join(j.sentence() for j in worst[:shown]))
+
+    def worst(self) -> list[Judged]:
+        """Each failed tensor's most telling failure (non-finite first, then max_abs, extra zeros,
+        rel_l2), the tensors by how far past the threshold that is, the farthest first."""
+        order = ("nonfinite", "max_abs", "extra_zeros", "rel_l2")
+        by: dict[str, Judged] = {}
+        for j in sorted(self.failures, key=lambda j: order.index(j.metric)):
+            by.setdefault(j.tensor, j)
+
+        def past(j: Judged) -> float:
+            if j.metric == "nonfinite" or not math.isfinite(j.value) or not j.threshold:
+                return math.inf
+            return j.value / j.threshold
+        return sorted(by.values(), key=lambda j: (order.index(j.metric) > 0, -past(j)))
+
+    def rows(self) -> list[dict]:
+        """The report's rows: run ``first-step``, step 0, metric ``first-step:METRIC:TENSOR`` (one
+        key a tensor and metric, as ``report compare`` matches rows), the rule and native's value
+        in the message."""
+        return [{"run": "first-step", "seed": self.seed, "step": 0, "metric": f"first-step:{j.metric}:{j.tensor}",
+                 "layer": _layer_of(j.tensor), "value": j.value, "threshold": j.threshold, "passed": j.passed,
+                 "message": f"{j.rule}; native {j.native:.6g}"} for j in self.judged] + \
+            ([{"run": "first-step", "seed": self.seed, "step": 0, "metric": "first-step:error", "passed": False,
+               "message": self.error}] if self.error else [])
+
+
+def _layer_of(tensor: str) -> int | None:
+    m = re.search(r"layers?[ .](\d+)", tensor)
+    return int(m.group(1)) if m else None
+
+
+def _judge(mine: dict, nat: dict, refs: dict, rule: VerdictRule, prefix: str, metrics: tuple,
+           scale: dict | None = None) -> list[Judged]:
+    out = []
+    for name, r in refs.items():
+        if name not in mine or name not in nat:
+            continue
+        r64 = r.detach().to("cpu", torch.float64)
+        facts = reference(r64)
+        m = measure(mine[name].detach().cpu(), r64, of=facts)
+        n = measure(nat[name].detach().cpu(), r64, of=facts)
+        fmt = fmt_of(mine[name].dtype)
+        terms = (scale or {}).get(name.split(":")[0])
+        for metric in GATED:
+            j = rule.judge(metric, m[metric], fmt, facts.amax, n, numel=r64.numel(), term_scale=terms)
+            gated = metric in metrics
+            out.append(Judged(f"{prefix}{name}", metric, m[metric], j.threshold if gated else None,
+                              bool(j.passed) if gated else None, j.rule if gated else "reported", n[metric]))
+    return out
+
+
+def _scales(refs: dict) -> dict[str, float]:
+    """A blocked tensor's whole scale (the largest of its blocks' references): the terms' scale of
+    a block whose own gradient cancels (the last layer's H_res rows: its streams are averaged at
+    the exit, so their true gradient is nothing and their rounding is that of the parameter's)."""
+    scale: dict[str, float] = {}
+    for name, r in refs.items():
+        whole = name.split(":")[0]
+        scale[whole] = max(scale.get(whole, 0.0), reference(r.detach().to("cpu", torch.float64)).amax)
+    return scale
+
+
+def _term_scales(family: str, call: Call, refs: dict[str, torch.Tensor], knobs: dict) -> dict[str, float]:
+    """The scale of the terms each of an entry point's gradients sums, where it cancels: the
+    mapping's alpha and bias sum over every token (the family's own ``term_scale``, as parity
+    uses it); the Sinkhorn's logits' gradient sums products of H_res and its upstream gradient,
+    which cancel to nothing at the last layer (its streams are averaged at the exit, so H_res does
+    not change the loss): the largest sum of |h| |g| over a token's matrix."""
+    fam = get_family(family)
+    out = {}
+    if fam.term_scale is not None and all(g is not None for g in call.upstream):
+        wide = {k: (v.double().requires_grad_(True) if torch.is_tensor(v) and v.is_floating_point() else v)
+                for k, v in call.inputs.items()}
+        with torch.no_grad():
+            outs = fam.call(fam.reference, wide, knobs, lambda k: True)  # the family's outputs the model does not take get none
+        up = [g.double() for g in call.upstream] + [torch.zeros_like(o) for o in outs[len(call.upstream):]]
+        out = dict(fam.term_scale(wide, up, knobs))
+    if family == "sinkhorn" and call.upstream[0] is not None:
+        h, g = refs["h_res"].detach().double(), call.upstream[0].double()
+        out["grad_logits"] = float((h.abs() * g.abs()).flatten(-2).sum(-1).max())
+    return out
+
+
+def judge_calls(calls: list[Call], impl: dict[str, Piece] | list, native: dict[str, Piece],
+                wide: dict[str, object], rule: VerdictRule, knobs: dict[str, dict]) -> list[Judged]:
+    """Each recorded call's entry point, the implementation's (its pieces, or its results already
+    computed in a worker, one dict a call) and native's against the float64 reference."""
+    out = []
+    for i, call in enumerate(calls):
+        refs = entry_point(wide[call.family], call.family, call, wide=True)
+        mine = impl[i] if isinstance(impl, list) else entry_point(impl[call.family].call, call.family, call)
+        nat = entry_point(native[call.family].call, call.family, call)
+        scale = _scales(refs)
+        for name, v in _term_scales(call.family, call, refs, knobs.get(call.family, {})).items():
+            scale[name] = max(scale.get(name, 0.0), v)
+        out += _judge(mine, nat, refs, rule, f"layer {call.layer} {call.family}.", GATED, scale)
+    return out
+
+
+def impl_results(cfg: TrainConfig, pieces: dict[str, Piece], calls: list[Call]) -> tuple[list, dict]:
+    """The implementation's side of the check: each recorded call's entry point, and the model's
+    first step end to end (its parameters' gradients)."""
+    return [entry_point(pieces[c.family].call, c.family, c) for c in calls], model_step(cfg, pieces)
+
+
+def job(cfg_dict: dict, spec: dict, knobs: dict, conventions: dict, calls: list, as_used: bool = False) -> dict:
+    """What an isolation worker runs: :func:`impl_results` for the implementation, on the CPU."""
+    from mhctool.analyses.train.pieces import impl_pieces
+    from mhctool.analyses.train.setup import from_dict
+    cfg = from_dict(cfg_dict)
+    pieces, _ = impl_pieces(spec, knobs, conventions, cfg.device, cfg.dtype, as_used)
+    calls = [Call(**c) for c in calls]
+    each, grads = impl_results(cfg, pieces, calls)
+    return {"each": [{k: v.detach().cpu() for k, v in d.items()} for d in each],
+            "grads": {k: v.detach().cpu() for k, v in grads.items()}}
+
+
+def check(cfg: TrainConfig, impl: dict[str, Piece], native: dict[str, Piece], ref: dict[str, Piece],
+          wide: dict[str, object], rule: VerdictRule, knobs: dict[str, dict], isolated=None) -> Check:
+    """The first step from ``cfg``'s seed judged per tensor: the float64 run (``ref``: its pieces)
+    recorded; each entry point of each layer judged on its calls (``wide``: the families' float64
+    references, called on float64 copies); the model's parameter gradients end to end.
+    ``isolated(calls)``: the implementation's results from an isolation worker (each call's, and
+    its parameter gradients), or the error that ended it (None: computed here)."""
+    calls: list[Call] = []
+    ref_grads = model_step(cfg, ref, calls)
+    try:
+        if isolated is not None:
+            got = isolated(calls)
+            if isinstance(got, str):
+                return Check(error=got, seed=cfg.seed)
+            each, grads = got
+        else:
+            each, grads = impl_results(cfg, impl, calls)
+    except SystemExit as e:  # code under test never decides mhctool's exit code
+        return Check(error=system_exit_message(e), seed=cfg.seed)
+    except Exception as e:  # noqa: BLE001 - an implementation that raises: the check's failure, kept
+        return Check(error=short_error(e), seed=cfg.seed)
+    judged = judge_calls(calls, each, native, wide, rule, knobs)
+    judged += _judge(grads, model_step(cfg, native), ref_grads, rule, "", GATED_WHOLE, _scales(ref_grads))
+    return Check(judged, seed=cfg.seed)

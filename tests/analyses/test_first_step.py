@@ -1,0 +1,89 @@
+"""The first step judged per tensor inside mhctool's model (mhctool.analyses.train.first_step): a
+wrong backward that the trajectories' global scalars hide fails at once, named; a correct one
+passes; the trajectories' floor is what the metric resolves."""
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from mhctool.analyses import train as T
+from mhctool.analyses.train import first_step
+from mhctool.analyses.train.trajectory import Step, Trajectory
+from mhctool.analyses.train.verdict import judge, spacing
+from mhctool.core.verdict import VerdictRule
+
+DEFECTS = Path(__file__).parents[1] / "impls" / "defects.py"
+
+
+def test_a_backward_that_skips_the_normalisations_fails_at_the_first_step_naming_h_res(tmp_path, train):
+    res, text = train(tmp_path, "--device", "cpu", "--steps", "1", "--seeds", "1", "--layers", "2",
+                      "--impl", f"{DEFECTS}:sinkhorn_softmax_backward")
+    assert res.exit_code == 1, text
+    assert re.search(r"FAIL first step: \d+ of \d+ tensors fail parity's rule at the first step \(seed 0\): "
+                     r"layer \d sinkhorn\.grad_logits \(the H_res logits' gradient: what the projection's H_res rows "
+                     r"receive\): max_abs", text), text
+    rows = [r for r in pq.read_table(tmp_path / "t.parquet").to_pylist() if r["run"] == "first-step"]
+    failed = {r["metric"].split(":", 2)[2] for r in rows if r["passed"] is False}
+    assert failed and all(name.endswith("sinkhorn.grad_logits") for name in failed), failed
+
+def test_mhctools_own_kernels_pass_the_first_step_check(tmp_path, train):
+    res, text = train(tmp_path, "--device", "cpu", "--steps", "1", "--seeds", "1", "--layers", "1", "--seq", "4")
+    assert res.exit_code == 0, text
+    assert ("ok first step: every entry point's outputs and gradients in every layer, and the parameters' "
+            "gradients, at the first step") in text, text
+
+
+def test_a_projection_is_judged_by_the_blocks_of_rows_it_feeds():
+    """The mapping's weight and bias by the rows feeding H_pre, H_post and H_res; alpha by its gates."""
+    import torch
+    g = torch.arange(24.0).reshape(8, 3)  # n = 2: [pre(2) | post(2) | res(4)]
+    p = first_step.parts("layers.1.phi", g, 2)
+    assert list(p) == ["layers.1.phi:h_pre", "layers.1.phi:h_post", "layers.1.phi:h_res"]
+    assert p["layers.1.phi:h_res"].shape == (4, 3) and first_step.parts("layers.1.qkv", g, 2) == {"layers.1.qkv": g}
+    assert list(first_step.parts("layers.0.alpha", torch.ones(3), 2)) == [f"layers.0.alpha:{b}" for b in
+                                                                         ("h_pre", "h_post", "h_res")]
+
+
+def _traj(role, norms):
+    t = Trajectory(role, {})
+    t.steps = [Step(i + 1, {"lm loss": 3.0, "grad-norm": v, "num-zeros": 0.0}, {}, []) for i, v in enumerate(norms)]
+    return t
+
+
+def test_where_native_lands_on_the_reference_a_kernel_two_fp32_spacings_away_still_passes():
+    """The metrics are fp32 numbers: a correct kernel whose pieces round elsewhere lands a spacing or
+    two from the reference where native happened to land on it. The floor is two spacings of the
+    value, no less (2 unit roundoffs of it are between one and two spacings: at 4.5, 0.54e-6
+    against a spacing of 0.48e-6, so two spacings failed on one CPU and passed on another)."""
+    v = 4.5
+    ref = _traj("reference", [v, v])
+    native = _traj("native", [v, v])
+    cfg = T.config("cpu", steps=2, layers=1, seq=4)
+    two = _traj("impl", [v + 2 * spacing(v), v + spacing(v)])
+    three = _traj("impl", [v + 3 * spacing(v), v + 3 * spacing(v)])
+    norm = {d.metric: d for d in judge(two, native, ref, cfg, VerdictRule())}["grad-norm"]
+    assert norm.passed and math.isclose(norm.threshold, 2 * spacing(v)), norm.message
+    assert not {d.metric: d for d in judge(three, native, ref, cfg, VerdictRule())}["grad-norm"].passed
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_train_stopped_by_a_signal_writes_what_it_has_marked_interrupted(tmp_path, sig):
+    """A CI time limit (SIGTERM) or a Ctrl-C once the run has started: the report is written, marked
+    interrupted, exit 130, no traceback (the seeds spread over two workers: none finished yet)."""
+    out = tmp_path / "t.parquet"
+    p = subprocess.Popen([sys.executable, "-m", "mhctool.cli", "train", "--device", "cpu", "--seeds", "4",
+                          "--workers", "2", "--steps", "20", "--layers", "1", "-o", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    header = p.stdout.readline()  # printed once the request is checked, before the first step
+    assert header.startswith("train: "), header + p.stderr.read()
+    p.send_signal(sig)
+    rest, err = p.communicate(timeout=120)
+    assert p.returncode == 130, rest + err
+    assert "Traceback" not in err and "INTERRUPTED" in rest, rest + err
+    assert json.loads(pq.read_schema(out).metadata[b"mhctool.run"])["interrupted"] is True
