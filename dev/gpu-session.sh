@@ -171,7 +171,8 @@ verify)
 train)
   # issue 61: mhctool train on the GPU (mhctool's kernels, the default GPU model), and Megatron PR
   # 3828's kernels at bf16 with Sinkhorn eps 1e-6 and 1e-8, at the default lr and one that grows the
-  # logits: do num-zeros jump between two levels? TRAIN_STEPS picks steps (default: all).
+  # logits: do num-zeros jump between two levels? TRAIN_STEPS picks steps (default: tests ours m3828;
+  # "first": the first step's check over seeds and planted defects).
   {
     for s in ${TRAIN_STEPS:-tests ours m3828}; do case $s in
     tests)
@@ -184,6 +185,20 @@ train)
         timeout --foreground -s INT 200 python3 -m mhctool.cli train --impl $impl --device cuda --dtype bf16 --every 20 \
           -o "$out/train-$impl.parquet" --goldens "/tmp/train-$impl.json"
         echo "wall $((SECONDS - t0)) s"
+      done ;;
+    first)
+      # the first step judged per tensor (docs/commands/train.md): mhctool's kernels over seeds
+      # $FIRST_SEEDS (default 0-9), then each planted defect at seed 0, the default GPU model in bf16
+      for impl in triton cutile; do
+        for k in ${FIRST_SEEDS:-0 1 2 3 4 5 6 7 8 9}; do
+          echo "$impl seed $k: $(timeout --foreground -s INT 120 python3 -m mhctool.cli train --impl $impl --device cuda \
+            --dtype bf16 --steps 1 --seeds 1 --seed $k -q -o /tmp/first.parquet 2>&1 | grep 'first step' | cut -c1-240)"
+        done
+      done
+      for d in sinkhorn_softmax_backward sinkhorn_one_pass_backward h_post_bda_bf16_bias_grad h_post_bda_transposed \
+               sinkhorn_eps_1e8 sinkhorn_nan_last_token; do
+        echo "$d: $(timeout --foreground -s INT 120 python3 -m mhctool.cli train --impl tests/impls/defects.py:$d \
+          --device cuda --dtype bf16 --steps 1 --seeds 1 -q -o /tmp/first.parquet 2>&1 | grep 'first step' | cut -c1-300)"
       done ;;
     m3828)
       # the inputs as Megatron's HyperConnectionModule hands them over (h_pre, h_res, h_post in bf16)

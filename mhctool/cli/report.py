@@ -77,6 +77,14 @@ def _show_rows(kind: str, rows: list[dict], top: int) -> None:
         judged = [r for r in rows if r["stage"] == "judged"]
         out.print(f"{len(rows)} candidates tried, {len(judged)} judged, {sum(bool(r['passed']) for r in judged)} passed")
     elif kind == "train":
+        first = [r for r in rows if r["run"] == "first-step" and r["passed"] is not None]
+        failed = [r for r in first if r["passed"] is False]
+        if first:
+            out.print(f"{'FAIL' if failed else 'ok'} first step: {len({r['metric'] for r in failed})} of "
+                      f"{len(first)} tensor metrics fail parity's rule", markup=False)
+        for r in failed[:top]:
+            _, metric, tensor = (r["metric"].split(":", 2) + ["", ""])[:3]
+            out.print(f"  {tensor}: {metric} {fmt(r['value'])} > {fmt(r['threshold'])} ({r['message']})", markup=False)
         for r in rows:
             if r["metric"].startswith(("drift:", "traced:")) or r["metric"] in ("nonfinite", "error", "zeros-finding"):
                 verdict = {True: "ok", False: "FAIL", None: "-"}[r["passed"]]
