@@ -107,14 +107,53 @@ def _err(src, key, msg):
     return UsageError(f"{src}: {key}: {msg}")
 
 
-def _check_keys(src: str, where: str, item: dict, allowed: set, required: tuple = ()) -> None:
-    """An entry's keys: one it does not know, or a required one missing, is a UsageError."""
+def _strings(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# what each key of an entry holds, and an example of it (a value of another type is bad input)
+KEY_TYPES = {
+    "name": (lambda v: isinstance(v, str), 'name = "sinkhorn-fp32"'),
+    "kernel": (lambda v: isinstance(v, str), 'kernel = "sinkhorn"'),
+    "scenario": (lambda v: isinstance(v, str), 'scenario = "parity-default"'),
+    "device": (lambda v: isinstance(v, str), 'device = "cpu"'),
+    "dtypes": (_strings, 'dtypes = ["fp32", "bf16"]'),
+    "kappa": (_number, "kappa = 2"),
+    "metrics": (_strings, 'metrics = ["lm loss", "num-zeros"]'),
+    "deterministic": (lambda v: isinstance(v, bool), "deterministic = true"),
+    "factor": (_number, "factor = 5"),
+    "quick": (lambda v: isinstance(v, bool), "quick = true"),
+    "finite": (_strings, 'finite = ["rowmax"]'),
+    "compare": (lambda v: isinstance(v, bool), "compare = true"),
+    "knobs": (lambda v: isinstance(v, dict), 'knobs = { "sinkhorn.eps" = 1e-6 }'),
+    "seeds": (_integer, "seeds = 4"), "steps": (_integer, "steps = 20"), "layers": (_integer, "layers = 2"),
+    "streams": (_integer, "streams = 4"), "hidden": (_integer, "hidden = 32"), "heads": (_integer, "heads = 2"),
+    "seq": (_integer, "seq = 16"), "batch": (_integer, "batch = 2"), "vocab": (_integer, "vocab = 64"),
+    "seed": (_integer, "seed = 0"), "lr": (_number, "lr = 0.01"), "dtype": (lambda v: isinstance(v, str), 'dtype = "fp32"'),
+}
+
+
+def _check_keys(src: str, where: str, item: dict, allowed: set, required: tuple = (), types: dict | None = None) -> None:
+    """An entry's keys: one it does not know, a required one missing, or a value of another type
+    than the key takes is a UsageError naming the key and what it takes."""
     bad = set(item) - allowed
     if bad:
         raise _err(src, f"{where}.{sorted(bad)[0]}", f"unknown key; accepted: {', '.join(sorted(allowed))}")
     for k in required:
         if k not in item:
             raise _err(src, f"{where}.{k}", "required")
+    for k, v in item.items():
+        ok, example = {**KEY_TYPES, **(types or {})}.get(k, (None, None))
+        if ok is not None and not ok(v):
+            raise _err(src, f"{where}.{k}", f"{v!r} is a {type(v).__name__}, not what the key takes: e.g. {example}")
 
 
 def _resolve(base: Path, p: str, src: str, key: str) -> Path:
@@ -134,7 +173,7 @@ def load_suite(path: str | os.PathLike) -> Suite:
     suite = Suite(str(data.get("name", path.stem)), path)
     for i, item in enumerate(data.get("parity", [])):
         where = f"parity[{i}]"
-        _check_keys(src, where, item, PARITY_KEYS)
+        _check_keys(src, where, item, PARITY_KEYS, types={"impls": (_strings, 'impls = ["triton", "mine.py:sinkhorn"]')})
         kernel = item.get("kernel", "all")
         try:  # a name, a group (all, mhc, moe) or a comma-separated list, as --kernel takes
             parity.kernels_of(kernel)
@@ -193,7 +232,7 @@ def load_suite(path: str | os.PathLike) -> Suite:
         suite.checks.append({"name": item.get("name", f"check {f.name}"), **item, "file": f})
     for i, item in enumerate(data.get("stability", [])):
         where = f"stability[{i}]"
-        _check_keys(src, where, item, STABILITY_KEYS)
+        _check_keys(src, where, item, STABILITY_KEYS, types={"impls": (_strings, 'impls = ["triton"]')})
         if item.get("kernel", "sinkhorn") != "sinkhorn":
             raise _err(src, f"{where}.kernel", f"{item['kernel']!r} has no stability sweep; accepted: sinkhorn")
         for d in item.get("dtypes", []):

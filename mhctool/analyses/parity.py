@@ -17,6 +17,7 @@ from mhctool.analyses.scenario import Scenario
 from mhctool.core import environment, profile, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
+from mhctool.core.names import is_outside
 from mhctool.families import GROUPS, KERNELS, PRECISIONS, get_family, kernels_named
 from mhctool.registry.builtin import native_impl
 from mhctool.registry.impl import Impl
@@ -132,10 +133,10 @@ def plan(kernels: list[str], impls: list[str | Impl] | None, *, device: str,
         raise UsageError("an external implementation (--impl module:function, or a callable) needs one --kernel, "
                          "not several (a whole library takes NAME:PATH, e.g. megatron:fused_mhc_kernels.py)")
     conventions = {k: v for k, v in (conventions or {}).items() if v}
-    if conventions and not (objects or any(":" in s for s in specs)):
+    if conventions and not (objects or any(is_outside(s) for s in specs)):
         raise UsageError("--convention declares what an external implementation computes; name one with --impl")
     input_dtypes = {k: check_input_dtypes(k, v) for k, v in (input_dtypes or {}).items() if v}
-    if input_dtypes and not (objects or any(":" in s for s in specs)):
+    if input_dtypes and not (objects or any(is_outside(s) for s in specs)):
         raise UsageError("--input-dtypes declares how an external implementation takes its inputs; "
                          "name one with --impl")
     sc = scenario if isinstance(scenario, Scenario) else scenario_mod.resolve(scenario)

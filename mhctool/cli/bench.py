@@ -57,7 +57,7 @@ def bench(
     input_dtypes: InputDtypes = "library",
 ):
     """Time kernels against the memory roofline measured in the same run."""
-    opts.precheck(kernel, [dtype], shape, device)
+    opts.precheck(kernel, [dtype], shape, device, impl)
     from mhctool.analyses.runs import bench as run
     req = run.Request(kernel, split(impl), shape, dtype, split([direction]), repeats, graph, experts, tokens, hidden,
                       ffn, device, out_path, plot, isolate, case_timeout, input_dtypes)

@@ -62,7 +62,7 @@ def identify(
     """Tell which convention a kernel computes: fit the family's convention knobs against the float64
     reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does or
     what fits is likely a defect."""
-    opts.precheck(kernel, [dtype], shape, device)
+    opts.precheck(kernel, [dtype], shape, device, [impl])
     if kernel not in names.IDENTIFIABLE:
         raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "
                          + ", ".join(names.IDENTIFIABLE))

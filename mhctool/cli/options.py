@@ -14,9 +14,16 @@ from mhctool.core.text import split
 
 
 def precheck(kernel: Optional[str] = None, dtypes: Optional[list[str]] = None, shape: Optional[str] = None,
-             device_name: Optional[str] = None) -> None:
+             device_name: Optional[str] = None, impls: Optional[list[str]] = None) -> None:
     """Kernel names and groups, dtype names, the shape's form for the kernels' kind, the device's
-    name (whether it is present is asked later)."""
+    name (whether it is present is asked later); a ``--kernel`` or ``--impl`` given empty (a CI
+    variable that expanded to nothing) names nothing, and is no request for the default."""
+    if kernel is not None and not split([kernel]):
+        raise UsageError(f"--kernel {kernel!r} names no kernel; accepted: {', '.join(names.KERNELS)}, or a "
+                         f"group: {', '.join(names.GROUPS)} (leave the option out for the default)")
+    if impls is not None and any(not split([i]) for i in impls):
+        raise UsageError("--impl '' names no implementation; give a built-in name, FILE.py:function, "
+                         "module:function or a library (leave the option out for the default)")
     kernels: list[str] = []
     for k in split([kernel]) if kernel else []:
         if k in names.GROUPS:

@@ -74,7 +74,7 @@ def parity(
 ):
     """Run implementations and the float64 reference side by side, forward and backward."""
     setup.warm(workers, backend, bool(isolate), device)  # the fork server imports torch while this process plans
-    opts.precheck(kernel, split([dtype]) if dtype else None, shape, device)
+    opts.precheck(kernel, split([dtype]) if dtype else None, shape, device, impl)
     from mhctool.analyses.runs import parity as run
     req = run.Request(kernel, split(impl), split([dtype]) if dtype else None, shape, device, scenario, seed, out_path,
                       plot, matmul_precision, kappa, hint, split(check), repeats_determinism,

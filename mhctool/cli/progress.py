@@ -38,11 +38,12 @@ class LogProgress:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(1.0)
-            self.line()
+            if exc_type is None or self.done:  # a request refused before any work has no progress to tell
+                self.line()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.every):

@@ -13,6 +13,7 @@ from rich.table import Table
 from mhctool.cli.gate import show as show_gate
 from mhctool.cli.console import guard, out
 from mhctool.cli.tables import bench_table, bench_totals, verdict_table
+from mhctool.core.errors import UsageError
 from mhctool.core.text import fmt
 
 report_app = typer.Typer(no_args_is_help=True, help="Read Parquet reports: show one, compare two.")
@@ -118,6 +119,8 @@ def report_html(
     target = out_path or path.with_suffix(".html")
     from mhctool.core import report
     report.check_writable(target, suffixes=None)
+    if target.resolve() == path.resolve():
+        raise UsageError(f"--out {target} is the report read; name another file (default: {path.with_suffix('.html')})")
     from mhctool.views import html as html_mod
     page = html_mod.render(path)
     report.atomic(target, lambda tmp: Path(tmp).write_text(page))

@@ -108,7 +108,7 @@ def train(
     drift from the float64 trajectory with kappa, trace it to a knob. Exit 0 when it stays with the
     reference, 1 when it drifts, goes non-finite or fails, 2 on bad input."""
     setup.warm(workers if seeds is None or seeds > 1 else 1)
-    precheck(dtypes=[dtype], device_name=device)
+    precheck(kernel, dtypes=[dtype], device_name=device, impls=impl)
     from mhctool.analyses.runs import train as run
     sizes = dict(steps=steps, layers=layers, streams=streams, hidden=hidden, heads=heads, seq=seq, batch=batch,
                  vocab=vocab, lr=lr)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from mhctool.core import profile
+from mhctool.core.names import is_outside
 from mhctool.spread.forkserver import start_forkserver
 
 
@@ -80,7 +81,7 @@ def job_timeout(job: Job, impls: int) -> float:
         per = job.isolation.case_timeout
     else:
         per = default_timeout(footprint(job.case), job.case.device,
-                              external=any(":" in s for s in job.specs))
+                              external=any(is_outside(s) for s in job.specs))
     checks = 1 + (job.repeats if job.checks else 0)
     return per * (impls + 2) * checks
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -47,9 +48,20 @@ BACKENDS = ("local", "ray")
 DEFAULT = "default"
 
 
+WORKERS_ENV = "MHCTOOL_WORKERS"
+PER_CORE = 4  # the most worker processes a core: past that, a count is a typo, not a plan
+
+
+def _said(value) -> str:
+    """How the user gave the worker count: the variable where it came from there, else the flag."""
+    from_env = os.environ.get(WORKERS_ENV) == str(value) and not any(a.startswith("--workers") for a in sys.argv)
+    return f"{WORKERS_ENV}={value}" if from_env else f"--workers {value!r}"
+
+
 def parse_workers(value: str | int | None) -> str | int:
-    """``--workers``: a positive integer or ``auto``; None (unset) is :data:`DEFAULT`; anything
-    else is a UsageError."""
+    """``--workers`` (or ``MHCTOOL_WORKERS``): a positive integer or ``auto``; None (unset) is
+    :data:`DEFAULT`; anything else, or a count far past the machine (more than
+    :data:`PER_CORE` a core), is one sentence naming where it was given."""
     if value is None:
         return DEFAULT
     if isinstance(value, int) and not isinstance(value, bool):
@@ -61,9 +73,12 @@ def parse_workers(value: str | int | None) -> str | int:
         try:
             n = int(text)
         except ValueError:
-            raise UsageError(f"malformed --workers {value!r}; expected a positive integer or auto") from None
+            raise UsageError(f"malformed {_said(value)}; expected a positive integer or auto") from None
     if n < 1:
-        raise UsageError(f"--workers {value!r} must be at least 1 (or auto)")
+        raise UsageError(f"{_said(value)} must be at least 1 (or auto)")
+    if n > PER_CORE * cores():
+        raise UsageError(f"{_said(value)} is far past this machine's {cores()} cores (at most {PER_CORE * cores()} "
+                         "worker processes; auto: one per GPU, or per core)")
     return n
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mhctool.core.errors import Interrupted, UsageError
 from mhctool.core.library_log import library_log
+from mhctool.core.names import is_outside
 from mhctool.spread import pool, prewarm
 from mhctool.spread.machine import pinned_threads, threads_for
 
@@ -64,11 +65,6 @@ def warm(workers: str | int | None, backend: str = "local", isolate: bool = Fals
     Triton hashes itself, while the command plans (:func:`pool.warm`, :func:`prewarm.start`)."""
     pool.warm(workers, backend, isolate, device)
     prewarm.start(device)
-
-
-def is_outside(spec: str) -> bool:
-    """Whether an ``--impl`` spec names code mhctool did not ship (a function or a library)."""
-    return ":" in spec
 
 
 def isolation_for(isolate: bool | None, specs: list[str], device: str, case_timeout: float | None,

@@ -210,3 +210,55 @@ def test_the_other_writers_check_their_place_too(tmp_path):
                          (["report", "compare", r, r, "--json", tmp_path / "missing" / "c.json"], "does not exist"),
                          (["goldens", "diff", g, g, "--plot", g], "is a file; name a folder")):
         _one_sentence(run(*args), needle)
+
+
+def _suite(tmp_path, body: str) -> Path:
+    p = tmp_path / "suite.toml"
+    p.write_text('[[parity]]\nkernel = "sinkhorn"\n' + body)
+    return p
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    (["parity", "--kernel", ""], {}, "--kernel '' names no kernel"),
+    (["parity", "--kernel", "sinkhorn", "--impl", ""], {}, "--impl '' names no implementation"),
+    (["train", "--impl", ""], {}, "--impl '' names no implementation"),
+    (["bench", "--kernel", " "], {}, "names no kernel"),
+    (["parity", "--kernel", "sinkhorn", "--device", "cpu"], {"MHCTOOL_WORKERS": "abc"}, "malformed MHCTOOL_WORKERS=abc"),
+    (["parity", "--kernel", "sinkhorn", "--device", "cpu"], {"MHCTOOL_WORKERS": "100000"},
+     "MHCTOOL_WORKERS=100000 is far past this machine's"),
+    (["parity", "--kernel", "sinkhorn", "--device", "cpu", "--workers", "100000"], {}, "--workers '100000' is far past"),
+])
+def test_what_names_nothing_or_is_far_past_the_machine_is_one_sentence_naming_where_it_was_given(
+        tmp_path, args, env, needle):
+    res = cli.invoke(app, args + ["-o", str(tmp_path / "r.parquet")] if args[0] != "train" else args, env=env)
+    _one_sentence(res, needle)
+    assert not (tmp_path / "r.parquet").exists()
+
+
+@pytest.mark.parametrize("body, needle", [
+    ('kappa = "two"\n', "parity[0].kappa: 'two' is a str, not what the key takes: e.g. kappa = 2"),
+    ('impls = "f.py:g"\n', "parity[0].impls: 'f.py:g' is a str, not what the key takes"),
+    ("dtypes = \"fp32\"\n", "parity[0].dtypes"),
+])
+def test_a_suite_value_of_the_wrong_type_is_one_sentence_naming_the_key(tmp_path, body, needle):
+    res = run("gate", "--suite", _suite(tmp_path, body), "--device", "cpu", "-o", tmp_path / "g.parquet",
+              "--junit", tmp_path / "g.xml", "--summary", tmp_path / "g.md")
+    _one_sentence(res, needle)
+
+
+def test_an_output_that_is_one_of_the_inputs_is_refused_and_the_input_kept(tmp_path):
+    a = tmp_path / "a.parquet"
+    assert run("parity", "--kernel", "sinkhorn", "--impl", "torch", "--dtype", "fp32", "--device", "cpu", "-q",
+               "--scenario", _small_scenario(tmp_path), "-o", a).exit_code == 0
+    before = a.read_bytes()
+    _one_sentence(run("report", "html", a, "-o", a), "is the report read")
+    _one_sentence(run("report", "compare", a, a, "--junit", a), "is one of the reports compared")
+    _one_sentence(run("report", "merge", a, "-o", a), "is one of the slices merged")
+    assert a.read_bytes() == before
+
+
+def _small_scenario(tmp_path) -> Path:
+    p = tmp_path / "sc.toml"
+    p.write_text('name = "small"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["3x1x4x1"]\nfamilies = ["random"]\n'
+                 'dtypes = ["fp32"]\n')
+    return p

@@ -7,13 +7,22 @@ from pathlib import Path
 import pytest
 
 from mhctool.core.errors import Interrupted, UsageError
+from mhctool.core.names import is_outside
 from mhctool.spread import setup
 
 
-@pytest.mark.parametrize("spec, outside", [("triton", False), ("torch", False), ("cutile", False),
-                                           ("mine.py:sk", True), ("pkg.mod:sk", True), ("te:/x/te", True)])
-def test_an_implementation_mhctool_did_not_ship_is_outside(spec, outside):
-    assert setup.is_outside(spec) is outside
+@pytest.mark.parametrize("spec, outside", [
+    ("triton", False), ("torch", False), ("compile", False), ("cutile", False), ("triton-tf32", False),
+    ("mine.py:sk", True), ("pkg.mod:sk", True), ("te:/x/te", True), ("megatron:fused_mhc_kernels.py", True),
+    ("liger:liger_kernel", True), ("wrapper.py", True), ("dir/wrapper.py", True), ("adapter.py:/x/lib", True)])
+def test_every_spelling_of_code_mhctool_did_not_ship_is_outside(spec, outside):
+    """One function decides (isolated by default on a GPU): a function, a file of functions, a library."""
+    assert is_outside(spec) is outside
+
+
+def test_a_file_of_functions_on_a_gpu_is_isolated_by_default():
+    quiet = setup.Interrupts(lambda line: None)
+    assert setup.isolation_for(None, ["wrapper.py"], "cuda", None, None, quiet) is not None
 
 
 def test_isolation_by_default_for_an_outside_implementation_on_a_gpu_or_a_time_limit_only():
