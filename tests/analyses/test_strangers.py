@@ -183,3 +183,14 @@ def test_identify_help_lists_every_family_it_takes():
     text = " ".join(res.output.split())
     for k in ("mapping_sinkhorn", "mix_aggregate", "clamped_swiglu"):
         assert k in text, text
+
+
+def test_a_kernel_that_returns_nothing_fails_its_rows_and_decides_no_exit_code(tmp_path):
+    """A function that runs and returns None: what the kernel did (failed rows, exit 1), not bad
+    input (a wrong signature or another number of outputs is that: exit 2)."""
+    res, text = parity(tmp_path, "sinkhorn", "sinkhorn_returns_none", "--dtype", "fp32", "--no-hint")
+    assert res.exit_code == 1, text
+    assert "of them strangers.py:sinkhorn_returns_none: 0 passed" in text and "error:" not in text
+    rows = [r for r in pq.read_table(tmp_path / "p.parquet").to_pylist() if r["impl"].endswith("returns_none")]
+    assert rows and all(r["passed"] is False for r in rows if r["direction"] == "fwd")
+    assert any("output out is NoneType, not a tensor" in (r["message"] or "") for r in rows)
