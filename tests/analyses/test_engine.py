@@ -2,6 +2,7 @@
 with the implementation under test swapped in at its mHC module's entry points. CI drives the
 engine interface through a stand-in (impls/engine_standin.py), never Megatron's code; the GPU
 test in tests/kernels/test_gpu.py runs Megatron-core itself where a tree is staged."""
+import re
 import sys
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def test_a_sinkhorn_without_gradient_parts_from_the_float64_run_and_is_traced_to
     zeros = {r["metric"] for r in rows if r["run"] == "impl" and r["metric"].endswith(":h_res")}
     assert zeros == {f"zeros:layers.0.{hc}_hyper_connection.mapping_proj.weight:h_res"
                      for hc in ("self_attention", "mlp")}, zeros
-    assert {r["run"] for r in rows} == {"impl", "native", "reference", "native:sinkhorn.eps_mode=add"}
+    assert {r["run"] for r in rows} == {"impl", "native", "reference", "native:sinkhorn.eps_mode=add", "first-step"}
 
 
 def test_the_engines_own_fused_switch_is_what_impl_megatron_runs(tmp_path):
@@ -230,3 +231,18 @@ def test_ranks_run_the_recipes_parallelism_sequence_parallel_unless_turned_off()
     assert recipe(2, [("sequence_parallel", "false")]).sequence_parallel is False
     assert recipe(None, [("tp", "2")]).sequence_parallel is True
     assert recipe(None).sequence_parallel is False and recipe(1).sequence_parallel is False
+
+
+def test_the_first_step_inside_an_engine_names_a_wrong_backward_the_trajectories_judge_apart(tmp_path):
+    """The float64 trajectory of the first seed records its first step at the engine's entry points;
+    each swapped-in entry point is judged on those calls: a Sinkhorn whose backward is its first row
+    softmax's fails there, named by layer and tensor (issue 88)."""
+    res, text = run("train", "--engine", STANDIN, "--impl", f"{IMPLS / 'defects.py'}:sinkhorn_softmax_backward",
+                    *TINY, "--no-trace", "-o", tmp_path / "s.parquet")
+    assert res.exit_code == 1, text
+    assert re.search(r"FAIL first step: \d+ of \d+ tensors fail parity's rule at the first step \(seed 0\): "
+                     r"layer 0 sinkhorn\.grad_logits \(the H_res logits' gradient: what the projection's H_res rows "
+                     r"receive\)", text), text
+    import pyarrow.parquet as pq
+    rows = [r for r in pq.read_table(tmp_path / "s.parquet").to_pylist() if r["run"] == "first-step"]
+    assert {r["metric"].split(":", 2)[2] for r in rows} == {"layer 0 sinkhorn.h_res", "layer 0 sinkhorn.grad_logits"}

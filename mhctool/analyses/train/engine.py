@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from mhctool.analyses.knob_shift import typed_value
+from mhctool.analyses.train import first_step as first_step_mod
 from mhctool.analyses.train.pieces import assign as model_assign
 from mhctool.analyses.train.pieces import family_call, native_piece, pick_impl, reference_piece
 from mhctool.analyses.train.ranks import STALL_S, gpu_slots, run_ranks
@@ -51,6 +52,8 @@ from mhctool.analyses.train.trace import fitted
 from mhctool.analyses.train.trajectory import Step, Trajectory
 from mhctool.core.environment import ensure_triton_mode
 from mhctool.core.errors import UsageError
+from mhctool.families import get_family
+from mhctool.runner.call import short_error
 from mhctool.libraries import megatron_core as mc
 from mhctool.libraries.megatron_core import NATIVE_CONVENTIONS, Recipe, recipe_from
 from mhctool.registry import loading
@@ -274,6 +277,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eff", default="{}")
     ap.add_argument("--log", required=True)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--record", default=None, help="a file: the first step's entry-point calls, recorded there "
+                                                    "(the layers' first calls of each, their inputs and the "
+                                                    "gradients their outputs received)")
     a = ap.parse_args(argv)
     ensure_triton_mode()
     recipe = recipe_from(json.loads(a.recipe))
@@ -286,6 +292,9 @@ def worker_main(argv: list[str] | None = None) -> int:
         names = {f: (piece.name if f == alt["family"] else "Megatron's own") for f in ENGINE_FAMILIES}
     elif a.role == "impl" and not fused or a.role == "reference":
         calls, names = _pieces(a.role, {} if a.role == "reference" else specs, eff, a.device, "bf16")
+        recorded: list = []
+        if a.record:
+            calls = _recording(calls, recorded, recipe.layers)
         ops = _ops(calls)
     else:
         ops, names = {}, {f: "Megatron's fused" if fused else "Megatron's own" for f in ENGINE_FAMILIES}
@@ -297,10 +306,34 @@ def worker_main(argv: list[str] | None = None) -> int:
         f.flush()
 
         def progress(rec: dict) -> None:
+            if a.record and rec.get("step") == 1 and first:  # the first step's calls, their gradients in
+                torch.save([asdict(c) for c in recorded], a.record)
             f.write(json.dumps(rec) + "\n")
             f.flush()
         train(a.tree, recipe, progress, ops)
     return 0
+
+
+def _recording(calls: dict[str, Callable], into: list, layers: int) -> dict[str, Callable]:
+    """The family calls, each of the first ``layers`` calls of an entry point (the first
+    micro-batch's forward, a layer a call) recorded into ``into`` as a
+    :class:`first_step.Call`: its inputs and, through hooks, the gradient its outputs receive."""
+    seen: dict[str, int] = {}
+
+    def wrap(family: str, call: Callable) -> Callable:
+        def run(args: dict) -> tuple:
+            outs = call(args)
+            layer = seen[family] = seen.get(family, -1) + 1
+            if layer < layers:
+                c = first_step_mod.Call(layer, family, {k: v.detach().clone() if torch.is_tensor(v) else v
+                                                    for k, v in args.items()}, [None] * len(outs))
+                into.append(c)
+                for i, o in enumerate(outs):
+                    if o.requires_grad:
+                        o.register_hook(lambda g, i=i, c=c: c.upstream.__setitem__(i, g.detach().clone()))
+            return outs
+        return run
+    return {f: wrap(f, c) for f, c in calls.items()}
 
 
 # --- in mhctool's process -------------------------------------------------------------------------
@@ -323,6 +356,10 @@ class EngineRunner:
     dtype: str = "bf16"  # the activations' dtype the engine trains at (its steps may say; Megatron's recipe: bf16)
     workers: int = 1  # trajectories run side by side (processes of their own; on a GPU they share it)
     _slots: object = field(default=None, init=False, repr=False)  # the free GPU groups (a queue)
+    # where the first seed's reference trajectory records its first step's calls (first_step reads them)
+    _record_dir: object = field(default_factory=lambda: tempfile.TemporaryDirectory(prefix="mhctool-first-"),
+                                init=False, repr=False)
+    _recorded: dict = field(default_factory=dict, init=False, repr=False)
 
     def _take_gpus(self) -> str | None:
         """A group of GPUs for one trajectory's ranks, the groups dealt round robin over the
@@ -374,28 +411,63 @@ class EngineRunner:
         eff = self.effective("native")
         return [c for f, s in self.specs.items() if s != "megatron" for c in fitted(f, s, eff[f], self.device)]
 
+    def _run(self, recipe, role: str, d: str, extra: list[str] = ()) -> tuple[list[dict], str | None]:
+        """One role's trajectory in a process of its own (a group of ranks): its log's records and
+        the error that ended it, if one did."""
+        eff = effective_knobs(self.spec, recipe, self.specs, self.knobs, self.conventions,
+                              "native" if role.startswith("native") else role, self.device)
+        log = Path(d) / "steps.jsonl"
+        cmd = [sys.executable, "-m", "mhctool.analyses.train.engine", "--engine", self.spec.target,
+               "--recipe", json.dumps(asdict(recipe)), "--role", role, "--specs", json.dumps(self.specs),
+               "--eff", json.dumps(eff), "--log", str(log), "--device", self.device, *extra]
+        if self.spec.tree:
+            cmd += ["--tree", self.spec.tree]
+        gpus = self._take_gpus()
+        try:
+            error = run_ranks(cmd, getattr(recipe, "tp", 1), self.stall, log,
+                              None if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus})
+        finally:
+            if gpus is not None:
+                self._slots.put(gpus)
+        return ([json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []), error
+
+    def first_step(self, seed: int, rule) -> first_step_mod.Check | None:
+        """The first step judged per entry point inside the engine's model: the float64 run's first
+        step as the reference trajectory of ``seed`` recorded it (else a one-step run of its own),
+        each entry point swapped in judged on its calls against mhctool's native and float64 ones
+        at the implementation's conventions. None where nothing of mhctool's or of a file's is
+        swapped in (Megatron's fused switch)."""
+        eff = self.effective("impl")
+        mine, _ = _pieces("impl", self.specs, eff, self.device, self.dtype)
+        if not mine:
+            return None
+        with tempfile.TemporaryDirectory(prefix="mhctool-engine-") as d:
+            path = self._recorded.pop(seed, None)
+            if path is None or not Path(path).is_file():
+                path = Path(d) / "first.pt"
+                _, error = self._run(replace(self.recipe, seed=seed, steps=1), "reference", d, ["--record", str(path)])
+                if not path.is_file():
+                    return first_step_mod.Check(error=f"the float64 run's first step was not recorded: {error}",
+                                                seed=seed)
+            calls = [first_step_mod.Call(**c) for c in torch.load(path, map_location=self.device)]
+        calls = [c for c in calls if c.family in mine]
+        native = {f: native_piece(f, eff[f]).call for f in mine}
+        wide = {f: family_call(f, get_family(f).reference, eff[f]) for f in mine}
+        try:
+            judged = first_step_mod.judge_calls(calls, mine, native, wide, rule, eff)
+        except Exception as e:  # noqa: BLE001 - the implementation raised on a call: the check's failure
+            return first_step_mod.Check(error=short_error(e), seed=seed)
+        return first_step_mod.Check(judged, seed=seed)
+
     def trajectory(self, seed: int, role: str, progress: Callable | None = None, alt: dict | None = None):
 
         recipe = replace(self.recipe, seed=seed)
-        eff = effective_knobs(self.spec, recipe, self.specs, self.knobs, self.conventions,
-                              "native" if role.startswith("native") else role, self.device)
+        extra = ["--alt", json.dumps(alt)] if alt is not None else []
+        if role == "reference" and seed == self.recipe.seed and alt is None:  # the first step's calls, for first_step
+            self._recorded[seed] = str(Path(self._record_dir.name) / f"first-{seed}.pt")
+            extra += ["--record", self._recorded[seed]]
         with tempfile.TemporaryDirectory(prefix="mhctool-engine-") as d:
-            log = Path(d) / "steps.jsonl"
-            cmd = [sys.executable, "-m", "mhctool.analyses.train.engine", "--engine", self.spec.target,
-                   "--recipe", json.dumps(asdict(recipe)), "--role", role, "--specs", json.dumps(self.specs),
-                   "--eff", json.dumps(eff), "--log", str(log), "--device", self.device]
-            if self.spec.tree:
-                cmd += ["--tree", self.spec.tree]
-            if alt is not None:
-                cmd += ["--alt", json.dumps(alt)]
-            gpus = self._take_gpus()
-            try:
-                error = run_ranks(cmd, getattr(recipe, "tp", 1), self.stall, log,
-                                   None if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus})
-            finally:
-                if gpus is not None:
-                    self._slots.put(gpus)
-            lines = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []
+            lines, error = self._run(recipe, role, d, extra)
         pieces = next((x["pieces"] for x in lines if "pieces" in x), {})
         steps = [x for x in lines if "step" in x]
         # an entry point the model never called ran nothing of what was swapped in: said, not hidden

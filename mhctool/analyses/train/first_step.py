@@ -41,8 +41,10 @@ from mhctool.runner.call import short_error
 GATED = ("max_abs", "rel_l2", "nonfinite", "extra_zeros")
 GATED_WHOLE = ("nonfinite", "extra_zeros")  # the model's parameter gradients, end to end
 OUTPUTS = {"mapping": ("h_pre", "h_post", "h_res_logits"), "sinkhorn": ("h_res",), "h_aggregate": ("out",),
-           "h_post_bda": ("out",)}
-BLOCKS = {"weight", "h_bias", "alpha"}  # the mapping's inputs that are the projection's parameters
+           "h_post_bda": ("out",), "proj_rms": ("proj", "r")}
+# the inputs that are the projection's parameters, by entry point (mhctool's model: the mapping;
+# Megatron's: the projection + RMS, whose weight's rows feed H_pre, H_post and H_res)
+BLOCKS = {"mapping": {"weight", "h_bias", "alpha"}, "proj_rms": {"weight"}}
 PROJECTION = re.compile(r"layers\.(\d+)\.(phi|h_bias|alpha)$")  # the model's names of them
 # what a gradient the sentence names feeds, where the name alone does not say it
 FEEDS = {"sinkhorn.grad_logits": "the H_res logits' gradient: what the projection's H_res rows receive",
@@ -171,7 +173,7 @@ def entry_point(piece_call, family: str, call: Call, wide: bool = False) -> dict
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     for k, leaf in leaves.items():
         if torch.is_tensor(leaf) and leaf.requires_grad and leaf.grad is not None:
-            if family == "mapping" and k in BLOCKS:
+            if k in BLOCKS.get(family, ()):
                 got.update({f"grad_{b}": t for b, t in blocks(k, leaf.grad, _streams(call)).items()})
             else:
                 got[f"grad_{k}"] = leaf.grad
@@ -208,9 +210,11 @@ class Check:
         if self.error is not None:
             return f"the implementation's first step failed: {self.error}"
         if self.passed:
-            return (f"every entry point's outputs and gradients in every layer, and the parameters' gradients, at "
-                    f"the first step ({self.tensors} tensors, seed {self.seed}) are within parity's rule against "
-                    "the float64 run")
+            whole = any(j.tensor.startswith("grad ") for j in self.judged)  # mhctool's model: end to end too
+            return (f"every entry point's outputs and gradients in every layer"
+                    + (", and the parameters' gradients," if whole else "")
+                    + f" at the first step ({self.tensors} tensors, seed {self.seed}) are within parity's rule "
+                    "against the float64 run")
         worst = self.worst()
         return (f"{len(worst)} of {self.tensors} tensors fail parity's rule at the first step (seed {self.seed}): "
                 + "; ".join(j.sentence() for j in worst[:shown]))
@@ -297,15 +301,20 @@ def _term_scales(family: str, call: Call, refs: dict[str, torch.Tensor], knobs: 
     return out
 
 
-def judge_calls(calls: list[Call], impl: dict[str, Piece] | list, native: dict[str, Piece],
-                wide: dict[str, object], rule: VerdictRule, knobs: dict[str, dict]) -> list[Judged]:
-    """Each recorded call's entry point, the implementation's (its pieces, or its results already
-    computed in a worker, one dict a call) and native's against the float64 reference."""
+def _callable(p):
+    return getattr(p, "call", p)  # a Piece, or a family call itself
+
+
+def judge_calls(calls: list[Call], impl: dict | list, native: dict, wide: dict[str, object], rule: VerdictRule,
+                knobs: dict[str, dict]) -> list[Judged]:
+    """Each recorded call's entry point, the implementation's (its pieces or family calls, or its
+    results already computed in a worker, one dict a call) and native's against the float64
+    reference."""
     out = []
     for i, call in enumerate(calls):
         refs = entry_point(wide[call.family], call.family, call, wide=True)
-        mine = impl[i] if isinstance(impl, list) else entry_point(impl[call.family].call, call.family, call)
-        nat = entry_point(native[call.family].call, call.family, call)
+        mine = impl[i] if isinstance(impl, list) else entry_point(_callable(impl[call.family]), call.family, call)
+        nat = entry_point(_callable(native[call.family]), call.family, call)
         scale = _scales(refs)
         for name, v in _term_scales(call.family, call, refs, knobs.get(call.family, {})).items():
             scale[name] = max(scale.get(name, 0.0), v)

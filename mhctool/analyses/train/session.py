@@ -289,6 +289,7 @@ def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, 
     out = Outcome(cfg, engine.spec_text, [t for r in runs for t in r.trajectories()], eff, traced_asked=trace,
                   runs=runs)
     if compare and runs and len(runs) == seeds and all(r.reference is not None for r in runs) and not interrupted():
+        out.first_step = engine.first_step(cfg.seed, rule)
         _set_verdict(out, runs, cfg, rule, engine.params)
         if _drift_to_trace(out) and trace and not interrupted():
             out.attributions, alts = attribute(runs, cfg, eff, engine.candidates(), rule, engine.params, interrupted,
