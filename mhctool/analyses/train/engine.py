@@ -315,10 +315,17 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 
 def _recording(calls: dict[str, Callable], into: list, layers: int) -> dict[str, Callable]:
-    """The family calls, each of the first ``layers`` calls of an entry point (the first
-    micro-batch's forward, a layer a call) recorded into ``into`` as a
-    :class:`first_step.Call`: its inputs and, through hooks, the gradient its outputs receive."""
+    """The family calls, the first micro-batch's forward call of each entry point in each layer (its
+    first ``layers`` calls) recorded into ``into`` as a :class:`first_step.Call`: its inputs and,
+    through hooks, the gradient its outputs receive. A call later in the step on the very same
+    inputs is a recompute of one recorded (Megatron's mHC recompute runs the forward again in the
+    backward, where the gradient is built): its outputs' gradients are that record's."""
     seen: dict[str, int] = {}
+
+    def same(c, args: dict) -> bool:
+        return all(torch.is_tensor(v) == torch.is_tensor(c.inputs.get(k)) and
+                   (not torch.is_tensor(v) or (v.shape == c.inputs[k].shape and torch.equal(v.detach(), c.inputs[k])))
+                   for k, v in args.items())
 
     def wrap(family: str, call: Callable) -> Callable:
         def run(args: dict) -> tuple:
@@ -326,11 +333,16 @@ def _recording(calls: dict[str, Callable], into: list, layers: int) -> dict[str,
             layer = seen[family] = seen.get(family, -1) + 1
             if layer < layers:
                 c = first_step_mod.Call(layer, family, {k: v.detach().clone() if torch.is_tensor(v) else v
-                                                    for k, v in args.items()}, [None] * len(outs))
+                                                        for k, v in args.items()}, [None] * len(outs))
                 into.append(c)
-                for i, o in enumerate(outs):
-                    if o.requires_grad:
-                        o.register_hook(lambda g, i=i, c=c: c.upstream.__setitem__(i, g.detach().clone()))
+            else:  # a recompute of a recorded call gives it the gradients it lacks
+                c = next((r for r in into if r.family == family and all(g is None for g in r.upstream)
+                          and same(r, args)), None)
+                if c is None:
+                    return outs
+            for i, o in enumerate(outs):
+                if o.requires_grad:
+                    o.register_hook(lambda g, i=i, c=c: c.upstream.__setitem__(i, g.detach().clone()))
             return outs
         return run
     return {f: wrap(f, c) for f, c in calls.items()}
