@@ -56,13 +56,6 @@ def knob_items(items: Optional[list[str]], flag: str, example: str) -> list[tupl
     return out
 
 
-def one_of(value: str, accepted: tuple[str, ...], flag: str) -> str:
-    """``value`` where it is one of ``accepted``; anything else is one sentence naming the flag."""
-    if value not in accepted:
-        raise UsageError(f"unknown {flag} {value!r}; accepted: {', '.join(accepted)}")
-    return value
-
-
 # the options several commands declare with the same meaning
 Device = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda when present).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line.")]
@@ -75,7 +68,3 @@ Workers = Annotated[Optional[str], typer.Option("--workers", envvar="MHCTOOL_WOR
 ShowProfile = Annotated[bool, typer.Option("--profile", help="Print where the time went: inputs, the native run, the float64 reference, each implementation (its first call in a process, which compiles, apart), judging, checks, and with --workers what was spent outside the cases (the report keeps it in any case).")]
 Plot = Annotated[Optional[Path], typer.Option("--plot", help="Folder for PNG plots made from the report.")]
 
-
-def out_option(default: str) -> object:
-    """``--out``/``-o``: the Parquet report (``.json``: the report as one JSON document)."""
-    return typer.Option(Path(default), "--out", "-o", help="Parquet report to write.")

@@ -14,6 +14,15 @@ from mhctool.families.contract import Cost, Family, Knob
 from mhctool.references import mhc as ref
 
 
+def blocks(name: str, value: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """A projection parameter's tensor (its gradient) split by the block of h its rows feed,
+    ``[pre(n) | post(n) | res(n^2)]`` (alpha, three values, by its gates): ``NAME:h_pre``,
+    ``NAME:h_post``, ``NAME:h_res``."""
+    if value.dim() == 1 and value.shape[0] == 3:
+        return {f"{name}:{b}": value[i:i + 1] for i, b in enumerate(("h_pre", "h_post", "h_res"))}
+    return {f"{name}:h_pre": value[:n], f"{name}:h_post": value[n:2 * n], f"{name}:h_res": value[2 * n:]}
+
+
 def token_sum_term_scale(fam: Family) -> Callable:
     """grad_alpha[k] sums g_h * (r * proj) over every token and the k-th group of columns, and
     grad_h_bias[j] sums g_h[:, j] over every token: their terms are far larger than the result

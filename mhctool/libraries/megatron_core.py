@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mhctool.core.metrics import h_res_health
+from mhctool.families.mapping import blocks
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,6 @@ def _tokens(r: Recipe, step: int, micro: int):
     uniform over the vocabulary, as Megatron's --mock-data draws them."""
     g = torch.Generator().manual_seed(r.seed * 1_000_003 + step * 1009 + micro)
     return torch.randint(0, r.vocab, (r.micro_batch, r.seq + 1), generator=g)
-
-
-def _mapping_parts(name: str, grad, n: int) -> dict[str, int]:
-    """A hyper-connection projection's zeros by the rows they feed: H_pre (n), H_post (n), H_res (n^2)."""
-    z = grad == 0
-    return {f"{name}:h_pre": int(z[:n].sum()), f"{name}:h_post": int(z[n:2 * n].sum()), f"{name}:h_res": int(z[2 * n:].sum())}
 
 
 # the conventions of Megatron's own (unfused) mHC path, by generation, read from its
@@ -369,7 +364,7 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
             name = names[id(p)].removeprefix("module.").removeprefix("module.")
             zeros[name] = int(g.numel() - torch.count_nonzero(g))
             if name.endswith("mapping_proj.weight"):
-                zeros.update(_mapping_parts(name, g, r.streams))
+                zeros.update({k: int((v == 0).sum()) for k, v in blocks(name, g, r.streams).items()})
         ok, grad_norm, num_zeros = opt.step()
         sched.step(increment=r.global_batch)
         torch.cuda.synchronize()

@@ -15,7 +15,9 @@ import pytest
 from mhctool.analyses import train as T
 from mhctool.analyses.train import first_step
 from mhctool.analyses.train.trajectory import Step, Trajectory
-from mhctool.analyses.train.verdict import judge, spacing
+from mhctool.analyses.train.verdict import judge
+from mhctool.core.dtypes import FORMATS
+from mhctool.core.metrics import ulp_size
 from mhctool.core.verdict import VerdictRule
 
 DEFECTS = Path(__file__).parents[1] / "impls" / "defects.py"
@@ -48,6 +50,12 @@ def test_a_projection_is_judged_by_the_blocks_of_rows_it_feeds():
     assert p["layers.1.phi:h_res"].shape == (4, 3) and first_step.parts("layers.1.qkv", g, 2) == {"layers.1.qkv": g}
     assert list(first_step.parts("layers.0.alpha", torch.ones(3), 2)) == [f"layers.0.alpha:{b}" for b in
                                                                          ("h_pre", "h_post", "h_res")]
+
+
+def spacing(v: float) -> float:
+    """The fp32 ulp at ``v`` (mhctool's ulp_size)."""
+    import torch
+    return float(ulp_size(torch.tensor([v], dtype=torch.float64), FORMATS["fp32"]))
 
 
 def _traj(role, norms):

@@ -332,17 +332,12 @@ def _recording(calls: dict[str, Callable], into: list, layers: int) -> dict[str,
             outs = call(args)
             layer = seen[family] = seen.get(family, -1) + 1
             if layer < layers:
-                c = first_step_mod.Call(layer, family, {k: v.detach().clone() if torch.is_tensor(v) else v
-                                                        for k, v in args.items()}, [None] * len(outs))
-                into.append(c)
+                first_step_mod.record(into, layer, family, mc.OUTPUTS[family], args, outs)
             else:  # a recompute of a recorded call gives it the gradients it lacks
                 c = next((r for r in into if r.family == family and all(g is None for g in r.upstream)
                           and same(r, args)), None)
-                if c is None:
-                    return outs
-            for i, o in enumerate(outs):
-                if o.requires_grad:
-                    o.register_hook(lambda g, i=i, c=c: c.upstream.__setitem__(i, g.detach().clone()))
+                if c is not None:
+                    first_step_mod.attach(c, outs)
             return outs
         return run
     return {f: wrap(f, c) for f, c in calls.items()}

@@ -31,17 +31,17 @@ import torch
 
 from mhctool.analyses.train.pieces import Piece
 from mhctool.analyses.train.setup import MarkovSource, TrainConfig
+from mhctool.analyses.train.trajectory import LayerCalls, build_model
 from mhctool.core.dtypes import FORMATS, fmt_of
 from mhctool.core.errors import system_exit_message
 from mhctool.core.metrics import measure, reference
 from mhctool.core.verdict import VerdictRule
 from mhctool.families import get_family
-from mhctool.runner.call import short_error
+from mhctool.families.mapping import blocks
+from mhctool.runner.call import leaf_inputs, short_error
 
 GATED = ("max_abs", "rel_l2", "nonfinite", "extra_zeros")
 GATED_WHOLE = ("nonfinite", "extra_zeros")  # the model's parameter gradients, end to end
-OUTPUTS = {"mapping": ("h_pre", "h_post", "h_res_logits"), "sinkhorn": ("h_res",), "h_aggregate": ("out",),
-           "h_post_bda": ("out",), "proj_rms": ("proj", "r")}
 # the inputs that are the projection's parameters, by entry point (mhctool's model: the mapping;
 # Megatron's: the projection + RMS, whose weight's rows feed H_pre, H_post and H_res)
 BLOCKS = {"mapping": {"weight", "h_bias", "alpha"}, "proj_rms": {"weight"}}
@@ -51,14 +51,6 @@ FEEDS = {"sinkhorn.grad_logits": "the H_res logits' gradient: what the projectio
          "h_aggregate.grad_h_pre": "what the projection's H_pre rows receive",
          "h_post_bda.grad_h_post": "what the projection's H_post rows receive",
          "h_post_bda.grad_h_res": "what the Sinkhorn's backward receives"}
-
-
-def blocks(name: str, value: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-    """A projection parameter's tensor (its gradient) split by the block of h its rows feed
-    ([pre(n) | post(n) | res(n^2)]; alpha by its three gates); any other tensor whole."""
-    if value.shape[0] == 3 and value.dim() == 1:
-        return {f"{name}:{b}": value[i:i + 1] for i, b in enumerate(("h_pre", "h_post", "h_res"))}
-    return {f"{name}:h_pre": value[:n], f"{name}:h_post": value[n:2 * n], f"{name}:h_res": value[2 * n:]}
 
 
 def parts(name: str, value: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
@@ -75,6 +67,7 @@ class Call:
     family: str
     inputs: dict
     upstream: list
+    names: tuple = ()  # the outputs' names, as the recorder's model names them
 
 
 @dataclass
@@ -99,43 +92,37 @@ class Judged:
         return f"{self.tensor}{feeds}: {what}{allowed}"
 
 
+def record(into: list, layer: int, family: str, names: tuple, args: dict, outs: tuple) -> Call:
+    """A call of an entry point recorded into ``into``: what it was given, and (through hooks) the
+    gradient its outputs receive in the backward."""
+    c = Call(layer, family, {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in args.items()},
+             [None] * len(outs), tuple(names))
+    into.append(c)
+    attach(c, outs)
+    return c
+
+
+def attach(call: Call, outs: tuple) -> None:
+    """The gradients ``outs`` receive in the backward, into ``call.upstream``."""
+    for i, o in enumerate(outs):
+        if o.requires_grad:
+            o.register_hook(lambda g, i=i: call.upstream.__setitem__(i, g.detach().clone()))
+
+
 class _Recording:
-    """The model's ``ops`` for the first step: calls the pieces, and with ``calls`` given records
-    each entry point's inputs and, through hooks, the gradients its outputs receive."""
+    """The model's ``ops`` for the first step: the model's own layer ops over ``pieces``
+    (:class:`~mhctool.analyses.train.trajectory.LayerCalls`), each call recorded where ``calls``
+    is given."""
 
     def __init__(self, pieces: dict[str, Piece], calls: list | None = None):
         self.pieces, self.calls = pieces, calls
 
-    def layer(self, index: int) -> "_RecordingLayer":
-        return _RecordingLayer(self, index)
+    def layer(self, index: int) -> LayerCalls:
+        return LayerCalls(self, index)
 
-
-class _RecordingLayer:
-    def __init__(self, rec: _Recording, index: int):
-        self.rec, self.index = rec, index
-
-    def _call(self, family: str, **args) -> tuple:
-        outs = self.rec.pieces[family].call(args)
-        if self.rec.calls is not None:
-            call = Call(self.index, family, {k: v.detach().clone() if torch.is_tensor(v) else v
-                                             for k, v in args.items()}, [None] * len(outs))
-            self.rec.calls.append(call)
-            for i, o in enumerate(outs):
-                if o.requires_grad:
-                    o.register_hook(lambda g, i=i, call=call: call.upstream.__setitem__(i, g.detach().clone()))
-        return outs
-
-    def mapping(self, x2d, weight, alpha, h_bias):
-        return self._call("mapping", x2d=x2d, weight=weight, alpha=alpha, h_bias=h_bias)
-
-    def sinkhorn(self, logits):
-        return self._call("sinkhorn", logits=logits)[0]
-
-    def h_aggregate(self, x, h_pre):
-        return self._call("h_aggregate", x=x, h_pre=h_pre)[0]
-
-    def h_post_bda(self, h_res, x, h_post, y, bias):
-        return self._call("h_post_bda", h_res=h_res, x=x, h_post=h_post, y=y, bias=bias)[0]
+    def _seen(self, index: int, family: str, names: tuple, outs: tuple, args: dict | None = None) -> None:
+        if self.calls is not None:
+            record(self.calls, index, family, names, args, outs)
 
 
 def _first_batch(cfg: TrainConfig) -> torch.Tensor:
@@ -145,7 +132,6 @@ def _first_batch(cfg: TrainConfig) -> torch.Tensor:
 def model_step(cfg: TrainConfig, pieces: dict[str, Piece], calls: list | None = None) -> dict[str, torch.Tensor]:
     """The model's first forward and backward with ``pieces`` (before any optimizer step): every
     parameter's gradient, as :func:`parts` names them; ``calls``: the entry points' calls recorded."""
-    from mhctool.analyses.train.trajectory import build_model
     model = build_model(cfg)
     model.loss(_first_batch(cfg), _Recording(pieces, calls), FORMATS[cfg.dtype].torch_dtype).backward()
     grads = {}
@@ -159,15 +145,9 @@ def entry_point(piece_call, family: str, call: Call, wide: bool = False) -> dict
     """One entry point run again on a recorded call: its outputs and its inputs' gradients (the
     projection's parameters by their blocks), by tensor name; ``wide``: on float64 copies (the
     reference)."""
-    leaves = {}
-    for k, v in call.inputs.items():
-        if torch.is_tensor(v) and v.is_floating_point():
-            v = v.double() if wide else v
-            leaves[k] = v.detach().clone().requires_grad_(True)
-        else:
-            leaves[k] = v
+    leaves = leaf_inputs(get_family(family), call.inputs, torch.float64 if wide else None)
     outs = piece_call(leaves)
-    got = {f"{name}": o for name, o in zip(OUTPUTS[family], outs)}
+    got = dict(zip(call.names, outs))
     pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, call.upstream) if g is not None and o.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -211,7 +191,7 @@ class Check:
             return f"the implementation's first step failed: {self.error}"
         if self.passed:
             whole = any(j.tensor.startswith("grad ") for j in self.judged)  # mhctool's model: end to end too
-            return (f"every entry point's outputs and gradients in every layer"
+            return ("every entry point's outputs and gradients in every layer"
                     + (", and the parameters' gradients," if whole else "")
                     + f" at the first step ({self.tensors} tensors, seed {self.seed}) are within parity's rule "
                     "against the float64 run")
@@ -289,8 +269,7 @@ def _term_scales(family: str, call: Call, refs: dict[str, torch.Tensor], knobs: 
     fam = get_family(family)
     out = {}
     if fam.term_scale is not None and all(g is not None for g in call.upstream):
-        wide = {k: (v.double().requires_grad_(True) if torch.is_tensor(v) and v.is_floating_point() else v)
-                for k, v in call.inputs.items()}
+        wide = leaf_inputs(fam, call.inputs, torch.float64)
         with torch.no_grad():
             outs = fam.call(fam.reference, wide, knobs, lambda k: True)  # the family's outputs the model does not take get none
         up = [g.double() for g in call.upstream] + [torch.zeros_like(o) for o in outs[len(call.upstream):]]

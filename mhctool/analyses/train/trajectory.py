@@ -47,10 +47,11 @@ class Recorder:
         self.health = [{} for _ in range(layers)]
         self.first_nonfinite = self.first_nonfinite_grad = None
 
-    def layer(self, index: int) -> "_LayerOps":
-        return _LayerOps(self, index)
+    def layer(self, index: int) -> "LayerCalls":
+        return LayerCalls(self, index)
 
-    def _seen(self, index: int, family: str, names: tuple[str, ...], outs: tuple) -> None:
+    def _seen(self, index: int, family: str, names: tuple[str, ...], outs: tuple, args: dict | None = None) -> None:
+        """What a layer's call of ``family`` gave (``args``: what it was given, for a recorder that keeps it)."""
         h = self.health[index]
         for name, out in zip(names, outs):
             if out.requires_grad:
@@ -73,13 +74,16 @@ class Recorder:
                 self.first_nonfinite_grad = (*where, bad)
 
 
-class _LayerOps:
+class LayerCalls:
+    """One layer's ``ops`` (the model's calls of the mHC families): each call runs ``rec``'s piece
+    and tells ``rec._seen`` what it was given and gave (the trajectory's recorder, the first step's)."""
+
     def __init__(self, rec: Recorder, index: int):
         self.rec, self.index = rec, index
 
     def _call(self, family: str, names: tuple[str, ...], **args) -> tuple:
         outs = self.rec.pieces[family].call(args)
-        self.rec._seen(self.index, family, names, outs)
+        self.rec._seen(self.index, family, names, outs, args)
         return outs
 
     def mapping(self, x2d, weight, alpha, h_bias):

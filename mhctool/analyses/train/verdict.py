@@ -6,6 +6,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+import torch
+
 from mhctool.analyses.goldens import check
 from mhctool.analyses.train.setup import JUDGED, TrainConfig
 from mhctool.analyses.train.trajectory import (
@@ -15,6 +17,7 @@ from mhctool.analyses.train.trajectory import (
     where_nonfinite,
 )
 from mhctool.core.dtypes import FORMATS
+from mhctool.core.metrics import ulp_size
 from mhctool.core.verdict import VerdictRule
 
 
@@ -47,14 +50,6 @@ def _distances(a: Trajectory, b: Trajectory, metric: str) -> dict[int, float]:
     return out
 
 
-def spacing(value: float) -> float:
-    """The distance between ``value`` and the next fp32 number away from zero (its ulp): what the
-    metric, an fp32 number, resolves there."""
-    if not math.isfinite(value) or value == 0:
-        return 0.0
-    return math.ldexp(1.0, math.frexp(abs(value))[1] - 24)
-
-
 def _floor(metric: str, value: float, cfg: TrainConfig, rule: VerdictRule, params: int) -> float:
     """What two correct runs may differ by where native's distance is 0. The metrics are fp32
     numbers (the loss from fp32 logits, the grad norm over fp32 gradients), so two runs whose pieces
@@ -66,7 +61,8 @@ def _floor(metric: str, value: float, cfg: TrainConfig, rule: VerdictRule, param
         return math.ceil(rule.floor_roundoffs * FORMATS["fp32"].unit_roundoff * params)
     if not math.isfinite(value):
         return 0.0
-    return rule.floor_roundoffs * max(FORMATS[cfg.dtype].unit_roundoff * abs(value), spacing(value))
+    ulp = float(ulp_size(torch.tensor([value], dtype=torch.float64), FORMATS["fp32"])) if value else 0.0
+    return rule.floor_roundoffs * max(FORMATS[cfg.dtype].unit_roundoff * abs(value), ulp)
 
 
 def judge(traj: Trajectory, native: Trajectory, reference: Trajectory, cfg: TrainConfig,
