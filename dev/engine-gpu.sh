@@ -13,9 +13,13 @@
 #   ensembles  four GPUs: over 8 seeds, Megatron's fused kernels, mhctool's Triton kernels and the
 #              planted H^T (traced); a Sinkhorn with a NaN token (the engine's first non-finite watch)
 #   ablation   four GPUs: dev/mcore_ablation.py's rows ($ROWS, default all 17) as 8-seed ensembles
+#   first      one GPU (carry .anchors/megatron too): the first step's check over seeds 0-9
+#              (dev/first_step_seeds.py) in mhctool's model and inside Megatron's, what PR 3828's
+#              projection returns (dev/proj_rms_dtype.py), and the trajectories of the planted
+#              defects the guide's detection table had not run inside Megatron (4 seeds)
 # Logs and one archive (results.tar.gz: a run brings back a limited count of files) under $OUT.
 set -uo pipefail
-phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation}"
+phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation|first}"
 O="${OUT:-/tmp/out}"; R=/tmp/results; mkdir -p "$O" "$R"
 T=${TIMEOUT:-540}
 FAST="--layers 4 --hidden 256 --heads 4 --seq 128 --batch 4 --recipe global_batch=8 --recipe warmup_fraction=0 --recipe hidden_dropout=0 --lr 0.01 --steps 12"
@@ -54,6 +58,23 @@ case "$phase" in
     timeout "$T" python3 dev/mcore_ablation.py "$R/abl" --rows "${ROWS:-0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16}" \
       --seeds 8 --steps 8 --jobs "${JOBS:-64}" --recipe '{"seq": 256}' > "$R/ablation.log" 2>&1
     tail -9 "$R/ablation.log" ;;
+  first)
+    M3828=.anchors/megatron/m3828 LOG=tests/impls/conventions.py:sinkhorn_log_domain@sinkhorn.eps=0,sinkhorn.domain=log
+    python3 dev/proj_rms_dtype.py "megatron:$M3828" > "$R/proj_dtype.log" 2>&1
+    SIZES="--size layers=4 --size hidden=256 --size heads=4 --size seq=128 --size batch=4 --size lr=0.01"
+    RECIPES="--recipe global_batch=8 --recipe warmup_fraction=0 --recipe hidden_dropout=0"
+    for half in 0-4 5-9; do
+      timeout "$T" python3 dev/first_step_seeds.py "engine:megatron:$MCORE" --seeds $half $SIZES $RECIPES \
+        --impl cutile --impl "$LOG" --impl "megatron:$M3828" --impl tests/impls/defects.py:sinkhorn_one_iteration_short \
+        > "$R/engine_first_$half.log" 2>&1 &
+    done
+    timeout "$T" python3 dev/first_step_seeds.py model --seeds 0-9 --impl "megatron:$M3828+mhctool.kernels.torch.mhc:mapping" \
+      --impl "megatron:$M3828" --impl tests/impls/defects.py:sinkhorn_one_iteration_short > "$R/model_first.log" 2>&1 &
+    for d in h_post_bda_bf16_bias_grad sinkhorn_eps_1e8 sinkhorn_one_iteration_short; do
+      train "traj_$d" "tests/impls/defects.py:$d" $FAST --seeds 4 --workers 4
+    done
+    wait; cat "$R/proj_dtype.log"; for f in "$R"/*first*.log; do echo "== $f"; cut -c1-330 "$f"; done
+    show traj_h_post_bda_bf16_bias_grad traj_sinkhorn_eps_1e8 traj_sinkhorn_one_iteration_short ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 tar -czf "$O/results.tar.gz" -C /tmp results

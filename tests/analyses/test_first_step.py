@@ -41,6 +41,56 @@ def test_mhctools_own_kernels_pass_the_first_step_check(tmp_path, train):
             "gradients, at the first step") in text, text
 
 
+def test_a_projection_that_writes_16_bit_outputs_fails_at_the_mapping_and_says_the_dtype(tmp_path, train):
+    """PR 3828's projection writes proj and r in x's dtype (the stand-in does too): at bf16
+    activations mhctool's fp32 mapping path sees that rounding, and the line says why; with the
+    native mapping the library's other kernels pass."""
+    lib = f"megatron:{DEFECTS.parent / 'megatron_pr3828'}"
+    base = ("--device", "cpu", "--dtype", "bf16", "--steps", "1", "--seeds", "1", "--layers", "1", "--seq", "4")
+    res, text = train(tmp_path, *base, "--impl", lib, name="a")
+    assert res.exit_code == 1, text
+    assert re.search(r"FAIL first step: .*layer 0 mapping\.\S+: max_abs .*\(mapping: its proj_rms's proj and r came "
+                     r"back in bf16, where the model takes fp32\)", text), text
+    res, text = train(tmp_path, *base, "--impl", lib, "--impl", "mhctool.kernels.torch.mhc:mapping", name="b")
+    assert res.exit_code == 0 and "ok first step" in text, text
+
+
+def test_a_tensor_written_at_16_bits_and_widened_is_named_by_its_grid():
+    import torch
+    g = torch.Generator().manual_seed(0)
+    native = torch.randn(256, generator=g)
+    assert first_step.sixteen_bit_grid(native.bfloat16().float(), native) == "bf16"
+    assert first_step.sixteen_bit_grid(native.half().float(), native) == "fp16"
+    assert first_step.sixteen_bit_grid(native + 1e-3, native) is None
+    assert first_step.sixteen_bit_grid(native.bfloat16().float(), native.bfloat16().float()) is None  # native's too
+    assert first_step.sixteen_bit_grid(native[:8].bfloat16().float(), native[:8]) is None  # too few to tell
+
+
+def test_an_engine_entry_point_returning_r_as_a_column_is_judged_and_its_16_bit_outputs_named():
+    """Megatron hands its projection bf16 activations and takes r as [M, 1]; the float64 run
+    recorded r as [M]: the shapes are conformed, never broadcast, and the dtypes said."""
+    import torch
+    from mhctool.analyses.train.pieces import family_call, native_piece, pick_impl
+    from mhctool.families import get_family
+    m, k, nh = 64, 32, 24
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(nh, k, generator=g) / k ** 0.5).bfloat16()
+    call = first_step.Call(0, "proj_rms", {"x2d": x, "weight": w},
+                           [torch.randn(m, nh, generator=g).bfloat16(), torch.randn(m, generator=g).bfloat16()],
+                           ("proj", "r"))
+    impl = pick_impl("proj_rms", f"megatron:{DEFECTS.parent / 'megatron_pr3828'}", "cpu", "bf16")[0]
+    knobs = {"proj_rms": {"eps": 1e-6}}
+    mine = {"proj_rms": family_call("proj_rms", impl.fn, knobs["proj_rms"], impl.accepts, impl.bind, impl.takes)}
+    native = {"proj_rms": native_piece("proj_rms", knobs["proj_rms"]).call}
+    wide = {"proj_rms": family_call("proj_rms", get_family("proj_rms").reference, knobs["proj_rms"])}
+    returned = {}
+    judged = first_step.judge_calls([call], mine, native, wide, VerdictRule(), knobs, returned)
+    assert {j.tensor for j in judged} == {f"layer 0 proj_rms.{t}" for t in ("proj", "r", "grad_x2d", "grad_weight:h_pre",
+                                                                          "grad_weight:h_post", "grad_weight:h_res")}
+    assert returned == {"proj_rms": {o: "bf16, where mhctool's native one gives fp32" for o in ("proj", "r")}}
+
+
 def test_a_projection_is_judged_by_the_blocks_of_rows_it_feeds():
     """The mapping's weight and bias by the rows feeding H_pre, H_post and H_res; alpha by its gates."""
     import torch

@@ -9,6 +9,11 @@ def sinkhorn_eps_1e8(logits, iters=20, eps=1e-6):
     return native.sinkhorn(logits, iters, 1e-8)
 
 
+def sinkhorn_one_iteration_short(logits, iters=20, eps=1e-6):
+    """Runs one Sinkhorn iteration fewer than it is asked (a loop bound off by one)."""
+    return native.sinkhorn(logits, iters - 1, eps)
+
+
 def sinkhorn_col_first(logits, iters=20, eps=1e-6):
     """Normalises columns before rows."""
     return native.sinkhorn(logits, iters, eps, order="col_first")

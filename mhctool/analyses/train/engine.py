@@ -458,13 +458,16 @@ class EngineRunner:
                                                 seed=seed)
             calls = [first_step_mod.Call(**c) for c in torch.load(path, map_location=self.device)]
         calls = [c for c in calls if c.family in mine]
-        native = {f: native_piece(f, eff[f]).call for f in mine}
+        # native at the precision each implementation declares (TF32 for PR 3828's projection), as parity's baseline
+        native = {f: native_piece(f, eff[f], pick_impl(f, self.specs[f], self.device, self.dtype)[0]
+                                  .precision_on(self.device)).call for f in mine}
         wide = {f: family_call(f, get_family(f).reference, eff[f]) for f in mine}
+        returned: dict = {}
         try:
-            judged = first_step_mod.judge_calls(calls, mine, native, wide, rule, eff)
+            judged = first_step_mod.judge_calls(calls, mine, native, wide, rule, eff, returned)
         except Exception as e:  # noqa: BLE001 - the implementation raised on a call: the check's failure
             return first_step_mod.Check(error=short_error(e), seed=seed)
-        return first_step_mod.Check(judged, seed=seed)
+        return first_step_mod.Check(judged, seed=seed, returned=returned)
 
     def trajectory(self, seed: int, role: str, progress: Callable | None = None, alt: dict | None = None):
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from mhctool.analyses.train.pieces import Piece
+from mhctool.analyses.train.pieces import Piece, came_in
 from mhctool.analyses.train.setup import MarkovSource, TrainConfig
 from mhctool.analyses.train.trajectory import LayerCalls, build_model
 from mhctool.core.dtypes import FORMATS, fmt_of
@@ -81,6 +81,7 @@ class Judged:
     passed: bool | None
     rule: str
     native: float  # native's value of the metric on the same tensor
+    grid: str | None = None  # a 16-bit format whose grid holds every element (native's does not): computed there
 
     def sentence(self) -> str:
         counted = self.metric in ("nonfinite", "extra_zeros")
@@ -89,7 +90,8 @@ class Judged:
         native = f"{int(self.native)}" if counted else f"{self.native:.3g}"
         allowed = "" if self.threshold is None else f", {self.threshold:.3g} allowed ({self.rule}; native {native})"
         feeds = next((f" ({v})" for k, v in FEEDS.items() if self.tensor.endswith(k)), "")
-        return f"{self.tensor}{feeds}: {what}{allowed}"
+        grid = f" (every element on {self.grid}'s grid: written or computed at 16 bits)" if self.grid else ""
+        return f"{self.tensor}{feeds}: {what}{allowed}{grid}"
 
 
 def record(into: list, layer: int, family: str, names: tuple, args: dict, outs: tuple) -> Call:
@@ -148,7 +150,10 @@ def entry_point(piece_call, family: str, call: Call, wide: bool = False) -> dict
     leaves = leaf_inputs(get_family(family), call.inputs, torch.float64 if wide else None)
     outs = piece_call(leaves)
     got = dict(zip(call.names, outs))
-    pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, call.upstream) if g is not None and o.requires_grad]
+    # an output of another shape with the same elements (PR 3828's r is [M, 1], the recorded one [M])
+    # takes its gradient in its own shape
+    pairs = [(o, g.to(o.dtype).reshape(o.shape) if g.numel() == o.numel() else g.to(o.dtype))
+             for o, g in zip(outs, call.upstream) if g is not None and o.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     for k, leaf in leaves.items():
@@ -173,6 +178,9 @@ class Check:
     judged: list[Judged] = field(default_factory=list)
     error: str | None = None
     seed: int = 0
+    # family -> {output: how it came back} where the implementation returned an output in another
+    # dtype than the model takes (the likeliest reason for its distance, so a failure says it)
+    returned: dict = field(default_factory=dict)
 
     @property
     def failures(self) -> list[Judged]:
@@ -197,7 +205,13 @@ class Check:
                     "against the float64 run")
         worst = self.worst()
         return (f"{len(worst)} of {self.tensors} tensors fail parity's rule at the first step (seed {self.seed}): "
-                + "; ".join(j.sentence() for j in worst[:shown]))
+                + "; ".join(j.sentence() for j in worst[:shown]) + self._came_in(worst[:shown]))
+
+    def _came_in(self, shown: list[Judged]) -> str:
+        """What the shown failures' entry points returned in another dtype than the model takes."""
+        families = dict.fromkeys(m.group(1) for j in shown if (m := re.match(r"layer \d+ (\w+)\.", j.tensor)))
+        said = [f"{f}: {name} came back in {how}" for f in families for name, how in self.returned.get(f, {}).items()]
+        return f" ({'; '.join(said)})" if said else ""
 
     def worst(self) -> list[Judged]:
         """Each failed tensor's most telling failure (non-finite first, then max_abs, extra zeros,
@@ -237,16 +251,44 @@ def _judge(mine: dict, nat: dict, refs: dict, rule: VerdictRule, prefix: str, me
             continue
         r64 = r.detach().to("cpu", torch.float64)
         facts = reference(r64)
-        m = measure(mine[name].detach().cpu(), r64, of=facts)
-        n = measure(nat[name].detach().cpu(), r64, of=facts)
+        m = measure(_as(mine[name], r64), r64, of=facts)
+        n = measure(_as(nat[name], r64), r64, of=facts)
         fmt = fmt_of(mine[name].dtype)
         terms = (scale or {}).get(name.split(":")[0])
+        judged = []
         for metric in GATED:
             j = rule.judge(metric, m[metric], fmt, facts.amax, n, numel=r64.numel(), term_scale=terms)
             gated = metric in metrics
-            out.append(Judged(f"{prefix}{name}", metric, m[metric], j.threshold if gated else None,
-                              bool(j.passed) if gated else None, j.rule if gated else "reported", n[metric]))
+            judged.append(Judged(f"{prefix}{name}", metric, m[metric], j.threshold if gated else None,
+                                 bool(j.passed) if gated else None, j.rule if gated else "reported", n[metric]))
+        if any(j.passed is False for j in judged):
+            grid = sixteen_bit_grid(mine[name], nat[name])
+            judged = [replace(j, grid=grid) for j in judged]
+        out += judged
     return out
+
+
+def sixteen_bit_grid(t: torch.Tensor, native: torch.Tensor, least: int = 64) -> str | None:
+    """The 16-bit format (bf16, fp16) whose grid holds every element of a wider ``t`` of at least
+    ``least`` elements where native's does not: the tensor was written (or computed) at 16 bits and
+    widened after, as a gradient that autograd casts back to its input's dtype is."""
+    if t.element_size() <= 2 or t.numel() < least or not t.is_floating_point():
+        return None
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        on = lambda x: bool(torch.equal(x, x.to(dtype).to(x.dtype)))  # noqa: E731
+        if on(t.detach()) and not on(native.detach()):
+            return name
+    return None
+
+
+def _as(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU in the reference's shape where only size-1 dimensions differ (never broadcast)."""
+    t = t.detach().cpu()
+    if t.shape != ref.shape:
+        if t.numel() != ref.numel():
+            raise RuntimeError(f"an output of shape {tuple(t.shape)} where the float64 one is {tuple(ref.shape)}")
+        t = t.reshape(ref.shape)
+    return t
 
 
 def _scales(refs: dict) -> dict[str, float]:
@@ -285,15 +327,21 @@ def _callable(p):
 
 
 def judge_calls(calls: list[Call], impl: dict | list, native: dict, wide: dict[str, object], rule: VerdictRule,
-                knobs: dict[str, dict]) -> list[Judged]:
+                knobs: dict[str, dict], returned: dict | None = None) -> list[Judged]:
     """Each recorded call's entry point, the implementation's (its pieces or family calls, or its
     results already computed in a worker, one dict a call) and native's against the float64
-    reference."""
+    reference; an output the implementation gave in another dtype than native's noted in
+    ``returned`` (family -> {output: how it came back})."""
     out = []
     for i, call in enumerate(calls):
         refs = entry_point(wide[call.family], call.family, call, wide=True)
         mine = impl[i] if isinstance(impl, list) else entry_point(_callable(impl[call.family]), call.family, call)
         nat = entry_point(_callable(native[call.family]), call.family, call)
+        if returned is not None:
+            for name in call.names:
+                if name in mine and name in nat and mine[name].dtype != nat[name].dtype:
+                    returned.setdefault(call.family, {})[name] = came_in(mine[name].dtype, nat[name].dtype,
+                                                                         "mhctool's native one gives")
         scale = _scales(refs)
         for name, v in _term_scales(call.family, call, refs, knobs.get(call.family, {})).items():
             scale[name] = max(scale.get(name, 0.0), v)
@@ -301,10 +349,12 @@ def judge_calls(calls: list[Call], impl: dict | list, native: dict, wide: dict[s
     return out
 
 
-def impl_results(cfg: TrainConfig, pieces: dict[str, Piece], calls: list[Call]) -> tuple[list, dict]:
-    """The implementation's side of the check: each recorded call's entry point, and the model's
-    first step end to end (its parameters' gradients)."""
-    return [entry_point(pieces[c.family].call, c.family, c) for c in calls], model_step(cfg, pieces)
+def impl_results(cfg: TrainConfig, pieces: dict[str, Piece], calls: list[Call]) -> tuple[list, dict, dict]:
+    """The implementation's side of the check: each recorded call's entry point, the model's
+    first step end to end (its parameters' gradients), and what its pieces returned in another
+    dtype than the model takes."""
+    each = [entry_point(pieces[c.family].call, c.family, c) for c in calls]
+    return each, model_step(cfg, pieces), {f: dict(p.returned) for f, p in pieces.items() if p.returned}
 
 
 def job(cfg_dict: dict, spec: dict, knobs: dict, conventions: dict, calls: list, as_used: bool = False) -> dict:
@@ -314,9 +364,9 @@ def job(cfg_dict: dict, spec: dict, knobs: dict, conventions: dict, calls: list,
     cfg = from_dict(cfg_dict)
     pieces, _ = impl_pieces(spec, knobs, conventions, cfg.device, cfg.dtype, as_used)
     calls = [Call(**c) for c in calls]
-    each, grads = impl_results(cfg, pieces, calls)
+    each, grads, returned = impl_results(cfg, pieces, calls)
     return {"each": [{k: v.detach().cpu() for k, v in d.items()} for d in each],
-            "grads": {k: v.detach().cpu() for k, v in grads.items()}}
+            "grads": {k: v.detach().cpu() for k, v in grads.items()}, "returned": returned}
 
 
 def check(cfg: TrainConfig, impl: dict[str, Piece], native: dict[str, Piece], ref: dict[str, Piece],
@@ -333,13 +383,13 @@ def check(cfg: TrainConfig, impl: dict[str, Piece], native: dict[str, Piece], re
             got = isolated(calls)
             if isinstance(got, str):
                 return Check(error=got, seed=cfg.seed)
-            each, grads = got
+            each, grads, returned = got
         else:
-            each, grads = impl_results(cfg, impl, calls)
+            each, grads, returned = impl_results(cfg, impl, calls)
     except SystemExit as e:  # code under test never decides mhctool's exit code
         return Check(error=system_exit_message(e), seed=cfg.seed)
     except Exception as e:  # noqa: BLE001 - an implementation that raises: the check's failure, kept
         return Check(error=short_error(e), seed=cfg.seed)
     judged = judge_calls(calls, each, native, wide, rule, knobs)
     judged += _judge(grads, model_step(cfg, native), ref_grads, rule, "", GATED_WHOLE, _scales(ref_grads))
-    return Check(judged, seed=cfg.seed)
+    return Check(judged, seed=cfg.seed, returned=returned)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from mhctool.analyses.train.setup import FAMILIES
-from mhctool.core.dtypes import dtype_named
+from mhctool.core.dtypes import dtype_named, fmt_of
 from mhctool.core.environment import ensure_triton_mode
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
@@ -34,6 +34,9 @@ class Piece:
     # the matmul precision it computes at by design (an adapter's declaration): the native
     # trajectory computes the family at it too, as parity's baseline does
     precision: str = "ieee"
+    # an output its implementation returned in another dtype than the model takes (output name ->
+    # the dtype it came in: PR 3828's projection writes proj and r in x's dtype), filled as it runs
+    returned: dict = field(default_factory=dict)
 
 
 def family_call(family: str, fn, knobs: dict, accepts=lambda k: True, bind=lambda k: k,
@@ -57,21 +60,31 @@ def _expected(family: str, args: dict) -> list[tuple]:
     return [((*x.shape[:-2], x.shape[-1]) if family == "h_aggregate" else tuple(x.shape), x.dtype)]
 
 
-def _conformed(family: str, call: Callable[[dict], tuple]) -> Callable[[dict], tuple]:
+def came_in(got: torch.dtype, want: torch.dtype, where: str = "the model takes") -> str:
+    """How an output that came back in another dtype than the model takes is said."""
+    return f"{fmt_of(got).name}, where {where} {fmt_of(want).name}"
+
+
+def _conformed(family: str, call: Callable[[dict], tuple], returned: dict) -> Callable[[dict], tuple]:
     """Outputs taken by value, as parity takes them: size-1 dimensions and another dtype (Megatron's
     h_post_bda writes in h_res's dtype) conformed to what the model expects, so the rest of the
-    model computes as in the other trajectories; an output that cannot be is an error."""
+    model computes as in the other trajectories (an output in another dtype noted in ``returned``);
+    an output that cannot be is an error."""
+    names = get_family(family).outputs
+
     def run(args: dict) -> tuple:
         outs = call(args)
         want = _expected(family, args)
         if len(outs) < len(want):
             raise RuntimeError(f"{family} returned {len(outs)} outputs, expected {len(want)}")
         fixed = []
-        for o, (shape, dtype) in zip(outs, want):
+        for name, o, (shape, dtype) in zip(names, outs, want):
             if tuple(o.shape) != shape:
                 if o.numel() != math.prod(shape):
                     raise RuntimeError(f"{family} returned an output of shape {tuple(o.shape)}, expected {shape}")
                 o = o.reshape(shape)
+            if o.dtype != dtype:
+                returned[name] = came_in(o.dtype, dtype)
             fixed.append(o if o.dtype == dtype else o.to(dtype))
         return tuple(fixed)
     return run
@@ -158,9 +171,11 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
             call = family_call(family, impl.fn, eff[family], impl.accepts, impl.bind, impl.takes)
             if as_used and impl.input_dtypes:
                 call = _as_used(call, impl.input_dtypes, dtype)
-            pieces[family] = Piece(family, impl.name, _conformed(family, call), precision=impl.precision_on(device),
+            returned: dict = {}
+            pieces[family] = Piece(family, impl.name, _conformed(family, call, returned),
+                                   precision=impl.precision_on(device),
                                    note="its inputs at the dtypes its library is used with" if as_used and
-                                   impl.input_dtypes else "")
+                                   impl.input_dtypes else "", returned=returned)
             continue
         proj = pick_impl("proj_rms", spec_, device, dtype)[0] if family == "mapping" and \
             not is_function_spec(spec_) else None
@@ -187,11 +202,17 @@ def _projection_mapping(proj, knobs: dict) -> Piece:
     """The mapping as a library without one computes it: its proj_rms, then the native compute_h."""
     fam = get_family("proj_rms")
     pk = {k: v for k, v in knobs.items() if k in fam.knobs}
+    returned: dict = {}
 
     def run(args: dict) -> tuple:
         w = args["weight"]
         n = int(round((w.shape[0] + 1) ** 0.5 - 1))
         p, r = fam.call(proj.fn, {"x2d": args["x2d"], "weight": w}, pk, proj.accepts, proj.bind)[:2]
+        late = [k for k, v in (("proj", p), ("r", r)) if v.dtype != torch.float32]
+        if late:
+            returned[f"its proj_rms's {' and '.join(late)}"] = came_in((p if late[0] == "proj" else r).dtype,
+                                                                        torch.float32)
         return compute_h(p.float(), r.float().reshape(p.shape[0]), args["alpha"].float(), args["h_bias"].float(),
                          n, knobs.get("compute_h_eps", 0.0))
-    return Piece("mapping", f"{proj.name}+torch:compute_h", run, note="its proj_rms with the native compute_h")
+    return Piece("mapping", f"{proj.name}+torch:compute_h", run, note="its proj_rms with the native compute_h",
+                 returned=returned)

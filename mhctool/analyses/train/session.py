@@ -326,7 +326,7 @@ def _first_step(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pi
             finally:
                 if own:
                     worker.stop()
-            return failure.message if failure is not None else (value["each"], value["grads"])
+            return failure.message if failure is not None else (value["each"], value["grads"], value["returned"])
     return first_step_mod.check(cfg, pieces, native, ref, wide, rule, eff, isolated)
 
 

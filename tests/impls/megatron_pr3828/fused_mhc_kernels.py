@@ -16,8 +16,22 @@ def fused_sinkhorn(input_logits: Tensor, num_iterations: int, eps: float = 1e-6)
     return p.to(input_logits.dtype)
 
 
+class _HAggregate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h_pre):
+        ctx.save_for_backward(x, h_pre)
+        return (x.float() * h_pre.float().unsqueeze(-1)).sum(dim=-2).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h_pre = ctx.saved_tensors
+        g = grad_out.float().unsqueeze(-2)
+        # both gradients in x's dtype, as PR 3828's kernel writes them (autograd casts h_pre's back)
+        return (g * h_pre.float().unsqueeze(-1)).to(x.dtype), (g * x.float()).sum(-1).to(x.dtype)
+
+
 def fused_h_aggregate(x: Tensor, h_pre: Tensor) -> Tensor:
-    return (x.float() * h_pre.float().unsqueeze(-1)).sum(dim=-2).to(x.dtype)
+    return _HAggregate.apply(x, h_pre)
 
 
 def fused_h_post_bda(h_res: Tensor, original_residual: Tensor, h_post: Tensor, x: Tensor,
@@ -38,7 +52,9 @@ class _ProjRms(torch.autograd.Function):
         r = 1.0 / (norm / math.sqrt(x.shape[-1]) + eps)
         ctx.save_for_backward(x, weight, norm)
         ctx.eps = eps
-        return xf @ wf.t(), r  # proj fp32 (the contract's mapping path), r [M, 1] fp32
+        # proj and r [M, 1] in x's dtype, as PR 3828's cuTile kernel writes them (the contract's mapping
+        # path is fp32: at 16-bit activations that rounding is the distance mhctool's model sees)
+        return (xf @ wf.t()).to(x.dtype), r.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_proj, grad_r):
