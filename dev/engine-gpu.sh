@@ -17,9 +17,12 @@
 #              (dev/first_step_seeds.py) in mhctool's model and inside Megatron's, what PR 3828's
 #              projection returns (dev/proj_rms_dtype.py), and the trajectories of the planted
 #              defects the guide's detection table had not run inside Megatron (4 seeds)
+#   detect     one GPU (carry .anchors/megatron too): PR 3828's adapter at the first step inside
+#              Megatron's model over seeds 0-9 and in mhctool's model at seed 0, and the planted
+#              defects' trajectories in mhctool's GPU default model (4 seeds each, side by side)
 # Logs and one archive (results.tar.gz: a run brings back a limited count of files) under $OUT.
 set -uo pipefail
-phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation|first}"
+phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation|first|detect}"
 O="${OUT:-/tmp/out}"; R=/tmp/results; mkdir -p "$O" "$R"
 T=${TIMEOUT:-540}
 FAST="--layers 4 --hidden 256 --heads 4 --seq 128 --batch 4 --recipe global_batch=8 --recipe warmup_fraction=0 --recipe hidden_dropout=0 --lr 0.01 --steps 12"
@@ -75,6 +78,22 @@ case "$phase" in
     done
     wait; cat "$R/proj_dtype.log"; for f in "$R"/*first*.log; do echo "== $f"; cut -c1-330 "$f"; done
     show traj_h_post_bda_bf16_bias_grad traj_sinkhorn_eps_1e8 traj_sinkhorn_one_iteration_short ;;
+  detect)
+    M3828=.anchors/megatron/m3828
+    SIZES="--size layers=4 --size hidden=256 --size heads=4 --size seq=128 --size batch=4 --size lr=0.01"
+    RECIPES="--recipe global_batch=8 --recipe warmup_fraction=0 --recipe hidden_dropout=0"
+    for half in 0-4 5-9; do
+      timeout "$T" python3 dev/first_step_seeds.py "engine:megatron:$MCORE" --seeds $half $SIZES $RECIPES \
+        --impl "megatron:$M3828" > "$R/engine_adapter_$half.log" 2>&1 &
+    done
+    timeout "$T" python3 dev/first_step_seeds.py model --seeds 0 --impl "megatron:$M3828+mhctool.kernels.torch.mhc:mapping" \
+      --impl "megatron:$M3828" > "$R/model_adapter.log" 2>&1 &
+    for d in sinkhorn_one_pass_backward h_post_bda_bf16_bias_grad h_post_bda_transposed sinkhorn_eps_1e8 \
+             sinkhorn_one_iteration_short sinkhorn_nan_last_token; do
+      timeout -s INT "$T" python3 -m mhctool.cli train --impl "tests/impls/defects.py:$d" --device cuda --dtype bf16 \
+        --seeds 4 -q -o "$R/gpu_$d.parquet" > "$R/gpu_$d.log" 2>&1 &
+    done
+    wait; for f in "$R"/*adapter*.log "$R"/gpu_*.log; do echo "== $f"; cut -c1-400 "$f"; done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 tar -czf "$O/results.tar.gz" -C /tmp results
