@@ -27,6 +27,9 @@ from mhctool.core.verdict import VerdictRule
 from mhctool.families import get_family
 
 
+SHOWN = 3  # failures a line shows (--shown)
+
+
 def seeds_of(text: str) -> list[int]:
     a, _, b = text.partition("-")
     return list(range(int(a), int(b or a) + 1))
@@ -49,7 +52,7 @@ def model(seeds: list[int], impls: list[str], dtype: str, device: str, sizes: di
             ref = {f: reference_piece(f, eff[f]) for f in FAMILIES}
             wide = {f: family_call(f, get_family(f).reference, eff[f]) for f in FAMILIES}
             c = first_step.check(cfg, pieces, native, ref, wide, rule, eff)
-            print(f"{impl} seed {seed} ({time.time() - t0:.0f} s): {'ok' if c.passed else 'FAIL'} {c.sentence()}",
+            print(f"{impl} seed {seed} ({time.time() - t0:.0f} s): {'ok' if c.passed else 'FAIL'} {c.sentence(SHOWN)}",
                   flush=True)
 
 
@@ -74,7 +77,7 @@ def engine(target: str, seeds: list[int], impls: list[str], sizes: dict, recipe:
                 runner._recorded[seed] = str(copy)
                 t0 = time.time()
                 c = runner.first_step(seed, rule)
-                said = "nothing swapped in" if c is None else f"{'ok' if c.passed else 'FAIL'} {c.sentence()}"
+                said = "nothing swapped in" if c is None else f"{'ok' if c.passed else 'FAIL'} {c.sentence(SHOWN)}"
                 print(f"{impl} seed {seed} ({time.time() - t0:.0f} s): {said}", flush=True)
 
 
@@ -87,7 +90,10 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--size", action="append", default=[], help="KEY=VALUE: layers, hidden, heads, seq, batch, lr")
     p.add_argument("--recipe", action="append", default=[], help="KEY=VALUE (engines)")
+    p.add_argument("--shown", type=int, default=3, help="failures a line shows")
     a = p.parse_args()
+    global SHOWN
+    SHOWN = a.shown
     sizes = {k: (float(v) if k == "lr" else int(v)) for k, v in (s.split("=", 1) for s in a.size)}
     if a.where == "model":
         model(seeds_of(a.seeds), a.impl, a.dtype, a.device, sizes)

@@ -63,6 +63,8 @@ def test_a_tensor_written_at_16_bits_and_widened_is_named_by_its_grid():
     assert first_step.sixteen_bit_grid(native.half().float(), native) == "fp16"
     assert first_step.sixteen_bit_grid(native + 1e-3, native) is None
     assert first_step.sixteen_bit_grid(native.bfloat16().float(), native.bfloat16().float()) is None  # native's too
+    # bf16 values within fp16's range are fp16's too: native on bf16's grid says nothing of fp16
+    assert first_step.sixteen_bit_grid((native * 1.001).bfloat16().float(), native.bfloat16().float()) is None
     assert first_step.sixteen_bit_grid(native[:8].bfloat16().float(), native[:8]) is None  # too few to tell
 
 

@@ -276,8 +276,8 @@ def sixteen_bit_grid(t: torch.Tensor, native: torch.Tensor, least: int = 64) -> 
         return None
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         on = lambda x: bool(torch.equal(x, x.to(dtype).to(x.dtype)))  # noqa: E731
-        if on(t.detach()) and not on(native.detach()):
-            return name
+        if on(t.detach()):  # the first grid that holds it: where native's is on it too, it tells nothing
+            return None if on(native.detach()) else name
     return None
 
 
