@@ -236,7 +236,7 @@ def test_ranks_run_the_recipes_parallelism_sequence_parallel_unless_turned_off()
 def test_the_first_step_inside_an_engine_names_a_wrong_backward_the_trajectories_judge_apart(tmp_path):
     """The float64 trajectory of the first seed records its first step at the engine's entry points;
     each swapped-in entry point is judged on those calls: a Sinkhorn whose backward is its first row
-    softmax's fails there, named by layer and tensor (issue 88)."""
+    softmax's fails there, named by layer and tensor."""
     res, text = run("train", "--engine", STANDIN, "--impl", f"{IMPLS / 'defects.py'}:sinkhorn_softmax_backward",
                     *TINY, "--no-trace", "-o", tmp_path / "s.parquet")
     assert res.exit_code == 1, text
@@ -246,3 +246,17 @@ def test_the_first_step_inside_an_engine_names_a_wrong_backward_the_trajectories
     import pyarrow.parquet as pq
     rows = [r for r in pq.read_table(tmp_path / "s.parquet").to_pylist() if r["run"] == "first-step"]
     assert {r["metric"].split(":", 2)[2] for r in rows} == {"layer 0 sinkhorn.h_res", "layer 0 sinkhorn.grad_logits"}
+
+
+def test_under_tensor_parallelism_each_ranks_first_step_is_recorded_and_judged(tmp_path):
+    """Each rank records its own shard's calls (``first.pt``, ``first.pt.rank1``); each is judged,
+    named by its rank."""
+    res, text = run("train", "--engine", STANDIN, "--impl", f"{IMPLS / 'defects.py'}:sinkhorn_softmax_backward",
+                    *TINY, "--ranks", "2", "--no-trace", "-o", tmp_path / "s.parquet")
+    assert res.exit_code == 1, text
+    assert re.search(r"FAIL first step: .*rank [01] layer 0 sinkhorn\.grad_logits", text), text
+    import pyarrow.parquet as pq
+    rows = [r for r in pq.read_table(tmp_path / "s.parquet").to_pylist() if r["run"] == "first-step"]
+    assert {r["metric"].split(":", 2)[2] for r in rows} == {f"rank {k} layer 0 sinkhorn.{t}" for k in (0, 1)
+                                                            for t in ("h_res", "grad_logits")}
+    assert {r["layer"] for r in rows} == {0}

@@ -306,12 +306,32 @@ def worker_main(argv: list[str] | None = None) -> int:
         f.flush()
 
         def progress(rec: dict) -> None:
-            if a.record and rec.get("step") == 1 and first:  # the first step's calls, their gradients in
-                torch.save([asdict(c) for c in recorded], a.record)
+            if a.record and rec.get("step") == 1:  # the first step's calls, their gradients in; each rank its shard's
+                torch.save([asdict(c) for c in recorded], rank_record(a.record))
             f.write(json.dumps(rec) + "\n")
             f.flush()
         train(a.tree, recipe, progress, ops)
     return 0
+
+
+def rank_record(path: str, rank: int | None = None) -> str:
+    """Where a rank records its first step: ``path`` for rank 0, ``path.rankR`` for the others
+    (``rank`` None: this process's, from ``RANK``)."""
+    r = int(os.environ.get("RANK", "0")) if rank is None else rank
+    return path if r == 0 else f"{path}.rank{r}"
+
+
+def recorded_calls(path: str, ranks: int, device: str) -> list:
+    """The first step's calls every rank recorded under ``path``, each marked with its rank where
+    there are several (under tensor parallelism each rank's calls are its shard's)."""
+    out = []
+    for r in range(max(1, ranks)):
+        p = Path(rank_record(str(path), r))
+        if not p.is_file():
+            raise FileNotFoundError(f"rank {r} recorded no first step")
+        out += [first_step_mod.Call(**{**c, "rank": r if ranks > 1 else None})
+                for c in torch.load(p, map_location=device)]
+    return out
 
 
 def _recording(calls: dict[str, Callable], into: list, layers: int) -> dict[str, Callable]:
@@ -450,13 +470,16 @@ class EngineRunner:
             return None
         with tempfile.TemporaryDirectory(prefix="mhctool-engine-") as d:
             path = self._recorded.pop(seed, None)
+            ranks = getattr(self.recipe, "tp", 1)
+            error = None
             if path is None or not Path(path).is_file():
                 path = Path(d) / "first.pt"
                 _, error = self._run(replace(self.recipe, seed=seed, steps=1), "reference", d, ["--record", str(path)])
-                if not path.is_file():
-                    return first_step_mod.Check(error=f"the float64 run's first step was not recorded: {error}",
-                                                seed=seed)
-            calls = [first_step_mod.Call(**c) for c in torch.load(path, map_location=self.device)]
+            try:
+                calls = recorded_calls(str(path), ranks, self.device)
+            except FileNotFoundError as e:
+                return first_step_mod.Check(error=f"the float64 run's first step was not recorded: {error or e}",
+                                            seed=seed)
         calls = [c for c in calls if c.family in mine]
         # native at the precision each implementation declares (TF32 for PR 3828's projection), as parity's baseline
         native = {f: native_piece(f, eff[f], pick_impl(f, self.specs[f], self.device, self.dtype)[0]

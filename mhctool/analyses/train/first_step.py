@@ -68,6 +68,7 @@ class Call:
     inputs: dict
     upstream: list
     names: tuple = ()  # the outputs' names, as the recorder's model names them
+    rank: int | None = None  # the tensor-parallel rank whose shard it is (None: one rank)
 
 
 @dataclass
@@ -209,7 +210,8 @@ class Check:
 
     def _came_in(self, shown: list[Judged]) -> str:
         """What the shown failures' entry points returned in another dtype than the model takes."""
-        families = dict.fromkeys(m.group(1) for j in shown if (m := re.match(r"layer \d+ (\w+)\.", j.tensor)))
+        families = dict.fromkeys(m.group(1) for j in shown
+                                 if (m := re.match(r"(?:rank \d+ )?layer \d+ (\w+)\.", j.tensor)))
         said = [f"{f}: {name} came back in {how}" for f in families for name, how in self.returned.get(f, {}).items()]
         return f" ({'; '.join(said)})" if said else ""
 
@@ -345,7 +347,8 @@ def judge_calls(calls: list[Call], impl: dict | list, native: dict, wide: dict[s
         scale = _scales(refs)
         for name, v in _term_scales(call.family, call, refs, knobs.get(call.family, {})).items():
             scale[name] = max(scale.get(name, 0.0), v)
-        out += _judge(mine, nat, refs, rule, f"layer {call.layer} {call.family}.", GATED, scale)
+        where = f"layer {call.layer} {call.family}." if call.rank is None else f"rank {call.rank} layer {call.layer} {call.family}."
+        out += _judge(mine, nat, refs, rule, where, GATED, scale)
     return out
 
 
