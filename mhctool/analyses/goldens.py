@@ -58,6 +58,22 @@ def _number(v, where: str) -> float:
     raise UsageError(f"{where}: {v!r} is not a number or \"nan\"")
 
 
+def _possible(metric: str, v: float, where: str) -> float:
+    """``v``, where a metric of its kind can take it: a loss, a norm, a time, a memory size and a
+    count of zeros are never negative, and a count is a whole number."""
+    name = metric.lower()
+    kind = next((k for k in ("loss", "zeros", "norm", "time", "mem") if k in name), None)
+    if kind is None or math.isnan(v):
+        return v
+    if v < 0:
+        what = {"loss": "a cross-entropy loss", "zeros": "a count of zeros", "norm": "a norm", "time": "a time",
+                "mem": "a memory size"}[kind]
+        raise UsageError(f"{where}: {v:g} is negative, which {what} never is")
+    if kind == "zeros" and v != int(v):
+        raise UsageError(f"{where}: {v:g} is not a whole number, which a count of zeros is")
+    return v
+
+
 def parse(data, src: str) -> Golden:
     if not isinstance(data, dict) or not data:
         raise UsageError(f"{src}: expected an object of metrics, got {type(data).__name__}")
@@ -66,6 +82,9 @@ def parse(data, src: str) -> Golden:
         if not isinstance(body, dict) or "values" not in body:
             raise UsageError(f"{src}: metric {metric!r} has no \"values\" object")
         vals = body["values"]
+        if isinstance(vals, list):
+            raise UsageError(f"{src}: metric {metric!r}: \"values\" is a list; a golden-value file keys each value "
+                             f"by its step (\"values\": {{\"1\": 10.8, \"2\": 10.7}})")
         if not isinstance(vals, dict) or not vals:
             raise UsageError(f"{src}: metric {metric!r} has empty \"values\"")
         parsed = {}
@@ -74,7 +93,8 @@ def parse(data, src: str) -> Golden:
                 s = int(step)
             except (TypeError, ValueError):
                 raise UsageError(f"{src}: metric {metric!r}: step {step!r} is not an integer") from None
-            parsed[s] = _number(v, f"{src}: metric {metric!r} step {step}")
+            parsed[s] = _possible(metric, _number(v, f"{src}: metric {metric!r} step {step}"),
+                                  f"{src}: metric {metric!r} step {step}")
         steps = sorted(parsed)
         try:
             start = int(body.get("start_step", steps[0]))

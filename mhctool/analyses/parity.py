@@ -196,15 +196,17 @@ def check_poolable(p: Plan) -> None:
 def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[], bool] = lambda: False,
             progress: Callable[[Case], None] | None = None, workers: int = 1, backend: str = "local",
             finished: Callable[[Case], None] | None = None, ray_address: str | None = None,
-            pool=None) -> Executed:
+            pool=None, insist: bool = False) -> Executed:
     """Run every case of the plan (the native implementation always, as the baseline); stops
     before the next case once ``interrupted()`` is true. ``progress(case)``: called as each
     starts, ``finished(case)`` as each ends. ``workers`` > 1 or ``backend`` ray: the cases are
     spread over processes (:mod:`mhctool.spread.pool`); the rows come back in the plan's order.
-    ``pool``: a :class:`mhctool.spread.pool.Pool` kept by the caller, whose workers run the cases."""
+    ``pool``: a :class:`mhctool.spread.pool.Pool` kept by the caller, whose workers run the cases.
+    An implementation that keeps ending its process (or hanging) is not run on the cases after
+    (:class:`~mhctool.spread.jobs.Streaks`) unless ``insist``."""
     t0 = time.perf_counter()
     if workers > 1 or backend != "local":
-        o = _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address, pool)
+        o = _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address, pool, insist)
         o.wall = time.perf_counter() - t0
         return o
     rows: list[dict] = []
@@ -228,9 +230,11 @@ def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[
     return Executed(rows, done, interrupted(), timings, time.perf_counter() - t0)
 
 
-def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address, into) -> Executed:
+def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backend, ray_address, into,
+            insist: bool = False) -> Executed:
     check_poolable(p)
-    iso = None if isolation is None else jobs_mod.IsolationSettings(isolation.transport, isolation.case_timeout)
+    iso = None if isolation is None else jobs_mod.IsolationSettings(isolation.transport, isolation.case_timeout,
+                                                                            insist=isolation.insist)
     jobs = [jobs_mod.Job(c, tuple(p.specs), p.scenario.rule, p.matmul_precision, p.conventions.get(c.kernel),
                      tuple(p.checks), p.repeats, iso, p.input_dtypes.get(c.kernel)) for c in p.cases]
     names = [[(i.name, i.backend) for i in [native_impl(c.kernel)] + [i for i in p.impls[c.kernel]
@@ -238,7 +242,7 @@ def _spread(p: Plan, isolation, interrupted, progress, finished, workers, backen
              for c in p.cases]
     spread = pool.run_cases(jobs, names, workers, backend, interrupted,
                             progress and (lambda i: progress(p.cases[i])),
-                            finished and (lambda i: finished(p.cases[i])), ray_address, into)
+                            finished and (lambda i: finished(p.cases[i])), ray_address, into, insist)
     rows = [r for case_rows in spread.rows if case_rows is not None for r in case_rows]
     return Executed(rows, sum(r is not None for r in spread.rows), spread.interrupted, spread.timings)
 

@@ -60,6 +60,7 @@ def knob_items(items: Optional[list[str]], flag: str, example: str) -> list[tupl
 Device = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda when present).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line.")]
 Verbose = Annotated[bool, typer.Option("--verbose", help="Let the libraries' own log lines (TileLang, Triton, NCCL) show; by default they go to a log file beside the report, named in its metadata and after the summary.")]
+Insist = Annotated[bool, typer.Option("--insist", help="Run an isolated implementation on every case, even after it ended its process in 2 cases in a row or hung past the time limit in one (by default its later cases are rows 'not run', saying why).")]
 CaseTimeout = Annotated[Optional[float], typer.Option("--case-timeout", min=0.001, help="Seconds an isolated implementation may take for one case (default: scaled with the case).")]
 Backend = Annotated[str, typer.Option("--backend", help="local (worker processes here) or ray: one Ray task per case (needs pip install ray).")]
 RayAddress = Annotated[Optional[str], typer.Option("--ray-address", help="With --backend ray: the cluster to join (ray.init's address; default: a local one).")]

@@ -58,6 +58,7 @@ def parity(
     quiet: opts.Quiet = False,
     isolate: Isolate = None,
     case_timeout: CaseTimeout = None,
+    insist: opts.Insist = False,
     isolate_transport: IsolateTransport = None,
     check: Check = None,
     repeats_determinism: RepeatsDeterminism = 3,
@@ -80,7 +81,8 @@ def parity(
                       plot, matmul_precision, kappa, hint, split(check), repeats_determinism,
                       opts.knob_items(convention, "--convention", "stabilize=softmax"),
                       opts.knob_items(input_dtypes, "--input-dtypes", "h_pre=activation"), isolate, case_timeout,
-                      isolate_transport, workers, backend, ray_address, shard, ranks, grad_reduce, verbose)
+                      isolate_transport, workers, backend, ray_address, shard, ranks, grad_reduce, verbose,
+                      insist=insist)
     with watching("parity", None, quiet, unit="cases done") as watch:
         o = run.run(req, watch)
     show(o, top, quiet, show_profile, plot)

@@ -134,7 +134,10 @@ class Family:
         """Call ``fn`` with the family's signature (:meth:`arguments`); its outputs as a tuple."""
         pos, kw = self.arguments(args, knobs, accepted, bind, takes)
         out = fn(*pos, **kw)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if isinstance(out, list):  # a wrong return is the implementation's failed row, never a guess
+            raise TypeError(f"it returned a list of {len(out)}, where the contract's outputs are a tensor "
+                            f"or a tuple of tensors ({', '.join(self.outputs)})")
+        return tuple(out) if isinstance(out, tuple) else (out,)
 
 
 def signature(fam: "Family") -> str:

@@ -12,6 +12,7 @@ an adapter module, and an adapter imports only :mod:`mhctool.libraries` (its pub
 from __future__ import annotations
 
 import functools
+import sys
 import importlib
 import importlib.util
 import inspect
@@ -88,10 +89,18 @@ def label(name: str) -> str:
     return getattr(find(name), "NAME", None) or name
 
 
-@functools.lru_cache(maxsize=None)
+_LOADED: dict = {}
+
+
 def _load(name: str, target: str):
-    ensure_triton_mode()  # before the library defines its Triton kernels
-    return adapter(name).load(target)
+    """The library ``target`` names, loaded once; again where another copy of it has taken its
+    place in ``sys.modules`` since (the adapter then finds the submodules of this copy by name,
+    not of the other one)."""
+    module = _LOADED.get((name, target))
+    if module is None or sys.modules.get(module.__name__, module) is not module:
+        ensure_triton_mode()  # before the library defines its Triton kernels
+        module = _LOADED[(name, target)] = adapter(name).load(target)
+    return module
 
 
 def recognised(spec: str) -> tuple[str, list[Binding]]:

@@ -141,7 +141,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
         if res.failure == "lost" and isolation is not None and isolation.interrupted():
             result.abandoned = True
             return result
-        if res.failure is not None:  # a worker that died may have written through the memory it shared
+        if res.failure not in (None, "stopped"):  # a worker that died may have written through the memory it shared
             _, base = inputs()
             if repro is not None:
                 repro.base = base
@@ -161,7 +161,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
             continue
         if res.fwd_error:
             for direction in ("fwd", "bwd"):
-                msg = res.fwd_error if direction == "fwd" else "not run: the forward failed"
+                msg = res.fwd_error if direction == "fwd" or res.failure == "stopped" else "not run: the forward failed"
                 result.rows.append({**row_base, "direction": direction, "tensor": "*",
                                     "metric": "error", "value": math.nan, "threshold": None,
                                     "passed": False, "rule": res.failure or "raised", "message": msg})

@@ -7,19 +7,28 @@ from dataclasses import dataclass, field
 from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case, ImplResult, default_timeout, footprint
 from mhctool.spread.isolation import Worker
+from mhctool.spread.jobs import Streaks
 
 
 @dataclass
 class Isolation:
     """Implementations under test run in worker processes (one per implementation, replaced after
     a crash, a fatal CUDA error or a time-out), so what they do to a process becomes a failed row.
-    ``case_timeout`` None: :func:`mhctool.runner.case.default_timeout` of each case's footprint."""
+    ``case_timeout`` None: :func:`mhctool.runner.case.default_timeout` of each case's footprint.
+    One that keeps ending its process or hanging is stopped (:class:`~mhctool.spread.jobs.Streaks`)
+    unless ``insist``."""
 
     transport: str = "shm"
     case_timeout: float | None = None
     interrupted: object = staticmethod(lambda: False)
     workers: dict = field(default_factory=dict)
     own: bool = True  # False: mhctool's own implementations run in this process (a pool worker's first run of a case)
+    insist: bool = False
+    streaks: Streaks | None = None  # how each implementation's last cases ended (made from ``insist``)
+
+    def __post_init__(self):
+        if self.streaks is None:
+            self.streaks = Streaks(self.insist)
 
     def isolates(self, impl: Impl) -> bool:
         """Whether ``impl`` runs in a worker of its own: every one, or with ``own`` False the external ones."""
@@ -34,9 +43,13 @@ class Isolation:
         return worker.call(target, args, timeout=timeout, interrupted=self.interrupted)
 
     def run(self, case: Case, impl: Impl, base: dict, knobs: dict, upstream: list, expect: list) -> ImplResult:
+        why = self.streaks.why(impl.name)
+        if why is not None:
+            return ImplResult(fwd_error=why, failure="stopped")
         value, failure = self.call(impl, "mhctool.runner.call:isolated_impl",
                                    (case.kernel, impl.spec or impl.name, impl.name, base, knobs, upstream, expect),
                                    footprint(case), case.device)
+        self.streaks.saw(impl.name, failure and failure.kind, failure and failure.message or "")
         if failure is not None:
             done = failure.partial or {}
             if failure.kind == "cuda" and done.get("bwd_error") and not done.get("fwd_error"):

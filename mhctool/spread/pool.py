@@ -36,7 +36,7 @@ from mhctool.core import profile
 from mhctool.core.errors import UsageError
 from mhctool.core.host import cores
 from mhctool.spread.forkserver import start_forkserver
-from mhctool.spread.jobs import IsolationSettings, Job, Spread, job_timeout, lost_rows
+from mhctool.spread.jobs import IsolationSettings, Job, Spread, Streaks, job_timeout, lost_rows
 from mhctool.spread.machine import default_workers
 from mhctool.spread.prewarm import gpu_machine
 from mhctool.spread.ray_cluster import ray_module, run_on_ray
@@ -162,17 +162,23 @@ def warm(workers: str | int | None, backend: str = "local", isolate: bool = Fals
 def run_cases(jobs: list[Job], impl_names: list[list[tuple[str, str]]], workers: int, backend: str = "local",
               interrupted: Callable[[], bool] = lambda: False,
               started: Callable[[int], None] | None = None, finished: Callable[[int], None] | None = None,
-              ray_address: str | None = None, into: "Pool | None" = None) -> Spread:
+              ray_address: str | None = None, into: "Pool | None" = None, insist: bool = False) -> Spread:
     """Run ``jobs`` on ``workers`` processes (``backend`` local) or as Ray tasks; ``impl_names``:
     per job, the (name, backend) pairs that get error rows if its case is lost. ``into``: a
     :class:`Pool` whose workers (already started, their kernels compiled) run them; otherwise a
-    pool of ``workers`` for this run alone."""
+    pool of ``workers`` for this run alone. An implementation that keeps ending its process is not
+    run on the cases after (:class:`Streaks`) unless ``insist``."""
     if check_backend(backend) == "ray":
         return run_on_ray(jobs, impl_names, interrupted, started, finished, ray_address)
     if into is not None:
-        return into.run(jobs, impl_names, interrupted, started, finished, workers)
+        return into.run(jobs, impl_names, interrupted, started, finished, workers, insist)
     with Pool(workers, jobs[0].case.device if jobs else "cpu") as p:
-        return p.run(jobs, impl_names, interrupted, started, finished)
+        return p.run(jobs, impl_names, interrupted, started, finished, insist=insist)
+
+
+# after an interrupt, how long the cases in hand may take to finish before they are abandoned (their
+# workers stopped): a case that hangs never keeps one Ctrl-C from ending with a report
+FINISH_GRACE_S = 20.0
 
 
 class Pool:
@@ -213,9 +219,10 @@ class Pool:
     def run(self, jobs: list[Job], impl_names: list[list[tuple[str, str]]],
             interrupted: Callable[[], bool] = lambda: False,
             started: Callable[[int], None] | None = None, finished: Callable[[int], None] | None = None,
-            workers: int | None = None) -> Spread:
+            workers: int | None = None, insist: bool = False) -> Spread:
         """Run ``jobs`` on the first ``workers`` (all by default) of the pool's processes; rows
-        per job in the jobs' order."""
+        per job in the jobs' order. A job is handed out with the implementations that ended their
+        process in the cases before it (:class:`Streaks`) marked not to run, unless ``insist``."""
         n = max(1, min(workers or self.size, self.size, len(jobs) or 1))
         results: list = [None] * len(jobs)
         from mhctool.runner.case import footprint
@@ -223,6 +230,7 @@ class Pool:
         abort = threading.Event()  # set when the run must stop at once: in-flight cases are abandoned
         timings: dict = {}
         lock = threading.Lock()
+        streaks = Streaks(insist)
 
         def serve(index: int) -> None:
             pool_worker = self._worker(index)
@@ -239,13 +247,18 @@ class Pool:
                 if started:
                     started(i)
                 t0 = time.perf_counter()
-                value = _run_job(pool_worker, jobs[i], impl_names[i], abort.is_set, self.memory, place)
+                names = [name for name, _ in impl_names[i]]
+                with lock:
+                    stopped = streaks.stopped(names)
+                job = replace(jobs[i], stopped=stopped) if stopped else jobs[i]
+                value = _run_job(pool_worker, job, impl_names[i], abort.is_set, self.memory, place)
                 if value is None or value["abandoned"]:
                     pool_worker.stop()
                     return
                 spent = time.perf_counter() - t0
                 inside = value.get("timings") or {}
                 with lock:  # the case's phases, and what its worker spent around them
+                    streaks.saw_rows(value["rows"], [n for n in names if n not in dict(stopped)])
                     profile.add(timings, inside)
                     profile.add(timings, {profile.OUTSIDE: max(0.0, spent - sum(inside.values()))})
                 results[i] = value["rows"]
@@ -256,10 +269,15 @@ class Pool:
                    for k in range(n)]
         for t in threads:
             t.start()
+        asked = None  # when the run was asked to stop: the cases in hand get FINISH_GRACE_S to finish
         try:
             for t in threads:
                 while t.is_alive():
                     t.join(0.1)
+                    if interrupted() and not abort.is_set():
+                        asked = asked or time.monotonic()
+                        if time.monotonic() - asked > FINISH_GRACE_S:  # a hung case: abandoned, the rest written
+                            abort.set()
         except BaseException:  # a second Ctrl-C: the workers are stopped before the run ends
             abort.set()
             for t in threads:

@@ -68,14 +68,16 @@ def warm(workers: str | int | None, backend: str = "local", isolate: bool = Fals
 
 
 def isolation_for(isolate: bool | None, specs: list[str], device: str, case_timeout: float | None,
-                  transport: str | None, interrupts: Interrupts, default_on: bool = False):
+                  transport: str | None, interrupts: Interrupts, default_on: bool = False, insist: bool = False,
+                  in_process: bool = False):
     """The runner's Isolation, or None. Default: on where ``default_on`` (the gate), when an
-    outside implementation runs on a GPU, or when a case time limit is asked for. ``transport``:
-    None where the user named none (shm)."""
+    outside implementation runs on a GPU or would run in mhctool's own process (``in_process``: no
+    worker processes of the run's own, where an ``os._exit`` in it would end mhctool), or when a
+    case time limit is asked for. ``transport``: None where the user named none (shm)."""
     external = any(is_outside(s) for s in specs)
     asked = isolate
     if isolate is None:
-        isolate = default_on or (external and device == "cuda") or case_timeout is not None
+        isolate = default_on or (external and (device == "cuda" or in_process)) or case_timeout is not None
     if not isolate:
         if case_timeout is not None:
             raise UsageError("--case-timeout needs --isolate (a time limit needs a child process to stop)")
@@ -88,7 +90,7 @@ def isolation_for(isolate: bool | None, specs: list[str], device: str, case_time
     if transport not in TRANSPORTS:
         raise UsageError(f"unknown --isolate-transport {transport!r}; accepted: {', '.join(TRANSPORTS)}")
     from mhctool.spread.case_isolation import Isolation
-    return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts)
+    return Isolation(transport=transport, case_timeout=case_timeout, interrupted=interrupts, insist=insist)
 
 
 def spread_for(workers: str | int | None, backend: str, device: str, units: int,
@@ -152,6 +154,7 @@ class Setup:
 
 
 def prepare(device: str, *, specs: list[str] = (), isolate: bool | None = None, case_timeout: float | None = None,
+            insist: bool = False,
             transport: str | None = None, default_isolate: bool = False, workers: int = 1, backend: str = "local",
             pin_threads: bool = True, library_log: Path | None = None, consoles: dict | None = None,
             say: Callable[[str], None] = _stderr) -> Setup:
@@ -160,6 +163,7 @@ def prepare(device: str, *, specs: list[str] = (), isolate: bool | None = None, 
     for them (:func:`machine.threads_for`) unless ``pin_threads`` is false, and the libraries'
     output to ``library_log`` where one is given."""
     interrupts = Interrupts(say)
-    iso = isolation_for(isolate, list(specs), device, case_timeout, transport, interrupts, default_on=default_isolate)
+    iso = isolation_for(isolate, list(specs), device, case_timeout, transport, interrupts, default_on=default_isolate,
+                        insist=insist, in_process=workers <= 1 and backend == "local")
     return Setup(device, interrupts, iso, workers, backend, threads_for(device, workers) if pin_threads else None,
                  library_log, dict(consoles or {}))

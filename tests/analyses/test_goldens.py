@@ -145,6 +145,10 @@ def test_extract_log_and_compare_without_tensorboard(tmp_path):
     ('{"lm loss": {"values": {"1": "ten"}}}', "'ten' is not a number"),
     ('{"lm loss": {"values": {}}}', 'empty "values"'),
     ('[1, 2]', "expected an object of metrics"),
+    ('{"lm loss": {"values": [10.8, 10.7]}}', '"values" is a list; a golden-value file keys each value by its step'),
+    ('{"lm loss": {"values": {"1": 10.8, "2": -0.5}}}', "step 2: -0.5 is negative, which a cross-entropy loss never is"),
+    ('{"num-zeros": {"values": {"1": -3}}}', "-3 is negative, which a count of zeros never is"),
+    ('{"num-zeros": {"values": {"1": 2.5}}}', "2.5 is not a whole number, which a count of zeros is"),
 ])
 def test_broken_golden_files_exit_2(tmp_path, content, needle):
     f = tmp_path / "bad.json"
@@ -163,10 +167,13 @@ def test_log_without_iteration_lines_exit_2(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-values = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=64), st.just(math.nan))
+# what these metrics can take: never negative, and a count of zeros a whole number
+values = st.one_of(st.floats(min_value=0.0, allow_nan=False, allow_infinity=False, width=64), st.just(math.nan))
 series = st.dictionaries(st.integers(1, 500), values, min_size=1, max_size=40)
 goldens_st = st.dictionaries(st.sampled_from(["lm loss", "num-zeros", "iteration-time", "mem-allocated-bytes"]),
-                             series, min_size=1)
+                             series, min_size=1).map(
+    lambda d: {m: {k: float(math.floor(v)) if m == "num-zeros" and not math.isnan(v) else v for k, v in s.items()}
+               for m, s in d.items()})
 
 
 @settings(max_examples=60, deadline=None)

@@ -185,12 +185,15 @@ def test_identify_help_lists_every_family_it_takes():
         assert k in text, text
 
 
-def test_a_kernel_that_returns_nothing_fails_its_rows_and_decides_no_exit_code(tmp_path):
-    """A function that runs and returns None: what the kernel did (failed rows, exit 1), not bad
-    input (a wrong signature or another number of outputs is that: exit 2)."""
-    res, text = parity(tmp_path, "sinkhorn", "sinkhorn_returns_none", "--dtype", "fp32", "--no-hint")
+@pytest.mark.parametrize("fn, said", [("sinkhorn_returns_none", "output out is NoneType, not a tensor"),
+                                      ("sinkhorn_returns_a_list", "it returned a list of 1, where the contract's "
+                                                                  "outputs are a tensor or a tuple of tensors")])
+def test_a_kernel_that_returns_the_wrong_thing_fails_its_rows_and_decides_no_exit_code(tmp_path, fn, said):
+    """A function that runs and returns None, or a list: what the kernel did (failed rows, exit 1),
+    not bad input (a wrong signature or another number of outputs is that: exit 2)."""
+    res, text = parity(tmp_path, "sinkhorn", fn, "--dtype", "fp32", "--no-hint")
     assert res.exit_code == 1, text
-    assert "of them strangers.py:sinkhorn_returns_none: 0 passed" in text and "error:" not in text
-    rows = [r for r in pq.read_table(tmp_path / "p.parquet").to_pylist() if r["impl"].endswith("returns_none")]
+    assert f"of them strangers.py:{fn}: 0 passed" in text and "error:" not in text
+    rows = [r for r in pq.read_table(tmp_path / "p.parquet").to_pylist() if r["impl"].endswith(fn)]
     assert rows and all(r["passed"] is False for r in rows if r["direction"] == "fwd")
-    assert any("output out is NoneType, not a tensor" in (r["message"] or "") for r in rows)
+    assert any(said in (r["message"] or "") for r in rows)

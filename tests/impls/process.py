@@ -38,6 +38,15 @@ def sinkhorn_crashes_on_large_inputs(logits, iters=20, eps=1e-6):
     return native.sinkhorn(logits, iters, eps)
 
 
+def sinkhorn_hangs_marked(logits, iters=20, eps=1e-6):
+    """Hangs in every call; tells a test it started through $MHCTOOL_TEST_MARKER."""
+    marker = os.environ.get("MHCTOOL_TEST_MARKER")
+    if marker:
+        Path(marker).touch()
+    while True:
+        time.sleep(1)
+
+
 def sinkhorn_slow(logits, iters=20, eps=1e-6):
     """Correct but slow (0.5 s a call); tells a test it started through $MHCTOOL_TEST_MARKER."""
     marker = os.environ.get("MHCTOOL_TEST_MARKER")

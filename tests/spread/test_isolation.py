@@ -88,7 +88,9 @@ def test_a_transport_without_isolation_is_bad_input(tmp_path):
     res, _ = _parity(tmp_path, "sinkhorn_slow", "--no-isolate", "--isolate-transport", "host")
     assert res.exit_code == 2 and "--isolate-transport host needs isolation, which --no-isolate turns off" in \
         " ".join(res.output.split())
-    res, _ = _parity(tmp_path, "sinkhorn_slow", "--isolate-transport", "file")  # off by default on the CPU
+    # off by default on the CPU where the cases run in worker processes of the run's own
+    res, _ = _parity(tmp_path, "sinkhorn_slow", "--isolate-transport", "file", "--workers", "2",
+                     shapes=("8x2x4x1", "9x2x4x1"))
     assert res.exit_code == 2 and "is off here: add --isolate" in " ".join(res.output.split())
 
 
@@ -133,10 +135,11 @@ def test_bench_reports_a_crash_and_times_the_others(tmp_path):
 
 # --- Ctrl-C -------------------------------------------------------------------------------------
 
-def _start(tmp_path, marker):
+def _start(tmp_path, marker, fn="sinkhorn_slow", *extra):
     env = {**os.environ, "MHCTOOL_TEST_MARKER": str(marker)}
     cmd = [sys.executable, "-c", "from mhctool.cli.app import main; main()", "parity", "--kernel", "sinkhorn",
-           "--device", "cpu", "--dtype", "fp32", "--impl", f"{PROCESS}:sinkhorn_slow", "-o", str(tmp_path / "r.parquet")]
+           "--device", "cpu", "--dtype", "fp32", "--impl", f"{PROCESS}:{fn}", "-o", str(tmp_path / "r.parquet"),
+           *(extra or ("--no-isolate", "--workers", "1"))]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -162,6 +165,22 @@ def test_ctrl_c_writes_what_was_measured_and_exits_130(tmp_path):
     assert table.num_rows > 0
     shown = cli.invoke(app, ["report", "show", str(tmp_path / "r.parquet")])
     assert "interrupted" in shown.output
+
+
+@pytest.mark.parametrize("spread", [("--workers", "1"), ("--workers", "2")], ids=["isolated", "pool"])
+def test_one_ctrl_c_on_a_hung_implementation_leaves_a_report(tmp_path, spread):
+    """In mhctool's process an outside implementation is isolated by default, so its call in hand
+    is abandoned at once; spread over worker processes, the cases in hand get the pool's grace."""
+    marker = tmp_path / "started"
+    proc = _start(tmp_path, marker, "sinkhorn_hangs_marked", *spread)
+    _wait_for(marker, proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert time.monotonic() - t0 < 60, output
+    _, meta = report.read(tmp_path / "r.parquet")
+    assert meta["run"]["interrupted"] is True
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_partial_file(tmp_path):
@@ -244,3 +263,28 @@ def test_a_cuda_fault_after_the_forward_returned_is_the_backwards():
     res = Lost().run(case, type("I", (), {"spec": None, "name": "f"})(), {}, {}, [], [])
     assert res.fwd_lost.startswith("not judged: the forward ran") and res.fwd_error is None
     assert "illegal memory access" in res.bwd_error and res.failure == "cuda"
+
+
+SIX = ("4x2x4x1", "5x2x4x1", "6x2x4x1", "7x2x4x1", "8x2x4x1", "9x2x4x1")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["in-process", "pool"])
+def test_an_implementation_that_keeps_ending_its_process_is_stopped_and_the_rows_say_why(tmp_path, workers):
+    """After it ended its process in 2 cases in a row (here or in a pool worker), its later cases
+    are rows 'not run' saying why, so a broken stranger costs seconds; exit 1, never 0."""
+    res, rows = _parity(tmp_path, "sinkhorn_os_exit", "--workers", workers, shapes=SIX)
+    assert res.exit_code == 1, res.output
+    fwd = [r for r in rows if r["direction"] == "fwd"]
+    assert len(fwd) == 6 and all(r["passed"] is False for r in fwd)  # one family, fp32: a case a shape
+    ended = [r for r in fwd if r["rule"] == "exit"]
+    stopped = [r for r in fwd if r["rule"] == "stopped"]
+    assert 2 <= len(ended) <= 2 + int(workers) and len(ended) + len(stopped) == len(fwd)
+    assert all(r["message"].startswith("not run: it ended its process in the last 2 cases (the implementation "
+                                       "ended its process with exit code 0") for r in stopped), stopped[0]
+    assert "--insist" in stopped[0]["message"]
+
+
+def test_insist_runs_a_dying_implementation_on_every_case(tmp_path):
+    res, rows = _parity(tmp_path, "sinkhorn_os_exit", "--workers", "1", "--insist", shapes=SIX[:3])
+    assert res.exit_code == 1, res.output
+    assert {r["rule"] for r in rows if r["direction"] == "fwd"} == {"exit"}

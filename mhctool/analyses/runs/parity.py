@@ -61,6 +61,7 @@ class Request:
     ranks: int = 1
     grad_reduce: str = "fp32"
     verbose: bool = False  # the libraries' own lines on the terminal, no library log
+    insist: bool = False  # an implementation that keeps ending its process or hanging runs on every case
 
 
 @dataclass
@@ -186,7 +187,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     if pl.sharding is not None and (n_workers > 1 or backend != "local" or pl.checks):
         raise UsageError("--ranks runs each case over its own processes: it takes neither --workers, "
                          "--backend ray nor --check")
-    s = setup.prepare(dev, specs=pl.specs, isolate=req.isolate, case_timeout=req.case_timeout,
+    s = setup.prepare(dev, specs=pl.specs, isolate=req.isolate, case_timeout=req.case_timeout, insist=req.insist,
                       transport=req.transport, workers=n_workers, backend=backend,
                       library_log=None if req.verbose else req.out.with_name(req.out.stem + ".libraries.log"),
                       consoles=watch.consoles, say=watch.say)
@@ -196,7 +197,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
             ran = parity.execute(pl, s.isolation, s.interrupts,
                                  lambda c: watch.started(f"{c.kernel} {c.family} {c.dtype}",
                                                          f"{c.kernel} {c.family} {c.dtype} {c.shape}"),
-                                 n_workers, backend, lambda c: watch.finished(), req.ray_address)
+                                 n_workers, backend, lambda c: watch.finished(), req.ray_address, insist=req.insist)
         finally:
             if pl.sharding is not None:
                 pl.sharding.close()
