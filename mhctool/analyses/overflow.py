@@ -99,12 +99,13 @@ def headroom_log2(amax: float, dtype: str) -> float:
 
 
 def sweep(kernel: str, impl: Impl | None, family: str, dtypes: tuple[str, ...], scales: tuple[float, ...],
-          knobs: dict, device: str, seed: int = 0, progress=None) -> list[dict]:
+          knobs: dict, device: str, seed: int = 0, progress=None, rows: list | None = None) -> list[dict]:
     """Rows: per scale, intermediate amax (dtype "fp64") and per-dtype headroom; per scale and
-    dtype, the share of non-finite outputs of ``impl`` (when given)."""
+    dtype, the share of non-finite outputs of ``impl`` (when given); appended to ``rows`` as they
+    are measured (a run stopped by ``progress`` raising keeps what it has)."""
     fam = get_family(kernel)
     base = _base_inputs(kernel, family, seed)
-    rows = []
+    rows = [] if rows is None else rows
     for scale in scales:
         if progress:
             progress(f"{kernel} x{scale:g}")

@@ -117,8 +117,11 @@ def _call(impl: Impl, logits: torch.Tensor, knobs: dict) -> torch.Tensor:
         return impl.fn(logits, knobs["iters"], knobs["eps"], **kw)
 
 
-def sinkhorn_sweep(impls: list[Impl], spec: SweepSpec, device: str, progress=None) -> list[dict]:
-    rows = []
+def sinkhorn_sweep(impls: list[Impl], spec: SweepSpec, device: str, progress=None,
+                   rows: list | None = None) -> list[dict]:
+    """The sweep's rows, appended to ``rows`` as they are measured (a run stopped by ``progress``
+    raising keeps what it has)."""
+    rows = [] if rows is None else rows
     knob_grid = list(itertools.product(spec.stabilize, spec.eps, spec.eps_mode, spec.order, spec.iters))
     first_eps: dict[tuple, torch.Tensor] = {}
     counts = tuple(sorted(set(spec.iters)))

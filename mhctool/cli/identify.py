@@ -76,6 +76,9 @@ def identify(
             out.print(_table(f.ident, top))
         for line in f.lines:
             out.print(line, markup=False)
+    if o.interrupted:
+        out.print(f"INTERRUPTED: the report holds what was identified before the signal ({len(o.found)} "
+                  f"implementation{'' if len(o.found) == 1 else 's'})")
     if not quiet:
         out.print(f"report {o.report}" + (f"; the libraries' own output: {o.library_log}" if o.library_log else ""))
     raise typer.Exit(o.exit_code)

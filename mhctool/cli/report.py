@@ -35,8 +35,10 @@ def report_show(
                                           ("mhctool", "torch", "triton", "cuda_tile", "gpu", "git_commit")))
     out.print("run: " + ", ".join(f"{k}={v}" for k, v in meta["run"].items()))
     if meta["run"].get("interrupted"):
-        out.print(f"[yellow]interrupted[/]: {meta['run'].get('cases_run')} of {meta['run'].get('cases_planned')} "
-                  "cases were run before the run was stopped")
+        run = meta["run"]
+        out.print(f"[yellow]interrupted[/]: {run['cases_run']} of {run['cases_planned']} cases were run before the run "
+                  "was stopped" if run.get("cases_planned") is not None else
+                  "[yellow]interrupted[/]: a signal stopped the run; the rows are what it measured before")
     if meta["kind"] == "parity":
         vs = worst_first(verdicts(table))
         out.print(verdict_table(vs, top, "verdicts (worst first)"))

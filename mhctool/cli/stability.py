@@ -59,12 +59,16 @@ GainOut = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to wr
 
 
 def _written(o, plot: Optional[Path], figures) -> None:
-    """The figures drawn from the report into ``plot`` (``figures(table, folder)``), and the report's line."""
-    if plot:
+    """The figures drawn from the report into ``plot`` (``figures(table, folder)``), and the report's
+    line; a sweep a signal stopped says so and exits 130."""
+    if plot and o.rows:
         pngs = figures(o.table, plot)
         for png in pngs if isinstance(pngs, list) else [pngs]:
             out.print(f"plot: {png}")
-    out.print(f"report {o.report} ({len(o.rows)} rows)")
+    out.print(f"{'INTERRUPTED: the stages measured before the signal; ' if o.interrupted else ''}"
+              f"report {o.report} ({len(o.rows)} rows)")
+    if o.exit_code:
+        raise typer.Exit(o.exit_code)
 
 
 @stability_app.command("sinkhorn")

@@ -40,16 +40,21 @@ class Found:
     failed: bool
 
 
+class _Stopped(Exception):
+    """A signal asked identify to stop: raised at the next probe."""
+
+
 @dataclass
 class Outcome:
     request: Request
     found: list[Found]
     report: Path
     library_log: str | None = None
+    interrupted: bool = False  # a signal stopped it: the report holds the implementations identified before
 
     @property
     def exit_code(self) -> int:
-        return 1 if any(f.failed for f in self.found) else 0
+        return 130 if self.interrupted else 1 if any(f.failed for f in self.found) else 0
 
 
 def conclusions(ident, impl, req: Request, asked: dict) -> Found:
@@ -96,9 +101,15 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     with s.running():
         for i in impls:
             def stage(what: str, name: str = i.name) -> None:
+                if s.interrupts.requested:  # a signal: the identification in hand stops at its next probe
+                    raise _Stopped
                 watch.started(f"identify {req.kernel} {short_impl(name)}: {what}", f"{short_impl(name)}: {what}")
-            ident = ident_mod.identify(req.kernel, i, dtype=dt, device=dev, shape=req.shape, asked=asked, seed=req.seed,
-                                       isolation=s.isolation, matmul_precision=req.matmul_precision, progress=stage)
+            try:
+                ident = ident_mod.identify(req.kernel, i, dtype=dt, device=dev, shape=req.shape, asked=asked,
+                                           seed=req.seed, isolation=s.isolation,
+                                           matmul_precision=req.matmul_precision, progress=stage)
+            except _Stopped:
+                break
             watch.finished()
             if ident.error and call_problem(ident.error.rsplit(" (probe ", 1)[0]):
                 raise UsageError(f"--impl {i.name} cannot be judged as {req.kernel}: {ident.error}; expected "
@@ -108,5 +119,6 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
         meta = environment.metadata()  # with the threads it computed with
     table = report.to_table(rows, report.new_run_id(), "identify", meta,
                             {"kernel": req.kernel, "impl": req.impl, "dtype": dt, "device": dev, "asked": asked,
-                             "library_log": s.library_log}, schema=report.IDENTIFY_SCHEMA)
-    return Outcome(req, found, report.write_atomic(table, req.out), s.library_log)
+                             "library_log": s.library_log, "interrupted": s.interrupts.requested},
+                            schema=report.IDENTIFY_SCHEMA)
+    return Outcome(req, found, report.write_atomic(table, req.out), s.library_log, s.interrupts.requested)

@@ -5,6 +5,7 @@ report once and returns its rows with what the command's table needs."""
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,17 +21,46 @@ from mhctool.families import get_family, input_family
 from mhctool.registry.builtin import impls_for, native_impl
 from mhctool.registry.impl import Impl
 from mhctool.registry.specs import resolve_impls
+from mhctool.spread.setup import Interrupts
 
 
 @dataclass
 class Outcome:
     """A sweep's rows and the report written; ``extra``: what the sweep's table and figures need
-    beside the rows (its spec, summary or change)."""
+    beside the rows (its spec, summary or change); ``interrupted``: a signal stopped it, and the
+    report holds the stages measured before."""
 
     rows: list[dict]
     report: Path
     table: object  # pyarrow.Table: the report as written (figures are drawn from it)
     extra: dict = field(default_factory=dict)
+    interrupted: bool = False
+
+    @property
+    def exit_code(self) -> int:
+        return 130 if self.interrupted else 0
+
+
+class _Stopped(Exception):
+    """A signal asked the sweep to stop: raised at its next stage."""
+
+
+@contextmanager
+def stoppable(watch: Watch):
+    """SIGINT and SIGTERM during a sweep: the stage in hand finishes, the next one is not started,
+    and what was measured is written (marked interrupted); a second signal stops at once. Yields
+    ``(stage, interrupts)``: ``stage(what)`` starts a stage, or raises where a signal came."""
+    ints = Interrupts(watch.say)
+
+    def stage(what: str) -> None:
+        if ints.requested:
+            raise _Stopped
+        _stage(watch, what)
+    with ints:
+        try:
+            yield stage, ints
+        except _Stopped:
+            pass
 
 
 def impls_of(kernel: str, specs: list[str], default: str) -> list[Impl]:
@@ -63,8 +93,9 @@ def _outputs(out: Path, plot: Path | None) -> None:
         report.check_folder(plot)
 
 
-def _write(rows: list[dict], kind: str, run: dict, schema, out: Path):
-    table = report.to_table(rows, report.new_run_id(), kind, environment.metadata(), run, schema=schema)
+def _write(rows: list[dict], kind: str, run: dict, schema, out: Path, interrupted: bool = False):
+    table = report.to_table(rows, report.new_run_id(), kind, environment.metadata(), {**run, "interrupted": interrupted},
+                            schema=schema)
     return table, report.write_atomic(table, out)
 
 
@@ -98,11 +129,13 @@ def sinkhorn(req: SinkhornRequest, watch: Watch = Watch()) -> Outcome:
     impls = impls_of("sinkhorn", req.impls, "all")
     if req.quick and not req.impls:
         impls = [i for i in impls if i.native]  # the interpreter is too slow for a one-minute sweep
-    rows = st.sinkhorn_sweep(impls, spec, dev, lambda d: _stage(watch, d))
+    rows: list[dict] = []
+    with stoppable(watch) as (stage, ints):
+        st.sinkhorn_sweep(impls, spec, dev, stage, rows)
     table, path = _write(rows, "stability", {"command": "stability sinkhorn", "quick": req.quick, "device": dev,
                                              "impls": [i.name for i in impls], "converged_iters": st.CONVERGED_ITERS},
-                         report.STABILITY_SCHEMA, req.out)
-    return Outcome(rows, path, table, {"spec": spec, "first_nonfinite": st.first_nonfinite(rows)})
+                         report.STABILITY_SCHEMA, req.out, ints.requested)
+    return Outcome(rows, path, table, {"spec": spec, "first_nonfinite": st.first_nonfinite(rows)}, ints.requested)
 
 
 @dataclass
@@ -137,22 +170,25 @@ def eps(req: EpsRequest, watch: Watch = Watch()) -> Outcome:
                              + ", ".join(ks.STACK_FAMILIES[req.kernel]))
     dtypes = dtypes_of(req.dtypes, ("fp32", "bf16"))
     impls = impls_of(req.kernel, req.impls, "native")
-    rows = []
-    for f in fams:
+    for i in impls:
         for dt in dtypes:
-            for i in impls:
-                _stage(watch, f"{f} {dt} {i.name}")
-                if why := i.unsupported(dev, dt):
-                    raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
-                rows += ks.kernel_shift(change, i, f, dt, dev, req.seed)
-            _stage(watch, f"{f} {dt} stack of {req.depth}")
-            rows += ks.stack_shift(change, f, dt, req.depth, req.seed)
+            if why := i.unsupported(dev, dt):
+                raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
+    rows: list[dict] = []
+    with stoppable(watch) as (stage, ints):
+        for f in fams:
+            for dt in dtypes:
+                for i in impls:
+                    stage(f"{f} {dt} {i.name}")
+                    rows += ks.kernel_shift(change, i, f, dt, dev, req.seed)
+                stage(f"{f} {dt} stack of {req.depth}")
+                rows += ks.stack_shift(change, f, dt, req.depth, req.seed)
     common = dict(kernel=req.kernel, knob=change.knob, setting_a=repr(change.a), setting_b=repr(change.b))
     rows = [{**common, **r} for r in rows]
     table, path = _write(rows, "stability-eps", {"command": "stability eps", "device": dev, "depth": req.depth,
                                                  "impls": [i.name for i in impls], "change": change.label},
-                         report.KNOB_SHIFT_SCHEMA, req.out)
-    return Outcome(rows, path, table, {"change": change})
+                         report.KNOB_SHIFT_SCHEMA, req.out, ints.requested)
+    return Outcome(rows, path, table, {"change": change}, ints.requested)
 
 
 @dataclass
@@ -192,11 +228,14 @@ def overflow(req: OverflowRequest, watch: Watch = Watch()) -> Outcome:
     grid = (st.parse_range(req.scales, "--scales") if req.scales else
             ov.default_scales(req.kernel, 12 if req.quick else 45))
     (im,) = impls_of(req.kernel, [req.impl] if req.impl else [], "native")
-    rows = ov.sweep(req.kernel, im, req.family, dtypes, grid, knobs, dev, progress=lambda d: _stage(watch, d))
+    rows: list[dict] = []
+    with stoppable(watch) as (stage, ints):
+        ov.sweep(req.kernel, im, req.family, dtypes, grid, knobs, dev, progress=stage, rows=rows)
     table, path = _write(rows, "stability-overflow", {"command": "stability overflow", "device": dev, "impl": im.name,
                                                       "knobs": knobs, "family": req.family},
-                         report.OVERFLOW_SCHEMA, req.out)
-    return Outcome(rows, path, table, {"summary": ov.summary(rows), "knobs": knobs, "dtypes": dtypes, "impl": im.name})
+                         report.OVERFLOW_SCHEMA, req.out, ints.requested)
+    return Outcome(rows, path, table, {"summary": ov.summary(rows), "knobs": knobs, "dtypes": dtypes, "impl": im.name},
+                   ints.requested)
 
 
 @dataclass
@@ -230,17 +269,20 @@ def gain(req: GainRequest, watch: Watch = Watch()) -> Outcome:
     dev = environment.resolve_device(req.device)
     impls = impls_of("sinkhorn", req.impls, "native")
     layers = gn.layer_logits(req.family, req.depth, req.tokens, req.n, req.seed)
-    rows = []
     for i in impls:
         if why := i.unsupported(dev, dt):
             raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
-        for it in counts:
-            _stage(watch, f"{i.name} iters={it}")
-            rows += [{**r, "impl": i.name, "dtype": dt}
-                     for r in gn.composite_gain(gn.GainConfig("sinkhorn", it), layers, i, dt, dev)]
-    rows += [{**r, "impl": "reference", "dtype": "fp64"}
-             for r in gn.composite_gain(gn.GainConfig("hc", hc_scale=req.hc_scale), layers, None, "fp64", "cpu")]
+    rows: list[dict] = []
+    with stoppable(watch) as (stage, ints):
+        for i in impls:
+            for it in counts:
+                stage(f"{i.name} iters={it}")
+                rows += [{**r, "impl": i.name, "dtype": dt}
+                         for r in gn.composite_gain(gn.GainConfig("sinkhorn", it), layers, i, dt, dev)]
+        stage("unconstrained HC (float64)")
+        rows += [{**r, "impl": "reference", "dtype": "fp64"}
+                 for r in gn.composite_gain(gn.GainConfig("hc", hc_scale=req.hc_scale), layers, None, "fp64", "cpu")]
     table, path = _write(rows, "stability-gain", {"command": "stability gain", "device": dev, "family": req.family,
                                                   "tokens": req.tokens, "n": req.n, "hc_scale": req.hc_scale},
-                         report.GAIN_SCHEMA, req.out)
-    return Outcome(rows, path, table)
+                         report.GAIN_SCHEMA, req.out, ints.requested)
+    return Outcome(rows, path, table, interrupted=ints.requested)

@@ -1,0 +1,60 @@
+"""A signal never gives a traceback, and a run that measures writes what it has: every command at
+an early moment (while Python imports the command line) and the sweeps, identify and bench at a
+late one (an implementation under test has started: tests/impls/process.py touches the marker).
+parity's and train's late moments are tested beside their runs (tests/spread/test_isolation.py,
+tests/analyses/test_first_step.py)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mhctool.core import report
+
+SLOW = f"{Path(__file__).resolve().parents[1] / 'impls' / 'process.py'}:sinkhorn_slow"
+MAIN = [sys.executable, "-c", "from mhctool.cli import main; main()"]
+
+
+def _start(args, marker=None):
+    env = {**os.environ, **({"MHCTOOL_TEST_MARKER": str(marker)} if marker else {})}
+    return subprocess.Popen([*MAIN, *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+@pytest.mark.parametrize("args", [["parity"], ["identify", "--kernel", "sinkhorn"], ["bench", "--kernel", "sinkhorn"],
+                                  ["stability", "sinkhorn"], ["train", "--device", "cpu"]],
+                         ids=lambda a: a[0])
+def test_a_signal_while_the_command_line_loads_is_one_sentence_and_exit_130(tmp_path, args):
+    proc = _start([*args, "-o", tmp_path / "r.parquet"])
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output and "stopped at once; no report written" in output, output
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args", [
+    ["stability", "sinkhorn", "--impl", SLOW, "--dtype", "fp32"],
+    ["stability", "overflow", "--kernel", "sinkhorn", "--impl", SLOW, "--dtype", "fp32"],
+    ["identify", "--kernel", "sinkhorn", "--impl", SLOW],
+    ["bench", "--kernel", "sinkhorn", "--impl", SLOW],
+], ids=["stability-sinkhorn", "stability-overflow", "identify", "bench"])
+def test_a_signal_while_measuring_writes_what_was_measured_marked_interrupted(tmp_path, args):
+    marker = tmp_path / "started"
+    out = tmp_path / "r.parquet"
+    proc = _start([*args, "-o", out], marker)
+    t0 = time.monotonic()
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output and "INTERRUPTED" in output, output
+    _, meta = report.read(out)
+    assert meta["run"]["interrupted"] is True
