@@ -203,7 +203,7 @@ def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[
     spread over processes (:mod:`mhctool.spread.pool`); the rows come back in the plan's order.
     ``pool``: a :class:`mhctool.spread.pool.Pool` kept by the caller, whose workers run the cases.
     An implementation that keeps ending its process (or hanging) is not run on the cases after
-    (:class:`~mhctool.spread.jobs.Streaks`) unless ``insist``."""
+    (:class:`~mhctool.spread.streaks.Streaks`) unless ``insist``."""
     t0 = time.perf_counter()
     if workers > 1 or backend != "local":
         o = _spread(p, isolation, interrupted, progress, finished, workers, backend, ray_address, pool, insist)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case, ImplResult, default_timeout, footprint
 from mhctool.spread.isolation import Worker
-from mhctool.spread.jobs import Streaks
+from mhctool.spread.streaks import Streaks
 
 
 @dataclass
@@ -15,7 +15,7 @@ class Isolation:
     """Implementations under test run in worker processes (one per implementation, replaced after
     a crash, a fatal CUDA error or a time-out), so what they do to a process becomes a failed row.
     ``case_timeout`` None: :func:`mhctool.runner.case.default_timeout` of each case's footprint.
-    One that keeps ending its process or hanging is stopped (:class:`~mhctool.spread.jobs.Streaks`)
+    One that keeps ending its process or hanging is stopped (:class:`~mhctool.spread.streaks.Streaks`)
     unless ``insist``."""
 
     transport: str = "shm"

@@ -36,7 +36,8 @@ from mhctool.core import profile
 from mhctool.core.errors import UsageError
 from mhctool.core.host import cores
 from mhctool.spread.forkserver import start_forkserver
-from mhctool.spread.jobs import IsolationSettings, Job, Spread, Streaks, job_timeout, lost_rows
+from mhctool.spread.jobs import IsolationSettings, Job, Spread, job_timeout, lost_rows
+from mhctool.spread.streaks import Streaks
 from mhctool.spread.machine import default_workers
 from mhctool.spread.prewarm import gpu_machine
 from mhctool.spread.ray_cluster import ray_module, run_on_ray

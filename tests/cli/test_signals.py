@@ -38,7 +38,7 @@ def test_a_signal_while_the_command_line_loads_is_one_sentence_and_exit_130(tmp_
 
 
 @pytest.mark.parametrize("args", [
-    ["stability", "sinkhorn", "--impl", SLOW, "--dtype", "fp32"],
+    ["stability", "sinkhorn", "--quick", "--impl", SLOW, "--dtype", "fp32"],
     ["stability", "overflow", "--kernel", "sinkhorn", "--impl", SLOW, "--dtype", "fp32"],
     ["identify", "--kernel", "sinkhorn", "--impl", SLOW],
     ["bench", "--kernel", "sinkhorn", "--impl", SLOW],
