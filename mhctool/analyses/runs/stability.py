@@ -77,6 +77,14 @@ def impls_of(kernel: str, specs: list[str], default: str) -> list[Impl]:
     return [i for i in impls_for(kernel) if i.default and not i.unavailable()]
 
 
+def runnable(impls: list[Impl], dtypes, device: str) -> None:
+    """Every implementation runs every dtype here, or the sweep is bad input (before it starts)."""
+    for i in impls:
+        for dt in dtypes:
+            if why := i.unsupported(device, dt):
+                raise UsageError(f"--impl {i.name} cannot run {dt} on {device}: {why}")
+
+
 def _stage(watch: Watch, what: str) -> None:
     """A sweep's stage starts (the progress counts stages: a sweep does not know how many ahead)."""
     watch.started(what, what)
@@ -170,10 +178,7 @@ def eps(req: EpsRequest, watch: Watch = Watch()) -> Outcome:
                              + ", ".join(ks.STACK_FAMILIES[req.kernel]))
     dtypes = dtypes_of(req.dtypes, ("fp32", "bf16"))
     impls = impls_of(req.kernel, req.impls, "native")
-    for i in impls:
-        for dt in dtypes:
-            if why := i.unsupported(dev, dt):
-                raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
+    runnable(impls, dtypes, dev)
     rows: list[dict] = []
     with stoppable(watch) as (stage, ints):
         for f in fams:
@@ -269,9 +274,7 @@ def gain(req: GainRequest, watch: Watch = Watch()) -> Outcome:
     dev = environment.resolve_device(req.device)
     impls = impls_of("sinkhorn", req.impls, "native")
     layers = gn.layer_logits(req.family, req.depth, req.tokens, req.n, req.seed)
-    for i in impls:
-        if why := i.unsupported(dev, dt):
-            raise UsageError(f"--impl {i.name} cannot run {dt} on {dev}: {why}")
+    runnable(impls, (dt,), dev)
     rows: list[dict] = []
     with stoppable(watch) as (stage, ints):
         for i in impls:
