@@ -39,11 +39,14 @@ class Streaks:
         self.streak[name] = (kind, count + 1 if last == kind else 1, message)
 
     def saw_rows(self, rows: list[dict], names: list[str]) -> None:
-        """A case's rows: each of ``names`` that has rows, by whether an error row says its process ended."""
+        """A case's rows: each of ``names`` that has rows, by whether an error row says its own
+        process ended or hung (``exit``, ``signal``, ``timeout``: its isolation worker's; a case
+        whose worker died twice, ``lost``, is mhctool's part, counted against none)."""
         for name in names:
             mine = [r for r in rows if r.get("impl") == name]
             if mine:
-                ended = next((r for r in mine if r.get("metric") == "error" and r.get("rule") in (*ENDED, "timeout")), None)
+                ended = next((r for r in mine if r.get("metric") == "error"
+                              and r.get("rule") in ("exit", "signal", "timeout")), None)
                 self.saw(name, ended and ended["rule"], ended and ended["message"] or "")
 
     def why(self, name: str) -> str | None:

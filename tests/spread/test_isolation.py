@@ -310,6 +310,11 @@ def test_the_pool_stops_an_implementation_by_its_cases_rows():
     assert name == "f" and why.startswith("not run: it ended its process in the last 2 cases")
     s.saw_rows([{**died[0], "rule": "timeout", "message": "timed out after 5 s"}], ["f"])
     assert "hung past the time limit in the last case (timed out after 5 s)" in s.why("f")
+    lost = [{**died[0], "rule": "lost", "message": "the worker running this case died: ..."}]
+    mhctools = Streaks()
+    for _ in range(3):
+        mhctools.saw_rows(lost, ["f"])  # mhctool's own part of the case failed: no implementation's fault
+    assert mhctools.stopped(["f"]) == ()
     insisting = Streaks(insist=True)
     for _ in range(3):
         insisting.saw_rows(died, ["f"])
