@@ -27,3 +27,14 @@ class Watch:
     status: Callable[[str], None] = _nothing
     say: Callable[[str], None] = _nothing
     consoles: dict = field(default_factory=dict)
+
+
+class Stopped(Exception):
+    """A signal asked a run to stop: raised where its next unit of work would start (a sweep's
+    stage, identify's probe), caught by the run, which writes what it measured."""
+
+
+def stop_point(requested: Callable[[], bool]) -> None:
+    """Where a run may stop: raises :class:`Stopped` once ``requested()`` (a signal came)."""
+    if requested():
+        raise Stopped

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mhctool.analyses import identify as ident_mod
-from mhctool.analyses.runs import Watch
+from mhctool.analyses.runs import Stopped, Watch, stop_point
 from mhctool.core import environment, names, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
@@ -38,10 +38,6 @@ class Found:
     ident: object  # identify.conclusion.Identification
     lines: list[str]
     failed: bool
-
-
-class _Stopped(Exception):
-    """A signal asked identify to stop: raised at the next probe."""
 
 
 @dataclass
@@ -101,14 +97,13 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     with s.running():
         for i in impls:
             def stage(what: str, name: str = i.name) -> None:
-                if s.interrupts.requested:  # a signal: the identification in hand stops at its next probe
-                    raise _Stopped
+                stop_point(s.interrupts)  # a signal: the identification in hand stops at its next probe
                 watch.started(f"identify {req.kernel} {short_impl(name)}: {what}", f"{short_impl(name)}: {what}")
             try:
                 ident = ident_mod.identify(req.kernel, i, dtype=dt, device=dev, shape=req.shape, asked=asked,
                                            seed=req.seed, isolation=s.isolation,
                                            matmul_precision=req.matmul_precision, progress=stage)
-            except _Stopped:
+            except Stopped:
                 break
             watch.finished()
             if ident.error and call_problem(ident.error.rsplit(" (probe ", 1)[0]):

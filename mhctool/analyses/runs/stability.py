@@ -13,7 +13,7 @@ from mhctool.analyses import gain as gn
 from mhctool.analyses import knob_shift as ks
 from mhctool.analyses import overflow as ov
 from mhctool.analyses import stability as st
-from mhctool.analyses.runs import Watch
+from mhctool.analyses.runs import Stopped, Watch, stop_point
 from mhctool.core import environment, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
@@ -41,10 +41,6 @@ class Outcome:
         return 130 if self.interrupted else 0
 
 
-class _Stopped(Exception):
-    """A signal asked the sweep to stop: raised at its next stage."""
-
-
 @contextmanager
 def stoppable(watch: Watch):
     """SIGINT and SIGTERM during a sweep: the stage in hand finishes, the next one is not started,
@@ -53,13 +49,12 @@ def stoppable(watch: Watch):
     ints = Interrupts(watch.say)
 
     def stage(what: str) -> None:
-        if ints.requested:
-            raise _Stopped
+        stop_point(ints)
         _stage(watch, what)
     with ints:
         try:
             yield stage, ints
-        except _Stopped:
+        except Stopped:
             pass
 
 

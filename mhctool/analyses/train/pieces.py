@@ -208,10 +208,9 @@ def _projection_mapping(proj, knobs: dict) -> Piece:
         w = args["weight"]
         n = int(round((w.shape[0] + 1) ** 0.5 - 1))
         p, r = fam.call(proj.fn, {"x2d": args["x2d"], "weight": w}, pk, proj.accepts, proj.bind)[:2]
-        late = [k for k, v in (("proj", p), ("r", r)) if v.dtype != torch.float32]
-        if late:
-            returned[f"its proj_rms's {' and '.join(late)}"] = came_in((p if late[0] == "proj" else r).dtype,
-                                                                        torch.float32)
+        late = {k: v.dtype for k, v in (("proj", p), ("r", r)) if v.dtype != torch.float32}
+        if late:  # said once for both where they came back alike
+            returned[f"its proj_rms's {' and '.join(late)}"] = came_in(next(iter(late.values())), torch.float32)
         return compute_h(p.float(), r.float().reshape(p.shape[0]), args["alpha"].float(), args["h_bias"].float(),
                          n, knobs.get("compute_h_eps", 0.0))
     return Piece("mapping", f"{proj.name}+torch:compute_h", run, note="its proj_rms with the native compute_h",
