@@ -17,4 +17,9 @@ def main() -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, stopped)
     from mhctool.cli.app import main as run
-    run()
+    try:
+        run()
+    except SystemExit:  # the command's own end (an uncaught error's traceback stays on the terminal)
+        from mhctool.core.library_log import after_conclusion
+        after_conclusion()
+        raise

@@ -1,4 +1,4 @@
 """``python -m mhctool.cli``: the ``mhctool`` command."""
-from mhctool.cli.app import main
+from mhctool.cli import main
 
 main()

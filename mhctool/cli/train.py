@@ -39,6 +39,7 @@ Kappa = Annotated[float, typer.Option("--kappa", min=1.0, help="The drift may be
 Compare = Annotated[bool, typer.Option("--compare/--no-compare", help="Also train natively and with the mHC pieces in float64, and judge the drift (--no-compare: the implementation's run alone).")]
 Trace = Annotated[bool, typer.Option("--trace/--no-trace", help="Trace a drift to the convention that reproduces it (reruns the native implementation with each one identify fits).")]
 Isolate = Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Train the implementation in a child process, so a crash or a hang ends its run with the steps so far (default: on for an external --impl on a GPU).")]
+StepTimeout = Annotated[Optional[float], typer.Option("--step-timeout", min=0.001, help="Seconds one step of an isolated implementation may take before it is called hung and its run ends with the steps so far (default: 600 s for the first step, which compiles; a later one 10x the slowest before it, at least 60 s).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
 Goldens = Annotated[Optional[Path], typer.Option("--goldens", help="Write the implementation's run as Megatron golden values (JSON) here.")]
 Plot = Annotated[Optional[Path], typer.Option("--plot", help="Folder for PNG plots (the curves per trajectory, the parting step marked; H_res's health per layer).")]
@@ -95,6 +96,7 @@ def train(
     compare: Compare = True,
     trace: Trace = True,
     isolate: Isolate = None,
+    step_timeout: StepTimeout = None,
     out_path: Out = Path("mhctool-train.parquet"),
     goldens: Goldens = None,
     plot: Plot = None,
@@ -115,7 +117,8 @@ def train(
     req = run.Request(split(impl), kernel, sizes, dtype, device, seed, seeds, workers,
                       knob_items(knob, "--knob", "sinkhorn.eps=1e-8"),
                       knob_items(convention, "--convention", "transpose_res=true"), input_dtypes, kappa, compare, trace,
-                      isolate, out_path, goldens, plot, engine, ranks, knob_items(recipe, "--recipe", "recompute=false"))
+                      isolate, out_path, goldens, plot, engine, ranks, knob_items(recipe, "--recipe", "recompute=false"),
+                      step_timeout)
     with watching("train", None, quiet, unit="steps done") as watch:
         plan = run.prepare(req, watch)
         o = run.run(plan, watch, None if quiet else lambda: out.print(plan.header(), markup=False, emoji=False))

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 ENV = "MHCTOOL_LIBRARY_LOG"
+_last: Path | None = None  # the log of this process's last run (None: no run kept one)
 
 
 def _fd_of(stream) -> int | None:
@@ -42,10 +43,12 @@ def library_log(path: Path, consoles: dict, enabled: bool = True):
     consoles by the stream they print to (``{"stdout": out, "stderr": err}``), pointed at the
     terminal meanwhile. ``enabled`` False (``--verbose``): the libraries' lines show where they are
     written."""
+    global _last
     state: dict = {"path": None}
     if not enabled:
         yield state
         return
+    _last = Path(path)
     for s in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             s.flush()
@@ -87,3 +90,24 @@ def library_log(path: Path, consoles: dict, enabled: bool = True):
         else:
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def after_conclusion() -> None:
+    """Once a command has said its last line: what the process still writes as it shuts down
+    (PyTorch's C++ warnings from static destructors, such as CUDA IPC's "Producer process has been
+    terminated before all shared CUDA tensors released" where an isolation worker died holding the
+    inputs it was sent) goes to the last run's library log, or nowhere where no run kept one, never
+    after the conclusion on the terminal. Only where Python's stream is the descriptor (a shell)."""
+    for s in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            s.flush()
+    fds = [fd for name, fd in (("stdout", 1), ("stderr", 2)) if _fd_of(getattr(sys, name)) == fd]
+    if not fds:
+        return
+    try:
+        target = os.open(_last if _last is not None else os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    for fd in fds:
+        os.dup2(target, fd)
+    os.close(target)

@@ -118,6 +118,27 @@ def run_reference(fam: Family, base: dict, knobs: dict, upstream: list[torch.Ten
     return [o.detach() for o in outs], dict(zip(names, grads))
 
 
+def _digest(tensors) -> torch.Tensor | None:
+    """A digest of CUDA tensors' bytes (a byte sum each), computed on the caller's stream: taken
+    before and after a device-wide synchronization, it differs where the tensors were still being
+    written by work on another stream, which the caller's stream had not been told to wait for."""
+    cuda = [t.detach() for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda and t.numel()]
+    if not cuda:
+        return None
+    return torch.stack([t.contiguous().view(torch.uint8).sum(dtype=torch.int64) for t in cuda])
+
+
+def settled(tensors, what: str) -> str | None:
+    """Synchronize the device (an asynchronous CUDA error surfaces here, in the direction that
+    caused it), and say so where ``tensors`` changed meanwhile (:func:`_digest`)."""
+    before = _digest(tensors)
+    torch.cuda.synchronize()
+    if before is None or torch.equal(before, _digest(tensors)):
+        return None
+    return (f"its {what} changed after the call returned: work left on another stream that the caller's stream "
+            f"was never told to wait for (a caller reads them unfinished)")
+
+
 def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expect=None) -> ImplResult:
     """Forward, then backward with the upstream gradients ``upstream_fn(outputs)``. ``expect``:
     the contract's (shape, dtype, device) per output; outputs are conformed to it by value."""
@@ -127,8 +148,8 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     try:
         with poisoning(True):
             outs = list(fam.call(impl.fn, args, knobs, impl.accepts, impl.bind, impl.takes))
-            if on_gpu:  # an asynchronous CUDA error of the forward's kernels is the forward's, here
-                torch.cuda.synchronize()
+            # an asynchronous CUDA error of the forward's kernels is the forward's, here
+            unsettled = settled(outs, "outputs") if on_gpu else None
     except SystemExit as e:  # code under test never decides mhctool's exit code
         res.fwd_error = system_exit_message(e)
         return res
@@ -136,6 +157,9 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
         res.fwd_error = short_error(e)
         if impl.backend == "external" and refusal(e):
             res.fwd_refused = res.fwd_error  # parity skips it; elsewhere it is an error as before
+        return res
+    if unsettled:
+        res.fwd_error = unsettled
         return res
     if expect is not None:
         outs, problem = conform_outputs(fam, outs, expect, res.returned)
@@ -158,8 +182,7 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
                 [u for o, u in zip(outs, upstream_fn(outs)) if o.requires_grad],
                 allow_unused=True,
             )
-            if on_gpu:  # and the backward's, not the next call's
-                torch.cuda.synchronize()
+            unsettled = settled(grads, "gradients") if on_gpu else None  # the backward's, not the next call's
     except SystemExit as e:
         res.bwd_error = system_exit_message(e)
         return res
@@ -168,6 +191,9 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
             res.bwd_unsupported = f"its backward refuses this case: {short_error(e)}"
         else:
             res.bwd_error = short_error(e)
+        return res
+    if unsettled:
+        res.bwd_error = unsettled
         return res
     missing = [k for k, g in zip(names, grads) if g is None]
     if missing:

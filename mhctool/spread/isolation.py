@@ -330,9 +330,11 @@ class Worker:
         self._proc = self._conn = None
 
     def call(self, target: str, args: tuple = (), kwargs: dict | None = None,
-             timeout: float | None = None, interrupted=lambda: False) -> tuple[Any, Failure | None]:
+             timeout: float | None = None, interrupted=lambda: False, stalled=None) -> tuple[Any, Failure | None]:
         """``(value, None)`` or ``(None, failure)``. ``interrupted()`` is polled while waiting: when
-        it turns true the job is abandoned (the worker killed) as a ``lost`` failure."""
+        it turns true the job is abandoned (the worker killed) as a ``lost`` failure. ``stalled()``,
+        where given, is polled too: a sentence from it ends the job as a ``timeout`` (a job that
+        stopped making progress, however long it has run)."""
         failure = self.start()
         if failure is not None:
             return None, failure
@@ -352,6 +354,10 @@ class Worker:
             if interrupted():
                 self._kill()
                 return None, Failure("lost", "abandoned: the run was interrupted")
+            why = stalled() if stalled is not None else None
+            if why:
+                self._kill()
+                return None, Failure("timeout", why)
             if self._conn.poll(0.05 if remaining is None else min(0.05, remaining)):
                 break
         try:

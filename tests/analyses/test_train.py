@@ -2,6 +2,7 @@
 traced to their knob or named at their layer and step, and the golden values round-trip."""
 import json
 import re
+import tempfile
 import math
 from pathlib import Path
 
@@ -70,8 +71,10 @@ def test_a_kernel_at_the_bf16_floor_does_not_drift(tmp_path, train):
 
 
 @pytest.mark.parametrize("isolate,fn,words", [
-    ("--no-isolate", "sinkhorn_raises_at_step_5", "step 5: RuntimeError: the kernel's launch failed"),
-    ("--isolate", "sinkhorn_exits_at_step_5", "step 5: the implementation ended its process with exit code 3"),
+    ("--no-isolate", "sinkhorn_raises_at_step_5", "step 5, forward: RuntimeError: the kernel's launch failed"),
+    ("--isolate", "sinkhorn_exits_at_step_5", "step 5, forward: the implementation ended its process with exit code 3"),
+    ("--isolate", "sinkhorn_backward_exits_at_step_5",
+     "step 5, backward: the implementation ended its process with exit code 3"),
 ])
 def test_a_kernel_that_fails_mid_run_ends_it_with_the_steps_so_far(tmp_path, isolate, fn, words, train):
     res, text = train(tmp_path, "--impl", IMPLS / f"train_faults.py:{fn}", *SMALL, isolate, "--seeds", "1")
@@ -80,6 +83,55 @@ def test_a_kernel_that_fails_mid_run_ends_it_with_the_steps_so_far(tmp_path, iso
     rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
     assert sorted({r["step"] for r in rows if r["run"] == "impl" and r["metric"] == "lm loss"}) == [1, 2, 3, 4]
     assert any(r["metric"] == "error" and r["passed"] is False for r in rows)
+
+
+def test_a_hung_step_ends_the_run_and_is_not_called_again(tmp_path, train):
+    """An isolated implementation that hangs: its run ends at the step limit, named by step and
+    phase, the native and float64 runs beside it kept; the first step's check does not call it
+    again (a second hang)."""
+    res, text = train(tmp_path, "--impl", IMPLS / "process.py:sinkhorn_hangs", "--kernel", "sinkhorn", *SMALL,
+                      "--seeds", "1", "--step-timeout", "2")
+    assert res.exit_code == 1, text
+    assert "the implementation's run ended at step 1, forward: timed out: no step ended in 2 s" in text
+    rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    assert {r["step"] for r in rows if r["run"] == "native" and r["metric"] == "lm loss"} == set(range(1, 7))
+    assert not [r for r in rows if r["run"] == "first-step"]
+
+
+def test_the_step_watch_allows_compiling_then_judges_by_the_pace():
+    """No limit given: the first step may take FIRST_STEP_S, a later one 10x the slowest step
+    before it, at least LATER_STEP_MIN_S; a limit given holds for every step."""
+    from mhctool.analyses.train import trajectory as tr
+    now = [0.0]
+    log = Path(tempfile.mkdtemp()) / "steps.jsonl"
+    watch = tr.StepWatch(log, clock=lambda: now[0])
+    now[0] = tr.FIRST_STEP_S - 1
+    assert watch() is None
+    log.write_text("1\n")  # the first step ended after 599 s of compiling
+    assert watch() is None and watch.allowed() == tr.LATER_STEP_MIN_S
+    now[0] += 10.0
+    log.write_text("1\n2\n")  # a 10 s step: 100 s allowed from now on
+    assert watch() is None and watch.allowed() == 100.0
+    now[0] += 100.5
+    assert "no step ended in 100 s" in watch()
+    # a limit given holds from the moment the job opened its log (the worker's start is apart)
+    other = log.with_name("other.jsonl")
+    fixed = tr.StepWatch(other, limit=3.0, clock=lambda: now[0])
+    now[0] += 50.0
+    assert fixed() is None
+    other.write_text("")
+    now[0] += 2.0
+    assert fixed() is None
+    now[0] += 1.5
+    assert "no step ended in 3 s" in fixed()
+    never = tr.StepWatch(log.with_name("never.jsonl"), limit=3.0, clock=lambda: now[0])
+    now[0] += tr.FIRST_STEP_S + 1
+    assert "had not started after 600 s" in never()
+
+
+def test_a_step_timeout_without_isolation_is_bad_input(tmp_path, train):
+    res, text = train(tmp_path, "--impl", "torch", *SMALL, "--step-timeout", "5", "--no-isolate")
+    assert res.exit_code == 2 and "--step-timeout needs isolation" in text, text
 
 
 def test_an_interrupt_keeps_the_steps_so_far():

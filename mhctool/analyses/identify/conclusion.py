@@ -142,7 +142,7 @@ class Identification:
 
     def _line(self) -> str:
         if self.error:
-            return f"no convention fits: the implementation failed: {self.error}"
+            return f"no convention fits: {self.error}"
         b = self.best
         if self.overflow:
             why = next((SUSPICIOUS_VALUES[(self.kernel, k, v)][0] for k, v in b.knobs.items()

@@ -45,7 +45,7 @@ class Probing(Subject):
         case, shape, base, nat, upstream, res = self._run_on(fam_name)
         if res.fwd_error:
             self.failed = ("forward", res.fwd_error, fam_name)
-            return None, f"{res.fwd_error} (probe {fam_name})"
+            return None, f"its forward failed: {res.fwd_error} (probe {fam_name})"
         if res.fwd_lost:  # its backward faulted and took the forward's outputs (an isolation worker's context)
             self.failed = ("backward", res.bwd_error, fam_name)
             return None, f"its backward failed: {res.bwd_error} (probe {fam_name})"

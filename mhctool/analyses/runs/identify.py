@@ -29,6 +29,7 @@ class Request:
     isolate: bool | None = None
     verbose: bool = False
     matmul_precision: str | None = None
+    case_timeout: float | None = None  # seconds an isolated probe call may take
 
 
 @dataclass
@@ -89,7 +90,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     for i in impls:
         if why := i.unsupported(dev, dt):
             raise UsageError(f"--impl {i.name} cannot run {req.kernel} at {dt} on {dev}: {why}")
-    s = setup.prepare(dev, specs=[req.impl], isolate=req.isolate, workers=1,
+    s = setup.prepare(dev, specs=[req.impl], isolate=req.isolate, case_timeout=req.case_timeout, workers=1,
                       library_log=None if req.verbose else req.out.with_name(req.out.stem + ".libraries.log"),
                       consoles=watch.consoles, say=watch.say)
     watch.planned(len(impls))
@@ -106,8 +107,9 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
             except Stopped:
                 break
             watch.finished()
-            if ident.error and call_problem(ident.error.rsplit(" (probe ", 1)[0]):
-                raise UsageError(f"--impl {i.name} cannot be judged as {req.kernel}: {ident.error}; expected "
+            said = (ident.error or "").removeprefix("its forward failed: ")
+            if ident.error and call_problem(said.rsplit(" (probe ", 1)[0]):
+                raise UsageError(f"--impl {i.name} cannot be judged as {req.kernel}: {said}; expected "
                                  f"{signature(get_family(req.kernel))}")
             rows.extend(ident_mod.rows(ident, dt, dev))
             found.append(conclusions(ident, i, req, asked))

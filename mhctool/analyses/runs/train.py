@@ -48,6 +48,7 @@ class Request:
     engine: str | None = None
     ranks: int | None = None
     recipe: list[tuple[str, str]] = field(default_factory=list)
+    step_timeout: float | None = None  # seconds an isolated step may take (None: StepWatch's defaults)
 
 
 @dataclass
@@ -145,7 +146,11 @@ def prepare(req: Request, watch: Watch = Watch()) -> Plan:
     assigned = T.assign(specs, req.kernel)
     for f, spec in assigned.items():  # an unknown implementation, a function of the wrong form: before training
         resolve_impls(f, [spec])
-    s = setup.prepare(dev, specs=specs, isolate=req.isolate, workers=pool.worker_count(workers_asked, dev, seeds),
+    if req.step_timeout is not None and req.isolate is False:
+        raise UsageError("--step-timeout needs isolation (a hung step needs a child process to stop), "
+                         "which --no-isolate turns off")
+    isolate = True if req.step_timeout is not None and req.isolate is None else req.isolate
+    s = setup.prepare(dev, specs=specs, isolate=isolate, workers=pool.worker_count(workers_asked, dev, seeds),
                       consoles=watch.consoles, say=watch.say)
     return Plan(req, cfg, assigned, knobs, conventions, seeds, s)
 
@@ -169,7 +174,7 @@ def run(plan: Plan, watch: Watch = Watch(), begin=None) -> Outcome:
                           req.compare, req.trace, in_process, s.interrupts, progress,
                           as_used=req.input_dtypes == "library", seeds=plan.seeds, workers=s.workers,
                           isolation_factory=lambda: Worker("shm"), engine=plan.runner,
-                          isolated=s.isolation is not None)
+                          isolated=s.isolation is not None, step_timeout=req.step_timeout)
             meta = environment.metadata()  # with the threads it trained with
     finally:
         if in_process is not None:

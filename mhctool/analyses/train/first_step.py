@@ -117,6 +117,8 @@ class _Recording:
     (:class:`~mhctool.analyses.train.trajectory.LayerCalls`), each call recorded where ``calls``
     is given."""
 
+    check_streams = False  # LayerCalls' check of work left on another stream: the trajectory's
+
     def __init__(self, pieces: dict[str, Piece], calls: list | None = None):
         self.pieces, self.calls = pieces, calls
 

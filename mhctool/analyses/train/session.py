@@ -28,10 +28,13 @@ from mhctool.analyses.train.pieces import (
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig, to_dict
 from mhctool.analyses.train.trace import Attribution, attribute, candidate_knobs
 from mhctool.analyses.train.trajectory import (
+    FIRST_STEP_S,
     Step,
+    StepWatch,
     Trajectory,
     param_count,
     read_log,
+    read_phase,
     run,
 )
 from mhctool.analyses.train.verdict import judge, nonfinite_sentence
@@ -166,7 +169,8 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             trace: bool = True, isolation=None, interrupted: Callable[[], bool] = lambda: False,
             progress: Callable[[str, Step], None] | None = None, as_used: bool = False, seeds: int = 1,
             workers: int = 1, isolation_factory: Callable[[], object] | None = None,
-            shared: dict | None = None, engine=None, isolated: bool = False) -> Outcome:
+            shared: dict | None = None, engine=None, isolated: bool = False,
+            step_timeout: float | None = None) -> Outcome:
     """The implementation's trajectory, then (``compare``) the native and float64 ones, the
     verdict, and (``trace``) the attribution of a drift; from ``seeds`` seeds (the base seed and
     those after it), judged over the ensemble where there are several (:mod:`.ensemble`).
@@ -180,7 +184,9 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     (each in a process of its own, side by side), judged and traced the same way. Before the
     trajectories, where they are compared, the first step is judged per tensor
     (:mod:`.first_step`); ``isolated``: the implementation runs in an isolation worker there too
-    (``isolation``, else one from ``isolation_factory``)."""
+    (``isolation``, else one from ``isolation_factory``). ``step_timeout``: seconds an isolated
+    step may take (None: :class:`~.trajectory.StepWatch`'s defaults); an implementation that hung
+    in its trajectory is not called again for the first step."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
@@ -192,7 +198,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     def one_seed(c: TrainConfig, worker=None) -> SeedRun:
         worker = worker if worker is not None else isolation
         if worker is not None:
-            impl = _isolated(c, specs, knobs, conventions, pieces, worker, interrupted, as_used)
+            impl = _isolated(c, specs, knobs, conventions, pieces, worker, interrupted, as_used, step_timeout)
         else:
             impl = run(c, pieces, "impl", interrupted, say("impl"))
         impl.seed = c.seed
@@ -231,11 +237,12 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
                             (specs, knobs, conventions, compare, as_used), interrupted,
                             finished if workers > 1 else None)
     first = None
-    if compare and runs and not interrupted():  # the seed's initial weights, whenever it runs
+    hung = any(t.role == "impl" and t.error and "timed out" in t.error for r in runs for t in r.trajectories())
+    if compare and runs and not interrupted() and not hung:  # the seed's initial weights, whenever it runs
         first = _first_step(cfg, specs, knobs, conventions, pieces, eff, rule, as_used, interrupted,
                             isolation if isolation is not None else
                             (isolation_factory() if isolated and isolation_factory else None),
-                            own=isolation is None)
+                            own=isolation is None, timeout=step_timeout or FIRST_STEP_S)
     out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [t for r in runs for t in r.trajectories()], eff,
                   traced_asked=trace, runs=runs, first_step=first)
     complete = compare and runs and all(r.reference is not None for r in runs) and len(runs) == len(seed_list)
@@ -310,7 +317,8 @@ def _nonfinite_ensemble(runs: list[SeedRun]) -> str | None:
 
 
 def _first_step(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pieces: dict[str, Piece], eff: dict,
-                rule: VerdictRule, as_used: bool, interrupted, worker=None, own: bool = False) -> first_step_mod.Check:
+                rule: VerdictRule, as_used: bool, interrupted, worker=None, own: bool = False,
+                timeout: float | None = None) -> first_step_mod.Check:
     """The first step judged per tensor; the implementation's side in ``worker`` where given (a
     crash there is the check's failure; ``own``: the worker was started for it, and is stopped)."""
     native = {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES}
@@ -322,7 +330,7 @@ def _first_step(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pi
             try:
                 value, failure = worker.call("mhctool.analyses.train.first_step:job",
                                              (to_dict(cfg), spec, knobs, conventions, [asdict(c) for c in calls],
-                                              as_used), timeout=None, interrupted=interrupted)
+                                              as_used), timeout=timeout, interrupted=interrupted)
             finally:
                 if own:
                     worker.stop()
@@ -331,18 +339,18 @@ def _first_step(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pi
 
 
 def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pieces: dict[str, Piece], worker,
-              interrupted, as_used: bool = False) -> Trajectory:
+              interrupted, as_used: bool = False, step_timeout: float | None = None) -> Trajectory:
     with tempfile.TemporaryDirectory(prefix="mhctool-train-") as d:
         log = str(Path(d) / "steps.jsonl")
-        value, failure = worker.call("mhctool.analyses.train.trajectory:trajectory_job", (to_dict(cfg), spec, knobs, conventions, log,
-                                                                       as_used),
-                                     timeout=None, interrupted=interrupted)
+        value, failure = worker.call("mhctool.analyses.train.trajectory:trajectory_job",
+                                     (to_dict(cfg), spec, knobs, conventions, log, as_used),
+                                     timeout=None, interrupted=interrupted, stalled=StepWatch(log, step_timeout))
         if failure is None:
             return Trajectory.from_dict(value)
         traj = Trajectory("impl", {f: p.name for f, p in pieces.items()},
                           {f: p.note for f, p in pieces.items() if p.note})
         traj.steps = read_log(log)
-        traj.error = f"step {len(traj.steps) + 1}: {failure.message}"
+        traj.error = f"{read_phase(log) or f'step {len(traj.steps) + 1}'}: {failure.message}"
         return traj
 
 

@@ -23,7 +23,7 @@ from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import system_exit_message
 from mhctool.core.metrics import h_res_health
 from mhctool.references import model as model_mod
-from mhctool.runner.call import short_error
+from mhctool.runner.call import settled, short_error
 
 # whose backward computes the gradient each mHC output receives (a non-finite gradient there is
 # that backward's)
@@ -42,6 +42,9 @@ class Recorder:
         self.first_nonfinite: tuple[int, str, str] | None = None  # (layer, family, output)
         # the first mHC output, in backward order, whose incoming gradient is not finite
         self.first_nonfinite_grad: tuple[int, str, str, int] | None = None  # (+ how many elements)
+        # on a GPU's first step: each piece's outputs and input gradients checked for work left
+        # on another stream (runner.call.settled; a device synchronization each)
+        self.check_streams = False
 
     def reset(self, layers: int) -> None:
         self.health = [{} for _ in range(layers)]
@@ -83,8 +86,21 @@ class LayerCalls:
 
     def _call(self, family: str, names: tuple[str, ...], **args) -> tuple:
         outs = self.rec.pieces[family].call(args)
+        if self.rec.check_streams:
+            self._check_streams(family, outs, args)
         self.rec._seen(self.index, family, names, outs, args)
         return outs
+
+    def _check_streams(self, family: str, outs: tuple, args: dict) -> None:
+        if why := settled(outs, "outputs"):
+            raise RuntimeError(f"layer {self.index} {family}'s forward: {why}")
+        for name, t in args.items():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, name=name: self._settled_grad(family, name, g))
+
+    def _settled_grad(self, family: str, name: str, g: torch.Tensor) -> None:
+        if why := settled([g], "gradients"):
+            raise RuntimeError(f"layer {self.index} {family}'s backward (the gradient of {name}): {why}")
 
     def mapping(self, x2d, weight, alpha, h_bias):
         return self._call("mapping", ("h_pre", "h_post", "h_res_logits"), x2d=x2d, weight=weight, alpha=alpha,
@@ -152,10 +168,14 @@ def build_model(cfg: TrainConfig) -> model_mod.MHCLanguageModel:
 
 
 def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Callable[[], bool] = lambda: False,
-        progress: Callable[[Step], None] | None = None, stop_on_nonfinite: bool = True) -> Trajectory:
+        progress: Callable[[Step], None] | None = None, stop_on_nonfinite: bool = True,
+        at: Callable[[int, str], None] | None = None) -> Trajectory:
     """Train from the seed with ``pieces``; a raise ends the trajectory with the steps so far
-    (never mhctool's exit code), as does ``interrupted()`` turning true, and, with
-    ``stop_on_nonfinite``, a step whose loss is not finite (every later step would be NaN too)."""
+    (never mhctool's exit code), named by step and phase (the forward, the backward, the update),
+    as does ``interrupted()`` turning true, and, with ``stop_on_nonfinite``, a step whose loss is
+    not finite (every later step would be NaN too). ``at(step, phase)``: told as each phase starts
+    (an isolated trajectory's parent says where a crash was). On a GPU the forward is synchronized
+    before the backward starts, so that an asynchronous fault is its phase's."""
     traj = Trajectory(role, {f: p.name for f, p in pieces.items()}, {f: p.note for f, p in pieces.items() if p.note},
                       seed=cfg.seed)
     source = MarkovSource(cfg.model.vocab, cfg.branch, cfg.seed)
@@ -177,10 +197,22 @@ def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Call
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        rec.check_streams = cuda and i == 1
+        phase = "forward"
         try:
+            if at:
+                at(i, phase)
             opt.zero_grad(set_to_none=True)
             loss = model.loss(tokens, rec, act)
+            if cuda:
+                torch.cuda.synchronize()
+            phase = "backward"
+            if at:
+                at(i, phase)
             loss.backward()
+            phase = "update"
+            if at:
+                at(i, phase)
             zeros = {names[id(p)]: int(p.grad.numel() - torch.count_nonzero(p.grad))
                      for p in model.parameters() if p.grad is not None}
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
@@ -189,10 +221,10 @@ def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Call
             if cuda:
                 torch.cuda.synchronize()
         except SystemExit as e:  # code under test never decides mhctool's exit code
-            traj.error = f"step {i}: {system_exit_message(e)}"
+            traj.error = f"step {i}, {phase}: {system_exit_message(e)}"
             break
         except Exception as e:  # noqa: BLE001 - an implementation that raises ends the run, kept
-            traj.error = f"step {i}: {short_error(e)}"
+            traj.error = f"step {i}, {phase}: {short_error(e)}"
             break
         metrics = {"lm loss": float(loss.detach()), "grad-norm": float(gnorm), "num-zeros": float(sum(zeros.values())),
                    "iteration-time": time.perf_counter() - t0}
@@ -214,12 +246,26 @@ def trajectory_job(cfg_dict: dict, spec: dict, knobs: dict, conventions: dict, l
     """What an isolation worker runs: the implementation's trajectory, every step also appended to
     ``log`` (JSON lines), so the steps before a crash or a hang are kept."""
     cfg = from_dict(cfg_dict)
-    pieces, _ = impl_pieces(spec, knobs, conventions, cfg.device, cfg.dtype, as_used)
-    with open(log, "a") as f:
+    with open(log, "a") as f:  # first: StepWatch counts the first step from here
+        pieces, _ = impl_pieces(spec, knobs, conventions, cfg.device, cfg.dtype, as_used)
         def progress(step: Step) -> None:
             f.write(json.dumps(asdict(step)) + "\n")
             f.flush()
-        return run(cfg, pieces, "impl", progress=progress).to_dict()
+        return run(cfg, pieces, "impl", progress=progress, at=lambda i, phase: write_phase(log, i, phase)).to_dict()
+
+
+def write_phase(log: str | Path, step: int, phase: str) -> None:
+    """Where an isolated trajectory is (``step phase`` beside its step log), for :func:`read_phase`."""
+    Path(f"{log}.at").write_text(f"{step} {phase}")
+
+
+def read_phase(log: str | Path) -> str | None:
+    """\"step N, PHASE\" of the last :func:`write_phase` beside ``log``, or None."""
+    try:
+        step, phase = Path(f"{log}.at").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return f"step {step}, {phase}"
 
 
 def where_nonfinite(s: Step) -> str:
@@ -276,3 +322,52 @@ def read_log(path: str | Path) -> list[Step]:
             except (json.JSONDecodeError, TypeError):
                 break  # a line cut short by the crash
     return out
+
+
+# an isolated trajectory's step limits where --step-timeout is not given: the first step compiles
+# (a library's kernels, autotuning, every shape new), a later one is judged by those before it
+FIRST_STEP_S = 600.0
+LATER_STEP_MIN_S = 60.0
+LATER_STEP_FACTOR = 10.0
+
+
+class StepWatch:
+    """Whether an isolated trajectory hung: polled while its worker runs, it watches the step log
+    (:func:`trajectory_job` appends a line a step) and says why once no step has ended for longer
+    than allowed. ``limit``: seconds a step may take; None: :data:`FIRST_STEP_S` for the first, and
+    for a later one :data:`LATER_STEP_FACTOR` times the slowest before it, at least
+    :data:`LATER_STEP_MIN_S`."""
+
+    def __init__(self, log: str | Path, limit: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.log, self.limit, self.clock = Path(log), limit, clock
+        self.size, self.steps, self.slowest = 0, 0, 0.0
+        self.since = clock()
+        self.started: float | None = None  # the last poll before the log appeared
+
+    def allowed(self) -> float:
+        if self.limit is not None:
+            return self.limit
+        if self.steps == 0:
+            return FIRST_STEP_S
+        return max(LATER_STEP_MIN_S, LATER_STEP_FACTOR * self.slowest)
+
+    def __call__(self) -> str | None:
+        now = self.clock()
+        try:
+            size = self.log.stat().st_size
+        except OSError:  # not started yet: the worker imports the training code and the implementation
+            if now - self.since > FIRST_STEP_S:
+                return f"timed out: the trajectory had not started after {FIRST_STEP_S:g} s"
+            self.started = now
+            return None
+        if self.steps == 0 and self.size == 0 and self.started is not None:
+            self.since, self.started = self.started, None  # the first step's clock starts with the job
+        if size != self.size:
+            if self.steps:  # the first step's time is its compiling, not the pace
+                self.slowest = max(self.slowest, now - self.since)
+            self.size, self.steps, self.since = size, self.steps + 1, now
+            return None
+        allowed = self.allowed()
+        if now - self.since > allowed:
+            return f"timed out: no step ended in {allowed:g} s (a hang; --step-timeout sets the limit)"
+        return None

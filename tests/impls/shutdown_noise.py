@@ -1,0 +1,13 @@
+"""A correct Sinkhorn from a module that writes a line to the process's stderr descriptor as the
+process shuts down (as PyTorch's C++ destructors do: CUDA IPC's "Producer process has been
+terminated ..."): mhctool's conclusion must stay the terminal's last line."""
+import atexit
+import os
+
+from mhctool.kernels.torch import mhc as native
+
+atexit.register(lambda: os.write(2, b"[W shutdown_noise.py] a third-party line at shutdown\n"))
+
+
+def sinkhorn(logits, iters=20, eps=1e-6):
+    return native.sinkhorn(logits, iters, eps)
