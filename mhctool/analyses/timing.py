@@ -366,10 +366,11 @@ def rows(results, device: str, copy_bw: float, mm_bf16: float, mm_tf32: float) -
     out = []
     for status, kernel, impl, direction, payload, shape, graph in results:
         base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction,
-                    shape=str(shape), device=device, inputs=None if status == "skip" else payload.inputs)
-        if status == "skip" or not payload.times_ms:
-            msg = payload if status == "skip" else payload.message
-            out.append({**base, "dtype": bench_dtype(kernel, "bf16"), "graph": graph, "metric": "skipped",
+                    shape=str(shape), device=device, inputs=None if status in ("skip", "error") else payload.inputs)
+        if status in ("skip", "error") or not payload.times_ms:
+            msg = payload if status in ("skip", "error") else payload.message
+            out.append({**base, "dtype": bench_dtype(kernel, "bf16"), "graph": graph,
+                        "metric": "error" if status == "error" else "skipped",
                         "value": math.nan, "bound": None, "message": msg})
             continue
         m: Measurement = payload

@@ -74,7 +74,10 @@ def bench(
     if plot is not None:
         from mhctool.views.plots import bench_figure
         out.print(f"plot: {bench_figure(o.table, plot, o.copy_bw)}")
-    out.print(f"report {o.report}")
+    for r in o.errors:
+        out.print(f"FAILED {r['kernel']} {r['direction']} {short_impl(r['impl'])}: {r['message']}", markup=False)
+    out.print(f"report {o.report}" + (f"; the libraries' own output: {o.library_log}" if o.library_log else ""),
+              markup=False)
     if o.interrupted:
         out.print("[yellow]INTERRUPTED[/]: the report holds what was timed before the stop")
     raise typer.Exit(o.exit_code)

@@ -50,7 +50,10 @@ def gate(
         from mhctool.core.profile import lines
         for line in lines(o.timings, o.wall, o.workers):
             out.print(line, markup=False)
-    raise typer.Exit(show(o.suite_name, o.cases, o.paths, quiet, o.interrupted))
+    code = show(o.suite_name, o.cases, o.paths, quiet, o.interrupted)
+    if o.library_log and not quiet:
+        out.print(f"the libraries' own output: {o.library_log}", markup=False)
+    raise typer.Exit(code)
 
 
 def show(suite_name: str, cases: list, paths: tuple, quiet: bool, interrupted: bool) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 from mhctool.core.text import fmt as _fmt
 from mhctool.core.text import short_impl as _short_impl
@@ -40,6 +41,7 @@ def bench_table(rows: list[dict], title: str) -> Table:
         host = g("host_us")
         flag = " [yellow](host-bound)[/]" if note and "host-bound" in note else ""
         inputs = next((r.get("inputs") for r in m.values() if r.get("inputs")), None)
+        said = Text.assemble(("FAILED ", "red"), note) if "error" in m else Text(note)
         t.add_row(k, *((shp,) if shapes else ()), d, _short_impl(i) + (" (graph)" if graphed else ""),
                   short_inputs(inputs), _fmt(g("time_ms")),
                   f"{_fmt(g('time_ms_p10'))}-{_fmt(g('time_ms_p90'))}" if g("time_ms") is not None else "-",
@@ -47,7 +49,7 @@ def bench_table(rows: list[dict], title: str) -> Table:
                   next((r["bound"] for r in m.values() if r.get("bound")), "-"), _fmt(host) + flag,
                   _fmt(g("speedup_vs_torch")), _fmt(g("speedup_vs_compile")),
                   _fmt(g("peak_bytes") / 2**20 if g("peak_bytes") is not None and g("peak_bytes") == g("peak_bytes") else None),
-                  note)
+                  said)
     return t
 
 

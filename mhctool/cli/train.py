@@ -172,7 +172,8 @@ def show(o, every: int, quiet: bool, plot: Optional[Path] = None) -> None:
 
 def _verdict(o) -> str:
     s, kappa = o.session, o.plan.req.kappa
-    written = f"report {o.report}" + (f", golden values {o.goldens}" if o.goldens else "")
+    written = f"report {o.report}" + (f", golden values {o.goldens}" if o.goldens else "") + \
+        (f"; the libraries' own output: {o.library_log}" if o.library_log else "")
     if s.interrupted:
         return f"[yellow]INTERRUPTED[/] after {len(s.impl.steps)} steps of the implementation's run ({written})"
     if not s.compared:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from mhctool.core import cuda_context
+from mhctool.core import cuda_context, partial
 from mhctool.core import inputs as inputs_mod
 from mhctool.core.dtypes import FORMATS, dtype_named, fmt_of
 from mhctool.core.errors import system_exit_message
@@ -59,10 +59,24 @@ def _interpreter_refusal(e: BaseException) -> bool:
     return bool(frames) and f"triton{os.sep}language{os.sep}" in frames[-1].filename
 
 
+# lines PyTorch adds to a CUDA error that say nothing of the error itself
+_ADVICE = ("CUDA kernel errors might be asynchronously reported", "For debugging consider passing CUDA_LAUNCH_BLOCKING",
+           "Compile with `TORCH_USE_CUDA_DSA`", "Search for `cuda", "Device-side assertion tracking was not enabled")
+# where PyTorch's out-of-memory message turns from the allocation to the other processes and advice
+_OOM_TAIL = (" Process ", " Including non-PyTorch memory", " Of the allocated memory", " If reserved but unallocated")
+
+
 def short_error(e: BaseException) -> str:
-    """The error in one line; compiler errors put the cause after the first line, so keep it."""
-    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
-    return " | ".join(lines)[:1500]
+    """The error in one line; compiler errors put the cause after the first line, so keep it.
+    PyTorch's advice lines after a CUDA error, and its out-of-memory message's account of the
+    other processes, are left out."""
+    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines()
+             if ln.strip() and not ln.strip().startswith(_ADVICE)]
+    text = " | ".join(lines)
+    if type(e).__name__ == "OutOfMemoryError":
+        cut = min((i for i in (text.find(t) for t in _OOM_TAIL) if i > 0), default=len(text))
+        text = text[:cut]
+    return text[:1500]
 
 
 def cast_case_inputs(fam: Family, raw: dict, case: Case) -> dict:
@@ -139,9 +153,11 @@ def settled(tensors, what: str) -> str | None:
             f"was never told to wait for (a caller reads them unfinished)")
 
 
-def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expect=None) -> ImplResult:
+def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expect=None,
+             before_backward=None) -> ImplResult:
     """Forward, then backward with the upstream gradients ``upstream_fn(outputs)``. ``expect``:
-    the contract's (shape, dtype, device) per output; outputs are conformed to it by value."""
+    the contract's (shape, dtype, device) per output; outputs are conformed to it by value.
+    ``before_backward(result)``: called with the forward's result before the backward runs."""
     res = ImplResult()
     args = leaf_inputs(fam, base)
     on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in args.values())
@@ -174,6 +190,8 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     if not any(o.requires_grad for o in outs):
         res.bwd_unsupported = "no backward: its outputs carry no autograd graph"
         return res
+    if before_backward is not None:
+        before_backward(res)
     try:
         with poisoning(True):
             grads = torch.autograd.grad(
@@ -244,7 +262,14 @@ def conform_outputs(fam: Family, outs, expect: list[tuple], returned: dict) -> t
 def isolated_impl(kernel: str, spec: str, name: str, base: dict, knobs: dict, upstream: list, expect: list) -> dict:
     """The job an isolation worker runs: resolve ``spec`` for ``kernel`` there, and run ``name``."""
     impl = resolve_one(kernel, spec, name)
-    return run_impl(get_family(kernel), impl, base, knobs, lambda outs: upstream, expect).to_dict()
+    handed = []  # the forward's outputs, handed to the parent before the backward (which may end the process)
+    res = run_impl(get_family(kernel), impl, base, knobs, lambda outs: upstream, expect,
+                   before_backward=lambda r: handed.append(
+                       partial.report({"outputs": r.outputs, "returned": dict(r.returned)})))
+    out = res.to_dict()
+    if any(handed):
+        out["outputs"], out["outputs_handed"] = None, True
+    return out
 
 
 def native_at(kernel: str, precision: str) -> Impl:

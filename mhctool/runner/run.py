@@ -183,7 +183,7 @@ def _run_case(case: Case, impls: list[Impl], rule: VerdictRule | None = None,
                                 "metric": "unsupported" if res.bwd_unsupported else "error",
                                 "value": math.nan, "threshold": None,
                                 "passed": None if res.bwd_unsupported else False,
-                                "rule": "unsupported" if res.bwd_unsupported else "raised",
+                                "rule": "unsupported" if res.bwd_unsupported else res.failure or "raised",
                                 "message": res.bwd_unsupported or res.bwd_error})
     if case.device == "cuda" and gives_memory_back(isolation, sharding):
         torch.cuda.empty_cache()

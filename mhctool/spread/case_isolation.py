@@ -50,15 +50,21 @@ class Isolation:
                                    (case.kernel, impl.spec or impl.name, impl.name, base, knobs, upstream, expect),
                                    footprint(case), case.device)
         self.streaks.saw(impl.name, failure and failure.kind, failure and failure.message or "")
-        if failure is not None:
-            done = failure.partial or {}
-            if failure.kind == "cuda" and done.get("bwd_error") and not done.get("fwd_error"):
-                # the forward returned and the backward faulted: its outputs went with the context
-                return ImplResult(fwd_lost="not judged: the forward ran, and its outputs were lost with the CUDA "
-                                           "context, which its backward's fault took", bwd_error=done["bwd_error"],
-                                  failure="cuda")
-            return ImplResult(fwd_error=failure.message, failure=failure.kind)
-        return ImplResult(**value)
+        if failure is None:
+            value = dict(value)
+            if value.pop("outputs_handed", False):  # the forward's outputs came before the backward ran
+                value["outputs"] = self.workers[impl.name].progress["outputs"]
+            return ImplResult(**value)
+        done, forward = failure.partial or {}, failure.progress
+        if forward is not None:  # the forward returned and was handed over: the failure is the backward's
+            return ImplResult(outputs=forward["outputs"], returned=forward["returned"],
+                              bwd_error=done.get("bwd_error") or failure.message, failure=failure.kind)
+        if failure.kind == "cuda" and done.get("bwd_error") and not done.get("fwd_error"):
+            # the forward returned and the backward faulted: its outputs went with the context
+            return ImplResult(fwd_lost="not judged: the forward ran, and its outputs were lost with the CUDA "
+                                       "context, which its backward's fault took", bwd_error=done["bwd_error"],
+                              failure="cuda")
+        return ImplResult(fwd_error=failure.message, failure=failure.kind)
 
     def close(self) -> None:
         for w in self.workers.values():

@@ -35,13 +35,14 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as tmp
 
+from mhctool.core import partial
 from mhctool.core.environment import ensure_triton_mode
 from mhctool.core.errors import system_exit_message
 from mhctool.core.library_log import ENV as LIBRARY_LOG
@@ -70,6 +71,9 @@ class Failure:
     # cuda: what the call had returned before the context was lost, its tensors left behind
     # (the one-case runner's errors: which direction the fault was in)
     partial: dict | None = None
+    # what the job had handed over before it failed (mhctool.core.partial.report: the forward's
+    # outputs), in this process's own memory
+    progress: Any = None
 
 
 def describe_exitcode(code: int | None) -> Failure:
@@ -228,6 +232,11 @@ def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> No
             args, kwargs = packed.unpack(copy_cuda=False)  # the parent sent copies of its own
             received = set()
             _map_tensors((args, kwargs), lambda t: received.add(t.untyped_storage().data_ptr()) if t.is_cuda else None)
+
+            def hand_over(obj, received=received):  # the parent copies it, then answers
+                conn.send(("partial", _Packed(obj, transport, folder, received=received)))
+                conn.recv()
+            partial.set_sender(hand_over)
             value = _resolve(target)(*args, **kwargs)
             sick = _cuda_healthy()  # before packing: tensors of a lost context cannot be copied
             reply = ("cuda", (sick, _plain(value))) if sick else ("ok", _Packed(value, transport, folder,
@@ -236,6 +245,7 @@ def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> No
             reply = ("raised", system_exit_message(e))
         except BaseException as e:  # noqa: BLE001 - everything the code under test raises is a result
             reply = ("raised", "".join(traceback.format_exception_only(type(e), e)).strip())
+        partial.set_sender(None)
         sick = _cuda_healthy()
         if sick:
             conn.send(reply if reply[0] == "cuda" else ("cuda", (sick, None)))
@@ -262,6 +272,7 @@ class Worker:
         self.start_timeout = start_timeout
         self._proc = None
         self._conn = None
+        self.progress = None  # what the last job handed over before it ended (mhctool.core.partial)
 
     def start(self) -> Failure | None:
         """Start the process now (a call starts it otherwise); None, or why it did not start."""
@@ -334,7 +345,10 @@ class Worker:
         """``(value, None)`` or ``(None, failure)``. ``interrupted()`` is polled while waiting: when
         it turns true the job is abandoned (the worker killed) as a ``lost`` failure. ``stalled()``,
         where given, is polled too: a sentence from it ends the job as a ``timeout`` (a job that
-        stopped making progress, however long it has run)."""
+        stopped making progress, however long it has run). What the job hands over before it ends
+        (:func:`mhctool.core.partial.report`) is copied here as it comes: ``self.progress``, and
+        the failure's ``progress``."""
+        self.progress = None
         failure = self.start()
         if failure is not None:
             return None, failure
@@ -347,33 +361,44 @@ class Worker:
             return None, failure
         start = time.monotonic()
         while True:
-            remaining = None if timeout is None else timeout - (time.monotonic() - start)
-            if remaining is not None and remaining <= 0:
+            failure = self._wait(start, timeout, interrupted, stalled)
+            if failure is None:
+                try:
+                    kind, payload = self._conn.recv()
+                except (EOFError, OSError):
+                    self._proc.join(10)
+                    failure = describe_exitcode(self._proc.exitcode)
+            if failure is not None:
                 self._kill()
-                return None, Failure("timeout", f"timed out after {timeout:g} s")
-            if interrupted():
-                self._kill()
-                return None, Failure("lost", "abandoned: the run was interrupted")
-            why = stalled() if stalled is not None else None
-            if why:
-                self._kill()
-                return None, Failure("timeout", why)
-            if self._conn.poll(0.05 if remaining is None else min(0.05, remaining)):
+                return None, replace(failure, progress=self.progress)
+            if kind != "partial":
                 break
-        try:
-            kind, payload = self._conn.recv()
-        except (EOFError, OSError):
-            self._proc.join(10)
-            failure = describe_exitcode(self._proc.exitcode)
-            self._kill()
-            return None, failure
+            self.progress = payload.unpack()  # copied before the job goes on (and may take its memory with it)
+            try:
+                self._conn.send("taken")
+            except (OSError, BrokenPipeError):
+                pass  # it died meanwhile: the next wait says how
         if kind == "ok":
             return payload.unpack(), None
         if kind == "cuda":
             self._kill()
-            sick, partial = payload
-            return None, Failure("cuda", sick, partial)
-        return None, Failure("raised", payload)
+            sick, done = payload
+            return None, Failure("cuda", sick, done, self.progress)
+        return None, Failure("raised", payload, progress=self.progress)
+
+    def _wait(self, start: float, timeout, interrupted, stalled) -> Failure | None:
+        """Until the job's next message: None, or why the job is to be abandoned."""
+        while True:
+            remaining = None if timeout is None else timeout - (time.monotonic() - start)
+            if remaining is not None and remaining <= 0:
+                return Failure("timeout", f"timed out after {timeout:g} s")
+            if interrupted():
+                return Failure("lost", "abandoned: the run was interrupted")
+            why = stalled() if stalled is not None else None
+            if why:
+                return Failure("timeout", why)
+            if self._conn.poll(0.05 if remaining is None else min(0.05, remaining)):
+                return None
 
     def __enter__(self):
         return self

@@ -9,8 +9,8 @@ backward. ``sinkhorn_<fault>_<fwd|bwd>`` for each fault of :data:`FAULTS`:
 - ``os_exit``: the process ends at once (exit code 7);
 - ``hang``: a kernel that spins on the GPU for days (the host then waits for it);
 - ``oom``: an allocation of a petabyte;
-- ``unsynced_stream``: the result is written on a side stream after a 50 ms spin, and the
-  caller's stream is never told to wait for it.
+- ``unsynced_stream``: the result is made on a side stream after a 50 ms spin, and the caller's
+  stream is never told to wait for it.
 
 GPU only (the CUDA faults); loaded by file path."""
 import ctypes
@@ -73,13 +73,11 @@ def _oom(t):
 
 
 def _unsynced_stream(t):
-    out = torch.empty_like(t)
     side = torch.cuda.Stream(device=t.device)
     side.wait_stream(torch.cuda.current_stream(t.device))  # t is ready there; the caller is never told of side
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)  # about 50 ms
-        out.copy_(t)
-    return out
+        return t * 1.0  # allocated and written on the side stream
 
 
 _FAULT = {f: globals()[f"_{f}"] for f in FAULTS}

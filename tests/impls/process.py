@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from mhctool.kernels.torch import mhc as native
 
 
@@ -54,3 +56,36 @@ def sinkhorn_slow(logits, iters=20, eps=1e-6):
         Path(marker).touch()
     time.sleep(0.5)
     return native.sinkhorn(logits, iters, eps)
+
+
+class _BackwardEnds(torch.autograd.Function):
+    """PyTorch's Sinkhorn forward; the backward ends the process as ``how`` says."""
+
+    @staticmethod
+    def forward(ctx, logits, iters, eps, how):
+        ctx.how = how
+        return native.sinkhorn(logits, iters, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.how == "exit":
+            os._exit(5)
+        if ctx.how == "segfault":
+            ctypes.string_at(0)
+        while True:
+            time.sleep(1)
+
+
+def sinkhorn_backward_exits(logits, iters=20, eps=1e-6):
+    """A correct forward whose backward calls os._exit(5)."""
+    return _BackwardEnds.apply(logits, iters, eps, "exit")
+
+
+def sinkhorn_backward_segfaults(logits, iters=20, eps=1e-6):
+    """A correct forward whose backward reads address 0."""
+    return _BackwardEnds.apply(logits, iters, eps, "segfault")
+
+
+def sinkhorn_backward_hangs(logits, iters=20, eps=1e-6):
+    """A correct forward whose backward never returns."""
+    return _BackwardEnds.apply(logits, iters, eps, "hang")

@@ -39,7 +39,7 @@ SAID = {
 }
 # a line no mhctool run prints: a traceback, PyTorch's C++ log lines, CPython's fatal-error dump
 FOREIGN = re.compile(r"Traceback|^\[[WEF] |CudaIPCTypes|Fatal Python error|Segmentation fault|core dumped|"
-                     r"UserWarning|Warning:", re.M)
+                     r"UserWarning|Warning:|Assertion `|\.cu:\d+", re.M)
 SCENARIO = 'name = "fault-matrix"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["9x2x4x1"]\ndtypes = ["fp32"]\n' \
            'families = ["random"]\n'
 TRAIN = ["--kernel", "sinkhorn", "--steps", "2", "--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "16",
@@ -52,8 +52,8 @@ def spec(fault: str, direction: str) -> str:
     return f"{MATRIX}:sinkhorn_{fault}_{direction}"
 
 
-def impl_name(fault: str, direction: str) -> str:
-    return f"gpu_fault_matrix.py:sinkhorn_{fault}_{direction}"
+def is_impl(name: str, fault: str, direction: str) -> bool:
+    return name.endswith(f"gpu_fault_matrix.py:sinkhorn_{fault}_{direction}")
 
 
 def commands(folder: Path) -> dict[str, list[str]]:
@@ -100,6 +100,29 @@ def run_all(folder: Path, names=None, parallel: int = 6) -> dict[str, dict]:
         return dict(ex.map(one, todo.items()))
 
 
+def _failed(command: str, r: dict, direction: str) -> bool:
+    """Whether report row ``r`` is a failure in ``direction``."""
+    if command == "gate":  # a check a row: name kernel/impl/family/dtype/shape/direction
+        return r["passed"] is False and r["name"].endswith("/" + direction)
+    if command == "bench":  # timings, and an error row where it failed
+        return r["metric"] == "error" and r["direction"] == direction
+    return r["passed"] is False and r["direction"] == direction
+
+
+def _rows_of(command: str, rows: list[dict], fault: str, direction: str) -> tuple[list, list]:
+    """(the rows of the implementation that faults in ``direction``, whether Triton's rows are
+    all there and pass) in a parity, bench or gate report."""
+    if command == "gate":
+        mine = [r for r in rows if is_impl(r["name"].split("/random/")[0], fault, direction)]
+        triton = [r for r in rows if "/triton/" in r["name"]]
+        return mine, len(triton) == len(DIRECTIONS) and all(r["passed"] for r in triton)
+    mine = [r for r in rows if is_impl(r["impl"], fault, direction)]
+    if command == "bench":
+        return mine, len([r for r in rows if r["impl"] == "triton" and r["metric"] == "time_ms"]) == len(DIRECTIONS)
+    triton = [r for r in rows if r["impl"] == "triton" and r["passed"] is not None]
+    return mine, bool(triton) and all(r["passed"] for r in triton)
+
+
 def cell(command: str, fault: str, direction: str, runs: dict) -> list[str]:
     """What is wrong in one cell (empty: it passes)."""
     run = runs[command if command in ("parity", "bench", "gate") else f"{command}-{fault}-{direction}"]
@@ -114,19 +137,20 @@ def cell(command: str, fault: str, direction: str, runs: dict) -> list[str]:
         return [*wrong, "no report"]
     said = SAID[fault]
     if command in ("parity", "bench", "gate"):
-        mine = [r for r in rows if r.get("impl") == impl_name(fault, direction)]
-        failing = [r for r in mine if r.get("passed") is False and r.get("direction") == direction]
-        if not any(said in (r.get("message") or "") for r in failing):
+        mine, triton_kept = _rows_of(command, rows, fault, direction)
+        if not any(said in (r.get("message") or "") for r in mine if _failed(command, r, direction)):
             wrong.append(f"no failed {direction} row saying {said!r}: "
                          f"{sorted({(r.get('direction'), r.get('message')) for r in mine if r.get('message')})[:3]}")
-        if direction == "bwd" and command != "bench" and any(r.get("passed") is False for r in mine
-                                                            if r.get("direction") == "fwd"):
+        if direction == "bwd" and any(_failed(command, r, "fwd") for r in mine):
             wrong.append("its forward failed too")
-        triton = [r for r in rows if r.get("impl") == "triton" and r.get("passed") is not None]
-        if not triton or not all(r["passed"] for r in triton):
+        if not triton_kept:
             wrong.append("Triton's rows lost or failed")
-    elif said not in run["text"]:
-        wrong.append(f"the conclusion does not say {said!r}")
+    else:
+        if said not in run["text"]:
+            wrong.append(f"the conclusion does not say {said!r}")
+        phase = "forward" if direction == "fwd" else "backward"
+        if phase not in run["text"]:
+            wrong.append(f"the conclusion does not name the {phase}")
     return wrong
 
 

@@ -59,6 +59,22 @@ def test_process_faults_are_failed_rows_under_isolation(tmp_path, fn, needle, ru
     assert "FAILED" in res.output
 
 
+@pytest.mark.parametrize("fn,needle,rule,extra", [
+    ("sinkhorn_backward_exits", "ended its process with exit code 5", "exit", []),
+    ("sinkhorn_backward_segfaults", "crashed: signal 11 (SIGSEGV)", "signal", []),
+    ("sinkhorn_backward_hangs", "timed out after 3 s", "timeout", ["--case-timeout", "3"]),
+])
+def test_a_backward_that_ends_the_process_keeps_the_forward_judged(tmp_path, fn, needle, rule, extra):
+    """The forward's outputs reach mhctool before the backward runs: they are judged (and pass),
+    and the failure is the backward's row."""
+    res, rows = _parity(tmp_path, fn, "--isolate", *extra)
+    assert res.exit_code == 1, res.output
+    fwd = [r for r in rows if r["direction"] == "fwd" and r["passed"] is not None]
+    assert fwd and all(r["passed"] for r in fwd), fwd
+    (bwd,) = [r for r in rows if r["direction"] == "bwd"]
+    assert bwd["passed"] is False and needle in bwd["message"] and bwd["rule"] == rule, bwd
+
+
 def test_a_hang_is_stopped_by_the_case_timeout(tmp_path):
     t0 = time.monotonic()
     res, rows = _parity(tmp_path, "sinkhorn_hangs", "--case-timeout", "1")  # a time limit turns isolation on
@@ -126,11 +142,15 @@ def test_bench_reports_a_crash_and_times_the_others(tmp_path):
     out = tmp_path / "b.parquet"
     res = cli.invoke(app, ["bench", "--kernel", "sinkhorn", "--device", "cpu", "--shape", "8x2x4x1", "--repeats", "3",
                            "--impl", "torch", "--impl", f"{PROCESS}:sinkhorn_segfault", "--isolate", "-o", str(out)])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # a kernel that crashed where it was timed is a failure
     rows = pq.read_table(out).to_pylist()
     crashed = [r for r in rows if r["impl"].endswith("sinkhorn_segfault")]
-    assert crashed and all("crashed: signal 11" in (r["message"] or "") for r in crashed)
+    assert crashed and all(r["metric"] == "error" for r in crashed)
+    # the forward crashed, then the backward: two in a row, so nothing more of it would be run
+    assert {r["direction"]: r["message"][:20] for r in crashed} == {"fwd": "crashed: signal 11 (", "bwd": "crashed: signal 11 ("}
     assert any(r["impl"] == "torch" and r["metric"] == "time_ms" and r["value"] > 0 for r in rows)
+    text = " ".join(res.output.split())
+    assert "FAILED sinkhorn fwd process.py:sinkhorn_segfault: crashed: signal 11 (SIGSEGV)" in text
 
 
 # --- Ctrl-C -------------------------------------------------------------------------------------

@@ -70,14 +70,22 @@ class Outcome:
     report: Path
     table: object  # pyarrow.Table: the report as written (the figure is drawn from it)
     glue: list[tuple[str, str, str]] = field(default_factory=list)  # (kernel, impl, what its adapter adds)
+    library_log: str | None = None  # where the libraries' own output went, where they wrote any
 
     @property
     def totals(self) -> list:
         return timing.totals(self.rows)
 
     @property
+    def errors(self) -> list[dict]:
+        """Rows of a kernel that failed, crashed or hung where it was timed."""
+        return [r for r in self.rows if r["metric"] == "error"]
+
+    @property
     def exit_code(self) -> int:
-        return 130 if self.interrupted else 0
+        """130 interrupted, 1 where a kernel failed to run (a refusal or a dtype it does not
+        take is a skip, not a failure), else 0."""
+        return 130 if self.interrupted else 1 if self.errors else 0
 
 
 def _shapes(req: Request, kernels: list[str], dev: str) -> tuple[list, object, list[bool]]:
@@ -145,21 +153,26 @@ def _check_fits(todo: list[Measurement], dev: str, dtype: str) -> int:
 def measure_one(iso, m: Measurement, direction: str, dtype: str, dev: str, repeats: int, l2: int,
                 contract: bool) -> tuple:
     """One timed (kernel, implementation, direction): in-process, or in an isolation worker; a
-    kernel that fails, crashes or hangs is reported and the others are still timed."""
+    kernel that fails, crashes or hangs is an error row and the others are still timed; one that
+    keeps ending its process or hanging is stopped (the isolation's streaks, as in parity)."""
     k, i, shp, g = m.kernel, m.impl, m.shape, m.graph
     if iso is None or i.native:
         try:
             return ("ok", k, i, direction, timing.measure(k, i, shp, dtype, dev, repeats, direction, g, l2, 0,
                                                           contract), shp, g)
         except SystemExit as e:
-            return ("skip", k, i, direction, f"failed: {system_exit_message(e)}", shp, g)
+            return ("error", k, i, direction, system_exit_message(e), shp, g)
         except Exception as e:  # a kernel that fails to run is reported, the rest still run
-            return ("skip", k, i, direction, f"failed: {short_error(e)}", shp, g)
+            return ("error", k, i, direction, short_error(e), shp, g)
+    why = iso.streaks.why(i.name)
+    if why is not None:
+        return ("error", k, i, direction, why, shp, g)
     value, failure = iso.call(i, "mhctool.analyses.timing:isolated_measure",
                               (k, i.spec or i.name, i.name, shp, dtype, dev, repeats, direction, g, l2, 0, contract),
                               timing.footprint(k, shp, dtype), dev)
+    iso.streaks.saw(i.name, failure and failure.kind, failure and failure.message or "")
     if failure is not None:
-        return ("skip", k, i, direction, f"failed: {failure.message}", shp, g)
+        return ("error", k, i, direction, failure.message, shp, g)
     return ("ok", k, i, direction, value, shp, g)
 
 
@@ -178,6 +191,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     mm_bf16 = timing.matmul_rate(dev, parse_dtype("bf16").torch_dtype)
     mm_tf32 = timing.matmul_rate(dev, parse_dtype("fp32").torch_dtype)
     s = setup.prepare(dev, specs=req.impls, isolate=req.isolate, case_timeout=req.case_timeout, pin_threads=False,
+                      library_log=req.out.with_name(req.out.stem + ".libraries.log"), consoles=watch.consoles,
                       say=watch.say)
     watch.planned(len(todo) * len(req.directions))
     results = []
@@ -203,4 +217,5 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     path = report.write_atomic(table, req.out)
     glue = [(k, i.name, i.glue) for k, impls in resolved.items() for i in impls  # timed with the library's call
             if i.glue and any(r["impl"] == i.name for r in rows)]
-    return Outcome(rows, dev, dtype, shape_text, copy_bw, mm_bf16, mm_tf32, s.interrupts.requested, path, table, glue)
+    return Outcome(rows, dev, dtype, shape_text, copy_bw, mm_bf16, mm_tf32, s.interrupts.requested, path, table, glue,
+                   s.library_log)

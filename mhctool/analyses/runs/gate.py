@@ -40,6 +40,7 @@ class Outcome:
     timings: dict = field(default_factory=dict)  # the parity entries' phases (core.profile)
     wall: float = 0.0
     workers: int = 1
+    library_log: str | None = None  # where the libraries' own output went, where they wrote any
 
     @property
     def failed(self) -> list[gate_mod.Case]:
@@ -78,7 +79,8 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     pool.check_backend(req.backend)
     size = pool.worker_count(asked, dev, 1 << 30)  # the most any entry gets
     s = setup.prepare(dev, isolate=req.isolate, default_isolate=req.isolate, case_timeout=req.case_timeout,
-                      workers=size, backend=req.backend, say=watch.say)
+                      workers=size, backend=req.backend, library_log=req.out.with_name(req.out.stem + ".libraries.log"),
+                      consoles=watch.consoles, say=watch.say)
     timings: dict = {}
     t0 = time.perf_counter()
 
@@ -102,4 +104,5 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
         settings["hints"] = gate_mod.hints_of(cases)
     table = report.to_table(rows, report.new_run_id(), "gate", meta, settings, schema=report.GATE_SCHEMA)
     write_outputs(table, suite.name, cases, req.out, req.junit, req.summary)
-    return Outcome(suite.name, cases, s.interrupts.requested, (req.out, req.junit, req.summary), timings, wall, size)
+    return Outcome(suite.name, cases, s.interrupts.requested, (req.out, req.junit, req.summary), timings, wall, size,
+                   s.library_log)

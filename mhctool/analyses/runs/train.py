@@ -94,6 +94,7 @@ class Outcome:
     report: Path
     goldens: Path | None
     table: object  # pyarrow.Table: the report as written (figures are drawn from it)
+    library_log: str | None = None  # where the libraries' own output went, where they wrote any
 
     @property
     def exit_code(self) -> int:
@@ -137,7 +138,7 @@ def prepare(req: Request, watch: Watch = Watch()) -> Plan:
         engine_sizes = {("micro_batch" if k == "batch" else k): v for k, v in sizes.items()}
         cfg, runner = E.configure(req.engine, req.recipe, req.impls or ["megatron"], dev, engine_sizes, req.seed,
                                   req.knobs, req.conventions, req.ranks, workers_asked, seeds)
-        s = setup.prepare(dev, workers=1, consoles=watch.consoles, say=watch.say)
+        s = setup.prepare(dev, workers=1, library_log=_log_of(req), consoles=watch.consoles, say=watch.say)
         return Plan(req, cfg, runner.specs, runner.knobs, runner.conventions, seeds, s, runner)
     cfg = T.config(dev, **sizes, dtype=parse_dtype(req.dtype).name, seed=req.seed)
     knobs = T.parse_knobs(req.knobs, "--knob")
@@ -151,8 +152,13 @@ def prepare(req: Request, watch: Watch = Watch()) -> Plan:
                          "which --no-isolate turns off")
     isolate = True if req.step_timeout is not None and req.isolate is None else req.isolate
     s = setup.prepare(dev, specs=specs, isolate=isolate, workers=pool.worker_count(workers_asked, dev, seeds),
-                      consoles=watch.consoles, say=watch.say)
+                      library_log=_log_of(req), consoles=watch.consoles, say=watch.say)
     return Plan(req, cfg, assigned, knobs, conventions, seeds, s)
+
+
+def _log_of(req: Request) -> Path:
+    """Where the libraries' own output goes while the run trains (beside its report)."""
+    return req.out.with_name(req.out.stem + ".libraries.log")
 
 
 def run(plan: Plan, watch: Watch = Watch(), begin=None) -> Outcome:
@@ -185,7 +191,7 @@ def run(plan: Plan, watch: Watch = Watch(), begin=None) -> Outcome:
     path = report.write_atomic(table, req.out)
     if req.goldens is not None:
         dump(T.to_golden(o.impl), req.goldens)
-    return Outcome(plan, o, path, req.goldens, table)
+    return Outcome(plan, o, path, req.goldens, table, s.library_log)
 
 
 def golden_lines(o: T.Outcome) -> list[str]:
