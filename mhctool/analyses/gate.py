@@ -333,7 +333,8 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
                 pools[device] = stack.enter_context(pool.Pool(pool.worker_count(workers, device, 1 << 30), device))
             outcome = parity.execute(plan, isolation, interrupted,
                                      progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
-                                     n, backend, ray_address=ray_address, pool=pools.get(device))
+                                     n, backend, ray_address=ray_address, pool=pools.get(device),
+                                     insist=isolation is not None and isolation.insist)
             item_rows = outcome.rows
             if timings is not None:
                 profile.add(timings, outcome.timings)

@@ -45,7 +45,7 @@ from mhctool.registry.builtin import impls_for
 from mhctool.registry.costs import model
 from mhctool.registry.impl import Impl
 from mhctool.registry.specs import resolve_one
-from mhctool.runner.call import cast_case_inputs, leaf_inputs
+from mhctool.runner.call import cast_case_inputs, leaf_inputs, settled
 from mhctool.runner.case import Case
 
 
@@ -214,6 +214,24 @@ def _call(fam: Family, impl: Impl, args: dict):
     return fam.call(fn, args, {}, impl.accepts, impl.bind, impl.takes)
 
 
+def check_streams(fam: Family, impl: Impl, args: dict, direction: str) -> None:
+    """One call (and, for ``bwd``, its backward) before the timing: a RuntimeError where its
+    outputs (or gradients) change after it returned: work left on another stream, which the
+    caller's stream, and so the timer's events, never waits for (its time would go unmeasured)."""
+    leaves = leaf_inputs(fam, args)
+    outs = [o for o in _call(fam, impl, leaves) if isinstance(o, torch.Tensor)]
+    if why := settled(outs, "outputs"):
+        raise RuntimeError(f"{why}; its time would not be measured")
+    if direction != "bwd":
+        return
+    wrt = [t for t in leaves.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    outs = [o for o in outs if o.requires_grad]
+    if outs and wrt:
+        grads = torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], allow_unused=True)
+        if why := settled([g for g in grads if g is not None], "gradients"):
+            raise RuntimeError(f"{why}; its time would not be measured")
+
+
 def isolated_measure(kernel: str, spec: str, name: str, *args) -> Measurement:
     """The job an isolation worker runs for ``mhctool bench``: resolve ``spec`` there, measure ``name``."""
     return measure(kernel, resolve_one(kernel, spec, name), *args)
@@ -253,6 +271,8 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     if graph and device == "cuda" and not graph_capturable(kernel, impl):
         return Measurement(**base, times_ms=[], host_us=math.nan, peak_bytes=math.nan, saved_bytes=math.nan,
                            message="not graph-capturable: reads m_splits on the host (a synchronisation)")
+    if device == "cuda" and not graph:
+        check_streams(fam, impl, dict(sets[0]), direction)
     if direction == "fwd":
         if graph and device == "cuda":
             with torch.no_grad():

@@ -55,12 +55,13 @@ def bench(
     isolate: Isolate = None,
     case_timeout: CaseTimeout = None,
     input_dtypes: InputDtypes = "library",
+    insist: opts.Insist = False,
 ):
     """Time kernels against the memory roofline measured in the same run."""
     opts.precheck(kernel, [dtype], shape, device, impl)
     from mhctool.analyses.runs import bench as run
     req = run.Request(kernel, split(impl), shape, dtype, split([direction]), repeats, graph, experts, tokens, hidden,
-                      ffn, device, out_path, plot, isolate, case_timeout, input_dtypes)
+                      ffn, device, out_path, plot, isolate, case_timeout, input_dtypes, insist)
     with watching("bench", None, quiet, unit="timed") as watch:
         o = run.run(req, watch)
     if not quiet:

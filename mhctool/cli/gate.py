@@ -33,6 +33,7 @@ def gate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
     isolate: Isolate = True,
     case_timeout: opts.CaseTimeout = None,
+    insist: opts.Insist = False,
     workers: Workers = None,
     shard: Shard = None,
     backend: Backend = "local",
@@ -43,7 +44,7 @@ def gate(
     setup.warm(workers, backend, isolate, device)  # the fork server imports torch while this process plans
     from mhctool.analyses.runs import gate as run
     req = run.Request(suite, junit, summary, out_path, device, isolate, case_timeout, workers, shard, backend,
-                      ray_address)
+                      ray_address, insist)
     with watching("gate", None, quiet, unit="checks started") as watch:
         o = run.run(req, watch)
     if show_profile:

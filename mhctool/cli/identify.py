@@ -59,6 +59,7 @@ def identify(
     verbose: opts.Verbose = False,
     matmul_precision: MatmulPrecision = None,
     case_timeout: opts.CaseTimeout = None,
+    insist: opts.Insist = False,
 ):
     """Tell which convention a kernel computes: fit the family's convention knobs against the float64
     reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does or
@@ -69,7 +70,7 @@ def identify(
                          + ", ".join(names.IDENTIFIABLE))
     from mhctool.analyses.runs import identify as run
     req = run.Request(kernel, impl, dtype, device, shape, opts.knob_items(knob, "--knob", "iters=20"), seed, out_path,
-                      isolate, verbose, matmul_precision, case_timeout)
+                      isolate, verbose, matmul_precision, case_timeout, insist)
     with watching("identify", None, quiet, unit="implementations done", spinner=True) as watch:
         o = run.run(req, watch)
     for f in o.found:

@@ -1,5 +1,25 @@
 """Errors the CLI turns into one sentence and exit code 2, and what a call of code under test
-that exits says in its failed row."""
+that exits or raises says in its failed row (one line)."""
+
+
+# lines PyTorch adds to a CUDA error that say nothing of the error itself
+_ADVICE = ("CUDA kernel errors might be asynchronously reported", "For debugging consider passing CUDA_LAUNCH_BLOCKING",
+           "Compile with `TORCH_USE_CUDA_DSA`", "Search for `cuda", "Device-side assertion tracking was not enabled")
+# where PyTorch's out-of-memory message turns from the allocation to the other processes and advice
+_OOM_TAIL = (" Process ", " Including non-PyTorch memory", " Of the allocated memory", " If reserved but unallocated")
+
+
+def short_error(e: BaseException) -> str:
+    """The error in one line; compiler errors put the cause after the first line, so keep it.
+    PyTorch's advice lines after a CUDA error, and its out-of-memory message's account of the
+    other processes, are left out."""
+    lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines()
+             if ln.strip() and not ln.strip().startswith(_ADVICE)]
+    text = " | ".join(lines)
+    if type(e).__name__ == "OutOfMemoryError":
+        cut = min((i for i in (text.find(t) for t in _OOM_TAIL) if i > 0), default=len(text))
+        text = text[:cut]
+    return text[:1500]
 
 
 class UsageError(ValueError):

@@ -34,7 +34,6 @@ import signal
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ import torch.multiprocessing as tmp
 
 from mhctool.core import partial
 from mhctool.core.environment import ensure_triton_mode
-from mhctool.core.errors import system_exit_message
+from mhctool.core.errors import short_error, system_exit_message
 from mhctool.core.library_log import ENV as LIBRARY_LOG
 from mhctool.core.library_log import to_log
 from mhctool.spread.forkserver import (
@@ -244,7 +243,7 @@ def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> No
         except SystemExit as e:
             reply = ("raised", system_exit_message(e))
         except BaseException as e:  # noqa: BLE001 - everything the code under test raises is a result
-            reply = ("raised", "".join(traceback.format_exception_only(type(e), e)).strip())
+            reply = ("raised", short_error(e))
         partial.set_sender(None)
         sick = _cuda_healthy()
         if sick:

@@ -1,7 +1,8 @@
 """A stand-in for issue 89's unofficial extension, wrapped as a file of functions (no
 ``:function``): its Sinkhorn and its post-mix are PyTorch's math; its aggregate's backward sums
-``grad_h_pre`` with float4 loads, and tells the compiler every row starts float4-aligned, which
-holds only where C % 4 == 0 (elsewhere: "CUDA error: misaligned address"). GPU only."""
+``grad_h_pre`` four floats at a time through 8-byte loads, never checking that a row starts on an
+8-byte boundary, which holds only where C is even (elsewhere: "CUDA error: misaligned address").
+GPU only (the CPU interpreter loads at any address)."""
 import torch
 import triton
 import triton.language as tl
@@ -10,21 +11,30 @@ from mhctool.kernels.torch import mhc as native
 
 
 @triton.jit
-def _grad_h_float4(g_ptr, x_ptr, out_ptr, C, N: tl.constexpr):
-    """out[t, j] = sum_c g[t, c] x[t, j, c], four floats a load; one token a program."""
+def _halves(v):
+    """An int64 holding two floats: (the float at the lower address, the one at the higher)."""
+    lo = (v & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+    hi = (v >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _grad_h_wide(g_ptr, x_ptr, out_ptr, C, N: tl.constexpr):
+    """out[t, j] = sum_c g[t, c] x[t, j, c]; one token a program."""
     t = tl.program_id(0)
+    two = tl.arange(0, 2)
     four = tl.arange(0, 4)
-    g_row = tl.multiple_of(t * C, 4)  # the unchecked claim
     for j in tl.static_range(N):
-        x_row = tl.multiple_of((t * N + j) * C, 4)
-        acc = tl.zeros([4], tl.float32)
+        x_row = x_ptr + (t * N + j) * C
+        g_row = g_ptr + t * C
+        acc = tl.zeros([2], tl.float32)
         for c0 in range(0, C - 3, 4):
-            c4 = tl.multiple_of(c0, 4)
-            acc += tl.load(x_ptr + x_row + c4 + four) * tl.load(g_ptr + g_row + c4 + four)
+            x_lo, x_hi = _halves(tl.load((x_row + c0).to(tl.pointer_type(tl.int64), bitcast=True) + two))
+            g_lo, g_hi = _halves(tl.load((g_row + c0).to(tl.pointer_type(tl.int64), bitcast=True) + two))
+            acc += x_lo * g_lo + x_hi * g_hi
         tail = (C // 4) * 4 + four
-        acc += tl.load(x_ptr + x_row + tail, mask=tail < C, other=0.0) * \
-            tl.load(g_ptr + g_row + tail, mask=tail < C, other=0.0)
-        tl.store(out_ptr + t * N + j, tl.sum(acc, 0))
+        rest = tl.load(x_row + tail, mask=tail < C, other=0.0) * tl.load(g_row + tail, mask=tail < C, other=0.0)
+        tl.store(out_ptr + t * N + j, tl.sum(acc, 0) + tl.sum(rest, 0))
 
 
 class _Aggregate(torch.autograd.Function):
@@ -40,7 +50,7 @@ class _Aggregate(torch.autograd.Function):
         xf = x.float().contiguous().reshape(-1, n, c)
         gf = g.float().contiguous().reshape(-1, c)
         gh = torch.empty(xf.shape[0], n, dtype=torch.float32, device=x.device)
-        _grad_h_float4[(xf.shape[0],)](gf, xf, gh, c, N=n)
+        _grad_h_wide[(xf.shape[0],)](gf, xf, gh, c, N=n)
         gx = (h_pre.float().unsqueeze(-1) * g.float().unsqueeze(-2)).to(x.dtype)
         return gx, gh.reshape(h_pre.shape).to(h_pre.dtype)
 

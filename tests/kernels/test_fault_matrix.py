@@ -167,6 +167,31 @@ def table(runs: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def test_a_file_of_functions_whose_backward_faults_gives_its_report_and_exit_1(tmp_path):
+    """Issue 89's first row: an extension wrapped as a file of functions (no ``:function``), its
+    aggregate's backward misaligned where C is odd: isolated by default, the fault is the
+    backward's row of those cases, every other row is judged, and nothing else reaches the terminal."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "ext.parquet"
+    p = subprocess.run([sys.executable, "-m", "mhctool.cli", "parity", "--kernel", "sinkhorn,h_aggregate", "--dtype",
+                        "fp32", "--impl", str(IMPLS / "gpu_misaligned_ext.py"), "--device", "cuda", "-o", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    text = p.stdout + p.stderr
+    assert p.returncode == 1, text
+    assert not FOREIGN.findall(text), text
+    rows = pq.read_table(out).to_pylist()
+    agg = [r for r in rows if r["impl"].endswith("gpu_misaligned_ext.py:h_aggregate")]
+    odd = {r["shape"] for r in agg if int(r["shape"].split("x")[-1]) % 2}
+    assert odd and {r["shape"] for r in agg} - odd  # both kinds of case ran
+    for r in agg:
+        if r["shape"] in odd and r["direction"] == "bwd":
+            assert r["passed"] is False and "misaligned address" in r["message"], r
+        else:
+            assert r["passed"] is not False, r
+    assert all(r["passed"] is not False for r in rows if r["impl"].endswith(":sinkhorn"))
+
+
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     if not torch.cuda.is_available():

@@ -43,6 +43,12 @@ class Probing(Subject):
 
     def _probe(self, fam_name: str) -> tuple[Probe | None, str | None]:
         case, shape, base, nat, upstream, res = self._run_on(fam_name)
+        if res.failure == "stopped" and self.ended is not None:
+            # stopped after it ended its process: the conclusion is what it did the first time
+            direction, error, family = self.failed = self.ended
+            return None, f"its {direction} failed: {error} (probe {family}); on the later probes {res.fwd_error}"
+        if res.failure not in (None, "stopped") and self.ended is None:
+            self.ended = ("forward" if res.fwd_error else "backward", res.fwd_error or res.bwd_error, fam_name)
         if res.fwd_error:
             self.failed = ("forward", res.fwd_error, fam_name)
             return None, f"its forward failed: {res.fwd_error} (probe {fam_name})"

@@ -67,6 +67,9 @@ class Subject:
         self.overflow: list = []  # Identification.overflow
         self.saturated: list = []  # Identification.saturated
         self.failed: tuple | None = None  # the probe that failed: (direction, error, input family)
+        # the first probe in which it ended its isolation worker (a crash, an exit, a hang, a CUDA
+        # fault): (direction, error, input family)
+        self.ended: tuple | None = None
         self.ignored: dict = {}  # Identification.ignored
 
     def _names(self) -> list[str]:

@@ -44,6 +44,7 @@ class Request:
     isolate: bool | None = None
     case_timeout: float | None = None
     input_dtypes: str = "library"
+    insist: bool = False  # an implementation that keeps ending its process or hanging is timed on every case
 
 
 @dataclass
@@ -190,7 +191,8 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     copy_bw = timing.copy_bandwidth(dev, (1 << 30) if dev == "cuda" else (1 << 26))
     mm_bf16 = timing.matmul_rate(dev, parse_dtype("bf16").torch_dtype)
     mm_tf32 = timing.matmul_rate(dev, parse_dtype("fp32").torch_dtype)
-    s = setup.prepare(dev, specs=req.impls, isolate=req.isolate, case_timeout=req.case_timeout, pin_threads=False,
+    s = setup.prepare(dev, specs=req.impls, isolate=req.isolate, case_timeout=req.case_timeout, insist=req.insist,
+                      pin_threads=False,
                       library_log=req.out.with_name(req.out.stem + ".libraries.log"), consoles=watch.consoles,
                       say=watch.say)
     watch.planned(len(todo) * len(req.directions))

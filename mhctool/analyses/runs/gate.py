@@ -29,6 +29,7 @@ class Request:
     shard: str | None = None
     backend: str = "local"
     ray_address: str | None = None
+    insist: bool = False  # an implementation that keeps ending its process or hanging runs on every case
 
 
 @dataclass
@@ -79,7 +80,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     pool.check_backend(req.backend)
     size = pool.worker_count(asked, dev, 1 << 30)  # the most any entry gets
     s = setup.prepare(dev, isolate=req.isolate, default_isolate=req.isolate, case_timeout=req.case_timeout,
-                      workers=size, backend=req.backend, library_log=req.out.with_name(req.out.stem + ".libraries.log"),
+                      insist=req.insist, workers=size, backend=req.backend, library_log=req.out.with_name(req.out.stem + ".libraries.log"),
                       consoles=watch.consoles, say=watch.say)
     timings: dict = {}
     t0 = time.perf_counter()

@@ -30,6 +30,7 @@ class Request:
     verbose: bool = False
     matmul_precision: str | None = None
     case_timeout: float | None = None  # seconds an isolated probe call may take
+    insist: bool = False  # called on every probe even after it ended its process or hung
 
 
 @dataclass
@@ -90,7 +91,8 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     for i in impls:
         if why := i.unsupported(dev, dt):
             raise UsageError(f"--impl {i.name} cannot run {req.kernel} at {dt} on {dev}: {why}")
-    s = setup.prepare(dev, specs=[req.impl], isolate=req.isolate, case_timeout=req.case_timeout, workers=1,
+    s = setup.prepare(dev, specs=[req.impl], isolate=req.isolate, case_timeout=req.case_timeout, insist=req.insist,
+                      workers=1,
                       library_log=None if req.verbose else req.out.with_name(req.out.stem + ".libraries.log"),
                       consoles=watch.consoles, say=watch.say)
     watch.planned(len(impls))
