@@ -9,7 +9,7 @@ backward. ``sinkhorn_<fault>_<fwd|bwd>`` for each fault of :data:`FAULTS`:
 - ``os_exit``: the process ends at once (exit code 7);
 - ``hang``: a kernel that spins on the GPU for days (the host then waits for it);
 - ``oom``: an allocation of a petabyte;
-- ``unsynced_stream``: the result is copied into a zeroed output on a side stream after a 50 ms
+- ``unsynced_stream``: the result is copied into a zeroed output on a side stream after a 100 ms
   spin, and the caller's stream is never told to wait for it. (An output whose memory already
   held the result's bytes could not show the race: a Sinkhorn converged in fp32 leaves its last
   iterate, bit for bit, in the block the allocator hands out next.)
@@ -78,8 +78,9 @@ def _unsynced_stream(t):
     out = torch.zeros_like(t)  # on the caller's stream
     side = torch.cuda.Stream(device=t.device)
     side.wait_stream(torch.cuda.current_stream(t.device))  # t and out are ready there; the caller never waits on side
+    t.record_stream(side)  # t's memory is not handed out again before side has read it
     with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)  # about 50 ms
+        torch.cuda._sleep(200_000_000)  # about 100 ms
         out.copy_(t)
     return out
 

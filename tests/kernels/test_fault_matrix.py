@@ -173,9 +173,12 @@ def test_a_file_of_functions_whose_backward_faults_gives_its_report_and_exit_1(t
     backward's row of those cases, every other row is judged, and nothing else reaches the terminal."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    out = tmp_path / "ext.parquet"
-    p = subprocess.run([sys.executable, "-m", "mhctool.cli", "parity", "--kernel", "sinkhorn,h_aggregate", "--dtype",
-                        "fp32", "--impl", str(IMPLS / "gpu_misaligned_ext.py"), "--device", "cuda", "-o", str(out)],
+    out, scenario = tmp_path / "ext.parquet", tmp_path / "ext.toml"
+    scenario.write_text('name = "ext"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["9x2x4x1"]\ndtypes = ["fp32"]\n'
+                        'families = ["random"]\n[[cases]]\nkernel = "h_aggregate"\nshapes = ["13x3x4x67", "13x3x4x64"]\n'
+                        'dtypes = ["fp32", "bf16"]\nfamilies = ["random"]\n')
+    p = subprocess.run([sys.executable, "-m", "mhctool.cli", "parity", "--kernel", "sinkhorn,h_aggregate", "--scenario",
+                        str(scenario), "--impl", str(IMPLS / "gpu_misaligned_ext.py"), "--device", "cuda", "-o", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     text = p.stdout + p.stderr
     assert p.returncode == 1, text
