@@ -45,7 +45,7 @@ from mhctool.registry.builtin import impls_for
 from mhctool.registry.costs import model
 from mhctool.registry.impl import Impl
 from mhctool.registry.specs import resolve_one
-from mhctool.runner.call import cast_case_inputs, leaf_inputs, settled
+from mhctool.runner.call import cast_case_inputs, leaf_inputs, load_digest, settled
 from mhctool.runner.case import Case
 
 
@@ -219,6 +219,7 @@ def check_streams(fam: Family, impl: Impl, args: dict, direction: str) -> None:
     outputs (or gradients) change after it returned: work left on another stream, which the
     caller's stream, and so the timer's events, never waits for (its time would go unmeasured)."""
     leaves = leaf_inputs(fam, args)
+    load_digest(next(t.device for t in leaves.values() if isinstance(t, torch.Tensor)))
     outs = [o for o in _call(fam, impl, leaves) if isinstance(o, torch.Tensor)]
     if why := settled(outs, "outputs"):
         raise RuntimeError(f"{why}; its time would not be measured")

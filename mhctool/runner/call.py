@@ -122,9 +122,22 @@ def _digest(tensors) -> torch.Tensor | None:
     return torch.stack([t.contiguous().view(torch.uint8).sum(dtype=torch.int64) for t in cuda])
 
 
+_DIGEST_LOADED: set = set()  # devices where the digest's kernels have run once
+
+
+def load_digest(device) -> None:
+    """Run :func:`_digest` once on ``device`` before the code under test: a kernel's first launch
+    can wait for the whole device (its module loaded lazily), which would let work left on another
+    stream finish before the first digest reads it."""
+    if str(device) not in _DIGEST_LOADED:
+        torch.equal(_digest([torch.ones(2, device=device)]), _digest([torch.ones(2, device=device)]))
+        _DIGEST_LOADED.add(str(device))
+
+
 def settled(tensors, what: str) -> str | None:
     """Synchronize the device (an asynchronous CUDA error surfaces here, in the direction that
-    caused it), and say so where ``tensors`` changed meanwhile (:func:`_digest`)."""
+    caused it), and say so where ``tensors`` changed meanwhile (:func:`_digest`; call
+    :func:`load_digest` before the code under test runs)."""
     before = _digest(tensors)
     torch.cuda.synchronize()
     if before is None or torch.equal(before, _digest(tensors)):
@@ -141,6 +154,8 @@ def run_impl(fam: Family, impl: Impl, base: dict, knobs: dict, upstream_fn, expe
     res = ImplResult()
     args = leaf_inputs(fam, base)
     on_gpu = any(isinstance(t, torch.Tensor) and t.is_cuda for t in args.values())
+    if on_gpu:
+        load_digest(next(t.device for t in args.values() if isinstance(t, torch.Tensor) and t.is_cuda))
     try:
         with poisoning(True):
             outs = list(fam.call(impl.fn, args, knobs, impl.accepts, impl.bind, impl.takes))

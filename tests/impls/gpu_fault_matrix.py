@@ -75,6 +75,8 @@ def _oom(t):
 
 
 def _unsynced_stream(t):
+    torch.cuda._sleep(1)  # the kernels it launches below, loaded before (a first launch may wait for the device)
+    torch.empty_like(t).copy_(t)
     out = torch.zeros_like(t)  # on the caller's stream
     side = torch.cuda.Stream(device=t.device)
     side.wait_stream(torch.cuda.current_stream(t.device))  # t and out are ready there; the caller never waits on side

@@ -167,6 +167,7 @@ def table(runs: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+@pytest.mark.slow  # 24 s on an H200; the GPU suite keeps its 4 minutes (the matrix's misaligned parity cell is this too)
 def test_a_file_of_functions_whose_backward_faults_gives_its_report_and_exit_1(tmp_path):
     """Issue 89's first row: an extension wrapped as a file of functions (no ``:function``), its
     aggregate's backward misaligned where C is odd: isolated by default, the fault is the

@@ -23,7 +23,7 @@ from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import system_exit_message
 from mhctool.core.metrics import h_res_health
 from mhctool.references import model as model_mod
-from mhctool.runner.call import settled, short_error
+from mhctool.runner.call import load_digest, settled, short_error
 
 # whose backward computes the gradient each mHC output receives (a non-finite gradient there is
 # that backward's)
@@ -187,6 +187,8 @@ def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Call
     rec = Recorder(pieces)
     act = FORMATS[cfg.dtype].torch_dtype
     cuda = cfg.device == "cuda"
+    if cuda:
+        load_digest(cfg.device)  # before the first step's check of each piece (LayerCalls._check_streams)
     for i in range(1, cfg.steps + 1):
         if interrupted():
             traj.error = "interrupted"
