@@ -30,7 +30,7 @@ Ffn = Annotated[int, typer.Option("--ffn", min=1, help="FFN size per expert of t
 Out = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
 Plot = Annotated[Optional[Path], typer.Option("--plot", help="PNG to write (bars per kernel and direction, roofline line).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q")]
-Isolate = Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Time each implementation in a child process, so a crash or a hang is reported and the others are still timed. Default: on for an external --impl on a GPU or with --case-timeout.")]
+Isolate = Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Time each implementation in a child process, so a crash or a hang is reported and the others are still timed. Default: on for an --impl mhctool did not ship, or with --case-timeout.")]
 CaseTimeout = Annotated[Optional[float], typer.Option("--case-timeout", min=0.001, help="Seconds an isolated measurement may take (default: scaled with the shape).")]
 InputDtypes = Annotated[str, typer.Option("--input-dtypes", help="library: each library timed at the input dtypes its adapter says it is used with (Megatron-LM's h_res and h_post in the activations' dtype); contract: every implementation at mhctool's contract dtypes.")]
 

@@ -27,7 +27,7 @@ Seed = Annotated[int, typer.Option("--seed", min=0, help="Probe input seed.")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Parquet report: one row per candidate tried.")]
 Top = Annotated[int, typer.Option("--top", min=1, help="Rows of the candidates table.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the result lines.")]
-Isolate = Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Run the implementation in a child process (default: on for an external one on a GPU).")]
+Isolate = Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Run the implementation in a child process (default: on for one mhctool did not ship).")]
 MatmulPrecision = Annotated[Optional[str], typer.Option("--matmul-precision", help="ieee, tf32, tf32_trunc or bf16: what the implementation multiplies at by design (default: fitted with the conventions; an adapter's declared precision is where the fit starts).")]
 
 

@@ -38,7 +38,7 @@ InputDtypes = Annotated[str, typer.Option("--input-dtypes", help="contract: ever
 Kappa = Annotated[float, typer.Option("--kappa", min=1.0, help="The drift may be kappa x the native trajectory's (its median distance from the float64 run).")]
 Compare = Annotated[bool, typer.Option("--compare/--no-compare", help="Also train natively and with the mHC pieces in float64, and judge the drift (--no-compare: the implementation's run alone).")]
 Trace = Annotated[bool, typer.Option("--trace/--no-trace", help="Trace a drift to the convention that reproduces it (reruns the native implementation with each one identify fits).")]
-Isolate = Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Train the implementation in a child process, so a crash or a hang ends its run with the steps so far (default: on for an external --impl on a GPU).")]
+Isolate = Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Train the implementation in a child process, so a crash or a hang ends its run with the steps so far (default: on for an --impl mhctool did not ship, or with --step-timeout).")]
 StepTimeout = Annotated[Optional[float], typer.Option("--step-timeout", min=0.001, help="Seconds one step of an isolated implementation may take before it is called hung and its run ends with the steps so far (default: 600 s for the first step, which compiles; a later one 10x the slowest before it, at least 60 s).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
 Goldens = Annotated[Optional[Path], typer.Option("--goldens", help="Write the implementation's run as Megatron golden values (JSON) here.")]

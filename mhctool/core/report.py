@@ -82,7 +82,10 @@ SCHEMA = pa.schema([
 # ceiling applies (memory or compute); the ceilings are in the ``mhctool.run`` metadata. ``dtype``
 # is the run's dtype for the kernel (fp32 for Sinkhorn's mapping path); ``inputs`` (schema 2) the
 # dtype of each floating input as timed, ``name=dtype`` in call order (a library's adapter may
-# state other dtypes than the contract's: ``h_res=bf16``); null on skipped rows.
+# state other dtypes than the contract's: ``h_res=bf16``); null on skipped rows. A (kernel, impl,
+# direction) that could not be timed has one row instead: metric ``skipped`` (it cannot run here:
+# a dtype or device it does not take, not graph-capturable) or ``error`` (it raised, crashed, hung,
+# faulted, or left work on another stream; the run exits 1), the reason in ``message``.
 BENCH_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("kernel", pa.string()), ("impl", pa.string()), ("backend", pa.string()),
     ("direction", pa.string()), ("dtype", pa.string()), ("shape", pa.string()), ("device", pa.string()),

@@ -1,6 +1,7 @@
-"""mhctool's conclusion is the terminal's last line: what a library writes as the process shuts
-down (PyTorch's CUDA IPC warning after an isolation worker died, here an atexit line of the module
-under test) goes to the run's library log, or nowhere where the command kept none."""
+"""mhctool's lines are the terminal's: what a library writes while a command runs goes to the
+run's library log (parity, identify, bench, gate, train), and so does what it writes as the
+process shuts down (PyTorch's CUDA IPC warning after an isolation worker died, here an atexit line
+of the module under test), never after the conclusion."""
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,18 @@ def test_a_command_without_a_library_log_drops_it(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "third-party line" not in p.stdout + p.stderr
+
+
+def test_bench_and_train_keep_the_libraries_lines_in_their_log(tmp_path):
+    chatty = f"{NOISY}:sinkhorn_chatty"
+    runs = {"b": ["bench", "--kernel", "sinkhorn", "--impl", chatty, "--device", "cpu", "--shape", "5x1x4x1",
+                  "--dtype", "fp32", "--repeats", "3"],
+            "t": ["train", "--kernel", "sinkhorn", "--impl", chatty, "--device", "cpu", "--steps", "2", "--layers",
+                  "1", "--seq", "8", "--seeds", "1", "--workers", "1", "--no-compare"]}
+    for name, args in runs.items():
+        p = subprocess.run([*MAIN, *args, "-o", str(tmp_path / f"{name}.parquet")], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "[chatty]" not in p.stdout + p.stderr
+        assert "[chatty] compiling a kernel" in (tmp_path / f"{name}.libraries.log").read_text()
+        assert f"the libraries' own output: {tmp_path / f'{name}.libraries.log'}" in " ".join(p.stdout.split())

@@ -315,6 +315,36 @@ def test_insist_runs_a_dying_implementation_on_every_case(tmp_path):
     assert {r["rule"] for r in rows if r["direction"] == "fwd"} == {"exit"}
 
 
+def test_identify_says_the_failure_that_ended_its_worker_and_takes_insist(tmp_path):
+    """A backward that crashes in every call: identify's conclusion is that crash, in the
+    backward, at the first probe; the stop after two such probes is said after it, and --insist
+    is a flag of identify's own."""
+    out = tmp_path / "id.parquet"
+    res = cli.invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", f"{PROCESS}:sinkhorn_backward_exits",
+                           "--device", "cpu", "-q", "-o", str(out)])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1, text
+    assert text.startswith("no convention fits: its backward failed: the implementation ended its process with "
+                           "exit code 5"), text
+    assert "on the later probes not run: it ended its process in the last 2 cases" in text
+    res = cli.invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", f"{PROCESS}:sinkhorn_backward_exits",
+                           "--device", "cpu", "-q", "--insist", "-o", str(out)])
+    assert res.exit_code == 1 and "not run" not in res.output, res.output
+
+
+def test_bench_stops_a_hung_kernel_after_one_hang_unless_insisted(tmp_path):
+    out = tmp_path / "b.parquet"
+    args = ["bench", "--kernel", "sinkhorn", "--device", "cpu", "--shape", "8x2x4x1", "--repeats", "3", "--impl",
+            f"{PROCESS}:sinkhorn_hangs", "--case-timeout", "2", "-q", "-o", str(out)]
+    res = cli.invoke(app, args)
+    assert res.exit_code == 1, res.output
+    said = {r["direction"]: r["message"] for r in pq.read_table(out).to_pylist() if r["metric"] == "error"}
+    assert said["fwd"] == "timed out after 2 s" and said["bwd"].startswith("not run: it hung past the time limit")
+    res = cli.invoke(app, [*args, "--insist"])
+    said = {r["direction"]: r["message"] for r in pq.read_table(out).to_pylist() if r["metric"] == "error"}
+    assert res.exit_code == 1 and said == {"fwd": "timed out after 2 s", "bwd": "timed out after 2 s"}, said
+
+
 def test_the_pool_stops_an_implementation_by_its_cases_rows():
     """What the pool counts between the cases it hands out (the end-to-end run over two workers is
     slow-marked: each death restarts a worker): ended processes in a row, reset by a case it
