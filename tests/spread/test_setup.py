@@ -25,10 +25,11 @@ def test_a_file_of_functions_on_a_gpu_is_isolated_by_default():
     assert setup.isolation_for(None, ["wrapper.py"], "cuda", None, None, quiet) is not None
 
 
-def test_isolation_by_default_for_an_outside_implementation_on_a_gpu_or_a_time_limit_only():
+def test_isolation_by_default_for_an_outside_implementation_or_a_time_limit_only():
     quiet = setup.Interrupts(lambda line: None)
-    assert setup.isolation_for(None, ["mine.py:sk"], "cpu", None, None, quiet) is None
+    assert setup.isolation_for(None, ["mine.py:sk"], "cpu", None, None, quiet) is not None
     assert setup.isolation_for(None, ["triton"], "cuda", None, None, quiet) is None
+    assert setup.isolation_for(None, ["triton"], "cpu", None, None, quiet) is None
     on_gpu = setup.isolation_for(None, ["mine.py:sk"], "cuda", None, None, quiet)
     timed = setup.isolation_for(None, ["triton"], "cpu", 5.0, "host", quiet)
     assert on_gpu.transport == "shm" and (timed.transport, timed.case_timeout) == ("host", 5.0)
