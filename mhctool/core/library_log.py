@@ -13,10 +13,12 @@ import contextlib
 import io
 import os
 import sys
+import warnings
 from pathlib import Path
 
 ENV = "MHCTOOL_LIBRARY_LOG"
 _last: Path | None = None  # the log of this process's last run (None: no run kept one)
+_held: list[str] = []  # what the code under test wrote while the command planned (see holding)
 
 
 def _fd_of(stream) -> int | None:
@@ -37,6 +39,28 @@ def to_log(path: str | None) -> None:
 
 
 @contextlib.contextmanager
+def holding(consoles: dict):
+    """While a command plans, before its log opens (the code under test is imported then): what
+    Python-level code writes to ``sys.stdout`` or ``sys.stderr``, its warnings included (a
+    library's import-time UserWarning), is held, and written first into the run's library log when
+    it opens (dropped where none opens: a command stopped by bad input says one sentence).
+    mhctool's own ``consoles`` keep the streams they had."""
+    buf = io.StringIO()
+    saved = {name: c.file for name, c in consoles.items()}
+    for name, c in consoles.items():
+        c.file = getattr(sys, name)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            warnings.simplefilter("default")  # each warning once, as Python shows it by default
+            yield
+    finally:
+        for name, c in consoles.items():
+            c.file = saved[name]
+        if buf.getvalue():
+            _held.append(buf.getvalue())
+
+
+@contextlib.contextmanager
 def library_log(path: Path, consoles: dict, enabled: bool = True):
     """Yields a dict whose ``"path"`` is the log's path once the block ends, where anything was
     written to it (None otherwise: the empty file is removed). ``consoles``: mhctool's own rich
@@ -53,6 +77,9 @@ def library_log(path: Path, consoles: dict, enabled: bool = True):
         with contextlib.suppress(Exception):
             s.flush()
     log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    if _held:  # what the code under test wrote while the command planned
+        os.write(log_fd, "".join(_held).encode("utf-8", "replace"))
+        _held.clear()
     saved_fds, terminals = {}, []
     for name, fd in (("stdout", 1), ("stderr", 2)):
         stream = getattr(sys, name)

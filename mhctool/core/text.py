@@ -17,6 +17,25 @@ def fmt(v) -> str:
     return str(v)
 
 
+# metrics whose values are element counts (mhctool.core.metrics)
+COUNT_METRICS = ("nonfinite", "unwritten", "extra_zeros")
+
+
+def measured(metric: str, v) -> str:
+    """A judged value in a sentence: a count as an integer ("nonfinite 670", never 6.7e+02), an
+    error that non-finite elements made infinite said so, NaN as NaN; else two significant digits."""
+    if v is None:
+        return "-"
+    v = float(v)
+    if math.isnan(v):
+        return "NaN"
+    if metric in COUNT_METRICS:
+        return str(int(v))
+    if math.isinf(v):
+        return "inf (non-finite elements)"
+    return f"{v:.2g}"
+
+
 def short_impl(name: str) -> str:
     """``path/to/file.py:fn`` -> ``file.py:fn`` for tables (the report keeps the full spec)."""
     target, sep, fn = name.rpartition(":")

@@ -197,3 +197,9 @@ def test_a_kernel_that_returns_the_wrong_thing_fails_its_rows_and_decides_no_exi
     rows = [r for r in pq.read_table(tmp_path / "p.parquet").to_pylist() if r["impl"].endswith(fn)]
     assert rows and all(r["passed"] is False for r in rows if r["direction"] == "fwd")
     assert any(said in (r["message"] or "") for r in rows)
+
+
+def test_identify_names_a_dtype_its_outputs_came_back_in(tmp_path):
+    res, text = run("identify", "--kernel", "h_aggregate", "--impl", f"{STRANGERS}:h_aggregate_in_fp32", "--dtype",
+                    "bf16", "--device", "cpu", "-q", "-o", tmp_path / "id.parquet")
+    assert "it returned out in fp32 for bf16 inputs: judged converted to the contract's dtype" in text, text

@@ -41,3 +41,17 @@ def test_bench_and_train_keep_the_libraries_lines_in_their_log(tmp_path):
         assert "[chatty]" not in p.stdout + p.stderr
         assert "[chatty] compiling a kernel" in (tmp_path / f"{name}.libraries.log").read_text()
         assert f"the libraries' own output: {tmp_path / f'{name}.libraries.log'}" in " ".join(p.stdout.split())
+
+
+def test_what_the_code_under_test_writes_as_it_is_imported_goes_to_the_log(tmp_path):
+    spec = f"{NOISY.with_name('import_warning.py')}:sinkhorn"
+    for command, extra in (("identify", []), ("parity", ["--shape", "5x1x4x1", "--dtype", "fp32"])):
+        out = tmp_path / f"{command}.parquet"
+        p = subprocess.run([*MAIN, command, "--kernel", "sinkhorn", "--impl", spec, "--device", "cpu", *extra,
+                            "-o", str(out)], capture_output=True, text=True, timeout=300)
+        text = p.stdout + p.stderr
+        assert p.returncode == 0, text
+        assert "import_warning:" not in text and "UserWarning" not in text, text
+        log = out.with_name(f"{command}.libraries.log").read_text()
+        assert "UserWarning: import_warning: this module is deprecated" in log
+        assert "import_warning: built its kernels" in log

@@ -182,3 +182,8 @@ def sinkhorn_returns_none(logits, iters=20, eps=1e-6):
 def sinkhorn_returns_a_list(logits, iters=20, eps=1e-6):
     """Runs, and returns its output in a list: not the contract's form (a tensor, or a tuple)."""
     return [native.sinkhorn(logits, iters, eps)]
+
+
+def h_aggregate_in_fp32(x, h_pre):
+    """The right sums, returned in fp32 whatever the activations' dtype (bf16 inputs, fp32 out)."""
+    return native.h_aggregate(x.float(), h_pre.float())

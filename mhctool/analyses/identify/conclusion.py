@@ -80,6 +80,8 @@ class Identification:
     saturated: list = field(default_factory=list)
     # a direction that failed at the probe shape and runs at aligned ones (limits.py): the sentence
     limit: str | None = None
+    # an output (or gradient) that came back in another dtype than its input's: name -> that dtype
+    returned: dict = field(default_factory=dict)
 
     @property
     def asked_all(self) -> dict:

@@ -124,4 +124,7 @@ class Identifier(Judging):
 
 
 def identify(kernel: str, impl: Impl, **kw) -> Identification:
-    return Identifier(kernel, impl, **kw).run()
+    subject = Identifier(kernel, impl, **kw)
+    ident = subject.run()
+    ident.returned = dict(subject.returned)
+    return ident

@@ -19,6 +19,7 @@ from mhctool.analyses.identify.space import (
 )
 from mhctool.analyses.identify.subject import batched_errors, nan_as_inf
 from mhctool.core.metrics import max_rel, nonfinite
+from mhctool.core.text import measured
 from mhctool.families import PRECISIONS, input_family
 from mhctool.registry.builtin import native_impl
 from mhctool.runner.baseline import judged_rows, make_baseline
@@ -80,7 +81,8 @@ class Judging(Fitting, Probing):
                 bwd_failed = bwd_failed or f"backward failed: {p.res.bwd_error}"
             for r in rows:
                 if r["passed"] is False:
-                    msg = f"{r['tensor']} {r['metric']} {r['value']:.2g} > {r['threshold']:.2g} on {p.case.family}"
+                    msg = (f"{r['tensor']} {r['metric']} {measured(r['metric'], r['value'])} > "
+                           f"{measured(r['metric'], r['threshold'])} on {p.case.family}")
                     if r["direction"] == "fwd":
                         fwd_failed = fwd_failed or msg
                     else:

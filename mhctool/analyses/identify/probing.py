@@ -43,6 +43,7 @@ class Probing(Subject):
 
     def _probe(self, fam_name: str) -> tuple[Probe | None, str | None]:
         case, shape, base, nat, upstream, res = self._run_on(fam_name)
+        self.returned.update(res.returned)
         if res.failure == "stopped" and self.ended is not None:
             # stopped after it ended its process: the conclusion is what it did the first time
             direction, error, family = self.failed = self.ended

@@ -70,6 +70,7 @@ class Subject:
         # the first probe in which it ended its isolation worker (a crash, an exit, a hang, a CUDA
         # fault): (direction, error, input family)
         self.ended: tuple | None = None
+        self.returned: dict = {}  # output -> the dtype it came back in, where not the contract's (any probe)
         self.ignored: dict = {}  # Identification.ignored
 
     def _names(self) -> list[str]:

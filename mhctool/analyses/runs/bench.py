@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from mhctool.analyses import parity
-from mhctool.analyses import timing
+from mhctool.analyses import parity, timing
 from mhctool.analyses.runs import Watch
 from mhctool.core import environment, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError, system_exit_message
+from mhctool.core.library_log import holding
 from mhctool.core.shapes import MOE_PAPER_SHAPE, PAPER_SHAPE, MoeShape, parse_shape_for
 from mhctool.core.text import split
 from mhctool.families import get_family
@@ -184,7 +184,8 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
         report.check_writable(req.plot, "--plot", suffixes=(".png",))
     dev = environment.resolve_device(req.device)
     dtype = parse_dtype(req.dtype).name
-    todo, resolved, graphs = plan(req, dev, dtype)
+    with holding(watch.consoles):  # the implementations' imports: their lines to the library log
+        todo, resolved, graphs = plan(req, dev, dtype)
     l2 = _check_fits(todo, dev, dtype)
     if dev != "cuda":
         watch.say("note: no GPU here: CPU timer on a small shape; GPU figures need a GPU")

@@ -2,6 +2,7 @@
 computes, or that none fits, with the evidence (the fitting is :mod:`mhctool.analyses.identify`'s)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from mhctool.analyses.runs import Stopped, Watch, stop_point
 from mhctool.core import environment, names, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
+from mhctool.core.library_log import holding
 from mhctool.core.text import short_impl
 from mhctool.families import call_problem, get_family, signature
 from mhctool.registry.specs import resolve_impls
@@ -67,6 +69,9 @@ def conclusions(ident, impl, req: Request, asked: dict) -> Found:
         lines.append(note)
     if ident.ties:
         lines.append("fits as well (within native noise): " + "; ".join(ident_mod.fmt_knobs(c.knobs) for c in ident.ties))
+    if ident.returned:  # judged at the contract's dtype all the same: a lower precision is not excused
+        came = ", ".join(f"{name} in {fmt}" for name, fmt in sorted(ident.returned.items()))
+        lines.append(f"it returned {came} for {req.dtype} inputs: judged converted to the contract's dtype")
     flags = ident.flags() if ident.best is not None else ""
     defect = ident.defect()
     if ident.passed and flags and not defect:  # judged as it computes, the rest may still fail
@@ -87,7 +92,8 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     dt = parse_dtype(req.dtype).name
     dev = environment.resolve_device(req.device)
     asked = ident_mod.checked_knobs(req.kernel, dict(req.knobs), from_text=True)
-    impls = resolve_impls(req.kernel, [req.impl])
+    with contextlib.nullcontext() if req.verbose else holding(watch.consoles):  # its import's lines to the log
+        impls = resolve_impls(req.kernel, [req.impl])
     for i in impls:
         if why := i.unsupported(dev, dt):
             raise UsageError(f"--impl {i.name} cannot run {req.kernel} at {dt} on {dev}: {why}")

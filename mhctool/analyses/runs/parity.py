@@ -3,6 +3,7 @@ scenario's cases, the verdicts, and a hint under each outside implementation tha
 ``mhctool identify`` finds it computes). The cases themselves are :mod:`mhctool.analyses.parity`'s."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from mhctool.core.findings import (
     verdicts,
     worst_first,
 )
+from mhctool.core.library_log import holding
 from mhctool.core.text import short_impl
 from mhctool.families import call_problem, get_family, signature
 from mhctool.runner.checks import CPU_NOTE
@@ -181,7 +183,8 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     if req.plot is not None:
         report.check_folder(req.plot)
     dev = environment.resolve_device(req.device)
-    pl, kernel = plan_of(req, dev)
+    with contextlib.nullcontext() if req.verbose else holding(watch.consoles):  # imports' lines to the log
+        pl, kernel = plan_of(req, dev)
     n_workers, backend = setup.spread_for(req.workers, req.backend, dev, len(pl.cases),
                                           lambda: parity.check_poolable(pl), alone=pl.sharding is not None)
     if pl.sharding is not None and (n_workers > 1 or backend != "local" or pl.checks):

@@ -16,6 +16,7 @@ from mhctool.analyses.train import engine as E
 from mhctool.core import environment, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
+from mhctool.core.library_log import holding
 from mhctool.core.verdict import VerdictRule
 from mhctool.registry.specs import resolve_impls
 from mhctool.spread import pool, setup
@@ -145,8 +146,9 @@ def prepare(req: Request, watch: Watch = Watch()) -> Plan:
     conventions = T.parse_knobs(req.conventions, "--convention", conventions_only=True)
     specs = req.impls or ["triton"]
     assigned = T.assign(specs, req.kernel)
-    for f, spec in assigned.items():  # an unknown implementation, a function of the wrong form: before training
-        resolve_impls(f, [spec])
+    with holding(watch.consoles):  # their imports' lines to the library log
+        for f, spec in assigned.items():  # an unknown implementation, a function of the wrong form: before training
+            resolve_impls(f, [spec])
     if req.step_timeout is not None and req.isolate is False:
         raise UsageError("--step-timeout needs isolation (a hung step needs a child process to stop), "
                          "which --no-isolate turns off")
