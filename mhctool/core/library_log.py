@@ -46,7 +46,6 @@ def holding(consoles: dict):
     it opens (dropped where none opens: a command stopped by bad input says one sentence).
     mhctool's own ``consoles`` keep the streams they had."""
     buf = io.StringIO()
-    saved = {name: c.file for name, c in consoles.items()}
     for name, c in consoles.items():
         c.file = getattr(sys, name)
     try:
@@ -54,8 +53,8 @@ def holding(consoles: dict):
             warnings.simplefilter("default")  # each warning once, as Python shows it by default
             yield
     finally:
-        for name, c in consoles.items():
-            c.file = saved[name]
+        for c in consoles.values():
+            c.file = None  # back to the stream it prints to (resolved at each print), as library_log leaves it
         if buf.getvalue():
             _held.append(buf.getvalue())
 
