@@ -39,13 +39,20 @@ import torch
 
 from mhctool.core import inputs as inputs_mod
 from mhctool.core.dtypes import dtype_named, fmt_of
+from mhctool.core.errors import short_error
 from mhctool.core.shapes import Shape
 from mhctool.families import KERNELS, Family, generate, get_family
 from mhctool.registry.builtin import impls_for
 from mhctool.registry.costs import model
 from mhctool.registry.impl import Impl
 from mhctool.registry.specs import resolve_one
-from mhctool.runner.call import cast_case_inputs, leaf_inputs, load_digest, settled
+from mhctool.runner.call import (
+    cast_case_inputs,
+    leaf_inputs,
+    load_digest,
+    refusal,
+    settled,
+)
 from mhctool.runner.case import Case
 
 
@@ -241,7 +248,35 @@ def isolated_measure(kernel: str, spec: str, name: str, *args) -> Measurement:
 def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repeats: int,
             direction: str, graph: bool, l2_bytes: int, seed: int = 0, contract: bool = False) -> Measurement:
     """``contract``: the inputs at mhctool's contract dtypes even where the implementation's adapter
-    says its library is used with others."""
+    says its library is used with others. Where the call raises with an optional input it has a
+    parameter for (a bias its library does not support), it is timed without that input, and
+    the row says so; an outside implementation that refuses the case (its ``assert``,
+    ``NotImplementedError``, its compiler's error) is a skipped row with its words."""
+    args = (kernel, impl, shape, dtype, device, repeats, direction, graph, l2_bytes, seed, contract)
+    try:
+        return _measure(*args)
+    except Exception as e:  # noqa: BLE001 - tried again without its optional inputs, else raised as it was
+        first = e
+    optional = tuple(k for k in get_family(kernel).optional_inputs if impl.takes(k))
+    if optional and impl.backend == "external":
+        try:
+            return _measure(*args, without=optional, why=short_error(first))
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            pass
+    if impl.backend == "external" and refusal(first):
+        m = model(kernel, shape, bench_dtype(kernel, dtype))
+        return Measurement(kernel, impl.name, impl.backend, direction, bench_dtype(kernel, dtype), str(shape), [],
+                           math.nan, math.nan, math.nan, m.bytes_fwd if direction == "fwd" else m.bytes_bwd,
+                           m.flops_fwd if direction == "fwd" else m.flops_bwd, graph,
+                           message=f"it refuses this case: {short_error(first)}")
+    raise first
+
+
+def _measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repeats: int,
+             direction: str, graph: bool, l2_bytes: int, seed: int = 0, contract: bool = False,
+             without: tuple = (), why: str = "") -> Measurement:
+    """:func:`measure`, with the optional inputs ``without`` left out (``why``: what the call with
+    them raised)."""
     activation, dtype = dtype, bench_dtype(kernel, dtype)
     m = model(kernel, shape, dtype)
     nbytes = m.bytes_fwd if direction == "fwd" else m.bytes_bwd
@@ -253,6 +288,9 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
     if missing:  # a function without the optional input (a bias-less h_post_bda): timed without it
         sets = [{k: None if k in missing else t for k, t in s.items()} for s in sets]
         used = "; ".join(x for x in (used, f"no {', '.join(missing)} (it takes none)") if x)
+    if without:  # it has the parameter, and raised when given it
+        sets = [{k: None if k in without else t for k, t in s.items()} for s in sets]
+        used = "; ".join(x for x in (used, f"no {', '.join(without)} (given one, it raised {why})") if x)
     base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction, dtype=dtype,
                 shape=str(shape), model_bytes=nbytes,
                 model_flops=m.flops_fwd if direction == "fwd" else m.flops_bwd, graph=graph,

@@ -1,14 +1,15 @@
 """`mhctool bench` on the CPU: bytes/flops models, the report schema, refusals."""
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
 from mhctool.analyses import timing as bench
-from mhctool.core import report
 from mhctool.cli.app import app
-from mhctool.families import MHC_KERNELS, MOE_KERNELS
+from mhctool.core import report
 from mhctool.core.shapes import MoeShape, Shape
+from mhctool.families import MHC_KERNELS, MOE_KERNELS
 
 IMPLS = Path(__file__).resolve().parents[1] / "impls"  # loaded by file path, never as a package
 DEFECTS = IMPLS / "defects.py"
@@ -246,3 +247,18 @@ def test_the_table_shows_input_dtypes_compactly():
     assert _short_inputs("h_res=fp32,x=bf16,h_post=fp32,y=bf16,bias=bf16") == "bf16; fp32 h_res h_post"
     assert _short_inputs("logits=fp32") == "fp32"
     assert _short_inputs(None) == "-"
+
+
+def test_a_bias_parameter_that_refuses_a_bias_is_timed_without_one(tmp_path):
+    """An optional input the function has a parameter for but raises on (its library has no
+    bias): timed without it, and the row says what the call with it raised; no failure."""
+    out = tmp_path / "b.parquet"
+    strangers = Path(__file__).resolve().parents[1] / "impls" / "strangers.py"
+    res = CliRunner().invoke(app, ["bench", "--kernel", "h_post_bda", "--device", "cpu", "--shape", "5x1x4x8",
+                                   "--repeats", "3", "--impl", f"{strangers}:h_post_bda_refuses_bias", "-q",
+                                   "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    timed = [r for r in pq.read_table(out).to_pylist() if r["metric"] == "time_ms"]
+    assert {r["direction"] for r in timed} == {"fwd", "bwd"}
+    assert all(r["message"] == "no bias (given one, it raised NotImplementedError: bias is not supported)"
+               for r in timed), timed

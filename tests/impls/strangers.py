@@ -187,3 +187,10 @@ def sinkhorn_returns_a_list(logits, iters=20, eps=1e-6):
 def h_aggregate_in_fp32(x, h_pre):
     """The right sums, returned in fp32 whatever the activations' dtype (bf16 inputs, fp32 out)."""
     return native.h_aggregate(x.float(), h_pre.float())
+
+
+def h_post_bda_refuses_bias(h_res, x, h_post, y, bias=None):
+    """A bias parameter its library does not support: given a bias, it raises."""
+    if bias is not None:
+        raise NotImplementedError("bias is not supported")
+    return native.h_post_bda(h_res, x, h_post, y)
