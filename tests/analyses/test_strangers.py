@@ -203,3 +203,13 @@ def test_identify_names_a_dtype_its_outputs_came_back_in(tmp_path):
     res, text = run("identify", "--kernel", "h_aggregate", "--impl", f"{STRANGERS}:h_aggregate_in_fp32", "--dtype",
                     "bf16", "--device", "cpu", "-q", "-o", tmp_path / "id.parquet")
     assert "it returned out in fp32 for bf16 inputs: judged converted to the contract's dtype" in text, text
+
+
+def test_identify_runs_without_an_optional_input_the_function_raises_on(tmp_path):
+    """A bias parameter its library does not support (it raises when given one): identified
+    without a bias, and said; not "no convention fits"."""
+    res, text = run("identify", "--kernel", "h_post_bda", "--impl", f"{STRANGERS}:h_post_bda_refuses_bias",
+                    "--device", "cpu", "-q", "-o", tmp_path / "id.parquet")
+    assert res.exit_code == 0, text
+    assert text.startswith("best match: transpose_res=false")
+    assert "given bias, it raised NotImplementedError: bias is not supported: identified without one" in text

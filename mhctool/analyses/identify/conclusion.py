@@ -82,6 +82,8 @@ class Identification:
     limit: str | None = None
     # an output (or gradient) that came back in another dtype than its input's: name -> that dtype
     returned: dict = field(default_factory=dict)
+    # an optional input it has a parameter for but raised when given: name -> what it raised
+    without: dict = field(default_factory=dict)
 
     @property
     def asked_all(self) -> dict:

@@ -22,6 +22,19 @@ class Identifier(Judging):
     def run(self) -> Identification:
         self.progress("running it on the probe inputs")
         probes, error = self.probes()
+        without = {}
+        optional = [k for k in self.fam.optional_inputs if self.family_knobs.get(k) is not False and self.impl.takes(k)]
+        if error and optional and self.failed and self.failed[0] == "forward":
+            # a parameter for an optional input that raises when given one (a bias its library
+            # does not support): identified without it, and said
+            first = error
+            self.drop_inputs(optional)
+            probes, error = self.probes()
+            if error:
+                error = first
+            else:
+                without = {k: first.rsplit(" (probe ", 1)[0].removeprefix("its forward failed: ") for k in optional}
+        self.without = without
         limit = None
         # a direction that fails at the probe shape: whether the channel count is why (an alignment
         # requirement), and then identified at a shape where it runs
@@ -127,4 +140,5 @@ def identify(kernel: str, impl: Impl, **kw) -> Identification:
     subject = Identifier(kernel, impl, **kw)
     ident = subject.run()
     ident.returned = dict(subject.returned)
+    ident.without = dict(subject.without)
     return ident

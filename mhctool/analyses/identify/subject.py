@@ -71,7 +71,18 @@ class Subject:
         # fault): (direction, error, input family)
         self.ended: tuple | None = None
         self.returned: dict = {}  # output -> the dtype it came back in, where not the contract's (any probe)
+        self.without: dict = {}  # an optional input it raised on when given: name -> what it raised
         self.ignored: dict = {}  # Identification.ignored
+
+    def drop_inputs(self, names: list[str]) -> None:
+        """Probe without these optional inputs from here on (a function that has a parameter for
+        one but raised when given it): as for a function without the parameter."""
+        self.space = dataclasses.replace(
+            self.space, discrete={k: v for k, v in self.space.discrete.items() if k not in names},
+            variants={k: v for k, v in self.space.variants.items() if k not in names})
+        self.asked = {k: v for k, v in self.asked.items() if k not in names}
+        self.family_knobs.update({k: False for k in names})
+        self._stacks, self.failed, self.ended, self.tried = {}, None, None, {}
 
     def _names(self) -> list[str]:
         """The knobs fitted: the space's discrete and continuous ones, and those that mean something

@@ -69,6 +69,8 @@ def conclusions(ident, impl, req: Request, asked: dict) -> Found:
         lines.append(note)
     if ident.ties:
         lines.append("fits as well (within native noise): " + "; ".join(ident_mod.fmt_knobs(c.knobs) for c in ident.ties))
+    for name, raised in ident.without.items():
+        lines.append(f"given {name}, it raised {raised}: identified without one")
     if ident.returned:  # judged at the contract's dtype all the same: a lower precision is not excused
         came = ", ".join(f"{name} in {fmt}" for name, fmt in sorted(ident.returned.items()))
         lines.append(f"it returned {came} for {req.dtype} inputs: judged converted to the contract's dtype")
