@@ -38,25 +38,55 @@ def to_log(path: str | None) -> None:
     os.close(fd)
 
 
+class _Held(io.TextIOBase):
+    """A stream that holds what is written to it while ``holding`` is true, then passes writes on to
+    the stream it stood in for (a logging handler made at import keeps it, and still reaches the
+    log or the terminal as that stream does)."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target, self.holding, self.held = target, True, []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if self.holding:
+            self.held.append(text)
+        else:
+            self.target.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.holding:
+            self.target.flush()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+
 @contextlib.contextmanager
 def holding(consoles: dict):
     """While a command plans, before its log opens (the code under test is imported then): what
     Python-level code writes to ``sys.stdout`` or ``sys.stderr``, its warnings included (a
     library's import-time UserWarning), is held, and written first into the run's library log when
-    it opens (dropped where none opens: a command stopped by bad input says one sentence).
-    mhctool's own ``consoles`` keep the streams they had."""
-    buf = io.StringIO()
+    it opens (dropped where none opens: a command stopped by bad input says one sentence). A
+    stream kept meanwhile (a logging handler made at import) writes where the real one does
+    afterwards. mhctool's own ``consoles`` keep the streams they had."""
+    out, err = _Held(sys.stdout), _Held(sys.stderr)
     for name, c in consoles.items():
         c.file = getattr(sys, name)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             warnings.simplefilter("default")  # each warning once, as Python shows it by default
             yield
     finally:
         for c in consoles.values():
             c.file = None  # back to the stream it prints to (resolved at each print), as library_log leaves it
-        if buf.getvalue():
-            _held.append(buf.getvalue())
+        out.holding = err.holding = False
+        held = "".join(out.held + err.held)
+        if held:
+            _held.append(held)
 
 
 @contextlib.contextmanager

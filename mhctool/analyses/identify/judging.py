@@ -8,14 +8,15 @@ from dataclasses import replace
 import torch
 
 from mhctool.analyses.identify.conclusion import Candidate, Probe
+from mhctool.analyses.identify.evidence import nothing_near
 from mhctool.analyses.identify.fitting import Fitting
 from mhctool.analyses.identify.probing import Probing
 from mhctool.analyses.identify.space import (
     DEFECT_KNOBS,
     SUSPICIOUS_VALUES,
-    same_value,
     classify,
     fmt_value,
+    same_value,
 )
 from mhctool.analyses.identify.subject import batched_errors, nan_as_inf
 from mhctool.core.metrics import max_rel, nonfinite
@@ -137,7 +138,9 @@ class Judging(Fitting, Probing):
         said = (f"on {p.case.family}: at {knob}={fmt_value(self.asked[knob])} the outputs are off by max_rel "
                 f"{at_asked.max_rel:.2g} ({at_asked.score:.3g}x native noise), at {knob}={fmt_value(cand.knobs[knob])} "
                 f"by {at_fit.max_rel:.2g} ({at_fit.score:.3g}x)")
-        return at_asked.score > self._tol(at_fit.score), said
+        # shown only where the fitted value fits there and the asked one is further off: two
+        # values both far from the outputs show nothing of the knob
+        return not nothing_near(at_fit.score, at_fit.max_rel) and at_asked.score > self._tol(at_fit.score), said
 
     def fit_precision(self, probes: list[Probe], cand: Candidate) -> tuple[str, str]:
         """The matmul precision of the forward and of the backward: the closest precision (below)
