@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case, ImplResult, default_timeout, footprint
-from mhctool.spread.isolation import Worker
+from mhctool.spread.isolation import Failure, Worker
 from mhctool.spread.streaks import Streaks
 
 
@@ -35,21 +35,25 @@ class Isolation:
         return self.own or impl.backend == "external"
 
     def call(self, impl: Impl, target: str, args: tuple, footprint_bytes: float, device: str):
-        """Run ``target(*args)`` in ``impl``'s worker (started on first use) under the case time limit."""
+        """Run ``target(*args)`` in ``impl``'s worker (started on first use) under the case time
+        limit; a ``stopped`` failure, without running it, where its streak says so."""
+        why = self.streaks.why(impl.name)
+        if why is not None:
+            return None, Failure("stopped", why)
         worker = self.workers.get(impl.name)
         if worker is None:
             worker = self.workers[impl.name] = Worker(self.transport)
         timeout = self.case_timeout or default_timeout(footprint_bytes, device, impl.backend == "external")
-        return worker.call(target, args, timeout=timeout, interrupted=self.interrupted)
+        value, failure = worker.call(target, args, timeout=timeout, interrupted=self.interrupted)
+        self.streaks.saw(impl.name, failure and failure.kind, failure and failure.message or "")
+        return value, failure
 
     def run(self, case: Case, impl: Impl, base: dict, knobs: dict, upstream: list, expect: list) -> ImplResult:
-        why = self.streaks.why(impl.name)
-        if why is not None:
-            return ImplResult(fwd_error=why, failure="stopped")
         value, failure = self.call(impl, "mhctool.runner.call:isolated_impl",
                                    (case.kernel, impl.spec or impl.name, impl.name, base, knobs, upstream, expect),
                                    footprint(case), case.device)
-        self.streaks.saw(impl.name, failure and failure.kind, failure and failure.message or "")
+        if failure is not None and failure.kind == "stopped":
+            return ImplResult(fwd_error=failure.message, failure="stopped")
         if failure is None:
             value = dict(value)
             if value.pop("outputs_handed", False):  # the forward's outputs came before the backward ran

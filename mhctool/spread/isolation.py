@@ -65,7 +65,7 @@ LATE_VARIABLES = {"CUDA_VISIBLE_DEVICES", "MHCTOOL_DRAW_THREADS", "MHCTOOL_SHARE
 class Failure:
     """What the code under test did to its process, in one sentence."""
 
-    kind: str  # exit, signal, timeout, cuda, raised, lost
+    kind: str  # exit, signal, timeout, cuda, raised, lost; stopped (case_isolation: not run, its streak)
     message: str
     # cuda: what the call had returned before the context was lost, its tensors left behind
     # (the one-case runner's errors: which direction the fault was in)

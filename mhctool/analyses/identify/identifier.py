@@ -27,13 +27,13 @@ class Identifier(Judging):
         if error and optional and self.failed and self.failed[0] == "forward":
             # a parameter for an optional input that raises when given one (a bias its library
             # does not support): identified without it, and said
-            first = error
+            first, raised = error, self.failed[1]
             self.drop_inputs(optional)
             probes, error = self.probes()
             if error:
                 error = first
             else:
-                without = {k: first.rsplit(" (probe ", 1)[0].removeprefix("its forward failed: ") for k in optional}
+                without = {k: raised for k in optional}
         self.without = without
         limit = None
         # a direction that fails at the probe shape: whether the channel count is why (an alignment

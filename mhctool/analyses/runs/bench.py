@@ -165,13 +165,9 @@ def measure_one(iso, m: Measurement, direction: str, dtype: str, dev: str, repea
             return ("error", k, i, direction, system_exit_message(e), shp, g)
         except Exception as e:  # a kernel that fails to run is reported, the rest still run
             return ("error", k, i, direction, short_error(e), shp, g)
-    why = iso.streaks.why(i.name)
-    if why is not None:
-        return ("error", k, i, direction, why, shp, g)
     value, failure = iso.call(i, "mhctool.analyses.timing:isolated_measure",
                               (k, i.spec or i.name, i.name, shp, dtype, dev, repeats, direction, g, l2, 0, contract),
                               timing.footprint(k, shp, dtype), dev)
-    iso.streaks.saw(i.name, failure and failure.kind, failure and failure.message or "")
     if failure is not None:
         return ("error", k, i, direction, failure.message, shp, g)
     return ("ok", k, i, direction, value, shp, g)
