@@ -7,19 +7,31 @@ from __future__ import annotations
 def main() -> None:
     """``mhctool``: a signal that comes where a command does not handle its own (while Python imports
     the command line, before a run starts measuring) stops it with exit code 130 and one sentence,
-    never a traceback; a run that measures writes what it has (its own handling)."""
+    never a traceback; a run that measures writes what it has (its own handling).
+
+    The handler's ``SystemExit`` can come out as another exception: raised while Python makes a
+    class (a ``__set_name__`` hook, as in markdown_it, which typer imports to print a usage error)
+    it becomes ``RuntimeError``. So the signal is remembered, and whatever comes out of the run
+    after it is exit code 130 (our CI met it on 2026-11-29)."""
     import signal
     import sys
 
+    came: list[str] = []
+
     def stopped(signum, frame):
-        sys.stderr.write(f"interrupted ({signal.Signals(signum).name}): stopped at once; no report written\n")
+        came.append(signal.Signals(signum).name)
+        sys.stderr.write(f"interrupted ({came[0]}): stopped at once; no report written\n")
         raise SystemExit(130)
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, stopped)
-    from mhctool.cli.app import main as run
     try:
+        from mhctool.cli.app import main as run
         run()
     except SystemExit:  # the command's own end (an uncaught error's traceback stays on the terminal)
         from mhctool.core.library_log import after_conclusion
         after_conclusion()
+        raise
+    except BaseException:
+        if came:
+            raise SystemExit(130) from None
         raise
