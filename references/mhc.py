@@ -55,6 +55,13 @@ def _normalize(p: torch.Tensor, dim: int, eps: float, eps_mode: str, trace: Trac
     return p / den
 
 
+def floored(logits: torch.Tensor, floor: float) -> torch.Tensor:
+    """Each logit raised to at least ``floor`` below its matrix's max (0: as it is)."""
+    if not floor:
+        return logits
+    return torch.maximum(logits, logits.amax(dim=(-1, -2), keepdim=True) - floor)
+
+
 def sinkhorn(
     logits: torch.Tensor,
     iters: int = 20,
@@ -66,6 +73,7 @@ def sinkhorn(
     domain: str = "linear",
     clamp_at: float = 20.0,
     math: str = "ieee",
+    floor: float = 0.0,
     trace: Trace = None,
 ) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits[..., n, n])`` towards a doubly stochastic matrix.
@@ -92,6 +100,10 @@ def sinkhorn(
         with ``row_first`` the sequence is softmax, col, then ``iters - 1`` (row, col) pairs
         (DeepSeek's order); with ``col_first`` it is softmax then ``iters`` (col, row) pairs.
 
+    ``floor`` (0: none): every logit more than ``floor`` below its matrix's max is raised to that
+    level first, ``max(L, max(L) - floor)``, as a log-domain kernel that floors its log values
+    after subtracting the matrix's max does (exp of what lies below is never taken).
+
     Each iteration normalises rows then columns (``row_first``) or columns then rows
     (``col_first``); a normalisation divides by ``sum + eps`` (``add``) or ``max(sum, eps)``
     (``clamp``), or by the sum where it is above eps, leaving a row or column at or below eps as
@@ -106,6 +118,7 @@ def sinkhorn(
     if math not in MATHS:
         raise ValueError(f"math must be one of {MATHS}, got {math!r}")
     row, col = -1, -2
+    logits = floored(logits, floor)
     if stabilize == "rowmax":
         p = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
     elif stabilize == "none":

@@ -25,7 +25,9 @@ def _fast_exp(x):
 
 def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
              eps_mode: str = "add", order: str = "row_first", domain: str = "linear", clamp_at: float = 20.0,
-             math: str = "ieee"):
+             math: str = "ieee", floor: float = 0.0):
+    if floor:  # a floor on the logits, below the matrix's max
+        logits = torch.maximum(logits, logits.amax(dim=(-1, -2), keepdim=True) - floor)
     if domain == "log":
         return _sinkhorn_log(logits, iters, order)
     # ``math`` is the knob's name (math=fast): in this function it shadows the module, which it does not use

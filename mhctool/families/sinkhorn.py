@@ -122,12 +122,14 @@ FAMILY = Family(
         "domain": Knob("linear", ref.DOMAINS),
         # how its elementwise math is computed (fast: --use_fast_math): the native baseline's, as domain
         "math": Knob("ieee", ref.MATHS),
+        # logits raised to at least this far below their matrix's max first (0: no floor)
+        "floor": Knob(0.0, kind=float, zero_ok=True),
     },
     ("iters", "eps"),
     _reference,
     # iters too: a kernel may fix its own count (declared, it is judged at it, called without it
     # where it takes no such parameter)
-    conventions=("stabilize", "clamp_at", "eps_mode", "eps", "order", "domain", "math", "iters"),
+    conventions=("stabilize", "clamp_at", "eps_mode", "eps", "order", "domain", "math", "floor", "iters"),
     input_families={f.name: f for f in [
         InputFamily("random", "normal logits, per-matrix scale log-uniform in [0.1, 10]", _sk_random),
         InputFamily("unit_random", "unit normal logits: the benign regime, eps only nudges the sums", _sk_unit),

@@ -87,8 +87,11 @@ def test_an_ignored_eps_is_said_and_a_defect_only_where_its_outputs_show_it(tmp_
     res, text = identify(tmp_path, "sinkhorn_fixed_eps")
     assert res.exit_code == 0, text
     assert text.startswith("best match: stabilize=rowmax eps_mode=add order=row_first iters=20 eps=1e-09 ")
-    assert "ignores eps: runs 1e-09 whatever it is asked (asked for 1e-06; it takes no eps parameter): likely a " \
-           "defect; shown: on eps_sweep: at eps=1e-06 the outputs are off by" in text
+    # no eps parameter: a fixed choice, declared, never its defect (issue 90)
+    assert "ignores eps: runs 1e-09 whatever it is asked (asked for 1e-06; it takes no eps parameter): a fixed " \
+           "choice, not what was asked (declare it: --convention eps=1e-09); shown: on eps_sweep: at eps=1e-06 the " \
+           "outputs are off by" in text
+    assert "likely a defect" not in text
     assert f"judge it with: mhctool parity --kernel sinkhorn --impl {STRANGERS}:sinkhorn_fixed_eps " \
            "--convention eps=1e-09" in text
     # parity's hint: the defect, then the flags, checked by running them

@@ -22,6 +22,13 @@ from mhctool.registry.impl import Impl
 from mhctool.runner.case import Case, ImplResult
 
 
+# how far past the verdict's threshold a backward whose forward fits is wrong on the verdict alone
+# (a backward that rounds worse than native's is a few times past; a fixed-point backward of a
+# 20-iteration Sinkhorn 8e4 times, one detached from a sum 6e6 times); nearer, its own forward's
+# finite differences decide (derivative.py)
+FAR_PAST = 100.0
+
+
 @dataclass
 class Probe:
     case: Case
@@ -45,13 +52,32 @@ class Candidate:
     note: str | None = None
     fwd_passed: bool | None = None  # the forward alone passes the verdict (judged candidates)
     bwd_worst: str | None = None  # the backward's first failing row, when it fails
+    bwd_row: tuple | None = None  # that row's (probe family, metric, value, threshold)
+
+    @property
+    def bwd_far(self) -> bool:
+        """Its backward fails by far more than rounding (past :data:`FAR_PAST` times the rule's
+        threshold): with the forward matching, that alone says it is not the forward's derivative."""
+        if not self.bwd_row:
+            return False
+        value, threshold = self.bwd_row[2], self.bwd_row[3]
+        return not (value <= FAR_PAST * threshold)
     # judged candidates: its native baseline is non-finite on a guard where the implementation is
     # (it explains an overflow, which is still no convention)
     overflows: bool | None = None
+    # its score on each probe, in the fit's probe order (what a partial fit is told from)
+    per_probe: tuple = ()
 
     @property
     def key(self) -> tuple:
         return knob_key(self.knobs)
+
+    @property
+    def spread(self) -> float:
+        """How far it is over all probes at once: the sum of log(1 + score) per probe. Where every
+        candidate is far off on one probe, the worst score ranks them by that probe alone; this
+        still sees which fit the others (what a search over knobs that fit only together follows)."""
+        return sum(math.log1p(s) for s in self.per_probe) if self.per_probe else math.log1p(self.score)
 
 
 @dataclass
@@ -74,6 +100,9 @@ class Identification:
     ignored: dict = field(default_factory=dict)  # knob -> "takes no" / "ignores": it runs its own value
     # where no convention fits the forward: its backward against its own forward (derivative.py)
     derivative: str | None = None
+    # where the forward fits and the backward fails the verdict by a finite margin: the same check
+    # on the probe it fails (derivative.OwnDerivative), so a right backward is never called wrong
+    backward: object | None = None
     # where no candidate comes near (evidence.nothing_near): what its outputs show instead (evidence.py)
     evidence: str | None = None
     # Sinkhorn's guards where its matrices are uniform and the contract's are not (Probing._saturated)
@@ -158,8 +187,7 @@ class Identification:
         if b.fwd_passed and b.worst and b.worst.startswith("backward failed: "):
             return f"forward matches {self._knobs()}; the backward {b.worst[len('backward '):]}"
         if b.fwd_passed:
-            return (f"forward matches {self._knobs()}; the backward is not the derivative of that forward"
-                    + (f" ({b.worst})" if b.worst else ""))
+            return f"forward matches {self._knobs()}; " + self._backward_clause()
         saturation = self.saturation_sentence()
         if self.evidence:
             return (f"no convention fits, and none comes near: the nearest ({self._knobs()}) is {b.score:.3g}x "
@@ -170,6 +198,25 @@ class Identification:
                 + (f"; the forward is off first: {b.worst}" if b.worst else "")
                 + (f"; {saturation}" if saturation else "")
                 + (f"; {self.derivative}" if self.derivative else ""))
+
+    def _backward_clause(self) -> str:
+        """What is wrong with a backward whose forward fits: non-finite gradients, or (checked
+        against its own forward) not the derivative, or the derivative but rounded worse than
+        native's; never "not the derivative" on the verdict alone."""
+        b, row = self.best, f" ({self.best.worst})" if self.best.worst else ""
+        if b.bwd_row and b.bwd_row[1] == "nonfinite":
+            return f"its backward returns non-finite gradients where the float64 contract's are finite{row}"
+        if b.bwd_far:
+            return f"the backward is not the derivative of that forward{row}"
+        check = self.backward
+        if check is None or check.agrees is None:
+            return (f"its backward fails the verdict{row}"
+                    + (f"; {check.sentence()}" if check is not None else ""))
+        if check.agrees:
+            return (f"its backward is further from the contract's gradients than native rounding{row}, "
+                    f"yet {check.sentence()}: judged at a looser rule, or given a backward that rounds as "
+                    "native's does, it would pass")
+        return check.sentence() + f"; the verdict: {b.worst}"
 
     def precision_note(self) -> str | None:
         """What the fitted matmul precision is, where it is not what the implementation declares."""
@@ -202,8 +249,9 @@ class Identification:
         Not a knob the implementation takes and follows (a declared value is passed to it, so it
         would compute something else again): those are what it was asked for, or a defect."""
         fam = get_family(self.kernel)
+        asked = {**self.fixed, **self.asked}  # the held knobs too (Sinkhorn's domain, where asked)
         return {k: v for k, v in (self.best.knobs if self.best else {}).items()
-                if k in fam.conventions and not same_value(v, self.asked.get(k))
+                if k in fam.conventions and not same_value(v, asked.get(k))
                 and (k in self.ignored or not (fam.knobs[k].passed and self.impl.accepts(k)))}
 
 

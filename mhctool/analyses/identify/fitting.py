@@ -56,26 +56,38 @@ class Fitting(Subject):
         return 1.25 * best + 1.0
 
     def _cost(self, cand: dict) -> float:
-        level = classify(self.kernel, cand, self.asked)[0]
+        """How far a candidate is from what a tie goes to (:meth:`Subject.preferred`)."""
+        preferred = self.preferred()
+        level = classify(self.kernel, cand, preferred)[0]
         return {"as asked": 0, "known convention": 1, "variant": 2, "likely a defect": 3}[level] + \
-            0.01 * sum(not same_value(v, self.asked[k]) for k, v in cand.items())
+            0.01 * sum(not same_value(v, preferred[k]) for k, v in cand.items() if k in preferred)
 
-    def grid(self, probes: list[Probe], discrete: dict | None = None) -> list[Candidate]:
+    def grid(self, probes: list[Probe], discrete: dict | None = None, depends: dict | None = None) -> list[Candidate]:
         """Every discrete combination (``discrete``: other values for some knobs, default the
-        space's) with the continuous knobs on their grids, scored."""
+        space's) with the continuous knobs on their grids, scored; ``depends``: other values for
+        the knobs that mean something under one value of another (default the space's)."""
         discrete = {**self.space.discrete, **(discrete or {})}
         names = list(discrete) + list(self.space.continuous)
+        preferred = self.preferred()
         values = [discrete[k] for k in discrete] + \
-                 [sorted({*self.space.continuous[k], self.asked[k], *self._known(k)}) for k in self.space.continuous]
+                 [sorted({*self.space.continuous[k], preferred[k], *self._known(k)}) for k in self.space.continuous]
         cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
         # max(sum, 0) is add with eps 0
         cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and c.get("eps") == 0.0)]
-        for name, values in self.space.depends.items():  # a clamped exponential at each bound
+        for name, values in {**self.space.depends, **(depends or {})}.items():  # a clamped exponential at each bound
             knob, expanded = self.fam.knobs[name], []
             for c in cands:
                 expanded += [{**c, name: v} for v in values] if knob.applies(c) else [c]
             cands = expanded
+        done = [self.tried[knob_key(c)] for c in cands if knob_key(c) in self.tried]
+        cands = [c for c in cands if knob_key(c) not in self.tried]
+        if not cands:
+            return done
+        return done + self._grid(probes, cands)
+
+    def _grid(self, probes: list[Probe], cands: list[dict]) -> list[Candidate]:
         b = self.space.batched
+        preferred = self.preferred()
         if b is None:
             return [self.score(probes, c, "grid") for c in cands]
         pre = self.space.prefix
@@ -87,7 +99,7 @@ class Fitting(Subject):
         # the prefix knob's values up to just past the asked one for every combination, then the
         # rest of its range for the combinations that fit best there (Sinkhorn: every iteration
         # count to 64 for the four best of sixteen, a third of the work of all sixteen)
-        near = self.asked[pre] + 3
+        near = preferred[pre] + 3
         first = [c for group in groups.values()
                  for c in self._score_group(probes, [c for c in group if c[pre] <= near], b, pre)]
         ranked = dict.fromkeys(json.dumps({k: v for k, v in c.knobs.items() if k not in (b, pre)}, sort_keys=True)
@@ -98,9 +110,47 @@ class Fitting(Subject):
             rest += self._score_group(probes, far, b, pre) if far else []
         return first + rest
 
+    def descend(self, probes: list[Probe], grid: list[Candidate], starts: int = 2, rounds: int = 3) -> list[Candidate]:
+        """The discrete knobs searched together, by coordinate descent from the ``starts`` best
+        combinations of ``grid``: each knob in turn over all its values (the others held at the
+        best so far, the continuous ones and the prefix knob on their grids), until a round moves
+        none (at most ``rounds``). Rare values that only fit together (a clamped exponential with
+        eps as a zeroing threshold) are found without the whole product's cost."""
+        out: list[Candidate] = []
+        knobs = [k for k in self.space.discrete if k != self.space.prefix and len(self.space.discrete[k]) > 1]
+        reached: set = set()
+        for cur in self._combos(grid, starts, key=lambda c: c.spread):
+            if any(c.score <= self.space.near_miss for c in out):
+                break  # a start found a fit: the others would only find it again
+            for _ in range(rounds):
+                if cur.key in reached:
+                    break  # where an earlier start went
+                reached.add(cur.key)
+                moved = False
+                for knob in [*knobs, *self.space.depends]:
+                    if knob in self.space.depends and knob not in cur.knobs:
+                        continue  # a bound that means nothing under the current best
+                    held = {k: (cur.knobs[k],) for k in knobs if k != knob}
+                    # a dependent knob is held too, but where what it depends on moves
+                    dep = {k: (cur.knobs[k],) for k in self.space.depends
+                           if k in cur.knobs and k != knob and self.fam.knobs[k].only_with[0] != knob}
+                    if knob in self.space.depends:
+                        tried = self.grid(probes, held, {knob: self.space.depends[knob]})
+                    else:
+                        tried = self.grid(probes, {**held, knob: self.space.discrete[knob]}, dep)
+                    out += tried
+                    best = min(tried, key=lambda c: c.spread)
+                    if best.spread < cur.spread - 1e-9:
+                        cur, moved = best, True
+                if not moved:
+                    break
+        return out
+
     def _score_group(self, probes: list[Probe], cands: list[dict], knob: str, pre: str | None) -> list[Candidate]:
         """Candidates that differ only in ``knob`` and ``pre``: one reference call per probe where
         every value of ``pre`` has the same values of ``knob``, else one a value of ``pre``."""
+        if not cands:
+            return []
         if pre is None:
             return self.score_batch(probes, cands, knob)
         by_pre: dict = {}
@@ -133,6 +183,7 @@ class Fitting(Subject):
         stacks them); ``stacked(outs)`` gives each output with the candidates along a leading axis.
         Ranked by error in units of the native noise."""
         ratio, rel = [0.0] * len(cands), [0.0] * len(cands)
+        per = {id(p): [0.0] * len(cands) for p in probes}  # each probe's worst, in its native noise
         with torch.no_grad():
             for group, args in self._stacked(probes):
                 first = next(t for t in args.values() if t is not None)
@@ -152,8 +203,11 @@ class Fitting(Subject):
                             raise AssertionError(f"{len(q)} fits for {len(cands)} candidates")
                         ratio = [max(a, b / noise) for a, b in zip(ratio, q)]
                         rel = [max(a, b) for a, b in zip(rel, m)]
+                        per[id(p)] = [max(a, b / noise) for a, b in zip(per[id(p)], q)]
                     at += rows
-        return [Candidate(dict(c), nan_as_inf(q), nan_as_inf(m), stage) for c, q, m in zip(cands, ratio, rel)]
+        return [Candidate(dict(c), nan_as_inf(q), nan_as_inf(m), stage,
+                          per_probe=tuple(nan_as_inf(per[id(p)][i]) for p in probes))
+                for i, (c, q, m) in enumerate(zip(cands, ratio, rel))]
 
     def _stacked(self, probes: list[Probe]) -> list[tuple[list[Probe], dict]]:
         """The probes as (group, its float64 inputs): where the space names a stackable input (its
@@ -194,7 +248,7 @@ class Fitting(Subject):
                 trial = self._scores(probes, [{**cur.knobs, name: 10 ** (lv + half_width * (i / 10 - 1))}
                                               for i in range(21)], name, "refine")
                 cur = min(trial + [cur], key=lambda c: c.score)
-            preferred = [self.asked[name], *self._known(name)]
+            preferred = [self.preferred()[name], *self._known(name)]
             e = math.floor(math.log10(cur.knobs[name]))
             around = preferred + [m * 10.0 ** p for p in (e - 1, e, e + 1) for m in (1, 2, 5)]
             snaps = self._scores(probes, [{**cur.knobs, name: float(a)} for a in dict.fromkeys(around) if a], name,
@@ -205,10 +259,10 @@ class Fitting(Subject):
                 cur = min(fits, key=lambda c: (self._cost(c.knobs), roundness(c.knobs[name], preferred), c.score))
         return cur
 
-    def _combos(self, cands: list[Candidate], n: int) -> list[Candidate]:
+    def _combos(self, cands: list[Candidate], n: int, key=lambda c: c.score) -> list[Candidate]:
         """The best candidate of each of the ``n`` best-fitting discrete combinations."""
         seen, out = set(), []
-        for c in sorted(cands, key=lambda c: c.score):
+        for c in sorted(cands, key=key):
             sig = knob_signature(c.knobs, self.space.discrete)
             if sig not in seen:
                 seen.add(sig)

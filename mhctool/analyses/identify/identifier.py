@@ -2,18 +2,24 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from mhctool.analyses.identify.conclusion import Candidate, Identification
 from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown
 from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.limits import shape_limit
-from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, knob_signature
+from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, UNSAID, knob_signature
 from mhctool.registry.impl import Impl
 
 # the best grid score (in native noise) past which the space's rarer conventions are tried too: far
 # past any rounding difference (a kernel that sums in bf16 is 4e4 off, one that thresholds eps 2e6)
 LATER_AFTER = 1000.0
+
+# a rarer knob is tried against every combination of the common values of the others where that
+# is at most this many reference calls per probe (Sinkhorn's eps modes: 2 x 16, or 2 x 20 with a
+# clamped exponential); a knob of more values (a floor) is left to the search from the best fits
+FULL_PASS_GROUPS = 48
 
 
 class Identifier(Judging):
@@ -50,7 +56,6 @@ class Identifier(Judging):
             return Identification(self.kernel, self.impl, self.asked, [], None, error, fixed=self.family_knobs,
                                   limit=limit_text)
         self.progress("fitting the conventions")
-        common = dict(self.space.discrete)  # the rarer knobs below are tried against these values of the others
         rare, extra = self.space.saturating
         if self.saturated and rare:
             # finite but collapsed on the guard: an exponential clamped at a bound, fitted on logits
@@ -66,13 +71,20 @@ class Identifier(Judging):
                 **self.space.discrete, **{k: (*self.space.discrete[k], *v) for k, v in rare.items()}})
         grid = self.grid(probes)
         if self.space.later and min(c.score for c in grid) > LATER_AFTER:
-            # nothing near among the common conventions: a grid of the rarer ones too, and the space
-            # holds both from here (the ties and the table's combinations)
+            # nothing near among the common conventions: each rarer knob against every combination of
+            # the others where that is a small grid (eps as a threshold), then all of them searched
+            # together from the best fits (a floor; a clamped exponential with eps as a threshold).
+            # The rarer values join the space from here (the ties and the table's combinations)
             self.progress("nothing near: fitting the rarer conventions too")
-            for knob, values in self.space.later.items():  # one rarer knob at a time, the others as usual
-                grid = grid + self.grid(probes, {**common, knob: values})
+            common, later = dict(self.space.discrete), self.space.later
             self.space = dataclasses.replace(self.space, later={}, discrete={
-                k: (*v, *self.space.later.get(k, ())) for k, v in self.space.discrete.items()})
+                k: (*v, *later.get(k, ())) for k, v in common.items()})
+            for knob, values in later.items():
+                others = math.prod(len(v) for k, v in common.items() if k not in (knob, self.space.prefix))
+                if len(values) * others <= FULL_PASS_GROUPS:
+                    grid = grid + self.grid(probes, {**common, knob: values})
+            if min(c.score for c in grid) > self.space.near_miss:
+                grid = grid + self.descend(probes, grid)
         # the continuous knobs of the few best discrete combinations are refined before the pick:
         # a sensitive knob (eps inside a square root) can sit between two grid points
         self.progress("refining the best fits")
@@ -97,7 +109,13 @@ class Identifier(Judging):
         else:
             best = next((c for c in judged if c.fwd_passed), judged[0])
         ties = self._ties(best) if (best.passed or best.fwd_passed) else []
-        derivative = evidence = None
+        derivative = evidence = backward = None
+        if best.fwd_passed and not best.passed and best.bwd_row and best.bwd_row[1] != "nonfinite" \
+                and not best.bwd_far:
+            # the forward fits and the backward fails the verdict: is it the derivative of its own forward?
+            self.progress("checking its backward against its own forward")
+            probe = next(p for p in [*probes, *self.guards] if p.case.family == best.bwd_row[0])
+            backward = own_derivative(self, probe, self.seed)
         if not (best.passed or best.fwd_passed or self.overflow):
             # nothing fits the forward: whether its backward is at least the derivative of what it computes
             self.progress("checking its backward against its own forward")
@@ -108,7 +126,7 @@ class Identifier(Judging):
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
                               fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
                               declared_precision=self.declared_precision, ties=ties, overflow=self.overflow,
-                              ignored=self.ignored, derivative=derivative, evidence=evidence,
+                              ignored=self.ignored, derivative=derivative, evidence=evidence, backward=backward,
                               saturated=self.saturated, limit=limit_text)
 
     def _suspicious(self, knobs: dict) -> bool:
@@ -127,6 +145,8 @@ class Identifier(Judging):
             sig = knob_signature(c.knobs, self.space.discrete)
             if sig in seen or c is best or (self.guards and self._suspicious(c.knobs)):
                 continue  # (judged in the log domain, no stabilisation is one: the same tie again)
+            if any(v != UNSAID[k] and best.knobs.get(k, UNSAID[k]) == UNSAID[k] for k, v in c.knobs.items() if k in UNSAID):
+                continue  # a rarer knob set where the best has none, which the probes do not show: no alternative
             if c.stage == "judged" and c.passed:
                 seen.add(sig)
                 judged.append(c)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from mhctool.analyses.identify.conclusion import Candidate, Probe
-from mhctool.analyses.identify.evidence import nothing_near
+from mhctool.analyses.identify.evidence import NOTHING_NEAR_REL, nothing_near
 from mhctool.analyses.identify.fitting import Fitting
 from mhctool.analyses.identify.probing import Probing
 from mhctool.analyses.identify.space import (
@@ -36,14 +36,17 @@ class Judging(Fitting, Probing):
         the native baseline computes the way such a kernel does), which join the fit when that
         passes. A candidate that fails explains nothing but what its evidence shows."""
         c = self._verdict(probes, cand, {})
-        also = None if c.passed else self.space.judge_also(cand.knobs)
-        if also and set(also) <= set(self.space.rounding_only) and not cand.score <= self.space.near_miss:
-            also = None  # rounding alone does not explain an error this far from native's
-        if also:
+        for also in ([] if c.passed else self.space.judge_also(cand.knobs)):
+            if set(also) <= set(self.space.rounding_only) and not cand.score <= self.space.near_miss:
+                continue  # rounding alone does not explain an error this far from native's
             other = self._verdict(probes, cand, also)
             if other.passed or (other.fwd_passed and not c.fwd_passed):
                 c = replace(other, knobs={**other.knobs, **also})
-        c.level, c.note = classify(self.kernel, c.knobs, self.asked, self.evidence(probes, c), self.ignored,
+            if c.passed:
+                break
+        # against everything asked, the held knobs too (a log domain asked is asked, though held apart)
+        c.level, c.note = classify(self.kernel, c.knobs, {**self.family_knobs, **self.asked},
+                                   self.evidence(probes, c), self.ignored,
                                    shown_only=not (c.passed or c.fwd_passed))
         self.tried[c.key] = c
         return c
@@ -56,13 +59,13 @@ class Judging(Fitting, Probing):
             return fwd
         bwd = self._verdict_at(probes, cand, extra, self.precision_bwd)
         failed = (None if fwd.fwd_passed else fwd.worst) or bwd.bwd_worst
-        return replace(fwd, passed=failed is None, worst=failed, bwd_worst=bwd.bwd_worst)
+        return replace(fwd, passed=failed is None, worst=failed, bwd_worst=bwd.bwd_worst, bwd_row=bwd.bwd_row)
 
     def _verdict_at(self, probes: list[Probe], cand: Candidate, extra: dict, precision: str) -> Candidate:
         knobs, ref_fn, nat_fn = self._split(cand.knobs, precision)
         knobs.update(extra)
         nat = replace(native_impl(self.kernel), target=nat_fn, _fn=nat_fn)
-        native_worst, fwd_failed, bwd_failed, overflows = 0.0, None, None, None
+        native_worst, fwd_failed, bwd_failed, overflows, bwd_row = 0.0, None, None, None, None
         for p, guard in [*((p, False) for p in probes), *((g, True) for g in self.guards)]:
             judged = make_baseline(self.fam, p.case, p.base, knobs, native_impl_=nat, reference=ref_fn)
             if guard:  # does the candidate overflow where the implementation does, and only there?
@@ -73,8 +76,12 @@ class Judging(Fitting, Probing):
                     fwd_failed = fwd_failed or (f"its native baseline overflows on {p.case.family} where the "
                                                 "implementation stays finite: not what it computes")
             else:
-                for o, r in zip(judged.native.outputs, judged.ref_outs):
-                    native_worst = max(native_worst, max_rel(o, r))
+                off = max((max_rel(o, r) for o, r in zip(judged.native.outputs, judged.ref_outs)), default=0.0)
+                native_worst = max(native_worst, off)
+                if not off < NOTHING_NEAR_REL:
+                    # a baseline that does not compute the candidate sets no threshold for it
+                    fwd_failed = fwd_failed or (f"no verdict on {p.case.family}: the native baseline there is itself "
+                                                f"off from this candidate's float64 result by max_rel {measured('max_rel', off)}")
             # a non-finite count says what an infinite error does
             rows = sorted(judged_rows(judged, p.res, {}, self.rule, self.dtype),
                           key=lambda r: r["metric"] != "nonfinite")
@@ -86,11 +93,11 @@ class Judging(Fitting, Probing):
                            f"{measured(r['metric'], r['threshold'])} on {p.case.family}")
                     if r["direction"] == "fwd":
                         fwd_failed = fwd_failed or msg
-                    else:
-                        bwd_failed = bwd_failed or msg
+                    elif bwd_failed is None:
+                        bwd_failed, bwd_row = msg, (p.case.family, r["metric"], r["value"], r["threshold"])
         failed = fwd_failed or bwd_failed
         return replace(cand, stage="judged", native_score=native_worst, passed=failed is None, worst=failed,
-                       fwd_passed=fwd_failed is None, bwd_worst=bwd_failed, overflows=overflows)
+                       fwd_passed=fwd_failed is None, bwd_worst=bwd_failed, overflows=overflows, bwd_row=bwd_row)
 
     def evidence(self, probes: list[Probe], cand: Candidate) -> dict:
         """knob -> (shown, what was measured) for each fitted value that would be a defect."""

@@ -8,7 +8,7 @@ import torch
 
 from mhctool.analyses.identify.conclusion import Probe
 from mhctool.analyses.identify.evidence import uniform
-from mhctool.analyses.identify.space import far_from
+from mhctool.analyses.identify.space import UNSAID, far_from
 from mhctool.analyses.identify.subject import Subject, batched_errors, float64_inputs
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.metrics import nonfinite
@@ -58,9 +58,19 @@ class Probing(Subject):
             return None, f"its backward failed: {res.bwd_error} (probe {fam_name})"
         with torch.no_grad():
             refs = self.fam.call(self.fam.reference, float64_inputs(base), self._split(self.asked)[0], lambda k: True)
+        return Probe(replace(case, shape=shape), base, upstream, res, self._noise(base, nat.outputs, refs), list(refs)), None
+
+    def _noise(self, base: dict, nat_outs, refs) -> list[float]:
+        """Per output, the native implementation's error at the family's default knobs: the unit
+        every candidate's fit is measured in, the same whatever was asked (the run at the asked
+        knobs serves where they are the defaults)."""
+        if self.defaults() != self.asked or self.space.how and any(k in self.family_knobs for k in self.space.how):
+            knobs, ref_fn, nat_fn = self._split(self.defaults())
+            with torch.no_grad():
+                nat_outs = self.fam.call(nat_fn, base, knobs, lambda k: True)
+                refs = self.fam.call(ref_fn, float64_inputs(base), knobs, lambda k: True)
         floor = 2 * FORMATS[self.dtype].unit_roundoff
-        noise = [max(batched_errors(o, r.unsqueeze(0))[0][0], floor) for o, r in zip(nat.outputs, refs)]
-        return Probe(replace(case, shape=shape), base, upstream, res, noise, list(refs)), None
+        return [max(batched_errors(o, r.unsqueeze(0))[0][0], floor) for o, r in zip(nat_outs, refs)]
 
     def probes(self) -> tuple[list[Probe], str | None]:
         """The probes the fit is made on; also runs the guards (``self.guards``, ``self.overflow``)
@@ -118,7 +128,7 @@ class Probing(Subject):
         for k in self._names():
             knob = self.fam.knobs.get(k)
             if k in self.space.variants or knob is None or not knob.passed or knob.kind not in (int, float) \
-                    or knob.only_with is not None:  # said with what it depends on
+                    or knob.only_with is not None or k in UNSAID:  # said with what it depends on, or where set
                 continue
             if not self.impl.accepts(k):
                 out[k] = "takes no"

@@ -28,6 +28,13 @@ EPS_GRID = (0.0,) + tuple(10.0 ** (e / 2) for e in range(-24, -5))
 ITERS_MAX = 64
 
 
+# where a kernel floors its logits below their matrix's max (log values floored after the max is
+# subtracted); 0 is none, the rest a rarer knob
+FLOOR_GRID = (10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0)
+
+# knobs said only where set (at any other value than this one): a floor of 0 is no floor
+UNSAID = {"floor": 0.0}
+
 LIMIT_GRID = (1.0, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0, 1e9)
 
 # where a kernel clamps the exponential's argument (stabilize=clamp): 20 and 88 (fp32's exp
@@ -85,8 +92,9 @@ class Space:
     # shape go to the reference as one input along it, one call for all of them
     stackable: str | None = None
     # knobs that change no float64 value but the native baseline (how a kernel computes), tried when
-    # a candidate fails the verdict: candidate knobs -> {knob: value} to judge it again with, or None
-    judge_also: Callable[[dict], dict | None] = lambda knobs: None
+    # a candidate fails the verdict: candidate knobs -> the {knob: value}s to judge it again with,
+    # in order (none: an empty list)
+    judge_also: Callable[[dict], list[dict]] = lambda knobs: []
     # of those, the knobs that only round differently (fast math: a few times IEEE's error at most,
     # measured), tried only on a near miss: a candidate whose error is within this many native
     # noise units
@@ -104,6 +112,11 @@ class Space:
     # knobs that mean something under one value of another only (Knob.only_with): knob -> its grid,
     # the candidates with that value tried at each point (a clamped exponential's bound)
     depends: dict = field(default_factory=dict)
+    # knobs that change no float64 value, only how the native baseline computes (Sinkhorn's domain
+    # and math): never held at the asked value for every candidate (a log-domain baseline has no
+    # eps, so a candidate with one would be judged against a baseline that is itself off); each
+    # candidate is judged at the family's value, then with ``judge_also``'s
+    how: tuple[str, ...] = ()
 
 
 def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
@@ -126,21 +139,28 @@ def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
     return variant
 
 
+def _sinkhorn_also(knobs: dict) -> list[dict]:
+    """How a Sinkhorn kernel may compute what a candidate names: without eps, in the log domain
+    (its rounding is the log-domain baseline's), unless the candidate exponentiates raw logits (a
+    clamped exponential) or takes eps as a threshold, which the log-domain baseline does not;
+    otherwise with fast math (__expf, a reciprocal-multiply per division)."""
+    log = knobs.get("eps") == 0.0 and knobs.get("stabilize") != "clamp" and knobs.get("eps_mode") in (None, "add", "clamp")
+    return [{"domain": "log"}] if log else [{"math": "fast"}]
+
+
 def space(kernel: str, asked: dict) -> Space:
     """What identification tries for ``kernel``; ``iters`` around the asked value."""
     if kernel == "sinkhorn":
         it = int(asked.get("iters", 20))
         return Space(("random", "eps_sweep", "dead_rows_cols", "near_perm"), "16x4x4x1",
                      {"stabilize": ref.STABILIZE, "eps_mode": ("add", "clamp"), "order": ref.ORDERS,
-                      "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
+                      "floor": (0.0,), "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
                      {"eps": EPS_GRID}, batched="eps", prefix="iters",
-                     # without eps, as in the log domain: its rounding is the log-domain baseline's
-                     # fast math otherwise (__expf, reciprocal-multiply): its rounding is the fast baseline's
-                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("eps") == 0.0 else {"math": "fast"},
+                     judge_also=_sinkhorn_also,
                      guards=("large_logits",), stackable="logits",
-                     later={"eps_mode": ("threshold", "threshold_zero")},
+                     later={"eps_mode": ("threshold", "threshold_zero"), "floor": FLOOR_GRID},
                      saturating=({"stabilize": ref.STABILIZE_RARE}, ("clamp_sweep",)),
-                     depends={"clamp_at": CLAMP_GRID})
+                     depends={"clamp_at": CLAMP_GRID}, how=("domain", "math"))
     if kernel == "h_post_bda":
         return Space(("random",), "4x3x4x67", {"transpose_res": (False, True), "bias": (True, False)},
                      variants={"bias": Variant((True, False), _drop_bias)})
@@ -156,7 +176,8 @@ def space(kernel: str, asked: dict) -> Space:
                      {"rms_eps": ref.RMS_EPS, "stabilize": ref.STABILIZE, "order": ref.ORDERS},
                      {"eps": EPS_GRID, "compute_h_eps": (0.0, 1e-8, 1e-6, 1e-4), "sinkhorn_eps": EPS_GRID},
                      batched="sinkhorn_eps",
-                     judge_also=lambda knobs: {"domain": "log"} if knobs.get("sinkhorn_eps") == 0.0 else None)
+                     judge_also=lambda knobs: [{"domain": "log"}] if knobs.get("sinkhorn_eps") == 0.0 else [],
+                     how=("domain",))
     if kernel == "h_aggregate":
         return Space(("random",), "4x3x4x67")
     if kernel == "swiglu":
@@ -270,7 +291,7 @@ def knob_signature(knobs: dict, names) -> tuple:
 
 
 def fmt_knobs(knobs: dict) -> str:
-    return " ".join(f"{k}={fmt_value(v)}" for k, v in knobs.items())
+    return " ".join(f"{k}={fmt_value(v)}" for k, v in knobs.items() if not (k in UNSAID and UNSAID[k] == v))
 
 
 def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = None,
@@ -300,12 +321,24 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
         known = next((who for (kk, kn, kv), who in KNOWN.items() if kk == kernel and kn == k and same_value(kv, v)), None)
         odd = SUSPICIOUS_VALUES.get((kernel, k, v))
         shown, measured = (evidence or {}).get(k, (None, None))
-        own = (f"ignores {k}: runs {fmt_value(v)} whatever it is asked (asked for {fmt_value(asked.get(k))}"
-               f"{_param_note(k, ignored[k])})") if k in ignored else None
+        own = None
+        if k in ignored and shown is False:  # what it runs is not told by its outputs: no claim of it
+            own = ((f"it takes no {k} parameter" if ignored[k] == "takes no" else f"ignores {k}")
+                   + f", and its outputs do not tell {k}={fmt_value(v)} from the asked {fmt_value(asked.get(k))} "
+                   f"({measured})")
+        elif k in ignored:
+            own = (f"ignores {k}: runs {fmt_value(v)} whatever it is asked (asked for {fmt_value(asked.get(k))}"
+                   f"{_param_note(k, ignored[k])})")
         if shown_only and not (odd and shown):
             continue
         if known:
             notes.append(f"{own}: a known convention, {known}" if own else f"{k}={fmt_value(v)}: a known convention, {known}")
+        elif (kernel, k) == ("sinkhorn", "floor"):
+            level = max(level, 1)
+            notes.append(f"floor={fmt_value(v)}: every logit more than {fmt_value(v)} below its matrix's max raised "
+                         f"to that level (log values floored after the max is subtracted): finite, but matrices whose "
+                         f"logits span more than {fmt_value(v)} lose the differences below (a variant no library "
+                         "mhctool knows uses: check it is intended)")
         elif (kernel, k, v) == ("sinkhorn", "stabilize", "clamp"):
             level = max(level, 1)
             b = fmt_value(fitted["clamp_at"])
@@ -314,8 +347,12 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
                          "their differences (a variant no library mhctool knows uses: check it is intended)")
         elif (odd or k in DEFECT_KNOBS) and shown is False:
             level = max(level, 1)
-            notes.append(f"{own}; no difference shows on its outputs: {measured}" if own
-                         else f"{k}={fmt_value(v)} fits, but no defect is shown: {measured}")
+            notes.append(own if own else f"{k}={fmt_value(v)} fits, but no defect is shown: {measured}")
+        elif (odd or k in DEFECT_KNOBS) and ignored.get(k) == "takes no":
+            # no parameter to follow: a fixed choice of the function's, declared, never its defect
+            level = max(level, 1)
+            notes.append(f"{own}: a fixed choice, not what was asked (declare it: --convention {k}={fmt_value(v)})"
+                         + (f"; shown: {measured}" if shown else ""))
         elif odd or k in DEFECT_KNOBS:
             level = 2
             what = f" ({odd[0]})" if odd else ""

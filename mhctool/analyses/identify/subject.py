@@ -94,6 +94,24 @@ class Subject:
             return self.space.variants[name].values[0]
         return self.fam.knobs[name].default
 
+    def follows(self, name: str) -> bool:
+        """Whether the implementation is given knob ``name`` and its outputs follow it: a family
+        knob passed to functions, one it takes, and not one it was found to ignore."""
+        knob = self.fam.knobs.get(name)
+        return (name not in self.space.variants and knob is not None and knob.passed and self.impl.accepts(name)
+                and name not in self.ignored)
+
+    def preferred(self) -> dict:
+        """The value of each fitted knob that a tie goes to: the asked one where the implementation
+        follows the knob (what it was given is what it computes), else the family's default. What is
+        asked of a knob the implementation never sees changes what is called a convention, never
+        what it is found to compute."""
+        return {k: (v if self.follows(k) else self._default(k)) for k, v in self.asked.items()}
+
+    def defaults(self) -> dict:
+        """The fitted knobs at the family's defaults: the native noise the fit is measured in."""
+        return {k: self._default(k) for k in self.asked}
+
     def _impl_knobs(self) -> dict:
         """The knobs the implementation is called with: the asked ones (variants are no knobs)."""
         return {**{k: v for k, v in self.asked.items() if k not in self.space.variants}, **self.family_knobs}
@@ -109,7 +127,7 @@ class Subject:
         ``precision``, else at the precision the forward is judged at)."""
         # the native baseline at the matmul precision the implementation computes at by design
         ref_fn, nat_fn = self.fam.reference, native_at(self.kernel, precision or self.precision).fn
-        knobs = dict(self.family_knobs)
+        knobs = {k: v for k, v in self.family_knobs.items() if k not in self.space.how}
         for k, v in cand.items():
             if k in self.space.variants:
                 ref_fn = self.space.variants[k].wrap(ref_fn, v)
