@@ -103,9 +103,12 @@ def test_an_ignored_eps_is_said_and_a_defect_only_where_its_outputs_show_it(tmp_
 def test_a_form_no_convention_fits_gets_no_claim(tmp_path):
     res, text = identify(tmp_path, "sinkhorn_global_max")
     assert res.exit_code == 1, text
-    # every candidate is an order-one share off where one matrix's max leaves another underflowed:
-    # none is named as the nearest (issue 76 item 3)
-    assert text.startswith("no convention fits, and none comes near: ")
+    # every candidate is an order-one share off where one matrix's max leaves a row underflowed:
+    # none is named as the nearest (issue 76 item 3); the contract fits the probes whose logits stay
+    # near their max, and the line says so, with the matrices where it differs (issue 90 item 3)
+    assert text.startswith("no convention fits every probe: it computes stabilize=rowmax eps_mode=add "
+                           "order=row_first iters=20 eps=1e-06 on "), text
+    assert "or more below its" in text and "a floor or an underflow there would do this" in text, text
     assert "likely a defect" not in text and "fits as well" not in text
 
 

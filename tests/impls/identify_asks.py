@@ -61,3 +61,14 @@ def sinkhorn_rowmax_autograd(logits, iters=20, eps=1e-6):
         p = p / (p.sum(-1, keepdim=True) + eps)
         p = p / (p.sum(-2, keepdim=True) + eps)
     return p
+
+
+def sinkhorn_row_floored_log(logits, iters=20):
+    """Each row's max subtracted, the log values floored at -30 (below each row's own max, where
+    mhctool's floor is below the matrix's), log-domain iterations: no knob of mhctool's, a fit on
+    every probe but the one whose entries sit far below their row's max."""
+    z = (logits - logits.amax(-1, keepdim=True)).clamp_min(-30.0)
+    for _ in range(iters):
+        z = z - torch.logsumexp(z, -1, keepdim=True)
+        z = z - torch.logsumexp(z, -2, keepdim=True)
+    return torch.exp(z)

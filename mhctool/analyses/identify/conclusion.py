@@ -81,6 +81,24 @@ class Candidate:
 
 
 @dataclass
+class Partial:
+    """A candidate that fits most probes within native noise and not the rest: a finding of its
+    own where no convention fits every probe."""
+
+    candidate: Candidate
+    fits: list  # the probe families it fits
+    within: float  # its worst score there, in native noise
+    fails: list  # (family, its description, its score there, where the outputs differ)
+
+    def sentence(self) -> str:
+        def listed(xs):
+            return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
+        misses = "; ".join(f"not on {fam} ({doc}), {score:.3g}x off: {where}" for fam, doc, score, where in self.fails)
+        return (f"it computes {fmt_knobs(self.candidate.knobs) or 'the contract'} on {listed(self.fits)} (within "
+                f"{self.within:.3g}x native noise), {misses}")
+
+
+@dataclass
 class Identification:
     kernel: str
     impl: Impl
@@ -103,6 +121,8 @@ class Identification:
     # where the forward fits and the backward fails the verdict by a finite margin: the same check
     # on the probe it fails (derivative.OwnDerivative), so a right backward is never called wrong
     backward: object | None = None
+    # where no convention fits every probe: one that fits most of them (Partial)
+    partial: Partial | None = None
     # where no candidate comes near (evidence.nothing_near): what its outputs show instead (evidence.py)
     evidence: str | None = None
     # Sinkhorn's guards where its matrices are uniform and the contract's are not (Probing._saturated)
@@ -189,6 +209,10 @@ class Identification:
         if b.fwd_passed:
             return f"forward matches {self._knobs()}; " + self._backward_clause()
         saturation = self.saturation_sentence()
+        if self.partial:
+            return (f"no convention fits every probe: {self.partial.sentence()}"
+                    + (f"; {saturation}" if saturation else "")
+                    + (f"; {self.derivative}" if self.derivative else ""))
         if self.evidence:
             return (f"no convention fits, and none comes near: the nearest ({self._knobs()}) is {b.score:.3g}x "
                     f"native noise off, no finding; {self.evidence}"

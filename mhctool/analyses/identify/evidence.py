@@ -58,3 +58,51 @@ def shown(kernel: str, probes: list[Probe]) -> str:
     text = "its distance from the contract as asked, in native noise: " + ", ".join(parts)
     sums = _sums(kernel, probes)
     return text + (f"; {sums}" if sums else "")
+
+
+# a matrix whose error against a candidate is past this many times the native noise differs there
+DIFFERS = 10.0
+
+# how far a matrix's logits reach below its max, measured three ways (what a floor, an underflow or
+# a threshold would act on): what sets the matrices where a partial fit fails apart, if one does
+_DEPTHS = {
+    "its row's max": lambda L: (L.amax(-1, keepdim=True) - L).amax((-1, -2)),
+    "its column's max": lambda L: (L.amax(-2, keepdim=True) - L).amax((-1, -2)),
+    "its matrix's max": lambda L: L.amax((-1, -2)) - L.amin((-1, -2)),
+}
+
+
+def where_differs(kernel: str, base: dict, out: torch.Tensor, ref: torch.Tensor, noise: float) -> str:
+    """Where the implementation's output differs from a candidate's float64 one on a probe it
+    fails: for Sinkhorn, which matrices, and whether how far their logits reach below a row's,
+    a column's or the matrix's max sets them apart from the matrices where it agrees; otherwise
+    how far off the output is."""
+    o, r = out.detach().double().cpu(), ref.detach().double().cpu()
+    if kernel != "sinkhorn":
+        err = float((o - r).abs().max() / r.abs().max().clamp_min(1e-300))
+        return f"its outputs are off there by {err:.2g} of their largest magnitude ({err / noise:.3g}x native noise)"
+    n = r.shape[-1]
+    o, r = o.reshape(-1, n, n), r.reshape(-1, n, n)
+    L = base["logits"].detach().double().cpu().reshape(-1, n, n)
+    # per matrix, in the unit the noise is in (the whole output's largest magnitude)
+    err = (o - r).abs().amax((-1, -2)) / r.abs().max().clamp_min(1e-300)
+    bad = ~(err <= DIFFERS * noise)  # NaN differs
+    k, total = int(bad.sum()), bad.numel()
+    if k in (0, total):
+        return f"it differs on {k} of {total} matrices"
+    # the depth below which every matrix it differs on reaches, per measure: the measure under which
+    # the fewest matrices that reach as deep agree (a value just past a floor changes little, so
+    # some may); said where at least half of those that reach it differ
+    best = None
+    for name, depth_of in _DEPTHS.items():
+        depth = depth_of(L)
+        lo = float(depth[bad].min())
+        reach = int((depth >= lo).sum())
+        if best is None or k / reach > best[0]:
+            best = (k / reach, name, lo, reach)
+    share, name, lo, reach = best
+    if share < 0.5:
+        return f"it differs on {k} of {total} matrices, which how far their logits reach below a max does not set apart"
+    return (f"it differs on {k} of {total} matrices, each with a logit {lo:.3g} or more below {name}; of the {reach} "
+            f"that reach that far it differs on {k}, and on none that do not: what lies that far below {name} is "
+            "computed otherwise (a floor or an underflow there would do this)")

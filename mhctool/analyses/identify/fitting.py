@@ -79,8 +79,9 @@ class Fitting(Subject):
             for c in cands:
                 expanded += [{**c, name: v} for v in values] if knob.applies(c) else [c]
             cands = expanded
-        done = [self.tried[knob_key(c)] for c in cands if knob_key(c) in self.tried]
-        cands = [c for c in cands if knob_key(c) not in self.tried]
+        keyed = [(knob_key(c), c) for c in cands]
+        done = [self.tried[k] for k, c in keyed if k in self.tried]
+        cands = [c for k, c in keyed if k not in self.tried]
         if not cands:
             return done
         return done + self._grid(probes, cands)
@@ -142,7 +143,7 @@ class Fitting(Subject):
                     best = min(tried, key=lambda c: c.spread)
                     if best.spread < cur.spread - 1e-9:
                         cur, moved = best, True
-                if not moved:
+                if not moved:  # (a round after a fit is found finds its ties: the pick among them)
                     break
         return out
 

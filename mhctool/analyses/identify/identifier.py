@@ -4,12 +4,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mhctool.analyses.identify.conclusion import Candidate, Identification
+import torch
+
+from mhctool.analyses.identify.conclusion import Candidate, Identification, Partial, Probe
 from mhctool.analyses.identify.derivative import own_derivative
-from mhctool.analyses.identify.evidence import nothing_near, shown
+from mhctool.analyses.identify.evidence import nothing_near, shown, where_differs
 from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.limits import shape_limit
 from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, UNSAID, knob_signature
+from mhctool.analyses.identify.subject import batched_errors, float64_inputs
+from mhctool.families import input_family
 from mhctool.registry.impl import Impl
 
 # the best grid score (in native noise) past which the space's rarer conventions are tried too: far
@@ -109,7 +113,7 @@ class Identifier(Judging):
         else:
             best = next((c for c in judged if c.fwd_passed), judged[0])
         ties = self._ties(best) if (best.passed or best.fwd_passed) else []
-        derivative = evidence = backward = None
+        derivative = evidence = backward = partial = None
         if best.fwd_passed and not best.passed and best.bwd_row and best.bwd_row[1] != "nonfinite" \
                 and not best.bwd_far:
             # the forward fits and the backward fails the verdict: is it the derivative of its own forward?
@@ -120,14 +124,47 @@ class Identifier(Judging):
             # nothing fits the forward: whether its backward is at least the derivative of what it computes
             self.progress("checking its backward against its own forward")
             derivative = own_derivative(self, probes[0], self.seed).sentence()
-            if nothing_near(best.score, best.max_rel):  # the nearest is far off too: what the outputs show
+            partial = self.partial_fit(probes)
+            if partial is None and nothing_near(best.score, best.max_rel):  # the nearest is far off too: what the outputs show
                 evidence = shown(self.kernel, probes)
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
                               fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
                               declared_precision=self.declared_precision, ties=ties, overflow=self.overflow,
                               ignored=self.ignored, derivative=derivative, evidence=evidence, backward=backward,
+                              partial=partial,
                               saturated=self.saturated, limit=limit_text)
+
+    def partial_fit(self, probes: list[Probe]) -> Partial | None:
+        """The candidate that fits the most probes within the near-miss bound, at least half of
+        them and not all (then the most conventional, then the closest there), with what differs
+        on each probe it does not fit; None where none does."""
+        near, chosen, rank = self.space.near_miss, None, None
+        for c in self.tried.values():
+            if len(c.per_probe) != len(probes):
+                continue
+            fits = [i for i, sc in enumerate(c.per_probe) if sc <= near]
+            if not fits or len(fits) == len(probes) or 2 * len(fits) < len(probes):
+                continue
+            r = (-len(fits), self._cost(c.knobs), max(c.per_probe[i] for i in fits))
+            if rank is None or r < rank:
+                chosen, rank = c, r
+        if chosen is None:
+            return None
+        knobs, ref_fn, _ = self._split(chosen.knobs)
+        fails = []
+        for p, sc in zip(probes, chosen.per_probe):
+            if sc <= near:
+                continue
+            with torch.no_grad():
+                refs = self.fam.call(ref_fn, float64_inputs(p.base), knobs, lambda k: True)
+            # the output furthest off, in its own noise
+            j = max(range(len(refs)), key=lambda j: batched_errors(p.res.outputs[j], refs[j].unsqueeze(0))[0][0]
+                    / p.noise[j])
+            fails.append((p.case.family, input_family(self.kernel, p.case.family).doc, sc,
+                          where_differs(self.kernel, p.base, p.res.outputs[j], refs[j], p.noise[j])))
+        fits = [p.case.family for p, sc in zip(probes, chosen.per_probe) if sc <= near]
+        return Partial(chosen, fits, rank[2], fails)
 
     def _suspicious(self, knobs: dict) -> bool:
         return any((self.kernel, k, v) in SUSPICIOUS_VALUES for k, v in knobs.items())
