@@ -41,13 +41,15 @@ def test_isolation_by_default_for_an_outside_implementation_or_a_time_limit_only
 
 def test_the_first_signal_asks_the_run_to_stop_and_the_second_stops_it_at_once():
     said = []
+    # what was there before (Python's default, or SIG_IGN where the test process was started so)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with setup.Interrupts(said.append) as interrupts:
         os.kill(os.getpid(), signal.SIGTERM)
         assert interrupts() and said == ["SIGTERM: finishing the case in hand, then writing what was measured "
                                          "(again to stop at once)"]
         with pytest.raises(Interrupted):
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on leaving
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # restored on leaving
 
 
 def test_leaving_a_run_stops_its_isolation_workers_and_names_a_library_log_only_where_written(tmp_path):
