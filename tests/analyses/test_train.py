@@ -98,6 +98,41 @@ def test_a_hung_step_ends_the_run_and_is_not_called_again(tmp_path, train):
     assert not [r for r in rows if r["run"] == "first-step"]
 
 
+def test_a_hang_in_a_seed_worker_ends_that_seeds_run_at_the_step_limit(tmp_path, train):
+    """Seeds spread over workers run the implementation inside each worker, unisolated there: its
+    step log is watched as an isolated trajectory's is, so a hang ends the seed's run at the limit
+    (never waits for ever, never runs again), with native's and float64's runs kept."""
+    res, text = train(tmp_path, "--impl", IMPLS / "process.py:sinkhorn_hangs", "--kernel", "sinkhorn", *SMALL,
+                      "--seeds", "2", "--workers", "2", "--step-timeout", "2")
+    assert res.exit_code == 1, text
+    # ("step 1, forward: ..." where the worker reached the forward within the 2 s, "step 1: ..." where
+    # building the model took them, as on a loaded CPU)
+    assert re.search(r"step 1(, forward)?: timed out: no step ended in 2 s", text), text
+    rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    errors = [r for r in rows if r["metric"] == "error"]
+    assert len(errors) == 2 and all("timed out" in r["message"] for r in errors), errors
+    for seed in {r["seed"] for r in errors}:
+        assert {r["step"] for r in rows if r["run"] == "native" and r["metric"] == "lm loss"
+                and r["seed"] == seed} == set(range(1, 7))
+
+
+def test_the_step_watch_stops_watching_once_the_trajectory_ended():
+    """A seed worker runs native's and float64's trajectories after the implementation's: the
+    log's end line tells the watch that no step of the implementation is left to time."""
+    import json
+
+    from mhctool.analyses.train import trajectory as tr
+    now = [0.0]
+    log = Path(tempfile.mkdtemp()) / "steps.jsonl"
+    watch = tr.StepWatch(log, limit=3.0, clock=lambda: now[0])
+    log.write_text("1\n")
+    assert watch() is None
+    log.write_text("1\n" + json.dumps(tr.LOG_END) + "\n")
+    assert watch() is None
+    now[0] += 1000.0
+    assert watch() is None and tr.read_log(log) == []  # ("1" is no step: the end line is never one)
+
+
 def test_the_step_watch_allows_compiling_then_judges_by_the_pace():
     """No limit given: the first step may take FIRST_STEP_S, a later one 10x the slowest step
     before it, at least LATER_STEP_MIN_S; a limit given holds for every step."""

@@ -6,7 +6,12 @@ import math
 
 import torch
 
-from mhctool.analyses.identify.conclusion import Candidate, Identification, Partial, Probe
+from mhctool.analyses.identify.conclusion import (
+    Candidate,
+    Identification,
+    Partial,
+    Probe,
+)
 from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown, where_differs
 from mhctool.analyses.identify.judging import Judging

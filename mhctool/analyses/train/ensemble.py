@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import math
 import statistics
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from mhctool.analyses.goldens import check
 from mhctool.analyses.train.pieces import impl_pieces, native_piece, reference_piece
@@ -44,7 +46,13 @@ from mhctool.analyses.train.setup import (
     from_dict,
     to_dict,
 )
-from mhctool.analyses.train.trajectory import Trajectory, run, to_golden
+from mhctool.analyses.train.trajectory import (
+    StepWatch,
+    Trajectory,
+    logged_run,
+    run,
+    to_golden,
+)
 from mhctool.analyses.train.verdict import Drift, judge
 from mhctool.core.verdict import VerdictRule
 from mhctool.spread.isolation import Worker
@@ -73,12 +81,15 @@ def seeds_of(cfg: TrainConfig, count: int) -> list[int]:
     return [cfg.seed + k for k in range(count)]
 
 
-def seed_job(cfg_dict: dict, specs: dict, knobs: dict, conventions: dict, compare: bool, as_used: bool) -> dict:
-    """One seed's trajectories (what a worker process runs): the implementation's, then with
-    ``compare`` native's and float64's; as dicts."""
+def seed_job(cfg_dict: dict, specs: dict, knobs: dict, conventions: dict, compare: bool, as_used: bool,
+             log: str | None = None) -> dict:
+    """One seed's trajectories (what a worker process runs): the implementation's (each step also
+    in ``log``, which the parent watches for a hang), then with ``compare`` native's and float64's;
+    as dicts."""
     cfg = from_dict(cfg_dict)
     pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
-    out = {"impl": run(cfg, pieces, "impl").to_dict()}
+    impl = logged_run(cfg, specs, knobs, conventions, log, as_used) if log else run(cfg, pieces, "impl")
+    out = {"impl": impl.to_dict()}
     if compare:
         out["native"] = run(cfg, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES},
                             "native").to_dict()
@@ -88,11 +99,14 @@ def seed_job(cfg_dict: dict, specs: dict, knobs: dict, conventions: dict, compar
 
 def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Callable[[TrainConfig], SeedRun],
                  job_args: tuple, interrupted: Callable[[], bool] = lambda: False,
-                 finished: Callable[[SeedRun], None] | None = None) -> list[SeedRun]:
+                 finished: Callable[[SeedRun], None] | None = None, step_timeout: float | None = None,
+                 hung: Callable[[TrainConfig, str, str], SeedRun] | None = None) -> list[SeedRun]:
     """The seeds' runs, in seed order. ``workers`` > 1: each seed in a worker process (``seed_job``
     with ``job_args``; one per GPU, round-robin, on a GPU machine); a worker that dies or fails
-    has its seed run again here by ``one_seed``, which isolates the implementation. One worker:
-    ``one_seed`` for every seed, here."""
+    has its seed run again here by ``one_seed``, which isolates the implementation. A worker whose
+    implementation stops ending steps (:class:`StepWatch`, ``step_timeout``) is stopped, and the
+    seed is ``hung(cfg, its step log, why)``, never run again. One worker: ``one_seed`` for every
+    seed, here."""
     out: list[SeedRun | None] = [None] * len(seeds)
     if workers <= 1 or len(seeds) <= 1:
         for k, s in enumerate(seeds):
@@ -116,8 +130,18 @@ def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Cal
                         return
                     k = todo.pop(0)
                 c = replace(cfg, seed=seeds[k])
-                value, failure = w.call("mhctool.analyses.train.ensemble:seed_job", (to_dict(c), *job_args),
-                                        timeout=None, interrupted=interrupted)
+                log = str(Path(logs) / f"seed-{seeds[k]}.jsonl")
+                value, failure = w.call("mhctool.analyses.train.ensemble:seed_job", (to_dict(c), *job_args, log),
+                                        timeout=None, interrupted=interrupted, stalled=StepWatch(log, step_timeout))
+                if failure is not None and failure.kind == "timeout" and hung is not None:
+                    run = hung(c, log, failure.message)  # a hang: never run again
+                    with lock:
+                        out[k] = run
+                        if finished:
+                            finished(run)
+                    w.stop()
+                    w = Worker(daemon=False, env=worker_env(index, cfg.device, n))
+                    continue
                 if failure is not None:
                     with lock:
                         retry.append(k)
@@ -134,11 +158,12 @@ def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Cal
             w.stop()
 
     threads = [threading.Thread(target=serve, args=(i,), name=f"mhctool-seed-{i}", daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(0.1)
+    with tempfile.TemporaryDirectory(prefix="mhctool-seeds-") as logs:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.1)
     for k in sorted(retry):  # the seed's worker died: again here, the implementation isolated
         if interrupted():
             break

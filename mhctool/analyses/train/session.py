@@ -195,9 +195,11 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
         return _engine_session(cfg, engine, rule, compare, interrupted, say, seeds, trace)
     pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
 
-    def one_seed(c: TrainConfig, worker=None) -> SeedRun:
+    def one_seed(c: TrainConfig, worker=None, impl: Trajectory | None = None) -> SeedRun:
         worker = worker if worker is not None else isolation
-        if worker is not None:
+        if impl is not None:
+            pass  # its trajectory ended elsewhere (a seed worker's hang)
+        elif worker is not None:
             impl = _isolated(c, specs, knobs, conventions, pieces, worker, interrupted, as_used, step_timeout)
         else:
             impl = run(c, pieces, "impl", interrupted, say("impl"))
@@ -223,6 +225,11 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             if w is not None and w is not isolation:
                 w.stop()
 
+    def hung(c: TrainConfig, log: str, why: str) -> SeedRun:
+        """A seed whose implementation hung in a seed worker (unisolated there): the steps it
+        logged and the hang, then native's and float64's trajectories here; never run again."""
+        return one_seed(c, impl=_from_log(c, pieces, log, why))
+
     def finished(r: SeedRun) -> None:  # a seed run in a worker: its steps, for the progress
         if progress:
             for t in r.trajectories():
@@ -235,7 +242,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     else:
         runs = spread_seeds(cfg, seed_list, workers, again if workers > 1 else one_seed,
                             (specs, knobs, conventions, compare, as_used), interrupted,
-                            finished if workers > 1 else None)
+                            finished if workers > 1 else None, step_timeout, hung)
     first = None
     hung = any(t.role == "impl" and t.error and "timed out" in t.error for r in runs for t in r.trajectories())
     if compare and runs and not interrupted() and not hung:  # the seed's initial weights, whenever it runs
@@ -347,11 +354,18 @@ def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, piec
                                      timeout=None, interrupted=interrupted, stalled=StepWatch(log, step_timeout))
         if failure is None:
             return Trajectory.from_dict(value)
-        traj = Trajectory("impl", {f: p.name for f, p in pieces.items()},
-                          {f: p.note for f, p in pieces.items() if p.note})
-        traj.steps = read_log(log)
-        traj.error = f"{read_phase(log) or f'step {len(traj.steps) + 1}'}: {failure.message}"
-        return traj
+        return _from_log(cfg, pieces, log, failure.message)
+
+
+def _from_log(cfg: TrainConfig, pieces: dict[str, Piece], log: str, why: str) -> Trajectory:
+    """The implementation's trajectory from the steps its worker logged before it failed: ``why``,
+    named by the step and phase it was in."""
+    traj = Trajectory("impl", {f: p.name for f, p in pieces.items()},
+                      {f: p.note for f, p in pieces.items() if p.note})
+    traj.steps = read_log(log)
+    traj.error = f"{read_phase(log) or f'step {len(traj.steps) + 1}'}: {why}"
+    traj.seed = cfg.seed
+    return traj
 
 
 def report_rows(out: Outcome) -> list[dict]:

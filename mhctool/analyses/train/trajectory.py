@@ -244,16 +244,29 @@ def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Call
     return traj
 
 
+# the step log's last line once the implementation's trajectory has ended: what the worker runs
+# after it (native's and float64's trajectories, in a seed worker) is no step of it to watch
+LOG_END = {"end": "impl"}
+
+
 def trajectory_job(cfg_dict: dict, spec: dict, knobs: dict, conventions: dict, log: str, as_used: bool = False) -> dict:
     """What an isolation worker runs: the implementation's trajectory, every step also appended to
     ``log`` (JSON lines), so the steps before a crash or a hang are kept."""
-    cfg = from_dict(cfg_dict)
+    return logged_run(from_dict(cfg_dict), spec, knobs, conventions, log, as_used).to_dict()
+
+
+def logged_run(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, log: str, as_used: bool) -> Trajectory:
+    """The implementation's trajectory with every step appended to ``log`` and the phase beside it
+    (:class:`StepWatch` watches it), then :data:`LOG_END`."""
     with open(log, "a") as f:  # first: StepWatch counts the first step from here
         pieces, _ = impl_pieces(spec, knobs, conventions, cfg.device, cfg.dtype, as_used)
         def progress(step: Step) -> None:
             f.write(json.dumps(asdict(step)) + "\n")
             f.flush()
-        return run(cfg, pieces, "impl", progress=progress, at=lambda i, phase: write_phase(log, i, phase)).to_dict()
+        traj = run(cfg, pieces, "impl", progress=progress, at=lambda i, phase: write_phase(log, i, phase))
+        f.write(json.dumps(LOG_END) + "\n")
+        f.flush()
+        return traj
 
 
 def write_phase(log: str | Path, step: int, phase: str) -> None:
@@ -345,6 +358,7 @@ class StepWatch:
         self.size, self.steps, self.slowest = 0, 0, 0.0
         self.since = clock()
         self.started: float | None = None  # the last poll before the log appeared
+        self.ended = False  # the trajectory ended (LOG_END): nothing more to watch
 
     def allowed(self) -> float:
         if self.limit is not None:
@@ -354,6 +368,8 @@ class StepWatch:
         return max(LATER_STEP_MIN_S, LATER_STEP_FACTOR * self.slowest)
 
     def __call__(self) -> str | None:
+        if self.ended:
+            return None
         now = self.clock()
         try:
             size = self.log.stat().st_size
@@ -365,11 +381,24 @@ class StepWatch:
         if self.steps == 0 and self.size == 0 and self.started is not None:
             self.since, self.started = self.started, None  # the first step's clock starts with the job
         if size != self.size:
+            if self._ends():
+                self.ended = True
+                return None
             if self.steps:  # the first step's time is its compiling, not the pace
                 self.slowest = max(self.slowest, now - self.since)
             self.size, self.steps, self.since = size, self.steps + 1, now
             return None
         allowed = self.allowed()
-        if now - self.since > allowed:
+        if now - self.since > allowed and not self._ends():
             return f"timed out: no step ended in {allowed:g} s (a hang; --step-timeout sets the limit)"
         return None
+
+    def _ends(self) -> bool:
+        """Whether the log's last line is :data:`LOG_END`."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(max(0, self.log.stat().st_size - 64))
+                tail = f.read().decode(errors="replace").rstrip("\n").rsplit("\n", 1)[-1]
+        except OSError:
+            return False
+        return tail == json.dumps(LOG_END)
