@@ -228,7 +228,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     def hung(c: TrainConfig, log: str, why: str) -> SeedRun:
         """A seed whose implementation hung in a seed worker (unisolated there): the steps it
         logged and the hang, then native's and float64's trajectories here; never run again."""
-        return one_seed(c, impl=_from_log(c, pieces, log, why))
+        return one_seed(c, impl=_from_log(c, pieces, log, why, hung=True))
 
     def finished(r: SeedRun) -> None:  # a seed run in a worker: its steps, for the progress
         if progress:
@@ -244,7 +244,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
                             (specs, knobs, conventions, compare, as_used), interrupted,
                             finished if workers > 1 else None, step_timeout, hung)
     first = None
-    hung = any(t.role == "impl" and t.error and "timed out" in t.error for r in runs for t in r.trajectories())
+    hung = any(t.role == "impl" and t.hung for r in runs for t in r.trajectories())
     if compare and runs and not interrupted() and not hung:  # the seed's initial weights, whenever it runs
         first = _first_step(cfg, specs, knobs, conventions, pieces, eff, rule, as_used, interrupted,
                             isolation if isolation is not None else
@@ -354,17 +354,17 @@ def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, piec
                                      timeout=None, interrupted=interrupted, stalled=StepWatch(log, step_timeout))
         if failure is None:
             return Trajectory.from_dict(value)
-        return _from_log(cfg, pieces, log, failure.message)
+        return _from_log(cfg, pieces, log, failure.message, hung=failure.kind == "timeout")
 
 
-def _from_log(cfg: TrainConfig, pieces: dict[str, Piece], log: str, why: str) -> Trajectory:
+def _from_log(cfg: TrainConfig, pieces: dict[str, Piece], log: str, why: str, hung: bool) -> Trajectory:
     """The implementation's trajectory from the steps its worker logged before it failed: ``why``,
-    named by the step and phase it was in."""
+    named by the step and phase it was in; ``hung``: its step limit ended it."""
     traj = Trajectory("impl", {f: p.name for f, p in pieces.items()},
                       {f: p.note for f, p in pieces.items() if p.note})
     traj.steps = read_log(log)
     traj.error = f"{read_phase(log) or f'step {len(traj.steps) + 1}'}: {why}"
-    traj.seed = cfg.seed
+    traj.seed, traj.hung = cfg.seed, hung
     return traj
 
 

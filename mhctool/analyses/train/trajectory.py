@@ -140,6 +140,7 @@ class Trajectory:
     steps: list[Step] = field(default_factory=list)
     error: str | None = None  # what ended it early (a raise, a crash, an interrupt)
     seed: int = 0  # the seed it was trained from
+    hung: bool = False  # ended by its step limit (a hang): its implementation is not called again
 
     def series(self, metric: str) -> dict[int, float]:
         return {s.step: s.metrics.get(metric, math.nan) for s in self.steps}
@@ -154,7 +155,8 @@ class Trajectory:
 
     @staticmethod
     def from_dict(d: dict) -> "Trajectory":
-        t = Trajectory(d["role"], d["pieces"], d.get("notes", {}), error=d.get("error"), seed=d.get("seed", 0))
+        t = Trajectory(d["role"], d["pieces"], d.get("notes", {}), error=d.get("error"), seed=d.get("seed", 0),
+                       hung=d.get("hung", False))
         t.steps = [Step(**s) for s in d.get("steps", [])]
         return t
 
