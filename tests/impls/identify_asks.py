@@ -27,22 +27,22 @@ def sinkhorn_clamp_threshold_fast(logits, iters=20, eps=1e-6):
     return p
 
 
-def sinkhorn_log_autograd(logits, iters=20):
-    """Log-domain iterations in plain PyTorch, no eps, rows first: autograd's backward."""
+def _log_iterations(logits, iters, first, second):
     z = logits
     for _ in range(iters):
-        z = z - torch.logsumexp(z, -1, keepdim=True)
-        z = z - torch.logsumexp(z, -2, keepdim=True)
+        z = z - torch.logsumexp(z, first, keepdim=True)
+        z = z - torch.logsumexp(z, second, keepdim=True)
     return torch.exp(z)
+
+
+def sinkhorn_log_autograd(logits, iters=20):
+    """Log-domain iterations in plain PyTorch, no eps, rows first: autograd's backward."""
+    return _log_iterations(logits, iters, -1, -2)
 
 
 def sinkhorn_log_autograd_cols_first(logits, iters=20):
     """The same, columns first."""
-    z = logits
-    for _ in range(iters):
-        z = z - torch.logsumexp(z, -2, keepdim=True)
-        z = z - torch.logsumexp(z, -1, keepdim=True)
-    return torch.exp(z)
+    return _log_iterations(logits, iters, -2, -1)
 
 
 def sinkhorn_softmax_autograd(logits, iters=20, eps=1e-6):
