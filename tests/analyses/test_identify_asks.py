@@ -84,3 +84,16 @@ def test_a_knob_the_function_takes_no_parameter_for_is_not_claimed_without_a_dif
     ident = _identify("sinkhorn_log_autograd")
     assert "likely a defect" not in (ident.best.note or "")
     assert not ident.defect()
+
+
+def test_the_floor_declared_as_identify_hints_makes_parity_pass(tmp_path):
+    """The floored kernel's hint (--convention floor=60 eps=0 domain=log): parity's reference and
+    native baseline take the floor, and every case passes."""
+    from typer.testing import CliRunner
+
+    from mhctool.cli.app import app
+    res = CliRunner().invoke(app, ["parity", "--kernel", "sinkhorn", "--impl", f"{ASKS}:sinkhorn_floored_log",
+                                   "--convention", "floor=60", "--convention", "eps=0", "--convention", "domain=log",
+                                   "--dtype", "fp32", "--device", "cpu", "-q", "-o", str(tmp_path / "p.parquet")])
+    assert res.exit_code == 0, res.output
+    assert "0 failed" in res.output
