@@ -14,8 +14,11 @@ from mhctool.registry.specs import resolve_impls
 ASKS = Path(__file__).resolve().parents[1] / "impls" / "identify_asks.py"
 
 
-def _identify(fn, **asked):
-    return identify("sinkhorn", resolve_impls("sinkhorn", [f"{ASKS}:{fn}"])[0], asked=asked)
+STRANGERS = ASKS.with_name("strangers.py")
+
+
+def _identify(fn, kernel="sinkhorn", where=ASKS, **asked):
+    return identify(kernel, resolve_impls(kernel, [f"{where}:{fn}"])[0], asked=asked)
 
 
 CLAMPED = "stabilize=clamp eps_mode=threshold_zero order=row_first iters=20 eps=1e-06 clamp_at=20"
@@ -31,6 +34,14 @@ SAME = [
     # a clamped exponential, eps as a zeroing threshold and fast math in one kernel: found together;
     # its own backward's NaN gradients said as such, never "not the derivative" (asked once in the
     # CPU suite, three ways with --slow: 9 s an identification)
+    # a plain-autograd log-domain Sinkhorn: once called "not the derivative" at 1.26x the threshold
+    pytest.param("sinkhorn_log_autograd", [{}, {"eps": 0.0}, {"eps": 0.0, "domain": "log"}],
+                 "stabilize=rowmax eps_mode=add order=row_first iters=20 eps=0 domain=log", "best match: ",
+                 id="sinkhorn_log_autograd"),
+    # a bias parameter that raises when given one (strangers.py): identified without it, whatever
+    # transpose_res is asked (asked true, the fit is called a variant, and still is false)
+    pytest.param("h_post_bda_refuses_bias", [{}, {"transpose_res": True}, {"transpose_res": False}],
+                 "transpose_res=false", "best match: ", id="h_post_bda_refuses_bias"),
     pytest.param("sinkhorn_clamp_threshold_fast", [{}], CLAMPED, NAN_GRADS, id="sinkhorn_clamp_threshold_fast"),
     pytest.param("sinkhorn_clamp_threshold_fast", [{"domain": "log"}, {"stabilize": "softmax", "order": "col_first"}],
                  CLAMPED, NAN_GRADS, id="sinkhorn_clamp_threshold_fast-asked", marks=pytest.mark.slow),
@@ -39,9 +50,10 @@ SAME = [
 
 @pytest.mark.parametrize("fn,asks,knobs,phrase", SAME)
 def test_the_same_kernel_asked_three_ways_gets_the_same_best_match(fn, asks, knobs, phrase):
+    kernel, where = ("h_post_bda", STRANGERS) if fn.startswith("h_post_bda") else ("sinkhorn", ASKS)
     found = []
     for asked in asks:
-        ident = _identify(fn, **asked)
+        ident = _identify(fn, kernel, where, **asked)
         assert ident.best is not None, ident.line()
         found.append(fmt_knobs(ident.best.knobs))
         assert phrase in ident.line() + " " + (ident.best.note or ""), (asked, ident.line(), ident.best.note)
