@@ -12,6 +12,7 @@ import typer
 from mhctool.cli import options as opts
 from mhctool.cli.console import guard, out
 from mhctool.cli.progress import watching
+from mhctool.core.library_log import said
 from mhctool.cli.tables import bench_table, bench_totals
 from mhctool.core import names
 from mhctool.core.text import short_impl, split
@@ -77,8 +78,7 @@ def bench(
         out.print(f"plot: {bench_figure(o.table, plot, o.copy_bw)}")
     for r in o.errors:
         out.print(f"FAILED {r['kernel']} {r['direction']} {short_impl(r['impl'])}: {r['message']}", markup=False)
-    out.print(f"report {o.report}" + (f"; the libraries' own output: {o.library_log}" if o.library_log else ""),
-              markup=False)
+    out.print("; ".join(x for x in (f"report {o.report}", said(o.library_log)) if x), markup=False)
     if o.interrupted:
         out.print("[yellow]INTERRUPTED[/]: the report holds what was timed before the stop")
     raise typer.Exit(o.exit_code)

@@ -9,6 +9,7 @@ import typer
 from mhctool.cli import options as opts
 from mhctool.cli.console import guard, out
 from mhctool.cli.progress import watching
+from mhctool.core.library_log import said
 from mhctool.spread import setup
 
 Suite = Annotated[Path, typer.Option("--suite", help="Suite TOML (parity runs, golden comparisons, golden checks).")]
@@ -53,7 +54,7 @@ def gate(
             out.print(line, markup=False)
     code = show(o.suite_name, o.cases, o.paths, quiet, o.interrupted)
     if o.library_log and not quiet:
-        out.print(f"the libraries' own output: {o.library_log}", markup=False)
+        out.print(said(o.library_log), markup=False)
     raise typer.Exit(code)
 
 

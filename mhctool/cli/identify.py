@@ -14,6 +14,7 @@ from rich.table import Table
 from mhctool.cli import options as opts
 from mhctool.cli.console import out
 from mhctool.cli.progress import watching
+from mhctool.core.library_log import said
 from mhctool.core import names
 from mhctool.core.errors import UsageError
 from mhctool.core.text import fmt
@@ -82,5 +83,5 @@ def identify(
         out.print(f"INTERRUPTED: the report holds what was identified before the signal ({len(o.found)} "
                   f"implementation{'' if len(o.found) == 1 else 's'})")
     if not quiet:
-        out.print(f"report {o.report}" + (f"; the libraries' own output: {o.library_log}" if o.library_log else ""))
+        out.print("; ".join(x for x in (f"report {o.report}", said(o.library_log)) if x))
     raise typer.Exit(o.exit_code)

@@ -12,6 +12,7 @@ import typer
 from mhctool.cli import options as opts
 from mhctool.cli.console import guard, out
 from mhctool.cli.progress import watching
+from mhctool.core.library_log import said
 from mhctool.cli.tables import verdict_table
 from mhctool.core import names
 from mhctool.core.text import short_impl, split
@@ -121,4 +122,4 @@ def show(o, top: int, quiet: bool, show_profile: bool, plot: Optional[Path] = No
         for line in o.notes + o.hints:
             out.print(line, markup=False)
     if o.library_log and not quiet:
-        out.print(f"the libraries' own output: {o.library_log}", markup=False)
+        out.print(said(o.library_log), markup=False)

@@ -13,6 +13,7 @@ from rich.table import Table
 from mhctool.cli.console import out
 from mhctool.cli.options import knob_items, precheck
 from mhctool.cli.progress import watching
+from mhctool.core.library_log import said
 from mhctool.core.text import fmt, split
 from mhctool.spread import setup
 
@@ -173,7 +174,7 @@ def show(o, every: int, quiet: bool, plot: Optional[Path] = None) -> None:
 def _verdict(o) -> str:
     s, kappa = o.session, o.plan.req.kappa
     written = f"report {o.report}" + (f", golden values {o.goldens}" if o.goldens else "") + \
-        (f"; the libraries' own output: {o.library_log}" if o.library_log else "")
+        (f"; {said(o.library_log)}" if o.library_log else "")
     if s.interrupted:
         return f"[yellow]INTERRUPTED[/] after {len(s.impl.steps)} steps of the implementation's run ({written})"
     if not s.compared:

@@ -21,6 +21,16 @@ _last: Path | None = None  # the log of this process's last run (None: no run ke
 _held: list[str] = []  # what the code under test wrote while the command planned (see holding)
 
 
+def beside(report: Path) -> Path:
+    """Where a run keeps its libraries' own output: ``REPORT.libraries.log`` beside its report."""
+    return report.with_name(report.stem + ".libraries.log")
+
+
+def said(path: str | Path | None) -> str:
+    """The clause that names the log where one was written, else nothing."""
+    return f"the libraries' own output: {path}" if path else ""
+
+
 def _fd_of(stream) -> int | None:
     try:
         return stream.fileno()

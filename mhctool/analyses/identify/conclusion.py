@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from mhctool.analyses.identify.derivative import OwnDerivative
 from mhctool.analyses.identify.space import (
     LOOSENESS,
     PRECISION_NOTES,
@@ -53,15 +54,6 @@ class Candidate:
     fwd_passed: bool | None = None  # the forward alone passes the verdict (judged candidates)
     bwd_worst: str | None = None  # the backward's first failing row, when it fails
     bwd_row: tuple | None = None  # that row's (probe family, metric, value, threshold)
-
-    @property
-    def bwd_far(self) -> bool:
-        """Its backward fails by far more than rounding (past :data:`FAR_PAST` times the rule's
-        threshold): with the forward matching, that alone says it is not the forward's derivative."""
-        if not self.bwd_row:
-            return False
-        value, threshold = self.bwd_row[2], self.bwd_row[3]
-        return not (value <= FAR_PAST * threshold)
     # judged candidates: its native baseline is non-finite on a guard where the implementation is
     # (it explains an overflow, which is still no convention)
     overflows: bool | None = None
@@ -71,6 +63,15 @@ class Candidate:
     @property
     def key(self) -> tuple:
         return knob_key(self.knobs)
+
+    @property
+    def bwd_far(self) -> bool:
+        """Its backward fails by far more than rounding (past :data:`FAR_PAST` times the rule's
+        threshold): with the forward matching, that alone says it is not the forward's derivative."""
+        if not self.bwd_row:
+            return False
+        value, threshold = self.bwd_row[2], self.bwd_row[3]
+        return not (value <= FAR_PAST * threshold)
 
     @property
     def spread(self) -> float:
@@ -120,7 +121,7 @@ class Identification:
     derivative: str | None = None
     # where the forward fits and the backward fails the verdict by a finite margin: the same check
     # on the probe it fails (derivative.OwnDerivative), so a right backward is never called wrong
-    backward: object | None = None
+    backward: OwnDerivative | None = None
     # where no convention fits every probe: one that fits most of them (Partial)
     partial: Partial | None = None
     # where no candidate comes near (evidence.nothing_near): what its outputs show instead (evidence.py)

@@ -69,7 +69,7 @@ def own_derivative(subject, probe, seed: int = 0) -> OwnDerivative:
         return OwnDerivative(None, math.nan, 0, 0, "the check needs fp32 inputs: run identify with --dtype fp32")
     knobs, expect = subject._impl_knobs(), output_specs(res.outputs)
     g = torch.Generator().manual_seed(seed + 0xD1FF)
-    worst, used, allowed, excess = 0.0, 0, TOLERANCE, -math.inf
+    worst, used, allowed, excess = math.nan, 0, TOLERANCE, -math.inf
     for _ in range(DIRECTIONS):
         v = {k: torch.randn(probe.base[k].shape, generator=g).to(probe.base[k].device) for k in names}
         scale = {k: float(probe.base[k].double().pow(2).mean().sqrt()) or 1.0 for k in names}
@@ -90,10 +90,10 @@ def own_derivative(subject, probe, seed: int = 0) -> OwnDerivative:
                            for u, a, b in zip(probe.upstream, *outs)) * FP32_HALF_ULP / (2 * h)
             return _dot(probe.upstream, diff) / (2 * h), rounding
 
-        coarse, fine = central(STEP), central(STEP / 2)
-        if coarse is None or fine is None or not (math.isfinite(coarse[0]) and math.isfinite(fine[0])):
+        at_h, at_half = central(STEP), central(STEP / 2)
+        if at_h is None or at_half is None or not (math.isfinite(at_h[0]) and math.isfinite(at_half[0])):
             continue
-        (coarse, _), (fine, rounding) = coarse, fine
+        (coarse, _), (fine, rounding) = at_h, at_half
         size = max(abs(coarse), abs(fine), 1e-30)
         if abs(coarse - fine) > TOLERANCE * size / 4:
             continue  # not smooth along this direction at these steps

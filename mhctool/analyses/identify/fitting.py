@@ -84,11 +84,11 @@ class Fitting(Subject):
         cands = [c for k, c in keyed if k not in self.tried]
         if not cands:
             return done
-        return done + self._grid(probes, cands)
+        return done + self._grid(probes, cands, preferred)
 
-    def _grid(self, probes: list[Probe], cands: list[dict]) -> list[Candidate]:
+    def _grid(self, probes: list[Probe], cands: list[dict], preferred: dict) -> list[Candidate]:
+        """:meth:`grid`'s candidates not scored before, scored."""
         b = self.space.batched
-        preferred = self.preferred()
         if b is None:
             return [self.score(probes, c, "grid") for c in cands]
         pre = self.space.prefix
@@ -97,7 +97,7 @@ class Fitting(Subject):
             groups.setdefault(json.dumps({k: v for k, v in c.items() if k not in (b, pre)}, sort_keys=True), []).append(c)
         if pre is None:
             return [c for group in groups.values() for c in self._score_group(probes, group, b, pre)]
-        # the prefix knob's values up to just past the asked one for every combination, then the
+        # the prefix knob's values up to just past the preferred one for every combination, then the
         # rest of its range for the combinations that fit best there (Sinkhorn: every iteration
         # count to 64 for the four best of sixteen, a third of the work of all sixteen)
         near = preferred[pre] + 3

@@ -11,7 +11,7 @@ from mhctool.analyses.runs import Watch
 from mhctool.core import environment, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError, system_exit_message
-from mhctool.core.library_log import holding
+from mhctool.core.library_log import beside, holding
 from mhctool.core.shapes import MOE_PAPER_SHAPE, PAPER_SHAPE, MoeShape, parse_shape_for
 from mhctool.core.text import split
 from mhctool.families import get_family
@@ -190,7 +190,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     mm_tf32 = timing.matmul_rate(dev, parse_dtype("fp32").torch_dtype)
     s = setup.prepare(dev, specs=req.impls, isolate=req.isolate, case_timeout=req.case_timeout, insist=req.insist,
                       pin_threads=False,
-                      library_log=req.out.with_name(req.out.stem + ".libraries.log"), consoles=watch.consoles,
+                      library_log=beside(req.out), consoles=watch.consoles,
                       say=watch.say)
     watch.planned(len(todo) * len(req.directions))
     results = []

@@ -13,6 +13,7 @@ from mhctool.analyses import gate as gate_mod
 from mhctool.analyses import parity
 from mhctool.analyses.runs import Watch
 from mhctool.core import environment, report
+from mhctool.core.library_log import beside
 from mhctool.spread import pool, setup
 
 
@@ -80,7 +81,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     pool.check_backend(req.backend)
     size = pool.worker_count(asked, dev, 1 << 30)  # the most any entry gets
     s = setup.prepare(dev, isolate=req.isolate, default_isolate=req.isolate, case_timeout=req.case_timeout,
-                      insist=req.insist, workers=size, backend=req.backend, library_log=req.out.with_name(req.out.stem + ".libraries.log"),
+                      insist=req.insist, workers=size, backend=req.backend, library_log=beside(req.out),
                       consoles=watch.consoles, say=watch.say)
     timings: dict = {}
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from mhctool.analyses.runs import Stopped, Watch, stop_point
 from mhctool.core import environment, names, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
-from mhctool.core.library_log import holding
+from mhctool.core.library_log import beside, holding
 from mhctool.core.text import short_impl
 from mhctool.families import call_problem, get_family, signature
 from mhctool.registry.specs import resolve_impls
@@ -101,7 +101,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
             raise UsageError(f"--impl {i.name} cannot run {req.kernel} at {dt} on {dev}: {why}")
     s = setup.prepare(dev, specs=[req.impl], isolate=req.isolate, case_timeout=req.case_timeout, insist=req.insist,
                       workers=1,
-                      library_log=None if req.verbose else req.out.with_name(req.out.stem + ".libraries.log"),
+                      library_log=None if req.verbose else beside(req.out),
                       consoles=watch.consoles, say=watch.say)
     watch.planned(len(impls))
     rows, found = [], []

@@ -26,7 +26,7 @@ from mhctool.core.findings import (
     verdicts,
     worst_first,
 )
-from mhctool.core.library_log import holding
+from mhctool.core.library_log import beside, holding
 from mhctool.core.text import short_impl
 from mhctool.families import call_problem, get_family, signature
 from mhctool.runner.checks import CPU_NOTE
@@ -192,7 +192,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
                          "--backend ray nor --check")
     s = setup.prepare(dev, specs=pl.specs, isolate=req.isolate, case_timeout=req.case_timeout, insist=req.insist,
                       transport=req.transport, workers=n_workers, backend=backend,
-                      library_log=None if req.verbose else req.out.with_name(req.out.stem + ".libraries.log"),
+                      library_log=None if req.verbose else beside(req.out),
                       consoles=watch.consoles, say=watch.say)
     watch.planned(len(pl.cases))
     with s.running():

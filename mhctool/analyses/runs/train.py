@@ -16,7 +16,7 @@ from mhctool.analyses.train import engine as E
 from mhctool.core import environment, report
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
-from mhctool.core.library_log import holding
+from mhctool.core.library_log import beside, holding
 from mhctool.core.verdict import VerdictRule
 from mhctool.registry.specs import resolve_impls
 from mhctool.spread import pool, setup
@@ -139,7 +139,7 @@ def prepare(req: Request, watch: Watch = Watch()) -> Plan:
         engine_sizes = {("micro_batch" if k == "batch" else k): v for k, v in sizes.items()}
         cfg, runner = E.configure(req.engine, req.recipe, req.impls or ["megatron"], dev, engine_sizes, req.seed,
                                   req.knobs, req.conventions, req.ranks, workers_asked, seeds)
-        s = setup.prepare(dev, workers=1, library_log=_log_of(req), consoles=watch.consoles, say=watch.say)
+        s = setup.prepare(dev, workers=1, library_log=beside(req.out), consoles=watch.consoles, say=watch.say)
         return Plan(req, cfg, runner.specs, runner.knobs, runner.conventions, seeds, s, runner)
     cfg = T.config(dev, **sizes, dtype=parse_dtype(req.dtype).name, seed=req.seed)
     knobs = T.parse_knobs(req.knobs, "--knob")
@@ -154,13 +154,8 @@ def prepare(req: Request, watch: Watch = Watch()) -> Plan:
                          "which --no-isolate turns off")
     isolate = True if req.step_timeout is not None and req.isolate is None else req.isolate
     s = setup.prepare(dev, specs=specs, isolate=isolate, workers=pool.worker_count(workers_asked, dev, seeds),
-                      library_log=_log_of(req), consoles=watch.consoles, say=watch.say)
+                      library_log=beside(req.out), consoles=watch.consoles, say=watch.say)
     return Plan(req, cfg, assigned, knobs, conventions, seeds, s)
-
-
-def _log_of(req: Request) -> Path:
-    """Where the libraries' own output goes while the run trains (beside its report)."""
-    return req.out.with_name(req.out.stem + ".libraries.log")
 
 
 def run(plan: Plan, watch: Watch = Watch(), begin=None) -> Outcome:

@@ -122,7 +122,9 @@ def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Cal
     retry: list[int] = []
 
     def serve(index: int) -> None:
-        w = Worker(daemon=False, env=worker_env(index, cfg.device, n))
+        def started() -> Worker:
+            return Worker(daemon=False, env=worker_env(index, cfg.device, n))
+        w = started()
         try:
             while not interrupted():
                 with lock:
@@ -139,8 +141,8 @@ def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Cal
                         out[k] = run
                         if finished:
                             finished(run)
-                    w.stop()
-                    w = Worker(daemon=False, env=worker_env(index, cfg.device, n))
+                    w.stop()  # it is still in the hang: a fresh worker for the next seed
+                    w = started()
                     continue
                 if failure is not None:
                     with lock:
