@@ -113,39 +113,41 @@ def test_compile_variant_on_gpu(tmp_path):
     assert any(r["impl"] == "compile" and r["passed"] for r in rows)
 
 
-def _made_once_then_read(tmp_path, imports: str, call: str, made: str, read: str) -> None:
-    """``call`` (an expression after ``imports``; ``g`` is a seeded CUDA generator, ``r(*shape)``
-    draws from it) in two fresh processes, one after the other, sharing one mhctool cache folder:
-    the counters ``made`` and ``read`` must say the first process made the entry and the second
-    read it, and both must give the same bits."""
+def _made_once_then_read(tmp_path, imports: str, checks: dict[str, tuple[str, str, str]]) -> None:
+    """Each check's ``call`` (an expression after ``imports``; ``g`` is a seeded CUDA generator,
+    ``r(*shape)`` draws from it) in two fresh processes, one after the other, sharing one mhctool
+    cache folder: the counters ``made`` and ``read`` must say the first process made the entry and
+    the second read it, and both must give the same bits. The checks share the two processes (each
+    process's start and imports cost seconds on the GPU machine)."""
     code = (f"import hashlib, torch\n{imports}\n"
             "g = torch.Generator(device='cuda').manual_seed(0)\n"
-            "r = lambda *s: torch.randn(*s, device='cuda', generator=g)\n"
-            f"out = ({call}).cpu()\n"
-            f"print({made}, {read}, hashlib.sha1(out.numpy().tobytes()).hexdigest())\n")
+            "r = lambda *s: torch.randn(*s, device='cuda', generator=g)\n")
+    for name, (call, made, read) in checks.items():
+        code += (f"out = ({call}).cpu()\n"
+                 f"print({name!r}, {made}, {read}, hashlib.sha1(out.numpy().tobytes()).hexdigest())\n")
     env = {**os.environ, "MHCTOOL_CACHE": str(tmp_path / "cache")}
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
-    first, second = runs[0].stdout.split(), runs[1].stdout.split()
-    assert first[:2] == ["1", "0"] and second[:2] == ["0", "1"], (first, second)
-    assert first[2] == second[2]
+    first, second = ({line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.strip()}
+                     for r in runs)
+    for name in checks:
+        assert first[name][:2] == ["1", "0"] and second[name][:2] == ["0", "1"], (name, first, second)
+        assert first[name][2] == second[name][2], name
 
 
-def test_a_cutile_compilation_is_read_back_by_the_next_process(tmp_path):
+def test_compilations_and_timed_tiles_are_read_back_by_the_next_process(tmp_path):
     """kernels/cutile/_cache.py: the second process launches the kernel the first compiled, without
-    compiling it, and gets the same bits."""
-    _made_once_then_read(tmp_path, "from mhctool.kernels.cutile import _cache, h_aggregate as k",
-                         "k.h_aggregate_forward(r(37, 1, 4, 300), torch.rand(37, 1, 4, device='cuda', generator=g))",
-                         "_cache.stats['stored']", "_cache.stats['hits']")
-
-
-def test_a_tile_timed_by_one_process_is_taken_by_the_next(tmp_path):
-    """pick_config on the GPU: h_post_bda's generic forward (n = 3) at 25M elements times its
-    candidates in the first process only; the second reads the pick and gives the same bits."""
-    _made_once_then_read(tmp_path, "from mhctool.kernels.triton import _common, h_post_bda as k",
-                         "k.h_post_bda_forward(r(8192, 1, 3, 3), r(8192, 1, 3, 1024), r(8192, 1, 3), r(8192, 1, 1024))",
-                         "_common.picks['timed']", "_common.picks['read']")
+    compiling it, and gets the same bits. pick_config on the GPU: h_post_bda's generic forward (n =
+    3) at 25M elements times its candidates in the first process only; the second reads the pick
+    and gives the same bits."""
+    _made_once_then_read(
+        tmp_path, "from mhctool.kernels.cutile import _cache, h_aggregate as ck\n"
+                  "from mhctool.kernels.triton import _common, h_post_bda as tk",
+        {"cutile": ("ck.h_aggregate_forward(r(37, 1, 4, 300), torch.rand(37, 1, 4, device='cuda', generator=g))",
+                    "_cache.stats['stored']", "_cache.stats['hits']"),
+         "triton": ("tk.h_post_bda_forward(r(8192, 1, 3, 3), r(8192, 1, 3, 1024), r(8192, 1, 3), r(8192, 1, 1024))",
+                    "_common.picks['timed']", "_common.picks['read']")})
 
 
 @pytest.mark.parametrize("backend", ["triton", "cutile"])
@@ -825,3 +827,30 @@ def test_megatron_engine_runs_the_recipe_at_tensor_and_sequence_parallel_2(tmp_p
     text = res.stdout + res.stderr
     assert res.returncode == 0, text
     assert "PASSED stays with the float64 reference" in text, text
+
+
+@pytest.mark.slow  # five processes, each compiling Megatron's torch.compile'd mHC functions
+def test_bench_engine_times_megatrons_step_for_each_variant(tmp_path):
+    """mhctool bench --engine megatron:TREE (issue 91) at toy sizes on one GPU: the GPT without
+    hyper-connections, Megatron's own mHC path, its fused kernels and mhctool's Triton kernels at
+    its entry points, each step timed, the overhead over the baseline and the entry points' time."""
+    import pyarrow.parquet as pq
+    tree = _megatron_core_tree()
+    if tree is None:
+        pytest.skip("no megatron-core staged ($MCORE or .anchors/megatron-core/m3828)")
+    out = tmp_path / "s.parquet"
+    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "bench", "--engine", f"megatron:{tree}", "--impl",
+                          "triton", "--layers", "2", "--hidden", "128", "--heads", "4", "--seq", "64", "--batch", "2",
+                          "--vocab", "1024", "--recipe", "global_batch=4", "--steps", "4", "--warmup", "2",
+                          "--entry-steps", "2", "-o", str(out)], capture_output=True, text=True, timeout=500)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text
+    rows = pq.read_table(out).to_pylist()
+    step = {r["variant"]: r["value"] for r in rows if r["metric"] == "step_ms"}
+    assert set(step) == {"plain", "native", "fused", "triton"} and min(step.values()) > 0, step
+    over = {r["variant"] for r in rows if r["metric"] == "overhead"}
+    assert over == {"native", "fused", "triton"}, over
+    timed = {(r["variant"], r["entry"], r["direction"]) for r in rows if r["metric"] == "entry_ms" and r["value"] > 0}
+    for v in ("native", "fused", "triton"):
+        assert {(v, "sinkhorn", "fwd"), (v, "sinkhorn", "bwd")} <= timed, (v, timed)
+    assert any(r["metric"] == "peak_bytes" and r["value"] > 0 for r in rows)
