@@ -20,9 +20,12 @@
 #   detect     one GPU (carry .anchors/megatron too): PR 3828's adapter at the first step inside
 #              Megatron's model over seeds 0-9 and in mhctool's model at seed 0, and the planted
 #              defects' trajectories in mhctool's GPU default model (4 seeds each, side by side)
+#   bench      one GPU: `bench --engine` (issue 91): BENCH_STEPS picks steps: toy (the slow-marked
+#              GPU test's sizes), recipe (the recipe's sizes, every variant), streams (the overhead
+#              over n = 2, 4, 8), recompute (on and off), big (BENCH_BIG: the largest shape timed)
 # Logs and one archive (results.tar.gz: a run brings back a limited count of files) under $OUT.
 set -uo pipefail
-phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation|first|detect}"
+phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation|first|detect|bench}"
 O="${OUT:-/tmp/out}"; R=/tmp/results; mkdir -p "$O" "$R"
 T=${TIMEOUT:-540}
 FAST="--layers 4 --hidden 256 --heads 4 --seq 128 --batch 4 --recipe global_batch=8 --recipe warmup_fraction=0 --recipe hidden_dropout=0 --lr 0.01 --steps 12"
@@ -35,7 +38,20 @@ train() { name=$1 impl=$2; shift 2
 tests() { name=$1; shift; timeout "$T" python3 -m pytest -q -p no:cacheprovider "$@" > "$R/$name.log" 2>&1 & }
 show() { for f in "$@"; do echo "== $f"; grep -v "^train: \|^│\|^┃\|^┏\|^┡\|^└" "$R/$f.log" | tail -12; done; }
 nvidia-smi --query-gpu=name --format=csv,noheader > "$R/gpus.txt"
+# bench --engine: NAME ARGS... (in the foreground: one timing at a time on the GPU)
+bench() { name=$1; shift; t0=$SECONDS
+  timeout --foreground -s INT "${BT:-300}" python3 -m mhctool.cli bench --engine "megatron:$MCORE" "$@" -o "$R/$name.parquet" \
+    --plot "$R/$name.png" > "$R/$name.log" 2>&1; echo "== $name: exit $?, $((SECONDS - t0)) s"; cat "$R/$name.log" | grep -v "^bench: "; }
 case "$phase" in
+  bench)
+    for s in ${BENCH_STEPS:-toy recipe}; do case $s in
+      toy) bench toy --impl triton --layers 2 --hidden 128 --heads 4 --seq 64 --batch 2 --vocab 1024 --recipe global_batch=4 \
+             --steps 4 --warmup 2 --entry-steps 2 ;;
+      recipe) bench recipe ;;
+      streams) bench streams --variant native --variant triton --sweep streams=2,4,8 --no-kernels ;;
+      recompute) bench recompute --variant native --variant triton --sweep recompute=true,false --no-kernels ;;
+      big) bench big ${BENCH_BIG:---hidden 2048 --heads 16 --seq 4096 --batch 1 --recipe global_batch=8} ;;
+    esac; done ;;
   recipe)
     tests pytest_engine tests/kernels/test_gpu.py -k megatron_engine --slow
     train recipe megatron $RECIPE

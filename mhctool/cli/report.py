@@ -53,6 +53,14 @@ def report_show(
         tots = bench_mod.totals(rows)
         for t in bench_totals(tots, bench_mod.whole_path(tots), bench_mod.PATH):
             out.print(t)
+    elif meta["kind"] == "bench-step":  # the tables bench --engine printed, from the rows
+        from mhctool.cli.tables import step_split_table, step_table
+        rows = table.to_pylist()
+        run = meta["run"]
+        out.print(step_table(rows, f"bench --engine {run.get('engine')} on {run.get('device')}"))
+        split_t = step_split_table(rows, "inside the mHC entry points, a step")
+        if split_t is not None:
+            out.print(split_t)
     else:
         _show_rows(meta["kind"], table.to_pylist(), top)
 

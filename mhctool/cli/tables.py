@@ -92,3 +92,70 @@ def bench_totals(tots: list, paths: list, path_parts: tuple) -> list[Table]:
                     for s in path_parts),
                   _fmt(p.ms), _fmt(p.pct_copy_bw))
     return [a, b]
+
+
+def _by_run(rows: list[dict]) -> dict:
+    """Step rows grouped by (variant, point), then (entry, direction) -> metric -> row."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["variant"], r["point"]), {}).setdefault((r["entry"], r["direction"]), {})[r["metric"]] = r
+    return by
+
+
+def _point(text: str) -> str:
+    import json
+    p = json.loads(text or "{}")
+    return " ".join(f"{k}={v}" for k, v in p.items()) or "-"
+
+
+def step_table(rows: list[dict], title: str) -> Table:
+    """``bench --engine``'s rows: one line per variant and sweep point, the step's time, its
+    overhead over the baseline, and how much of it is spent inside the mHC entry points."""
+    t = Table(title=title)
+    by = _by_run(rows)
+    points = len({p for _, p in by}) > 1
+    for c in ("variant", *(("point",) if points else ()), "step ms", "p10-p90", "tokens/s", "overhead",
+              "in entry points ms", "share", "elsewhere ms", "peak GiB", "note"):
+        t.add_column(c)
+    for (variant, point), parts in by.items():
+        m = parts.get(("*", "*"), {})
+        g = lambda name: m.get(name, {}).get("value")  # noqa: E731
+        note = next((r["message"] for r in m.values() if r.get("message")), "") or ""
+        said = Text.assemble(("FAILED ", "red"), note) if "error" in m else Text(note)
+        ov = g("overhead")
+        t.add_row(_short_impl(variant), *((_point(point),) if points else ()), _fmt(g("step_ms")),
+                  f"{_fmt(g('step_ms_p10'))}-{_fmt(g('step_ms_p90'))}" if g("step_ms") is not None else "-",
+                  _fmt(g("tokens_per_s")), "-" if ov is None else f"{100 * ov:+.1f}%", _fmt(g("mhc_ms")),
+                  "-" if g("mhc_share") is None else f"{100 * g('mhc_share'):.1f}%", _fmt(g("elsewhere_ms")),
+                  _fmt(g("peak_bytes") / 2**30 if g("peak_bytes") is not None else None), said)
+    return t
+
+
+def step_split_table(rows: list[dict], title: str) -> Table | None:
+    """Where the time inside the entry points goes: per entry point and direction, each variant's
+    milliseconds a step and share of its step, with the kernel's own bench figure beside where
+    there is one; None where no entry point was timed."""
+    by = _by_run(rows)
+    runs = [(v, p) for (v, p), parts in by.items() if any(e != "*" for e, _ in parts)]
+    if not runs:
+        return None
+    points = len({p for _, p in runs}) > 1
+    t = Table(title=title)
+    t.add_column("entry point")
+    t.add_column("dir")
+    for v, p in runs:
+        t.add_column(_short_impl(v) + (f" {_point(p)}" if points else "") + " ms (share; alone)")
+    keys = sorted({k for run in runs for k in by[run] if k[0] != "*"},
+                  key=lambda k: (k[0], ("fwd", "bwd", "recompute").index(k[1]) if k[1] in ("fwd", "bwd", "recompute")
+                                 else 9))
+    for key in keys:
+        cells = []
+        for run in runs:
+            m = by[run].get(key, {})
+            ms, share, alone = (m.get(x, {}).get("value") for x in ("entry_ms", "entry_share", "kernel_ms"))
+            cell = "-" if ms is None else f"{_fmt(ms)} ({100 * share:.1f}%)"
+            if alone is not None:
+                cell += f"; {_fmt(alone)} x {_fmt(m.get('calls', {}).get('value'))}"
+            cells.append(cell)
+        t.add_row(key[0], key[1], *cells)
+    return t

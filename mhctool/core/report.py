@@ -175,6 +175,26 @@ TRAIN_SCHEMA = pa.schema([
 ])
 
 
+# `mhctool bench --engine` reports (kind ``bench-step``): per variant (``plain``: the GPT without
+# hyper-connections; ``native``: the engine's own mHC path; ``fused``: its fused switch; else the
+# --impl swapped in) and sweep point (``point``: JSON of the swept recipe options; the recipe's
+# sizes beside), the step (``entry`` ``*``): step_ms (median over the timed steps), step_ms_p10,
+# step_ms_p90, steps, tokens_per_s, overhead (step_ms / the baseline's - 1), overhead_ms,
+# peak_bytes (GPU), entry_step_ms (median step under the profiler, which times the entry points),
+# busy_ms (that step's whole kernel time: the GPU's busy time; CPU time of every op on a CPU),
+# mhc_ms (the device time of the kernels inside the entry points a step; CPU time on a CPU),
+# mhc_share (of step_ms; of busy_ms on a CPU), elsewhere_ms (overhead_ms - mhc_ms); per entry point (``entry``: the
+# family; ``mapping``: a fused projection with the mapping's activations) and ``direction`` (fwd,
+# bwd, recompute): entry_ms, entry_share (of step_ms), calls (a step), kernel_ms (the kernel
+# alone, bench's measurement at the step's shape). A variant that could not run: metric ``error`` or ``skipped``, why in ``message``.
+STEP_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("variant", pa.string()), ("point", pa.string()), ("streams", pa.int64()),
+    ("layers", pa.int64()), ("hidden", pa.int64()), ("seq", pa.int64()), ("micro_batch", pa.int64()),
+    ("global_batch", pa.int64()), ("recompute", pa.bool_()), ("entry", pa.string()), ("direction", pa.string()),
+    ("metric", pa.string()), ("value", pa.float64()), ("message", pa.string()),
+])
+
+
 # `mhctool gate` reports: one row per JUnit case.
 GATE_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("suite", pa.string()), ("entry", pa.string()), ("kind", pa.string()),

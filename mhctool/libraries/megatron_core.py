@@ -19,6 +19,7 @@ projections are whole on every rank), and what :class:`Watch` saw at the module'
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -30,6 +31,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from mhctool.core.entry_timing import EntryTimer
 from mhctool.core.metrics import h_res_health
 from mhctool.families.mapping import blocks
 
@@ -70,6 +72,12 @@ class Recipe:
     sequence_parallel: bool = False
     seed: int = 1234
     deterministic: bool = True
+    # for mhctool bench --engine: False trains the same GPT without hyper-connections (the baseline);
+    # watch=False leaves out the per-step health checks at the entry points (they synchronise);
+    # from step time_entry_from on (0: never), the entry points' time is measured and recorded
+    hyper_connections: bool = True
+    watch: bool = True
+    time_entry_from: int = 0
 
     def changed(self) -> dict:
         """The options that differ from the recipe's."""
@@ -112,6 +120,21 @@ NATIVE_CONVENTIONS = {
 # the module's entry points, by the family each computes (called as Megatron calls them)
 ENTRY_POINTS = {"proj_rms": "_proj_rms_op", "sinkhorn": "_sinkhorn_op", "h_aggregate": "_h_aggregate_op",
                 "h_post_bda": "_h_post_bda_op"}
+# what bench --engine times besides, where a module has them (dev's fused path: the projection with
+# the mapping's activations in one op, and the aggregate written into a recompute arena), by the
+# family they count under
+TIMED_ALSO = {"_proj_rms_compute_h_op": "mapping", "_h_aggregate_into_op": "h_aggregate"}
+
+
+def time_entry_points(model, timer) -> None:
+    """Every HyperConnectionModule's entry points (those set) wrapped by ``timer``
+    (:class:`mhctool.core.entry_timing.EntryTimer`), each under the family it computes."""
+    points = {**{a: f for f, a in ENTRY_POINTS.items()}, **TIMED_ALSO}
+    for m in model.modules():
+        if hasattr(m, "_sinkhorn_op"):
+            for attr, family in points.items():
+                if getattr(m, attr, None) is not None:
+                    setattr(m, attr, timer.wrap(family, getattr(m, attr)))
 
 
 def generation(tree: str) -> str:
@@ -225,13 +248,13 @@ class SequenceParallelNorm:
         return norm
 
 
-def layer_spec(layers: int, sequence_parallel: bool):
-    """The local layer spec with hyper-connections, as Megatron builds it; under sequence parallelism,
-    the whole block's (each layer's and the final one) with :class:`SequenceParallelNorm` where the
-    spec has Megatron's torch norm."""
+def layer_spec(layers: int, sequence_parallel: bool, hyper_connections: bool = True):
+    """The local layer spec with hyper-connections (or without: the baseline), as Megatron builds
+    it; under sequence parallelism, the whole block's (each layer's and the final one) with
+    :class:`SequenceParallelNorm` where the spec has Megatron's torch norm."""
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    spec = get_gpt_layer_local_spec(enable_hyper_connection=True)
+    spec = get_gpt_layer_local_spec(enable_hyper_connection=hyper_connections)
     if not sequence_parallel:
         return spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -277,18 +300,19 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=r.tp, pipeline_model_parallel_size=1)
     torch.manual_seed(r.seed)
     model_parallel_cuda_manual_seed(r.seed)
+    hc = r.hyper_connections
     recompute = dict(recompute_granularity="selective", recompute_modules=["mhc"],
-                     mhc_recompute_layer_num=r.recompute_layers) if r.recompute else {}
+                     mhc_recompute_layer_num=r.recompute_layers) if r.recompute and hc else {}
     config = TransformerConfig(
         num_layers=r.layers, hidden_size=r.hidden, num_attention_heads=r.heads,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
         tensor_model_parallel_size=r.tp, sequence_parallel=r.sequence_parallel,
-        enable_hyper_connections=True, num_residual_streams=r.streams, mhc_sinkhorn_iterations=r.sinkhorn_iters,
-        mhc_init_gating_factor=r.gating, use_fused_mhc=r.fused, deterministic_mode=r.deterministic,
+        enable_hyper_connections=hc, num_residual_streams=r.streams, mhc_sinkhorn_iterations=r.sinkhorn_iters,
+        mhc_init_gating_factor=r.gating, use_fused_mhc=r.fused and hc, deterministic_mode=r.deterministic,
         attention_softmax_in_fp32=True, gradient_accumulation_fusion=False, hidden_dropout=r.hidden_dropout,
         **recompute)
     fused_ran = bool(config.use_fused_mhc)  # Megatron turns it off (with a warning) without cuTile
-    model = GPTModel(config, layer_spec(r.layers, r.sequence_parallel), vocab_size=r.vocab,
+    model = GPTModel(config, layer_spec(r.layers, r.sequence_parallel, hc), vocab_size=r.vocab,
                      max_sequence_length=r.seq, position_embedding_type="learned_absolute",
                      # tied, as Megatron ties them unless --untie-embeddings-and-output-weights
                      share_embeddings_and_output_weights=True)
@@ -303,7 +327,11 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
             if hasattr(m, "_sinkhorn_op"):  # the module's Sinkhorn entry point, called (logits, iters, eps)
                 m._sinkhorn_op = functools.partial(lambda op, eps, x, iters, _eps: op(x, iters, eps),
                                                    m._sinkhorn_op, r.sinkhorn_eps)
-    watch = Watch(model)
+    watch = Watch(model) if r.watch else None
+    timer = None
+    if r.time_entry_from:
+        timer = EntryTimer(cuda=True)
+        time_entry_points(model, timer)
     params = sum(p.numel() for p in model.parameters())
     model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -350,25 +378,27 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
             parallel_state.get_data_parallel_rank() * micro_batches, (parallel_state.get_data_parallel_rank() + 1) * micro_batches)])
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        reports = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[model],
-                          num_microbatches=micro_batches, seq_length=r.seq, micro_batch_size=r.micro_batch,
-                          decoder_seq_length=r.seq, forward_only=False)
-        zeros: dict[str, int] = {}
-        for p in model.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is None:
-                continue
-            name = names[id(p)].removeprefix("module.").removeprefix("module.")
-            zeros[name] = int(g.numel() - torch.count_nonzero(g))
-            if name.endswith("mapping_proj.weight"):
-                zeros.update({k: int((v == 0).sum()) for k, v in blocks(name, g, r.streams).items()})
-        ok, grad_norm, num_zeros = opt.step()
-        sched.step(increment=r.global_batch)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        timed = timer is not None and step >= r.time_entry_from
+        with timer.profiling() if timed else contextlib.nullcontext():  # the entry points' time, in place
+            t0 = time.perf_counter()
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            reports = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[model],
+                              num_microbatches=micro_batches, seq_length=r.seq, micro_batch_size=r.micro_batch,
+                              decoder_seq_length=r.seq, forward_only=False)
+            zeros: dict[str, int] = {}
+            for p in model.parameters() if r.watch else ():  # each count synchronises: not in a timed step
+                g = getattr(p, "main_grad", None)
+                if g is None:
+                    continue
+                name = names[id(p)].removeprefix("module.").removeprefix("module.")
+                zeros[name] = int(g.numel() - torch.count_nonzero(g))
+                if name.endswith("mapping_proj.weight"):
+                    zeros.update({k: int((v == 0).sum()) for k, v in blocks(name, g, r.streams).items()})
+            ok, grad_norm, num_zeros = opt.step()
+            sched.step(increment=r.global_batch)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
         total = torch.stack([x["lm loss"] for x in reports]).sum(0)
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         rec = {"step": step, "lm loss": float(total[0] / total[1]),
@@ -377,8 +407,11 @@ def train(tree: str, r: Recipe, progress: Callable[[dict], None] | None = None,
                "iteration-time": elapsed, "mem-allocated-bytes": float(torch.cuda.memory_allocated()),
                "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated()),
                "update": bool(ok), "lr": float(opt.param_groups[0]["lr"]) if hasattr(opt, "param_groups") else None,
-               "fused": fused_ran, "params": params, "calls": dict(watch.calls), **watch.step_end(r.layers),
-               "zeros": {k: v for k, v in zeros.items() if v}}
+               "fused": fused_ran, "params": params, "zeros": {k: v for k, v in zeros.items() if v}}
+        if watch is not None:
+            rec.update(calls=dict(watch.calls), **watch.step_end(r.layers))
+        if timed:
+            rec["entry_ms"] = timer.step_end()
         records.append(rec)
         if progress and rank == 0:
             progress(rec)

@@ -59,6 +59,9 @@ def _rows_for(kind: str, table: pa.Table) -> tuple[list[dict], list[str]]:
     columns = [c for c in table.column_names if c != "run_id"]
     if kind == "bench":
         rows = [r for r in rows if r["metric"] in ("time_ms", "pct_copy_bw", "speedup_vs_torch") or r["message"]]
+    elif kind == "bench-step":
+        rows = [r for r in rows if r["metric"] in ("step_ms", "overhead", "mhc_ms", "entry_ms", "kernel_ms")
+                or r["message"]]
     elif "passed" in columns and any(r["passed"] is not None for r in rows):
         rows = rows_worst_first([r for r in rows if r["passed"] is not None or r.get("message")])
     return rows, columns
@@ -72,6 +75,8 @@ def _figures(kind: str, table: pa.Table, run: dict, folder: Path) -> list[Path]:
         return [plots.bench_figure(table, folder / "bench.png", float(run["copy_bandwidth_Bps"]))]
     if kind == "train":
         return plots.train_figures(table, folder)
+    if kind == "bench-step":
+        return [plots.step_figure(table, folder / "step.png")]
     if kind == "stability":
         dtypes = set(table.column("dtype").to_pylist())
         return plots.stability_figures(table, folder, {d: x for d, x in OVERFLOW_LOGIT.items() if d in dtypes})

@@ -159,6 +159,47 @@ def bench_figure(table: pa.Table, path: str | Path, copy_bw: float) -> Path:
     return _save(fig, _folder(Path(path).parent) / Path(path).name, 110)
 
 
+def step_figure(table: pa.Table, path: str | Path) -> Path:
+    """``bench --engine``'s figure: with a sweep of one option, each variant's overhead over the
+    baseline against the swept value (a line per variant, the paper's 6.7% marked); otherwise
+    stacked bars per variant of its step: the baseline's time, the time inside the mHC entry
+    points, and the rest of its overhead."""
+    rows = table.to_pylist()
+    step = {(r["variant"], r["point"]): r["value"] for r in rows if r["metric"] == "step_ms" and r["entry"] == "*"}
+    over = {(r["variant"], r["point"]): r["value"] for r in rows if r["metric"] == "overhead" and r["entry"] == "*"}
+    mhc = {(r["variant"], r["point"]): r["value"] for r in rows if r["metric"] == "mhc_ms" and r["entry"] == "*"}
+    swept = sorted({k for _, p in over for k in json.loads(p)})
+    if len(swept) == 1:
+        key = swept[0]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        variants = list(dict.fromkeys(v for v, _ in over))
+        for k, v in enumerate(variants):
+            pts = sorted((json.loads(p)[key], 100 * o) for (w, p), o in over.items() if w == v and key in json.loads(p))
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=v, **_style(k))
+        ax.axhline(6.7, color="k", ls="--", lw=1, label="6.7% (the mHC paper, n = 4)")
+        ax.set_xlabel(key)
+        ax.set_ylabel("step time over the baseline's (%)")
+    else:
+        runs = [k for k in step if k[0] != "plain"]
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(runs) + 2), 4.5))
+        for x, (v, p) in enumerate(runs):
+            t = step[(v, p)]
+            base = t / (1 + over[(v, p)]) if over.get((v, p)) is not None else t - (mhc.get((v, p)) or 0.0)
+            inside = min(mhc.get((v, p)) or 0.0, max(0.0, t - base))  # measured in other steps: never past the step
+            rest = max(0.0, t - base - inside)
+            ax.bar(x, base, color="0.75", label="baseline step" if x == 0 else None)
+            ax.bar(x, inside, bottom=base, color=_style(0)["color"], label="inside the mHC entry points" if x == 0 else None)
+            ax.bar(x, rest, bottom=base + inside, color=_style(1)["color"], label="rest of mHC's overhead" if x == 0 else None)
+            ax.annotate(f"{100 * over[(v, p)]:+.1f}%" if over.get((v, p)) is not None else "", (x, t), ha="center",
+                        va="bottom", fontsize=8)
+        ax.set_xticks(range(len(runs)))
+        ax.set_xticklabels([v if p == "{}" else f"{v}\n{p}" for v, p in runs], fontsize=8)
+        ax.set_ylabel("step time (ms)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, _folder(Path(path).parent) / Path(path).name, 110)
+
+
 def golden_figures(golden, actual, metrics: list[str], out_dir: str | Path, labels=("golden", "actual")) -> list[Path]:
     """Per metric: both curves, and their relative difference per step."""
     out_dir = _folder(out_dir)

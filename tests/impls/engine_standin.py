@@ -3,14 +3,19 @@ public structure, none of its code: a small GPT whose layers carry hyper-connect
 Megatron's four entry points (``_proj_rms_op``, ``_sinkhorn_op``, ``_h_aggregate_op``,
 ``_h_post_bda_op``, called as Megatron calls them), PR 3828's native conventions (the row max
 subtracted, the sums clamped at eps, H_res x), and the block's exit averaging the streams. Its
-"fused" switch (``recipe.fused``) computes the same functions in another order. It trains on the
-CPU in fp32 with SGD and gradient clipping, micro-batches accumulated, and reports what the
-engine interface asks: the golden-value metrics and each parameter's exact zeros."""
+"fused" switch (``recipe.fused``) computes the same functions in another order;
+``recipe.hyper_connections=False`` is the same GPT with plain residual adds (bench's baseline). It
+trains on the CPU in fp32 with SGD and gradient clipping, micro-batches accumulated, and reports
+what the engine interface asks: the golden-value metrics and each parameter's exact zeros, and
+from ``recipe.time_entry_from`` on the time inside the entry points (mhctool's EntryTimer)."""
+import contextlib
 import math
 import time
 
 import torch
 from torch import nn
+
+from mhctool.core.entry_timing import EntryTimer
 
 
 def _proj_rms(x2d, weight, eps=1e-6):
@@ -72,8 +77,11 @@ class Layer(nn.Module):
         self.attn_norm, self.mlp_norm = nn.LayerNorm(r.hidden), nn.LayerNorm(r.hidden)
         self.attn = nn.MultiheadAttention(r.hidden, r.heads, batch_first=False)
         self.mlp = nn.Sequential(nn.Linear(r.hidden, 4 * r.hidden), nn.GELU(), nn.Linear(4 * r.hidden, r.hidden))
-        self.self_attention_hyper_connection = HyperConnection(r.streams, r.hidden, r.sinkhorn_iters, r.fused)
-        self.mlp_hyper_connection = HyperConnection(r.streams, r.hidden, r.sinkhorn_iters, r.fused)
+        hc = getattr(r, "hyper_connections", True)
+        plain = lambda x, sublayer: x + sublayer(x[:, :, 0]).unsqueeze(2)  # noqa: E731 - one stream, a residual add
+        self.self_attention_hyper_connection = HyperConnection(r.streams, r.hidden, r.sinkhorn_iters, r.fused) \
+            if hc else plain
+        self.mlp_hyper_connection = HyperConnection(r.streams, r.hidden, r.sinkhorn_iters, r.fused) if hc else plain
 
     def forward(self, streams):
         s = streams.shape[0]
@@ -89,7 +97,7 @@ class Layer(nn.Module):
 class GPT(nn.Module):
     def __init__(self, r):
         super().__init__()
-        self.streams = r.streams
+        self.streams = r.streams if getattr(r, "hyper_connections", True) else 1
         self.embedding = nn.Embedding(r.vocab, r.hidden)
         self.layers = nn.ModuleList(Layer(r) for _ in range(r.layers))
         self.final_norm = nn.LayerNorm(r.hidden)
@@ -119,19 +127,29 @@ def train(tree, recipe, progress, ops):
                 op = getattr(m, f"_{family}_op")
                 setattr(m, f"_{family}_op", lambda *a, _op=op, _f=family, **k: (calls.__setitem__(_f, calls[_f] + 1),
                                                                                  _op(*a, **k))[1])
+    timer = EntryTimer(cuda=False) if getattr(recipe, "time_entry_from", 0) else None
+    if timer is not None:
+        for m in model.modules():
+            if isinstance(m, HyperConnection):
+                for family in calls:
+                    setattr(m, f"_{family}_op", timer.wrap(family, getattr(m, f"_{family}_op")))
     names = {id(p): n for n, p in model.named_parameters()}
     micro = max(1, recipe.global_batch // recipe.micro_batch)
     for step in range(1, recipe.steps + 1):
+        timed = timer is not None and step >= recipe.time_entry_from
         t0 = time.perf_counter()
         for p in params:
             p.grad = None
-        total = 0.0
-        for k in range(micro):
-            g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step * 1009 + k)
-            t = torch.randint(0, recipe.vocab, (recipe.seq + 1, recipe.micro_batch), generator=g)
-            loss = nn.functional.cross_entropy(model(t[:-1]).flatten(0, 1), t[1:].flatten()) / micro
-            loss.backward()
-            total += float(loss.detach())
+        total, profiled = 0.0, timer.profiling() if timed else contextlib.nullcontext()
+        with profiled:
+            for k in range(micro):
+                g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step * 1009 + k)
+                t = torch.randint(0, recipe.vocab, (recipe.seq + 1, recipe.micro_batch), generator=g)
+                loss = nn.functional.cross_entropy(model(t[:-1]).flatten(0, 1), t[1:].flatten()) / micro
+                loss.backward()
+                total += float(loss.detach())
+            read_from = time.perf_counter()
+        reading = time.perf_counter() - read_from  # the profile's reading: not the step's
         zeros = {}
         for p in model.parameters():
             name = names[id(p)]
@@ -145,7 +163,8 @@ def train(tree, recipe, progress, ops):
             scale = min(1.0, recipe.clip_grad / (float(norm) + 1e-6))
             for p in params:
                 p.mul_(1 - recipe.lr * recipe.weight_decay).add_(p.grad, alpha=-recipe.lr * scale)
-        progress({"step": step, "lm loss": total, "grad-norm": float(norm), "num-zeros": float(sum(
-            v for k, v in zeros.items() if ":" not in k)), "iteration-time": time.perf_counter() - t0,
+        rec = {"entry_ms": timer.step_end()} if timed else {}
+        progress({**rec, "step": step, "lm loss": total, "grad-norm": float(norm), "num-zeros": float(sum(
+            v for k, v in zeros.items() if ":" not in k)), "iteration-time": time.perf_counter() - t0 - reading,
             "params": sum(p.numel() for p in model.parameters()), "fused": bool(recipe.fused), "dtype": "fp32", "calls": dict(calls),
             "zeros": {k: v for k, v in zeros.items() if v}})

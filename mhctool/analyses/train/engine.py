@@ -270,7 +270,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", required=True, help="module:function of the engine's train")
     ap.add_argument("--tree", default=None)
     ap.add_argument("--recipe", required=True)
-    ap.add_argument("--role", required=True, help="impl, native, reference, or native:FAMILY.KNOB=VALUE (--alt)")
+    ap.add_argument("--role", required=True, help="impl, native, reference, plain (no hyper-connections: bench's "
+                                                  "baseline), or native:FAMILY.KNOB=VALUE (--alt)")
     ap.add_argument("--alt", default=None, help="JSON {family, knobs, precision}: mhctool's native piece at that "
                                                  "entry point (the rest Megatron's own), to trace a drift")
     ap.add_argument("--specs", default="{}")
@@ -299,6 +300,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     else:
         ops, names = {}, {f: "Megatron's fused" if fused else "Megatron's own" for f in ENGINE_FAMILIES}
     recipe = replace(recipe, fused=fused)
+    if a.role == "plain":  # the same GPT without hyper-connections
+        ops, names, recipe = {}, {f: "none (no hyper-connections)" for f in ENGINE_FAMILIES}, \
+            replace(recipe, hyper_connections=False)
     train = load_engine(a.engine)
     first = os.environ.get("RANK", "0") == "0"
     with open(a.log if first else os.devnull, "a") as f:
@@ -457,6 +461,18 @@ class EngineRunner:
             if gpus is not None:
                 self._slots.put(gpus)
         return ([json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.is_file() else []), error
+
+    def records(self, recipe, role: str) -> tuple[list[dict], str | None]:
+        """One run of ``role`` (plain, native or impl) by ``recipe`` (bench's runs): its step records
+        and the error that ended it."""
+        with tempfile.TemporaryDirectory(prefix="mhctool-engine-") as d:
+            lines, error = self._run(recipe, role, d)
+        steps = [x for x in lines if "step" in x]
+        if error is None and len(steps) < recipe.steps:
+            error = f"step {len(steps) + 1}: the engine stopped"
+        elif error is not None:
+            error = f"step {len(steps) + 1}: {error}"
+        return steps, error
 
     def first_step(self, seed: int, rule) -> first_step_mod.Check | None:
         """The first step judged per entry point inside the engine's model: the float64 run's first

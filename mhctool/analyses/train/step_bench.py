@@ -1,0 +1,207 @@
+"""``mhctool bench --engine``: what mHC costs in an engine's training step (Megatron-core's, or a
+``FILE.py:function`` engine's), and what kernels swapped in at its entry points buy there.
+
+Each variant trains the engine's model by the recipe in a process of its own, one after another
+(never side by side: they would share the GPU):
+
+- ``plain``: the same GPT without hyper-connections, the baseline;
+- ``native``: the engine's own mHC path (Megatron's unfused one, as its recipe runs);
+- ``fused``: the engine's fused switch (Megatron's ``use_fused_mhc``: its cuTile kernels);
+- each ``--impl``: swapped in at the module's entry points, as ``train --engine`` swaps it.
+
+A run is ``warmup`` steps (compilation, the allocator's first growth), then ``steps`` timed steps
+(each the engine's own wall time of one optimizer step, synchronised), then ``entry_steps`` more
+under PyTorch's profiler with the entry points timed in place
+(:class:`mhctool.core.entry_timing.EntryTimer`: the device time of their forward, backward and
+recompute kernels). The timed steps carry no instrumentation, so the step times are the model's;
+the kernel times are exact whatever the profiler costs the host, and their shares are of the clean
+step (the profiled steps' own time is reported beside).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from mhctool.core.errors import UsageError
+
+BASELINE, NATIVE, FUSED = "plain", "native", "fused"
+# recipe options that change the model without hyper-connections too (the baseline is run again
+# at each sweep point where one of these differs)
+PLAIN_KEYS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "global_batch", "tp",
+              "sequence_parallel", "hidden_dropout", "deterministic", "lr")
+ENTRY_KINDS = ("fwd", "bwd", "recompute")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # plain, native, fused, or the --impl spec
+    role: str  # the engine worker's role: plain, native or impl
+    specs: dict = field(default_factory=dict)  # entry point -> spec, for role impl
+
+    @property
+    def what(self) -> str:
+        return {BASELINE: "the GPT without hyper-connections", NATIVE: "the engine's own mHC path",
+                FUSED: "the engine's fused mHC kernels (its switch)"}.get(self.name, f"{self.name} at the entry points")
+
+
+def variants(specs: list[str], assign) -> list[Variant]:
+    """The baseline, the engine's own path, its fused switch, then each ``--impl`` (``assign``:
+    entry point -> spec, as ``train --engine`` assigns one spec)."""
+    out = [Variant(BASELINE, "plain"), Variant(NATIVE, "native"), Variant(FUSED, "impl", {"*": "megatron"})]
+    for s in dict.fromkeys(specs):
+        if s == "megatron":
+            continue  # Megatron's fused kernels: the fused variant
+        out.append(Variant(s, "impl", assign([s])))
+    return out
+
+
+def sweep_points(items: list[tuple[str, str]], parse) -> list[dict]:
+    """``--sweep KEY=V1,V2`` items as the recipe points to run (every combination, in order);
+    ``parse``: ``[(key, raw)] -> {key: typed}`` (the recipe's own option parsing)."""
+    points: list[dict] = [{}]
+    seen = set()
+    for key, raw in items:
+        if key in seen:
+            raise UsageError(f"--sweep {key} is given twice; put its values in one list: --sweep {key}=A,B")
+        seen.add(key)
+        values = [v for v in raw.split(",") if v.strip()]
+        if not values:
+            raise UsageError(f"--sweep {key}= needs values, e.g. --sweep {key}=2,4,8")
+        typed = [parse([(key, v.strip())])[key] for v in values]
+        points = [{**p, key: v} for p in points for v in typed]
+    return points
+
+
+@dataclass
+class Measured:
+    """One variant's run at one sweep point: its step records and the error that ended it."""
+
+    variant: Variant
+    point: dict
+    records: list[dict]
+    error: str | None = None
+    warmup: int = 0
+    steps: int = 0
+
+    def _series(self, key: str, timed_entry: bool) -> list[float]:
+        recs = [r for r in self.records if r["step"] > self.warmup]
+        recs = [r for r in recs if (r["step"] > self.warmup + self.steps) == timed_entry]
+        return [float(r[key]) for r in recs if r.get(key) is not None]
+
+    @property
+    def step_ms(self) -> list[float]:
+        return [1e3 * v for v in self._series("iteration-time", False)]
+
+    @property
+    def entry_step_ms(self) -> list[float]:
+        return [1e3 * v for v in self._series("iteration-time", True)]
+
+    @property
+    def peak_bytes(self) -> float | None:
+        v = [float(r["mem-max-allocated-bytes"]) for r in self.records if r.get("mem-max-allocated-bytes") is not None]
+        return max(v) if v else None
+
+    @property
+    def fused_off(self) -> bool:
+        """The engine turned its fused switch off (Megatron does without cuTile)."""
+        return self.variant.name == FUSED and any(r.get("fused") is False for r in self.records)
+
+    def entry(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """(family, kind) -> (median milliseconds a step, calls a step) over the entry-timed steps."""
+        recs = [r["entry_ms"] for r in self.records if r.get("entry_ms") is not None]
+        keys = sorted({(f, k) for e in recs for f, d in e.items() if f != "*" for k in ENTRY_KINDS
+                       if f"{k}_calls" in d or f"{k}_ms" in d})
+        return {(f, k): (statistics.median(e.get(f, {}).get(f"{k}_ms", 0.0) for e in recs),
+                         statistics.median(e.get(f, {}).get(f"{k}_calls", 0) for e in recs)) for f, k in keys}
+
+    def mhc_ms(self) -> float | None:
+        """The median over the entry-timed steps of the step's total time inside the entry points."""
+        recs = [r["entry_ms"] for r in self.records if r.get("entry_ms") is not None]
+        if not recs:
+            return None
+        return statistics.median(sum(v for f, d in e.items() if f != "*" for k, v in d.items() if k.endswith("_ms"))
+                                 for e in recs)
+
+    def busy_ms(self) -> float | None:
+        """The median over the entry-timed steps of the step's whole kernel time (CPU time on a CPU)."""
+        v = [r["entry_ms"]["*"]["busy_ms"] for r in self.records if "*" in (r.get("entry_ms") or {})]
+        return statistics.median(v) if v else None
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def point_text(point: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in point.items()) or "-"
+
+
+def rows(measured: list[Measured], recipe, kernel_ms: dict | None = None, device: str = "cuda") -> list[dict]:
+    """The report's rows (``mhctool.core.report.STEP_SCHEMA``): per variant and sweep point, the
+    step (``entry`` ``*``), then each entry point by direction; ``kernel_ms``: (variant, point
+    text, family, direction) -> the kernel's own bench figure at the step's shape. The shares are
+    of the clean step on a GPU (kernel time is exact under the profiler) and of the profiled
+    step's whole CPU time on a CPU (where the profiler's own cost is in every time it records)."""
+    import json
+    out: list[dict] = []
+    plain = {}
+    for m in measured:
+        if m.variant.name == BASELINE and m.step_ms:
+            plain[plain_key(m.point)] = statistics.median(m.step_ms)
+    for m in measured:
+        r = replace(recipe, **m.point)
+        base = {"variant": m.variant.name, "point": json.dumps(m.point, sort_keys=True), "streams": r.streams,
+                "layers": r.layers, "hidden": r.hidden, "seq": r.seq, "micro_batch": r.micro_batch,
+                "global_batch": r.global_batch, "recompute": bool(r.recompute), "entry": "*", "direction": "*"}
+
+        def row(metric, value, **kw):
+            out.append({**base, **kw, "metric": metric, "value": None if value is None else float(value)})
+        if m.fused_off:
+            row("skipped", None, message="the engine turned its fused switch off (Megatron does without cuTile: "
+                                         "cuda.tile not importable)")
+            continue
+        if m.error is not None and not m.step_ms:
+            row("error", None, message=m.error)
+            continue
+        if m.error is not None:  # steps were timed before it ended: kept, and said
+            row("error", None, message=m.error)
+        if not m.step_ms:
+            continue
+        t = statistics.median(m.step_ms)
+        row("step_ms", t)
+        row("step_ms_p10", _pct(m.step_ms, 0.1))
+        row("step_ms_p90", _pct(m.step_ms, 0.9))
+        row("steps", len(m.step_ms))
+        row("tokens_per_s", r.global_batch * r.seq / (t / 1e3))
+        t0 = plain.get(plain_key(m.point))
+        if t0 is not None and m.variant.name != BASELINE:
+            row("overhead", t / t0 - 1)
+            row("overhead_ms", t - t0)
+        if m.peak_bytes is not None:
+            row("peak_bytes", m.peak_bytes)
+        if m.entry_step_ms and m.variant.name != BASELINE:
+            row("entry_step_ms", statistics.median(m.entry_step_ms))
+            busy = m.busy_ms()
+            if busy is not None:
+                row("busy_ms", busy)
+            whole = t if device == "cuda" or not busy else busy
+            mhc = m.mhc_ms()
+            if mhc is not None:
+                row("mhc_ms", mhc)
+                row("mhc_share", mhc / whole)
+                if t0 is not None and device == "cuda":
+                    row("elsewhere_ms", (t - t0) - mhc)
+            for (family, kind), (ms, calls) in m.entry().items():
+                row("entry_ms", ms, entry=family, direction=kind)
+                row("entry_share", ms / whole, entry=family, direction=kind)
+                row("calls", calls, entry=family, direction=kind)
+        for (v, p, family, d), ms in (kernel_ms or {}).items():
+            if v == m.variant.name and p == point_text(m.point):
+                row("kernel_ms", ms, entry=family, direction=d)
+    return out
+
+
+def plain_key(point: dict) -> tuple:
+    """What the baseline of a sweep point depends on (its run is shared by the points alike there)."""
+    return tuple(sorted((k, v) for k, v in point.items() if k in PLAIN_KEYS))

@@ -1,0 +1,189 @@
+"""The time a model spends inside its mHC entry points, forward and backward, measured in place
+(``mhctool bench --engine``): each entry point's call is wrapped, not replaced, so the model's
+autograd graph and numbers are its own; the step runs under PyTorch's profiler and the time is
+read from what it recorded.
+
+- **Forward**: the call runs inside a profiler range of its own; its time is the device time of
+  the kernels launched inside it (on a CPU, the range's CPU time). A call made while autograd
+  runs a backward is a **recompute** (Megatron's mHC recompute runs the forward again there).
+- **Backward**: the autograd nodes the call created (from its outputs back to its inputs, nothing
+  before it) are known by their sequence numbers; the profiler records each node's evaluation
+  with that number, and the backward's time is the device time of the kernels launched inside
+  those evaluations. Autograd may run other nodes between them (it orders ready nodes by creation),
+  which a span from first to last would count; the sum of the call's own nodes does not.
+
+Kernel time is the GPU's busy time: time the GPU waits between an entry point's launches (a
+launch-bound path) is not in it; it is in the step's time, and so in what the overhead over the
+baseline leaves outside the entry points.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+KINDS = ("fwd", "bwd", "recompute")
+PREFIX = "mhctool.entry:"
+WHOLE = "*"  # step_end's key for the whole step's busy time
+_MAX_NODES = 4096  # a call's graph walked no further (an entry point is a few hundred nodes at most)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward in this thread now (a forward called then is a
+    recompute)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _tensors(args, kwargs) -> list:
+    out = []
+    for v in (*args, *kwargs.values()):
+        if torch.is_tensor(v):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += [t for t in v if torch.is_tensor(t)]
+    return out
+
+
+def own_nodes(outputs: list, inputs: list) -> list:
+    """The autograd nodes a call created: from its outputs' nodes back to its inputs' nodes (or
+    leaves' accumulators), which are not its own."""
+    # the nodes' Python objects held while their ids are compared: a node's object made for one
+    # look and freed at once may give its id to the next (the walk then stopped at its first node)
+    held = [t.grad_fn for t in inputs if t.grad_fn is not None]
+    stop = {id(n) for n in held}
+    todo = [n for n in (t.grad_fn for t in outputs) if n is not None and id(n) not in stop]
+    seen, nodes = set(), []
+    while todo and len(nodes) < _MAX_NODES:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        todo += [n for n, _ in node.next_functions
+                 if n is not None and id(n) not in stop and type(n).__name__ != "AccumulateGrad"]
+    del held
+    return nodes
+
+
+class EntryTimer:
+    """Times the entry points it wraps over the steps run inside :meth:`profiling`; :meth:`step_end`
+    gives each one's milliseconds and calls in that step, by direction (:data:`KINDS`)."""
+
+    def __init__(self, cuda: bool | None = None):
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        self._prof = None
+        self._calls: list[tuple[str, str, list[int]]] = []  # per call: family, kind, its nodes' sequence numbers
+        self._last: dict = {}
+
+    def wrap(self, family: str, op: Callable) -> Callable:
+        """``op`` with its calls timed under ``family`` while a step is profiled (untouched otherwise)."""
+
+        def timed(*args, **kwargs):
+            if self._prof is None:
+                return op(*args, **kwargs)
+            kind = "recompute" if in_backward() else "fwd"
+            call = len(self._calls)
+            with torch.profiler.record_function(f"{PREFIX}{family}|{kind}|{call}"):
+                out = op(*args, **kwargs)
+            seqs = []
+            if torch.is_grad_enabled():
+                outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if torch.is_tensor(t)]
+                seqs = [n._sequence_nr() for n in own_nodes(outs, _tensors(args, kwargs))]
+            self._calls.append((family, kind, seqs))
+            return out
+        timed.__wrapped__ = op
+        return timed
+
+    @contextmanager
+    def profiling(self):
+        """One step's entry points timed: the step runs inside this; :meth:`step_end` reads it."""
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._calls = []
+        with profile(activities=acts) as prof:
+            self._prof = prof
+            try:
+                yield
+            finally:
+                if self.cuda:
+                    torch.cuda.synchronize()
+                self._prof = None
+        self._last = self._read(prof)
+
+    def _read(self, prof) -> dict[str, dict[str, float]]:
+        """The profile's raw events (building the profiler's event tree takes minutes for a large
+        model's step): each call's forward range and its own nodes' evaluations are containers; a
+        kernel counts for the container its launching op started in (on that op's thread)."""
+        import bisect
+        events = prof.profiler.kineto_results.events()
+        cpu, gpu = torch.autograd.DeviceType.CPU, None if not self.cuda else torch.autograd.DeviceType.CUDA
+        ops = [e for e in events if e.device_type() == cpu and e.linked_correlation_id() == 0 and not e.is_async()]
+        kernel_ns: dict[int, float] = defaultdict(float)
+        busy_ns = 0.0
+        for e in events:
+            if gpu is not None and e.device_type() == gpu and e.linked_correlation_id() > 0:
+                kernel_ns[e.linked_correlation_id()] += e.duration_ns()
+                busy_ns += e.duration_ns()
+        owner: dict[tuple[int, int], int] = {}  # (thread, sequence number) -> call
+        containers: dict[int, list] = defaultdict(list)  # thread -> [(start, end, family, kind, call)]
+        for e in ops:
+            if e.name().startswith(PREFIX):
+                family, kind, call = e.name()[len(PREFIX):].split("|")
+                containers[e.start_thread_id()].append((e.start_ns(), e.end_ns(), family, kind, int(call)))
+                if int(call) < len(self._calls):
+                    for s in self._calls[int(call)][2]:
+                        owner[(e.start_thread_id(), s)] = int(call)
+        for e in ops:
+            if e.sequence_nr() >= 0 and e.name().startswith("autograd::engine::evaluate_function"):
+                call = owner.get((e.fwd_thread_id(), e.sequence_nr()))
+                if call is not None:
+                    containers[e.start_thread_id()].append((e.start_ns(), e.end_ns(), self._calls[call][0], "bwd", call))
+        for c in containers.values():
+            c.sort()
+        starts = {t: [c[0] for c in cs] for t, cs in containers.items()}
+        ns: dict[tuple[str, str], float] = defaultdict(float)
+        calls: dict[tuple[str, str], set] = defaultdict(set)
+        for cs in containers.values():
+            for start, end, family, kind, call in cs:
+                calls[(family, kind)].add(call)
+                if gpu is None:  # on a CPU, the container's own time
+                    ns[(family, kind)] += end - start
+        if gpu is not None:
+            for e in ops:
+                k = kernel_ns.get(e.correlation_id())
+                t = e.start_thread_id()
+                if not k or t not in starts:
+                    continue
+                i = bisect.bisect_right(starts[t], e.start_ns()) - 1
+                for c in containers[t][max(0, i - 1):i + 1][::-1]:  # the innermost that holds it (they rarely nest)
+                    if c[0] <= e.start_ns() <= c[1]:
+                        ns[(c[2], c[3])] += k
+                        break
+        else:  # the CPU's busy time: every thread's ops, overlaps counted once
+            for t in {e.start_thread_id() for e in ops}:
+                end = None
+                for a, z in sorted((e.start_ns(), e.end_ns()) for e in ops if e.start_thread_id() == t):
+                    if end is None or a > end:
+                        busy_ns += z - a
+                        end = z
+                    elif z > end:
+                        busy_ns += z - end
+                        end = z
+        out: dict[str, dict[str, float]] = defaultdict(dict)
+        for (family, kind), c in calls.items():
+            out[family][f"{kind}_calls"] = len(c)
+            out[family][f"{kind}_ms"] = ns.get((family, kind), 0.0) / 1e6
+        # the step's whole: the device time of every kernel and copy (the GPU's busy time), or on a
+        # CPU every thread's time in ops, the profiler's own cost in it as in the entry points'
+        out[WHOLE] = {"busy_ms": busy_ns / 1e6}
+        self._calls = []
+        return dict(out)
+
+    def step_end(self) -> dict[str, dict[str, float]]:
+        """Per family, the last profiled step's ``{KIND}_ms`` and ``{KIND}_calls``; under
+        :data:`WHOLE`, ``busy_ms``: the whole step's kernel time (CPU time on a CPU)."""
+        last, self._last = self._last, {}
+        return last

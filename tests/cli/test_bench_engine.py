@@ -1,0 +1,140 @@
+"""`mhctool bench --engine` on the CPU (issue 91): the training step of each variant timed through
+the engine stand-in (impls/engine_standin.py, never Megatron's code), the overhead over the
+baseline, the entry points' time measured in place (core/entry_timing.py), the report, its
+tables and figure, and bad input. The Megatron-core engine itself is the GPU test's."""
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mhctool.cli.app import app
+from mhctool.core import report
+from mhctool.core.entry_timing import EntryTimer, own_nodes
+
+IMPLS = Path(__file__).resolve().parents[1] / "impls"
+STANDIN = f"{IMPLS / 'engine_standin.py'}:train"
+TOY = ["--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "8", "--batch", "2", "--vocab", "32",
+       "--recipe", "global_batch=4", "--steps", "3", "--warmup", "1", "--entry-steps", "1"]
+FAMILIES = {"proj_rms", "sinkhorn", "h_aggregate", "h_post_bda"}
+
+runner = CliRunner()
+
+
+def _sinkhorn(logits, iters=5, eps=1e-6):
+    m = torch.exp(logits - logits.amax(-1, keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True).clamp(min=eps)
+        m = m / m.sum(-2, keepdim=True).clamp(min=eps)
+    return m
+
+
+def test_the_entry_timer_counts_a_calls_forward_and_its_own_backward_and_leaves_the_numbers_alone():
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 4, requires_grad=True)
+    timer = EntryTimer(cuda=False)
+    op = timer.wrap("sinkhorn", _sinkhorn)
+    out = op(x * 2)  # outside a profiled step: untouched, nothing recorded
+    (out ** 2).sum().backward()
+    plain = x.grad.clone()
+    x.grad = None
+    with timer.profiling():
+        y = x * 2
+        assert len(own_nodes([op.__wrapped__(y)], [y])) > 10  # its own nodes, not the input's MulBackward
+        x.grad = None
+        (op(y) ** 2).sum().backward()
+    got = timer.step_end()
+    assert torch.equal(x.grad, plain)
+    s = got["sinkhorn"]
+    assert s["fwd_calls"] == 1 and s["bwd_calls"] == 1 and s["fwd_ms"] > 0 and s["bwd_ms"] > 0, got
+    assert got["*"]["busy_ms"] >= s["fwd_ms"]
+    assert timer.step_end() == {}  # read once
+
+
+def test_a_forward_run_again_inside_the_backward_is_a_recompute():
+    from torch.utils.checkpoint import checkpoint
+    x = torch.randn(32, 4, 4, requires_grad=True)
+    timer = EntryTimer(cuda=False)
+    op = timer.wrap("sinkhorn", _sinkhorn)
+    with timer.profiling():
+        out = checkpoint(lambda z: op(z * 2), x, use_reentrant=True)
+        out.sum().backward()
+    got = timer.step_end()["sinkhorn"]
+    assert got["fwd_calls"] == 1 and got["recompute_calls"] == 1 and got["bwd_calls"] == 1, got
+
+
+def _rows(path):
+    return pq.read_table(path).to_pylist()
+
+
+def test_bench_engine_times_every_variant_and_splits_the_entry_points(tmp_path):
+    """The stand-in engine on the CPU: the baseline without hyper-connections, its own path, its
+    fused switch and mhctool's torch pieces at the entry points, each with its step and overhead;
+    per entry point and direction its time and calls a step; the kernels alone beside; the report
+    read back by report show."""
+    out = tmp_path / "s.parquet"
+    res = runner.invoke(app, ["bench", "--engine", STANDIN, *TOY, "-o", str(out), "--plot", str(tmp_path / "s.png")])
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    assert report.read(out)[1]["kind"] == "bench-step"
+    step = {r["variant"]: r["value"] for r in rows if r["metric"] == "step_ms"}
+    assert set(step) == {"plain", "native", "fused", "torch"} and min(step.values()) > 0
+    over = {r["variant"]: r["value"] for r in rows if r["metric"] == "overhead"}
+    assert set(over) == {"native", "fused", "torch"}
+    for v, o in over.items():  # the overhead is the step over the baseline's, as reported
+        assert o == pytest.approx(step[v] / step["plain"] - 1)
+    calls = {(r["variant"], r["entry"], r["direction"]): r["value"] for r in rows if r["metric"] == "calls"}
+    for v in ("native", "fused", "torch"):  # one layer: two modules, two micro-batches
+        for f in FAMILIES:
+            assert calls[(v, f, "fwd")] == 4 and calls[(v, f, "bwd")] == 4, (v, f, calls)
+    assert not any(r["variant"] == "plain" and r["entry"] != "*" for r in rows)
+    alone = {(r["entry"], r["direction"]) for r in rows if r["metric"] == "kernel_ms" and r["variant"] == "torch"}
+    assert alone == {(f, d) for f in FAMILIES for d in ("fwd", "bwd")}
+    assert (tmp_path / "s.png").stat().st_size > 0
+    assert "inside the mHC entry points" in res.output and "overhead" in res.output
+    shown = runner.invoke(app, ["report", "show", str(out)])
+    assert shown.exit_code == 0 and "sinkhorn" in shown.output and "fused" in shown.output, shown.output
+
+
+def test_a_sweep_runs_the_baseline_once_and_a_failing_variant_is_its_row(tmp_path):
+    """--sweep streams=2,3: the baseline (no streams) once, the variant at each point; an engine
+    that fails for one variant is that variant's error row, the others timed, exit 1."""
+    failing = tmp_path / "engine.py"
+    failing.write_text("import importlib.util\n"
+                       f"spec = importlib.util.spec_from_file_location('standin', {str(IMPLS / 'engine_standin.py')!r})\n"
+                       "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+                       "def train(tree, recipe, progress, ops):\n"
+                       "    if recipe.streams == 3 and ops:\n"
+                       "        raise RuntimeError('no kernel for three streams')\n"
+                       "    return m.train(tree, recipe, progress, ops)\n")
+    out = tmp_path / "s.parquet"
+    res = runner.invoke(app, ["bench", "--engine", f"{failing}:train", *TOY, "--variant", "torch",
+                              "--sweep", "streams=2,3", "--no-kernels", "-o", str(out)])
+    assert res.exit_code == 1, res.output
+    rows = _rows(out)
+    runs = {(r["variant"], r["point"]) for r in rows if r["metric"] == "step_ms"}
+    assert runs == {("plain", "{}"), ("torch", json.dumps({"streams": 2}))}, runs
+    err = [r for r in rows if r["metric"] == "error"]
+    assert len(err) == 1 and err[0]["variant"] == "torch" and "three streams" in err[0]["message"]
+    assert {r["value"] for r in rows if r["metric"] == "overhead"}  # the point that ran has its overhead
+    assert "FAILED torch" in res.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--engine", STANDIN, "--sweep", "streams="], "--sweep"),
+    (["--engine", STANDIN, "--sweep", "steps=3,4"], "not a sweep of the model"),
+    (["--engine", STANDIN, "--sweep", "streams=2", "--sweep", "streams=4"], "given twice"),
+    (["--engine", STANDIN, "--recipe", "steps=5"], "bench's to set"),
+    (["--engine", STANDIN, "--recipe", "nonsense=1"], "no such option"),
+    (["--engine", STANDIN, "--variant", "nothing"], "not one of this run's"),
+    (["--engine", STANDIN, "--impl", "nonexistent_impl"], "nonexistent_impl"),
+    (["--layers", "2"], "give --engine too"),
+    (["--engine", "megatron:/nonexistent"], "megatron/core"),
+])
+def test_bad_input_to_bench_engine_is_one_sentence_and_exit_2(tmp_path, args, words):
+    res = runner.invoke(app, ["bench", *args, "-o", str(tmp_path / "s.parquet")])
+    assert res.exit_code == 2, res.output
+    assert words in res.output, res.output
+    assert not (tmp_path / "s.parquet").exists()
