@@ -42,6 +42,14 @@ A suite (TOML)::
     finite = ["rowmax"]             # stabilize settings that must stay finite at every amplitude
     dtypes = ["fp32", "bf16"]       # ... in these dtypes
     iters = [20]                    # optional: the iteration counts (default: the sweep's)
+
+    [[step]]                        # any number: bench --engine's training step, one case per variant
+    engine = "megatron:.anchors/megatron-core/m3828"   # or FILE.py:function (relative to the suite file)
+    max_overhead = 10               # percent: each variant's step over the baseline's (no hyper-connections)
+    impls = ["triton"]              # optional (default: triton and cutile on a GPU, torch on a CPU)
+    variants = ["native", "triton"] # optional (default: native, fused and each impl)
+    recipe = { layers = 2, hidden = 128 }   # optional: the recipe's options (bench --engine --recipe)
+    steps = 5                       # optional: timed steps (default 5), after warmup (default 2)
 """
 from __future__ import annotations
 
@@ -58,19 +66,22 @@ from mhctool.analyses import scenario as scenario_mod
 from mhctool.analyses import stability as st
 from mhctool.analyses import train as T
 from mhctool.analyses.hints import hints
+from mhctool.analyses.train import engine as E
+from mhctool.analyses.train import step_bench as SB
 from mhctool.core import profile
 from mhctool.core.combine import stable
 from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
 from mhctool.core.findings import judged_nothing, verdicts
 from mhctool.core.report import to_table
+from mhctool.libraries.megatron_core import Recipe
 from mhctool.families import get_family
 from mhctool.registry.specs import resolve_impls
 from mhctool.runner.checks import parse_checks
 from mhctool.spread import pool
 from mhctool.spread.isolation import Worker
 
-SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train"}
+SUITE_KEYS = {"name", "description", "parity", "goldens", "goldens_check", "stability", "train", "step"}
 STABILITY_KEYS = {"name", "kernel", "impls", "quick", "device", "finite", "dtypes", "iters"}
 PARITY_KEYS = {"name", "kernel", "impls", "scenario", "dtypes", "device", "kappa", "checks", "conventions",
                "input_dtypes"}
@@ -79,6 +90,7 @@ CHECK_KEYS = {"name", "file", "factor"}
 TRAIN_CONFIG_KEYS = {"steps", "layers", "streams", "hidden", "heads", "seq", "batch", "vocab", "lr", "dtype", "seed"}
 TRAIN_KEYS = {"name", "impls", "kernel", "golden", "metrics", "deterministic", "rtol", "compare", "device", "knobs",
               "conventions", "seeds"} | TRAIN_CONFIG_KEYS
+STEP_KEYS = {"name", "engine", "impls", "variants", "recipe", "max_overhead", "device", "steps", "warmup"}
 
 
 @dataclass
@@ -101,6 +113,7 @@ class Suite:
     checks: list[dict] = field(default_factory=list)
     stability: list[dict] = field(default_factory=list)
     train: list[dict] = field(default_factory=list)
+    step: list[dict] = field(default_factory=list)
 
 
 def _err(src, key, msg):
@@ -138,6 +151,9 @@ KEY_TYPES = {
     "streams": (_integer, "streams = 4"), "hidden": (_integer, "hidden = 32"), "heads": (_integer, "heads = 2"),
     "seq": (_integer, "seq = 16"), "batch": (_integer, "batch = 2"), "vocab": (_integer, "vocab = 64"),
     "seed": (_integer, "seed = 0"), "lr": (_number, "lr = 0.01"), "dtype": (lambda v: isinstance(v, str), 'dtype = "fp32"'),
+    "engine": (lambda v: isinstance(v, str), 'engine = "megatron:.anchors/megatron-core/m3828"'),
+    "variants": (_strings, 'variants = ["native", "triton"]'), "recipe": (lambda v: isinstance(v, dict), "recipe = { layers = 2 }"),
+    "max_overhead": (_number, "max_overhead = 10  # percent"), "warmup": (_integer, "warmup = 3"),
 }
 
 
@@ -262,10 +278,40 @@ def load_suite(path: str | os.PathLike) -> Suite:
         except UsageError as e:
             raise _err(src, where, str(e)) from None
         suite.train.append({"name": item.get("name", f"train-{'+'.join(item['impls'])}"), **item})
-    if not (suite.parity or suite.goldens or suite.checks or suite.stability or suite.train):
-        raise _err(src, "parity", "the suite has no [[parity]], [[goldens]], [[goldens_check]], [[stability]] or "
-                   "[[train]] entry")
+    for i, item in enumerate(data.get("step", [])):
+        suite.step.append(_step_entry(src, base, f"step[{i}]", item))
+    if not (suite.parity or suite.goldens or suite.checks or suite.stability or suite.train or suite.step):
+        raise _err(src, "parity", "the suite has no [[parity]], [[goldens]], [[goldens_check]], [[stability]], "
+                   "[[train]] or [[step]] entry")
     return suite
+
+
+def _step_entry(src: str, base: Path, where: str, item: dict) -> dict:
+    """A [[step]] entry checked: its engine (a path relative to the suite file), recipe options,
+    implementations and variants, and the overhead budget in percent."""
+    _check_keys(src, where, item, STEP_KEYS, ("engine", "max_overhead"),
+                types={"impls": (_strings, 'impls = ["triton"]')})
+    engine = item["engine"]
+    kind, sep, rest = engine.partition(":")
+    if kind == "megatron" and sep and rest and not Path(rest).is_absolute():
+        engine = f"megatron:{(base / rest).resolve()}"
+    elif kind != "megatron":
+        engine = _impl_spec(base, engine)
+    impls = [_impl_spec(base, spec) for spec in item.get("impls", [])]
+    try:
+        spec = E.parse_engine(engine)
+        opts = E.recipe_options([(k, str(v).lower() if isinstance(v, bool) else str(v))
+                                 for k, v in item.get("recipe", {}).items()])
+        bad = [k for k in opts if k in SB.BENCH_SETS]
+        if bad:
+            raise UsageError(f"recipe.{bad[0]} is the step bench's to set")
+        base_recipe = replace(Recipe(), **opts)
+        SB.check_points(base_recipe, [{}])
+        SB.check_variants(SB.variants(impls or ["torch"], E.assign), item.get("variants", []))
+    except UsageError as e:
+        raise _err(src, where, str(e)) from None
+    return {"name": item.get("name", f"step-{spec.name}"), **item, "engine": engine, "impls": impls,
+            "recipe": base_recipe}
 
 
 def read_run(path: Path) -> G.Golden:
@@ -291,7 +337,7 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
     entry's case and the suite goes on); ``interrupted()`` true: no new case or entry starts.
 
     The suite is a list of units, numbered in the order they run: every case of every parity
-    entry, then each goldens, stability, train and goldens_check entry whole. ``shard`` (I, N) runs the
+    entry, then each goldens, stability, train, step and goldens_check entry whole. ``shard`` (I, N) runs the
     units whose number is I-1 modulo N; each JUnit case carries its unit, so ``mhctool report
     merge`` puts the slices back in the order one run has. ``workers``/``backend``: parity cases
     spread over processes (:mod:`mhctool.spread.pool`). ``timings``: the parity entries' phases are added
@@ -377,6 +423,8 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
                               f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}", k))
     for k, item in whole(suite.train):
         cases.extend(_train_cases(item, device_default, k, isolation, interrupted))
+    for k, item in whole(suite.step):
+        cases.extend(_step_cases(item, device_default, k, interrupted))
     for k, item in whole(suite.checks):
         found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
         cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
@@ -411,6 +459,37 @@ def _train_cases(item: dict, device_default: str, unit: int, isolation, interrup
     if o.compared:
         msg = o.nonfinite or "; ".join(f"{d.metric}: {d.message}" for d in o.drifts)
         out.append(Case(item["name"], "train", "drift from the float64 run", o.passed, msg, unit))
+    return out
+
+
+def _step_cases(item: dict, device_default: str, unit: int, interrupted) -> list[Case]:
+    """A [[step]] entry: ``bench --engine``'s step for each variant, a case per variant (the
+    baseline aside) that passes where its overhead over the baseline is within ``max_overhead``
+    percent."""
+    device = item.get("device", device_default)
+    spec = E.parse_engine(item["engine"])
+    if spec.target == E.MEGATRON and device != "cuda":
+        return [Case(item["name"], "step", "engine", None, "skipped: Megatron-core's model runs on a GPU", unit)]
+    vs = SB.check_variants(SB.variants(item["impls"] or SB.default_impls(device), E.assign), item.get("variants", []))
+    measured = SB.measure_all(spec, item["recipe"], [{}], vs, device, int(item.get("warmup", 2)),
+                              int(item.get("steps", 5)), 0, interrupted)
+    rows = SB.rows(measured, item["recipe"], None, device)
+    budget = float(item["max_overhead"])
+    out = []
+    step = {r["variant"]: r["value"] for r in rows if r["metric"] == "step_ms"}
+    base_error = next((r["message"] for r in rows if r["variant"] == SB.BASELINE and r["metric"] == "error"), None)
+    for r in rows:
+        if r["metric"] == "step_ms" and r["variant"] != SB.BASELINE and SB.BASELINE not in step:
+            out.append(Case(item["name"], "step", f"{r['variant']} overhead", False,
+                            f"no overhead: the baseline did not run ({base_error or 'interrupted'})", unit))
+        if r["metric"] == "overhead":
+            ok = 100 * r["value"] <= budget
+            out.append(Case(item["name"], "step", f"{r['variant']} overhead", ok,
+                            f"step {step[r['variant']]:.4g} ms against the baseline's {step[SB.BASELINE]:.4g} ms: "
+                            f"{100 * r['value']:+.1f}% ({'within' if ok else 'over'} the budget of {budget:g}%)", unit))
+        elif r["metric"] in ("error", "skipped"):
+            out.append(Case(item["name"], "step", f"{r['variant']} overhead", False if r["metric"] == "error" else None,
+                            r["message"] or "", unit))
     return out
 
 

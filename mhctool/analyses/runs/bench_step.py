@@ -58,10 +58,6 @@ class Outcome:
         return 130 if self.interrupted else 1 if self.errors else 0
 
 
-def default_impls(device: str) -> list[str]:
-    return ["triton", "cutile"] if device == "cuda" else ["torch"]
-
-
 def plan(req: Request, dev: str):
     """(engine spec, base recipe, sweep points, variants), checked: bad input is a UsageError."""
     spec = E.parse_engine(req.engine)
@@ -71,40 +67,15 @@ def plan(req: Request, dev: str):
         raise UsageError("--steps takes at least 3 timed steps (a median and its spread); --warmup and "
                          "--entry-steps at least 0")
     opts = E.recipe_options(req.recipe)
-    for key in ("steps", "watch", "time_entry_from", "hyper_connections", "fused"):
+    for key in SB.BENCH_SETS:
         if key in opts:
             raise UsageError(f"--recipe {key} is bench's to set (--steps, --warmup, --entry-steps; the variants "
                              "set hyper_connections and fused)")
     base = replace(Recipe(), **{k: v for k, v in req.sizes.items() if v is not None}, **opts)
     points = SB.sweep_points(req.sweep, E.recipe_options)
-    for p in points:
-        for key in p:
-            if key in ("steps", "watch", "time_entry_from", "hyper_connections", "fused", "seed"):
-                raise UsageError(f"--sweep {key}: not a sweep of the model (sweep sizes or options: streams, "
-                                 "hidden, seq, layers, recompute, ...)")
-        r = replace(base, **p)
-        if r.global_batch % r.micro_batch:
-            raise UsageError(f"global_batch={r.global_batch} must be a multiple of the micro-batch ({r.micro_batch})")
-        if r.tp > 1:
-            raise UsageError("bench --engine times one GPU's step (tp=1)")
-    specs = list(req.impls) or default_impls(dev)
-    vs = SB.variants(specs, E.assign)
-    for v in vs:
-        for f, s in v.specs.items():
-            if s != "megatron" and f != "*":
-                resolve_impls(f, [s])  # an unknown implementation: before anything trains
-    if req.variants:
-        known = [v.name for v in vs]
-        unknown = [n for n in req.variants if n not in known]
-        if unknown:
-            raise UsageError(f"--variant {', '.join(unknown)}: not one of this run's ({', '.join(known)})")
-        vs = [v for v in vs if v.name in req.variants or v.name == SB.BASELINE]
+    SB.check_points(base, points)
+    vs = SB.check_variants(SB.variants(list(req.impls) or SB.default_impls(dev), E.assign), req.variants)
     return spec, base, points, vs
-
-
-def _runner(spec, recipe, v: SB.Variant, dev: str) -> E.EngineRunner:
-    specs = {f: "megatron" for f in E.ENGINE_FAMILIES} if v.name == SB.FUSED else v.specs
-    return E.EngineRunner(spec, recipe, specs, {}, {}, device=dev, workers=1)
 
 
 def kernel_figures(measured: list, recipe, dev: str, repeats: int = 20) -> dict:
@@ -143,29 +114,11 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     s = setup.prepare(dev, isolate=False, pin_threads=False, library_log=beside(req.out), consoles=watch.consoles,
                       say=watch.say)
     per_run = req.warmup + req.steps + req.entry_steps
-    todo = []
-    seen_plain = set()
-    for p in points:
-        for v in vs:
-            if v.name == SB.BASELINE:  # one baseline for the points that differ only in mHC's options
-                key = SB.plain_key(p)
-                if key not in seen_plain:
-                    seen_plain.add(key)
-                    todo.append((dict(key), v))
-                continue
-            todo.append((p, v))
-    watch.planned(len(todo))
-    measured = []
+    watch.planned(SB.runs_planned(points, vs))
     with s.running():
-        for p, v in todo:
-            if s.interrupts.requested:
-                break
-            r = replace(base, **p, steps=per_run, watch=False, time_entry_from=req.warmup + req.steps + 1)
-            label = f"{v.name}{'' if not p else ' ' + SB.point_text(p)}: {per_run} steps"
-            watch.started(label, label)
-            records, error = _runner(spec, r, v, dev).records(r, v.role)
-            measured.append(SB.Measured(v, p, records, error, req.warmup, req.steps))
-            watch.finished()
+        measured = SB.measure_all(spec, base, points, vs, dev, req.warmup, req.steps, req.entry_steps,
+                                  lambda: s.interrupts.requested, lambda label: watch.started(label, label),
+                                  watch.finished)
         figures = kernel_figures(measured, base, dev) if req.kernels and not s.interrupts.requested else {}
         meta = environment.metadata()
     rows = SB.rows(measured, base, figures, dev)

@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from mhctool.core.errors import UsageError
+from mhctool.registry.specs import resolve_impls
 
 BASELINE, NATIVE, FUSED = "plain", "native", "fused"
 # recipe options that change the model without hyper-connections too (the baseline is run again
@@ -42,6 +43,12 @@ class Variant:
     def what(self) -> str:
         return {BASELINE: "the GPT without hyper-connections", NATIVE: "the engine's own mHC path",
                 FUSED: "the engine's fused mHC kernels (its switch)"}.get(self.name, f"{self.name} at the entry points")
+
+
+def default_impls(device: str) -> list[str]:
+    """What is swapped in where ``--impl`` is not given: mhctool's Triton and cuTile kernels on a
+    GPU, its torch pieces on a CPU."""
+    return ["triton", "cutile"] if device == "cuda" else ["torch"]
 
 
 def variants(specs: list[str], assign) -> list[Variant]:
@@ -70,6 +77,77 @@ def sweep_points(items: list[tuple[str, str]], parse) -> list[dict]:
         typed = [parse([(key, v.strip())])[key] for v in values]
         points = [{**p, key: v} for p in points for v in typed]
     return points
+
+
+# recipe options bench sets itself (its steps; the variants' switches), never a user's
+BENCH_SETS = ("steps", "watch", "time_entry_from", "hyper_connections", "fused")
+
+
+def check_variants(vs: list[Variant], only: list[str]) -> list[Variant]:
+    """The variants' implementations resolved (an unknown one is a UsageError before anything
+    trains); ``only``: the variants kept (the baseline always is)."""
+    for v in vs:
+        for f, s in v.specs.items():
+            if s != "megatron" and f != "*":
+                resolve_impls(f, [s])
+    if only:
+        known = [v.name for v in vs]
+        unknown = [n for n in only if n not in known]
+        if unknown:
+            raise UsageError(f"--variant {', '.join(unknown)}: not one of this run's ({', '.join(known)})")
+        vs = [v for v in vs if v.name in only or v.name == BASELINE]
+    return vs
+
+
+def check_points(base, points: list[dict]) -> None:
+    """Each sweep point a recipe bench can time (one GPU's step); bad input is a UsageError."""
+    for p in points:
+        for key in p:
+            if key in BENCH_SETS or key == "seed":
+                raise UsageError(f"--sweep {key}: not a sweep of the model (sweep sizes or options: streams, "
+                                 "hidden, seq, layers, recompute, ...)")
+        r = replace(base, **p)
+        if r.global_batch % r.micro_batch:
+            raise UsageError(f"global_batch={r.global_batch} must be a multiple of the micro-batch ({r.micro_batch})")
+        if r.tp > 1:
+            raise UsageError("bench --engine times one GPU's step (tp=1)")
+
+
+def measure_all(spec, base, points: list[dict], vs: list[Variant], device: str, warmup: int, steps: int,
+                entry_steps: int, interrupted=lambda: False, started=lambda label: None,
+                finished=lambda: None) -> list["Measured"]:
+    """Each variant at each point, one run after another (the baseline once for the points that
+    differ only in mHC's options); a run not started before ``interrupted()`` turned true is left
+    out. ``spec``: the engine (:func:`mhctool.analyses.train.engine.parse_engine`)."""
+    from mhctool.analyses.train import engine as E
+    todo, seen_plain = [], set()
+    for p in points:
+        for v in vs:
+            if v.name == BASELINE:
+                key = plain_key(p)
+                if key not in seen_plain:
+                    seen_plain.add(key)
+                    todo.append((dict(key), v))
+                continue
+            todo.append((p, v))
+    per_run = warmup + steps + entry_steps
+    out = []
+    for p, v in todo:
+        if interrupted():
+            break
+        r = replace(base, **p, steps=per_run, watch=False, time_entry_from=warmup + steps + 1)
+        started(f"{v.name}{'' if not p else ' ' + point_text(p)}: {per_run} steps")
+        specs = {f: "megatron" for f in E.ENGINE_FAMILIES} if v.name == FUSED else v.specs
+        records, error = E.EngineRunner(spec, r, specs, {}, {}, device=device, workers=1).records(r, v.role)
+        out.append(Measured(v, p, records, error, warmup, steps))
+        finished()
+    return out
+
+
+def runs_planned(points: list[dict], vs: list[Variant]) -> int:
+    """How many runs :func:`measure_all` makes."""
+    plain = len({plain_key(p) for p in points}) if any(v.name == BASELINE for v in vs) else 0
+    return plain + len(points) * sum(v.name != BASELINE for v in vs)
 
 
 @dataclass
