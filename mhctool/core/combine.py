@@ -21,6 +21,8 @@ COMPARE_KEYS = {
     "stability": ("impl", "family", "dtype", "scale", "stabilize", "eps", "eps_mode", "order", "iters", "metric"),
     "train": ("run", "seed", "step", "layer", "metric"),
     "bench": ("kernel", "impl", "direction", "dtype", "shape", "graph", "metric"),
+    "bench-step": ("variant", "point", "layers", "hidden", "seq", "micro_batch", "global_batch", "streams", "recompute",
+                   "entry", "direction", "metric"),
     "stability-eps": ("kernel", "knob", "setting_a", "setting_b", "level", "family", "dtype", "impl", "tensor",
                       "depth", "metric"),
     "stability-overflow": ("kernel", "impl", "family", "scale", "dtype", "intermediate", "metric"),
@@ -29,7 +31,7 @@ COMPARE_KEYS = {
 
 
 # bench metrics where a smaller value is worse (the rest: a larger one is)
-_HIGHER_IS_BETTER = ("gbps", "pct_copy_bw", "tflops", "speedup_vs_torch", "speedup_vs_compile")
+_HIGHER_IS_BETTER = ("gbps", "pct_copy_bw", "tflops", "speedup_vs_torch", "speedup_vs_compile", "tokens_per_s")
 
 
 # an absolute path to a file (``/abs/dir/k.py``), not the slashes of a name (``kernel/impl/family``)
@@ -91,7 +93,7 @@ def compare(a: pa.Table, b: pa.Table, tolerance: float = 0.1, kind: str = "parit
         worse = False
         ratio = float("nan")
         if va is not None and vb is not None:
-            up = not (kind == "bench" and r.get("metric") in _HIGHER_IS_BETTER)
+            up = not (kind in ("bench", "bench-step") and r.get("metric") in _HIGHER_IS_BETTER)
             grown = (vb > va * (1 + tolerance) and vb > 0) if up else (vb < va / (1 + tolerance))
             worse = (vb == vb and grown) or (va == va and vb != vb)
             ratio = (vb / va) if (va and va == va and vb == vb) else float("inf")

@@ -96,6 +96,8 @@ def test_bench_engine_times_every_variant_and_splits_the_entry_points(tmp_path):
     assert "inside the mHC entry points" in res.output and "overhead" in res.output
     shown = runner.invoke(app, ["report", "show", str(out)])
     assert shown.exit_code == 0 and "sinkhorn" in shown.output and "fused" in shown.output, shown.output
+    same = runner.invoke(app, ["report", "compare", str(out), str(out)])
+    assert same.exit_code == 0 and "nothing got worse" in same.output, same.output
 
 
 def test_a_sweep_runs_the_baseline_once_and_a_failing_variant_is_its_row(tmp_path):
