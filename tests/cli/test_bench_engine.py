@@ -178,3 +178,9 @@ def test_a_signal_while_a_variant_trains_keeps_what_was_timed(tmp_path):
     assert meta["run"]["interrupted"] is True
     timed = {r["variant"] for r in table.to_pylist() if r["metric"] == "step_ms"}
     assert timed == {"plain", "native"}, timed
+
+
+def test_train_refuses_the_recipe_options_that_are_bench_engines(tmp_path):
+    res = runner.invoke(app, ["train", "--engine", STANDIN, "--device", "cpu", "--recipe", "time_entry_from=2",
+                              "-o", str(tmp_path / "t.parquet")])
+    assert res.exit_code == 2 and "bench --engine's" in res.output, res.output

@@ -62,6 +62,9 @@ from mhctool.registry.specs import resolve_impls
 # the entry points of Megatron's HyperConnectionModule, by the mhctool family each computes
 ENGINE_FAMILIES = ("proj_rms", "sinkhorn", "h_aggregate", "h_post_bda")
 MEGATRON = "mhctool.libraries.megatron_core:train"
+# the recipe's options for bench --engine alone (the baseline without hyper-connections, the
+# per-step checks off, the entry points timed)
+BENCH_ONLY = ("hyper_connections", "watch", "time_entry_from")
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,9 @@ def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str]
     if spec.target == MEGATRON and importlib.util.find_spec("einops") is None:
         raise UsageError("--engine megatron: Megatron-core imports einops, which is not installed (pip install einops)")
     opts = recipe_options(recipe_items)
+    bench_only = [k for k in opts if k in BENCH_ONLY]
+    if bench_only:
+        raise UsageError(f"--recipe {bench_only[0]} is bench --engine's (how it times a step), not train's")
     if ranks is not None:
         if opts.get("tp", ranks) != ranks:
             raise UsageError(f"--ranks {ranks} and --recipe tp={opts['tp']} disagree")

@@ -19,9 +19,11 @@ step (the profiled steps' own time is reported beside).
 """
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field, replace
 
+from mhctool.analyses.train import engine as E
 from mhctool.core.errors import UsageError
 from mhctool.registry.specs import resolve_impls
 
@@ -38,11 +40,6 @@ class Variant:
     name: str  # plain, native, fused, or the --impl spec
     role: str  # the engine worker's role: plain, native or impl
     specs: dict = field(default_factory=dict)  # entry point -> spec, for role impl
-
-    @property
-    def what(self) -> str:
-        return {BASELINE: "the GPT without hyper-connections", NATIVE: "the engine's own mHC path",
-                FUSED: "the engine's fused mHC kernels (its switch)"}.get(self.name, f"{self.name} at the entry points")
 
 
 def default_impls(device: str) -> list[str]:
@@ -80,7 +77,7 @@ def sweep_points(items: list[tuple[str, str]], parse) -> list[dict]:
 
 
 # recipe options bench sets itself (its steps; the variants' switches), never a user's
-BENCH_SETS = ("steps", "watch", "time_entry_from", "hyper_connections", "fused")
+BENCH_SETS = ("steps",) + E.BENCH_ONLY + ("fused",)
 
 
 def check_variants(vs: list[Variant], only: list[str]) -> list[Variant]:
@@ -119,7 +116,6 @@ def measure_all(spec, base, points: list[dict], vs: list[Variant], device: str, 
     """Each variant at each point, one run after another (the baseline once for the points that
     differ only in mHC's options); a run not started before ``interrupted()`` turned true is left
     out. ``spec``: the engine (:func:`mhctool.analyses.train.engine.parse_engine`)."""
-    from mhctool.analyses.train import engine as E
     todo, seen_plain = [], set()
     for p in points:
         for v in vs:
@@ -221,7 +217,6 @@ def rows(measured: list[Measured], recipe, kernel_ms: dict | None = None, device
     text, family, direction) -> the kernel's own bench figure at the step's shape. The shares are
     of the clean step on a GPU (kernel time is exact under the profiler) and of the profiled
     step's whole CPU time on a CPU (where the profiler's own cost is in every time it records)."""
-    import json
     out: list[dict] = []
     plain = {}
     for m in measured:
