@@ -116,8 +116,14 @@ def bench(
     if plot is not None:
         from mhctool.views.plots import bench_figure
         out.print(f"plot: {bench_figure(o.table, plot, o.copy_bw)}")
-    for r in o.errors:
-        out.print(f"FAILED {r['kernel']} {r['direction']} {short_impl(r['impl'])}: {r['message']}", markup=False)
+    _finish(o, [f"{r['kernel']} {r['direction']} {short_impl(r['impl'])}: {r['message']}" for r in o.errors])
+
+
+def _finish(o, failures: list[str]):
+    """What both bench runs end with: each failure, where the report (and the libraries' log)
+    went, a stop said; the exit code."""
+    for line in failures:
+        out.print(f"FAILED {line}", markup=False)
     out.print("; ".join(x for x in (f"report {o.report}", said(o.library_log)) if x), markup=False)
     if o.interrupted:
         out.print("[yellow]INTERRUPTED[/]: the report holds what was timed before the stop")
@@ -161,9 +167,4 @@ def _bench_engine(engine, impl, recipe, sweep, sizes, steps, warmup, entry_steps
     if plot is not None and o.rows:
         from mhctool.views.plots import step_figure
         out.print(f"plot: {step_figure(o.table, plot)}")
-    for e in o.errors:
-        out.print(f"FAILED {short_impl(e['variant'])}: {e['message']}", markup=False)
-    out.print("; ".join(x for x in (f"report {o.report}", said(o.library_log)) if x), markup=False)
-    if o.interrupted:
-        out.print("[yellow]INTERRUPTED[/]: the report holds what was timed before the stop")
-    raise typer.Exit(o.exit_code)
+    _finish(o, [f"{short_impl(e['variant'])}: {e['message']}" for e in o.errors])

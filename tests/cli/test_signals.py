@@ -1,6 +1,7 @@
 """A signal never gives a traceback, and a run that measures writes what it has: every command at
 an early moment (while Python imports the command line) and the sweeps, identify and bench at a
-late one (an implementation under test has started: tests/impls/process.py touches the marker).
+late one (an implementation under test has started: tests/impls/process.py touches the marker;
+bench --engine's engine stand-in as its first mHC run starts).
 parity's and train's late moments are tested beside their runs (tests/spread/test_isolation.py,
 tests/analyses/test_first_step.py)."""
 import os
@@ -15,6 +16,9 @@ import pytest
 from mhctool.core import report
 
 SLOW = f"{Path(__file__).resolve().parents[1] / 'impls' / 'process.py'}:sinkhorn_slow"
+# the engine stand-in, the marker touched as its first run with hyper-connections starts (the
+# baseline's is over by then)
+ENGINE = f"{Path(__file__).resolve().parents[1] / 'impls' / 'engine_standin.py'}:train_marked"
 MAIN = [sys.executable, "-c", "from mhctool.cli import main; main()"]
 
 
@@ -68,7 +72,9 @@ def test_a_signal_while_python_makes_a_class_is_still_exit_130(tmp_path):
     ["stability", "overflow", "--kernel", "sinkhorn", "--impl", SLOW, "--dtype", "fp32"],
     ["identify", "--kernel", "sinkhorn", "--impl", SLOW],
     ["bench", "--kernel", "sinkhorn", "--impl", SLOW],
-], ids=["stability-sinkhorn", "stability-overflow", "identify", "bench"])
+    ["bench", "--engine", ENGINE, "--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "8", "--batch", "2",
+     "--vocab", "32", "--recipe", "global_batch=4", "--steps", "3", "--warmup", "1", "--no-kernels"],
+], ids=["stability-sinkhorn", "stability-overflow", "identify", "bench", "bench-engine"])
 def test_a_signal_while_measuring_writes_what_was_measured_marked_interrupted(tmp_path, args):
     marker = tmp_path / "started"
     out = tmp_path / "r.parquet"
@@ -82,5 +88,7 @@ def test_a_signal_while_measuring_writes_what_was_measured_marked_interrupted(tm
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output
     assert "Traceback" not in output and "INTERRUPTED" in output, output
-    _, meta = report.read(out)
+    table, meta = report.read(out)
     assert meta["run"]["interrupted"] is True
+    if "--engine" in args:  # the run in hand ends as it would, no later one starts
+        assert {r["variant"] for r in table.to_pylist() if r["metric"] == "step_ms"} == {"plain", "native"}
