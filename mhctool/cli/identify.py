@@ -18,6 +18,7 @@ from mhctool.core.library_log import said
 from mhctool.core import names
 from mhctool.core.errors import UsageError
 from mhctool.core.text import fmt
+from mhctool.spread import setup
 
 Kernel = Annotated[str, typer.Option("--kernel", "-k", help="One kernel: " + ", ".join(names.IDENTIFIABLE) + ".")]
 Impl = Annotated[str, typer.Option("--impl", "-i", help="The implementation: a built-in name, module.path:function, file.py:function, or a library (te:DIR, megatron:DIR).")]
@@ -69,6 +70,9 @@ def identify(
     if kernel not in names.IDENTIFIABLE:
         raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "
                          + ", ".join(names.IDENTIFIABLE))
+    # the fork server imports torch while this process plans, where the implementation will run
+    # isolated (outside code, by default): its first call then waits for a fork, not for an import
+    setup.warm(1, isolate=isolate if isolate is not None else names.is_outside(impl), device=device)
     from mhctool.analyses.runs import identify as run
     req = run.Request(kernel, impl, dtype, device, shape, opts.knob_items(knob, "--knob", "iters=20"), seed, out_path,
                       isolate, verbose, matmul_precision, case_timeout, insist)
