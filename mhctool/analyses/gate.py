@@ -74,7 +74,6 @@ from mhctool.core.dtypes import parse_dtype
 from mhctool.core.errors import UsageError
 from mhctool.core.findings import judged_nothing, verdicts
 from mhctool.core.report import to_table
-from mhctool.libraries.megatron_core import Recipe
 from mhctool.families import get_family
 from mhctool.registry.specs import resolve_impls
 from mhctool.runner.checks import parse_checks
@@ -299,19 +298,15 @@ def _step_entry(src: str, base: Path, where: str, item: dict) -> dict:
         engine = _impl_spec(base, engine)
     impls = [_impl_spec(base, spec) for spec in item.get("impls", [])]
     try:
-        spec = E.parse_engine(engine)
-        opts = E.recipe_options([(k, str(v).lower() if isinstance(v, bool) else str(v))
+        E.parse_engine(engine)
+        recipe = SB.base_recipe([(k, str(v).lower() if isinstance(v, bool) else str(v))
                                  for k, v in item.get("recipe", {}).items()])
-        bad = [k for k in opts if k in SB.BENCH_SETS]
-        if bad:
-            raise UsageError(f"recipe.{bad[0]} is the step bench's to set")
-        base_recipe = replace(Recipe(), **opts)
-        SB.check_points(base_recipe, [{}])
         SB.check_variants(SB.variants(impls or ["torch"], E.assign), item.get("variants", []))
     except UsageError as e:
         raise _err(src, where, str(e)) from None
-    return {"name": item.get("name", f"step-{spec.name}"), **item, "engine": engine, "impls": impls,
-            "recipe": base_recipe}
+    # named as the suite writes the engine (relative to its folder), never by a resolved path
+    return {"name": item.get("name", f"step-{item['engine']}"), **item, "engine": engine, "impls": impls,
+            "recipe": recipe}
 
 
 def read_run(path: Path) -> G.Golden:

@@ -145,11 +145,10 @@ def _bench_engine(engine, impl, recipe, sweep, sizes, steps, warmup, entry_steps
                   plot, quiet):
     """``bench --engine``: the step of each variant, its overhead over the baseline and where the
     time inside the mHC entry points goes."""
-    from mhctool.cli.options import knob_items
     from mhctool.cli.tables import step_split_table, step_table
     opts.precheck(None, [], None, device, impl)
     from mhctool.analyses.runs import bench_step as run
-    req = run.Request(engine, split(impl), sizes, knob_items(recipe, "--recipe", "recompute=false"),
+    req = run.Request(engine, split(impl), sizes, opts.knob_items(recipe, "--recipe", "recompute=false"),
                       _sweep_items(sweep), warmup, steps, entry_steps, device, kernels,
                       out_path, plot, split(variant))
     with watching("bench", None, quiet, unit="variants timed") as watch:

@@ -38,10 +38,13 @@ def test_a_step_entry_holds_each_variants_overhead_to_its_budget(tmp_path):
         'warmup = 1\nrecipe = { layers = 1, hidden = 16, heads = 2, seq = 8, micro_batch = 2, global_batch = 4, '
         'vocab = 32 }\n')
     res = runner.invoke(app, ["gate", "--suite", str(tmp_path / "s.toml"), "--device", "cpu", "-q",
-                              "--junit", str(tmp_path / "g.xml"), "-o", str(tmp_path / "g.parquet")])
+                              "--junit", str(tmp_path / "g.xml"), "--summary", str(tmp_path / "g.md"),
+                              "-o", str(tmp_path / "g.parquet")])
     assert res.exit_code == 1, res.output
     rows = pq.read_table(tmp_path / "g.parquet").to_pylist()
     assert [(r["kind"], r["name"], r["passed"]) for r in rows] == [("step", "torch overhead", False)], rows
+    assert rows[0]["entry"] == "step-engine.py:train"  # named as the suite writes it
+    assert str(tmp_path) not in (tmp_path / "g.md").read_text() + (tmp_path / "g.xml").read_text()
     assert "against the baseline's" in rows[0]["message"] and "over the budget of 0%" in rows[0]["message"]
 
 

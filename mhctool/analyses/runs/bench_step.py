@@ -13,7 +13,6 @@ from mhctool.analyses.train import step_bench as SB
 from mhctool.core import environment, report
 from mhctool.core.errors import UsageError
 from mhctool.core.library_log import beside, holding
-from mhctool.libraries.megatron_core import Recipe
 from mhctool.registry.specs import resolve_impls
 from mhctool.spread import setup
 
@@ -66,12 +65,7 @@ def plan(req: Request, dev: str):
     if min(req.warmup, req.entry_steps) < 0 or req.steps < 3:
         raise UsageError("--steps takes at least 3 timed steps (a median and its spread); --warmup and "
                          "--entry-steps at least 0")
-    opts = E.recipe_options(req.recipe)
-    for key in SB.BENCH_SETS:
-        if key in opts:
-            raise UsageError(f"--recipe {key} is bench's to set (--steps, --warmup, --entry-steps; the variants "
-                             "set hyper_connections and fused)")
-    base = replace(Recipe(), **{k: v for k, v in req.sizes.items() if v is not None}, **opts)
+    base = SB.base_recipe(req.recipe, req.sizes)
     points = SB.sweep_points(req.sweep, E.recipe_options)
     SB.check_points(base, points)
     vs = SB.check_variants(SB.variants(list(req.impls) or SB.default_impls(dev), E.assign), req.variants)

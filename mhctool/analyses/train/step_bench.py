@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from mhctool.analyses.train import engine as E
 from mhctool.core.errors import UsageError
+from mhctool.libraries.megatron_core import Recipe
 from mhctool.registry.specs import resolve_impls
 
 BASELINE, NATIVE, FUSED = "plain", "native", "fused"
@@ -94,6 +95,20 @@ def check_variants(vs: list[Variant], only: list[str]) -> list[Variant]:
             raise UsageError(f"--variant {', '.join(unknown)}: not one of this run's ({', '.join(known)})")
         vs = [v for v in vs if v.name in only or v.name == BASELINE]
     return vs
+
+
+def base_recipe(items: list[tuple[str, str]], sizes: dict | None = None):
+    """The recipe a step bench starts from: the engine's recipe with ``sizes`` (None: the
+    recipe's) and the ``--recipe KEY=VALUE`` items; an option bench sets itself, or one the recipe
+    has not, is a UsageError. Checked as one point to time."""
+    opts = E.recipe_options(items)
+    for key in BENCH_SETS:
+        if key in opts:
+            raise UsageError(f"--recipe {key} is bench's to set (--steps, --warmup, --entry-steps; the variants "
+                             "set hyper_connections and fused)")
+    base = replace(Recipe(), **{k: v for k, v in (sizes or {}).items() if v is not None}, **opts)
+    check_points(base, [{}])
+    return base
 
 
 def check_points(base, points: list[dict]) -> None:
