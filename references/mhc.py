@@ -241,7 +241,8 @@ def mapping(x2d: torch.Tensor, weight: torch.Tensor, alpha: torch.Tensor, h_bias
 def mapping_sinkhorn(x: torch.Tensor, weight: torch.Tensor, alpha: torch.Tensor, h_bias: torch.Tensor,
                      eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6, *, rms_eps: str = "outside",
                      compute_h_eps: float = 0.0, stabilize: str = "rowmax", order: str = "row_first",
-                     domain: str = "linear", trace: Trace = None):
+                     domain: str = "linear", eps_mode: str = "add", clamp_at: float = 20.0, math: str = "ieee",
+                     floor: float = 0.0, trace: Trace = None):
     """The mapping from the flattened streams (``x[s, b, n, C]`` as ``[T, n*C]``), then Sinkhorn
     on the H_res logits: the three mixing matrices of a layer, ``(h_pre[s, b, n], h_post[s, b, n],
     h_res[s, b, n, n])`` (Liger-Kernel's ``liger_mhc_coeffs``)."""
@@ -249,20 +250,22 @@ def mapping_sinkhorn(x: torch.Tensor, weight: torch.Tensor, alpha: torch.Tensor,
     h_pre, h_post, logits = mapping(x.reshape(s * b, n * c), weight, alpha, h_bias, eps, rms_eps=rms_eps,
                                     compute_h_eps=compute_h_eps, trace=trace)
     h_res = sinkhorn(logits.reshape(s, b, n, n), iters, sinkhorn_eps, stabilize=stabilize, order=order,
-                     domain=domain)
+                     domain=domain, eps_mode=eps_mode, clamp_at=clamp_at, math=math, floor=floor)
     return h_pre.reshape(s, b, n), h_post.reshape(s, b, n), h_res
 
 
 def mix_aggregate(x: torch.Tensor, weight: torch.Tensor, alpha: torch.Tensor, h_bias: torch.Tensor,
                   eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6, *, rms_eps: str = "outside",
                   compute_h_eps: float = 0.0, stabilize: str = "rowmax", order: str = "row_first",
-                  domain: str = "linear", trace: Trace = None):
+                  domain: str = "linear", eps_mode: str = "add", clamp_at: float = 20.0, math: str = "ieee",
+                  floor: float = 0.0, trace: Trace = None):
     """The whole pre-path of an mHC layer in one: :func:`mapping_sinkhorn`, then the aggregation
     of the streams with H_pre. Returns ``(out[s, b, C], h_post[s, b, n], h_res[s, b, n, n])``:
     TransformerEngine's ``mhc_generate_mix_and_aggregate``."""
     h_pre, h_post, h_res = mapping_sinkhorn(x, weight, alpha, h_bias, eps, iters, sinkhorn_eps, rms_eps=rms_eps,
                                             compute_h_eps=compute_h_eps, stabilize=stabilize, order=order,
-                                            domain=domain, trace=trace)
+                                            domain=domain, eps_mode=eps_mode, clamp_at=clamp_at, math=math,
+                                            floor=floor, trace=trace)
     return h_aggregate(x, h_pre), h_post, h_res
 
 

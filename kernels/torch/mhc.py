@@ -239,19 +239,24 @@ def mapping(x2d, weight, alpha, h_bias, eps: float = 1e-6, matmul_precision: str
 
 def mapping_sinkhorn(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6,
                      matmul_precision: str = "ieee", rms_eps: str = "outside", compute_h_eps: float = 0.0,
-                     stabilize: str = "rowmax", order: str = "row_first", domain: str = "linear"):
-    """The mixing matrices composed of the native pieces: mapping, then Sinkhorn."""
+                     stabilize: str = "rowmax", order: str = "row_first", domain: str = "linear",
+                     eps_mode: str = "add", clamp_at: float = 20.0, math: str = "ieee", floor: float = 0.0):
+    """The mixing matrices composed of the native pieces: mapping, then Sinkhorn (with every one
+    of Sinkhorn's knobs)."""
     s, b, n, c = x.shape
     h_pre, h_post, logits, _ = mapping(x.reshape(s * b, n * c), weight, alpha, h_bias, eps, matmul_precision,
                                        rms_eps, compute_h_eps)
-    h_res = sinkhorn(logits.reshape(s, b, n, n), iters, sinkhorn_eps, stabilize, order=order, domain=domain)
+    h_res = sinkhorn(logits.reshape(s, b, n, n), iters, sinkhorn_eps, stabilize, eps_mode, order, domain, clamp_at,
+                     math, floor)
     return h_pre.reshape(s, b, n), h_post.reshape(s, b, n), h_res
 
 
 def mix_aggregate(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6,
                   matmul_precision: str = "ieee", rms_eps: str = "outside", compute_h_eps: float = 0.0,
-                  stabilize: str = "rowmax", order: str = "row_first", domain: str = "linear"):
+                  stabilize: str = "rowmax", order: str = "row_first", domain: str = "linear",
+                  eps_mode: str = "add", clamp_at: float = 20.0, math: str = "ieee", floor: float = 0.0):
     """The pre-path composed of the native pieces: mapping, Sinkhorn, aggregation."""
     h_pre, h_post, h_res = mapping_sinkhorn(x, weight, alpha, h_bias, eps, iters, sinkhorn_eps, matmul_precision,
-                                            rms_eps, compute_h_eps, stabilize, order, domain)
+                                            rms_eps, compute_h_eps, stabilize, order, domain, eps_mode, clamp_at,
+                                            math, floor)
     return h_aggregate(x, h_pre, matmul_precision), h_post, h_res

@@ -5,19 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 
-from mhctool.core.inputs import InputFamily
+import torch
+
+from mhctool.core.inputs import InputFamily, beside, rand, randn
 from mhctool.families import mapping, proj_rms
 from mhctool.families.contract import Cost, Family, Knob
 from mhctool.references import mhc as ref
 
-# the mapping's knobs, then Sinkhorn's (its eps named sinkhorn_eps)
+# the mapping's knobs, then every one of Sinkhorn's (its eps named sinkhorn_eps)
 _KNOBS = {
     "eps": Knob(1e-6, kind=float, zero_ok=True), "rms_eps": proj_rms.RMS_EPS,
     "compute_h_eps": Knob(0.0, kind=float, zero_ok=True), "iters": Knob(20, kind=int),
-    "sinkhorn_eps": Knob(1e-6, kind=float, zero_ok=True), "stabilize": Knob("rowmax", ref.STABILIZE),
+    "sinkhorn_eps": Knob(1e-6, kind=float, zero_ok=True),
+    "stabilize": Knob("rowmax", ref.STABILIZE + ref.STABILIZE_RARE),
+    "clamp_at": Knob(20.0, kind=float, only_with=("stabilize", "clamp")),
+    "eps_mode": Knob("add", ref.EPS_MODES),
     "order": Knob("row_first", ref.ORDERS), "domain": Knob("linear", ref.DOMAINS),
+    "math": Knob("ieee", ref.MATHS), "floor": Knob(0.0, kind=float, zero_ok=True),
 }
-_CONVENTIONS = ("eps", "rms_eps", "compute_h_eps", "sinkhorn_eps", "stabilize", "order", "domain", "iters")
+_CONVENTIONS = ("eps", "rms_eps", "compute_h_eps", "sinkhorn_eps", "stabilize", "clamp_at", "eps_mode", "order",
+                "domain", "math", "floor", "iters")
 
 
 def _as_streams(make):
@@ -34,6 +41,53 @@ _INPUTS = {name: InputFamily(name, f.doc, _as_streams(f.make), f.reshape)
            for name, f in mapping.FAMILY.input_families.items() if name != "long_k"}
 
 
+def _res_logits(level, depth=None, scale: float = 40.0, spread: float = 1.5):
+    """Streams whose H_res logits (``alpha_res * r * (W_res x) + h_bias_res``) are, per token, a
+    ``level(g, T)`` plus ``spread`` times unit noise, and where ``depth`` is given, a column (and
+    on every other token a row) ``depth(g, T)`` below the rest: Sinkhorn's regimes reached through
+    the mapping, whose bias is shared by every token. Three orthonormal directions of x carry the
+    level and the two depths (the rest of x is orthogonal to them); the H_res rows of the weight
+    read them, alpha_res = ``scale`` sets their size. The pre and post rows are the random family's."""
+    def gen(shape, g, knobs):
+        s, b, n, c = shape.s, shape.b, shape.n, shape.c
+        t, k, nh = s * b, n * c, shape.n_h
+        q, _ = torch.linalg.qr(randn(g, k, 3))
+        x = randn(g, t, k)
+        qx = beside(x, q)  # (a large x may be drawn on the GPU: core.inputs.drawing_on)
+        x = x - (x @ qx) @ qx.t()
+        col = depth(g, t) if depth else torch.zeros(t)
+        row = depth(g, t) * (torch.arange(t) % 2 == 1) if depth else torch.zeros(t)
+        x = x + beside(x, torch.stack([level(g, t), -col, -row], -1) / scale) @ qx.t()
+        weight = randn(g, nh, k) / k ** 0.5
+        qw = beside(weight, q)
+        res = weight[2 * n:].view(n, n, k)
+        res.mul_(spread / scale).add_(qw[:, 0])
+        res[:, 0].add_(qw[:, 1])  # the first column reads the column depth (subtracted above)
+        res[0].add_(qw[:, 2])  # the first row the row depth
+        alpha = torch.cat([0.5 + rand(g, 2), torch.tensor([scale])])
+        h_bias = torch.cat([randn(g, 2 * n), torch.zeros(n * n)])
+        return {"x": x.reshape(s, b, n, c), "weight": weight, "alpha": alpha, "h_bias": h_bias}
+    return gen
+
+
+def _levels(lo: float, hi: float, log: bool = False):
+    def level(g, t):
+        u = rand(g, t)
+        return lo * (hi / lo) ** u if log else lo + (hi - lo) * u
+    return level
+
+
+_PROBES = {f.name: f for f in [
+    InputFamily("res_depths", "H_res's logits: a column (and a row on every other token) 5 to 80 below the rest: "
+                "sums from 1e-2 to far below eps, so eps, its mode and a floor decide the result",
+                _res_logits(lambda g, t: torch.zeros(t), _levels(5.0, 80.0))),
+    InputFamily("res_levels", "H_res's logits at a level of 3 to 75 per token, a spread of 1.5: where an "
+                "exponential clamped at a bound between loses the differences", _res_logits(_levels(3.0, 75.0, True))),
+    InputFamily("res_large", "H_res's logits about 90 to 300, a spread of 1.5: exp overflows without max subtraction",
+                _res_logits(_levels(90.0, 300.0), scale=100.0)),
+]}
+
+
 def _mix_cost(shape, e: int, f: int) -> Cost:
     # x read twice (projection, aggregation); out written
     T, n, C, K, N = shape.tokens, shape.n, shape.c, shape.k, shape.n_h
@@ -45,7 +99,7 @@ def _mix_cost(shape, e: int, f: int) -> Cost:
 def _composite(name, outputs, reference, kernels, cost):
     fam = Family(name, ("x", "weight", "alpha", "h_bias"), ("x", "weight", "alpha", "h_bias"), ("alpha", "h_bias"),
                  outputs, dict(_KNOBS), (), reference, conventions=_CONVENTIONS, input_families=dict(_INPUTS),
-                 kernels=kernels, cost=cost, matmul=True)
+                 probes=dict(_PROBES), kernels=kernels, cost=cost, matmul=True)
     return dataclasses.replace(fam, term_scale=mapping.token_sum_term_scale(fam))
 
 

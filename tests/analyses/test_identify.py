@@ -195,7 +195,7 @@ def test_the_hint_takes_what_the_adapter_declares_as_asked(tmp_path):
 VARIANTS = [
     ("sinkhorn", "sinkhorn_log_col_first", "best match: stabilize=colmax eps_mode=add order=col_first iters=20 eps=0 "
      "domain=log", False, 0),
-    ("mapping_sinkhorn", "mapping_sinkhorn_liger_like", "best match: rms_eps=inside stabilize=softmax order=row_first "
+    ("mapping_sinkhorn", "mapping_sinkhorn_liger_like", "best match: rms_eps=inside stabilize=softmax eps_mode=add order=row_first "
      "eps=1e-06 compute_h_eps=0 sinkhorn_eps=1e-06", False, 0),
     ("mix_aggregate", "mix_aggregate_te_like", "best match: rms_eps=inside", False, 0),
     # an overflow is never a convention: its finite outputs fit F.normalize's clamp at 1e-12 without

@@ -48,9 +48,27 @@ SAME = [
 ]
 
 
+# the composites carry every one of Sinkhorn's knobs: the two rarer Sinkhorns above after the mapping
+# (16-20 s an identification on 2 cores: asked once in the CPU suite, three ways with --slow)
+FLOORED_MIX = "rms_eps=outside stabilize=rowmax eps_mode=add order=row_first floor=60 eps=1e-06 compute_h_eps=0 sinkhorn_eps=0"
+CLAMPED_MIX = ("rms_eps=outside stabilize=clamp eps_mode=threshold_zero order=row_first eps=1e-06 compute_h_eps=0 "
+               "sinkhorn_eps=1e-06 clamp_at=20")
+FLOOR_SAID = "floor=60: every logit more than 60 below its matrix's max raised to that level"
+SAME += [
+    pytest.param("mapping_sinkhorn_floored_log", [{}], FLOORED_MIX, FLOOR_SAID, id="mapping_sinkhorn_floored_log"),
+    pytest.param("mapping_sinkhorn_floored_log", [{"sinkhorn_eps": 0.0}, {"sinkhorn_eps": 0.0, "domain": "log"}],
+                 FLOORED_MIX, FLOOR_SAID, id="mapping_sinkhorn_floored_log-asked", marks=pytest.mark.slow),
+    pytest.param("mapping_sinkhorn_clamp_threshold_fast", [{}], CLAMPED_MIX, NAN_GRADS,
+                 id="mapping_sinkhorn_clamp_threshold_fast"),
+    pytest.param("mapping_sinkhorn_clamp_threshold_fast", [{"domain": "log"}, {"stabilize": "softmax", "order": "col_first"}],
+                 CLAMPED_MIX, NAN_GRADS, id="mapping_sinkhorn_clamp_threshold_fast-asked", marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.parametrize("fn,asks,knobs,phrase", SAME)
 def test_the_same_kernel_asked_three_ways_gets_the_same_best_match(fn, asks, knobs, phrase):
     kernel, where = ("h_post_bda", STRANGERS) if fn.startswith("h_post_bda") else ("sinkhorn", ASKS)
+    kernel = "mapping_sinkhorn" if fn.startswith("mapping_sinkhorn") else kernel
     found = []
     for asked in asks:
         ident = _identify(fn, kernel, where, **asked)

@@ -87,3 +87,30 @@ def test_a_knob_that_means_something_under_another_only_says_so():
     bound = get_family("sinkhorn").knobs["clamp_at"]
     assert bound.applies({"stabilize": "clamp"}) and not bound.applies({"stabilize": "rowmax"})
     assert get_family("sinkhorn").knobs["eps"].applies({})
+
+
+@pytest.mark.parametrize("kernel", ["mapping_sinkhorn", "mix_aggregate"])
+def test_the_composites_probes_reach_sinkhorns_regimes_through_the_mapping(kernel):
+    """identify's composite probes (issue 90): the mapping's shared bias cannot make one token's
+    logits differ from another's, so the probes set each token's H_res logits through x. Computed
+    by the float64 reference mapping, they are where Sinkhorn's own probes are: a column 5 to 80
+    below the rest (res_depths), levels of 3 to 75 (res_levels), of about 90 to 300 (res_large)."""
+    from mhctool.references import mhc as ref
+    shape = parse_shape_for("mhc", "8x4x4x67")
+
+    def logits(name):
+        raw = generate(kernel, name, shape, 1, {})[1]
+        x = raw["x"].double()
+        s, b, n, c = x.shape
+        h = ref.mapping(x.reshape(s * b, n * c), raw["weight"].double(), raw["alpha"].double(), raw["h_bias"].double())
+        return h[2].reshape(-1, n, n)
+
+    dead = logits("res_depths")
+    depth = dead.amax((-1, -2)) - dead[:, :, 0].amax(-1)
+    assert depth.min() > 4 and depth.max() > 60, depth
+    rows = dead.amax((-1, -2)) - dead[:, 0, 1:].amax(-1)  # the first row, on every other token
+    assert (rows[1::2] > 4).all() and (rows[0::2] < 6).all(), rows
+    level = logits("res_levels").mean((-1, -2))
+    assert level.min() > 2 and level.max() > 40 and logits("res_levels").max() < 88, level
+    large = logits("res_large")
+    assert large.min() > 80 and large.max() > 200

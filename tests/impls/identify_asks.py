@@ -72,3 +72,35 @@ def sinkhorn_row_floored_log(logits, iters=20):
         z = z - torch.logsumexp(z, -1, keepdim=True)
         z = z - torch.logsumexp(z, -2, keepdim=True)
     return torch.exp(z)
+
+
+# the composites (issue 90: they carry every Sinkhorn knob): the native mapping, then the Sinkhorns
+# above, as a library that fuses them would compute them
+def _mapping(x, weight, alpha, h_bias, eps):
+    from kernels.torch import mhc as native
+    s, b, n, c = x.shape
+    h_pre, h_post, logits, _ = native.mapping(x.reshape(s * b, n * c), weight, alpha, h_bias, eps)
+    return h_pre.reshape(s, b, n), h_post.reshape(s, b, n), logits.reshape(s, b, n, n)
+
+
+def mapping_sinkhorn_floored_log(x, weight, alpha, h_bias, eps=1e-6, iters=20):
+    """The mixing matrices with :func:`sinkhorn_floored_log` on the H_res logits."""
+    h_pre, h_post, logits = _mapping(x, weight, alpha, h_bias, eps)
+    return h_pre, h_post, sinkhorn_floored_log(logits, iters)
+
+
+def mapping_sinkhorn_clamp_threshold_fast(x, weight, alpha, h_bias, eps=1e-6, iters=20, sinkhorn_eps=1e-6):
+    """The mixing matrices with :func:`sinkhorn_clamp_threshold_fast` on the H_res logits."""
+    h_pre, h_post, logits = _mapping(x, weight, alpha, h_bias, eps)
+    return h_pre, h_post, sinkhorn_clamp_threshold_fast(logits, iters, sinkhorn_eps)
+
+
+def mix_aggregate_clamped_sums(x, weight, alpha, h_bias, eps=1e-6, iters=20, sinkhorn_eps=1e-6):
+    """The pre-path with Megatron PR 3828's Sinkhorn (each row's max subtracted, every sum clamped
+    at eps: ``p / p.sum().clamp(min=eps)``), autograd's backward."""
+    h_pre, h_post, logits = _mapping(x, weight, alpha, h_bias, eps)
+    p = torch.exp(logits - logits.amax(-1, keepdim=True))
+    for _ in range(iters):
+        p = p / p.sum(-1, keepdim=True).clamp(min=sinkhorn_eps)
+        p = p / p.sum(-2, keepdim=True).clamp(min=sinkhorn_eps)
+    return torch.einsum("sbn,sbnc->sbc", h_pre, x), h_post, p

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from mhctool.analyses.identify.conclusion import Probe
+from mhctool.analyses.identify.space import SINKHORN_IN
 from mhctool.analyses.identify.subject import batched_errors
 
 # no candidate within this many times native noise, and the nearest off by an order-one share of
@@ -27,11 +28,12 @@ def uniform(out: torch.Tensor, tol: float = 1e-3) -> torch.Tensor:
 
 
 def _sums(kernel: str, probes: list[Probe]) -> str | None:
-    """Sinkhorn: the largest distance of the outputs' row and column sums from one, and how many
-    matrices are uniform (every entry 1/n: an exponential that saturates)."""
-    if kernel != "sinkhorn":
+    """Sinkhorn (alone or in a composite): the largest distance of its matrices' row and column
+    sums from one, and how many are uniform (every entry 1/n: an exponential that saturates)."""
+    part = SINKHORN_IN.get(kernel)
+    if part is None:
         return None
-    outs = [p.res.outputs[0].double().cpu() for p in probes if p.res.outputs]
+    outs = [p.res.outputs[part.output].double().cpu() for p in probes if p.res.outputs]
     if not outs:
         return None
     rows = max(float((o.sum(-1) - 1).abs().max()) for o in outs)
@@ -72,18 +74,20 @@ _DEPTHS = {
 }
 
 
-def where_differs(kernel: str, base: dict, out: torch.Tensor, ref: torch.Tensor, noise: float) -> str:
-    """Where the implementation's output differs from a candidate's float64 one on a probe it
-    fails: for Sinkhorn, which matrices, and whether how far their logits reach below a row's,
-    a column's or the matrix's max sets them apart from the matrices where it agrees; otherwise
-    how far off the output is."""
+def where_differs(kernel: str, base: dict, knobs: dict, output: int, out: torch.Tensor, ref: torch.Tensor,
+                  noise: float) -> str:
+    """Where the implementation's ``output`` differs from a candidate's (``knobs``) float64 one on
+    a probe it fails: for Sinkhorn's matrices (alone or in a composite), which matrices, and whether
+    how far their logits reach below a row's, a column's or the matrix's max sets them apart from
+    the matrices where it agrees; otherwise how far off the output is."""
     o, r = out.detach().double().cpu(), ref.detach().double().cpu()
-    if kernel != "sinkhorn":
+    part = SINKHORN_IN.get(kernel)
+    if part is None or output != part.output:
         err = float((o - r).abs().max() / r.abs().max().clamp_min(1e-300))
         return f"its outputs are off there by {err:.2g} of their largest magnitude ({err / noise:.3g}x native noise)"
     n = r.shape[-1]
     o, r = o.reshape(-1, n, n), r.reshape(-1, n, n)
-    L = base["logits"].detach().double().cpu().reshape(-1, n, n)
+    L = part.logits(kernel, base, knobs).reshape(-1, n, n)
     # per matrix, in the unit the noise is in (the whole output's largest magnitude)
     err = (o - r).abs().amax((-1, -2)) / r.abs().max().clamp_min(1e-300)
     bad = ~(err <= DIFFERS * noise)  # NaN differs

@@ -76,15 +76,24 @@ class Identifier(Judging):
                     return Identification(self.kernel, self.impl, self.asked, [], None, error,
                                           fixed=self.family_knobs, limit=limit_text)
                 probes, self._stacks = [*probes, probe], {}
+        grid = self.grid(probes)
+        if self.saturated and rare:
+            # the clamped exponential beside the common fits, the knobs the space holds (a
+            # composite's mapping) at the best of those
+            near = min(grid, key=lambda c: c.score)
+            self.held = {k: near.knobs[k] for k in self.space.hold_later}
             self.space = dataclasses.replace(self.space, discrete={
                 **self.space.discrete, **{k: (*self.space.discrete[k], *v) for k, v in rare.items()}})
-        grid = self.grid(probes)
+            grid = grid + self.grid(probes)
+            self.held = {}
         if self.space.later and min(c.score for c in grid) > LATER_AFTER:
             # nothing near among the common conventions: each rarer knob against every combination of
             # the others where that is a small grid (eps as a threshold), then all of them searched
             # together from the best fits (a floor; a clamped exponential with eps as a threshold).
             # The rarer values join the space from here (the ties and the table's combinations)
             self.progress("nothing near: fitting the rarer conventions too")
+            near = min(grid, key=lambda c: c.score)
+            self.held = {k: near.knobs[k] for k in self.space.hold_later}
             common, later = dict(self.space.discrete), self.space.later
             self.space = dataclasses.replace(self.space, later={}, discrete={
                 k: (*v, *later.get(k, ())) for k, v in common.items()})
@@ -94,6 +103,7 @@ class Identifier(Judging):
                     grid = grid + self.grid(probes, {**common, knob: values})
             if min(c.score for c in grid) > self.space.near_miss:
                 grid = grid + self.descend(probes, grid)
+            self.held = {}
         # the continuous knobs of the few best discrete combinations are refined before the pick:
         # a sensitive knob (eps inside a square root) can sit between two grid points
         self.progress("refining the best fits")
@@ -167,7 +177,7 @@ class Identifier(Judging):
             j = max(range(len(refs)), key=lambda j: batched_errors(p.res.outputs[j], refs[j].unsqueeze(0))[0][0]
                     / p.noise[j])
             fails.append((p.case.family, input_family(self.kernel, p.case.family).doc, sc,
-                          where_differs(self.kernel, p.base, p.res.outputs[j], refs[j], p.noise[j])))
+                          where_differs(self.kernel, p.base, chosen.knobs, j, p.res.outputs[j], refs[j], p.noise[j])))
         fits = [p.case.family for p, sc in zip(probes, chosen.per_probe) if sc <= near]
         return Partial(chosen, fits, rank[2], fails)
 

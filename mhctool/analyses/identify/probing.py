@@ -8,7 +8,7 @@ import torch
 
 from mhctool.analyses.identify.conclusion import Probe
 from mhctool.analyses.identify.evidence import uniform
-from mhctool.analyses.identify.space import UNSAID, far_from
+from mhctool.analyses.identify.space import SINKHORN_IN, UNSAID, far_from
 from mhctool.analyses.identify.subject import Subject, batched_errors, float64_inputs
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.metrics import nonfinite
@@ -93,14 +93,17 @@ class Probing(Subject):
         return out, None
 
     def _saturated(self) -> list:
-        """Sinkhorn's guards where the implementation's matrices are uniform (1/n everywhere: an
+        """Sinkhorn's guards (its own or a composite's) where the implementation's matrices are uniform (1/n everywhere: an
         exponential that saturates, finite but collapsed) and the float64 contract's are not:
         (family, its description, how many matrices, of how many)."""
-        if self.kernel != "sinkhorn":
+        part = SINKHORN_IN.get(self.kernel)
+        if part is None:
             return []
         out = []
         for p in self.guards:
-            collapsed = uniform(p.res.outputs[0]) & ~uniform(p.refs[0], 1e-2)
+            if not p.res.outputs:
+                continue
+            collapsed = uniform(p.res.outputs[part.output]) & ~uniform(p.refs[part.output], 1e-2)
             if int(collapsed.sum()):
                 out.append((p.case.family, input_family(self.kernel, p.case.family).doc, int(collapsed.sum()),
                             collapsed.numel()))

@@ -117,6 +117,10 @@ class Space:
     # eps, so a candidate with one would be judged against a baseline that is itself off); each
     # candidate is judged at the family's value, then with ``judge_also``'s
     how: tuple[str, ...] = ()
+    # continuous knobs held at the best common fit's values while the rarer conventions are
+    # searched (a composite's mapping knobs: the rarer ones are Sinkhorn's, and the mapping's grid
+    # would multiply their search many times over); refined with the rest afterwards
+    hold_later: tuple[str, ...] = ()
 
 
 def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
@@ -139,13 +143,45 @@ def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
     return variant
 
 
-def _sinkhorn_also(knobs: dict) -> list[dict]:
-    """How a Sinkhorn kernel may compute what a candidate names: without eps, in the log domain
-    (its rounding is the log-domain baseline's), unless the candidate exponentiates raw logits (a
-    clamped exponential) or takes eps as a threshold, which the log-domain baseline does not;
-    otherwise with fast math (__expf, a reciprocal-multiply per division)."""
-    log = knobs.get("eps") == 0.0 and knobs.get("stabilize") != "clamp" and knobs.get("eps_mode") in (None, "add", "clamp")
-    return [{"domain": "log"}] if log else [{"math": "fast"}]
+@dataclass(frozen=True)
+class SinkhornPart:
+    """Where a kernel computes Sinkhorn (itself, or a composite after the mapping): the knob that
+    is Sinkhorn's eps, the output that is the doubly stochastic matrix, and the family that shows
+    an overflow without max subtraction."""
+
+    eps: str
+    output: int
+    overflow_probe: str
+
+    def logits(self, kernel: str, base: dict, knobs: dict) -> torch.Tensor:
+        """The float64 logits a probe's inputs give at a candidate's knobs (a composite's from the
+        reference mapping), ``[..., n, n]``."""
+        if "logits" in base:
+            return base["logits"].detach().double().cpu()
+        x = base["x"].detach().double().cpu()
+        s, b, n, c = x.shape
+        _, _, logits = ref.mapping(x.reshape(s * b, n * c), *(base[k].detach().double().cpu()
+                                                              for k in ("weight", "alpha", "h_bias")),
+                                   float(knobs.get("eps", 1e-6)), rms_eps=knobs.get("rms_eps", "outside"),
+                                   compute_h_eps=float(knobs.get("compute_h_eps", 0.0)))
+        return logits.reshape(s, b, n, n)
+
+
+# the kernels that compute Sinkhorn, and where
+SINKHORN_IN = {"sinkhorn": SinkhornPart("eps", 0, "large_logits"),
+               "mapping_sinkhorn": SinkhornPart("sinkhorn_eps", 2, "res_large"),
+               "mix_aggregate": SinkhornPart("sinkhorn_eps", 2, "res_large")}
+
+
+def _sinkhorn_also(eps: str) -> Callable[[dict], list[dict]]:
+    """How a Sinkhorn kernel may compute what a candidate names: without eps (its eps knob named
+    ``eps``), in the log domain (its rounding is the log-domain baseline's), unless the candidate
+    exponentiates raw logits (a clamped exponential) or takes eps as a threshold, which the
+    log-domain baseline does not; otherwise with fast math (__expf, a reciprocal-multiply per division)."""
+    def also(knobs: dict) -> list[dict]:
+        log = knobs.get(eps) == 0.0 and knobs.get("stabilize") != "clamp" and knobs.get("eps_mode") in (None, "add", "clamp")
+        return [{"domain": "log"}] if log else [{"math": "fast"}]
+    return also
 
 
 def space(kernel: str, asked: dict) -> Space:
@@ -156,7 +192,7 @@ def space(kernel: str, asked: dict) -> Space:
                      {"stabilize": ref.STABILIZE, "eps_mode": ("add", "clamp"), "order": ref.ORDERS,
                       "floor": (0.0,), "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
                      {"eps": EPS_GRID}, batched="eps", prefix="iters",
-                     judge_also=_sinkhorn_also,
+                     judge_also=_sinkhorn_also("eps"),
                      guards=("large_logits",), stackable="logits",
                      later={"eps_mode": ("threshold", "threshold_zero"), "floor": FLOOR_GRID},
                      saturating=({"stabilize": ref.STABILIZE_RARE}, ("clamp_sweep",)),
@@ -170,14 +206,22 @@ def space(kernel: str, asked: dict) -> Space:
         return Space(("random", "tiny_norm"), "4x3x4x67", {"rms_eps": ref.RMS_EPS},
                      {"eps": EPS_GRID, "compute_h_eps": EPS_GRID})
     if kernel in ("mapping_sinkhorn", "mix_aggregate"):
-        # the mapping's knobs and Sinkhorn's at once: the discrete ones exhaustively, the mapping's
-        # eps on the grid, Sinkhorn's eps batched, compute_h's eps at the values libraries use
-        return Space(("random", "tiny_norm"), "4x3x4x67",
-                     {"rms_eps": ref.RMS_EPS, "stabilize": ref.STABILIZE, "order": ref.ORDERS},
+        # the mapping's knobs and Sinkhorn's at once: the common discrete ones exhaustively, the
+        # mapping's eps on the grid, Sinkhorn's eps batched, compute_h's eps at the values libraries
+        # use; Sinkhorn's rarer knobs (eps clamped or a threshold, a floor, a clamped exponential,
+        # fast math) as for Sinkhorn alone, on H_res logits the mapping computes (res_depths: the
+        # dead columns of Sinkhorn's probes; res_large its guard; res_levels its clamp sweep), with
+        # the mapping's eps held at the best common fit's. Sums clamped at eps are a rarer value
+        # here: at the 20 iterations a composite runs they converge as eps=0's do on its probes
+        # (Sinkhorn alone fits the count on a slowly converging probe)
+        return Space(("random", "tiny_norm", "res_depths"), "4x3x4x67",
+                     {"rms_eps": ref.RMS_EPS, "stabilize": ref.STABILIZE, "eps_mode": ("add",),
+                      "order": ref.ORDERS, "floor": (0.0,)},
                      {"eps": EPS_GRID, "compute_h_eps": (0.0, 1e-8, 1e-6, 1e-4), "sinkhorn_eps": EPS_GRID},
-                     batched="sinkhorn_eps",
-                     judge_also=lambda knobs: [{"domain": "log"}] if knobs.get("sinkhorn_eps") == 0.0 else [],
-                     how=("domain",))
+                     batched="sinkhorn_eps", judge_also=_sinkhorn_also("sinkhorn_eps"), guards=("res_large",),
+                     later={"eps_mode": ("clamp", "threshold", "threshold_zero"), "floor": FLOOR_GRID},
+                     saturating=({"stabilize": ref.STABILIZE_RARE}, ("res_levels",)),
+                     depends={"clamp_at": CLAMP_GRID}, how=("domain", "math"), hold_later=("eps", "compute_h_eps"))
     if kernel == "h_aggregate":
         return Space(("random",), "4x3x4x67")
     if kernel == "swiglu":
@@ -243,6 +287,7 @@ for _k in ("mapping_sinkhorn", "mix_aggregate"):  # the composites: the mapping'
         (_k, "stabilize", "colmax"): KNOWN[("sinkhorn", "stabilize", "colmax")],
         (_k, "sinkhorn_eps", 0.0): "as in TransformerEngine (log-domain iterations, no eps)",
         (_k, "domain", "log"): "as in TransformerEngine (judged against the log-domain native baseline)",
+        (_k, "math", "fast"): KNOWN[("sinkhorn", "math", "fast")],
     })
 
 
@@ -266,8 +311,8 @@ DEFECT_KNOBS = {"iters", "eps", "compute_h_eps", "limit", "bias", "scale_at", "s
 
 # values that would be a defect if the implementation's own outputs show it: (kernel, knob, value)
 # -> (the defect, the probe family that shows it); without that evidence the fit is a tie, not a claim
-SUSPICIOUS_VALUES = {("sinkhorn", "stabilize", "none"): ("no max subtraction: exp overflows for large logits",
-                                                        "large_logits")}
+SUSPICIOUS_VALUES = {(k, "stabilize", "none"): ("no max subtraction: exp overflows for large logits", part.overflow_probe)
+                     for k, part in SINKHORN_IN.items()}
 
 
 def same_value(a, b) -> bool:
@@ -333,13 +378,13 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
             continue
         if known:
             notes.append(f"{own}: a known convention, {known}" if own else f"{k}={fmt_value(v)}: a known convention, {known}")
-        elif (kernel, k) == ("sinkhorn", "floor"):
+        elif kernel in SINKHORN_IN and k == "floor":
             level = max(level, 1)
             notes.append(f"floor={fmt_value(v)}: every logit more than {fmt_value(v)} below its matrix's max raised "
                          f"to that level (log values floored after the max is subtracted): finite, but matrices whose "
                          f"logits span more than {fmt_value(v)} lose the differences below (a variant no library "
                          "mhctool knows uses: check it is intended)")
-        elif (kernel, k, v) == ("sinkhorn", "stabilize", "clamp"):
+        elif kernel in SINKHORN_IN and (k, v) == ("stabilize", "clamp"):
             level = max(level, 1)
             b = fmt_value(fitted["clamp_at"])
             notes.append(f"stabilize=clamp clamp_at={b}: the exponential clamped at {b} (exp(min(x, {b})), no max "

@@ -60,6 +60,8 @@ class Subject:
         self.precision_bwd = self.precision  # the backward's (fitted apart from the forward's where they differ)
         check_precision(self.precision, "--matmul-precision")
         self.tried: dict[str, Candidate] = {}
+        # continuous knobs held at one value in the grids for now (Space.hold_later)
+        self.held: dict = {}
         self.family_knobs = {k: v for k, v in asked.items() if k not in self._names()}  # e.g. interleave
         self.family_knobs.update({k: False for k in missing})
         self.guards: list[Probe] = []  # the space's guard probes, run by probes()
