@@ -45,25 +45,25 @@ def _res_logits(level, depth=None, scale: float = 40.0, spread: float = 1.5):
     """Streams whose H_res logits (``alpha_res * r * (W_res x) + h_bias_res``) are, per token, a
     ``level(g, T)`` plus ``spread`` times unit noise, and where ``depth`` is given, a column (and
     on every other token a row) ``depth(g, T)`` below the rest: Sinkhorn's regimes reached through
-    the mapping, whose bias is shared by every token. Three orthonormal directions of x carry the
-    level and the two depths (the rest of x is orthogonal to them); the H_res rows of the weight
-    read them, alpha_res = ``scale`` sets their size. The pre and post rows are the random family's."""
+    the mapping, whose bias is shared by every token. Three coordinates of x carry the level and
+    the two depths, in steps of 1/64 (exact in bf16 and TF32), and the H_res rows of the weight
+    read them with a weight of one (exact too): a kernel that multiplies at TF32 or in bf16 rounds
+    only the small noise terms, which alpha_res = ``scale`` amplifies no further than the noise
+    itself. The pre and post rows are the random family's."""
     def gen(shape, g, knobs):
         s, b, n, c = shape.s, shape.b, shape.n, shape.c
         t, k, nh = s * b, n * c, shape.n_h
-        q, _ = torch.linalg.qr(randn(g, k, 3))
         x = randn(g, t, k)
-        qx = beside(x, q)  # (a large x may be drawn on the GPU: core.inputs.drawing_on)
-        x = x - (x @ qx) @ qx.t()
         col = depth(g, t) if depth else torch.zeros(t)
         row = depth(g, t) * (torch.arange(t) % 2 == 1) if depth else torch.zeros(t)
-        x = x + beside(x, torch.stack([level(g, t), -col, -row], -1) / scale) @ qx.t()
+        coords = torch.round(torch.stack([level(g, t), -col, -row], -1) / scale * 64) / 64
+        x[:, :3] = beside(x, coords)  # (a large x may be drawn on the GPU: core.inputs.drawing_on)
         weight = randn(g, nh, k) / k ** 0.5
-        qw = beside(weight, q)
         res = weight[2 * n:].view(n, n, k)
-        res.mul_(spread / scale).add_(qw[:, 0])
-        res[:, 0].add_(qw[:, 1])  # the first column reads the column depth (subtracted above)
-        res[0].add_(qw[:, 2])  # the first row the row depth
+        res.mul_(spread / scale)
+        res[..., 0] = 1.0  # every H_res logit reads the level
+        res[:, 0, 1] = 1.0  # the first column the column depth
+        res[0, :, 2] = 1.0  # the first row the row depth
         alpha = torch.cat([0.5 + rand(g, 2), torch.tensor([scale])])
         h_bias = torch.cat([randn(g, 2 * n), torch.zeros(n * n)])
         return {"x": x.reshape(s, b, n, c), "weight": weight, "alpha": alpha, "h_bias": h_bias}
