@@ -87,7 +87,7 @@ def where_differs(kernel: str, base: dict, knobs: dict, output: int, out: torch.
         return f"its outputs are off there by {err:.2g} of their largest magnitude ({err / noise:.3g}x native noise)"
     n = r.shape[-1]
     o, r = o.reshape(-1, n, n), r.reshape(-1, n, n)
-    L = part.logits(kernel, base, knobs).reshape(-1, n, n)
+    L = part.logits(base, knobs).reshape(-1, n, n)
     # per matrix, in the unit the noise is in (the whole output's largest magnitude)
     err = (o - r).abs().amax((-1, -2)) / r.abs().max().clamp_min(1e-300)
     bad = ~(err <= DIFFERS * noise)  # NaN differs

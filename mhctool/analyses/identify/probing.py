@@ -93,9 +93,9 @@ class Probing(Subject):
         return out, None
 
     def _saturated(self) -> list:
-        """Sinkhorn's guards (its own or a composite's) where the implementation's matrices are uniform (1/n everywhere: an
-        exponential that saturates, finite but collapsed) and the float64 contract's are not:
-        (family, its description, how many matrices, of how many)."""
+        """Sinkhorn's guards (its own or a composite's) where the implementation's matrices are
+        uniform (1/n everywhere: an exponential that saturates, finite but collapsed) and the
+        float64 contract's are not: (family, its description, how many matrices, of how many)."""
         part = SINKHORN_IN.get(self.kernel)
         if part is None:
             return []

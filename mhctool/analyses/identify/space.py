@@ -153,7 +153,7 @@ class SinkhornPart:
     output: int
     overflow_probe: str
 
-    def logits(self, kernel: str, base: dict, knobs: dict) -> torch.Tensor:
+    def logits(self, base: dict, knobs: dict) -> torch.Tensor:
         """The float64 logits a probe's inputs give at a candidate's knobs (a composite's from the
         reference mapping), ``[..., n, n]``."""
         if "logits" in base:
