@@ -95,6 +95,16 @@ def test_a_fit_on_most_probes_is_a_finding_with_where_it_differs():
     assert "none comes near" not in line
 
 
+def test_a_composites_partial_fit_says_where_its_sinkhorn_differs():
+    """The same floor below each row's max after the mapping: the H_res logits that say where it
+    differs are the ones the reference mapping computes from the probe's streams."""
+    ident = _identify("mapping_sinkhorn_row_floored_log", "mapping_sinkhorn")
+    line = ident.line()
+    assert not ident.passed
+    assert line.startswith("no convention fits every probe: it computes rms_eps=outside "), line
+    assert "not on res_depths" in line and "below its row's max; of the" in line, line
+
+
 @pytest.mark.parametrize("fn,knobs", [
     ("sinkhorn_log_autograd", "stabilize=rowmax eps_mode=add order=row_first iters=20 eps=0 domain=log"),
     ("sinkhorn_log_autograd_cols_first", "stabilize=colmax eps_mode=add order=col_first iters=20 eps=0 domain=log"),

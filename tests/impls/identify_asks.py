@@ -104,3 +104,10 @@ def mix_aggregate_clamped_sums(x, weight, alpha, h_bias, eps=1e-6, iters=20, sin
         p = p / p.sum(-1, keepdim=True).clamp(min=sinkhorn_eps)
         p = p / p.sum(-2, keepdim=True).clamp(min=sinkhorn_eps)
     return torch.einsum("sbn,sbnc->sbc", h_pre, x), h_post, p
+
+
+def mapping_sinkhorn_row_floored_log(x, weight, alpha, h_bias, eps=1e-6, iters=20):
+    """The mixing matrices with :func:`sinkhorn_row_floored_log` (a floor below each row's max,
+    no knob of mhctool's) on the H_res logits."""
+    h_pre, h_post, logits = _mapping(x, weight, alpha, h_bias, eps)
+    return h_pre, h_post, sinkhorn_row_floored_log(logits, iters)
