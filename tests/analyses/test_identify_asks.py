@@ -137,3 +137,13 @@ def test_the_floor_declared_as_identify_hints_makes_parity_pass(tmp_path):
                                    "--dtype", "fp32", "--device", "cpu", "-q", "-o", str(tmp_path / "p.parquet")])
     assert res.exit_code == 0, res.output
     assert "0 failed" in res.output
+
+
+def test_a_value_its_outputs_do_not_tell_from_the_asked_one_is_no_convention_to_declare():
+    """At TF32 a pre-path's outputs do not tell Sinkhorn's eps 0 from 1e-6 (TransformerEngine's
+    [tf32] variant on an H200): the line says so, and the parity hint declares no eps for it."""
+    asked = {"sinkhorn_eps": 0.0, "domain": "log", "rms_eps": "inside", "eps": 1.1920928955078125e-07}
+    ident = _identify("mix_aggregate_te_tf32", "mix_aggregate", **asked)
+    assert "--convention sinkhorn_eps" not in ident.flags(), ident.flags()
+    if ident.best.knobs["sinkhorn_eps"] != 0.0:  # a tie the family's default took: said as one
+        assert "its outputs do not tell sinkhorn_eps=" in ident.best.note, ident.best.note

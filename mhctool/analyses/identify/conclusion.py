@@ -59,6 +59,9 @@ class Candidate:
     overflows: bool | None = None
     # its score on each probe, in the fit's probe order (what a partial fit is told from)
     per_probe: tuple = ()
+    # judged candidates: the knobs it takes no parameter for (or ignores) whose fitted value its
+    # outputs do not tell from the asked one: no convention to declare
+    untold: tuple = ()
 
     @property
     def key(self) -> tuple:
@@ -272,11 +275,12 @@ class Identification:
     def conventions(self) -> dict:
         """The fitted knobs that ``--convention`` can declare and that differ from the asked ones.
         Not a knob the implementation takes and follows (a declared value is passed to it, so it
-        would compute something else again): those are what it was asked for, or a defect."""
+        would compute something else again): those are what it was asked for, or a defect; nor one
+        whose fitted value its outputs do not tell from the asked one (a tie, no finding)."""
         fam = get_family(self.kernel)
         asked = {**self.fixed, **self.asked}  # the held knobs too (Sinkhorn's domain, where asked)
         return {k: v for k, v in (self.best.knobs if self.best else {}).items()
-                if k in fam.conventions and not same_value(v, asked.get(k))
+                if k in fam.conventions and not same_value(v, asked.get(k)) and k not in self.best.untold
                 and (k in self.ignored or not (fam.knobs[k].passed and self.impl.accepts(k)))}
 
 

@@ -45,9 +45,10 @@ class Judging(Fitting, Probing):
             if c.passed:
                 break
         # against everything asked, the held knobs too (a log domain asked is asked, though held apart)
-        c.level, c.note = classify(self.kernel, c.knobs, {**self.family_knobs, **self.asked},
-                                   self.evidence(probes, c), self.ignored,
-                                   shown_only=not (c.passed or c.fwd_passed))
+        evidence = self.evidence(probes, c)
+        c.level, c.note = classify(self.kernel, c.knobs, {**self.family_knobs, **self.asked}, evidence,
+                                   self.ignored, shown_only=not (c.passed or c.fwd_passed))
+        c.untold = tuple(k for k, (shown, _) in evidence.items() if shown is False and k in self.ignored)
         self.tried[c.key] = c
         return c
 
