@@ -22,7 +22,8 @@
 #              defects' trajectories in mhctool's GPU default model (4 seeds each, side by side)
 #   bench      one GPU: `bench --engine` (issue 91): BENCH_STEPS picks steps: toy (the slow-marked
 #              GPU test's sizes), recipe (the recipe's sizes, every variant), streams (the overhead
-#              over n = 2, 4, 8), recompute (on and off), big (BENCH_BIG: the largest shape timed)
+#              over n = 2, 4, 8), recompute (on and off), big (BENCH_BIG: the largest shape timed),
+#              probe (Triton's projection backward in place, with PYTHONPATH=dev/probes/proj_rms_inplace)
 # Logs and one archive (results.tar.gz: a run brings back a limited count of files) under $OUT.
 set -uo pipefail
 phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation|first|detect|bench}"
@@ -51,6 +52,9 @@ case "$phase" in
       streams) bench streams --variant native --variant triton --sweep streams=2,4,8 --no-kernels ;;
       recompute) bench recompute --variant native --variant triton --sweep recompute=true,false --no-kernels ;;
       big) bench big ${BENCH_BIG:---hidden 2048 --heads 16 --seq 4096 --batch 1 --recipe global_batch=8} ;;
+      # Triton's projection backward in place (dev/probes/proj_rms_inplace: put it on PYTHONPATH)
+      probe) PROBE_PROJ_RMS="$R/probe" bench probe --variant triton --no-kernels --steps 3 --warmup 2 --entry-steps 0
+             python3 -c "import glob, json; [print(f, json.dumps({k: v for k, v in json.load(open(f)).items() if k != 'calls'})) for f in glob.glob('$R/probe/*.json')]" ;;
     esac; done ;;
   recipe)
     tests pytest_engine tests/kernels/test_gpu.py -k megatron_engine --slow
