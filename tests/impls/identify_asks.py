@@ -113,31 +113,15 @@ def mapping_sinkhorn_row_floored_log(x, weight, alpha, h_bias, eps=1e-6, iters=2
     return h_pre, h_post, sinkhorn_row_floored_log(logits, iters)
 
 
-class _Tf32Projection(torch.autograd.Function):
-    """x W^T with TF32-truncated operands summed in chunks of 32 (as tensor cores do), the
-    backward's products on bf16-rounded operands."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        from mhctool.kernels.torch.mhc import truncate_to_tf32
-        ctx.save_for_backward(x, w)
-        xt, wt = truncate_to_tf32(x), truncate_to_tf32(w)
-        return sum(xt[:, i:i + 32] @ wt[:, i:i + 32].t() for i in range(0, x.shape[1], 32))
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        gb = g.to(torch.bfloat16).float()
-        return gb @ w.to(torch.bfloat16).float(), gb.t() @ x.to(torch.bfloat16).float()
-
-
 def mix_aggregate_te_tf32(x, weight, alpha, h_bias, iters=20):
     """TransformerEngine's pre-path as its [tf32] variant computes it: eps = fp32 epsilon inside
-    the square root, log-domain Sinkhorn without eps, the projection at TF32; it takes no eps."""
+    the square root, log-domain Sinkhorn without eps, the projection at TF32 with truncated
+    operands in a kernel's order (``variants.proj_rms_tf32_trunc``'s); it takes no eps."""
     from kernels.torch import mhc as native
+    from variants import proj_rms_tf32_trunc
     s, b, n, c = x.shape
     x2d = x.reshape(s * b, n * c).float()
-    proj = _Tf32Projection.apply(x2d, weight.float())
+    proj, _ = proj_rms_tf32_trunc(x2d, weight)
     r = torch.rsqrt(x2d.pow(2).mean(dim=-1) + torch.finfo(torch.float32).eps)
     h_pre, h_post, logits = native.compute_h(proj, r, alpha.float(), h_bias.float(), n)
     h_res = native.sinkhorn(logits.reshape(s, b, n, n), iters, 0.0, domain="log")

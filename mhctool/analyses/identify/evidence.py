@@ -8,7 +8,7 @@ import torch
 
 from mhctool.analyses.identify.conclusion import Probe
 from mhctool.analyses.identify.space import SINKHORN_IN
-from mhctool.analyses.identify.subject import batched_errors
+from mhctool.analyses.identify.subject import in_noise
 
 # no candidate within this many times native noise, and the nearest off by an order-one share of
 # the outputs (max_rel at least NOTHING_NEAR_REL): none is named as the nearest. A kernel that
@@ -54,8 +54,7 @@ def shown(kernel: str, probes: list[Probe]) -> str:
     for p in probes:
         if not p.res.outputs or not p.refs:
             continue
-        worst = max(batched_errors(o, r.unsqueeze(0))[0][0] / max(n, 1e-30)
-                    for o, r, n in zip(p.res.outputs, p.refs, p.noise))
+        worst = in_noise(p.res.outputs, p.refs, p.noise)
         parts.append(f"{p.case.family} {worst:.3g}x")
     text = "its distance from the contract as asked, in native noise: " + ", ".join(parts)
     sums = _sums(kernel, probes)

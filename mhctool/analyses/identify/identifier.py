@@ -80,8 +80,7 @@ class Identifier(Judging):
         if self.saturated and rare:
             # the clamped exponential beside the common fits, the knobs the space holds (a
             # composite's mapping) at the best of those
-            near = min(grid, key=lambda c: c.score)
-            self.held = {k: near.knobs[k] for k in self.space.hold_later}
+            self._hold(grid)
             self.space = dataclasses.replace(self.space, discrete={
                 **self.space.discrete, **{k: (*self.space.discrete[k], *v) for k, v in rare.items()}})
             grid = grid + self.grid(probes)
@@ -92,8 +91,7 @@ class Identifier(Judging):
             # together from the best fits (a floor; a clamped exponential with eps as a threshold).
             # The rarer values join the space from here (the ties and the table's combinations)
             self.progress("nothing near: fitting the rarer conventions too")
-            near = min(grid, key=lambda c: c.score)
-            self.held = {k: near.knobs[k] for k in self.space.hold_later}
+            self._hold(grid)
             common, later = dict(self.space.discrete), self.space.later
             self.space = dataclasses.replace(self.space, later={}, discrete={
                 k: (*v, *later.get(k, ())) for k, v in common.items()})
@@ -149,6 +147,11 @@ class Identifier(Judging):
                               ignored=self.ignored, derivative=derivative, evidence=evidence, backward=backward,
                               partial=partial,
                               saturated=self.saturated, limit=limit_text)
+
+    def _hold(self, grid: list[Candidate]) -> None:
+        """The space's ``hold_later`` knobs held at the best fit of ``grid`` (until ``held`` is reset)."""
+        near = min(grid, key=lambda c: c.score)
+        self.held = {k: near.knobs[k] for k in self.space.hold_later}
 
     def partial_fit(self, probes: list[Probe]) -> Partial | None:
         """The candidate that fits the most probes within the near-miss bound, at least half of

@@ -18,7 +18,7 @@ from mhctool.analyses.identify.space import (
     fmt_value,
     same_value,
 )
-from mhctool.analyses.identify.subject import batched_errors, nan_as_inf
+from mhctool.analyses.identify.subject import batched_errors, in_noise, nan_as_inf
 from mhctool.core.metrics import max_rel, nonfinite
 from mhctool.core.text import measured
 from mhctool.families import PRECISIONS, input_family
@@ -82,8 +82,7 @@ class Judging(Fitting, Probing):
                 # in units of the native noise on that probe too: a bf16 baseline's rounding is
                 # an order-one share of an output's small entries (max_rel 2.7 on TileKernels'
                 # pre-path at bf16 on an H200), never a sign that it computes something else
-                ratio = max((nan_as_inf(batched_errors(o, r.unsqueeze(0))[0][0]) / max(n, 1e-30)
-                             for o, r, n in zip(judged.native.outputs, judged.ref_outs, p.noise)), default=0.0)
+                ratio = in_noise(judged.native.outputs, judged.ref_outs, p.noise)
                 if nothing_near(ratio, off):
                     # a baseline that does not compute the candidate sets no threshold for it
                     fwd_failed = fwd_failed or (f"no verdict on {p.case.family}: the native baseline there is itself "

@@ -192,7 +192,7 @@ def space(kernel: str, asked: dict) -> Space:
                      {"stabilize": ref.STABILIZE, "eps_mode": ("add", "clamp"), "order": ref.ORDERS,
                       "floor": (0.0,), "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
                      {"eps": EPS_GRID}, batched="eps", prefix="iters",
-                     judge_also=_sinkhorn_also("eps"),
+                     judge_also=_sinkhorn_also(SINKHORN_IN[kernel].eps),
                      guards=("large_logits",), stackable="logits",
                      later={"eps_mode": ("threshold", "threshold_zero"), "floor": FLOOR_GRID},
                      saturating=({"stabilize": ref.STABILIZE_RARE}, ("clamp_sweep",)),
@@ -218,7 +218,7 @@ def space(kernel: str, asked: dict) -> Space:
                      {"rms_eps": ref.RMS_EPS, "stabilize": ref.STABILIZE, "eps_mode": ("add",),
                       "order": ref.ORDERS, "floor": (0.0,)},
                      {"eps": EPS_GRID, "compute_h_eps": (0.0, 1e-8, 1e-6, 1e-4), "sinkhorn_eps": EPS_GRID},
-                     batched="sinkhorn_eps", judge_also=_sinkhorn_also("sinkhorn_eps"), guards=("res_large",),
+                     batched="sinkhorn_eps", judge_also=_sinkhorn_also(SINKHORN_IN[kernel].eps), guards=("res_large",),
                      later={"eps_mode": ("clamp", "threshold", "threshold_zero"), "floor": FLOOR_GRID},
                      saturating=({"stabilize": ref.STABILIZE_RARE}, ("res_levels",)),
                      depends={"clamp_at": CLAMP_GRID}, how=("domain", "math"), hold_later=("eps", "compute_h_eps"))

@@ -143,6 +143,13 @@ def float64_inputs(base: dict) -> dict:
     return {k: (None if t is None else t.double() if t.is_floating_point() else t) for k, t in base.items()}
 
 
+def in_noise(outputs, refs, noise) -> float:
+    """The worst of ``outputs``' normalised errors against ``refs`` (one reference each), each in
+    its own unit of native noise."""
+    return max((nan_as_inf(batched_errors(o, r.unsqueeze(0))[0][0]) / max(n, 1e-30)
+                for o, r, n in zip(outputs, refs, noise)), default=0.0)
+
+
 def batched_errors(out: torch.Tensor, refs: torch.Tensor) -> tuple[list[float], list[float]]:
     """The normalised max error (max |out - ref| / max |ref|) and ``metrics.max_rel`` of ``out``
     against each ``refs[i]`` at once; inf where a reference is non-finite and the output is not,
