@@ -23,7 +23,8 @@
 #   bench      one GPU: `bench --engine` (issue 91): BENCH_STEPS picks steps: toy (the slow-marked
 #              GPU test's sizes), recipe (the recipe's sizes, every variant), streams (the overhead
 #              over n = 2, 4, 8), recompute (on and off), big (BENCH_BIG: the largest shape timed),
-#              probe (Triton's projection backward in place, with PYTHONPATH=dev/probes/proj_rms_inplace)
+#              probe (Triton's projection backward in place, with PYTHONPATH=dev/probes/proj_rms_inplace),
+#              kept (Triton and cuTile with the weight's dtype kept), alone (the projection alone, bf16 and fp32)
 # Logs and one archive (results.tar.gz: a run brings back a limited count of files) under $OUT.
 set -uo pipefail
 phase="${1:?usage: bash dev/engine-gpu.sh recipe|parallel|ensembles|ablation|first|detect|bench}"
@@ -52,6 +53,11 @@ case "$phase" in
       streams) bench streams --variant native --variant triton --sweep streams=2,4,8 --no-kernels ;;
       recompute) bench recompute --variant native --variant triton --sweep recompute=true,false --no-kernels ;;
       big) bench big ${BENCH_BIG:---hidden 2048 --heads 16 --seq 4096 --batch 1 --recipe global_batch=8} ;;
+      # after the weight's dtype kept (2026-11-29): the two swapped-in variants and the baseline
+      kept) bench kept --variant triton --variant cutile --steps 5 --warmup 2 --entry-steps 2 ;;
+      # the projection alone at the recipe's step shape, bf16 and fp32 operands (dev upcasts both)
+      alone) for d in bf16 fp32; do timeout 200 python3 -m mhctool.cli bench --kernel proj_rms --impl torch,triton,cutile \
+               --shape 1024x4x4x512 --dtype $d -o "$R/alone-$d.parquet" 2>&1 | grep -v "^bench: " | tail -12; done ;;
       # Triton's projection backward in place (dev/probes/proj_rms_inplace: put it on PYTHONPATH)
       probe) PROBE_PROJ_RMS="$R/probe" bench probe --variant triton --no-kernels --steps 3 --warmup 2 --entry-steps 0
              python3 -c "import glob, json; [print(f, json.dumps({k: v for k, v in json.load(open(f)).items() if k != 'calls'})) for f in glob.glob('$R/probe/*.json')]" ;;

@@ -110,6 +110,25 @@ def test_swapped_entry_points_take_megatrons_signatures_and_give_its_dtypes():
     assert proj.shape == (s * b, n * n + 2 * n) and r.shape == (s * b, 1) and r.dtype == torch.bfloat16
 
 
+def test_the_projection_weight_keeps_x2ds_dtype_and_goes_fp32_beside_another():
+    """PR 3828 hands x2d and the weight both in bf16: the kernel gets them so (its tensor-core
+    path, operands of one dtype); a weight of another dtype than x2d goes in fp32."""
+    seen = []
+
+    def call(args):
+        seen.append((args["x2d"].dtype, args["weight"].dtype))
+        m, n = args["x2d"].shape[0], args["weight"].shape[0]
+        return torch.zeros(m, n), torch.ones(m)
+
+    op = E._ops({"proj_rms": call})["proj_rms"]
+    for xd, wd in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                   (torch.float32, torch.float32)):
+        proj, r = op(torch.ones(3, 8, dtype=xd), torch.ones(24, 8, dtype=wd))
+        assert proj.shape == (3, 24) and proj.dtype == xd and r.shape == (3, 1)
+    assert seen == [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                    (torch.float32, torch.float32)]
+
+
 def test_ranks_start_as_one_group_and_the_first_that_fails_is_named():
     import sys
     code = "import os, sys; assert os.environ['WORLD_SIZE'] == '2'; sys.exit(3 * int(os.environ['RANK']))"

@@ -6,7 +6,8 @@ Put this folder first on PYTHONPATH and set PROBE_PROJ_RMS to a folder: every Py
 ``kernels.triton.proj_rms.proj_rms_backward``: each call is timed with CUDA events, its
 arguments' shapes, strides, dtypes and contiguity and the deterministic-mode settings are kept,
 and for the first calls the same backward is timed again three ways: as called, with every
-argument made contiguous, and with deterministic algorithms off. The call's own result is the
+argument made contiguous, with deterministic algorithms off, and (a bf16 weight) with the
+weight in fp32, as the engine handed it before 2026-11-29's change. The call's own result is the
 one returned. At exit each process writes PROBE_PROJ_RMS/<pid>.json.
     PYTHONPATH=dev/probes/proj_rms_inplace PROBE_PROJ_RMS=$OUT/probe BENCH_STEPS=probe bash dev/engine-gpu.sh bench
 """
@@ -53,6 +54,8 @@ if os.environ.get("PROBE_PROJ_RMS"):
                     row["not_deterministic"] = timed(orig, *args, *a, **k)[1]
                 finally:
                     torch.use_deterministic_algorithms(was)
+                if weight.dtype != torch.float32:  # the path before the engine kept the weight's dtype
+                    row["weight_fp32"] = timed(orig, x2d, weight.float(), *args[2:], *a, **k)[1]
                 again.append(row)
             return out
 

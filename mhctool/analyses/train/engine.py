@@ -213,10 +213,16 @@ def side_by_side_default(device: str, tp: int = 1) -> int:
 
 def _ops(pieces: dict[str, Callable[[dict], tuple]]) -> dict[str, Callable]:
     """Megatron's signatures over mhctool's family calls: inputs by name at the contract's dtypes
-    (the mapping path fp32: the Sinkhorn logits, the projection's weight, h_pre, h_post and h_res;
-    the streams as Megatron hands them), outputs at the shapes and dtypes Megatron's own ops give."""
+    (the mapping path fp32: the Sinkhorn logits, h_pre, h_post and h_res, and the projection's
+    weight unless it comes in x2d's dtype; the streams as Megatron hands them), outputs at the
+    shapes and dtypes Megatron's own ops give."""
     def proj_rms(x2d, weight, eps=1e-6, call=pieces.get("proj_rms")):
-        proj, r = call({"x2d": x2d, "weight": weight.float()})[:2]
+        # PR 3828 hands x2d and the weight both in bf16: kept so, the kernels take their tensor-core
+        # path (operands of one dtype), with the same exact products as fp32 ones would be; an fp32
+        # weight beside bf16 x2d took Triton's fp32 path, 2.2 ms a call in Megatron's step against
+        # 0.28 ms (docs/commands/bench.md). dev upcasts both itself.
+        w = weight if weight.dtype == x2d.dtype else weight.float()
+        proj, r = call({"x2d": x2d, "weight": w})[:2]
         return proj.to(x2d.dtype).reshape(x2d.shape[0], weight.shape[0]), r.to(x2d.dtype).reshape(x2d.shape[0], 1)
 
     def sinkhorn(logits, iters, eps=1e-6, call=pieces.get("sinkhorn")):
