@@ -15,7 +15,7 @@ id() { k=$1 i=$2; shift 2; t0=$SECONDS; echo "=== identify --kernel $k --impl $i
   NVTE_DISABLE_TRITON_AUTOTUNING=1 timeout -s INT "${ID_LIMIT:-100}" python3 -m mhctool.cli identify --kernel "$k" \
     --impl "$i" -q -o "$O/id-$k-${i%%:*}.parquet" "$@" 2>&1 | cut -c1-2000
   echo "--- $((SECONDS - t0)) s"; }
-case "${1:?triton|composites|megatron}" in
+case "${1:?triton|composites|after|megatron}" in
   composites) {  # the composites alone (TE, Liger, TileKernels)
     python3 -m pip install --no-deps --no-index -q .wheels/liger_kernel-*.whl 2>&1 | grep -v "as the 'root' user"
     id mix_aggregate te:.anchors/te
@@ -24,6 +24,14 @@ case "${1:?triton|composites|megatron}" in
     mkdir -p /tmp/tl && tar -xJf .tilelang/tilelang-site.tar.xz -C /tmp/tl
     PYTHONPATH="/tmp/tl${PYTHONPATH:+:$PYTHONPATH}" id mix_aggregate tilekernels:tile_kernels --dtype bf16 --shape 16x2x4x256
   } 2>&1 | tee "$O/identify-composites.log" ;;
+  after) {  # what session 54's 'itself off' fix (cc451f5) and hint fix (fea5651) touch: TE's [tf32] mapping and
+    # pre-path, TileKernels' bf16 pre-path, h_post_bda and h_aggregate
+    id mapping te:.anchors/te
+    id mix_aggregate te:.anchors/te
+    mkdir -p /tmp/tl && tar -xJf .tilelang/tilelang-site.tar.xz -C /tmp/tl
+    export PYTHONPATH="/tmp/tl${PYTHONPATH:+:$PYTHONPATH}"
+    for k in mix_aggregate h_post_bda h_aggregate; do id $k tilekernels:tile_kernels --dtype bf16 --shape 16x2x4x256; done
+  } 2>&1 | tee "$O/identify-after.log" ;;
   triton) {
     python3 -m pip install --no-deps --no-index -q .wheels/liger_kernel-*.whl 2>&1 | grep -v "as the 'root' user"
     id mapping_sinkhorn liger:liger_kernel
