@@ -2,8 +2,10 @@
 the variables it started with, and its start in the background at a command's start."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import sys
 import threading
 from multiprocessing import forkserver
 
@@ -37,6 +39,37 @@ def start_forkserver() -> None:
     inputs, reference and native run come first (its isolation workers are forked from it)."""
     if "forkserver" not in mp.get_all_start_methods():
         return
+    start_resource_tracker_quietly()
     forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver_started(os.environ)
     threading.Thread(target=forkserver.ensure_running, name="mhctool-forkserver", daemon=True).start()
+
+
+def start_resource_tracker_quietly() -> None:
+    """Start Python's resource tracker (the process that removes the semaphores and shared memory
+    a process left registered: the fork server starts it otherwise) with its stderr on os.devnull.
+    It keeps the stderr it starts with, at a command's start the terminal, and writes there as the
+    last process it serves ends: "There appear to be N leaked semaphore objects" where a worker
+    died holding one (an isolation worker that crashed or was stopped by a signal), after
+    mhctool's conclusion, which no redirection of this process reaches. Such a worker is already a
+    failed row; the tracker still removes what it left. Nothing where it runs already."""
+    if os.name != "posix":  # no resource tracker elsewhere
+        return
+    from multiprocessing import resource_tracker
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    saved = os.dup(2)
+    try:
+        os.dup2(null, 2)
+        resource_tracker.ensure_running()
+    except Exception:  # noqa: BLE001 - without it the fork server starts one as before
+        pass
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)

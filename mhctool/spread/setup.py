@@ -20,6 +20,7 @@ from mhctool.core.errors import Interrupted, UsageError
 from mhctool.core.library_log import library_log
 from mhctool.core.names import is_outside
 from mhctool.spread import pool, prewarm
+from mhctool.spread.forkserver import start_resource_tracker_quietly
 from mhctool.spread.machine import pinned_threads, threads_for
 
 
@@ -62,7 +63,10 @@ class Interrupts:
 def warm(workers: str | int | None, backend: str = "local", isolate: bool = False,
          device: str | None = None) -> None:
     """The first thing a command that spreads or isolates does: the fork server imports torch, and
-    Triton hashes itself, while the command plans (:func:`pool.warm`, :func:`prewarm.start`)."""
+    Triton hashes itself, while the command plans (:func:`pool.warm`, :func:`prewarm.start`).
+    Python's resource tracker starts first, writing nowhere (:func:`start_resource_tracker_quietly`),
+    before a module under test imported here could start it with the terminal as its stderr."""
+    start_resource_tracker_quietly()
     pool.warm(workers, backend, isolate, device)
     prewarm.start(device)
 
