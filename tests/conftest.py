@@ -26,10 +26,22 @@ def pytest_addoption(parser):
                      help="also run the tests marked slow (long sweeps; CI and `pytest -m gpu` leave them out)")
 
 
+def _listed_slow() -> set[str]:
+    """The tests ``slow-tests.txt`` lists (a call of 2.5 s or more on a 2-core CPU, written by
+    dev/slow_tests.py): marked slow like those that carry the mark, so that the README's command
+    stays within 3 minutes on CI's 2 cores; ``--slow`` runs them."""
+    path = os.path.join(os.path.dirname(__file__), "slow-tests.txt")
+    with open(path) as f:
+        return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     slow = pytest.mark.skip(reason="slow: run with --slow")
+    listed = _listed_slow()
     for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(no_gpu)
         if "slow" in item.keywords and not config.getoption("--slow"):

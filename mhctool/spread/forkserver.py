@@ -2,10 +2,8 @@
 the variables it started with, and its start in the background at a command's start."""
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
-import sys
 import threading
 from multiprocessing import forkserver
 
@@ -18,6 +16,8 @@ from multiprocessing import forkserver
 FORKSERVER_PRELOAD = ["mhctool.spread.isolation", "torch.fx.experimental.symbolic_shapes", "mhctool.spread.preload"]
 
 _forkserver_env: dict | None = None  # the variables the fork server started with
+# the warnings filter Python's resource tracker starts with (start_resource_tracker_quietly)
+TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
 def forkserver_started(environ) -> None:
@@ -47,29 +47,25 @@ def start_forkserver() -> None:
 
 def start_resource_tracker_quietly() -> None:
     """Start Python's resource tracker (the process that removes the semaphores and shared memory
-    a process left registered: the fork server starts it otherwise) with its stderr on os.devnull.
-    It keeps the stderr it starts with, at a command's start the terminal, and writes there as the
-    last process it serves ends: "There appear to be N leaked semaphore objects" where a worker
-    died holding one (an isolation worker that crashed or was stopped by a signal), after
-    mhctool's conclusion, which no redirection of this process reaches. Such a worker is already a
-    failed row; the tracker still removes what it left. Nothing where it runs already."""
+    a process left registered; the fork server starts it otherwise) with its own warnings off. It
+    keeps the stderr it starts with, at a command's start the terminal, and warns there as the last
+    process it serves ends: "There appear to be N leaked semaphore objects" where a worker died
+    holding one (an isolation worker that crashed or was stopped by a signal), after mhctool's
+    conclusion, where no redirection of this process reaches. Such a worker is already a failed
+    row; the tracker still removes what it left. Its warnings are turned off through the
+    environment it starts with (this process's stderr is left alone: a signal's sentence must
+    reach the terminal whenever it lands). Nothing where it runs already."""
     if os.name != "posix":  # no resource tracker elsewhere
         return
     from multiprocessing import resource_tracker
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    before = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = f"{before},{TRACKER_QUIET}" if before else TRACKER_QUIET
     try:
-        null = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    saved = os.dup(2)
-    try:
-        os.dup2(null, 2)
         resource_tracker.ensure_running()
     except Exception:  # noqa: BLE001 - without it the fork server starts one as before
         pass
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
+        if before is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = before
