@@ -1,10 +1,11 @@
 """Writes tests/slow-tests.txt: the tests the README's command leaves to ``pytest --slow``, so that
 the suite stays within 3 minutes on CI's 2 cores. From a durations run on a 2-core machine:
 
-    pytest -q -n auto --dist worksteal -p no:cacheprovider --durations=0 > /tmp/dur.txt
-    python dev/slow_tests.py /tmp/dur.txt [THRESHOLD_S]
+    pytest -q -n auto --dist worksteal -p no:cacheprovider --durations=0 [--slow] > /tmp/dur.txt
+    python dev/slow_tests.py [--threshold S] /tmp/dur.txt [/tmp/dur2.txt ...]
 
-A test whose call took THRESHOLD_S (default 2.5) or more is listed, unless KEEP names it: one
+A test whose call took S (default 2) or more in any of the runs is listed (a test's time moves
+with what ran before it in its process: 3 s in one run, 10 s in the next), unless KEEP names it: one
 end-to-end test of each thing that only such a test checks stays in the fast suite. The list is
 data: a test renamed or a sample moved to another line drops out of it and runs again (slower,
 never lost); run this again after a durations run."""
@@ -35,22 +36,25 @@ KEEP_FILES = ("tests/kernels/test_triton.py", "tests/kernels/test_moe.py", "test
 LINE = re.compile(r"^([0-9.]+)s call\s+(\S+)")
 
 
-def slow_ids(text: str, threshold: float) -> list[str]:
-    out = []
-    for line in text.splitlines():
-        m = LINE.match(line)
-        if not m or float(m.group(1)) < threshold:
-            continue
-        node = m.group(2)
-        if node in KEEP or node.startswith(KEEP_FILES):
-            continue
-        out.append(node)
-    return sorted(set(out))
+def slow_ids(texts: list[str], threshold: float) -> list[str]:
+    out = set()
+    for text in texts:
+        for line in text.splitlines():
+            m = LINE.match(line)
+            if not m or float(m.group(1)) < threshold:
+                continue
+            node = m.group(2)
+            if node in KEEP or node.startswith(KEEP_FILES):
+                continue
+            out.add(node)
+    return sorted(out)
 
 
 def main(argv: list[str]) -> int:
-    threshold = float(argv[1]) if len(argv) > 1 else 2.5
-    ids = slow_ids(Path(argv[0]).read_text(), threshold)
+    threshold = 2.0
+    if argv[:1] == ["--threshold"]:
+        threshold, argv = float(argv[1]), argv[2:]
+    ids = slow_ids([Path(a).read_text() for a in argv], threshold)
     head = (f"# tests the README's command leaves to `pytest --slow` (a call of {threshold} s or more on a 2-core\n"
             "# CPU; written by dev/slow_tests.py from a durations run, read by tests/conftest.py)\n")
     Path(__file__).resolve().parents[1].joinpath("tests", "slow-tests.txt").write_text(head + "\n".join(ids) + "\n")
