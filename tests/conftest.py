@@ -27,7 +27,7 @@ def pytest_addoption(parser):
 
 
 def _listed_slow() -> set[str]:
-    """The tests ``slow-tests.txt`` lists (a call of 2.5 s or more on a 2-core CPU, written by
+    """The tests ``slow-tests.txt`` lists (a call of 2 s or more on a 2-core CPU, written by
     dev/slow_tests.py): marked slow like those that carry the mark, so that the README's command
     stays within 3 minutes on CI's 2 cores; ``--slow`` runs them."""
     path = os.path.join(os.path.dirname(__file__), "slow-tests.txt")

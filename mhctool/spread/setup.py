@@ -64,7 +64,7 @@ def warm(workers: str | int | None, backend: str = "local", isolate: bool = Fals
          device: str | None = None) -> None:
     """The first thing a command that spreads or isolates does: the fork server imports torch, and
     Triton hashes itself, while the command plans (:func:`pool.warm`, :func:`prewarm.start`).
-    Python's resource tracker starts first, writing nowhere (:func:`start_resource_tracker_quietly`),
+    Python's resource tracker starts first, its warnings off (:func:`start_resource_tracker_quietly`),
     before a module under test imported here could start it with the terminal as its stderr."""
     start_resource_tracker_quietly()
     pool.warm(workers, backend, isolate, device)

@@ -219,8 +219,8 @@ def _ops(pieces: dict[str, Callable[[dict], tuple]]) -> dict[str, Callable]:
     def proj_rms(x2d, weight, eps=1e-6, call=pieces.get("proj_rms")):
         # PR 3828 hands x2d and the weight both in bf16: kept so, the kernels take their tensor-core
         # path (operands of one dtype), with the same exact products as fp32 ones would be; an fp32
-        # weight beside bf16 x2d took Triton's fp32 path, 2.2 ms a call in Megatron's step against
-        # 0.28 ms (docs/commands/bench.md). dev upcasts both itself.
+        # weight beside bf16 x2d took Triton's fp32 path: 2.2-2.3 ms a call in Megatron's step on an
+        # H200, 0.036 ms kept (docs/commands/bench.md). dev upcasts both itself.
         w = weight if weight.dtype == x2d.dtype else weight.float()
         proj, r = call({"x2d": x2d, "weight": w})[:2]
         return proj.to(x2d.dtype).reshape(x2d.shape[0], weight.shape[0]), r.to(x2d.dtype).reshape(x2d.shape[0], 1)
