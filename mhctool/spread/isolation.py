@@ -51,6 +51,7 @@ from mhctool.spread.forkserver import (
     forkserver_has,
     forkserver_started,
 )
+from mhctool.spread import procs
 from mhctool.spread.machine import THREADS_ENV, apply_threads
 
 TRANSPORTS = ("shm", "host", "file")
@@ -319,8 +320,11 @@ class Worker:
         self._proc, self._conn = proc, parent
 
     def stop(self) -> None:
+        """Asked to end, else killed; what it started (a fork server, an isolation worker hung
+        in the code under test) ends with it (:mod:`mhctool.spread.procs`)."""
         if self._proc is None:
             return
+        kin = procs.descendants(self._proc.pid)
         try:
             self._conn.send(None)
             self._proc.join(5)
@@ -329,12 +333,15 @@ class Worker:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        procs.end(kin)
         self._conn.close()
         self._proc = self._conn = None
 
     def _kill(self) -> None:
         if self._proc is not None:
+            kin = procs.descendants(self._proc.pid)
             self._proc.kill()
+            procs.end(kin)
             self._proc.join(10)
             self._conn.close()
         self._proc = self._conn = None

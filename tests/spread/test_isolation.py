@@ -373,3 +373,36 @@ def test_the_pool_stops_an_implementation_by_its_cases_rows():
     for _ in range(3):
         insisting.saw_rows(died, ["f"])
     assert insisting.stopped(["f"]) == ()
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its exit status left (a zombie until its new parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="descendants are read from /proc")
+def test_a_stopped_workers_descendants_end_with_it():
+    """A worker that started processes of its own (its fork server, an isolation worker hung in
+    the code under test) takes them with it when it is killed: none is left running after mhctool
+    exits (each kept the run's stdout open, so a caller waiting for it never got its end)."""
+    from mhctool.spread import procs
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print('started', flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        kin = procs.descendants(parent.pid)
+        assert len(kin) == 1 and not _gone(kin[0][0])
+        parent.kill()
+        parent.wait(10)
+        procs.end(kin)
+        t0 = time.monotonic()
+        while not _gone(kin[0][0]) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert _gone(kin[0][0])
+    finally:
+        parent.kill()
