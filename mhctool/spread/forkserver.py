@@ -39,7 +39,6 @@ def start_forkserver() -> None:
     inputs, reference and native run come first (its isolation workers are forked from it)."""
     if "forkserver" not in mp.get_all_start_methods():
         return
-    start_resource_tracker_quietly()
     forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
     forkserver_started(os.environ)
     threading.Thread(target=forkserver.ensure_running, name="mhctool-forkserver", daemon=True).start()
@@ -47,7 +46,8 @@ def start_forkserver() -> None:
 
 def start_resource_tracker_quietly() -> None:
     """Start Python's resource tracker (the process that removes the semaphores and shared memory
-    a process left registered; the fork server starts it otherwise) with its own warnings off. It
+    a process left registered; the fork server starts it otherwise) with its own warnings off, as
+    the first thing a command does (:func:`mhctool.spread.setup.warm`; a pool worker inherits it). It
     keeps the stderr it starts with, at a command's start the terminal, and warns there as the last
     process it serves ends: "There appear to be N leaked semaphore objects" where a worker died
     holding one (an isolation worker that crashed or was stopped by a signal), after mhctool's

@@ -93,16 +93,14 @@ def kernel_figures(measured: list, recipe, dev: str, repeats: int = 20) -> dict:
             if not impls or impls[0].unsupported(dev, "bf16"):
                 continue
             for d in ("fwd", "bwd"):
-                t = None
                 for graph in ((True, False) if dev == "cuda" else (False,)):
                     try:
                         t = timing.measure(family, impls[0], shape, "bf16", dev, repeats, d, graph, l2)
                     except Exception:  # noqa: BLE001 - a kernel that cannot be timed alone: no figure, the step stands
                         continue
                     if t.times_ms:
+                        out[(m.variant.name, SB.point_text(m.point), family, d)] = statistics.median(t.times_ms)
                         break
-                if t is not None and t.times_ms:
-                    out[(m.variant.name, SB.point_text(m.point), family, d)] = statistics.median(t.times_ms)
     return out
 
 
