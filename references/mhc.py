@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from . import dropout as _dropout
+
 Trace = Callable[[str, torch.Tensor], None] | None
 
 STABILIZE = ("rowmax", "none", "softmax", "colmax")
@@ -163,13 +165,25 @@ def h_post_bda(
     bias: torch.Tensor | None = None,
     *,
     transpose_res: bool = False,
+    dropout: float = 0.0,
+    dropout_seed: int = 0,
+    dropout_offset: int = 0,
     trace: Trace = None,
 ) -> torch.Tensor:
-    """``out[i] = sum_j H[i, j] x[j] + h_post[i] * (y + bias)``; ``H = h_res^T`` with ``transpose_res``."""
+    """``out[i] = sum_j H[i, j] x[j] + h_post[i] * (y + bias)``; ``H = h_res^T`` with ``transpose_res``.
+
+    With ``dropout = p > 0`` the branch is dropped out over the n streams, as Megatron's
+    bias-dropout-add drops ``H_post (y + bias)`` over ``n * C``: ``out[i] = sum_j H[i, j] x[j] +
+    keep[i] / (1 - p) * h_post[i] * (y + bias)``, the mask drawn by the contract's counter-based
+    generator from ``(dropout_seed, dropout_offset)`` (:mod:`mhctool.references.dropout`)."""
     h = h_res.transpose(-1, -2) if transpose_res else h_res
     mixed = torch.einsum("sbij,sbjc->sbic", h, x)
     branch = y if bias is None else y + bias
     post = h_post.unsqueeze(-1) * branch.unsqueeze(-2)
+    if dropout:
+        s, b, n, c = x.shape
+        kept = _dropout.keep((s * b, n, c), dropout, dropout_seed, dropout_offset, x.device).view(x.shape)
+        post = post * kept.to(post.dtype) * _dropout.scale(dropout)
     if trace:
         trace("mix_products", h.unsqueeze(-1) * x.unsqueeze(-3))
         trace("mixed", mixed)

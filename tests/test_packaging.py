@@ -34,4 +34,4 @@ def test_wheel_builds_and_imports(tmp_path):
             "from mhctool.analyses import scenario; print(mhctool.__file__); print(len(scenario.builtin('paper').specs))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": ""},
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out[0].startswith(str(site)) and out[1] == "7"  # the paper scenario's case entries
+    assert out[0].startswith(str(site)) and out[1] == "8"  # the paper scenario's case entries

@@ -53,6 +53,12 @@ def array(dtype: torch.dtype, ndim: int, aligned: bool = False, shape_divisible_
                            base_addr_divisible_by=256)
 
 
+def scalar(dtype):
+    """The compile-time description of a scalar argument (for ``tile_ir``)."""
+    from cuda.tile.compilation import ScalarConstraint
+    return ScalarConstraint(dtype)
+
+
 BR = 32  # rows per step of sum_rows
 
 

@@ -20,10 +20,11 @@ import cuda.tile as ct
 import torch
 
 from mhctool.core.poison import empty
+from mhctool.references import dropout as _dropout
 
 from ..schedule import next_pow2
-from ._common import (BR, array, cdiv, check_cuda, launch, require_contiguous, sum_partials, sum_partials_pair,
-                      sum_rows, sum_rows_pair, tile_ir)
+from ._common import (BR, array, cdiv, check_cuda, launch, require_contiguous, scalar, sum_partials,
+                      sum_partials_pair, sum_rows, sum_rows_pair, tile_ir)
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -74,11 +75,49 @@ def _store_stream(a, i, j, c, t, BT, BC):
     ct.store(a, index=(i, j, c), tile=ct.reshape(t.astype(a.dtype), (BT, 1, BC)))
 
 
+def _philox(key, q):
+    """Philox-4x32-10's four words at the 64-bit counters ``q`` (int64 tile) under ``key`` (the
+    seed's low and high words, uint64 scalars): each 32 x 32-bit product taken whole in uint64,
+    so its high and low words are exact (:mod:`mhctool.references.dropout`)."""
+    q = q.astype(ct.uint64)
+    c0, c1 = q & 0xFFFFFFFF, q >> 32
+    c2 = c0 * 0
+    c3 = c2
+    k0, k1 = key
+    for _ in ct.static_iter(range(10)):
+        pb, pa = c2 * 0xCD9E8D57, c0 * 0xD2511F53
+        c0, c1, c2, c3 = (pb >> 32) ^ c1 ^ k0, pb & 0xFFFFFFFF, (pa >> 32) ^ c3 ^ k1, pa & 0xFFFFFFFF
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return c0, c1, c2, c3
+
+
+def _kept(mask, i, r, cb, N, BT, BC):
+    """The contract's keep mask ``(BT, BC)`` of stream r, token block i, C block cb: a counter a
+    row of four channels, ``offset + (t * N + r) * G + c // 4``, word ``c % 4`` kept where it is at
+    least the threshold. ``mask``: (key, offset, counters a row G, threshold)."""
+    key, offset, g_row, thr = mask
+    t = ct.reshape(ct.arange(BT, dtype=ct.int64), (BT, 1)) + i * BT
+    g = ct.reshape(ct.arange(BC // 4, dtype=ct.int64), (1, BC // 4)) + cb * (BC // 4)
+    w0, w1, w2, w3 = _philox(key, (t * N + r) * g_row + g + offset)
+    w = ct.cat((ct.cat((w0[:, :, None], w1[:, :, None]), 2), ct.cat((w2[:, :, None], w3[:, :, None]), 2)), 2)
+    return ct.reshape(w, (BT, BC)) >= thr
+
+
+def _mask(seed_lo, seed_hi, offset, g_row, thr):
+    """The kernels' dropout scalars as :func:`_kept` takes them (the words compared in uint64)."""
+    return ((ct.astype(seed_lo, ct.uint64), ct.astype(seed_hi, ct.uint64)), ct.astype(offset, ct.int64),
+            ct.astype(g_row, ct.int64), ct.astype(thr, ct.uint64))
+
+
 @ct.kernel(occupancy=4)
-def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt,
-                    BC: ConstInt, STEPS: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool):
-    """Program (cb, tg): C block cb over ``STEPS`` token blocks of ``BT``, the bias loaded once."""
+def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, seed_lo, seed_hi, offset, g_row, thr, scale,
+                    N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt,
+                    BC: ConstInt, STEPS: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool, DROPOUT: ConstBool):
+    """Program (cb, tg): C block cb over ``STEPS`` token blocks of ``BT``, the bias loaded once;
+    with ``DROPOUT`` the branch kept where the contract's mask keeps it, scaled by ``scale``."""
     cb, tg = ct.bid(0), ct.bid(1)
+    mask = _mask(seed_lo, seed_hi, offset, g_row, thr)
+    scale = ct.astype(scale, ct.float32)  # however the launch typed it
     if HAS_BIAS:
         bz = ct.reshape(ct.load(bias, index=(cb,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
     for s in range(STEPS):
@@ -90,22 +129,25 @@ def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, N: ConstInt, NN: ConstInt, N
         xs = _streams(x, i, cb, N, BT, BC)
         for r in ct.static_iter(range(N)):
             acc = pc[r] * z
+            if DROPOUT:
+                acc = ct.where(_kept(mask, i, r, cb, N, BT, BC), acc * scale, 0.0)
             for j in ct.static_iter(range(N)):
                 acc = acc + hc[_hidx(r, j, N, TRANSPOSE)] * xs[j]
             _store_stream(out, i, r, cb, acc, BT, BC)
 
 
-def grad_streams_and_branch(hc, pc, gs, dx, dy, i, c, N, BT, BC, TRANSPOSE):
+def grad_streams_and_branch(hc, pc, gs, gb, dx, dy, i, c, N, BT, BC, TRANSPOSE):
     """dx and dy of token block i over C block c, stored: stream j's ``sum_r H[r, j] g_r`` and the
-    branch's ``sum_r h_post[r] g_r``, which is returned (fp32, for the bias's partial)."""
+    branch's ``sum_r h_post[r] gb_r``, which is returned (fp32, for the bias's partial); ``gb``:
+    the gradients the branch receives (``gs``, or masked and scaled under dropout)."""
     for j in ct.static_iter(range(N)):
         d = hc[_hidx(0, j, N, TRANSPOSE)] * gs[0]
         for r in ct.static_iter(range(1, N)):
             d = d + hc[_hidx(r, j, N, TRANSPOSE)] * gs[r]
         _store_stream(dx, i, j, c, d, BT, BC)
-    gy = pc[0] * gs[0]
+    gy = pc[0] * gb[0]
     for r in ct.static_iter(range(1, N)):
-        gy = gy + pc[r] * gs[r]
+        gy = gy + pc[r] * gb[r]
     ct.store(dy, index=(i, c), tile=gy.astype(dy.dtype))
     return gy
 
@@ -120,15 +162,17 @@ def _assemble(vals, width, BT):
 
 
 @ct.kernel(occupancy=3)
-def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, N: ConstInt, NN: ConstInt,
-                    NP: ConstInt, BT: ConstInt, BC: ConstInt, STEPS: ConstInt, HAS_BIAS: ConstBool,
-                    TRANSPOSE: ConstBool):
+def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, seed_lo, seed_hi, offset, g_row, thr,
+                    scale, N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt, BC: ConstInt, STEPS: ConstInt,
+                    HAS_BIAS: ConstBool, TRANSPOSE: ConstBool, DROPOUT: ConstBool):
     """Program (cb, tg): C block cb over ``STEPS`` token blocks of ``BT`` (Triton's n = 4 FMA form).
     Per token block: dx and dy written; the n^2 + n sums over the block's channels reduced at once
     and stored as this C block's partials, ``ws_h[cb, t]`` (dH where h_res keeps it) and
     ``ws_p[cb, t]`` (dh_post); the bias's partial over the program's tokens stays in registers and
     goes to ``ws_b[tg]``. No accumulator lives across C, so the tile is not bound by n^2 + n of them."""
     cb, tg = ct.bid(0), ct.bid(1)
+    mask = _mask(seed_lo, seed_hi, offset, g_row, thr)
+    scale = ct.astype(scale, ct.float32)  # however the launch typed it
     if HAS_BIAS:
         bz = ct.reshape(ct.load(bias, index=(cb,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
     acc_b = ct.zeros((BT, BC), dtype=ct.float32)
@@ -136,7 +180,12 @@ def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, N: C
         i = tg * STEPS + s  # past the last token: zeros loaded, nothing stored
         hc, pc = _weights(h_res, h_post, i, N, NN, NP, BT)
         gs = _streams(g, i, cb, N, BT, BC)
-        gy = grad_streams_and_branch(hc, pc, gs, dx, dy, i, cb, N, BT, BC, TRANSPOSE)
+        gb = gs  # what the branch receives: the forward's mask drawn again from the same key
+        if DROPOUT:
+            gb = ()
+            for r in ct.static_iter(range(N)):
+                gb = gb + (ct.where(_kept(mask, i, r, cb, N, BT, BC), gs[r] * scale, 0.0),)
+        gy = grad_streams_and_branch(hc, pc, gs, gb, dx, dy, i, cb, N, BT, BC, TRANSPOSE)
         acc_b = acc_b + gy
         xs = _streams(x, i, cb, N, BT, BC)
         z = ct.load(y, index=(i, cb), shape=(BT, BC), padding_mode=ZERO).astype(ct.float32)
@@ -148,7 +197,7 @@ def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, N: C
             dh = dh + (ct.sum(gs[r] * xs[j], axis=1, keepdims=True),)
         dp = ()
         for r in ct.static_iter(range(N)):
-            dp = dp + (ct.sum(gs[r] * z, axis=1, keepdims=True),)
+            dp = dp + (ct.sum(gb[r] * z, axis=1, keepdims=True),)
         # (BT, NN) / (BT, NP) tiles into [cb, t, n^2] / [cb, t, n] rows: the padding columns fall outside
         ct.store(ws_h, index=(cb, i, 0), tile=ct.reshape(_assemble(dh, NN, BT), (1, BT, NN)))
         ct.store(ws_p, index=(cb, i, 0), tile=ct.reshape(_assemble(dp, NP, BT), (1, BT, NP)))
@@ -170,9 +219,24 @@ def _check(h_res, x, h_post, y, bias):
         raise ValueError(f"bias must be [C] = ({c},), got {tuple(bias.shape)}")
 
 
-def forward(h_res, x, h_post, y, bias, transpose_res, tile=None, kernel=None):
+def mask_args(c: int, dropout: float = 0.0, seed: int = 0, offset: int = 0) -> tuple[tuple, bool]:
+    """The kernels' dropout scalars ``(seed's low word, high word, offset, counters a row,
+    threshold, scale)`` for the contract's mask (:mod:`mhctool.references.dropout`), and whether
+    dropout is on."""
+    thr = _dropout.threshold(dropout)
+    if not thr:
+        return (0, 0, 0, 0, 0, 1.0), False
+    if not (0 <= seed < 2**63 and 0 <= offset < 2**62):
+        raise ValueError(f"h_post_bda: dropout_seed must be in [0, 2**63) and dropout_offset in [0, 2**62); "
+                         f"got {seed}, {offset}")
+    return (seed & 0xFFFFFFFF, seed >> 32, int(offset), _dropout.counters_per_row(c), thr,
+            _dropout.scale(dropout)), True
+
+
+def forward(h_res, x, h_post, y, bias, transpose_res, tile=None, kernel=None, mask=((0, 0, 0, 0, 0, 1.0), False)):
     """``out`` of contiguous inputs (checked by the caller). ``tile``: (BT, BC, STEPS) and
-    ``kernel``: the forward kernel with other hints (``replace_hints``), for sweeps."""
+    ``kernel``: the forward kernel with other hints (``replace_hints``), for sweeps. ``mask``:
+    :func:`mask_args`'s."""
     s, b, n, c = x.shape
     t = s * b
     bt, bc, steps = tile or (BT, BC, STEPS)
@@ -180,14 +244,15 @@ def forward(h_res, x, h_post, y, bias, transpose_res, tile=None, kernel=None):
     if out.numel():
         launch(kernel or _h_post_bda_fwd, (cdiv(c, bc), cdiv(t, bt * steps)),
                (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
-                bias if bias is not None else y.view(-1), out.view(t, n, c), n, next_pow2(n * n), next_pow2(n),
-                bt, bc, steps, bias is not None, bool(transpose_res)))
+                bias if bias is not None else y.view(-1), out.view(t, n, c), *mask[0], n, next_pow2(n * n),
+                next_pow2(n), bt, bc, steps, bias is not None, bool(transpose_res), mask[1]))
     return out
 
 
-def backward(h_res, x, h_post, y, bias, g, transpose_res, tile=None, kernel=None):
+def backward(h_res, x, h_post, y, bias, g, transpose_res, tile=None, kernel=None, mask=((0, 0, 0, 0, 0, 1.0), False)):
     """``(dh_res, dx, dh_post, dy, dbias)`` of contiguous inputs and upstream gradient ``g``
-    (``dbias`` None without a bias). ``tile``: (BT, BC, STEPS) and ``kernel``, as for ``forward``."""
+    (``dbias`` None without a bias). ``tile``: (BT, BC, STEPS), ``kernel`` and ``mask``, as for
+    ``forward`` (the forward's key: the same mask)."""
     s, b, n, c = x.shape
     t = s * b
     bt, bc, steps = tile or (BT_BWD, BC_BWD, STEPS_BWD)
@@ -204,8 +269,8 @@ def backward(h_res, x, h_post, y, bias, g, transpose_res, tile=None, kernel=None
         launch(kernel or _h_post_bda_bwd, (ncb, ntg),
                (h_res.view(t, n * n), x.view(t, n, c), h_post.view(t, n), y.view(t, c),
                 bias if bias is not None else y.view(-1), g.view(t, n, c), dx.view(t, n, c), dy.view(t, c),
-                ws_h, ws_p, ws_b, n, next_pow2(n * n), next_pow2(n), bt, bc, steps, bias is not None,
-                bool(transpose_res)))
+                ws_h, ws_p, ws_b, *mask[0], n, next_pow2(n * n), next_pow2(n), bt, bc, steps, bias is not None,
+                bool(transpose_res), mask[1]))
         # the C blocks' partials in C-block order: a token's sums do not depend on the token count
         sum_partials_pair((ws_h.view(ncb, t * n * n), dh.view(-1), BC_SUM, BR),
                           (ws_p.view(ncb, t * n), dp.view(-1), BC_SUM, BR))
@@ -218,39 +283,46 @@ def backward(h_res, x, h_post, y, bias, g, transpose_res, tile=None, kernel=None
 
 class _HPostBda(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_res, x, h_post, y, bias, transpose_res):
+    def forward(ctx, h_res, x, h_post, y, bias, transpose_res, dropout=0.0, dropout_seed=0, dropout_offset=0):
         _check(h_res, x, h_post, y, bias)
         h_res, h_post = h_res.contiguous(), h_post.contiguous()
         bias = bias.contiguous() if bias is not None else None
         ctx.save_for_backward(h_res, x, h_post, y, bias)
         ctx.transpose = bool(transpose_res)
-        return forward(h_res, x, h_post, y, bias, transpose_res)
+        ctx.mask = mask_args(x.shape[-1], dropout, dropout_seed, dropout_offset)  # the key, for the backward
+        return forward(h_res, x, h_post, y, bias, transpose_res, mask=ctx.mask)
 
     @staticmethod
     def backward(ctx, g):
-        return (*backward(*ctx.saved_tensors, g.contiguous(), ctx.transpose), None)
+        return (*backward(*ctx.saved_tensors, g.contiguous(), ctx.transpose, mask=ctx.mask), None, None, None, None)
 
 
-def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False):
-    """``sum_j H[i, j] x[j] + h_post[i] (y + bias)``; grads of all five inputs."""
-    return _HPostBda.apply(h_res, x, h_post, y, bias, transpose_res)
+def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, dropout: float = 0.0,
+               dropout_seed: int = 0, dropout_offset: int = 0):
+    """``sum_j H[i, j] x[j] + keep[i] / (1 - p) h_post[i] (y + bias)``, the mask the contract's
+    (drawn in the kernel from ``dropout_seed`` and ``dropout_offset``; all kept without dropout);
+    grads of all five inputs."""
+    return _HPostBda.apply(h_res, x, h_post, y, bias, transpose_res, dropout, dropout_seed, dropout_offset)
 
 
 def compile_checks() -> dict[str, bytes]:
     out = {}
     f32 = torch.float32
     for dtype in (torch.float32, torch.bfloat16):
-        for n, has_bias, tr in ((4, True, False), (3, False, True)):
+        for n, has_bias, tr, drop in ((4, True, False, False), (3, False, True, False), (4, True, False, True),
+                                      (3, False, True, True)):
             nn, np_ = next_pow2(n * n), next_pow2(n)
-            key = f"{dtype}-{n}-{has_bias}-{tr}"
+            key = f"{dtype}-{n}-{has_bias}-{tr}" + ("-dropout" if drop else "")
+            mask = [scalar(ct.int64), scalar(ct.int64), scalar(ct.int64), scalar(ct.int64), scalar(ct.int64),
+                    scalar(ct.float32)]
             out[f"fwd-{key}"] = tile_ir(_h_post_bda_fwd, [array(f32, 2), array(dtype, 3), array(f32, 2), array(dtype, 2),
-                                                            array(dtype, 1), array(dtype, 3), n, nn, np_, BT, BC, STEPS,
-                                                            has_bias, tr])
+                                                            array(dtype, 1), array(dtype, 3), *mask, n, nn, np_, BT, BC,
+                                                            STEPS, has_bias, tr, drop])
             out[f"bwd-{key}"] = tile_ir(_h_post_bda_bwd, [array(f32, 2), array(dtype, 3), array(f32, 2), array(dtype, 2),
                                                             array(dtype, 1), array(dtype, 3), array(dtype, 3), array(dtype, 2),
                                                             array(f32, 3), array(f32, 3),
-                                                            array(f32 if has_bias else dtype, 2), n, nn, np_,
-                                                            BT_BWD, BC_BWD, STEPS_BWD, has_bias, tr])
+                                                            array(f32 if has_bias else dtype, 2), *mask, n, nn, np_,
+                                                            BT_BWD, BC_BWD, STEPS_BWD, has_bias, tr, drop])
         out[f"sum-{dtype}"] = tile_ir(sum_rows, [array(f32, 2), array(dtype, 1), BR, BC_SUM])
         out[f"sum-pair-{dtype}"] = tile_ir(sum_rows_pair, [array(f32, 2), array(f32, 1), array(f32, 2), array(f32, 1),
                                                            BR, BC_SUM, BR, BC_SUM])

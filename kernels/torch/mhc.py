@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from mhctool.references import dropout as _dropout
+
 
 _LOG2E = 1.4426950408889634
 
@@ -96,14 +98,20 @@ def h_aggregate(x, h_pre, matmul_precision: str = "ieee"):
     return torch.einsum("sbnc,sbn->sbc", x, h_pre.to(x.dtype))
 
 
-def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, matmul_precision: str = "ieee"):
+def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, matmul_precision: str = "ieee",
+               dropout: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0):
     if matmul_precision != "ieee":
         x, h_res = _operands_at(matmul_precision, x, h_res)
     h = h_res.to(x.dtype)
     if transpose_res:
         h = h.transpose(-1, -2)
     branch = y if bias is None else y + bias
-    return torch.matmul(h, x) + h_post.to(x.dtype).unsqueeze(-1) * branch.unsqueeze(-2)
+    post = h_post.to(x.dtype).unsqueeze(-1) * branch.unsqueeze(-2)
+    if dropout:  # the contract's mask (integer arithmetic: the same bits at every dtype), scaled as torch's dropout
+        s, b, n, c = x.shape
+        kept = _dropout.keep((s * b, n, c), dropout, dropout_seed, dropout_offset, x.device).view(x.shape)
+        post = post * kept.to(post.dtype) * _dropout.scale(dropout)
+    return torch.matmul(h, x) + post
 
 
 # the precisions a kernel's matrix products may compute at (DESIGN.md: a convention, declared or

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from mhctool.core.poison import empty
+from mhctool.references import dropout as _dropout
 
 from ._common import cast, check_device, interpreted, next_pow2, pick_config, require_contiguous
 from .reduce import sum_rows
@@ -58,9 +59,45 @@ def _h_col(h_ptr, t, n, tmask, j, N: tl.constexpr, TRANSPOSE: tl.constexpr):
 
 
 @triton.jit
-def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, N: tl.constexpr,
+def _words(seed, q):
+    """Philox-4x32-10's four words at each 64-bit counter of ``q`` (int64, last axis G), as the
+    contract lays them over channels (:mod:`mhctool.references.dropout`): ``[..., G, 2, 2]``, whose
+    row-major order is word 0, 1, 2, 3 of counter 0, then of counter 1, ...: four consecutive
+    channels a counter once the caller reshapes the last three axes into one of 4 G."""
+    lo = (q & 0xFFFFFFFF).to(tl.uint32)
+    hi = (q >> 32).to(tl.uint32)
+    zero = lo * 0
+    r0, r1, r2, r3 = tl.philox(seed, lo, hi, zero, zero)
+    return tl.join(tl.join(r0, r2), tl.join(r1, r3))
+
+
+@triton.jit
+def _kept1(seed, row, c0, BLOCK_C: tl.constexpr, THRESHOLD: tl.constexpr):
+    """The contract's keep mask ``[BLOCK_C]`` of channels ``c0 ..`` (a multiple of 4) in the row
+    whose first counter is ``row`` (int64: offset + (token * n + stream) * counters a row)."""
+    q = row + (c0 // 4 + tl.arange(0, BLOCK_C // 4)).to(tl.int64)
+    return tl.reshape(_words(seed, q), (BLOCK_C,)) >= THRESHOLD
+
+
+@triton.jit
+def _kept2(seed, rows, c0, BLOCK_C: tl.constexpr, THRESHOLD: tl.constexpr):
+    """The contract's keep mask ``[R, BLOCK_C]`` of channels ``c0 ..`` (``c0`` a multiple of 4) in
+    rows whose first counter is ``rows`` ([R] int64: offset + (token * n + stream) * counters a row)."""
+    q = rows[:, None] + (c0 // 4 + tl.arange(0, BLOCK_C // 4)).to(tl.int64)[None, :]
+    return tl.reshape(_words(seed, q), (q.shape[0], BLOCK_C)) >= THRESHOLD
+
+
+@triton.jit
+def _kept3(seed, rows, c0, BLOCK_C: tl.constexpr, THRESHOLD: tl.constexpr):
+    """:func:`_kept2` over ``[A, B]`` rows: ``[A, B, BLOCK_C]``."""
+    q = rows[:, :, None] + (c0 // 4 + tl.arange(0, BLOCK_C // 4)).to(tl.int64)[None, None, :]
+    return tl.reshape(_words(seed, q), (q.shape[0], q.shape[1], BLOCK_C)) >= THRESHOLD
+
+
+@triton.jit
+def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, offset, G, scale, N: tl.constexpr,
                     NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr, THRESHOLD: tl.constexpr):
     t, n, c, tmask, cmask, offs3, mask3, offs2, mask2 = _tile(
         tl.program_id(0) * BLOCK_T, tl.program_id(1) * BLOCK_C, T, C, N, NP, BLOCK_T, BLOCK_C)
     hp = tl.load(hp_ptr + t[:, None] * N + n[None, :], mask=tmask[:, None] & (n[None, :] < N), other=0.0).to(tl.float32)
@@ -68,6 +105,9 @@ def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, N: tl.con
     if HAS_BIAS:
         z += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
     out = hp[:, :, None] * z[:, None, :]
+    if THRESHOLD > 0:  # dropout: the branch kept where the contract's mask keeps it, scaled
+        rows = offset + (t[:, None] * N + n[None, :]) * G
+        out = tl.where(_kept3(seed, rows, tl.program_id(1) * BLOCK_C, BLOCK_C, THRESHOLD), out * scale, 0.0)
     for j in tl.static_range(N):
         hj, _ = _h_col(h_ptr, t, n, tmask, j, N, TRANSPOSE)
         xj = tl.load(x_ptr + t[:, None] * N * C + j * C + c[None, :], mask=mask2, other=0.0).to(tl.float32)
@@ -76,9 +116,9 @@ def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, N: tl.con
 
 
 @triton.jit
-def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, GROUP: tl.constexpr,
-                     BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr,
-                     STAGES: tl.constexpr):
+def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, offset, G, scale,
+                     GROUP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr,
+                     STAGES: tl.constexpr, THRESHOLD: tl.constexpr):
     """n = 4, shaped like the n = 4 backward: a program walks ``GROUP`` tokens over one C block, a
     token a step, its loads pipelined over ``STAGES`` steps; ``out_i = h_post_i (y + bias) +
     sum_j Hm[i, j] x_j`` per (token, channel) in fp32, added in the generic kernel's order. The
@@ -103,6 +143,8 @@ def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, GROUP: t
             z += bias
         for i in tl.static_range(4):
             o = tl.load(hp_ptr + t * 4 + i).to(tl.float32) * z
+            if THRESHOLD > 0:
+                o = tl.where(_kept1(seed, offset + (t * 4 + i) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD), o * scale, 0.0)
             o += _hm1(h_ptr, t, i, 0, TRANSPOSE) * x0
             o += _hm1(h_ptr, t, i, 1, TRANSPOSE) * x1
             o += _hm1(h_ptr, t, i, 2, TRANSPOSE) * x2
@@ -112,9 +154,9 @@ def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, GROUP: t
 
 @triton.jit
 def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
-                    ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, N: tl.constexpr, NP: tl.constexpr,
+                    ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, seed, offset, G, scale, N: tl.constexpr, NP: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    TRANSPOSE: tl.constexpr):
+                    TRANSPOSE: tl.constexpr, THRESHOLD: tl.constexpr):
     tb = tl.program_id(0)
     cb = tl.program_id(1)
     t, n, c, tmask, cmask, offs3, mask3, offs2, mask2 = _tile(
@@ -125,10 +167,14 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
     z = tl.load(y_ptr + offs2, mask=mask2, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    dy = tl.sum(hp[:, :, None] * g, axis=1)
+    gb = g  # the gradient the branch receives: the mask's where dropout is on
+    if THRESHOLD > 0:
+        gb = tl.where(_kept3(seed, offset + (t[:, None] * N + n[None, :]) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD),
+                      g * scale, 0.0)
+    dy = tl.sum(hp[:, :, None] * gb, axis=1)
     tl.store(dy_ptr + offs2, cast(dy, dy_ptr.dtype.element_ty), mask=mask2)
     ws_row = cb.to(tl.int64) * T + t  # partials of this C block
-    tl.store(ws_hp_ptr + ws_row[:, None] * N + n[None, :], tl.sum(g * z[:, None, :], axis=2), mask=nmask)
+    tl.store(ws_hp_ptr + ws_row[:, None] * N + n[None, :], tl.sum(gb * z[:, None, :], axis=2), mask=nmask)
     for j in tl.static_range(N):
         hj, hoffs = _h_col(h_ptr, t, n, tmask, j, N, TRANSPOSE)
         xoffs = t[:, None] * N * C + j * C + c[None, :]
@@ -139,6 +185,12 @@ def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         tl.store(ws_h_ptr + cb.to(tl.int64) * T * N * N + hoffs, dhj, mask=nmask)
     if HAS_BIAS:
         tl.store(ws_b_ptr + tb.to(tl.int64) * C + c, tl.sum(dy, axis=0), mask=cmask)
+
+
+@triton.jit
+def _dropped(seed, rows, c0, BLOCK_C: tl.constexpr, THRESHOLD: tl.constexpr, g, scale):
+    """``g`` ([BLOCK_T, BLOCK_C]) where the contract's mask keeps it, scaled; zero where it drops."""
+    return tl.where(_kept2(seed, rows, c0, BLOCK_C, THRESHOLD), g * scale, 0.0)
 
 
 @triton.jit
@@ -168,9 +220,9 @@ def _dh4(ws_ptr, row, tmask, gi, xj, i: tl.constexpr, j: tl.constexpr, TRANSPOSE
 
 @triton.jit
 def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
-                     ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, GROUP: tl.constexpr,
+                     ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, seed, offset, G, scale, GROUP: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     TRANSPOSE: tl.constexpr, STAGES: tl.constexpr):
+                     TRANSPOSE: tl.constexpr, STAGES: tl.constexpr, THRESHOLD: tl.constexpr):
     """n = 4: each stream is its own ``[BLOCK_T, BLOCK_C]`` tile, all four in one layout, so every
     per-(token, channel) product (dy, the four dx) is thread-local and only the sums over C
     (dH, dh_post) and over tokens (the bias) cross lanes. A program owns a C block and a group of
@@ -202,15 +254,21 @@ def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         hp1 = tl.load(hp_ptr + t * 4 + 1, mask=tmask, other=0.0).to(tl.float32)[:, None]
         hp2 = tl.load(hp_ptr + t * 4 + 2, mask=tmask, other=0.0).to(tl.float32)[:, None]
         hp3 = tl.load(hp_ptr + t * 4 + 3, mask=tmask, other=0.0).to(tl.float32)[:, None]
-        dy = hp0 * g0 + hp1 * g1 + hp2 * g2 + hp3 * g3
+        b0, b1, b2, b3 = g0, g1, g2, g3  # the gradients the branch receives: masked where dropout is on
+        if THRESHOLD > 0:
+            b0 = _dropped(seed, offset + t * 4 * G, cb * BLOCK_C, BLOCK_C, THRESHOLD, g0, scale)
+            b1 = _dropped(seed, offset + (t * 4 + 1) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD, g1, scale)
+            b2 = _dropped(seed, offset + (t * 4 + 2) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD, g2, scale)
+            b3 = _dropped(seed, offset + (t * 4 + 3) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD, g3, scale)
+        dy = hp0 * b0 + hp1 * b1 + hp2 * b2 + hp3 * b3
         tl.store(dy_ptr + t[:, None] * C + c[None, :], cast(dy, dy_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             db += dy  # zero outside the tile's masks (g loaded as zeros there)
         row = cb.to(tl.int64) * T + t  # this C block's partials
-        tl.store(ws_hp_ptr + row * 4, tl.sum(g0 * z, axis=1), mask=tmask)
-        tl.store(ws_hp_ptr + row * 4 + 1, tl.sum(g1 * z, axis=1), mask=tmask)
-        tl.store(ws_hp_ptr + row * 4 + 2, tl.sum(g2 * z, axis=1), mask=tmask)
-        tl.store(ws_hp_ptr + row * 4 + 3, tl.sum(g3 * z, axis=1), mask=tmask)
+        tl.store(ws_hp_ptr + row * 4, tl.sum(b0 * z, axis=1), mask=tmask)
+        tl.store(ws_hp_ptr + row * 4 + 1, tl.sum(b1 * z, axis=1), mask=tmask)
+        tl.store(ws_hp_ptr + row * 4 + 2, tl.sum(b2 * z, axis=1), mask=tmask)
+        tl.store(ws_hp_ptr + row * 4 + 3, tl.sum(b3 * z, axis=1), mask=tmask)
         for j in tl.static_range(4):
             xj = tl.load(x_ptr + offs + j * C, mask=mask, other=0.0).to(tl.float32)
             dxj = _dx4(g0, g1, g2, g3, h_ptr, t, tmask, j, TRANSPOSE)
@@ -405,7 +463,7 @@ def _blocks(C: int, n: int, elems: int = 8192, max_c: int = 256, warps: int = 8)
     """(BLOCK_T, BLOCK_C, num_warps): a [BLOCK_T, NP, BLOCK_C] tile of about ``elems`` elements."""
     np_ = next_pow2(n)
     if interpreted():  # the interpreter's cost is per program and operation: few, large tiles
-        bc = min(INTERPRETER_MAX_C, next_pow2(C))
+        bc = min(INTERPRETER_MAX_C, max(4, next_pow2(C)))  # at least one dropout counter's 4 channels
         return max(16, INTERPRETER_ELEMS // (np_ * bc)), bc, 4
     bc = max(32, min(max_c, next_pow2(C)))
     bt = max(1, elems // (np_ * bc))
@@ -442,32 +500,49 @@ def _check(h_res, x, h_post, y, bias):
     return h_res.contiguous(), h_post.contiguous()
 
 
-def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile_=None):
-    """``tile_``: a tile for the generic kernel (3 entries) or the n = 4 one (4; sweeps)."""
+def _mask_args(C: int, dropout: float, seed: int, offset: int) -> tuple[tuple, int]:
+    """The kernels' dropout arguments ``(seed, offset, counters a row, scale)`` and THRESHOLD (0:
+    no dropout), for the contract's mask (:mod:`mhctool.references.dropout`)."""
+    thr = _dropout.threshold(dropout)
+    if not thr:
+        return (0, 0, 0, 1.0), 0
+    if not (0 <= seed < 2**63 and 0 <= offset < 2**62):
+        raise ValueError(f"h_post_bda: dropout_seed must be in [0, 2**63) and dropout_offset in [0, 2**62); "
+                         f"got {seed}, {offset}")
+    return (int(seed), int(offset), _dropout.counters_per_row(C), _dropout.scale(dropout)), thr
+
+
+def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile_=None, dropout=0.0,
+                       dropout_seed=0, dropout_offset=0):
+    """``tile_``: a tile for the generic kernel (3 entries) or the n = 4 one (4; sweeps). With
+    ``dropout``, the branch is dropped by the contract's mask keyed by ``dropout_seed`` and
+    ``dropout_offset``, drawn in the kernel."""
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     s, b, n, C = x.shape
     T = s * b
     if tile_ is not None and len(tile_) == 4 and n != 4:
         raise ValueError(f"h_post_bda_forward: a 4-entry tile is for n = 4, not n = {n}")
     out = empty(x.shape, x.dtype, x.device)
+    mask, thr = _mask_args(C, dropout, dropout_seed, dropout_offset)
 
     def run(cfg):
         if len(cfg) == 4:  # the n = 4 kernel: (BLOCK_C, GROUP, warps, stages)
             bc, group, warps, stages = cfg
             _h_post_bda_fwd4[(triton.cdiv(C, bc) * triton.cdiv(T, group),)](
-                h_res, x, h_post, y, bias if bias is not None else y, out, T, C, GROUP=group, BLOCK_C=bc,
-                HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, num_warps=warps)
+                h_res, x, h_post, y, bias if bias is not None else y, out, T, C, *mask, GROUP=group, BLOCK_C=bc,
+                HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, THRESHOLD=thr,
+                num_warps=warps)
             return
         bt, bc, warps = cfg
         _h_post_bda_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
-            h_res, x, h_post, y, bias if bias is not None else y, out, T, C, N=n, NP=next_pow2(n),
+            h_res, x, h_post, y, bias if bias is not None else y, out, T, C, *mask, N=n, NP=next_pow2(n),
             BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res),
-            num_warps=warps)
+            THRESHOLD=thr, num_warps=warps)
 
     if T and C:
         run(tile_ or (forward_tile4() if _n4_kernels(n) else
-                      pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None), _candidates(C, n), run,
-                                  work=T * n * C)))
+                      pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None, thr > 0),
+                                  _candidates(C, n), run, work=T * n * C)))
     return out
 
 
@@ -555,22 +630,26 @@ def _tc_operands(x, y, bias, grad_out) -> bool:
             and (bias is None or bias.dtype == x.dtype))
 
 
-def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None):
+def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None, dropout=0.0,
+                        dropout_seed=0, dropout_offset=0):
     """``tile_``: a tile for the generic kernel (3 entries), the n = 4 tensor-core one (4) or the
     n = 4 FMA one (5); by default the n = 4 tensor-core kernel where n = 4 and x, y, the bias and
-    grad_out share a 16-bit dtype, the n = 4 FMA kernel for other n = 4 cases."""
+    grad_out share a 16-bit dtype (and no dropout: its mask scales the gradient of h_post's sums,
+    which the tensor-core product takes unmasked), the n = 4 FMA kernel for other n = 4 cases.
+    With ``dropout``, the forward's mask is drawn again from the same key."""
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     grad_out = grad_out.contiguous()
     s, b, n, C = x.shape
     T = s * b
-    tc = n == 4 and _tc_operands(x, y, bias, grad_out)
+    mask, thr = _mask_args(C, dropout, dropout_seed, dropout_offset)
+    tc = n == 4 and _tc_operands(x, y, bias, grad_out) and not thr
     tile = tile_ or (backward_tile4(x.dtype, tc) if _n4_kernels(n) else backward_tile(C, n))
     if len(tile) in (4, 5) and n != 4:
         raise ValueError(f"h_post_bda_backward: a {len(tile)}-entry tile is for n = 4, not n = {n}")
     if len(tile) == 4 and not tc:
         raise ValueError("h_post_bda_backward: the tensor-core tile (4 entries) needs x, y, bias and grad_out "
-                         f"of one 16-bit dtype; got {x.dtype}, {y.dtype}, {None if bias is None else bias.dtype}, "
-                         f"{grad_out.dtype}")
+                         f"of one 16-bit dtype and no dropout; got {x.dtype}, {y.dtype}, "
+                         f"{None if bias is None else bias.dtype}, {grad_out.dtype}, dropout={dropout}")
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
     if len(tile) == 4:
@@ -583,17 +662,17 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
     ws_h = empty((n_cb, T * n * n), torch.float32, x.device)
     ws_hp = empty((n_cb, T * n), torch.float32, x.device)
     ws_b = empty((n_tb, C) if bias is not None else (1, 1), torch.float32, x.device)
-    args = (h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b, T, C)
+    args = (h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b, T, C, *mask)
     if not (T and C):
         ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()
     elif four:
         _, _, group, warps, stages = tile
         _h_post_bda_bwd4[(n_cb, n_tb)](*args, GROUP=group, BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
-                                      TRANSPOSE=bool(transpose_res), STAGES=stages, num_warps=warps)
+                                      TRANSPOSE=bool(transpose_res), STAGES=stages, THRESHOLD=thr, num_warps=warps)
     else:
         _h_post_bda_bwd[(n_tb, n_cb)](*args, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc,
                                       HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res),
-                                      num_warps=tile[2])
+                                      THRESHOLD=thr, num_warps=tile[2])
     d_h = sum_rows(ws_h, h_res.dtype, h_res.shape, ordered=True)
     d_hp = sum_rows(ws_hp, h_post.dtype, h_post.shape, ordered=True)
     d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
@@ -642,17 +721,21 @@ def _lines(nbytes: int) -> int:
 
 class HPostBdaFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_res, x, h_post, y, bias, transpose_res):
+    def forward(ctx, h_res, x, h_post, y, bias, transpose_res, dropout=0.0, dropout_seed=0, dropout_offset=0):
         ctx.save_for_backward(h_res, x, h_post, y, bias)
         ctx.transpose_res = transpose_res
-        return h_post_bda_forward(h_res, x, h_post, y, bias, transpose_res)
+        ctx.mask = (dropout, dropout_seed, dropout_offset)  # the key: the backward draws the mask again
+        return h_post_bda_forward(h_res, x, h_post, y, bias, transpose_res, None, *ctx.mask)
 
     @staticmethod
     def backward(ctx, grad_out):
         h_res, x, h_post, y, bias = ctx.saved_tensors
-        return (*h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, ctx.transpose_res), None)
+        grads = h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, ctx.transpose_res, None, *ctx.mask)
+        return (*grads, None, None, None, None)
 
 
-def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False):
-    """Megatron's signature ``h_post_bda(h_res, x, h_post, y, bias)``; ``transpose_res`` by keyword."""
-    return HPostBdaFunction.apply(h_res, x, h_post, y, bias, transpose_res)
+def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, dropout: float = 0.0,
+               dropout_seed: int = 0, dropout_offset: int = 0):
+    """Megatron's signature ``h_post_bda(h_res, x, h_post, y, bias)``; ``transpose_res`` and the
+    dropout's probability and key by keyword (the mask is the contract's, drawn in the kernel)."""
+    return HPostBdaFunction.apply(h_res, x, h_post, y, bias, transpose_res, dropout, dropout_seed, dropout_offset)

@@ -25,8 +25,12 @@ from dataclasses import dataclass, field
 from mhctool.core.dtypes import FloatFormat
 
 GATED_ERRORS = ("max_abs", "rel_l2")
-GATED_COUNTS = ("nonfinite", "unwritten", "extra_zeros")
+GATED_COUNTS = ("nonfinite", "unwritten", "extra_zeros", "mask_mismatch")
 NONFINITE_RULE = "non-finite where the contract is finite"
+
+# a dropout kernel's mask is part of the contract (the counter-based one its seed and offset draw)
+MASK_RULE = "the contract's dropout mask"
+MASK_FAILED = "another dropout mask than the contract's seed and offset draw"
 
 BASELINE_TOL = {"fp32": 1e-4, "bf16": 2e-1, "fp16": 5e-2, "fp64": 1e-10}
 
@@ -86,6 +90,8 @@ class VerdictRule:
             return Judgement(0.0, value == 0, "no non-finite" if value == 0 else NONFINITE_RULE)
         if metric == "unwritten":
             return Judgement(0.0, value == 0, "all written")
+        if metric == "mask_mismatch":
+            return Judgement(0.0, value == 0, MASK_RULE if value == 0 else MASK_FAILED)
         if metric == "extra_zeros":
             # an exact cancellation now and then is rounding, not a defect: allow 2u of the elements
             # (rounded up, so one stray zero in a small tensor)
@@ -105,4 +111,6 @@ class VerdictRule:
             return Judgement(0.0, value == 0, "no non-finite" if value == 0 else NONFINITE_RULE)
         if metric == "unwritten":
             return Judgement(0.0, value == 0, "all written")
+        if metric == "mask_mismatch":
+            return Judgement(0.0, value == 0, MASK_RULE if value == 0 else MASK_FAILED)
         return Judgement(None, None, "info")

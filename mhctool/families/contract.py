@@ -35,6 +35,7 @@ class Knob:
     # (knob, value): this knob means something only where that knob has that value (a clamped
     # exponential's bound, under stabilize=clamp); said with it, never asked or claimed apart
     only_with: tuple | None = None
+    below: float | None = None  # a number knob's values lie below this (dropout's probability: 1)
 
     def applies(self, knobs: dict) -> bool:
         """Whether this knob means something under ``knobs`` (always, unless :attr:`only_with`)."""
@@ -50,8 +51,11 @@ class Knob:
             return self.kind(value)
         if self.kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be a number")
-        if self.kind is int and (int(value) != value or value < 1):
-            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be a positive integer")
+        if self.kind is int and (int(value) != value or value < (0 if self.zero_ok else 1)):
+            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be a "
+                             + ("non-negative" if self.zero_ok else "positive") + " integer")
+        if self.below is not None and not value < self.below:
+            raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be below {self.below:g}")
         if self.kind is float and not math.isfinite(value):
             raise UsageError(f"knob {name}={value!r} of kernel {kernel} must be finite")
         if self.kind is float and not self.signed and not (value > 0 or (self.zero_ok and value == 0)):
@@ -99,6 +103,11 @@ class Family:
     # them where they are None, and a case that has one is not for it. Each is a knob of the same
     # name too (passed=False: it shapes the inputs)
     optional_inputs: tuple[str, ...] = ()
+    # outputs whose elements take one of two branches the knobs choose (h_post_bda's dropout: the
+    # branch kept or dropped): (float64 inputs, knobs) -> {output: (the kept branch's share of
+    # each element, which elements the contract keeps)}, or {} where no knob chooses; an output
+    # nearer the other branch than the contract's at an element is a ``mask_mismatch``
+    branches: Callable[[dict, dict], dict] | None = None
 
     def arguments(self, args: dict, knobs: dict, accepted,
                   bind: Callable[[str], str | int | None] = lambda k: k,

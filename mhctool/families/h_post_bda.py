@@ -1,6 +1,8 @@
 """H_post * bias-dropout-add: the layer's output mixed back into the n streams, out = H_res x +
 h_post (y + bias), with H_res^T as Megatron-LM's dev branch and TransformerEngine write it (a
-convention)."""
+convention), and the branch dropped out over the n streams where ``dropout`` is set, by the
+contract's counter-based mask (:mod:`mhctool.references.dropout`): part of the contract, keyed by
+``dropout_seed`` and ``dropout_offset``, never a convention."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +11,7 @@ from mhctool.core.inputs import InputFamily, beside, log_uniform, rand, randn
 from mhctool.core.shapes import Shape
 from mhctool.families.contract import Cost, Family, Knob
 from mhctool.families.h_aggregate import long_c
+from mhctool.references import dropout
 from mhctool.references import mhc as ref
 
 
@@ -44,10 +47,26 @@ def _cost(shape, e: int, f: int) -> Cost:
                 2.0 * T * n * (n + 1) * C, 4.0 * T * n * (n + 1) * C)
 
 
+def _branches(inputs: dict, knobs: dict) -> dict:
+    """With dropout, each output element is the mixed streams plus, where the contract keeps it,
+    the scaled branch ``h_post (y + bias) / (1 - p)``: that share and the contract's mask."""
+    p = knobs.get("dropout", 0.0)
+    if not p:
+        return {}
+    x, y, bias = inputs["x"], inputs["y"], inputs.get("bias")
+    s, b, n, c = x.shape
+    branch = (y if bias is None else y + bias).unsqueeze(-2) * inputs["h_post"].unsqueeze(-1) * dropout.scale(p)
+    kept = dropout.keep((s * b, n, c), p, knobs.get("dropout_seed", 0), knobs.get("dropout_offset", 0), x.device)
+    return {"out": (branch.detach(), kept.view(x.shape))}
+
+
 FAMILY = Family(
     "h_post_bda", ("h_res", "x", "h_post", "y", "bias"), ("h_res", "x", "h_post", "y", "bias"),
     ("h_res", "h_post"), ("out",),
-    {"transpose_res": Knob(False, (False, True), bool), "bias": Knob(True, (False, True), bool, passed=False)},
+    {"transpose_res": Knob(False, (False, True), bool), "bias": Knob(True, (False, True), bool, passed=False),
+     "dropout": Knob(0.0, kind=float, zero_ok=True, below=1.0),
+     "dropout_seed": Knob(0, kind=int, zero_ok=True, below=2.0**63),
+     "dropout_offset": Knob(0, kind=int, zero_ok=True, below=2.0**62)},
     (),
     ref.h_post_bda,
     conventions=("transpose_res",),
@@ -62,4 +81,5 @@ FAMILY = Family(
              "cutile": "mhctool.kernels.cutile.h_post_bda:h_post_bda"},
     cost=_cost,
     matmul=True,
+    branches=_branches,
 )

@@ -64,6 +64,7 @@ class Baseline:
     term_scale: dict
     native_metrics: tuple = ()
     facts: dict = field(default_factory=dict)  # metrics.Reference by tensor name, worked out once
+    branches: dict = field(default_factory=dict)  # output -> (kept branch, mask): Family.branches
 
     def fact(self, tensor: str) -> Reference:
         if tensor not in self.facts:
@@ -78,9 +79,40 @@ class Baseline:
             return self.native_metrics
         fwd = {n: measure(o, r, self.fam.name == "sinkhorn", self.fact(n))
                for n, o, r in zip(self.fam.outputs, res.outputs or [], self.ref_outs)}
+        for n, (branch, kept) in self.branches.items():
+            if n in fwd:
+                native = self.native_metrics[0][n] if self.native_metrics else fwd[n]
+                o, r = (res.outputs[self.fam.outputs.index(n)],
+                        self.ref_outs[self.fam.outputs.index(n)])
+                fwd[n]["mask_mismatch"] = mask_mismatch(o, r, branch, kept, native["max_abs"], self.fact(n).amax)
         bwd = {f"grad_{k}": measure(g, self.ref_grads[k], of=self.fact(f"grad_{k}"))
                for k, g in (res.grads or {}).items()}
         return fwd, bwd
+
+
+def mask_mismatch(out: torch.Tensor, ref: torch.Tensor, branch: torch.Tensor, kept: torch.Tensor,
+                  native_err: float, amax: float) -> float:
+    """How many elements of ``out`` take the other branch than the contract's (dropped where the
+    contract keeps, or kept where it drops): another mask. An element is *off* where it lies
+    further than ``tol`` from the contract's value, ``tol`` being 16 times the native run's
+    largest error plus four roundoffs of the output's format at the output's scale (a correct
+    kernel's error stays within a few times native's, so none of its elements is off); an off
+    element *at the other branch* lies within ``tol`` of that branch's value. The count is said
+    only where the other branch explains the output: at least eight of nine off elements are at
+    it. An output wrong otherwise (a bias outside the dropout, an unscaled branch) is near
+    neither branch: its error rows say so, and this count is zero."""
+    tol = 16.0 * native_err + 4.0 * fmt_of(out.dtype).unit_roundoff * amax
+    flat = [t.detach().reshape(-1) for t in (out, ref, branch, kept)]
+    count = off = 0
+    step = 1 << 24  # float64 temporaries of 128 MiB (a paper-shape output is 940 M elements)
+    for a in range(0, flat[0].numel(), step):
+        o, r, d, k = (t[a:a + step] for t in flat)
+        o, r, d = o.double(), r.double(), d.double()
+        far = (o - r).abs() > tol
+        at_alt = (o - torch.where(k, r - d, r + d)).abs() <= tol
+        count += int((far & at_alt).sum())
+        off += int((far & ~at_alt).sum())
+    return float(count) if count and 8 * off <= count else 0.0
 
 
 def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str = "ieee",
@@ -126,8 +158,8 @@ def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: s
             raise RuntimeError(f"the native {case.kernel} failed on {case.family} over {sharding.ranks} ranks: "
                                f"{native.fwd_error or native.bwd_error}")
     _reference(fam, base, knobs, upstream, references, knobs_key, reference)
-    ref_outs, ref_grads, term_scale = references[knobs_key]
-    b = Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale)
+    ref_outs, ref_grads, term_scale, branches = references[knobs_key]
+    b = Baseline(fam, native, upstream, ref_outs, ref_grads, term_scale, branches=branches)
     with profile.phase("judging"):
         b.native_metrics = b.measured(native)
     return b
@@ -139,10 +171,12 @@ def _reference(fam: Family, base: dict, knobs: dict, upstream: list, references:
     if knobs_key not in references:
         with profile.phase("float64 reference"):
             ref_outs, ref_grads = run_reference(fam, base, knobs, upstream, reference)
-            term_scale = {}
+            term_scale, branches = {}, {}
             if fam.term_scale is not None:
                 term_scale = fam.term_scale(leaf_inputs(fam, base, torch.float64), [u.double() for u in upstream], knobs)
-        references[knobs_key] = (ref_outs, ref_grads, term_scale)
+            if fam.branches is not None:
+                branches = fam.branches(leaf_inputs(fam, base, torch.float64), knobs)
+        references[knobs_key] = (ref_outs, ref_grads, term_scale, branches)
 
 
 def sharded_timeout(case: Case, external: bool = False) -> float:

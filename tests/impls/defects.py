@@ -255,3 +255,24 @@ def sinkhorn_one_pass_backward(logits, iters=20, eps=1e-6):
     """Correct forward; the backward one pass of d -= w colsum(d w); d -= w rowsum(d w) where the
     true one unrolls every iteration."""
     return _OnePassBackward.apply(logits, iters, eps)
+
+
+def h_post_bda_dropout_next_key(h_res, x, h_post, y, bias=None, dropout=0.0, dropout_seed=0, dropout_offset=0):
+    """Draws its dropout mask one counter past the key it is given (an offset off by one)."""
+    return native.h_post_bda(h_res, x, h_post, y, bias, dropout=dropout, dropout_seed=dropout_seed,
+                             dropout_offset=dropout_offset + 1 if dropout else dropout_offset)
+
+
+def h_post_bda_dropout_bias_outside(h_res, x, h_post, y, bias=None, dropout=0.0, dropout_seed=0, dropout_offset=0):
+    """Adds H_post * bias after the dropout, not inside it (only y is dropped)."""
+    out = native.h_post_bda(h_res, x, h_post, y, None, dropout=dropout, dropout_seed=dropout_seed,
+                            dropout_offset=dropout_offset)
+    return out if bias is None else out + h_post.to(x.dtype).unsqueeze(-1) * bias
+
+
+def h_post_bda_dropout_unscaled(h_res, x, h_post, y, bias=None, dropout=0.0, dropout_seed=0, dropout_offset=0):
+    """Drops by the contract's mask but leaves the kept elements unscaled (no 1 / (1 - p))."""
+    keep = native.h_post_bda(h_res, x, h_post, y, bias, dropout=dropout, dropout_seed=dropout_seed,
+                             dropout_offset=dropout_offset)
+    mixed = native.h_post_bda(h_res, x, torch.zeros_like(h_post), y, None)
+    return mixed + (keep - mixed) * (1.0 - dropout)

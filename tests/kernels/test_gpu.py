@@ -355,6 +355,54 @@ def test_cutile_h_post_bda_backward_sums_c_blocks_in_order(n, transpose, with_bi
         assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
 
 
+@pytest.mark.parametrize("backend", ["triton", "cutile"])
+@pytest.mark.parametrize("n, dtype", [(4, torch.bfloat16), (4, torch.float32), (3, torch.bfloat16)])
+def test_dropout_draws_the_contracts_mask_in_the_kernel(backend, n, dtype):
+    """The post-path's dropout drawn in each backend's kernels at their GPU tiles (n = 4: Triton's
+    one-token forward and FMA backward; cuTile's (C block, token group) programs), tokens and C off
+    every tile (C not a multiple of 4 either), a key and counters past 32 bits, into NaN-poisoned
+    outputs: the forward and every gradient match float64 under the contract's mask, the dropped
+    elements are exactly the mixed streams, the same key gives the same bits, another offset
+    another mask."""
+    import importlib
+
+    from mhctool.core.poison import poisoning
+    from mhctool.references import dropout as D
+    from mhctool.references import mhc as ref
+    mod = importlib.import_module(f"mhctool.kernels.{backend}.h_post_bda")
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    s, b, c = 1031, 3, 1030
+    h = torch.softmax(torch.randn(s, b, n, n, generator=g, device="cuda"), -1)
+    hp = 2 * torch.rand(s, b, n, generator=g, device="cuda")
+    x, go = (torch.randn(s, b, n, c, generator=g, device="cuda").to(dtype) for _ in range(2))
+    y = torch.randn(s, b, c, generator=g, device="cuda").to(dtype)
+    bias = torch.randn(c, generator=g, device="cuda").to(dtype)
+    key = dict(dropout=0.1, dropout_seed=2**33 + 5, dropout_offset=2**32 - 7)
+
+    def run(**k):
+        leaves = [t.clone().requires_grad_() for t in (h, x, hp, y, bias)]
+        out = mod.h_post_bda(*leaves, **k)
+        return out.detach(), torch.autograd.grad(out, leaves, go)
+
+    with poisoning():
+        out, grads = run(**key)
+        again, _ = run(**key)
+        other, _ = run(**{**key, "dropout_offset": key["dropout_offset"] + 1})
+        mixed = mod.h_post_bda(h, x, torch.zeros_like(hp), y, None)
+    assert torch.equal(out, again) and not torch.equal(out, other)
+    dropped = ~D.keep((s * b, n, c), key["dropout"], key["dropout_seed"], key["dropout_offset"], "cuda").view(x.shape)
+    assert 0.09 < float(dropped.double().mean()) < 0.11
+    assert torch.equal(out[dropped], mixed[dropped])
+    dd = [t.double().requires_grad_() for t in (h, x, hp, y, bias)]
+    want_out = ref.h_post_bda(*dd, **key)
+    want = torch.autograd.grad(want_out, dd, go.double())
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for name, a, w in zip(("out", "h_res", "x", "h_post", "y", "bias"), (out, *grads), (want_out, *want)):
+        assert torch.isfinite(a).all(), name
+        assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
+
+
 def _proj_inputs(g, m, k, ns=0):
     """The projection backward's inputs on the GPU from generator ``g``: bf16 x ``[m, k]`` and W
     ``[24, k]``, fp32 upstream gradients of proj and r, and (``ns`` > 0) mix_aggregate's aggregation

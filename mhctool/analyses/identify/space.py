@@ -46,9 +46,9 @@ def _drop_bias(fn: Callable, keep: bool) -> Callable:
     if keep:
         return fn
 
-    def no_bias(h_res, x, h_post, y, bias=None, transpose_res=False, matmul_precision="ieee"):
+    def no_bias(h_res, x, h_post, y, bias=None, transpose_res=False, matmul_precision="ieee", **knobs):
         kw = {"matmul_precision": matmul_precision} if matmul_precision != "ieee" else {}
-        out = fn(h_res, x, h_post, y, None, transpose_res=transpose_res, **kw)
+        out = fn(h_res, x, h_post, y, None, transpose_res=transpose_res, **kw, **knobs)
         # the bias still gets a (zero) gradient, as from a kernel that takes it and ignores it
         return out if bias is None else out + (0.0 * bias.sum()).to(out.dtype)
     return no_bias
