@@ -22,40 +22,42 @@ from .sinkhorn import sinkhorn_backward, sinkhorn_forward
 
 class _MixAggregate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, alpha, h_bias, eps, iters, sinkhorn_eps):
+    def forward(ctx, x, weight, alpha, h_bias, eps, iters, sinkhorn_eps, stabilize="rowmax", eps_mode="add",
+                order="row_first"):
         if x.dim() != 4:
             raise ValueError(f"mix_aggregate takes x[s, b, n, C], got {tuple(x.shape)}")
         s, b, n, c = x.shape
         (pre, post, logits), saved = map_.forward(x.reshape(s * b, n * c), weight, alpha, h_bias, eps)
         logits = logits.reshape(s, b, n, n)
-        h_res = sinkhorn_forward(logits, iters, sinkhorn_eps)
+        knobs = (iters, sinkhorn_eps, stabilize, eps_mode, order)
+        h_res = sinkhorn_forward(logits, *knobs)
         pre = pre.reshape(s, b, n)
         out = agg_.h_aggregate_forward(x, pre)
         ctx.save_for_backward(x, pre, logits, *saved)
-        ctx.knobs = (iters, sinkhorn_eps)
+        ctx.knobs = knobs
         return out, post.reshape(s, b, n), h_res
 
     @staticmethod
     def backward(ctx, g_out, g_post, g_res):
         x, pre, logits, *saved = ctx.saved_tensors
-        iters, sinkhorn_eps = ctx.knobs
         s, b, n, c = x.shape
         t = s * b
         # Sinkhorn's backward (latency-bound, tens of us) beside the aggregation's (memory-bound)
         g_log, g_pre = beside(
-            lambda: None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), iters, sinkhorn_eps),
+            lambda: None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), *ctx.knobs),
             lambda: None if g_out is None else agg_.backward(x, pre, g_out, write_dx=False)[1], x.device)
         dx, dw, d_alpha, d_bias = map_.backward(
             saved, None if g_pre is None else g_pre.reshape(t, n), None if g_post is None else g_post.reshape(t, n),
             None if g_log is None else g_log.reshape(t, n, n),
             agg=None if g_out is None else (pre.reshape(t, n), g_out.contiguous().reshape(t, c)))
-        return dx.reshape(x.shape), dw, d_alpha, d_bias, None, None, None
+        return dx.reshape(x.shape), dw, d_alpha, d_bias, None, None, None, None, None, None
 
 
-def mix_aggregate(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6):
+def mix_aggregate(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6,
+                  stabilize: str = "rowmax", eps_mode: str = "add", order: str = "row_first"):
     """``(out[s, b, C], h_post[s, b, n], h_res[s, b, n, n])`` from ``x[s, b, n, C]`` (contiguous):
     the signature of mhctool's Triton ``mix_aggregate``."""
-    return _MixAggregate.apply(x, weight, alpha, h_bias, eps, iters, sinkhorn_eps)
+    return _MixAggregate.apply(x, weight, alpha, h_bias, eps, iters, sinkhorn_eps, stabilize, eps_mode, order)
 
 
 def compile_checks() -> dict[str, bytes]:

@@ -29,6 +29,7 @@ Grouped MLP kernels (shape TxHxFxE: T tokens, hidden H, ffn F, G = E experts; W 
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -180,6 +181,7 @@ class Measurement:
     graph: bool
     message: str | None = None
     inputs: str | None = None  # the input dtypes it was timed at (input_dtypes)
+    knobs: str | None = None  # the knobs it was timed at, JSON (None: the family's defaults)
 
     @property
     def median_ms(self) -> float:
@@ -214,20 +216,26 @@ def input_dtypes(args: dict) -> str:
                     if t is not None and t.is_floating_point())
 
 
-def _call(fam: Family, impl: Impl, args: dict):
-    """``impl`` on ``args``: inputs already in its library's layouts where its adapter converts
-    them (:func:`measure` stages them once, so the conversion is never timed)."""
+def knob_text(knobs: dict | None) -> str | None:
+    """How a measurement at other knobs than the family's defaults says so (``at dropout=0.1``)."""
+    return "at " + ", ".join(f"{k}={v}" for k, v in sorted(knobs.items())) if knobs else None
+
+
+def _call(fam: Family, impl: Impl, args: dict, knobs: dict | None = None):
+    """``impl`` on ``args`` at ``knobs`` (the family's defaults where not given): inputs already in
+    its library's layouts where its adapter converts them (:func:`measure` stages them once, so the
+    conversion is never timed)."""
     fn = impl.staged[1] if impl.staged is not None else impl.fn
-    return fam.call(fn, args, {}, impl.accepts, impl.bind, impl.takes)
+    return fam.call(fn, args, knobs or {}, impl.accepts, impl.bind, impl.takes)
 
 
-def check_streams(fam: Family, impl: Impl, args: dict, direction: str) -> None:
+def check_streams(fam: Family, impl: Impl, args: dict, direction: str, knobs: dict | None = None) -> None:
     """One call (and, for ``bwd``, its backward) before the timing: a RuntimeError where its
     outputs (or gradients) change after it returned: work left on another stream, which the
     caller's stream, and so the timer's events, never waits for (its time would go unmeasured)."""
     leaves = leaf_inputs(fam, args)
     load_digest(next(t.device for t in leaves.values() if isinstance(t, torch.Tensor)))
-    outs = [o for o in _call(fam, impl, leaves) if isinstance(o, torch.Tensor)]
+    outs = [o for o in _call(fam, impl, leaves, knobs) if isinstance(o, torch.Tensor)]
     if why := settled(outs, "outputs"):
         raise RuntimeError(f"{why}; its time would not be measured")
     if direction != "bwd":
@@ -246,13 +254,15 @@ def isolated_measure(kernel: str, spec: str, name: str, *args) -> Measurement:
 
 
 def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repeats: int,
-            direction: str, graph: bool, l2_bytes: int, seed: int = 0, contract: bool = False) -> Measurement:
+            direction: str, graph: bool, l2_bytes: int, seed: int = 0, contract: bool = False,
+            knobs: dict | None = None) -> Measurement:
     """``contract``: the inputs at mhctool's contract dtypes even where the implementation's adapter
     says its library is used with others. Where the call raises with an optional input it has a
     parameter for (a bias its library does not support), it is timed without that input, and
     the row says so; an outside implementation that refuses the case (its ``assert``,
-    ``NotImplementedError``, its compiler's error) is a skipped row with its words."""
-    args = (kernel, impl, shape, dtype, device, repeats, direction, graph, l2_bytes, seed, contract)
+    ``NotImplementedError``, its compiler's error) is a skipped row with its words. ``knobs``: the
+    family's knobs it runs at (its defaults where not given; h_post_bda's dropout)."""
+    args = (kernel, impl, shape, dtype, device, repeats, direction, graph, l2_bytes, seed, contract, knobs)
     try:
         return _measure(*args)
     except Exception as e:  # noqa: BLE001 - tried again without its optional inputs, else raised as it was
@@ -274,7 +284,7 @@ def measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repe
 
 def _measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, repeats: int,
              direction: str, graph: bool, l2_bytes: int, seed: int = 0, contract: bool = False,
-             without: tuple = (), why: str = "") -> Measurement:
+             knobs: dict | None = None, without: tuple = (), why: str = "") -> Measurement:
     """:func:`measure`, with the optional inputs ``without`` left out (``why``: what the call with
     them raised)."""
     activation, dtype = dtype, bench_dtype(kernel, dtype)
@@ -294,11 +304,11 @@ def _measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, rep
     base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction, dtype=dtype,
                 shape=str(shape), model_bytes=nbytes,
                 model_flops=m.flops_fwd if direction == "fwd" else m.flops_bwd, graph=graph,
-                inputs=input_dtypes(sets[0]))
+                inputs=input_dtypes(sets[0]), knobs=json.dumps(knobs, sort_keys=True) if knobs else None)
     if impl.staged is not None:  # the adapter's layout conversion, once per input copy, untimed
         sets = [impl.staged[0](s) for s in sets]
     note = "; ".join(x for x in (used, "the adapter's layout conversion is not timed" if impl.staged is not None
-                                 else None) if x) or None
+                                 else None, knob_text(knobs)) if x) or None
     timer = Timer(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
@@ -311,21 +321,21 @@ def _measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, rep
         return Measurement(**base, times_ms=[], host_us=math.nan, peak_bytes=math.nan, saved_bytes=math.nan,
                            message="not graph-capturable: reads m_splits on the host (a synchronisation)")
     if device == "cuda" and not graph:
-        check_streams(fam, impl, dict(sets[0]), direction)
+        check_streams(fam, impl, dict(sets[0]), direction, knobs)
     if direction == "fwd":
         if graph and device == "cuda":
             with torch.no_grad():
-                replay = graphed(lambda: _call(fam, impl, dict(sets[0])))
+                replay = graphed(lambda: _call(fam, impl, dict(sets[0]), knobs))
                 times = timer.time(replay, repeats, queued=True)
                 host = host_time_us(replay)
         else:
             leaves = [leaf_inputs(fam, s) for s in sets]  # with autograd on: what training pays
-            times = timer.time(lambda: _call(fam, impl, leaves[state["i"] % len(leaves)]), repeats,
+            times = timer.time(lambda: _call(fam, impl, leaves[state["i"] % len(leaves)], knobs), repeats,
                                before=pick)
-            host = host_time_us(lambda: _call(fam, impl, leaves[0]))
+            host = host_time_us(lambda: _call(fam, impl, leaves[0], knobs))
         sync()
         peak = (torch.cuda.max_memory_allocated() - base_mem) if device == "cuda" else math.nan
-        saved = _saved_bytes(fam, impl, sets[0])
+        saved = _saved_bytes(fam, impl, sets[0], knobs)
         return Measurement(**base, times_ms=times, host_us=host, peak_bytes=peak, saved_bytes=saved, message=note)
     # backward: one forward per input copy builds its graph; the backward alone is timed, replayed
     graphs = []
@@ -337,10 +347,10 @@ def _measure(kernel: str, impl: Impl, shape: Shape, dtype: str, device: str, rep
         if fwd_stream is not None:
             fwd_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(fwd_stream):
-                outs = _call(fam, impl, leaves)
+                outs = _call(fam, impl, leaves, knobs)
             torch.cuda.current_stream().wait_stream(fwd_stream)
         else:
-            outs = _call(fam, impl, leaves)
+            outs = _call(fam, impl, leaves, knobs)
         if not any(o.requires_grad for o in outs):
             return Measurement(**base, times_ms=[], host_us=math.nan, peak_bytes=math.nan,
                                saved_bytes=math.nan, message="no backward")
@@ -397,7 +407,7 @@ def graphed(fn, attempts: int = 2):
     raise AssertionError("unreachable")
 
 
-def _saved_bytes(fam: Family, impl: Impl, args: dict) -> float:
+def _saved_bytes(fam: Family, impl: Impl, args: dict, knobs: dict | None = None) -> float:
     """Bytes an implementation's autograd graph saves for backward (beyond its inputs' storage)."""
     seen: set[int] = set()
     total = 0
@@ -413,7 +423,7 @@ def _saved_bytes(fam: Family, impl: Impl, args: dict) -> float:
 
     leaves = leaf_inputs(fam, args)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _call(fam, impl, leaves)
+        _call(fam, impl, leaves, knobs)
     return float(total)
 
 
@@ -425,7 +435,8 @@ def rows(results, device: str, copy_bw: float, mm_bf16: float, mm_tf32: float) -
     out = []
     for status, kernel, impl, direction, payload, shape, graph in results:
         base = dict(kernel=kernel, impl=impl.name, backend=impl.backend, direction=direction,
-                    shape=str(shape), device=device, inputs=None if status in ("skip", "error") else payload.inputs)
+                    shape=str(shape), device=device, inputs=None if status in ("skip", "error") else payload.inputs,
+                    knobs=None if status in ("skip", "error") else payload.knobs)
         if status in ("skip", "error") or not payload.times_ms:
             msg = payload if status in ("skip", "error") else payload.message
             out.append({**base, "dtype": bench_dtype(kernel, "bf16"), "graph": graph,

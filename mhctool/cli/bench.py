@@ -48,6 +48,7 @@ Warmup = Annotated[int, typer.Option("--warmup", min=0, help="With --engine: ste
 EntrySteps = Annotated[int, typer.Option("--entry-steps", min=0, help="With --engine: steps after the timed ones with the mHC entry points timed in place (their forward, backward and recompute); 0: none.")]
 Variant = Annotated[Optional[list[str]], typer.Option("--variant", help="With --engine: time only these variants (plain, native, fused, an --impl; the baseline always runs).")]
 Kernels = Annotated[bool, typer.Option("--kernels/--no-kernels", help="With --engine: each swapped-in kernel also timed alone at the step's shape, beside its time in the step.")]
+Knob = Annotated[Optional[list[str]], typer.Option("--knob", help="KEY=VALUE (repeat or comma-separate): a knob of the kernels timed, e.g. dropout=0.1 (h_post_bda's dropout: its mask drawn in the kernel); default: the family's.")]
 InputDtypes = Annotated[str, typer.Option("--input-dtypes", help="library: each library timed at the input dtypes its adapter says it is used with (Megatron-LM's h_res and h_post in the activations' dtype); contract: every implementation at mhctool's contract dtypes.")]
 
 
@@ -86,23 +87,25 @@ def bench(
     entry_steps: EntrySteps = 3,
     variant: Variant = None,
     kernels: Kernels = True,
+    knob: Knob = None,
 ):
     """Time kernels against the memory roofline measured in the same run; with --engine, a
     training step and what mHC costs in it."""
     if engine is not None:
+        if knob:
+            raise UsageError("--knob sets a kernel's knobs for timing it alone; with --engine the recipe decides "
+                             "them (--recipe hidden_dropout=...)")
         return _bench_engine(engine, impl, recipe, sweep, dict(layers=layers, hidden=hidden, heads=heads, seq=seq,
                                                                 micro_batch=batch, streams=streams, vocab=vocab),
                              steps, warmup, entry_steps, variant, kernels, device, out_path, plot, quiet)
-    engine_only = {"--recipe": recipe, "--sweep": sweep, "--layers": layers, "--heads": heads, "--seq": seq,
-                   "--batch": batch, "--streams": streams, "--vocab": vocab, "--variant": variant}
-    given = [k for k, v in engine_only.items() if v is not None]
-    if given:
-        raise UsageError(f"{', '.join(given)} time a training step: give --engine too (or leave them out)")
+    _kernels_only(recipe=recipe, sweep=sweep, layers=layers, heads=heads, seq=seq, batch=batch, streams=streams,
+                  vocab=vocab, variant=variant)
     hidden = 2048 if hidden is None else hidden
     opts.precheck(kernel, [dtype], shape, device, impl)
     from mhctool.analyses.runs import bench as run
     req = run.Request(kernel, split(impl), shape, dtype, split([direction]), repeats, graph, experts, tokens, hidden,
-                      ffn, device, out_path, plot, isolate, case_timeout, input_dtypes, insist)
+                      ffn, device, out_path, plot, isolate, case_timeout, input_dtypes, insist,
+                      opts.knob_items(knob, "--knob", "dropout=0.1"))
     with watching("bench", None, quiet, unit="timed") as watch:
         o = run.run(req, watch)
     if not quiet:
@@ -117,6 +120,13 @@ def bench(
         from mhctool.views.plots import bench_figure
         out.print(f"plot: {bench_figure(o.table, plot, o.copy_bw)}")
     _finish(o, [f"{r['kernel']} {r['direction']} {short_impl(r['impl'])}: {r['message']}" for r in o.errors])
+
+
+def _kernels_only(**given) -> None:
+    """The options that time a training step, given without --engine: a UsageError naming them."""
+    named = [f"--{k}" for k, v in given.items() if v is not None]
+    if named:
+        raise UsageError(f"{', '.join(named)} time a training step: give --engine too (or leave them out)")
 
 
 def _finish(o, failures: list[str]):
@@ -145,7 +155,7 @@ def _bench_engine(engine, impl, recipe, sweep, sizes, steps, warmup, entry_steps
                   plot, quiet):
     """``bench --engine``: the step of each variant, its overhead over the baseline and where the
     time inside the mHC entry points goes."""
-    from mhctool.cli.tables import step_split_table, step_table
+    from mhctool.cli.tables import step_attribution_table, step_split_table, step_table
     opts.precheck(None, [], None, device, impl)
     from mhctool.analyses.runs import bench_step as run
     req = run.Request(engine, split(impl), sizes, opts.knob_items(recipe, "--recipe", "recompute=false"),
@@ -159,10 +169,11 @@ def _bench_engine(engine, impl, recipe, sweep, sizes, steps, warmup, entry_steps
             f"{'on' if r.recompute else 'off'}; median of {req.steps} steps after {req.warmup}")
     if not quiet:
         out.print(step_table(o.rows, head))
-        split_t = step_split_table(o.rows, f"inside the mHC entry points, a step (median of {req.entry_steps} steps "
-                                           "timed in place; alone: the kernel timed alone at the step's shape x calls)")
-        if split_t is not None:
-            out.print(split_t)
+        for t in (step_split_table(o.rows, f"inside the mHC module, a step (median of {req.entry_steps} steps timed "
+                                           "in place; alone: the kernel timed alone at the step's shape x calls)"),
+                  step_attribution_table(o.rows, "where the overhead goes, a step (share of the overhead)")):
+            if t is not None:
+                out.print(t)
     if plot is not None and o.rows:
         from mhctool.views.plots import step_figure
         out.print(f"plot: {step_figure(o.table, plot)}")

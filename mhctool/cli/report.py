@@ -54,13 +54,14 @@ def report_show(
         for t in bench_totals(tots, bench_mod.whole_path(tots), bench_mod.PATH):
             out.print(t)
     elif meta["kind"] == "bench-step":  # the tables bench --engine printed, from the rows
-        from mhctool.cli.tables import step_split_table, step_table
+        from mhctool.cli.tables import step_attribution_table, step_split_table, step_table
         rows = table.to_pylist()
         run = meta["run"]
         out.print(step_table(rows, f"bench --engine {run.get('engine')} on {run.get('device')}"))
-        split_t = step_split_table(rows, "inside the mHC entry points, a step")
-        if split_t is not None:
-            out.print(split_t)
+        for t in (step_split_table(rows, "inside the mHC module, a step"),
+                  step_attribution_table(rows, "where the overhead goes, a step (share of the overhead)")):
+            if t is not None:
+                out.print(t)
     else:
         _show_rows(meta["kind"], table.to_pylist(), top)
 

@@ -1,11 +1,17 @@
 """The tables a command prints and ``report show`` prints again from the report's rows."""
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from mhctool.core.text import fmt as _fmt
-from mhctool.core.text import short_impl as _short_impl
+from mhctool.core.text import short_impl
+
+
+def _short_impl(name: str) -> str:
+    """:func:`short_impl`, its brackets kept (``triton[module]``, ``te:...[tf32]``: not rich's markup)."""
+    return escape(short_impl(name))
 
 
 def verdict_table(vs: list[dict], top: int, title: str) -> Table:
@@ -128,6 +134,42 @@ def step_table(rows: list[dict], title: str) -> Table:
                   _fmt(g("tokens_per_s")), "-" if ov is None else f"{100 * ov:+.1f}%", _fmt(g("mhc_ms")),
                   "-" if g("mhc_share") is None else f"{100 * g('mhc_share'):.1f}%", _fmt(g("elsewhere_ms")),
                   _fmt(g("peak_bytes") / 2**30 if g("peak_bytes") is not None else None), said)
+    return t
+
+
+def step_attribution_table(rows: list[dict], title: str) -> Table | None:
+    """Where each variant's overhead over the baseline goes: per part of the module (its entry
+    points and other ops, all directions), milliseconds a step and share of the overhead; the
+    kernels outside the module and the device's idle time, each against the baseline's; their
+    sum, the overhead; and the byte floor at the copy rate. None where nothing was attributed."""
+    from mhctool.analyses.train.step_bench import OPS
+    by = _by_run(rows)
+    runs = [(v, p) for (v, p), parts in by.items() if "outside_ms" in parts.get(("*", "*"), {})]
+    if not runs:
+        return None
+    points = len({p for _, p in runs}) > 1
+    t = Table(title=title)
+    t.add_column("part")
+    for v, p in runs:
+        t.add_column(_short_impl(v) + (f" {_point(p)}" if points else "") + " ms (share)")
+
+    def whole(run, name):
+        return by[run].get(("*", "*"), {}).get(name, {}).get("value")
+
+    def part(run, op):
+        vals = [m["entry_ms"]["value"] for (e, _), m in by[run].items() if e == op and "entry_ms" in m]
+        return sum(vals) if vals else None
+    ops = {e for run in runs for (e, _), m in by[run].items() if e != "*" and "entry_ms" in m}
+    order = sorted(ops, key=lambda e: -max(part(run, e) or 0.0 for run in runs))
+    lines = [(OPS.get(e, e), [part(run, e) for run in runs]) for e in order]
+    lines += [("kernels outside the module (against the baseline's)", [whole(run, "outside_ms") for run in runs]),
+              ("device idle (against the baseline's)", [whole(run, "idle_ms") for run in runs]),
+              ("= the overhead", [whole(run, "overhead_ms") for run in runs])]
+    for label, vals in lines:
+        t.add_row(label, *("-" if v is None else f"{_fmt(v)} ({100 * v / o:.0f}%)" if (o := whole(run, "overhead_ms"))
+                           else _fmt(v) for v, run in zip(vals, runs)))
+    t.add_row("byte floor at the copy rate", *("-" if whole(run, "floor_ms") is None else _fmt(whole(run, "floor_ms"))
+                                               for run in runs))
     return t
 
 

@@ -15,6 +15,11 @@ read from what it recorded.
 Kernel time is the GPU's busy time: time the GPU waits between an entry point's launches (a
 launch-bound path) is not in it; it is in the step's time, and so in what the overhead over the
 baseline leaves outside the entry points.
+
+What is wrapped may nest (a module's whole pre-path around the entry points it calls): a kernel
+counts for the innermost wrapped call it was launched in, so an outer call's time is what its
+inner ones leave (the module's glue). A wrapped call also records the bytes of the tensors it is
+given and returns (``{KIND}_bytes``: what it moves at the least, read and written once).
 """
 from __future__ import annotations
 
@@ -47,6 +52,44 @@ def _tensors(args, kwargs) -> list:
     return out
 
 
+def innermost(containers: list, launches: list) -> dict[tuple[str, str], float]:
+    """Each launch's kernel time counted for the innermost container that holds its start (ranges
+    on one thread nest): ``containers`` [(start, end, family, kind, call)], ``launches`` [(start,
+    ns)]; (family, kind) -> ns. A launch outside every container counts for none."""
+    out: dict[tuple[str, str], float] = defaultdict(float)
+    cs = sorted(containers, key=lambda c: (c[0], -c[1]))
+    stack: list = []
+    i = 0
+    for at, k in sorted(launches):
+        while i < len(cs) and cs[i][0] <= at:
+            while stack and stack[-1][1] < cs[i][0]:
+                stack.pop()
+            stack.append(cs[i])
+            i += 1
+        while stack and stack[-1][1] < at:
+            stack.pop()
+        if stack:
+            out[(stack[-1][2], stack[-1][3])] += k
+    return out
+
+
+def own_times(containers: list) -> dict[tuple[str, str], float]:
+    """Each container's own time: its span less that of the containers directly inside it."""
+    out: dict[tuple[str, str], float] = defaultdict(float)
+    cs = sorted(containers, key=lambda c: (c[0], -c[1]))
+    stack: list = []  # [container, time of its children]
+    for c in cs:
+        while stack and stack[-1][0][1] < c[0]:
+            done, inner = stack.pop()
+            out[(done[2], done[3])] += done[1] - done[0] - inner
+        if stack:
+            stack[-1][1] += c[1] - c[0]
+        stack.append([c, 0.0])
+    for done, inner in stack:
+        out[(done[2], done[3])] += done[1] - done[0] - inner
+    return out
+
+
 def own_nodes(outputs: list, inputs: list) -> list:
     """The autograd nodes a call created: from its outputs' nodes back to its inputs' nodes (or
     leaves' accumulators), which are not its own."""
@@ -68,31 +111,40 @@ def own_nodes(outputs: list, inputs: list) -> list:
     return nodes
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class EntryTimer:
     """Times the entry points it wraps over the steps run inside :meth:`profiling`; :meth:`step_end`
-    gives each one's milliseconds and calls in that step, by direction (:data:`KINDS`)."""
+    gives each one's milliseconds, calls and bytes in that step, by direction (:data:`KINDS`)."""
 
     def __init__(self, cuda: bool | None = None):
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self._prof = None
-        self._calls: list[tuple[str, str, list[int]]] = []  # per call: family, kind, its nodes' sequence numbers
+        # per call: family, kind, its nodes' sequence numbers, the bytes of its tensors in and out
+        self._calls: list[tuple[str, str, list[int], int]] = []
         self._last: dict = {}
 
-    def wrap(self, family: str, op: Callable) -> Callable:
-        """``op`` with its calls timed under ``family`` while a step is profiled (untouched otherwise)."""
+    def wrap(self, family: str | Callable[..., str], op: Callable) -> Callable:
+        """``op`` with its calls timed under ``family`` while a step is profiled (untouched
+        otherwise); ``family`` may be a function of the call's arguments that names it (H_post
+        applied to y or to the bias)."""
 
         def timed(*args, **kwargs):
             if self._prof is None:
                 return op(*args, **kwargs)
+            name = family(*args, **kwargs) if callable(family) else family
             kind = "recompute" if in_backward() else "fwd"
             call = len(self._calls)
-            with torch.profiler.record_function(f"{PREFIX}{family}|{kind}|{call}"):
+            with torch.profiler.record_function(f"{PREFIX}{name}|{kind}|{call}"):
                 out = op(*args, **kwargs)
+            outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if torch.is_tensor(t)]
+            ins = _tensors(args, kwargs)
             seqs = []
             if torch.is_grad_enabled():
-                outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if torch.is_tensor(t)]
-                seqs = [n._sequence_nr() for n in own_nodes(outs, _tensors(args, kwargs))]
-            self._calls.append((family, kind, seqs))
+                seqs = [n._sequence_nr() for n in own_nodes(outs, ins)]
+            self._calls.append((name, kind, seqs, _nbytes(ins) + _nbytes(outs)))
             return out
         timed.__wrapped__ = op
         return timed
@@ -117,7 +169,6 @@ class EntryTimer:
         """The profile's raw events (building the profiler's event tree takes minutes for a large
         model's step): each call's forward range and its own nodes' evaluations are containers; a
         kernel counts for the container its launching op started in (on that op's thread)."""
-        import bisect
         events = prof.profiler.kineto_results.events()
         cpu, gpu = torch.autograd.DeviceType.CPU, None if not self.cuda else torch.autograd.DeviceType.CUDA
         ops = [e for e in events if e.device_type() == cpu and e.linked_correlation_id() == 0 and not e.is_async()]
@@ -127,42 +178,44 @@ class EntryTimer:
             if gpu is not None and e.device_type() == gpu and e.linked_correlation_id() > 0:
                 kernel_ns[e.linked_correlation_id()] += e.duration_ns()
                 busy_ns += e.duration_ns()
-        owner: dict[tuple[int, int], int] = {}  # (thread, sequence number) -> call
+        # (thread, sequence number) -> call; a node an outer call and an inner one both reach (the
+        # outer's walk goes through the inner's) is the inner's: calls with fewer nodes first
+        owner: dict[tuple[int, int], int] = {}
+        threads: dict[int, int] = {}  # call -> the thread its range ran on
         containers: dict[int, list] = defaultdict(list)  # thread -> [(start, end, family, kind, call)]
         for e in ops:
             if e.name().startswith(PREFIX):
                 family, kind, call = e.name()[len(PREFIX):].split("|")
                 containers[e.start_thread_id()].append((e.start_ns(), e.end_ns(), family, kind, int(call)))
-                if int(call) < len(self._calls):
-                    for s in self._calls[int(call)][2]:
-                        owner[(e.start_thread_id(), s)] = int(call)
+                threads[int(call)] = e.start_thread_id()
+        for call in sorted(threads, key=lambda c: len(self._calls[c][2]) if c < len(self._calls) else 0):
+            if call < len(self._calls):
+                for s in self._calls[call][2]:
+                    owner.setdefault((threads[call], s), call)
         for e in ops:
             if e.sequence_nr() >= 0 and e.name().startswith("autograd::engine::evaluate_function"):
                 call = owner.get((e.fwd_thread_id(), e.sequence_nr()))
                 if call is not None:
                     containers[e.start_thread_id()].append((e.start_ns(), e.end_ns(), self._calls[call][0], "bwd", call))
-        for c in containers.values():
-            c.sort()
-        starts = {t: [c[0] for c in cs] for t, cs in containers.items()}
         ns: dict[tuple[str, str], float] = defaultdict(float)
         calls: dict[tuple[str, str], set] = defaultdict(set)
         for cs in containers.values():
             for start, end, family, kind, call in cs:
                 calls[(family, kind)].add(call)
-                if gpu is None:  # on a CPU, the container's own time
-                    ns[(family, kind)] += end - start
         if gpu is not None:
+            launches: dict[int, list] = defaultdict(list)  # thread -> [(start, kernel ns)]
             for e in ops:
                 k = kernel_ns.get(e.correlation_id())
-                t = e.start_thread_id()
-                if not k or t not in starts:
-                    continue
-                i = bisect.bisect_right(starts[t], e.start_ns()) - 1
-                for c in containers[t][max(0, i - 1):i + 1][::-1]:  # the innermost that holds it (they rarely nest)
-                    if c[0] <= e.start_ns() <= c[1]:
-                        ns[(c[2], c[3])] += k
-                        break
-        else:  # the CPU's busy time: every thread's ops, overlaps counted once
+                if k:
+                    launches[e.start_thread_id()].append((e.start_ns(), k))
+            for t, cs in containers.items():
+                for (family, kind), k in innermost(cs, launches.get(t, [])).items():
+                    ns[(family, kind)] += k
+        if gpu is None:  # on a CPU, each container's own time (what its inner ones leave)
+            for cs in containers.values():
+                for (family, kind), v in own_times(cs).items():
+                    ns[(family, kind)] += v
+            # the CPU's busy time: every thread's ops, overlaps counted once
             for t in {e.start_thread_id() for e in ops}:
                 end = None
                 for a, z in sorted((e.start_ns(), e.end_ns()) for e in ops if e.start_thread_id() == t):
@@ -176,6 +229,8 @@ class EntryTimer:
         for (family, kind), c in calls.items():
             out[family][f"{kind}_calls"] = len(c)
             out[family][f"{kind}_ms"] = ns.get((family, kind), 0.0) / 1e6
+            if kind != "bwd":  # a call's tensors in and out (the backward's are not seen)
+                out[family][f"{kind}_bytes"] = float(sum(self._calls[i][3] for i in c if i < len(self._calls)))
         # the step's whole: the device time of every kernel and copy (the GPU's busy time), or on a
         # CPU every thread's time in ops, the profiler's own cost in it as in the entry points'
         out[WHOLE] = {"busy_ms": busy_ns / 1e6}

@@ -60,7 +60,9 @@ from mhctool.core.findings import tally, verdicts, worst_first
 # ``ranks`` and ``grad_reduce`` (``--ranks``; null in a one-process run)
 # 3: train reports gained ``seed`` (the trajectory's seed; in a verdict row, null where the verdict
 # is the seed ensemble's)
-SCHEMA_VERSION = 3
+# 4: bench reports gained ``knobs`` (JSON of the knobs a row was timed at, ``--knob``; null at the
+# family's defaults); bench-step reports gained the module's ops and the attribution rows
+SCHEMA_VERSION = 4
 
 
 SCHEMA = pa.schema([
@@ -90,7 +92,7 @@ BENCH_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("kernel", pa.string()), ("impl", pa.string()), ("backend", pa.string()),
     ("direction", pa.string()), ("dtype", pa.string()), ("shape", pa.string()), ("device", pa.string()),
     ("graph", pa.bool_()), ("metric", pa.string()), ("value", pa.float64()), ("bound", pa.string()),
-    ("message", pa.string()), ("inputs", pa.string()),
+    ("message", pa.string()), ("inputs", pa.string()), ("knobs", pa.string()),
 ])
 
 

@@ -108,6 +108,9 @@ class Family:
     # each element, which elements the contract keeps)}, or {} where no knob chooses; an output
     # nearer the other branch than the contract's at an element is a ``mask_mismatch``
     branches: Callable[[dict, dict], dict] | None = None
+    # knobs a caller gives call by call among the call's arguments (the dropout's probability and
+    # key, which an engine draws afresh for every call): taken from the arguments where there
+    keyed: tuple[str, ...] = ()
 
     def arguments(self, args: dict, knobs: dict, accepted,
                   bind: Callable[[str], str | int | None] = lambda k: k,
@@ -124,6 +127,7 @@ class Family:
             elif args[k] is not None:
                 raise ValueError(f"the function takes no {k} input, and this call has one")
         kw, at = {}, {}
+        knobs = {**knobs, **{k: args[k] for k in self.keyed if k in args}}
         for k, knob in self.knobs.items():
             v = knobs.get(k, knob.default)
             if not (knob.passed and accepted(k)):

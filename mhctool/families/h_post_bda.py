@@ -82,4 +82,5 @@ FAMILY = Family(
     cost=_cost,
     matmul=True,
     branches=_branches,
+    keyed=("dropout", "dropout_seed", "dropout_offset"),
 )

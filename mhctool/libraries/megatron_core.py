@@ -126,15 +126,37 @@ ENTRY_POINTS = {"proj_rms": "_proj_rms_op", "sinkhorn": "_sinkhorn_op", "h_aggre
 TIMED_ALSO = {"_proj_rms_compute_h_op": "mapping", "_h_aggregate_into_op": "h_aggregate"}
 
 
+# what else of the module bench --engine times, so that a step's mHC overhead is attributed op by
+# op (its names are those of mhctool.analyses.train.step_bench.OPS): the module's own methods (its
+# compiled mapping arithmetic, the H_res product and H_post applied to y or the bias, which its
+# unfused dropout path runs), and around them its pre-path (forward) and post-path
+# (fused_h_res_h_post_bda), whose own time is what the named ops inside leave
+MODULE_OPS = {"_compute_h": "compute_h", "apply_h_res": "h_res_product",
+              "_apply_h_post": lambda x, *a, **k: "h_post_bias" if x.dim() == 1 else "h_post_y",
+              "forward": "pre_path", "fused_h_res_h_post_bda": "post_path"}
+
+
 def time_entry_points(model, timer) -> None:
     """Every HyperConnectionModule's entry points (those set) wrapped by ``timer``
-    (:class:`mhctool.core.entry_timing.EntryTimer`), each under the family it computes."""
-    points = {**{a: f for f, a in ENTRY_POINTS.items()}, **TIMED_ALSO}
+    (:class:`mhctool.core.entry_timing.EntryTimer`), each under the family it computes, and the
+    module's other ops (:data:`MODULE_OPS`; the bias-dropout-add, and expand and contract at the
+    block's ends, where the tree has them)."""
+    points = {**{a: f for f, a in ENTRY_POINTS.items()}, **TIMED_ALSO, **MODULE_OPS}
     for m in model.modules():
         if hasattr(m, "_sinkhorn_op"):
             for attr, family in points.items():
                 if getattr(m, attr, None) is not None:
                     setattr(m, attr, timer.wrap(family, getattr(m, attr)))
+    try:
+        from megatron.core.fusions import fused_bias_dropout as fbd
+        from megatron.core.transformer.hyper_connection import HyperConnectionModule as hc
+    except ImportError:  # a tree without them: the entry points alone
+        return
+    get = fbd.get_bias_dropout_add
+    fbd.get_bias_dropout_add = lambda *a, **k: timer.wrap("dropout_add", get(*a, **k))
+    for attr, name in (("input_expand", "expand"), ("output_contract", "contract")):
+        if hasattr(hc, attr):
+            setattr(hc, attr, staticmethod(timer.wrap(name, getattr(hc, attr))))
 
 
 def generation(tree: str) -> str:
@@ -150,14 +172,77 @@ def generation(tree: str) -> str:
 def swap_entry_points(model, ops: dict[str, Callable]) -> None:
     """Every HyperConnectionModule's entry points replaced by ``ops`` (family -> a callable with
     Megatron's signature); dev's fused projection-and-mapping path turned off where the projection
-    is swapped."""
+    is swapped. ``pre_path`` and ``post_path`` replace the whole module
+    (:func:`swap_module_paths`)."""
+    paths = {k: ops[k] for k in ("pre_path", "post_path") if k in ops}
+    if paths:
+        swap_module_paths(model, paths)
     for m in model.modules():
         if not hasattr(m, "_sinkhorn_op"):
             continue
         for family, op in ops.items():
-            setattr(m, ENTRY_POINTS[family], op)
+            if family in ENTRY_POINTS:
+                setattr(m, ENTRY_POINTS[family], op)
         if "proj_rms" in ops and getattr(m, "_proj_rms_compute_h_op", None) is not None:
             m._proj_rms_compute_h_op = None
+
+
+def dropout_key(counters: int) -> tuple[int, int]:
+    """``(seed, offset)`` of the next dropout mask, from the CUDA generator Megatron's hidden
+    dropout draws from (the default one; ``CheckpointWithoutOutput`` saves its state and restores
+    it for the recompute, which so draws the same key), and that generator moved past the mask:
+    torch counts its offset in 32-bit words, four a counter, and its own draws start from the
+    offset (:mod:`mhctool.references.dropout`)."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    offset = gen.get_offset()
+    gen.set_offset(offset + 4 * counters)
+    return gen.initial_seed() % 2**63, offset // 4
+
+
+def swap_module_paths(model, ops: dict[str, Callable]) -> None:
+    """Every HyperConnectionModule computed by two calls a direction
+    (:mod:`mhctool.analyses.train.module_path`): its forward by ``pre_path`` (the projection, RMS,
+    mapping, Sinkhorn and aggregation), its ``fused_h_res_h_post_bda`` by ``post_path`` (the
+    residual mix and the dropped-out branch, whatever the dropout: Megatron's falls back to
+    separate ops where it is on). Each runs under the module's recompute as Megatron's own ops do
+    (``CheckpointWithoutOutput`` with the block's manager, where one is given), the dropout's key
+    drawn inside what is recomputed."""
+    for m in model.modules():
+        if hasattr(m, "_sinkhorn_op"):
+            m.forward = functools.partial(_pre_path, m, ops["pre_path"])
+            m.fused_h_res_h_post_bda = functools.partial(_post_path, m, ops["post_path"])
+
+
+def _checkpointed(manager, fn, *args):
+    if manager is None:
+        return fn(*args)
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+    return CheckpointWithoutOutput(ckpt_manager=manager).checkpoint(fn, *args)
+
+
+def _pre_path(m, op, hidden_states, mhc_recompute_manager=None):
+    s, b, _ = hidden_states.shape
+
+    def run(x, weight, alpha_pre, alpha_post, alpha_res, bias):
+        alpha = torch.cat([alpha_pre.reshape(1), alpha_post.reshape(1), alpha_res.reshape(1)])
+        return op(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
+    return _checkpointed(mhc_recompute_manager, run, hidden_states, m.mapping_proj.weight, m.alpha_pre, m.alpha_post,
+                         m.alpha_res, m.bias)
+
+
+def _post_path(m, op, h_res, original_residual, h_post, layer_output_with_bias, dropout_prob, training, fused,
+               manager=None):
+    from mhctool.references.dropout import counters_used
+    x, bias = layer_output_with_bias
+    s, b, _ = original_residual.shape
+    p = float(dropout_prob) if training else 0.0
+
+    def run(h_res, residual, h_post, x, *maybe_bias):
+        seed, offset = dropout_key(counters_used(s * b, m.n, m.hidden_size)) if p else (0, 0)
+        out = op(h_res, residual.reshape(s, b, m.n, m.hidden_size), h_post, x, maybe_bias[0] if maybe_bias else None,
+                 p, seed, offset)
+        return out.reshape(s, b, m.n * m.hidden_size)
+    return _checkpointed(manager, run, h_res, original_residual, h_post, x, *(() if bias is None else (bias,)))
 
 
 # the outputs of each entry point, by the names mhctool's families give them

@@ -83,8 +83,8 @@ def cast_inputs(fam: Family, raw: dict, dtype: str, device: str) -> dict:
 def leaf_inputs(fam: Family, base: dict, dtype=None) -> dict:
     out = {}
     for name, t in base.items():
-        if t is None:
-            out[name] = None
+        if not torch.is_tensor(t):  # None, or a keyed knob given with the call (the dropout's key)
+            out[name] = t
             continue
         if not t.is_floating_point():
             out[name] = t.detach().clone()

@@ -279,3 +279,42 @@ def test_under_tensor_parallelism_each_ranks_first_step_is_recorded_and_judged(t
     assert {r["metric"].split(":", 2)[2] for r in rows} == {f"rank {k} layer 0 sinkhorn.{t}" for k in (0, 1)
                                                             for t in ("h_res", "grad_logits")}
     assert {r["layer"] for r in rows} == {0}
+
+
+@pytest.mark.slow  # about 10 s each on 2 cores
+@pytest.mark.parametrize("spec, said", [
+    ("torch[module]", None),
+    ("defects.py:h_post_bda_dropout_fresh_mask_again[module]",
+     r"layer 0 h_post_bda\.out: \d+ elements differ when it is called again with the same dropout key"),
+    ("defects.py:h_post_bda_transposed[module]", r"layer 0 h_post_bda\.out: max_abs"),
+    ("defects.py:h_post_bda_dropout_bias_outside[module]", r"layer 0 h_post_bda\.grad_bias: max_abs"),
+])
+def test_the_whole_module_path_is_judged_at_the_first_step_with_the_recipes_dropout(tmp_path, spec, said):
+    """The module swapped whole (mhctool's module path: its pre-path, and its post-path with the
+    dropout drawn in the kernel from the key the engine gives each call), under the recipe's
+    hidden dropout: the float64 run records the module's calls, keys included, and each is
+    judged; mhctool's native pieces pass, and each planted post-path fails at the first step,
+    named: a mask not drawn again the same from the same key (the recompute's), H^T, the bias
+    outside the dropout."""
+    spec = spec if spec.startswith("torch") else str(IMPLS / spec)
+    res, text = run("train", "--engine", STANDIN, "--impl", spec, *TINY, "--no-trace", "-o", tmp_path / "s.parquet")
+    if said is None:
+        assert res.exit_code == 0, text
+        assert "ok first step: every entry point's outputs and gradients" in text, text
+        return
+    assert res.exit_code == 1, text
+    assert re.search(r"FAIL first step: \d+ of \d+ tensors fail parity's rule at the first step \(seed 0\): .*"
+                     + said, text), text
+
+
+def test_a_whole_module_spec_names_what_computes_it_and_stands_alone():
+    from mhctool.analyses.train import module_path
+    from mhctool.core.errors import UsageError
+    assert module_path.backend_of("cutile[module]") == "cutile" and module_path.backend_of("cutile") is None
+    assert E.assign(["triton[module]"]) == {"module": "triton"}
+    assert module_path.assigned(str(IMPLS / "defects.py:h_post_bda_transposed")) == {
+        "mix_aggregate": "torch", "h_post_bda": str(IMPLS / "defects.py:h_post_bda_transposed")}
+    with pytest.raises(UsageError, match="does not combine"):
+        E.assign(["triton[module]", "cutile"])
+    with pytest.raises(UsageError, match="neither of the module's families"):
+        module_path.assigned(str(IMPLS / "defects.py:sinkhorn_eps_1e8"))

@@ -3,6 +3,7 @@ the engine stand-in (impls/engine_standin.py, never Megatron's code), the overhe
 baseline, the entry points' time measured in place (core/entry_timing.py), the report, its
 tables and figure, and bad input. The Megatron-core engine itself is the GPU test's."""
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -70,12 +71,14 @@ def _rows(path):
 
 
 def test_bench_engine_times_every_variant_and_splits_the_entry_points(tmp_path):
-    """The stand-in engine on the CPU: the baseline without hyper-connections, its own path, its
-    fused switch and mhctool's torch pieces at the entry points, each with its step and overhead;
-    per entry point and direction its time and calls a step; the kernels alone beside; the report
-    read back by report show."""
+    """The stand-in engine on the CPU without dropout (its post-path is then the h_post_bda entry
+    point): the baseline without hyper-connections, its own path, its fused switch and mhctool's
+    torch pieces at the entry points, each with its step and overhead; per entry point and
+    direction its time and calls a step; the kernels alone beside; the report read back by report
+    show."""
     out = tmp_path / "s.parquet"
-    res = runner.invoke(app, ["bench", "--engine", STANDIN, *TOY, "-o", str(out), "--plot", str(tmp_path / "s.png")])
+    res = runner.invoke(app, ["bench", "--engine", STANDIN, *TOY, "--recipe", "hidden_dropout=0", "--variant",
+                              "native,fused,torch", "-o", str(out), "--plot", str(tmp_path / "s.png")])
     assert res.exit_code == 0, res.output
     rows = _rows(out)
     assert report.read(out)[1]["kind"] == "bench-step"
@@ -93,11 +96,64 @@ def test_bench_engine_times_every_variant_and_splits_the_entry_points(tmp_path):
     alone = {(r["entry"], r["direction"]) for r in rows if r["metric"] == "kernel_ms" and r["variant"] == "torch"}
     assert alone == {(f, d) for f in FAMILIES for d in ("fwd", "bwd")}
     assert (tmp_path / "s.png").stat().st_size > 0
-    assert "inside the mHC entry points" in res.output and "overhead" in res.output
+    assert "inside the mHC module" in res.output and "overhead" in res.output
     shown = runner.invoke(app, ["report", "show", str(out)])
     assert shown.exit_code == 0 and "sinkhorn" in shown.output and "fused" in shown.output, shown.output
     same = runner.invoke(app, ["report", "compare", str(out), str(out)])
     assert same.exit_code == 0 and "nothing got worse" in same.output, same.output
+
+
+@pytest.mark.slow  # about 12 s on 2 cores
+def test_the_overhead_is_attributed_op_by_op_and_the_parts_sum_to_it(tmp_path):
+    """With the recipe's hidden dropout (the stand-in's post-path then runs Megatron's unfused ops:
+    the H_res product, H_post on y and on the bias, the bias-dropout-add), every op of the module
+    is timed in place, with the bytes it moves; the module's ops, the kernels outside them and the
+    idle time, each against the baseline's, sum to the overhead; the whole-module variant
+    (mhctool's module path, its dropout drawn in the kernel) is its two paths; the byte floor is
+    beside; report show prints the split."""
+    out = tmp_path / "s.parquet"
+    res = runner.invoke(app, ["bench", "--engine", STANDIN, *TOY, "--variant", "native,torch[module]",
+                              "--no-kernels", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = _rows(out)
+    parts = {}
+    for r in rows:
+        parts.setdefault(r["variant"], {}).setdefault((r["entry"], r["direction"]), {})[r["metric"]] = r["value"]
+    native, module = parts["native"], parts["torch[module]"]
+    ops = {e for e, _ in native if e != "*"}
+    assert {"h_res_product", "h_post_y", "h_post_bias", "dropout_add", "compute_h", "expand", "contract",
+            "pre_path", "post_path", "proj_rms", "sinkhorn", "h_aggregate"} <= ops, ops
+    assert "h_post_bda" not in ops  # dropout on: the entry point is never called, as in Megatron
+    assert {e for e, _ in module if e != "*"} == {"pre_path", "post_path", "expand", "contract"}
+    for v in (native, module):
+        whole = v[("*", "*")]
+        assert whole["mhc_ms"] == pytest.approx(sum(m["entry_ms"] for (e, _), m in v.items() if e != "*"))
+        assert whole["mhc_ms"] + whole["outside_ms"] + whole["idle_ms"] == pytest.approx(whole["overhead_ms"])
+        assert whole["floor_bytes"] > 0 and whole["floor_ms"] > 0
+        assert all(m["bytes"] > 0 for (e, d), m in v.items() if e != "*" and d == "fwd")
+    shown = runner.invoke(app, ["report", "show", str(out)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0 and "where the overhead goes" in shown.output and "torch[module]" in shown.output
+
+
+def test_the_byte_floor_is_the_issues_arithmetic():
+    """164 KiB a token and module call at C = 2048, n = 4 with the recompute (the pre-path's read of
+    the streams and its write, the post-path's two reads and its write, twice that backward, one
+    more pre-path, less the plain layer's residual add), 144 KiB without."""
+    from mhctool.analyses.train.step_bench import byte_floor
+    from mhctool.libraries.megatron_core import Recipe
+    r = Recipe(layers=1, hidden=2048, streams=4, seq=1, global_batch=1, micro_batch=1)
+    assert byte_floor(r) == 2 * 164 * 1024
+    assert byte_floor(replace(r, recompute=False)) == 2 * 2 * 2048 * (3 * 14 - 6)
+
+
+def test_a_kernel_counts_for_the_innermost_call_it_was_launched_in():
+    from mhctool.core.entry_timing import innermost, own_times
+    outer = (0, 100, "pre_path", "fwd", 0)
+    inner = [(10, 20, "proj_rms", "fwd", 1), (30, 40, "sinkhorn", "fwd", 2)]
+    launches = [(5, 1.0), (15, 2.0), (35, 4.0), (50, 8.0), (150, 16.0)]
+    got = innermost([outer, *inner], launches)
+    assert got == {("pre_path", "fwd"): 9.0, ("proj_rms", "fwd"): 2.0, ("sinkhorn", "fwd"): 4.0}
+    assert own_times([outer, *inner]) == {("pre_path", "fwd"): 80, ("proj_rms", "fwd"): 10, ("sinkhorn", "fwd"): 10}
 
 
 def test_a_sweep_runs_the_baseline_once_and_a_failing_variant_is_its_row(tmp_path):

@@ -276,3 +276,17 @@ def h_post_bda_dropout_unscaled(h_res, x, h_post, y, bias=None, dropout=0.0, dro
                              dropout_offset=dropout_offset)
     mixed = native.h_post_bda(h_res, x, torch.zeros_like(h_post), y, None)
     return mixed + (keep - mixed) * (1.0 - dropout)
+
+
+_KEYS_DRAWN: dict = {}
+
+
+def h_post_bda_dropout_fresh_mask_again(h_res, x, h_post, y, bias=None, dropout=0.0, dropout_seed=0,
+                                        dropout_offset=0):
+    """Draws the contract's mask the first time it is given a key, and another on every later call
+    with that key (a kernel that counts its draws itself: the recompute, which restores the key,
+    gets another mask than the forward's)."""
+    again = _KEYS_DRAWN.get((dropout_seed, dropout_offset), 0)
+    _KEYS_DRAWN[(dropout_seed, dropout_offset)] = again + 1
+    return native.h_post_bda(h_res, x, h_post, y, bias, dropout=dropout, dropout_seed=dropout_seed,
+                             dropout_offset=dropout_offset + 7919 * again if dropout else dropout_offset)

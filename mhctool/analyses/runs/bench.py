@@ -45,6 +45,7 @@ class Request:
     case_timeout: float | None = None
     input_dtypes: str = "library"
     insist: bool = False  # an implementation that keeps ending its process or hanging is timed on every case
+    knobs: list[tuple[str, str]] = field(default_factory=list)  # --knob KEY=VALUE: the kernels' knobs timed at
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Measurement:
     shape: object
     graph: bool
     why_not: str | None
+    knobs: dict = field(default_factory=dict)  # the family's knobs it is timed at (--knob)
 
 
 @dataclass
@@ -130,10 +132,26 @@ def plan(req: Request, dev: str, dtype: str) -> tuple[list[Measurement], dict, l
     targets = [SimpleNamespace(kernel=k, device=dev, dtype=timing.bench_dtype(k, dtype)) for k in kernels]
     if req.impls:  # as in parity: skipped where it cannot run, an error only where it runs nothing
         check_runnable(resolved, targets)
-    todo = [Measurement(t.kernel, i, shp, g, i.unsupported(t.device, t.dtype))
+    knobs = kernel_knobs(kernels, req.knobs)
+    todo = [Measurement(t.kernel, i, shp, g, i.unsupported(t.device, t.dtype), knobs[t.kernel])
             for t in targets for i in resolved[t.kernel]
             for shp in (moe if get_family(t.kernel).shape_kind == "moe" else [mhc]) for g in graphs]
     return todo, resolved, graphs
+
+
+def kernel_knobs(kernels: list[str], items: list[tuple[str, str]]) -> dict[str, dict]:
+    """``--knob KEY=VALUE`` items -> per kernel, the checked values of the knobs its family has; a
+    knob no kernel timed has is a UsageError (as is a value its knob refuses)."""
+    from mhctool.analyses.knob_shift import typed_value
+    out: dict[str, dict] = {k: {} for k in kernels}
+    for name, raw in items:
+        takers = [k for k in kernels if name in get_family(k).knobs]
+        if not takers:
+            raise UsageError(f"--knob {name}: no kernel timed here has it ({', '.join(kernels)})")
+        for k in takers:
+            knob = get_family(k).knobs[name]
+            out[k][name] = knob.check(k, name, typed_value(knob.kind, name, raw))
+    return out
 
 
 def _check_fits(todo: list[Measurement], dev: str, dtype: str) -> int:
@@ -160,13 +178,14 @@ def measure_one(iso, m: Measurement, direction: str, dtype: str, dev: str, repea
     if iso is None or i.native:
         try:
             return ("ok", k, i, direction, timing.measure(k, i, shp, dtype, dev, repeats, direction, g, l2, 0,
-                                                          contract), shp, g)
+                                                          contract, m.knobs), shp, g)
         except SystemExit as e:
             return ("error", k, i, direction, system_exit_message(e), shp, g)
         except Exception as e:  # a kernel that fails to run is reported, the rest still run
             return ("error", k, i, direction, short_error(e), shp, g)
     value, failure = iso.call(i, "mhctool.analyses.timing:isolated_measure",
-                              (k, i.spec or i.name, i.name, shp, dtype, dev, repeats, direction, g, l2, 0, contract),
+                              (k, i.spec or i.name, i.name, shp, dtype, dev, repeats, direction, g, l2, 0, contract,
+                               m.knobs),
                               timing.footprint(k, shp, dtype), dev)
     if failure is not None:
         return ("error", k, i, direction, failure.message, shp, g)
@@ -210,7 +229,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
     settings = {"command": "bench", "shape": shape_text, "dtype": dtype, "device": dev, "repeats": req.repeats,
                 "graph": graphs, "copy_bandwidth_Bps": copy_bw,
                 "matmul_bf16_flops": mm_bf16, "matmul_tf32_flops": mm_tf32, "isolate": s.isolation is not None,
-                "input_dtypes": req.input_dtypes, "interrupted": s.interrupts.requested}
+                "input_dtypes": req.input_dtypes, "knobs": dict(req.knobs), "interrupted": s.interrupts.requested}
     table = report.to_table(rows, report.new_run_id(), "bench", environment.metadata(), settings,
                             schema=report.BENCH_SCHEMA)
     path = report.write_atomic(table, req.out)

@@ -72,14 +72,16 @@ def plan(req: Request, dev: str):
     return spec, base, points, vs
 
 
-def kernel_figures(measured: list, recipe, dev: str, repeats: int = 20) -> dict:
+def kernel_figures(measured: list, recipe, dev: str, spec=None, repeats: int = 20) -> dict:
     """Each swapped-in implementation's kernels timed alone (``mhctool bench``'s measurement) at the
     step's shape: (variant, point, family, direction) -> median ms; what cannot be timed is left out.
-    On a GPU as CUDA graph replays: the kernels' device time, as the step's figure is (without a
-    graph a call at a recipe's size is timed mostly as the host's launches: 0.39 ms for Triton's
-    projection backward at Megatron's recipe, whose kernels run 0.036 ms a call in the step);
-    where a capture fails, without."""
+    A whole-module variant's are its two families, ``mix_aggregate`` at the native path's
+    conventions and ``h_post_bda`` at the recipe's dropout. On a GPU as CUDA graph replays: the
+    kernels' device time, as the step's figure is (without a graph a call at a recipe's size is
+    timed mostly as the host's launches: 0.39 ms for Triton's projection backward at Megatron's
+    recipe, whose kernels run 0.036 ms a call in the step); where a capture fails, without."""
     from mhctool.analyses import timing
+    from mhctool.analyses.train import module_path
     from mhctool.core.shapes import parse_shape_for
     out = {}
     l2 = environment.l2_bytes() if dev == "cuda" else 0
@@ -88,14 +90,22 @@ def kernel_figures(measured: list, recipe, dev: str, repeats: int = 20) -> dict:
             continue
         r = replace(recipe, **m.point)
         shape = parse_shape_for("mhc", f"{r.seq}x{r.micro_batch}x{r.streams}x{r.hidden}")
-        for family, s in m.variant.specs.items():
+        todo = {f: (s, {}) for f, s in m.variant.specs.items()}
+        if module_path.KEY in todo:
+            backend = todo.pop(module_path.KEY)[0]
+            eff = E.effective_knobs(spec, r, {}, {}, {}, "native", dev) if spec is not None else {}
+            pre = {k: v for k, v in module_path.pre_knobs(eff).items() if k != "rms_eps"}
+            todo = {"mix_aggregate": (backend, pre), "h_post_bda": (backend, {"dropout": r.hidden_dropout,
+                                                                               "dropout_seed": 1, "dropout_offset": 0})}
+        for family, (s, knobs) in todo.items():
             impls = resolve_impls(family, [s])
             if not impls or impls[0].unsupported(dev, "bf16"):
                 continue
             for d in ("fwd", "bwd"):
                 for graph in ((True, False) if dev == "cuda" else (False,)):
                     try:
-                        t = timing.measure(family, impls[0], shape, "bf16", dev, repeats, d, graph, l2)
+                        t = timing.measure(family, impls[0], shape, "bf16", dev, repeats, d, graph, l2,
+                                           knobs=knobs or None)
                     except Exception:  # noqa: BLE001 - a kernel that cannot be timed alone: no figure, the step stands
                         continue
                     if t.times_ms:
@@ -119,12 +129,15 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
         measured = SB.measure_all(spec, base, points, vs, dev, req.warmup, req.steps, req.entry_steps,
                                   lambda: s.interrupts.requested, lambda label: watch.started(label, label),
                                   watch.finished)
-        figures = kernel_figures(measured, base, dev) if req.kernels and not s.interrupts.requested else {}
+        figures = kernel_figures(measured, base, dev, spec) if req.kernels and not s.interrupts.requested else {}
+        from mhctool.analyses import timing
+        copy_bw = timing.copy_bandwidth(dev, (1 << 30) if dev == "cuda" else (1 << 24))
         meta = environment.metadata()
-    rows = SB.rows(measured, base, figures, dev)
+    rows = SB.rows(measured, base, figures, dev, copy_bw)
     settings = {"command": "bench", "engine": spec.name, "device": dev, "recipe": asdict(replace(base, steps=per_run)),
                 "sweep": [dict(p) for p in points], "warmup": req.warmup, "steps": req.steps,
-                "entry_steps": req.entry_steps, "variants": [v.name for v in vs], "interrupted": s.interrupts.requested}
+                "entry_steps": req.entry_steps, "variants": [v.name for v in vs], "copy_bandwidth_Bps": copy_bw,
+                "interrupted": s.interrupts.requested}
     table = report.to_table(rows, report.new_run_id(), "bench-step", meta, settings, schema=report.STEP_SCHEMA)
     path = report.write_atomic(table, req.out)
     return Outcome(rows, measured, base, points, dev, spec.name, s.interrupts.requested, path, table, s.library_log)

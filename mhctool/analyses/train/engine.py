@@ -43,6 +43,7 @@ import torch
 
 from mhctool.analyses.knob_shift import typed_value
 from mhctool.analyses.train import first_step as first_step_mod
+from mhctool.analyses.train import module_path
 from mhctool.analyses.train.pieces import assign as model_assign
 from mhctool.analyses.train.pieces import family_call, native_piece, pick_impl, reference_piece
 from mhctool.analyses.train.ranks import STALL_S, gpu_slots, run_ranks
@@ -133,13 +134,19 @@ def recipe_options(items: list[tuple[str, str]]):
 
 def assign(specs: list[str]) -> dict[str, str]:
     """Which spec each entry point runs: ``megatron`` (Megatron's own fused kernels, by its switch)
-    stands alone; a function spec is the family its parameters are named after; a built-in or a
-    library stands for every entry point it has."""
+    stands alone, as does a whole-module spec (``triton[module]``: mhctool's kernels for the
+    module's pre- and post-path, :mod:`~mhctool.analyses.train.module_path`); a function spec is
+    the family its parameters are named after; a built-in or a library stands for every entry
+    point it has."""
+    alone = [s for s in specs if s == "megatron" or module_path.backend_of(s)]
+    if alone and len(specs) > 1:
+        raise UsageError(f"--impl {alone[0]} is " + ("Megatron's own fused kernels (its use_fused_mhc switch)"
+                                                     if alone[0] == "megatron" else "the whole module")
+                         + ": it does not combine with another --impl")
     if "megatron" in specs:
-        if len(specs) > 1:
-            raise UsageError("--impl megatron is Megatron's own fused kernels (its use_fused_mhc switch): "
-                             "it does not combine with another --impl")
         return {f: "megatron" for f in ENGINE_FAMILIES}
+    if alone:
+        return {module_path.KEY: module_path.backend_of(alone[0])}
     out = {}
     for spec, fams in ((s, model_assign([s])) for s in specs):
         for family, s in fams.items():
@@ -184,7 +191,7 @@ def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str]
         raise UsageError(f"--recipe global_batch={r.global_batch} must be a multiple of the micro-batch ({r.micro_batch})")
     assigned = assign(specs)
     for f, s in assigned.items():  # an unknown implementation, a function of the wrong form: before training
-        if s != "megatron":
+        if s != "megatron" and f != module_path.KEY:
             resolve_impls(f, [s])
     knobs = parse_knobs(knob_items, "--knob")
     conventions = parse_knobs(convention_items, "--convention", conventions_only=True)
@@ -266,7 +273,7 @@ def effective_knobs(spec: EngineSpec, recipe, specs: dict[str, str], knobs: dict
     eff["proj_rms"]["eps"] = 1e-6
     if role == "impl":
         for f, s in specs.items():
-            if s != "megatron":
+            if s != "megatron" and f != module_path.KEY:
                 impl = pick_impl(f, s, device, "bf16")[0]
                 if impl is not None and impl.backend == "external":
                     eff[f].update(impl.conventions)
@@ -298,14 +305,21 @@ def worker_main(argv: list[str] | None = None) -> int:
     recipe = recipe_from(json.loads(a.recipe))
     specs, eff = json.loads(a.specs), json.loads(a.eff)
     fused = a.role == "impl" and set(specs.values()) == {"megatron"}
-    if a.alt:
+    module = specs.get(module_path.KEY)
+    recorded: list = []  # the first step's calls, where --record asks for them
+    if module and a.role in ("impl", "native", "reference"):  # the whole module: its two paths
+        calls, named = module_path.pieces(a.role, module, eff, a.device)
+        if a.record:
+            calls = _recording(calls, recorded, recipe.layers)
+        ops = module_path.ops(calls)
+        names = {module_path.KEY: " and ".join(dict.fromkeys(named.values()))}
+    elif a.alt:
         alt = json.loads(a.alt)
         piece = native_piece(alt["family"], alt["knobs"], alt.get("precision", "ieee"))
         ops = _ops({alt["family"]: piece.call})
         names = {f: (piece.name if f == alt["family"] else "Megatron's own") for f in ENGINE_FAMILIES}
     elif a.role == "impl" and not fused or a.role == "reference":
         calls, names = _pieces(a.role, {} if a.role == "reference" else specs, eff, a.device, "bf16")
-        recorded: list = []
         if a.record:
             calls = _recording(calls, recorded, recipe.layers)
         ops = _ops(calls)
@@ -360,7 +374,8 @@ def _recording(calls: dict[str, Callable], into: list, layers: int) -> dict[str,
 
     def same(c, args: dict) -> bool:
         return all(torch.is_tensor(v) == torch.is_tensor(c.inputs.get(k)) and
-                   (not torch.is_tensor(v) or (v.shape == c.inputs[k].shape and torch.equal(v.detach(), c.inputs[k])))
+                   (v == c.inputs.get(k) if not torch.is_tensor(v) else
+                    v.shape == c.inputs[k].shape and torch.equal(v.detach(), c.inputs[k]))
                    for k, v in args.items())
 
     def wrap(family: str, call: Callable) -> Callable:
@@ -368,7 +383,8 @@ def _recording(calls: dict[str, Callable], into: list, layers: int) -> dict[str,
             outs = call(args)
             layer = seen[family] = seen.get(family, -1) + 1
             if layer < layers:
-                first_step_mod.record(into, layer, family, mc.OUTPUTS[family], args, outs)
+                first_step_mod.record(into, layer, family, mc.OUTPUTS.get(family, get_family(family).outputs), args,
+                                      outs)
             else:  # a recompute of a recorded call gives it the gradients it lacks
                 c = next((r for r in into if r.family == family and all(g is None for g in r.upstream)
                           and same(r, args)), None)
@@ -493,7 +509,11 @@ class EngineRunner:
         at the implementation's conventions. None where nothing of mhctool's or of a file's is
         swapped in (Megatron's fused switch)."""
         eff = self.effective("impl")
-        mine, _ = _pieces("impl", self.specs, eff, self.device, self.dtype)
+        module = self.specs.get(module_path.KEY)
+        if module:  # the whole module: its two families, judged on the module's recorded calls
+            mine, _ = module_path.pieces("impl", module, eff, self.device)
+        else:
+            mine, _ = _pieces("impl", self.specs, eff, self.device, self.dtype)
         if not mine:
             return None
         with tempfile.TemporaryDirectory(prefix="mhctool-engine-") as d:
@@ -509,9 +529,12 @@ class EngineRunner:
                 return first_step_mod.Check(error=f"the float64 run's first step was not recorded: {error or e}",
                                             seed=seed)
         calls = [c for c in calls if c.family in mine]
-        # native at the precision each implementation declares (TF32 for PR 3828's projection), as parity's baseline
-        native = {f: native_piece(f, eff[f], pick_impl(f, self.specs[f], self.device, self.dtype)[0]
-                                  .precision_on(self.device)).call for f in mine}
+        if module:
+            native = module_path.pieces("native", module, eff, self.device)[0]
+            eff = {**eff, **module_path.knobs(eff)}
+        else:  # native at the precision each implementation declares (TF32 for PR 3828's projection), as parity's
+            native = {f: native_piece(f, eff[f], pick_impl(f, self.specs[f], self.device, self.dtype)[0]
+                                      .precision_on(self.device)).call for f in mine}
         wide = {f: family_call(f, get_family(f).reference, eff[f]) for f in mine}
         returned: dict = {}
         try:

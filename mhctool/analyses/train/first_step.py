@@ -85,6 +85,9 @@ class Judged:
     grid: str | None = None  # a 16-bit format whose grid holds every element (native's does not): computed there
 
     def sentence(self) -> str:
+        if self.metric == "mask_repeat":
+            return (f"{self.tensor}: {int(self.value)} elements differ when it is called again with the same "
+                    "dropout key (a recompute, which restores the key, would draw another mask)")
         counted = self.metric in ("nonfinite", "extra_zeros")
         what = (f"{int(self.value)} {'non-finite elements' if self.metric == 'nonfinite' else 'extra exact zeros'}"
                 if counted else f"{self.metric} {self.value:.3g}")
@@ -220,13 +223,13 @@ class Check:
     def worst(self) -> list[Judged]:
         """Each failed tensor's most telling failure (non-finite first, then max_abs, extra zeros,
         rel_l2), the tensors by how far past the threshold that is, the farthest first."""
-        order = ("nonfinite", "max_abs", "extra_zeros", "rel_l2")
+        order = ("mask_repeat", "nonfinite", "max_abs", "extra_zeros", "rel_l2")
         by: dict[str, Judged] = {}
         for j in sorted(self.failures, key=lambda j: order.index(j.metric)):
             by.setdefault(j.tensor, j)
 
         def past(j: Judged) -> float:
-            if j.metric == "nonfinite" or not math.isfinite(j.value) or not j.threshold:
+            if j.metric in ("nonfinite", "mask_repeat") or not math.isfinite(j.value) or not j.threshold:
                 return math.inf
             return j.value / j.threshold
         return sorted(by.values(), key=lambda j: (order.index(j.metric) > 0, -past(j)))
@@ -351,6 +354,26 @@ def judge_calls(calls: list[Call], impl: dict | list, native: dict, wide: dict[s
             scale[name] = max(scale.get(name, 0.0), v)
         where = f"layer {call.layer} {call.family}." if call.rank is None else f"rank {call.rank} layer {call.layer} {call.family}."
         out += _judge(mine, nat, refs, rule, where, GATED, scale)
+        if not isinstance(impl, list) and keyed(call):
+            out += _same_key_again(mine, entry_point(_callable(impl[call.family]), call.family, call), call, where)
+    return out
+
+
+def keyed(call: Call) -> bool:
+    """Whether the call was given a dropout key its mask depends on (a keyed knob of its family)."""
+    return bool(call.inputs.get("dropout")) and "dropout" in get_family(call.family).keyed
+
+
+def _same_key_again(first: dict, again: dict, call: Call, where: str) -> list[Judged]:
+    """A keyed call run again with the same key gives the same outputs, bit for bit: the mask is a
+    function of the key (the recompute restores the key and must draw the forward's mask)."""
+    out = []
+    for name in call.names:
+        if name in first and name in again:
+            a, b = first[name].detach(), again[name].detach()
+            differ = int((a != b).sum()) if a.shape == b.shape else a.numel()
+            out.append(Judged(f"{where}{name}", "mask_repeat", float(differ), 0.0, differ == 0,
+                              "the same dropout key draws the same mask", 0.0))
     return out
 
 

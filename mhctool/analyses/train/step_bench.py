@@ -24,11 +24,25 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from mhctool.analyses.train import engine as E
+from mhctool.analyses.train import module_path
 from mhctool.core.errors import UsageError
 from mhctool.libraries.megatron_core import Recipe
 from mhctool.registry.specs import resolve_impls
 
 BASELINE, NATIVE, FUSED = "plain", "native", "fused"
+# the parts a step's mHC overhead is attributed to, as the engines name what they time
+# (mhctool.libraries.megatron_core.MODULE_OPS): the module's entry points, its other ops, and around
+# them its two paths, whose own time is what the ops inside leave (the module's glue; all of a
+# whole-module variant's kernels)
+OPS = {
+    "proj_rms": "projection + RMS (entry point)", "mapping": "projection + mapping (dev's fused entry point)",
+    "sinkhorn": "Sinkhorn (entry point)", "h_aggregate": "H_pre aggregation (entry point)",
+    "h_post_bda": "H_res mix + H_post bias-add (entry point)", "compute_h": "the mapping's arithmetic (compute_h)",
+    "h_res_product": "H_res x the streams (bmm)", "h_post_y": "H_post x y", "h_post_bias": "H_post x the bias",
+    "dropout_add": "bias-dropout-add over n x C", "expand": "expand (the block's entry)",
+    "contract": "contract (the block's exit)", "pre_path": "the pre-path's rest (the module's glue)",
+    "post_path": "the post-path's rest (the module's glue)"}
+OUTSIDE, IDLE = "outside the module", "idle"
 # recipe options that change the model without hyper-connections too (the baseline is run again
 # at each sweep point where one of these differs)
 PLAIN_KEYS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "global_batch", "tp",
@@ -45,8 +59,9 @@ class Variant:
 
 def default_impls(device: str) -> list[str]:
     """What is swapped in where ``--impl`` is not given: mhctool's Triton and cuTile kernels on a
-    GPU, its torch pieces on a CPU."""
-    return ["triton", "cutile"] if device == "cuda" else ["torch"]
+    GPU at the entry points and for the whole module, its torch pieces on a CPU."""
+    backends = ["triton", "cutile"] if device == "cuda" else ["torch"]
+    return backends + [f"{b}{module_path.SUFFIX}" for b in backends]
 
 
 def variants(specs: list[str], assign) -> list[Variant]:
@@ -86,7 +101,7 @@ def check_variants(vs: list[Variant], only: list[str]) -> list[Variant]:
     trains); ``only``: the variants kept (the baseline always is)."""
     for v in vs:
         for f, s in v.specs.items():
-            if s != "megatron" and f != "*":
+            if s != "megatron" and f not in ("*", module_path.KEY):
                 resolve_impls(f, [s])
     if only:
         known = [v.name for v in vs]
@@ -195,13 +210,18 @@ class Measured:
         """The engine turned its fused switch off (Megatron does without cuTile)."""
         return self.variant.name == FUSED and any(r.get("fused") is False for r in self.records)
 
-    def entry(self) -> dict[tuple[str, str], tuple[float, float]]:
-        """(family, kind) -> (median milliseconds a step, calls a step) over the entry-timed steps."""
+    def entry(self) -> dict[tuple[str, str], tuple[float, float, float | None]]:
+        """(family or op, kind) -> (median milliseconds a step, calls a step, bytes a step: what its
+        calls were given and returned, where seen) over the entry-timed steps."""
         recs = [r["entry_ms"] for r in self.records if r.get("entry_ms") is not None]
         keys = sorted({(f, k) for e in recs for f, d in e.items() if f != "*" for k in ENTRY_KINDS
                        if f"{k}_calls" in d or f"{k}_ms" in d})
-        return {(f, k): (statistics.median(e.get(f, {}).get(f"{k}_ms", 0.0) for e in recs),
-                         statistics.median(e.get(f, {}).get(f"{k}_calls", 0) for e in recs)) for f, k in keys}
+
+        def med(f, k, what, default):
+            vals = [e.get(f, {}).get(f"{k}_{what}", default) for e in recs]
+            vals = [v for v in vals if v is not None]
+            return statistics.median(vals) if vals else None
+        return {(f, k): (med(f, k, "ms", 0.0), med(f, k, "calls", 0), med(f, k, "bytes", None)) for f, k in keys}
 
     def mhc_ms(self) -> float | None:
         """The median over the entry-timed steps of the step's total time inside the entry points."""
@@ -226,17 +246,41 @@ def point_text(point: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in point.items()) or "-"
 
 
-def rows(measured: list[Measured], recipe, kernel_ms: dict | None = None, device: str = "cuda") -> list[dict]:
+def byte_floor(r) -> float:
+    """The bytes a step's mHC modules must move at the least, beyond the plain layer's own residual
+    add, by recipe ``r`` (bf16 streams, two modules a layer). Per token and module call, with C
+    the hidden size and n the streams: the pre-path reads the n streams and writes C; the
+    post-path reads the n streams and y and writes the n streams (together (3n + 2) C elements);
+    the backward about twice the forward; the recompute (where on) one more pre-path ((n + 1) C);
+    the plain layer's residual add moves 3 C forward and 3 C backward, which it would anyway.
+    At C = 2048, n = 4, recompute on: 164 KiB a token and call."""
+    per = r.hidden * (3 * (3 * r.streams + 2) + ((r.streams + 1) if r.recompute else 0) - 6)
+    return 2.0 * per * r.global_batch * r.seq * 2 * r.layers
+
+
+def rows(measured: list[Measured], recipe, kernel_ms: dict | None = None, device: str = "cuda",
+         copy_bw: float | None = None) -> list[dict]:
     """The report's rows (``mhctool.core.report.STEP_SCHEMA``): per variant and sweep point, the
-    step (``entry`` ``*``), then each entry point by direction; ``kernel_ms``: (variant, point
-    text, family, direction) -> the kernel's own bench figure at the step's shape. The shares are
-    of the clean step on a GPU (kernel time is exact under the profiler) and of the profiled
-    step's whole CPU time on a CPU (where the profiler's own cost is in every time it records)."""
+    step (``entry`` ``*``), then each entry point and op by direction; ``kernel_ms``: (variant,
+    point text, family, direction) -> the kernel's own bench figure at the step's shape;
+    ``copy_bw``: the device's copy rate (bytes/s), against which each op's bytes and the byte
+    floor are set. The shares are of the clean step on a GPU (kernel time is exact under the
+    profiler) and of the profiled step's whole CPU time on a CPU (where the profiler's own cost is
+    in every time it records).
+
+    The overhead is attributed: the time inside the module's ops (``mhc_ms``, split per op), the
+    kernels outside them against the baseline's (``outside_ms``: the step's busy time less
+    ``mhc_ms``, less the baseline's busy time), and the time the device waits against the
+    baseline's (``idle_ms``: the clean step less its busy time, less the baseline's). The busy time
+    is the profiled steps' kernel time, which the profiler does not change, so the three parts sum
+    to ``overhead_ms``; a variant or baseline whose busy time was not measured has no such rows."""
     out: list[dict] = []
-    plain = {}
+    plain, plain_busy = {}, {}
     for m in measured:
         if m.variant.name == BASELINE and m.step_ms:
             plain[plain_key(m.point)] = statistics.median(m.step_ms)
+            if m.busy_ms() is not None:
+                plain_busy[plain_key(m.point)] = m.busy_ms()
     for m in measured:
         r = replace(recipe, **m.point)
         base = {"variant": m.variant.name, "point": json.dumps(m.point, sort_keys=True), "streams": r.streams,
@@ -280,10 +324,24 @@ def rows(measured: list[Measured], recipe, kernel_ms: dict | None = None, device
                 row("mhc_share", mhc / whole)
                 if t0 is not None and device == "cuda":
                     row("elsewhere_ms", (t - t0) - mhc)
-            for (family, kind), (ms, calls) in m.entry().items():
+                b0 = plain_busy.get(plain_key(m.point))
+                if t0 is not None and busy is not None and b0 is not None:
+                    row("outside_ms", busy - mhc - b0)
+                    row("idle_ms", (t - busy) - (t0 - b0))
+            for (family, kind), (ms, calls, nbytes) in m.entry().items():
                 row("entry_ms", ms, entry=family, direction=kind)
                 row("entry_share", ms / whole, entry=family, direction=kind)
                 row("calls", calls, entry=family, direction=kind)
+                if nbytes:
+                    row("bytes", nbytes, entry=family, direction=kind)
+                    if copy_bw and ms > 0:
+                        row("pct_copy", 100 * nbytes / copy_bw / (ms / 1e3), entry=family, direction=kind)
+        if m.variant.name != BASELINE and r.hyper_connections and copy_bw:
+            floor = byte_floor(r)
+            row("floor_bytes", floor)
+            row("floor_ms", 1e3 * floor / copy_bw)
+            if t0 is not None:
+                row("floor_share", 1e3 * floor / copy_bw / t0)
         for (v, p, family, d), ms in (kernel_ms or {}).items():
             if v == m.variant.name and p == point_text(m.point):
                 row("kernel_ms", ms, entry=family, direction=d)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 99 on the GPU machine (the fused mHC path with its dropout drawn in the kernel), one device
+# call per phase; from the project root, cuTile staged and Megatron-core packed as dev/README.md says:
+#   run(command="source .device/setup.sh && source dev/mcore_gpu.sh && bash dev/fused-path-gpu.sh PHASE",
+#       carry=[".device", ".anchors/mcore.tar.xz"])
+# Phases:
+#   kernels  the dropout's GPU tests (both backends' kernels against float64, the mask exact); parity
+#            of h_post_bda (the default scenario, dropout cases included) and at the paper shape
+#            with the recipe's dropout; its timing with and without dropout (graph replays)
+#   step     bench --engine at issue 99's shape (12 layers, hidden 2048, 16 heads, seq 4096,
+#            micro-batch 1 of 8, n = 4, recompute on, hidden dropout 0.1): every variant, the
+#            overhead attributed op by op (VARIANTS picks them; STEP_ARGS adds options)
+#   train    train --engine with the whole-module variants at the hidden dropout: the first step
+#            and the trajectories (SEEDS, default 4), and the planted post-paths at the first step
+#   sweep    the overhead over n = 2, 4, 8 and recompute on and off at the step's shape
+# Logs under $OUT (a run brings back at most 8 files: the logs are concatenated into one).
+set -uo pipefail
+phase="${1:?usage: bash dev/fused-path-gpu.sh kernels|step|train|sweep}"
+O="${OUT:-/tmp/out}"; R=/tmp/results; mkdir -p "$O" "$R"
+SHAPE="--layers 12 --hidden 2048 --heads 16 --seq 4096 --batch 1 --recipe global_batch=8"
+FAST="--layers 4 --hidden 256 --heads 4 --seq 128 --batch 4 --recipe global_batch=8 --recipe warmup_fraction=0 --lr 0.01 --steps 12"
+D=tests/impls/defects.py
+log() { name=$1; shift; t0=$SECONDS; timeout --foreground -s INT "${T:-540}" "$@" > "$R/$name.log" 2>&1
+  echo "== $name: exit $?, $((SECONDS - t0)) s" | tee -a "$O/summary.txt"; grep -v "^bench: \|^train: " "$R/$name.log" | tail -"${TAIL:-40}" >> "$O/summary.txt"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$O/summary.txt"
+case "$phase" in
+  kernels)
+    log tests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k dropout
+    log small python3 -m mhctool.cli parity --kernel h_post_bda --impl triton --impl cutile --device cuda -q -o "$R/small.parquet"
+    log bench0 python3 -m mhctool.cli bench --kernel h_post_bda --impl torch,triton,cutile --graph --repeats 20 -o "$O/bench-nodrop.parquet"
+    log bench1 python3 -m mhctool.cli bench --kernel h_post_bda --impl torch,triton,cutile --graph --repeats 20 \
+      --knob dropout=0.1 --knob dropout_seed=1234 --knob dropout_offset=4294967000 -o "$O/bench-drop.parquet"
+    TAIL=16 log paper python3 -m mhctool.cli parity --scenario paper --kernel h_post_bda --impl triton --impl cutile \
+      --device cuda --no-isolate --top 6 -o "$O/paper-hpb.parquet" ;;
+  step)
+    args=(); for v in ${VARIANTS:-}; do args+=(--variant "$v"); done
+    T=570 TAIL=60 log step python3 -m mhctool.cli bench --engine "megatron:$MCORE" $SHAPE --steps 5 --warmup 2 \
+      --entry-steps 1 "${args[@]}" ${STEP_ARGS:---no-kernels} -o "$O/step.parquet" --plot "$O/step.png" ;;
+  train)
+    for impl in ${IMPLS:-triton[module] cutile[module]}; do
+      TAIL=14 log "train-$impl" python3 -m mhctool.cli train --engine "megatron:$MCORE" --impl "$impl" $FAST \
+        --seeds "${SEEDS:-4}" -o "$R/train-$impl.parquet"
+    done
+    for d in h_post_bda_dropout_fresh_mask_again h_post_bda_transposed h_post_bda_dropout_bias_outside; do
+      TAIL=6 log "planted-$d" python3 -m mhctool.cli train --engine "megatron:$MCORE" --impl "$D:$d[module]" $FAST \
+        --steps 2 --seeds 1 --no-trace -o "$R/planted-$d.parquet"
+    done ;;
+  sweep)
+    T=570 log sweep python3 -m mhctool.cli bench --engine "megatron:$MCORE" $SHAPE --steps 4 --warmup 2 --entry-steps 1 \
+      --variant native --variant "triton[module]" --sweep "${SWEEP:-streams=2,4,8}" --no-kernels -o "$O/sweep.parquet" \
+      --plot "$O/sweep.png" ;;
+esac
+cp "$O/summary.txt" "$O/summary-$phase.txt" 2>/dev/null || true
