@@ -13,9 +13,12 @@ def main() -> None:
     class (a ``__set_name__`` hook, as in markdown_it, which typer imports to print a usage error)
     it becomes ``RuntimeError``. So the signal is remembered, and whatever comes out of the run
     after it is exit code 130 (our CI met it on 2026-11-29)."""
+    import atexit
     import signal
     import sys
 
+    from mhctool.core.library_log import drop_if_empty
+    atexit.register(drop_if_empty)  # first: it runs after every handler a library registers later
     came: list[str] = []
 
     def stopped(signum, frame):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from typer.core import TyperGroup
 
 from mhctool import __version__
 from mhctool.cli import bench as cli_bench
@@ -23,7 +24,40 @@ from mhctool.cli.report import report_app
 from mhctool.cli.stability import stability_app
 from mhctool.core.errors import Interrupted, UsageError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+class _OneSentence(TyperGroup):
+    """The command line's group: a value its option refuses (a number out of its range, a choice it
+    does not take) is one sentence naming the option, exit 2, as every other bad input is; other
+    usage errors (an unknown option) print click's usage and words, as before."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.BadParameter as e:
+            err.print(f"error: {_refused(e)}", markup=False, highlight=False)
+            sys.exit(2)
+        except _CLICK_ERROR:  # raised while parsing, before anything ran: click's own words, as before
+            return super().main(args, prog_name, complete_var, standalone_mode=True, **extra)
+        except typer.Abort:
+            err.print("Aborted!", markup=False)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+# click's usage errors' base (typer carries its own click from 0.17 on, and re-exports its errors)
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def _refused(e) -> str:
+    """``--seeds: input should be greater than or equal to 1`` from the refusal of a value."""
+    p = getattr(e, "param", None)
+    name = max(p.opts, key=len) if p is not None and getattr(p, "opts", None) else (e.param_hint or "a value")
+    text = str(e.message).rstrip(".")
+    return f"{name}: {text[:1].lower()}{text[1:]}"
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, cls=_OneSentence,
                   help="Numerics validation for fused mHC and grouped-MLP kernels.")
 
 

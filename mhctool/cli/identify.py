@@ -21,7 +21,7 @@ from mhctool.core.text import fmt
 from mhctool.spread import setup
 
 Kernel = Annotated[str, typer.Option("--kernel", "-k", help="One kernel: " + ", ".join(names.IDENTIFIABLE) + ".")]
-Impl = Annotated[str, typer.Option("--impl", "-i", help="The implementation: a built-in name, module.path:function, file.py:function, or a library (te:DIR, megatron:DIR).")]
+Impl = Annotated[list[str], typer.Option("--impl", "-i", help="The implementation: a built-in name, module.path:function, file.py:function, or a library (te:DIR, megatron:DIR); one a run.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Probe dtype (fp32 separates the candidates best).")]
 Shape = Annotated[Optional[str], typer.Option("--shape", help="Probe shape (default: small, per kernel; TransformerEngine's kernels need n = 4).")]
 Knob = Annotated[Optional[list[str]], typer.Option("--knob", help="KNOB=VALUE (repeat): what the implementation is asked for (default: the contract's values, e.g. iters=20 eps=1e-6).")]
@@ -46,6 +46,17 @@ def _table(ident, top: int) -> Table:
 
 
 
+def _one(impls: list[str]) -> str:
+    """The one implementation a run identifies; several (repeated or comma-separated) are refused
+    in one sentence, none kept silently."""
+    given = [i for i in impls if i.strip()] or impls
+    if len(given) > 1 or (given and "," in given[0] and ":" not in given[0]):
+        listed = [x.strip() for i in given for x in (i.split(",") if ":" not in i else [i]) if x.strip()]
+        raise UsageError(f"identify fits one implementation a run; got {len(listed)} ({', '.join(listed)}): "
+                         "run it once for each")
+    return given[0]
+
+
 def identify(
     kernel: Kernel,
     impl: Impl,
@@ -66,6 +77,7 @@ def identify(
     """Tell which convention a kernel computes: fit the family's convention knobs against the float64
     reference; exit 0 when a convention fits (the verdict rule passes under it), 1 when none does or
     what fits is likely a defect."""
+    impl = _one(impl)
     opts.precheck(kernel, [dtype], shape, device, [impl])
     if kernel not in names.IDENTIFIABLE:
         raise UsageError(f"mhctool identify knows no conventions of {kernel}; it identifies "

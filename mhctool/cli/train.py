@@ -181,8 +181,25 @@ def _verdict(o) -> str:
         return ("[green]TRAINED[/]" if o.trained_cleanly else "[red]FAILED[/]") + \
             f" {len(s.impl.steps)} steps, not compared ({written})"
     from mhctool.analyses.train import default_seeds
-    verdict = ("[green]PASSED[/] stays with the float64 reference" if s.passed else
-               "[red]FAILED[/] drifts from the float64 reference")
+    verdict = "[green]PASSED[/] stays with the float64 reference" if s.passed else f"[red]FAILED[/] {failed_how(s)}"
     over = (f"over {len(s.seeds)} seeds" if s.ensemble else
             f"one seed: a single sample of a chaotic run, --seeds {default_seeds(s.cfg.device)} judges over an ensemble")
     return f"{verdict} (kappa {kappa:g} x native's drift, {over}; {written})"
+
+
+def failed_how(s) -> str:
+    """What failed, in the order the verdict lines give it: the first step, a non-finite value, a
+    run that ended, the drift (by metric); never "drifts" where nothing drifted."""
+    said = []
+    if s.first_step is not None and not s.first_step.passed:
+        said.append("at the first step")
+    if s.nonfinite:
+        said.append("with a non-finite value")
+    elif s.errors or s.impl.error is not None:
+        said.append("with a run that ended early")
+    drifted = [d.metric for d in s.drifts if not d.passed]
+    if drifted:
+        said.append(f"drifts from the float64 reference in {', '.join(drifted)}")
+    if not said:
+        return "against the float64 reference"
+    return (", ".join(said[:-1]) + " and " + said[-1]) if len(said) > 1 else said[0]

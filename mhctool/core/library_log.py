@@ -162,8 +162,11 @@ def after_conclusion() -> None:
     """Once a command has said its last line: what the process still writes as it shuts down
     (PyTorch's C++ warnings from static destructors, such as CUDA IPC's "Producer process has been
     terminated before all shared CUDA tensors released" where an isolation worker died holding the
-    inputs it was sent) goes to the last run's library log, or nowhere where no run kept one, never
-    after the conclusion on the terminal. Only where Python's stream is the descriptor (a shell)."""
+    inputs it was sent; an ``atexit`` line of a library) goes to the last run's library log, or
+    nowhere where no run kept one; never after the conclusion on the terminal. The log is made
+    again for it where the run's was empty, and removed at exit if nothing came
+    (:func:`drop_if_empty`, which the command line registers first, so that it runs after every
+    other ``atexit`` handler). Only where Python's stream is the descriptor (a shell)."""
     for s in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             s.flush()
@@ -177,3 +180,13 @@ def after_conclusion() -> None:
     for fd in fds:
         os.dup2(target, fd)
     os.close(target)
+
+
+def drop_if_empty() -> None:
+    """At exit: the last run's library log removed where nothing was written to it (a run whose
+    libraries said nothing leaves no empty log beside its report). Registered with ``atexit``
+    before any library is imported, it runs after their handlers; what a C++ destructor writes
+    later still goes to the file's descriptor, never to the terminal."""
+    with contextlib.suppress(OSError):
+        if _last is not None and _last.is_file() and _last.stat().st_size == 0:
+            _last.unlink()

@@ -163,3 +163,15 @@ def test_fast_math_is_a_convention_judged_against_a_native_baseline_that_compute
     res, text = run("parity", "--kernel", "sinkhorn", "--impl", f"{STRANGERS}:sinkhorn_fast_math", "--dtype", "fp32",
                     "--device", "cpu", "-q", "--no-hint", *flags.split(), "-o", tmp_path / "p.parquet")
     assert res.exit_code == 0 and "of them strangers.py:sinkhorn_fast_math: 40 passed, 0 failed" in text, text
+
+
+def test_no_library_log_is_left_where_the_libraries_said_nothing(tmp_path):
+    """A run whose code under test writes nothing leaves no ``*.libraries.log`` beside its report
+    (the shutdown's redirection used to create the file again, empty, after the conclusion), and
+    its last line names none."""
+    res = subprocess.run([sys.executable, "-m", "mhctool.cli", "parity", "--kernel", "sinkhorn", "--impl", "torch",
+                          "--shape", "5x3x4x1", "--dtype", "fp32", "--device", "cpu", "-q",
+                          "-o", str(tmp_path / "p.parquet")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (tmp_path / "p.parquet").is_file() and not list(tmp_path.glob("*.libraries.log"))
+    assert "libraries' own output" not in res.stdout

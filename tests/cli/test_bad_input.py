@@ -262,3 +262,23 @@ def _small_scenario(tmp_path) -> Path:
     p.write_text('name = "small"\n[[cases]]\nkernel = "sinkhorn"\nshapes = ["3x1x4x1"]\nfamilies = ["random"]\n'
                  'dtypes = ["fp32"]\n')
     return p
+
+
+@pytest.mark.parametrize("args, said", [
+    (["train", "--seeds", "0"], "error: --seeds: input should be greater than or equal to 1"),
+    (["parity", "--kappa", "0"], "error: --kappa: input should be greater than or equal to 1"),
+    (["parity", "--top", "-1"], "error: --top: input should be greater than or equal to 1"),
+    (["bench", "--repeats", "1"], "error: --repeats: input should be greater than or equal to 3"),
+])
+def test_a_number_out_of_its_range_is_one_sentence_and_exit_2(args, said):
+    """An option's refused value (issue 101): one sentence naming the option, as every bad input,
+    never the option parser's boxed usage text."""
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert " ".join(res.output.split()) == said, res.output
+
+
+def test_identify_refuses_several_implementations_in_one_sentence():
+    res = CliRunner().invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", "torch", "--impl", "triton",
+                                   "--device", "cpu"])
+    assert res.exit_code == 2 and "identify fits one implementation a run; got 2 (torch, triton)" in res.output

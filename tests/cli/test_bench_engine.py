@@ -202,3 +202,18 @@ def test_train_refuses_the_recipe_options_that_are_bench_engines(tmp_path):
     res = runner.invoke(app, ["train", "--engine", STANDIN, "--device", "cpu", "--recipe", "time_entry_from=2",
                               "-o", str(tmp_path / "t.parquet")])
     assert res.exit_code == 2 and "bench --engine's" in res.output, res.output
+
+
+def test_on_a_cpu_the_step_takes_cpu_sizes_where_none_is_given():
+    """bench --engine (and train --engine) on a CPU: the recipe in miniature where no size is given
+    (the recipe's own took past 600 s and 4 GB on 2 cores; these about a minute for five variants);
+    a size given stands, and on a GPU the recipe's sizes stand."""
+    from mhctool.analyses.train import engine as E
+    from mhctool.analyses.train.step_bench import base_recipe
+    cpu = base_recipe([], {}, "cpu")
+    assert (cpu.layers, cpu.hidden, cpu.seq, cpu.micro_batch, cpu.global_batch) == (2, 64, 64, 2, 4)
+    assert base_recipe([("global_batch", "8")], {"hidden": 32}, "cpu").hidden == 32
+    assert base_recipe([("global_batch", "8")], {}, "cpu").global_batch == 8
+    gpu = base_recipe([], {}, "cuda")
+    assert (gpu.layers, gpu.hidden, gpu.seq) == (12, 512, 1024)
+    assert E.configure(STANDIN, [], ["torch"], "cpu", {}, 0, [], [], None, 1, 1)[1].recipe.hidden == 64

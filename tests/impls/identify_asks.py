@@ -77,7 +77,7 @@ def sinkhorn_row_floored_log(logits, iters=20):
 # the composites (issue 90: they carry every Sinkhorn knob): the native mapping, then the Sinkhorns
 # above, as a library that fuses them would compute them
 def _mapping(x, weight, alpha, h_bias, eps):
-    from kernels.torch import mhc as native
+    from mhctool.kernels.torch import mhc as native
     s, b, n, c = x.shape
     h_pre, h_post, logits, _ = native.mapping(x.reshape(s * b, n * c), weight, alpha, h_bias, eps)
     return h_pre.reshape(s, b, n), h_post.reshape(s, b, n), logits.reshape(s, b, n, n)
@@ -117,7 +117,7 @@ def mix_aggregate_te_tf32(x, weight, alpha, h_bias, iters=20):
     """TransformerEngine's pre-path as its [tf32] variant computes it: eps = fp32 epsilon inside
     the square root, log-domain Sinkhorn without eps, the projection at TF32 with truncated
     operands in a kernel's order (``variants.proj_rms_tf32_trunc``'s); it takes no eps."""
-    from kernels.torch import mhc as native
+    from mhctool.kernels.torch import mhc as native
     from variants import proj_rms_tf32_trunc
     s, b, n, c = x.shape
     x2d = x.reshape(s * b, n * c).float()

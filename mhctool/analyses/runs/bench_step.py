@@ -65,7 +65,7 @@ def plan(req: Request, dev: str):
     if min(req.warmup, req.entry_steps) < 0 or req.steps < 3:
         raise UsageError("--steps takes at least 3 timed steps (a median and its spread); --warmup and "
                          "--entry-steps at least 0")
-    base = SB.base_recipe(req.recipe, req.sizes)
+    base = SB.base_recipe(req.recipe, req.sizes, dev)
     points = SB.sweep_points(req.sweep, E.recipe_options)
     SB.check_points(base, points)
     vs = SB.check_variants(SB.variants(list(req.impls) or SB.default_impls(dev), E.assign), req.variants)

@@ -179,7 +179,8 @@ def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str]
         opts["tp"] = ranks
     if opts.get("tp", 1) > 1:  # the recipe's parallelism: sequence parallel wherever tensor parallel
         opts.setdefault("sequence_parallel", True)
-    r = replace(Recipe(), **{k: v for k, v in sizes.items() if v is not None}, **opts, seed=seed)
+    given, opts = sized(sizes, device, opts)
+    r = replace(Recipe(), **given, **opts, seed=seed)
     if spec.target == MEGATRON and r.tp > 1:
         if torch.cuda.device_count() < r.tp:
             raise UsageError(f"--recipe tp={r.tp} runs a rank a GPU; this machine has {torch.cuda.device_count()}")
@@ -200,6 +201,24 @@ def configure(engine: str, recipe_items: list[tuple[str, str]], specs: list[str]
     together = workers if isinstance(workers, int) else side_by_side_default(device, r.tp)
     return cfg, EngineRunner(spec, r, assigned, knobs, conventions, device=device,
                              workers=max(1, min(together, 3 * seeds)))
+
+
+# the recipe's sizes on a CPU where none is given (an engine that runs there, as the tests' stand-in
+# does: Megatron-core's needs a GPU): two layers, hidden 64, sequences of 64, micro-batches of 2
+# of 4, a vocabulary of 512, so that bench --engine's five variants take about a minute on 2 cores
+CPU_SIZES = {"layers": 2, "hidden": 64, "heads": 4, "seq": 64, "micro_batch": 2, "vocab": 512}
+CPU_RECIPE = {"global_batch": 4}
+
+
+def sized(sizes: dict, device: str, opts: dict | None = None) -> tuple[dict, dict]:
+    """The sizes and recipe options a run takes: those given, and on a CPU :data:`CPU_SIZES` and
+    :data:`CPU_RECIPE` where not given (the recipe's own on a GPU)."""
+    given = {k: v for k, v in sizes.items() if v is not None}
+    opts = dict(opts or {})
+    if device != "cuda":
+        given = {**CPU_SIZES, **given}
+        opts = {**CPU_RECIPE, **opts}
+    return given, opts
 
 
 # trajectories side by side on one GPU by default: Megatron's recipe at 12 layers ran 16 processes

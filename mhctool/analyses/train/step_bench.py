@@ -112,16 +112,18 @@ def check_variants(vs: list[Variant], only: list[str]) -> list[Variant]:
     return vs
 
 
-def base_recipe(items: list[tuple[str, str]], sizes: dict | None = None):
+def base_recipe(items: list[tuple[str, str]], sizes: dict | None = None, device: str = "cuda"):
     """The recipe a step bench starts from: the engine's recipe with ``sizes`` (None: the
-    recipe's) and the ``--recipe KEY=VALUE`` items; an option bench sets itself, or one the recipe
-    has not, is a UsageError. Checked as one point to time."""
+    recipe's on a GPU, :data:`~mhctool.analyses.train.engine.CPU_SIZES` on a CPU) and the
+    ``--recipe KEY=VALUE`` items; an option bench sets itself, or one the recipe has not, is a
+    UsageError. Checked as one point to time."""
     opts = E.recipe_options(items)
     for key in BENCH_SETS:
         if key in opts:
             raise UsageError(f"--recipe {key} is bench's to set (--steps, --warmup, --entry-steps; the variants "
                              "set hyper_connections and fused)")
-    base = replace(Recipe(), **{k: v for k, v in (sizes or {}).items() if v is not None}, **opts)
+    given, opts = E.sized(sizes or {}, device, opts)
+    base = replace(Recipe(), **given, **opts)
     check_points(base, [{}])
     return base
 
