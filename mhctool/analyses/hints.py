@@ -60,7 +60,9 @@ def raised_hint(vs: list[dict], kernel: str, impl) -> str:
     by_dtype = all(v in raised for v in mine if v["dtype"] in dtypes) and len(raised) < len(mine)
     where = f"every {'/'.join(dtypes)} case" if by_dtype else f"{len(raised)} of {len(mine)} cases"
     msg = raised[0]["message"] or ""
-    hint = f"hint: {short_impl(impl.name)} raised on {where} of {kernel}: {msg[:300]}"
+    # a call that returned what the contract cannot judge (None, another count of outputs) did not raise
+    did = "failed" if msg.startswith(("output ", "returned ")) else "raised"
+    hint = f"hint: {short_impl(impl.name)} {did} on {where} of {kernel}: {msg[:300]}"
     fam = get_family(kernel)
     dtype_error = any(w in msg for w in ("scalar type", "dtype", "BFloat16", "Half", "same type"))
     if dtype_error and fam.mapping and impl.backend == "external" and dtypes != ["fp32"]:

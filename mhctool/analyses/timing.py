@@ -449,7 +449,8 @@ def rows(results, device: str, copy_bw: float, mm_bf16: float, mm_tf32: float) -
         secs = t / 1e3
         rate = mm_bf16 if m.dtype in ("bf16", "fp16") else mm_tf32
         t_mem, t_math = m.model_bytes / copy_bw, m.model_flops / rate
-        bound = "compute" if t_math > t_mem else "memory"
+        # on a CPU (Triton through its interpreter, Python per program) neither ceiling bounds a kernel
+        bound = None if device != "cuda" else "compute" if t_math > t_mem else "memory"
         host_bound = m.host_us > 1e3 * t and device == "cuda"
         msg = "; ".join(x for x in ("host-bound: CPU time per call exceeds GPU time" if host_bound else None,
                                     m.message) if x) or None

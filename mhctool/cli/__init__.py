@@ -31,6 +31,10 @@ def main() -> None:
         from mhctool.cli.app import main as run
         run()
     except SystemExit:  # the command's own end (an uncaught error's traceback stays on the terminal)
+        # concluded: a signal now (the process group's copy of a timeout's SIGTERM) changes nothing,
+        # neither the exit code nor what was said
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
         from mhctool.core.library_log import after_conclusion
         after_conclusion()
         raise

@@ -108,9 +108,16 @@ def bench(
                       opts.knob_items(knob, "--knob", "dropout=0.1"))
     with watching("bench", None, quiet, unit="timed") as watch:
         o = run.run(req, watch)
+    _show(o, quiet, plot)
+    _finish(o, [f"{r['kernel']} {r['direction']} {short_impl(r['impl'])}: {r['message']}" for r in o.errors])
+
+
+def _show(o, quiet: bool, plot) -> None:
+    """The kernels' table, their totals over both directions and the whole path, and the figure."""
     if not quiet:
-        out.print(bench_table(o.rows, f"bench {o.shape_text} {o.dtype} on {o.device}: copy {o.copy_bw / 1e9:.0f} GB/s, "
-                                      f"bf16 matmul {o.matmul_bf16 / 1e12:.0f} TFLOP/s, tf32 {o.matmul_tf32 / 1e12:.0f} TFLOP/s"))
+        out.print(bench_table(o.rows, f"bench {o.shape_text} {o.dtype} on {o.device}: copy {o.copy_bw / 1e9:.3g} GB/s, "
+                                      f"bf16 matmul {o.matmul_bf16 / 1e12:.3g} TFLOP/s, tf32 {o.matmul_tf32 / 1e12:.3g} "
+                                      "TFLOP/s" + ("" if o.device == "cuda" else " (a CPU's: no roofline applies)")))
         from mhctool.analyses import timing
         for t in bench_totals(o.totals, timing.whole_path(o.totals), timing.PATH):
             out.print(t)
@@ -119,7 +126,6 @@ def bench(
     if plot is not None:
         from mhctool.views.plots import bench_figure
         out.print(f"plot: {bench_figure(o.table, plot, o.copy_bw)}")
-    _finish(o, [f"{r['kernel']} {r['direction']} {short_impl(r['impl'])}: {r['message']}" for r in o.errors])
 
 
 def _kernels_only(**given) -> None:

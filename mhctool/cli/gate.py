@@ -15,7 +15,7 @@ from mhctool.spread import setup
 Suite = Annotated[Path, typer.Option("--suite", help="Suite TOML (parity runs, golden comparisons, golden checks).")]
 Junit = Annotated[Path, typer.Option("--junit", help="JUnit XML to write.")]
 Summary = Annotated[Path, typer.Option("--summary", help="Markdown summary to write (also appended to $GITHUB_STEP_SUMMARY when set).")]
-Device = Annotated[Optional[str], typer.Option("--device", help="Default device of parity entries.")]
+Device = Annotated[Optional[str], typer.Option("--device", callback=opts.lower, help="Default device of parity entries.")]
 Isolate = Annotated[bool, typer.Option("--isolate/--no-isolate", help="Run the implementations under test in child processes (default on: a crash, an exit or a hang fails its check and the suite goes on).")]
 Workers = Annotated[Optional[str], typer.Option("--workers", envvar="MHCTOOL_WORKERS", show_default="spread where it pays", help="N or auto: spread each parity entry's cases over N worker processes (auto: one per visible GPU, or per core). Unset: one per GPU, or per core with at least 4 cases each.")]
 Shard = Annotated[Optional[str], typer.Option("--shard", help="I/N: run only the I-th of N deterministic slices of the suite (a CI matrix); join the reports with mhctool report merge.")]

@@ -56,8 +56,13 @@ def knob_items(items: Optional[list[str]], flag: str, example: str) -> list[tupl
     return out
 
 
+def lower(value: Optional[str]) -> Optional[str]:
+    """A name given in any case (``--device CPU``, as ``--dtype FP32`` is taken)."""
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 # the options several commands declare with the same meaning
-Device = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda when present).")]
+Device = Annotated[Optional[str], typer.Option("--device", callback=lower, help="cpu or cuda (default: cuda when present).")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the summary line.")]
 Verbose = Annotated[bool, typer.Option("--verbose", help="Let the libraries' own log lines (TileLang, Triton, NCCL) show; by default they go to a log file beside the report, named in its metadata and after the summary.")]
 Insist = Annotated[bool, typer.Option("--insist", help="Run an isolated implementation on every case, even after it ended its process in 2 cases in a row or hung past the time limit in one (by default its later cases are rows 'not run', saying why).")]

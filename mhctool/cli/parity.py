@@ -99,7 +99,7 @@ def show(o, top: int, quiet: bool, show_profile: bool, plot: Optional[Path] = No
     if plot is not None:
         from mhctool.views.plots import parity_figures
         pngs = parity_figures(o.table, plot)
-    if not quiet:
+    if not quiet and o.verdicts:  # an interrupted run may have judged nothing: no empty table
         out.print(verdict_table(o.verdicts, top, f"parity: worst of {len(o.verdicts)} (case x impl x direction)"))
         for png in pngs:
             out.print(f"plot: {png}")

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from mhctool.cli.options import lower
 from mhctool.cli.console import out
 from mhctool.cli.options import knob_items, precheck
 from mhctool.cli.progress import watching
@@ -29,7 +30,7 @@ Batch = Annotated[Optional[int], typer.Option("--batch", help="Sequences a step 
 Vocab = Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary of the synthetic source (default 64 on a CPU, 512 on a GPU).")]
 Lr = Annotated[Optional[float], typer.Option("--lr", help="AdamW's learning rate (default 0.01; 0.3 grows the Sinkhorn logits past 88 within about 12 steps).")]
 Dtype = Annotated[str, typer.Option("--dtype", help="The activations' dtype: fp32, bf16 or fp16 (the mapping path stays fp32).")]
-Device = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda when present).")]
+Device = Annotated[Optional[str], typer.Option("--device", callback=lower, help="cpu or cuda (default: cuda when present).")]
 Seed = Annotated[int, typer.Option("--seed", min=0, help="Seeds the initial model and the synthetic tokens (the ensemble's first seed).")]
 Seeds = Annotated[Optional[int], typer.Option("--seeds", min=1, show_default="4 on a CPU, 8 on a GPU", help="Train from this many seeds (--seed and those after it) and judge the drift over the ensemble: a metric drifts where the geometric mean over the seeds of its distance from the float64 run over what kappa x native's allows is above 1 and most seeds are past 1 (every seed for num-zeros; 1: one sample).")]
 Workers = Annotated[str, typer.Option("--workers", envvar="MHCTOOL_WORKERS", help="Processes the seeds are spread over: a number, or auto (one per GPU on a GPU, one per core on a CPU, at most one a seed). The rows are the same whatever the spread. With --engine: trajectories run side by side (auto: four a GPU, one on a CPU).")]

@@ -12,6 +12,7 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,20 +29,33 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+# the same signal again within this many seconds is the same request: coreutils' timeout (without
+# --foreground), a CI job's limit and Slurm send SIGTERM to the command and then to its whole process
+# group, so the main process gets it twice at once
+SAME_REQUEST_S = 1.0
+
+
 class Interrupts:
     """SIGINT and SIGTERM during a long run: the first one asks the run to stop starting new cases
-    (``requested``), so what was measured is written; the second one raises :class:`Interrupted`.
-    ``say``: where the first one's sentence goes (the command's console)."""
+    (``requested``), so what was measured is written; a second one raises :class:`Interrupted`,
+    unless it is the same signal within :data:`SAME_REQUEST_S` of the first (one request delivered
+    twice). ``say``: where the first one's sentence goes (the command's console)."""
 
-    def __init__(self, say: Callable[[str], None] = _stderr):
+    def __init__(self, say: Callable[[str], None] = _stderr, clock: Callable[[], float] = time.monotonic):
         self.requested = False
         self.say = say
         self._old: dict = {}
+        self._clock = clock
+        self._first: tuple[int, float] | None = None  # the first signal and when it came
 
     def _handle(self, signum, frame):
         if self.requested:
+            if self._first is not None and self._first[0] == signum and \
+                    self._clock() - self._first[1] < SAME_REQUEST_S:
+                return  # the same request, delivered to the process and again to its group
             raise Interrupted()
         self.requested = True
+        self._first = (signum, self._clock())
         self.say(f"{signal.Signals(signum).name}: finishing the case in hand, then writing what was measured "
                  "(again to stop at once)")
 

@@ -219,3 +219,12 @@ def test_identify_runs_without_an_optional_input_the_function_raises_on(tmp_path
     assert res.exit_code == 0, text
     assert text.startswith("best match: transpose_res=false")
     assert "given bias, it raised NotImplementedError: bias is not supported: identified without one" in text
+
+
+def test_the_hint_of_a_kernel_that_returns_none_says_it_failed_not_that_it_raised(tmp_path):
+    """A function that returned None raised nothing (issue 101): the hint says it failed, and why."""
+    res, text = parity(tmp_path, "sinkhorn", "sinkhorn_returns_none", "--dtype", "fp32")
+    assert res.exit_code == 1, text
+    assert "hint: strangers.py:sinkhorn_returns_none failed on 20 of 20 cases of sinkhorn: output out is NoneType, " \
+           "not a tensor" in text, text
+    assert "raised on" not in text

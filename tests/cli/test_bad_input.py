@@ -282,3 +282,11 @@ def test_identify_refuses_several_implementations_in_one_sentence():
     res = CliRunner().invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", "torch", "--impl", "triton",
                                    "--device", "cpu"])
     assert res.exit_code == 2 and "identify fits one implementation a run; got 2 (torch, triton)" in res.output
+
+
+def test_a_device_is_taken_in_any_case_as_a_dtype_is(tmp_path):
+    """``--device CPU`` as ``--dtype FP32`` (issue 101: the one was refused, the other taken)."""
+    res = run("parity", "--kernel", "sinkhorn", "--impl", "torch", "--device", "CPU", "--dtype", "FP32",
+              "--shape", "3x1x2x1", "-q", "-o", tmp_path / "r.parquet")
+    assert res.exit_code == 0, res.output
+    assert {r["device"] for r in pq.read_table(tmp_path / "r.parquet").to_pylist()} == {"cpu"}

@@ -92,3 +92,30 @@ def test_a_signal_while_measuring_writes_what_was_measured_marked_interrupted(tm
     assert meta["run"]["interrupted"] is True
     if "--engine" in args:  # the run in hand ends as it would, no later one starts
         assert {r["variant"] for r in table.to_pylist() if r["metric"] == "step_ms"} == {"plain", "native"}
+
+
+@pytest.mark.slow  # a run started and stopped: about 10 s on 2 cores
+def test_sigterm_to_the_command_and_then_its_process_group_is_one_request(tmp_path):
+    """As coreutils' timeout stops a command (a CI job's limit, Slurm's): SIGTERM to the command,
+    then to its whole process group at once. The main process gets it twice; that is one request,
+    so what was measured is written, marked interrupted, exit 130 (it used to be "stopped at once;
+    no report written")."""
+    marker, out = tmp_path / "started", tmp_path / "r.parquet"
+    env = {**os.environ, "MHCTOOL_TEST_MARKER": str(marker)}
+    # bench --engine: the run in hand trains on for seconds after the first signal (it ends as it would)
+    args = ["bench", "--engine", ENGINE, "--layers", "1", "--hidden", "16", "--heads", "2", "--seq", "8", "--batch",
+            "2", "--vocab", "32", "--recipe", "global_batch=4", "--steps", "40", "--warmup", "1", "--no-kernels"]
+    proc = subprocess.Popen([*MAIN, *args, "-o", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    t0 = time.monotonic()
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() - t0 < 120
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.3)  # handled apart (two arrivals before Python runs its handler are one), within a second
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "no report written" not in output and "Traceback" not in output, output
+    assert report.read(out)[1]["run"]["interrupted"] is True

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mhctool.core import philox
+from mhctool.references import dropout as D
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,16 +47,11 @@ def test_only_contiguous_float32():
 
 
 def philox_words(seed: int, index: int) -> tuple[int, int]:
-    """The first two words of Philox-4x32-10 (Random123) at counter (index, 0, 0, 0), written out
-    in Python integers: what the kernel's draw must be made of."""
-    m = 0xFFFFFFFF
-    c0, c1, c2, c3 = index & m, index >> 32, 0, 0
-    k0, k1 = seed & m, (seed >> 32) & m
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
-        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & m, (p0 >> 32) ^ c3 ^ k1, p0 & m
-        k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
-    return c0, c1
+    """The first two words of Philox-4x32-10 (Random123) at counter (index, 0, 0, 0): the contract's
+    generator's (references/dropout.py, checked against Random123's known answer and plain Python
+    integers in tests/kernels/test_dropout.py), what the kernel's draw must be made of."""
+    words = D.philox(seed, torch.tensor([index]))
+    return int(words[0][0]), int(words[1][0])
 
 
 def uniform(word: int) -> float:

@@ -52,6 +52,22 @@ def test_the_first_signal_asks_the_run_to_stop_and_the_second_stops_it_at_once()
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # restored on leaving
 
 
+def test_the_same_signal_twice_within_a_second_is_one_request():
+    """coreutils' timeout (without --foreground) sends SIGTERM to the command and then to its process
+    group: the main process gets it twice at once. That is one request (what was measured is still
+    written); the same signal later, or another signal, stops at once."""
+    now = [100.0]
+    said = []
+    with setup.Interrupts(said.append, clock=lambda: now[0]) as interrupts:
+        os.kill(os.getpid(), signal.SIGTERM)
+        now[0] += 0.2
+        os.kill(os.getpid(), signal.SIGTERM)  # the group's copy: no raise
+        assert interrupts() and len(said) == 1
+        now[0] += 1.0
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def test_leaving_a_run_stops_its_isolation_workers_and_names_a_library_log_only_where_written(tmp_path):
     log = tmp_path / "run.libraries.log"
     s = setup.prepare("cpu", isolate=True, library_log=log, say=lambda line: None)
