@@ -171,9 +171,11 @@ def step_figure(table: pa.Table, path: str | Path) -> Path:
     stacked bars per variant of its step: the baseline's time, the time inside the mHC entry
     points, and the rest of its overhead."""
     rows = table.to_pylist()
-    step = {(r["variant"], r["point"]): r["value"] for r in rows if r["metric"] == "step_ms" and r["entry"] == "*"}
-    over = {(r["variant"], r["point"]): r["value"] for r in rows if r["metric"] == "overhead" and r["entry"] == "*"}
-    mhc = {(r["variant"], r["point"]): r["value"] for r in rows if r["metric"] == "mhc_ms" and r["entry"] == "*"}
+
+    def whole(metric):
+        return {(r["variant"], r["point"]): r["value"] for r in rows if r["metric"] == metric and r["entry"] == "*"}
+    step, over, mhc = whole("step_ms"), whole("overhead"), whole("mhc_ms")
+    outside, idle, floor = whole("outside_ms"), whole("idle_ms"), whole("floor_share")
     swept = sorted({k for _, p in over for k in json.loads(p)})
     if len(swept) == 1:
         key = swept[0]
@@ -183,6 +185,10 @@ def step_figure(table: pa.Table, path: str | Path) -> Path:
             pts = sorted((json.loads(p)[key], 100 * o) for (w, p), o in over.items() if w == v and key in json.loads(p))
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=v, **_style(k))
         ax.axhline(6.7, color="k", ls="--", lw=1, label="6.7% (the mHC paper, n = 4)")
+        pts = sorted({(json.loads(p)[key], 100 * f) for (_, p), f in floor.items() if key in json.loads(p)})
+        if pts:  # the same for every variant at a point
+            ax.plot([x for x, _ in pts], [y for _, y in pts], color="0.4", ls=":", marker=".",
+                    label="the byte floor at the copy rate")
         ax.set_xlabel(key)
         ax.set_ylabel("step time over the baseline's (%)")
     else:
@@ -191,11 +197,18 @@ def step_figure(table: pa.Table, path: str | Path) -> Path:
         for x, (v, p) in enumerate(runs):
             t = step[(v, p)]
             base = t / (1 + over[(v, p)]) if over.get((v, p)) is not None else t - (mhc.get((v, p)) or 0.0)
-            inside = min(mhc.get((v, p)) or 0.0, max(0.0, t - base))  # measured in other steps: never past the step
-            rest = max(0.0, t - base - inside)
             ax.bar(x, base, color="0.75", label="baseline step" if x == 0 else None)
-            ax.bar(x, inside, bottom=base, color=_style(0)["color"], label="inside the mHC entry points" if x == 0 else None)
-            ax.bar(x, rest, bottom=base + inside, color=_style(1)["color"], label="rest of mHC's overhead" if x == 0 else None)
+            if (v, p) in outside:  # the attribution: the module's ops, the kernels outside, the idle time
+                parts = [("inside the mHC module's ops", mhc[(v, p)]), ("kernels outside the module", outside[(v, p)]),
+                         ("device idle", idle[(v, p)])]
+            else:
+                inside = min(mhc.get((v, p)) or 0.0, max(0.0, t - base))  # measured in other steps: never past the step
+                parts = [("inside the mHC module's ops", inside), ("rest of mHC's overhead", max(0.0, t - base - inside))]
+            bottom = base
+            for k, (label, h) in enumerate(parts):  # a part below the baseline's (less idle) drawn down from the top
+                ax.bar(x, h, bottom=bottom if h >= 0 else bottom + h, color=_style(k)["color"],
+                       label=label if x == 0 else None)
+                bottom += h
             ax.annotate(f"{100 * over[(v, p)]:+.1f}%" if over.get((v, p)) is not None else "", (x, t), ha="center",
                         va="bottom", fontsize=8)
         ax.set_xticks(range(len(runs)))
