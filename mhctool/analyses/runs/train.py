@@ -177,7 +177,8 @@ def run(plan: Plan, watch: Watch = Watch(), begin=None) -> Outcome:
                           req.compare, req.trace, in_process, s.interrupts, progress,
                           as_used=req.input_dtypes == "library", seeds=plan.seeds, workers=s.workers,
                           isolation_factory=lambda: Worker("shm"), engine=plan.runner,
-                          isolated=s.isolation is not None, step_timeout=req.step_timeout)
+                          isolated=s.isolation is not None, step_timeout=req.step_timeout,
+                          phase=lambda line: watch.started(line, line))
             meta = environment.metadata()  # with the threads it trained with
     finally:
         if in_process is not None:

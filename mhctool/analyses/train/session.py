@@ -170,7 +170,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             progress: Callable[[str, Step], None] | None = None, as_used: bool = False, seeds: int = 1,
             workers: int = 1, isolation_factory: Callable[[], object] | None = None,
             shared: dict | None = None, engine=None, isolated: bool = False,
-            step_timeout: float | None = None) -> Outcome:
+            step_timeout: float | None = None, phase: Callable[[str], None] = lambda line: None) -> Outcome:
     """The implementation's trajectory, then (``compare``) the native and float64 ones, the
     verdict, and (``trace``) the attribution of a drift; from ``seeds`` seeds (the base seed and
     those after it), judged over the ensemble where there are several (:mod:`.ensemble`).
@@ -186,13 +186,15 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     (:mod:`.first_step`); ``isolated``: the implementation runs in an isolation worker there too
     (``isolation``, else one from ``isolation_factory``). ``step_timeout``: seconds an isolated
     step may take (None: :class:`~.trajectory.StepWatch`'s defaults); an implementation that hung
-    in its trajectory is not called again for the first step."""
+    in its trajectory is not called again for the first step. ``phase(line)``: what the run does
+    beyond its steps, as it starts (judging the first step, tracing the drift: which knob and
+    seed)."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
     say = (lambda role: (lambda step: progress(role, step))) if progress else (lambda role: None)
     if engine is not None:
-        return _engine_session(cfg, engine, rule, compare, interrupted, say, seeds, trace)
+        return _engine_session(cfg, engine, rule, compare, interrupted, say, seeds, trace, phase)
     pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
 
     def one_seed(c: TrainConfig, worker=None, impl: Trajectory | None = None) -> SeedRun:
@@ -246,6 +248,7 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     first = None
     hung = any(t.role == "impl" and t.hung for r in runs for t in r.trajectories())
     if compare and runs and not interrupted() and not hung:  # the seed's initial weights, whenever it runs
+        phase("judging the first step: each family's calls in every layer")
         first = _first_step(cfg, specs, knobs, conventions, pieces, eff, rule, as_used, interrupted,
                             isolation if isolation is not None else
                             (isolation_factory() if isolated and isolation_factory else None),
@@ -259,7 +262,8 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
         if _drift_to_trace(out) and trace and not interrupted():
             cands = candidate_knobs(specs, eff, pieces, cfg.device)
             precision = {f: p.precision for f, p in pieces.items()}
-            out.attributions, alts = attribute(runs, cfg, eff, cands, rule, params, interrupted, precision)
+            out.attributions, alts = attribute(runs, cfg, eff, cands, rule, params, interrupted, precision,
+                                               phase=phase)
             out.trajectories.extend(alts)
     out.interrupted = interrupted() or any(t.error == "interrupted" for t in out.trajectories) or \
         len(runs) < len(seed_list)
@@ -285,7 +289,7 @@ def _drift_to_trace(out: Outcome) -> bool:
 
 
 def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, interrupted, say,
-                    seeds: int, trace: bool = True) -> Outcome:
+                    seeds: int, trace: bool = True, phase: Callable[[str], None] = lambda line: None) -> Outcome:
     """:func:`session` with another trainer's trajectories (``engine``), judged and traced as
     mhctool's (the tracing's reruns: the engine's own path with mhctool's native piece computing
     the knob at one entry point)."""
@@ -303,11 +307,12 @@ def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, 
     out = Outcome(cfg, engine.spec_text, [t for r in runs for t in r.trajectories()], eff, traced_asked=trace,
                   runs=runs)
     if compare and runs and len(runs) == seeds and all(r.reference is not None for r in runs) and not interrupted():
+        phase("judging the first step: each entry point's recorded calls")
         out.first_step = engine.first_step(cfg.seed, rule)
         _set_verdict(out, runs, cfg, rule, engine.params)
         if _drift_to_trace(out) and trace and not interrupted():
             out.attributions, alts = attribute(runs, cfg, eff, engine.candidates(), rule, engine.params, interrupted,
-                                               rerun=engine.alternative)
+                                               rerun=engine.alternative, phase=phase)
             out.trajectories.extend(alts)
     out.interrupted = interrupted() or len(runs) < seeds
     return out

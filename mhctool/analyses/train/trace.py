@@ -70,26 +70,27 @@ def _with_knob(eff: dict[str, dict], precision: dict[str, str], family: str, kno
 def attribute(runs: list[SeedRun], cfg: TrainConfig, eff: dict[str, dict], candidates: list[tuple],
               rule: VerdictRule, params: int, interrupted: Callable[[], bool] = lambda: False,
               precision: dict[str, str] | None = None,
-              rerun: Callable[[int, str, str, object, str], Trajectory] | None = None
-              ) -> tuple[list[Attribution], list[Trajectory]]:
+              rerun: Callable[[int, str, str, object, str], Trajectory] | None = None,
+              phase: Callable[[str], None] = lambda line: None) -> tuple[list[Attribution], list[Trajectory]]:
     """Rerun the native implementation with each candidate knob from every seed of ``runs``; it
     reproduces the drift where the implementation's runs stay with those runs as they would with
     the reference, and those runs drift from the reference (a knob that moves nothing explains
     nothing). One seed is judged by the single-seed rule, several over the ensemble. ``rerun(seed,
     family, knob, value, role)``: another trainer's native run with the knob (an engine's), in
-    place of mhctool's model's."""
+    place of mhctool's model's. ``phase(line)``: each rerun as it starts (which knob, which seed)."""
     found, made = [], []
     prec = precision or {}
     several = len(runs) > 1
-    for family, knob, value, why in candidates:
+    for k, (family, knob, value, why) in enumerate(candidates, 1):
         if interrupted():
             break
         pieces = _with_knob(eff, prec, family, knob, value) if rerun is None else None
         role = f"native:{family}.{knob}={value}"
         alts = []
-        for r in runs:
+        for j, r in enumerate(runs, 1):
             if interrupted():
                 break
+            phase(f"tracing the drift: knob {k} of {len(candidates)} ({family}.{knob}={value}), seed {j} of {len(runs)}")
             alts.append(rerun(r.seed, family, knob, value, role) if rerun is not None else
                         run(replace(cfg, seed=r.seed), pieces, role, interrupted))
         made.extend(alts)
