@@ -318,3 +318,18 @@ def test_a_whole_module_spec_names_what_computes_it_and_stands_alone():
         E.assign(["triton[module]", "cutile"])
     with pytest.raises(UsageError, match="neither of the module's families"):
         module_path.assigned(str(IMPLS / "defects.py:sinkhorn_eps_1e8"))
+
+
+@pytest.mark.parametrize("spec, passes", [("triton", True), ("defects.py:h_post_bda_dropout_next_key", False)])
+def test_mhctools_own_model_draws_the_post_paths_dropout_with_keys_from_call_to_call(tmp_path, spec, passes):
+    """``--knob h_post_bda.dropout=0.1`` in mhctool's own model: each call of the post-path draws
+    its own mask (the counters go on from call to call), the same in the three trajectories, so
+    mhctool's Triton kernels (the mask drawn in the kernel) stay with the float64 run, and a
+    post-path whose mask is one counter off fails at the first step."""
+    spec = spec if ":" not in spec else str(IMPLS / spec)
+    res, text = run("train", "--impl", spec, "--knob", "h_post_bda.dropout=0.1", "--device", "cpu", "--steps", "3",
+                    "--seeds", "1", "--no-trace", "-o", tmp_path / "t.parquet")
+    if passes:
+        assert res.exit_code == 0 and "ok first step" in text, text
+    else:
+        assert res.exit_code == 1 and re.search(r"FAIL first step: .*h_post_bda\.(out|grad_)", text), text

@@ -23,6 +23,7 @@ from mhctool.core.dtypes import FORMATS
 from mhctool.core.errors import system_exit_message
 from mhctool.core.metrics import h_res_health
 from mhctool.references import model as model_mod
+from mhctool.references.dropout import counters_used
 from mhctool.runner.call import load_digest, settled, short_error
 
 # whose backward computes the gradient each mHC output receives (a non-finite gradient there is
@@ -77,6 +78,10 @@ class Recorder:
                 self.first_nonfinite_grad = (*where, bad)
 
 
+# the key of the model's dropout masks (the counters go on from call to call)
+DROPOUT_SEED = 0x6D4843
+
+
 class LayerCalls:
     """One layer's ``ops`` (the model's calls of the mHC families): each call runs ``rec``'s piece
     and tells ``rec._seen`` what it was given and gave (the trajectory's recorder, the first step's)."""
@@ -113,7 +118,13 @@ class LayerCalls:
         return self._call("h_aggregate", ("out",), x=x, h_pre=h_pre)[0]
 
     def h_post_bda(self, h_res, x, h_post, y, bias):
-        return self._call("h_post_bda", ("out",), h_res=h_res, x=x, h_post=h_post, y=y, bias=bias)[0]
+        # the dropout's key (where --knob h_post_bda.dropout sets one): counters drawn in call order,
+        # so each call's mask is its own and the trajectories, which call alike, draw the same masks
+        s, b, n, c = x.shape
+        offset = getattr(self.rec, "dropout_drawn", 0)
+        self.rec.dropout_drawn = offset + counters_used(s * b, n, c)
+        return self._call("h_post_bda", ("out",), h_res=h_res, x=x, h_post=h_post, y=y, bias=bias,
+                          dropout_seed=DROPOUT_SEED, dropout_offset=offset)[0]
 
 
 @dataclass
