@@ -19,7 +19,9 @@ def main() -> None:
 
     from mhctool.core.library_log import drop_if_empty
     atexit.register(drop_if_empty)  # first: it runs after every handler a library registers later
-    came: list[str] = []
+
+    from mhctool.core.errors import SIGNALLED
+    came = SIGNALLED  # what a run's own handling checks as it starts (an import may swallow SystemExit)
 
     def stopped(signum, frame):
         came.append(signal.Signals(signum).name)

@@ -34,3 +34,8 @@ def system_exit_message(e: SystemExit) -> str:
 class Interrupted(BaseException):
     """A second Ctrl-C (or SIGTERM): leave at once; the command line turns it into exit code 130.
     A BaseException, so that nothing on the way swallows it and atomic writers still clean up."""
+
+
+# the signals that came while the command line loaded (its handler's SystemExit can be swallowed on
+# the way, by an import's ``except BaseException``): a run that starts after one leaves at once
+SIGNALLED: list[str] = []

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mhctool.core.errors import Interrupted, UsageError
+from mhctool.core.errors import SIGNALLED, Interrupted, UsageError
 from mhctool.core.library_log import library_log
 from mhctool.core.names import is_outside
 from mhctool.spread import pool, prewarm
@@ -60,6 +60,8 @@ class Interrupts:
                  "(again to stop at once)")
 
     def __enter__(self):
+        if SIGNALLED:  # one came while the command line loaded, and was swallowed on its way out
+            raise Interrupted()
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
                 self._old[s] = signal.signal(s, self._handle)
