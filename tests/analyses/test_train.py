@@ -224,7 +224,9 @@ def test_the_model_reads_the_families_signatures():
         pieces[f].call = (lambda args, f=f, inner=inner: calls.append((f, sorted(args))) or inner(args))
     traj = T.run(cfg, pieces, "reference")
     assert [c[0] for c in calls] == list(T.FAMILIES)
-    assert calls[0][1] == ["alpha", "h_bias", "weight", "x2d"] and calls[3][1] == ["bias", "h_post", "h_res", "x", "y"]
+    # h_post_bda's call carries its dropout's key (counters going on from call to call), used where a dropout is set
+    assert calls[0][1] == ["alpha", "h_bias", "weight", "x2d"] and \
+        calls[3][1] == ["bias", "dropout_offset", "dropout_seed", "h_post", "h_res", "x", "y"]
     assert math.isfinite(traj.steps[0].metrics["lm loss"])
 
 
