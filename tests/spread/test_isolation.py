@@ -408,3 +408,23 @@ def test_a_stopped_workers_descendants_end_with_it():
         assert _gone(kin[0][0])
     finally:
         parent.kill()
+
+
+def test_a_stop_that_another_stop_overtakes_ends_cleanly():
+    """``timeout -s INT`` against parity (issue 101): while a worker's stop waited in its join, the
+    run's other stop (a signal's way out, another thread) tore the worker down, and the first went on
+    to a worker that was gone ('NoneType' object has no attribute 'is_alive': a traceback, exit 1,
+    no report). A stop claims the worker as it starts: the one overtaken finds what it claimed."""
+    w = Worker("shm")
+    assert w.call("os:getpid", (), timeout=120)[1] is None
+    proc = w._proc
+    real_join = proc.join
+
+    def join(timeout=None):  # the other stop, meanwhile
+        proc.join = real_join
+        w.stop()
+        return real_join(timeout)
+    proc.join = join
+    w.stop()
+    proc.join(10)
+    assert not proc.is_alive() and w._proc is None
