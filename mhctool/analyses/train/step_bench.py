@@ -40,8 +40,9 @@ OPS = {
     "h_post_bda": "H_res mix + H_post bias-add (entry point)", "compute_h": "the mapping's arithmetic (compute_h)",
     "h_res_product": "H_res x the streams (bmm)", "h_post_y": "H_post x y", "h_post_bias": "H_post x the bias",
     "dropout_add": "bias-dropout-add over n x C", "expand": "expand (the block's entry)",
-    "contract": "contract (the block's exit)", "pre_path": "the pre-path's rest (the module's glue)",
-    "post_path": "the post-path's rest (the module's glue)"}
+    "contract": "contract (the block's exit)",
+    "pre_path": "the pre-path beyond the ops above (glue; a [module] variant's: all of it)",
+    "post_path": "the post-path beyond the ops above (glue; a [module] variant's: all of it)"}
 OUTSIDE, IDLE = "outside the module", "idle"
 # recipe options that change the model without hyper-connections too (the baseline is run again
 # at each sweep point where one of these differs)
