@@ -19,6 +19,8 @@ halves, so nothing overflows), on the tensors' device, in slices of counters.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85  # the key's increments per round (Weyl sequence)
@@ -89,3 +91,35 @@ def keep(shape: tuple[int, int, int], p: float, seed: int, offset: int, device="
 
 def scale(p: float) -> float:
     return 1.0 / (1.0 - p)
+
+
+class Key(NamedTuple):
+    """What a kernel needs to draw the mask of rows of ``c`` channels (``threshold`` 0: no dropout)."""
+    seed: int
+    offset: int
+    counters_per_row: int
+    threshold: int
+    scale: float
+
+
+def key(c: int, p: float, seed: int, offset: int) -> Key:
+    """The mask's key for a kernel, checked: ``seed`` in [0, 2**63) and ``offset`` in [0, 2**62)
+    (so a counter stays below 2**63)."""
+    thr = threshold(p)
+    if not thr:
+        return Key(0, 0, 0, 0, 1.0)
+    if not (0 <= seed < 2**63 and 0 <= offset < 2**62):
+        raise ValueError(f"h_post_bda: dropout_seed must be in [0, 2**63) and dropout_offset in [0, 2**62); "
+                         f"got {seed}, {offset}")
+    return Key(int(seed), int(offset), counters_per_row(c), thr, scale(p))
+
+
+def apply(post: torch.Tensor, p: float, seed: int, offset: int) -> torch.Tensor:
+    """``post`` ([T, n, C] or any shape of that many elements, rows of C last) dropped by the
+    contract's mask and scaled, in ``post``'s dtype; ``post`` itself when ``p`` is 0."""
+    if not p:
+        return post
+    c = post.shape[-1]
+    rows = post.numel() // c
+    kept = keep((rows, 1, c), p, seed, offset, device=post.device).view(post.shape)
+    return post * kept.to(post.dtype) * scale(p)

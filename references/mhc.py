@@ -180,10 +180,7 @@ def h_post_bda(
     mixed = torch.einsum("sbij,sbjc->sbic", h, x)
     branch = y if bias is None else y + bias
     post = h_post.unsqueeze(-1) * branch.unsqueeze(-2)
-    if dropout:
-        s, b, n, c = x.shape
-        kept = _dropout.keep((s * b, n, c), dropout, dropout_seed, dropout_offset, x.device).view(x.shape)
-        post = post * kept.to(post.dtype) * _dropout.scale(dropout)
+    post = _dropout.apply(post, dropout, dropout_seed, dropout_offset)
     if trace:
         trace("mix_products", h.unsqueeze(-1) * x.unsqueeze(-3))
         trace("mixed", mixed)

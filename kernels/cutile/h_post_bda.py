@@ -223,14 +223,8 @@ def mask_args(c: int, dropout: float = 0.0, seed: int = 0, offset: int = 0) -> t
     """The kernels' dropout scalars ``(seed's low word, high word, offset, counters a row,
     threshold, scale)`` for the contract's mask (:mod:`mhctool.references.dropout`), and whether
     dropout is on."""
-    thr = _dropout.threshold(dropout)
-    if not thr:
-        return (0, 0, 0, 0, 0, 1.0), False
-    if not (0 <= seed < 2**63 and 0 <= offset < 2**62):
-        raise ValueError(f"h_post_bda: dropout_seed must be in [0, 2**63) and dropout_offset in [0, 2**62); "
-                         f"got {seed}, {offset}")
-    return (seed & 0xFFFFFFFF, seed >> 32, int(offset), _dropout.counters_per_row(c), thr,
-            _dropout.scale(dropout)), True
+    k = _dropout.key(c, dropout, seed, offset)
+    return (k.seed & 0xFFFFFFFF, k.seed >> 32, k.offset, k.counters_per_row, k.threshold, k.scale), bool(k.threshold)
 
 
 def forward(h_res, x, h_post, y, bias, transpose_res, tile=None, kernel=None, mask=((0, 0, 0, 0, 0, 1.0), False)):

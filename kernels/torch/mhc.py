@@ -107,10 +107,8 @@ def h_post_bda(h_res, x, h_post, y, bias=None, transpose_res: bool = False, matm
         h = h.transpose(-1, -2)
     branch = y if bias is None else y + bias
     post = h_post.to(x.dtype).unsqueeze(-1) * branch.unsqueeze(-2)
-    if dropout:  # the contract's mask (integer arithmetic: the same bits at every dtype), scaled as torch's dropout
-        s, b, n, c = x.shape
-        kept = _dropout.keep((s * b, n, c), dropout, dropout_seed, dropout_offset, x.device).view(x.shape)
-        post = post * kept.to(post.dtype) * _dropout.scale(dropout)
+    # the contract's mask (integer arithmetic: the same bits at every dtype), scaled as torch's dropout
+    post = _dropout.apply(post, dropout, dropout_seed, dropout_offset)
     return torch.matmul(h, x) + post
 
 

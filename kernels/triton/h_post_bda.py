@@ -503,13 +503,8 @@ def _check(h_res, x, h_post, y, bias):
 def _mask_args(C: int, dropout: float, seed: int, offset: int) -> tuple[tuple, int]:
     """The kernels' dropout arguments ``(seed, offset, counters a row, scale)`` and THRESHOLD (0:
     no dropout), for the contract's mask (:mod:`mhctool.references.dropout`)."""
-    thr = _dropout.threshold(dropout)
-    if not thr:
-        return (0, 0, 0, 1.0), 0
-    if not (0 <= seed < 2**63 and 0 <= offset < 2**62):
-        raise ValueError(f"h_post_bda: dropout_seed must be in [0, 2**63) and dropout_offset in [0, 2**62); "
-                         f"got {seed}, {offset}")
-    return (int(seed), int(offset), _dropout.counters_per_row(C), _dropout.scale(dropout)), thr
+    k = _dropout.key(C, dropout, seed, offset)
+    return (k.seed, k.offset, k.counters_per_row, k.scale), k.threshold
 
 
 def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile_=None, dropout=0.0,

@@ -8,7 +8,7 @@ import torch
 
 from mhctool.core import profile
 from mhctool.core.dtypes import FORMATS, fmt_of
-from mhctool.core.metrics import Reference, measure
+from mhctool.core.metrics import Reference, mask_mismatch, measure
 from mhctool.core.metrics import (
     reference as reference_facts,  # make_baseline's `reference`: the float64 function
 )
@@ -88,31 +88,6 @@ class Baseline:
         bwd = {f"grad_{k}": measure(g, self.ref_grads[k], of=self.fact(f"grad_{k}"))
                for k, g in (res.grads or {}).items()}
         return fwd, bwd
-
-
-def mask_mismatch(out: torch.Tensor, ref: torch.Tensor, branch: torch.Tensor, kept: torch.Tensor,
-                  native_err: float, amax: float) -> float:
-    """How many elements of ``out`` take the other branch than the contract's (dropped where the
-    contract keeps, or kept where it drops): another mask. An element is *off* where it lies
-    further than ``tol`` from the contract's value, ``tol`` being 16 times the native run's
-    largest error plus four roundoffs of the output's format at the output's scale (a correct
-    kernel's error stays within a few times native's, so none of its elements is off); an off
-    element *at the other branch* lies within ``tol`` of that branch's value. The count is said
-    only where the other branch explains the output: at least eight of nine off elements are at
-    it. An output wrong otherwise (a bias outside the dropout, an unscaled branch) is near
-    neither branch: its error rows say so, and this count is zero."""
-    tol = 16.0 * native_err + 4.0 * fmt_of(out.dtype).unit_roundoff * amax
-    flat = [t.detach().reshape(-1) for t in (out, ref, branch, kept)]
-    count = off = 0
-    step = 1 << 24  # float64 temporaries of 128 MiB (a paper-shape output is 940 M elements)
-    for a in range(0, flat[0].numel(), step):
-        o, r, d, k = (t[a:a + step] for t in flat)
-        o, r, d = o.double(), r.double(), d.double()
-        far = (o - r).abs() > tol
-        at_alt = (o - torch.where(k, r - d, r + d)).abs() <= tol
-        count += int((far & at_alt).sum())
-        off += int((far & ~at_alt).sum())
-    return float(count) if count and 8 * off <= count else 0.0
 
 
 def make_baseline(fam: Family, case: Case, base: dict, knobs: dict, precision: str = "ieee",

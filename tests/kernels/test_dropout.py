@@ -60,6 +60,23 @@ def test_the_mask_keeps_one_minus_p_and_no_mask_at_zero():
         D.threshold(1.0)
 
 
+def test_the_kernels_key_is_checked_once_for_both_backends():
+    k = D.key(30, 0.25, 2**40 + 5, 2**33)
+    assert k == D.Key(2**40 + 5, 2**33, 8, D.threshold(0.25), D.scale(0.25))
+    assert D.key(30, 0.0, -1, -1).threshold == 0  # no dropout: the key is not used
+    for seed, offset in [(-1, 0), (2**63, 0), (0, 2**62)]:
+        with pytest.raises(ValueError, match=r"dropout_seed must be in \[0, 2\*\*63\)"):
+            D.key(30, 0.25, seed, offset)
+
+
+def test_apply_drops_rows_of_c_as_the_mask_lays_them():
+    post = torch.randn(3, 2, 4, 9, dtype=torch.float64)
+    got = D.apply(post, 0.4, 11, 5)
+    want = post * D.keep((6, 4, 9), 0.4, 11, 5).view(post.shape).double() / 0.6
+    assert torch.equal(got, want)
+    assert D.apply(post, 0.0, 11, 5) is post
+
+
 def _inputs(s, b, n, c, dtype, bias=True):
     h = torch.softmax(torch.randn(s, b, n, n), -1)
     x, y = torch.randn(s, b, n, c).to(dtype), torch.randn(s, b, c).to(dtype)

@@ -43,7 +43,6 @@ OPS = {
     "contract": "contract (the block's exit)",
     "pre_path": "the pre-path beyond the ops above (glue; a [module] variant's: all of it)",
     "post_path": "the post-path beyond the ops above (glue; a [module] variant's: all of it)"}
-OUTSIDE, IDLE = "outside the module", "idle"
 # recipe options that change the model without hyper-connections too (the baseline is run again
 # at each sweep point where one of these differs)
 PLAIN_KEYS = ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "global_batch", "tp",
