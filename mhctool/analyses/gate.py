@@ -71,7 +71,7 @@ from mhctool.analyses.train import step_bench as SB
 from mhctool.core import profile
 from mhctool.core.combine import stable
 from mhctool.core.dtypes import parse_dtype
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import UsageError, kept_at_once
 from mhctool.core.findings import judged_nothing, verdicts
 from mhctool.core.report import to_table
 from mhctool.families import get_family
@@ -352,78 +352,79 @@ def run_suite(suite: Suite, device_default: str, progress=None, isolation=None,
             if mine(unit - 1):
                 yield unit - 1, item
 
-    with contextlib.ExitStack() as stack:
-        pools: dict = {}  # device -> the pool of workers every parity entry on it shares (each starts once)
-        for item in suite.parity:
-            if interrupted():
-                break
-            dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
-            plan = parity.plan(parity.kernels_of(item.get("kernel", "all")), item.get("impls"),
-                               device=item.get("device", device_default), scenario=item.get("scenario"),
-                               dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None,
-                               checks=item.get("checks"), strict=False, conventions=item.get("conventions"),
-                               input_dtypes=item.get("input_dtypes"))
-            units = {c.case_id: unit + j for j, c in enumerate(plan.cases)}
-            unit += len(plan.cases)
-            plan = replace(plan, cases=[c for c in plan.cases if mine(units[c.case_id])])
-            if not plan.cases:
-                continue
-            device = plan.cases[0].device
-            n = pool.worker_count(workers, device, len(plan.cases))
-            if n > 1 and backend == "local" and device not in pools:  # one pool a device for every entry
-                pools[device] = stack.enter_context(pool.Pool(pool.worker_count(workers, device, 1 << 30), device))
-            outcome = parity.execute(plan, isolation, interrupted,
-                                     progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
-                                     n, backend, ray_address=ray_address, pool=pools.get(device),
-                                     insist=isolation is not None and isolation.insist)
-            item_rows = outcome.rows
-            if timings is not None:
-                profile.add(timings, outcome.timings)
-            table = to_table(item_rows, "gate", "parity", {})
-            for v in verdicts(table):
-                if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
-                    continue  # the baseline ran, but the entry did not ask for it
-                w = v["worst"] or {}
-                label = (f"{v['kernel']}/{v['impl']}/{v['family']}/{v['dtype']}/{v['shape']}"
-                         f"{'/' + v['knobs'] if v['knobs'] != '{}' else ''}/{v['direction']}")
-                msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
-                                       f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
-                cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
-            if not interrupted():
-                _hinted(cases, item["name"], plan, table, isolation)
-            for spec, why in judged_nothing(table, parity.asked_outside(plan)).items():
-                # asked for and judged on no case: no pass (the native rows are no verdict on it)
-                cases.append(Case(item["name"], "parity", f"{item.get('kernel', 'all')}/{spec}/judged",
-                                  False, f"judged on no case: every row of it was skipped ({why})",
-                                  units[plan.cases[0].case_id]))
-    for k, item in whole(suite.goldens):
-        metrics = item.get("metrics")
-        for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),
-                        bool(item.get("deterministic", False))):
-            cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message, k))
-    for k, item in whole(suite.stability):
-        spec = st.quick_spec() if item.get("quick", True) else st.full_spec()
-        dtypes = tuple(parse_dtype(d).name for d in item.get("dtypes", [])) or spec.dtypes
-        spec = replace(spec, dtypes=dtypes, iters=tuple(sorted(set(item.get("iters") or spec.iters))))
-        impls = resolve_impls("sinkhorn", item.get("impls") or ["torch"])
-        rows_ = st.sinkhorn_sweep(impls, spec, item.get("device", device_default), progress)
-        finite = set(item.get("finite", ["rowmax"]))
-        for f in st.first_nonfinite(rows_):
-            if f["stabilize"] not in finite:
-                continue
-            label = f"{f['impl']}/{f['family']}/{f['dtype']}/{f['stabilize']}/eps={f['eps']:g}/{f['eps_mode']}/{f['order']}/iters={f['iters']}"
-            ok = f["first_nonfinite_scale"] is None
-            cases.append(Case(item["name"], "stability", label, ok,
-                              "finite at every amplitude" if ok else
-                              f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}", k))
-    for k, item in whole(suite.train):
-        cases.extend(_train_cases(item, device_default, k, isolation, interrupted))
-    for k, item in whole(suite.step):
-        cases.extend(_step_cases(item, device_default, k, interrupted))
-    for k, item in whole(suite.checks):
-        found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
-        cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
-                          "; ".join(a.message for a in found) or "no anomaly", k))
+    with kept_at_once():  # a second signal: the entry in hand is abandoned, the cases found so far kept
+        with contextlib.ExitStack() as stack:
+            pools: dict = {}  # device -> the pool of workers every parity entry on it shares (each starts once)
+            for item in suite.parity:
+                if interrupted():
+                    break
+                dtypes = [parse_dtype(d).name for d in item.get("dtypes", [])] or None
+                plan = parity.plan(parity.kernels_of(item.get("kernel", "all")), item.get("impls"),
+                                   device=item.get("device", device_default), scenario=item.get("scenario"),
+                                   dtypes=dtypes, kappa=float(item["kappa"]) if "kappa" in item else None,
+                                   checks=item.get("checks"), strict=False, conventions=item.get("conventions"),
+                                   input_dtypes=item.get("input_dtypes"))
+                units = {c.case_id: unit + j for j, c in enumerate(plan.cases)}
+                unit += len(plan.cases)
+                plan = replace(plan, cases=[c for c in plan.cases if mine(units[c.case_id])])
+                if not plan.cases:
+                    continue
+                device = plan.cases[0].device
+                n = pool.worker_count(workers, device, len(plan.cases))
+                if n > 1 and backend == "local" and device not in pools:  # one pool a device for every entry
+                    pools[device] = stack.enter_context(pool.Pool(pool.worker_count(workers, device, 1 << 30), device))
+                outcome = parity.execute(plan, isolation, interrupted,
+                                         progress and (lambda c: progress(f"{item['name']}: {c.kernel} {c.family} {c.dtype}")),
+                                         n, backend, ray_address=ray_address, pool=pools.get(device),
+                                         insist=isolation is not None and isolation.insist)
+                item_rows = outcome.rows
+                if timings is not None:
+                    profile.add(timings, outcome.timings)
+                table = to_table(item_rows, "gate", "parity", {})
+                for v in verdicts(table):
+                    if v["impl"] == "torch" and item.get("impls") and "torch" not in item["impls"]:
+                        continue  # the baseline ran, but the entry did not ask for it
+                    w = v["worst"] or {}
+                    label = (f"{v['kernel']}/{v['impl']}/{v['family']}/{v['dtype']}/{v['shape']}"
+                             f"{'/' + v['knobs'] if v['knobs'] != '{}' else ''}/{v['direction']}")
+                    msg = v["message"] or (f"worst {w.get('tensor')}.{w.get('metric')} = {w.get('value'):.3g} "
+                                           f"(threshold {w.get('threshold'):.3g}, {w.get('rule')})" if w else "")
+                    cases.append(Case(item["name"], "parity", label, v["passed"], msg, units[v["case_id"]]))
+                if not interrupted():
+                    _hinted(cases, item["name"], plan, table, isolation)
+                for spec, why in judged_nothing(table, parity.asked_outside(plan)).items():
+                    # asked for and judged on no case: no pass (the native rows are no verdict on it)
+                    cases.append(Case(item["name"], "parity", f"{item.get('kernel', 'all')}/{spec}/judged",
+                                      False, f"judged on no case: every row of it was skipped ({why})",
+                                      units[plan.cases[0].case_id]))
+        for k, item in whole(suite.goldens):
+            metrics = item.get("metrics")
+            for v in G.diff(read_run(item["golden"]), read_run(item["actual"]), metrics, item.get("rtol"),
+                            bool(item.get("deterministic", False))):
+                cases.append(Case(item["name"], "goldens", f"{v.metric} ({v.check})", v.passed, v.message, k))
+        for k, item in whole(suite.stability):
+            spec = st.quick_spec() if item.get("quick", True) else st.full_spec()
+            dtypes = tuple(parse_dtype(d).name for d in item.get("dtypes", [])) or spec.dtypes
+            spec = replace(spec, dtypes=dtypes, iters=tuple(sorted(set(item.get("iters") or spec.iters))))
+            impls = resolve_impls("sinkhorn", item.get("impls") or ["torch"])
+            rows_ = st.sinkhorn_sweep(impls, spec, item.get("device", device_default), progress)
+            finite = set(item.get("finite", ["rowmax"]))
+            for f in st.first_nonfinite(rows_):
+                if f["stabilize"] not in finite:
+                    continue
+                label = f"{f['impl']}/{f['family']}/{f['dtype']}/{f['stabilize']}/eps={f['eps']:g}/{f['eps_mode']}/{f['order']}/iters={f['iters']}"
+                ok = f["first_nonfinite_scale"] is None
+                cases.append(Case(item["name"], "stability", label, ok,
+                                  "finite at every amplitude" if ok else
+                                  f"non-finite from logit amplitude {f['first_nonfinite_scale']:g}", k))
+        for k, item in whole(suite.train):
+            cases.extend(_train_cases(item, device_default, k, isolation, interrupted))
+        for k, item in whole(suite.step):
+            cases.extend(_step_cases(item, device_default, k, interrupted))
+        for k, item in whole(suite.checks):
+            found = G.check(read_run(item["file"]), float(item.get("factor", 5.0)))
+            cases.append(Case(item["name"], "goldens_check", item["file"].name, not found,
+                              "; ".join(a.message for a in found) or "no anomaly", k))
     return [_relative(c, suite.path.parent) for c in cases]
 
 

@@ -16,7 +16,7 @@ from mhctool.analyses import scenario as scenario_mod
 from mhctool.analyses.scenario import Scenario
 from mhctool.core import environment, profile, report
 from mhctool.core.dtypes import parse_dtype
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import UsageError, kept_at_once
 from mhctool.core.names import is_outside
 from mhctool.families import GROUPS, KERNELS, PRECISIONS, get_family, kernels_named
 from mhctool.registry.builtin import native_impl
@@ -212,21 +212,22 @@ def execute(p: Plan, isolation: Isolation | None = None, interrupted: Callable[[
     rows: list[dict] = []
     timings: dict = {}
     done = 0
-    for c in p.cases:
-        if interrupted():
-            break
-        if progress:
-            progress(c)
-        res = runner.run_case(c, p.impls[c.kernel], p.scenario.rule, p.matmul_precision, isolation,
-                              p.conventions.get(c.kernel), p.checks, p.repeats, p.sharding,
-                              p.input_dtypes.get(c.kernel))
-        if res.abandoned:  # cut short by the interrupt: not a finished case
-            break
-        rows.extend(res.rows)
-        profile.add(timings, res.timings)
-        done += 1
-        if finished:
-            finished(c)
+    with kept_at_once():  # a second signal abandons the case in hand; the finished ones are kept
+        for c in p.cases:
+            if interrupted():
+                break
+            if progress:
+                progress(c)
+            res = runner.run_case(c, p.impls[c.kernel], p.scenario.rule, p.matmul_precision, isolation,
+                                  p.conventions.get(c.kernel), p.checks, p.repeats, p.sharding,
+                                  p.input_dtypes.get(c.kernel))
+            if res.abandoned:  # cut short by the interrupt: not a finished case
+                break
+            rows.extend(res.rows)
+            profile.add(timings, res.timings)
+            done += 1
+            if finished:
+                finished(c)
     return Executed(rows, done, interrupted(), timings, time.perf_counter() - t0)
 
 

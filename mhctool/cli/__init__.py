@@ -20,10 +20,17 @@ def main() -> None:
     from mhctool.core.library_log import drop_if_empty
     atexit.register(drop_if_empty)  # first: it runs after every handler a library registers later
 
-    from mhctool.core.errors import SIGNALLED
+    from mhctool.core.errors import MEASURED, SIGNALLED
     came = SIGNALLED  # what a run's own handling checks as it starts (an import may swallow SystemExit)
+    late: list[int] = []  # signals after the run measured (said once)
 
     def stopped(signum, frame):
+        if MEASURED:  # the run has measured: its report is written as finished, its exit code stands
+            if not late:
+                sys.stderr.write(f"{signal.Signals(signum).name} came after the run had measured: "
+                                 "its report is written as finished\n")
+            late.append(signum)
+            return
         came.append(signal.Signals(signum).name)
         sys.stderr.write(f"interrupted ({came[0]}): stopped at once; no report written\n")
         raise SystemExit(130)
@@ -41,6 +48,6 @@ def main() -> None:
         after_conclusion()
         raise
     except BaseException:
-        if came:
+        if came and not MEASURED:
             raise SystemExit(130) from None
         raise

@@ -24,8 +24,10 @@ report_app = typer.Typer(no_args_is_help=True, help="Read Parquet reports: show 
 def report_show(
     path: Path = typer.Argument(..., help="A Parquet report written by mhctool."),
     top: int = typer.Option(30, "--top", min=1, help="Rows of the verdict table."),
+    settings: bool = typer.Option(False, "--settings", help="Every run setting in full (by default a long one is "
+                                                            "shortened to its name)."),
 ):
-    """Summarise a report: its environment, settings and worst verdicts."""
+    """Summarise a report: its environment, settings, hints and worst verdicts."""
     from mhctool.core import report
     from mhctool.core.findings import verdicts, worst_first
     table, meta = report.read(path)
@@ -33,7 +35,9 @@ def report_show(
     out.print(f"{path}: {meta['kind']} report, schema v{meta['schema_version']}, {table.num_rows} rows")
     out.print("environment: " + ", ".join(f"{k}={env.get(k)}" for k in
                                           ("mhctool", "torch", "triton", "cuda_tile", "gpu", "git_commit")))
-    out.print("run: " + ", ".join(f"{k}={v}" for k, v in meta["run"].items()))
+    out.print(settings_line(meta["run"], settings), markup=False, highlight=False)
+    for h in meta["run"].get("hints", []):  # what the run found to say, on lines of their own
+        out.print(h if h.startswith("hint:") else f"hint: {h}", markup=False, highlight=False)
     if meta["run"].get("interrupted"):
         run = meta["run"]
         out.print(f"[yellow]interrupted[/]: {run['cases_run']} of {run['cases_planned']} cases were run before the run "
@@ -64,6 +68,25 @@ def report_show(
                 out.print(t)
     else:
         _show_rows(meta["kind"], table.to_pylist(), top)
+
+
+# a run setting longer than this is shortened to its name in ``report show`` (--settings: in full)
+SETTING_CHARS = 60
+
+
+def settings_line(run: dict, full: bool = False) -> str:
+    """The ``run:`` line of ``report show``: each setting as ``key=value``; without ``full`` a value
+    longer than :data:`SETTING_CHARS` is ``key=...`` and the hints (printed on lines of their
+    own) are left out."""
+    parts, cut = [], False
+    for k, v in run.items():
+        if k == "hints" and not full:
+            continue
+        text = str(v)
+        if len(text) > SETTING_CHARS and not full:
+            text, cut = "...", True
+        parts.append(f"{k}={text}")
+    return "run: " + ", ".join(parts) + (" (--settings: every one in full)" if cut else "")
 
 
 def _show_rows(kind: str, rows: list[dict], top: int) -> None:

@@ -40,6 +40,7 @@ InputDtypes = Annotated[str, typer.Option("--input-dtypes", help="contract: ever
 Kappa = Annotated[float, typer.Option("--kappa", min=1.0, help="The drift may be kappa x the native trajectory's (its median distance from the float64 run).")]
 Compare = Annotated[bool, typer.Option("--compare/--no-compare", help="Also train natively and with the mHC pieces in float64, and judge the drift (--no-compare: the implementation's run alone).")]
 Trace = Annotated[bool, typer.Option("--trace/--no-trace", help="Trace a drift to the convention that reproduces it (reruns the native implementation with each one identify fits).")]
+TraceBudget = Annotated[Optional[float], typer.Option("--trace-budget", min=0.0, help="Seconds the tracing of a drift may take; no rerun starts after them, and the verdict says the drift was not traced (default: as long as the trajectories took, so a run that traces takes at most about twice its runs; 0: no limit).")]
 Isolate = Annotated[Optional[bool], typer.Option("--isolate/--no-isolate", help="Train the implementation in a child process, so a crash or a hang ends its run with the steps so far (default: on for an --impl mhctool did not ship, or with --step-timeout).")]
 StepTimeout = Annotated[Optional[float], typer.Option("--step-timeout", min=0.001, help="Seconds one step of an isolated implementation may take before it is called hung and its run ends with the steps so far (default: 600 s for the first step, which compiles; a later one 10x the slowest before it, at least 60 s).")]
 Out = Annotated[Path, typer.Option("--out", "-o", help="Parquet report to write.")]
@@ -97,6 +98,7 @@ def train(
     kappa: Kappa = 2.0,
     compare: Compare = True,
     trace: Trace = True,
+    trace_budget: TraceBudget = None,
     isolate: Isolate = None,
     step_timeout: StepTimeout = None,
     out_path: Out = Path("mhctool-train.parquet"),
@@ -120,7 +122,7 @@ def train(
                       knob_items(knob, "--knob", "sinkhorn.eps=1e-8"),
                       knob_items(convention, "--convention", "transpose_res=true"), input_dtypes, kappa, compare, trace,
                       isolate, out_path, goldens, plot, engine, ranks, knob_items(recipe, "--recipe", "recompute=false"),
-                      step_timeout)
+                      step_timeout, trace_budget)
     with watching("train", None, quiet, unit="steps done") as watch:
         plan = run.prepare(req, watch)
         o = run.run(plan, watch, None if quiet else lambda: out.print(plan.header(), markup=False, emoji=False))

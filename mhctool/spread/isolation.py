@@ -211,7 +211,8 @@ def adopt_environment(environ: dict | None) -> None:
 
 
 def _serve(conn, transport: str, folder: str, environ: dict | None = None) -> None:  # pragma: no cover - runs in the child
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C does
+    for s in (signal.SIGINT, signal.SIGTERM):  # the parent decides what a signal does (and stops it by SIGKILL)
+        signal.signal(s, signal.SIG_IGN)
     adopt_environment(environ)
     apply_threads()  # the run's PyTorch thread count (machine.py: the rows the same on any machine)
     to_log(os.environ.get(LIBRARY_LOG))  # the libraries' own lines to the command's log, where it keeps one
@@ -373,6 +374,14 @@ class Worker:
             self._kill()
             return None, failure
         start = time.monotonic()
+        try:
+            return self._answer(start, timeout, interrupted, stalled)
+        except BaseException:  # a second signal (Interrupted) while the job runs: the job abandoned with its worker
+            self._kill()
+            raise
+
+    def _answer(self, start: float, timeout, interrupted, stalled) -> tuple[Any, Failure | None]:
+        """:meth:`call`'s wait for the job's answer, its partial reports copied as they come."""
         while True:
             failure = self._wait(start, timeout, interrupted, stalled)
             if failure is None:

@@ -33,7 +33,7 @@ from dataclasses import replace
 from typing import Callable
 
 from mhctool.core import profile
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import Interrupted, UsageError, abandonable
 from mhctool.core.host import cores
 from mhctool.spread.forkserver import start_forkserver
 from mhctool.spread.jobs import IsolationSettings, Job, Spread, job_timeout, lost_rows
@@ -270,22 +270,29 @@ class Pool:
                    for k in range(n)]
         for t in threads:
             t.start()
-        asked = None  # when the run was asked to stop: the cases in hand get FINISH_GRACE_S to finish
         try:
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.1)
-                    if interrupted() and not abort.is_set():
-                        asked = asked or time.monotonic()
-                        if time.monotonic() - asked > FINISH_GRACE_S:  # a hung case: abandoned, the rest written
-                            abort.set()
-        except BaseException:  # a second Ctrl-C: the workers are stopped before the run ends
+            with abandonable():
+                self._wait(threads, interrupted, abort)
+        except BaseException as e:  # a second Ctrl-C: the workers are stopped, the finished cases kept
             abort.set()
             for t in threads:
                 t.join(30)
             self.close()
-            raise
+            if not isinstance(e, Interrupted):
+                raise
+            return Spread(results, True, timings)
         return Spread(results, interrupted(), timings)
+
+    @staticmethod
+    def _wait(threads, interrupted, abort) -> None:
+        asked = None  # when the run was asked to stop: the cases in hand get FINISH_GRACE_S to finish
+        for t in threads:
+            while t.is_alive():
+                t.join(0.1)
+                if interrupted() and not abort.is_set():
+                    asked = asked or time.monotonic()
+                    if time.monotonic() - asked > FINISH_GRACE_S:  # a hung case: abandoned, the rest written
+                        abort.set()
 
 
 class _Segments:

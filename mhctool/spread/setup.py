@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mhctool.core.errors import SIGNALLED, Interrupted, UsageError
+from mhctool.core.errors import MEASURED, SIGNALLED, Interrupted, UsageError, may_abandon
 from mhctool.core.library_log import library_log
 from mhctool.core.names import is_outside
 from mhctool.spread import pool, prewarm
@@ -37,29 +37,43 @@ SAME_REQUEST_S = 1.0
 
 class Interrupts:
     """SIGINT and SIGTERM during a long run: the first one asks the run to stop starting new cases
-    (``requested``), so what was measured is written; a second one raises :class:`Interrupted`,
-    unless it is the same signal within :data:`SAME_REQUEST_S` of the first (one request delivered
-    twice). ``say``: where the first one's sentence goes (the command's console)."""
+    (``requested``), so what was measured is written; a second one stops at once (``aborted``):
+    inside a stretch of measuring (:func:`~mhctool.core.errors.abandonable`) it raises
+    :class:`Interrupted`, which the run catches where it keeps what it measured
+    (:func:`~mhctool.core.errors.kept_at_once`), and the report is still written, marked
+    interrupted. The same signal again within :data:`SAME_REQUEST_S` of the first is one
+    request delivered twice; any signal after the second is ignored (the report is being
+    written: only SIGKILL leaves nothing). ``say``: where the sentences go (the command's
+    console)."""
 
     def __init__(self, say: Callable[[str], None] = _stderr, clock: Callable[[], float] = time.monotonic):
         self.requested = False
+        self.aborted = False
         self.say = say
         self._old: dict = {}
         self._clock = clock
         self._first: tuple[int, float] | None = None  # the first signal and when it came
 
     def _handle(self, signum, frame):
+        if self.aborted:
+            return  # stopping already: what was measured is being written
         if self.requested:
             if self._first is not None and self._first[0] == signum and \
                     self._clock() - self._first[1] < SAME_REQUEST_S:
                 return  # the same request, delivered to the process and again to its group
-            raise Interrupted()
+            self.aborted = True
+            self.say(f"{signal.Signals(signum).name} again: stopping at once, the work in hand abandoned; "
+                     "writing what was measured")
+            if may_abandon():
+                raise Interrupted()
+            return  # building or writing the report: it stops at its next check
         self.requested = True
         self._first = (signum, self._clock())
         self.say(f"{signal.Signals(signum).name}: finishing the case in hand, then writing what was measured "
                  "(again to stop at once)")
 
     def __enter__(self):
+        MEASURED.clear()
         if SIGNALLED:  # one came while the command line loaded, and was swallowed on its way out
             raise Interrupted()
         if threading.current_thread() is threading.main_thread():
@@ -68,6 +82,7 @@ class Interrupts:
         return self
 
     def __exit__(self, *exc):
+        MEASURED.append(True)  # a signal from here on comes after the measuring: the command line's to answer
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old.clear()

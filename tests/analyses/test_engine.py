@@ -2,6 +2,7 @@
 with the implementation under test swapped in at its mHC module's entry points. CI drives the
 engine interface through a stand-in (impls/engine_standin.py), never Megatron's code; the GPU
 test in tests/kernels/test_gpu.py runs Megatron-core itself where a tree is staged."""
+import os
 import re
 import sys
 from pathlib import Path
@@ -136,6 +137,45 @@ def test_ranks_start_as_one_group_and_the_first_that_fails_is_named():
     assert R.run_ranks([sys.executable, "-c", "pass"], 2, 60) is None
     # a rank that neither ends nor logs a step is a hang, ended
     assert R.run_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 1, 0.5) == "no step for 0.5 s (a hang)"
+
+
+def test_a_groups_log_lines_come_as_they_are_written_and_stop_kills_the_group(tmp_path):
+    """train --engine's progress by steps: each line of the log as the rank writes it, not at the
+    run's end; ``stop()`` (a second signal) kills the ranks and says so."""
+    import sys
+    import time
+    log = tmp_path / "steps.jsonl"
+    code = (f"import time\nfor k in range(3):\n    open({str(log)!r}, 'a').write('{{\"step\": %d}}\\n' % k)\n"
+            "    time.sleep(0.6)\n")
+    seen = []
+    t0 = time.monotonic()
+    assert R.run_ranks([sys.executable, "-c", code], 1, 60, log, line=lambda t: seen.append((t, time.monotonic()))) \
+        is None
+    end = time.monotonic()
+    assert [t for t, _ in seen] == ['{"step": 0}', '{"step": 1}', '{"step": 2}']
+    assert seen[0][1] < end - 0.8  # the first line came while the rank still ran
+    t0 = time.monotonic()
+    said = R.run_ranks([sys.executable, "-c", "import time; time.sleep(60)"], 1, 60, stop=lambda: time.monotonic() - t0 > 0.5)
+    assert said == R.STOPPED and time.monotonic() - t0 < 20
+
+
+def test_an_engine_rank_ignores_the_terminals_signals_its_parent_decides(tmp_path):
+    """The engine's worker, started as a rank (PARENT_STOPS set), ignores SIGINT and SIGTERM before
+    its first import (a Ctrl-C reaches the whole process group): the run in hand ends as it would
+    after a first signal, and mhctool kills it after a second."""
+    import subprocess
+    import sys
+    src = Path(E.__file__).read_text()
+    head = src[src.index("import os\nimport signal\n"):src.index("import argparse")]
+    script = tmp_path / "rank.py"
+    script.write_text(head + "os.kill(os.getpid(), signal.SIGINT)\nos.kill(os.getpid(), signal.SIGTERM)\n"
+                             "print('ran on')\n")
+    ran = subprocess.run([sys.executable, script], env={**os.environ, R.PARENT_STOPS: "1"}, capture_output=True,
+                         text=True, timeout=60)
+    assert ran.returncode == 0 and "ran on" in ran.stdout, ran.stderr
+    alone = subprocess.run([sys.executable, script], env={k: v for k, v in os.environ.items() if k != R.PARENT_STOPS},
+                           capture_output=True, text=True, timeout=60)
+    assert alone.returncode != 0 and "ran on" not in alone.stdout  # run by hand, a signal stops it as usual
 
 
 def test_trajectories_run_side_by_side_and_each_lands_under_its_seed_and_role():

@@ -1,6 +1,8 @@
 """The commands' runs (mhctool.analyses.runs): a request in, an outcome out, the report written once
 with what the run found, also when a second interrupt lands after the cases."""
 import json
+import os
+import signal
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -9,7 +11,7 @@ import pytest
 from mhctool.analyses.runs import Watch
 from mhctool.analyses.runs import parity as run
 from mhctool.core import report
-from mhctool.core.errors import Interrupted, UsageError
+from mhctool.core.errors import UsageError
 
 DEFECT = str(Path(__file__).parents[1] / "impls" / "defects.py") + ":sinkhorn_eps_1e8"
 
@@ -44,14 +46,18 @@ def test_a_failing_outside_kernel_gives_an_outcome_and_one_report_with_its_hint(
 
 
 def test_a_second_interrupt_while_hinting_keeps_the_cases_rows(tmp_path, monkeypatch):
+    """Two signals while the hints are found: the cases' rows are written all the same, marked
+    interrupted there, with no hint, and the exit code says so."""
     def stopped(*args):
-        raise Interrupted()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second signal stops the hints at once")
     monkeypatch.setattr(run, "find_hints", stopped)
     out = tmp_path / "r.parquet"
-    with pytest.raises(Interrupted):
-        run.run(run.Request("sinkhorn", [DEFECT], scenario=_scenario(tmp_path), device="cpu", out=out))
+    o = run.run(run.Request("sinkhorn", [DEFECT], scenario=_scenario(tmp_path), device="cpu", out=out))
     table, meta = report.read(out)
     assert table.num_rows > 0 and "hints" not in meta["run"]
+    assert meta["run"]["interrupted"] is True and meta["run"]["interrupted_in"] == "hints" and o.exit_code == 130
 
 
 def test_a_bad_request_is_one_sentence_before_any_case_runs(tmp_path, monkeypatch):

@@ -35,6 +35,27 @@ def test_a_transposed_h_post_bda_drifts_and_is_traced_to_transpose_res(tmp_path,
     assert "native:h_post_bda.transpose_res=True" in {r["run"] for r in rows}
 
 
+def test_a_tracing_past_its_budget_stops_and_claims_no_cause(tmp_path, train):
+    """The same drift with a budget spent before the first rerun: no knob is tried, and the verdict
+    says the drift was not traced (never "the kernel's own error", which only a full tracing earns)."""
+    res, text = train(tmp_path, "--impl", IMPLS / "defects.py:h_post_bda_transposed", "--device", "cpu", "--seeds", "1",
+                      "--trace-budget", "1e-9")
+    assert res.exit_code == 1, text
+    assert ("traced: not traced: the tracing stopped at its budget of 0 s after 0 of 1 candidate conventions "
+            "(--trace-budget)") in text, text
+    assert "kernel's own error" not in text
+    rows = pq.read_table(tmp_path / "t.parquet").to_pylist()
+    assert not any(r["metric"].startswith("traced:") for r in rows)
+    assert not any(r["run"].startswith("native:") for r in rows)
+
+
+def test_the_tracing_budget_defaults_to_what_the_runs_took_and_zero_means_none():
+    from mhctool.analyses.train.trace import TRACE_BUDGET, Budget
+    assert Budget.of(None, 30.0).seconds == TRACE_BUDGET * 30.0 and Budget.of(0, 30.0).seconds is None
+    assert Budget.of(5.0, 30.0).seconds == 5.0 and Budget.of(None, 0.1).seconds == 1.0  # a floor of a second
+    assert not Budget.of(0, 30.0).spent(3, 5) and not Budget.of(100.0, 1.0).spent(0, 5)
+
+
 def test_a_raw_exp_sinkhorn_goes_non_finite_where_the_logits_grow(tmp_path, train):
     """At lr 0.2 the Sinkhorn logits pass 88 within the run: the bare exponential overflows there,
     the float64 trajectory (and the native one) stay finite. Behaviour only: the step and the logit

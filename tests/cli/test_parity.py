@@ -288,3 +288,14 @@ def test_no_hint_leaves_the_identification_out(tmp_path):
     verdicts = [[(r["family"], r["metric"], r["passed"]) for r in pq.read_table(tmp_path / n).to_pylist()]
                 for n in ("a.parquet", "b.parquet")]
     assert verdicts[0] == verdicts[1]
+
+
+def test_report_show_keeps_the_run_line_short_and_puts_each_hint_on_its_own_line():
+    from mhctool.cli.report import SETTING_CHARS, settings_line
+    run_ = {"command": "parity", "profile": {f"phase{k}": k for k in range(40)}, "hints": ["hint: try order=col_first"],
+            "kappa": 2.0}
+    line = settings_line(run_)
+    assert "profile=...," in line and "kappa=2.0" in line and "hint" not in line and len(line) < 2 * SETTING_CHARS + 40
+    assert line.endswith("(--settings: every one in full)")
+    full = settings_line(run_, full=True)
+    assert "phase39" in full and "hints=" in full and "--settings" not in full

@@ -22,8 +22,8 @@ ENGINE = f"{Path(__file__).resolve().parents[1] / 'impls' / 'engine_standin.py'}
 MAIN = [sys.executable, "-c", "from mhctool.cli import main; main()"]
 
 
-def _start(args, marker=None):
-    env = {**os.environ, **({"MHCTOOL_TEST_MARKER": str(marker)} if marker else {})}
+def _start(args, marker=None, **env_extra):
+    env = {**os.environ, **({"MHCTOOL_TEST_MARKER": str(marker)} if marker else {}), **env_extra}
     return subprocess.Popen([*MAIN, *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -119,3 +119,66 @@ def test_sigterm_to_the_command_and_then_its_process_group_is_one_request(tmp_pa
     assert proc.returncode == 130, output
     assert "no report written" not in output and "Traceback" not in output, output
     assert report.read(out)[1]["run"]["interrupted"] is True
+
+
+LATER = f"{Path(__file__).resolve().parents[1] / 'impls' / 'process.py'}:sinkhorn_hangs_later"
+
+
+@pytest.mark.slow  # five runs, each stopped twice: about 40 s on 2 cores
+@pytest.mark.parametrize("args", [
+    ["parity", "--kernel", "sinkhorn", "--impl", LATER, "--workers", "1"],
+    ["parity", "--kernel", "sinkhorn", "--impl", LATER, "--workers", "1", "--no-isolate"],
+    ["identify", "--kernel", "sinkhorn", "--impl", LATER],
+    ["bench", "--kernel", "sinkhorn", "--impl", LATER],
+    ["stability", "sinkhorn", "--quick", "--impl", LATER, "--dtype", "fp32"],
+    ["train", "--impl", LATER, "--kernel", "sinkhorn", "--steps", "6"],
+], ids=["parity", "parity-in-process", "identify", "bench", "stability", "train"])
+def test_a_second_signal_still_writes_what_was_measured(tmp_path, args):
+    """An implementation that hangs after its first calls: the first signal waits for the case in
+    hand (which never ends), a second one, of another kind and seconds later, abandons it; the
+    report is written all the same, marked interrupted, with what was finished before."""
+    marker, out = tmp_path / "started", tmp_path / "r.parquet"
+    proc = _start([*args, "--device", "cpu", "-o", out], marker, MHCTOOL_TEST_CALLS="2" if args[0] == "identify" else "12")
+    t0 = time.monotonic()
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() - t0 < 150
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.5)
+    if proc.poll() is None:  # an isolated case or trajectory is abandoned at the first signal already
+        proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "no report written" not in output and "Traceback" not in output, output
+    table, meta = report.read(out)
+    assert meta["run"]["interrupted"] is True, meta["run"]
+    if args[0] == "parity":  # the cases before the hang were measured and kept
+        assert table.num_rows > 0
+        assert 0 < meta["run"]["cases_run"] < meta["run"]["cases_planned"]
+
+
+def test_a_signal_after_the_run_measured_leaves_its_report_finished_and_its_exit_code(tmp_path):
+    """A signal after a run's measuring (its report being written, its conclusion printed) is said
+    and changes nothing: the report is the finished run's, the exit code the run's own; before, it
+    gave exit 130 beside a report not marked interrupted."""
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "import mhctool.cli.app as app\n"
+        "from mhctool.spread.setup import Interrupts\n"
+        "def run():\n"
+        "    with Interrupts():\n"
+        "        pass\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    print('wrote the report')\n"
+        "    sys.exit(1)\n"
+        "app.main = run\n"
+        "from mhctool.cli import main\n"
+        "main()\n")
+    res = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "wrote the report" in res.stdout
+    assert res.stderr.count("came after the run had measured: its report is written as finished") == 1, res.stderr
+    assert "no report written" not in res.stderr

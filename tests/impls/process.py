@@ -49,6 +49,21 @@ def sinkhorn_hangs_marked(logits, iters=20, eps=1e-6):
         time.sleep(1)
 
 
+def sinkhorn_hangs_later(logits, iters=20, eps=1e-6):
+    """Correct for its first $MHCTOOL_TEST_CALLS calls (12 unset; counted in a file beside
+    $MHCTOOL_TEST_MARKER, over every process), then touches the marker and hangs: a run has
+    measured something when only a second signal can stop it."""
+    marker = os.environ.get("MHCTOOL_TEST_MARKER")
+    if marker:
+        with open(f"{marker}.calls", "a") as f:
+            f.write(".")
+        if Path(f"{marker}.calls").stat().st_size > int(os.environ.get("MHCTOOL_TEST_CALLS", "12")):
+            Path(marker).touch()
+            while True:
+                time.sleep(1)
+    return native.sinkhorn(logits, iters, eps)
+
+
 def sinkhorn_slow(logits, iters=20, eps=1e-6):
     """Correct but slow (0.5 s a call); tells a test it started through $MHCTOOL_TEST_MARKER."""
     marker = os.environ.get("MHCTOOL_TEST_MARKER")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mhctool.core.errors import Interrupted, UsageError
+from mhctool.core.errors import Interrupted, UsageError, abandonable, kept_at_once
 from mhctool.core.names import is_outside
 from mhctool.spread import setup
 
@@ -47,9 +47,31 @@ def test_the_first_signal_asks_the_run_to_stop_and_the_second_stops_it_at_once()
         os.kill(os.getpid(), signal.SIGTERM)
         assert interrupts() and said == ["SIGTERM: finishing the case in hand, then writing what was measured "
                                          "(again to stop at once)"]
-        with pytest.raises(Interrupted):
+        with pytest.raises(Interrupted), abandonable():
             os.kill(os.getpid(), signal.SIGINT)
+        assert interrupts.aborted and said[-1].startswith("SIGINT again: stopping at once")
+        os.kill(os.getpid(), signal.SIGINT)  # a third: the report is being written, nothing else happens
+        assert len(said) == 2
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # restored on leaving
+
+
+def test_a_second_signal_abandons_only_a_stretch_of_measuring_and_what_it_measured_is_kept():
+    """Outside a stretch of measuring (the report being built) a second signal does not raise: the
+    run stops at its next check; inside one (kept_at_once) it ends the stretch with its rows kept."""
+    with setup.Interrupts(lambda line: None) as interrupts:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # no stretch of measuring: no raise
+        assert interrupts() and interrupts.aborted
+    rows = []
+    with setup.Interrupts(lambda line: None) as interrupts:
+        with kept_at_once():
+            for k in range(5):
+                rows.append(k)
+                if k == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if k == 2:
+                    os.kill(os.getpid(), signal.SIGINT)
+        assert rows == [0, 1, 2] and interrupts.aborted and interrupts()
 
 
 def test_the_same_signal_twice_within_a_second_is_one_request():
@@ -64,7 +86,7 @@ def test_the_same_signal_twice_within_a_second_is_one_request():
         os.kill(os.getpid(), signal.SIGTERM)  # the group's copy: no raise
         assert interrupts() and len(said) == 1
         now[0] += 1.0
-        with pytest.raises(Interrupted):
+        with pytest.raises(Interrupted), abandonable():
             os.kill(os.getpid(), signal.SIGTERM)
 
 

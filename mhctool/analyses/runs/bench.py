@@ -10,7 +10,7 @@ from mhctool.analyses import parity, timing
 from mhctool.analyses.runs import Watch
 from mhctool.core import environment, report
 from mhctool.core.dtypes import parse_dtype
-from mhctool.core.errors import UsageError, system_exit_message
+from mhctool.core.errors import UsageError, kept_at_once, system_exit_message
 from mhctool.core.library_log import beside, holding
 from mhctool.core.shapes import MOE_PAPER_SHAPE, PAPER_SHAPE, MoeShape, parse_shape_for
 from mhctool.core.text import split
@@ -213,7 +213,7 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
                       say=watch.say)
     watch.planned(len(todo) * len(req.directions))
     results = []
-    with s.running():
+    with s.running(), kept_at_once():  # a second signal abandons the timing in hand; the others are kept
         for m in todo:
             for d in req.directions:
                 if s.interrupts.requested:

@@ -10,7 +10,7 @@ from mhctool.analyses import identify as ident_mod
 from mhctool.analyses.runs import Stopped, Watch, stop_point
 from mhctool.core import environment, names, report
 from mhctool.core.dtypes import parse_dtype
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import UsageError, kept_at_once
 from mhctool.core.library_log import beside, holding
 from mhctool.core.text import short_impl
 from mhctool.families import call_problem, get_family, signature
@@ -110,11 +110,15 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
             def stage(what: str, name: str = i.name) -> None:
                 stop_point(s.interrupts)  # a signal: the identification in hand stops at its next probe
                 watch.started(f"identify {req.kernel} {short_impl(name)}: {what}", f"{short_impl(name)}: {what}")
-            try:
-                ident = ident_mod.identify(req.kernel, i, dtype=dt, device=dev, shape=req.shape, asked=asked,
-                                           seed=req.seed, isolation=s.isolation,
-                                           matmul_precision=req.matmul_precision, progress=stage)
-            except Stopped:
+            ident = None
+            with kept_at_once():  # a second signal: the identification in hand is abandoned
+                try:
+                    ident = ident_mod.identify(req.kernel, i, dtype=dt, device=dev, shape=req.shape, asked=asked,
+                                               seed=req.seed, isolation=s.isolation,
+                                               matmul_precision=req.matmul_precision, progress=stage)
+                except Stopped:
+                    pass
+            if ident is None:
                 break
             watch.finished()
             said = (ident.error or "").removeprefix("its forward failed: ")

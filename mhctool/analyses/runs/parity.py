@@ -15,7 +15,7 @@ from mhctool.analyses.hints import hints as find_hints
 from mhctool.analyses.knob_shift import typed_value
 from mhctool.analyses.runs import Watch
 from mhctool.core import environment, report
-from mhctool.core.errors import Interrupted, UsageError
+from mhctool.core.errors import UsageError, kept_at_once
 from mhctool.core.findings import (
     baseline_findings,
     counts,
@@ -209,16 +209,17 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
         vs = worst_first(verdicts(table))
         outside = outside_impls(table)
         problem = call_shape_problem(vs, outside)
-        try:
+        hints = []
+        with kept_at_once():  # a second signal while identifying: the cases' rows are kept, no hint
             hints = [] if problem or ran.interrupted or not req.hint else [
                 h for _, _, h in find_hints(pl, vs, dev, s.isolation, s.transport, req.case_timeout,
                                             lambda: s.interrupts.requested,
                                             lambda k, name: watch.status(f"parity: identifying {short_impl(name)} on "
                                                                       f"{k} for a hint (mhctool identify)"))]
-        except Interrupted:  # stopped at once while identifying: the cases' rows are kept all the same
-            report.write_atomic(table, req.out)
-            raise
-    extra = {**({"hints": hints} if hints else {}), **({"library_log": s.library_log} if s.library_log else {})}
+    cut = s.interrupts.requested and not ran.interrupted  # a signal while finding hints: the run ends there
+    ran.interrupted = ran.interrupted or cut
+    extra = {**({"hints": hints} if hints else {}), **({"library_log": s.library_log} if s.library_log else {}),
+             **({"interrupted": True, "interrupted_in": "hints"} if cut else {})}
     table = report.with_run(table, **extra) if extra else table
     path = report.write_atomic(table, req.out)
     if problem:

@@ -16,7 +16,7 @@ from mhctool.analyses import stability as st
 from mhctool.analyses.runs import Stopped, Watch, stop_point
 from mhctool.core import environment, report
 from mhctool.core.dtypes import parse_dtype
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import Interrupted, UsageError, abandonable
 from mhctool.families import get_family, input_family
 from mhctool.registry.builtin import impls_for, native_impl
 from mhctool.registry.impl import Impl
@@ -44,7 +44,8 @@ class Outcome:
 @contextmanager
 def stoppable(watch: Watch):
     """SIGINT and SIGTERM during a sweep: the stage in hand finishes, the next one is not started,
-    and what was measured is written (marked interrupted); a second signal stops at once. Yields
+    and what was measured is written (marked interrupted); a second signal abandons the stage in
+    hand and the stages done are written all the same. Yields
     ``(stage, interrupts)``: ``stage(what)`` starts a stage, or raises where a signal came."""
     ints = Interrupts(watch.say)
 
@@ -53,8 +54,9 @@ def stoppable(watch: Watch):
         _stage(watch, what)
     with ints:
         try:
-            yield stage, ints
-        except Stopped:
+            with abandonable():
+                yield stage, ints
+        except (Stopped, Interrupted):  # a second signal abandons the stage in hand; the stages done are kept
             pass
 
 

@@ -50,6 +50,7 @@ class Request:
     ranks: int | None = None
     recipe: list[tuple[str, str]] = field(default_factory=list)
     step_timeout: float | None = None  # seconds an isolated step may take (None: StepWatch's defaults)
+    trace_budget: float | None = None  # seconds the tracing may take (None: T.TRACE_BUDGET x the trajectories')
 
 
 @dataclass
@@ -178,6 +179,7 @@ def run(plan: Plan, watch: Watch = Watch(), begin=None) -> Outcome:
                           as_used=req.input_dtypes == "library", seeds=plan.seeds, workers=s.workers,
                           isolation_factory=lambda: Worker("shm"), engine=plan.runner,
                           isolated=s.isolation is not None, step_timeout=req.step_timeout,
+                          trace_budget=req.trace_budget,
                           phase=lambda line: watch.started(line, line))
             meta = environment.metadata()  # with the threads it trained with
     finally:

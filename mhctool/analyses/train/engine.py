@@ -27,10 +27,16 @@ mhctool); several run side by side:
 """
 from __future__ import annotations
 
+import os
+import signal
+
+if __name__ == "__main__" and os.environ.get("MHCTOOL_PARENT_STOPS"):  # ranks.PARENT_STOPS, before any import
+    for _s in (signal.SIGINT, signal.SIGTERM):  # a terminal's Ctrl-C or timeout's signal to the group: the
+        signal.signal(_s, signal.SIG_IGN)       # parent decides (the run in hand ends, or it is killed)
+
 import argparse
 import importlib.util
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -52,7 +58,7 @@ from mhctool.analyses.train.setup import GOLDEN_METRICS, config
 from mhctool.analyses.train.trace import fitted
 from mhctool.analyses.train.trajectory import Step, Trajectory
 from mhctool.core.environment import ensure_triton_mode
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import UsageError, kept_at_once
 from mhctool.families import get_family
 from mhctool.runner.call import short_error
 from mhctool.libraries import megatron_core as mc
@@ -438,6 +444,8 @@ class EngineRunner:
     _record_dir: object = field(default_factory=lambda: tempfile.TemporaryDirectory(prefix="mhctool-first-"),
                                 init=False, repr=False)
     _recorded: dict = field(default_factory=dict, init=False, repr=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)  # a second signal came
+    _said: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)  # progress, one at a time
 
     def _take_gpus(self) -> str | None:
         """A group of GPUs for one trajectory's ranks, the groups dealt round robin over the
@@ -456,10 +464,18 @@ class EngineRunner:
 
         def one(job):
             seed, role = job
-            return None if interrupted() else self.trajectory(seed, role, say(role))
+            if interrupted() or self._stop.is_set():
+                return None
+            traj = self.trajectory(seed, role, say(role))
+            return None if self._stop.is_set() else traj  # killed by a second signal: not a trajectory
         with ThreadPoolExecutor(max(1, self.workers)) as pool:
-            done = dict(zip(jobs, pool.map(one, jobs)))
-        return {k: v for k, v in done.items() if v is not None}
+            futures = {job: pool.submit(one, job) for job in jobs}
+            with kept_at_once():  # a second signal: the trajectories in hand are killed, the finished kept
+                for f in futures.values():
+                    f.result()
+            if not all(f.done() for f in futures.values()):
+                self._stop.set()
+        return {k: v for k, f in futures.items() if (v := f.result()) is not None}
 
     def settings(self) -> dict:
         """What the report's settings add for an engine's run."""
@@ -489,9 +505,10 @@ class EngineRunner:
         eff = self.effective("native")
         return [c for f, s in self.specs.items() if s != "megatron" for c in fitted(f, s, eff[f], self.device)]
 
-    def _run(self, recipe, role: str, d: str, extra: list[str] = ()) -> tuple[list[dict], str | None]:
+    def _run(self, recipe, role: str, d: str, extra: list[str] = (),
+             record: Callable[[dict], None] | None = None) -> tuple[list[dict], str | None]:
         """One role's trajectory in a process of its own (a group of ranks): its log's records and
-        the error that ended it, if one did."""
+        the error that ended it, if one did. ``record(rec)``: each record as the log gains it."""
         eff = effective_knobs(self.spec, recipe, self.specs, self.knobs, self.conventions,
                               "native" if role.startswith("native") else role, self.device)
         log = Path(d) / "steps.jsonl"
@@ -503,7 +520,8 @@ class EngineRunner:
         gpus = self._take_gpus()
         try:
             error = run_ranks(cmd, getattr(recipe, "tp", 1), self.stall, log,
-                              None if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus})
+                              None if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus}, self._stop.is_set,
+                              None if record is None else (lambda text: _parsed(text, record)))
         finally:
             if gpus is not None:
                 self._slots.put(gpus)
@@ -569,8 +587,12 @@ class EngineRunner:
         if role == "reference" and seed == self.recipe.seed and alt is None:  # the first step's calls, for first_step
             self._recorded[seed] = str(Path(self._record_dir.name) / f"first-{seed}.pt")
             extra += ["--record", self._recorded[seed]]
+        def streamed(rec: dict) -> None:  # the progress by steps, as the run logs them
+            if progress is not None and "step" in rec:
+                with self._said:
+                    progress(_step(rec))
         with tempfile.TemporaryDirectory(prefix="mhctool-engine-") as d:
-            lines, error = self._run(recipe, role, d, extra)
+            lines, error = self._run(recipe, role, d, extra, streamed)
         pieces = next((x["pieces"] for x in lines if "pieces" in x), {})
         steps = [x for x in lines if "step" in x]
         # an entry point the model never called ran nothing of what was swapped in: said, not hidden
@@ -578,18 +600,30 @@ class EngineRunner:
         notes = {f: "never called by the engine's model" for f, c in calls.items() if c == 0 and f in pieces}
         traj = Trajectory(role, pieces, notes, seed=seed)
         for rec in steps:
-            metrics = {k: float(rec[k]) for k in GOLDEN_METRICS if k in rec}
-            traj.steps.append(Step(rec["step"], metrics, rec.get("zeros", {}), rec.get("health", []),
-                                   rec.get("first_nonfinite"), rec.get("first_nonfinite_grad")))
+            traj.steps.append(_step(rec))
             self.params = rec.get("params", self.params)
             self.dtype = rec.get("dtype", self.dtype)
-            if progress:
-                progress(traj.steps[-1])
         if error is not None:
             traj.error = f"step {len(traj.steps) + 1}: {error}"
         elif len(traj.steps) < recipe.steps:
             traj.error = f"step {len(traj.steps) + 1}: the engine stopped"
         return traj
+
+
+def _step(rec: dict) -> Step:
+    """A step of the engine's log as a trajectory's step."""
+    metrics = {k: float(rec[k]) for k in GOLDEN_METRICS if k in rec}
+    return Step(rec["step"], metrics, rec.get("zeros", {}), rec.get("health", []), rec.get("first_nonfinite"),
+                rec.get("first_nonfinite_grad"))
+
+
+def _parsed(text: str, record: Callable[[dict], None]) -> None:
+    try:
+        rec = json.loads(text)
+    except ValueError:  # a line the run left half-written: the log is read whole at its end
+        return
+    if isinstance(rec, dict):
+        record(rec)
 
 
 if __name__ == "__main__":

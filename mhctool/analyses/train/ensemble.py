@@ -54,6 +54,7 @@ from mhctool.analyses.train.trajectory import (
     to_golden,
 )
 from mhctool.analyses.train.verdict import Drift, judge
+from mhctool.core.errors import kept_at_once
 from mhctool.core.verdict import VerdictRule
 from mhctool.spread.isolation import Worker
 from mhctool.spread.pool import worker_env
@@ -109,12 +110,13 @@ def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Cal
     seed, here."""
     out: list[SeedRun | None] = [None] * len(seeds)
     if workers <= 1 or len(seeds) <= 1:
-        for k, s in enumerate(seeds):
-            if interrupted():
-                break
-            out[k] = one_seed(replace(cfg, seed=s))
-            if finished:
-                finished(out[k])
+        with kept_at_once():  # a second signal: the seeds finished are kept
+            for k, s in enumerate(seeds):
+                if interrupted():
+                    break
+                out[k] = one_seed(replace(cfg, seed=s))
+                if finished:
+                    finished(out[k])
         return [r for r in out if r is not None]
     n = min(workers, len(seeds))
     todo = list(range(len(seeds)))
@@ -163,15 +165,19 @@ def spread_seeds(cfg: TrainConfig, seeds: list[int], workers: int, one_seed: Cal
     with tempfile.TemporaryDirectory(prefix="mhctool-seeds-") as logs:
         for t in threads:
             t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(0.1)
-    for k in sorted(retry):  # the seed's worker died: again here, the implementation isolated
-        if interrupted():
-            break
-        out[k] = one_seed(replace(cfg, seed=seeds[k]))
-        if finished:
-            finished(out[k])
+        with kept_at_once():  # a second signal: the seeds in hand are abandoned (their workers stopped)
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.1)
+        for t in threads:  # after an abandonment they stop at their next poll of interrupted()
+            t.join()
+    with kept_at_once():
+        for k in sorted(retry):  # the seed's worker died: again here, the implementation isolated
+            if interrupted():
+                break
+            out[k] = one_seed(replace(cfg, seed=seeds[k]))
+            if finished:
+                finished(out[k])
     return [r for r in out if r is not None]
 
 

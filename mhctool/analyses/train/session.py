@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -26,7 +27,7 @@ from mhctool.analyses.train.pieces import (
     reference_piece,
 )
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig, to_dict
-from mhctool.analyses.train.trace import Attribution, attribute, candidate_knobs
+from mhctool.analyses.train.trace import Attribution, Budget, attribute, candidate_knobs
 from mhctool.analyses.train.trajectory import (
     FIRST_STEP_S,
     Step,
@@ -38,8 +39,9 @@ from mhctool.analyses.train.trajectory import (
     run,
 )
 from mhctool.analyses.train.verdict import judge, nonfinite_sentence
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import UsageError, kept_at_once
 from mhctool.core.verdict import VerdictRule
+from mhctool.spread.isolation import Failure
 from mhctool.families import get_family
 
 
@@ -94,6 +96,7 @@ class Outcome:
     runs: list[SeedRun] = field(default_factory=list)  # per seed, its trajectories
     zeros: ZeroFindings | None = None  # the zero counts over the ensemble (several seeds)
     first_step: first_step_mod.Check | None = None  # every tensor of the first step judged (compared runs)
+    trace_stopped: str | None = None  # where the tracing's budget ended it before every candidate was tried
 
     @property
     def impl(self) -> Trajectory:
@@ -138,6 +141,9 @@ class Outcome:
             a = hits[0]
             return f"{a.message}: the drift is {a.family}.{a.knob}"
         tried = ", ".join(f"{a.family}.{a.knob}={a.value}" for a in self.attributions)
+        if self.trace_stopped:  # not every candidate tried: no claim that the kernel's own error is left
+            return f"not traced: {self.trace_stopped}" + (f" (none reproduces it of those tried: {tried})"
+                                                          if tried else "")
         return ("no convention in which it differs reproduces it" + (f" (tried: {tried})" if tried else
                 " (identify fits it no other convention)") + ": the drift is the kernel's own error")
 
@@ -170,7 +176,8 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             progress: Callable[[str, Step], None] | None = None, as_used: bool = False, seeds: int = 1,
             workers: int = 1, isolation_factory: Callable[[], object] | None = None,
             shared: dict | None = None, engine=None, isolated: bool = False,
-            step_timeout: float | None = None, phase: Callable[[str], None] = lambda line: None) -> Outcome:
+            step_timeout: float | None = None, phase: Callable[[str], None] = lambda line: None,
+            trace_budget: float | None = None) -> Outcome:
     """The implementation's trajectory, then (``compare``) the native and float64 ones, the
     verdict, and (``trace``) the attribution of a drift; from ``seeds`` seeds (the base seed and
     those after it), judged over the ensemble where there are several (:mod:`.ensemble`).
@@ -188,13 +195,15 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     step may take (None: :class:`~.trajectory.StepWatch`'s defaults); an implementation that hung
     in its trajectory is not called again for the first step. ``phase(line)``: what the run does
     beyond its steps, as it starts (judging the first step, tracing the drift: which knob and
-    seed)."""
+    seed). ``trace_budget``: seconds the tracing may take (None: :data:`~.trace.TRACE_BUDGET` times
+    what the trajectories took); no rerun starts after it, and the verdict says the drift was not traced."""
     rule = rule or VerdictRule()
     knobs, conventions = knobs or {}, conventions or {}
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
     say = (lambda role: (lambda step: progress(role, step))) if progress else (lambda role: None)
+    started = time.monotonic()
     if engine is not None:
-        return _engine_session(cfg, engine, rule, compare, interrupted, say, seeds, trace, phase)
+        return _engine_session(cfg, engine, rule, compare, interrupted, say, seeds, trace, phase, trace_budget)
     pieces, eff = impl_pieces(specs, knobs, conventions, cfg.device, cfg.dtype, as_used)
 
     def one_seed(c: TrainConfig, worker=None, impl: Trajectory | None = None) -> SeedRun:
@@ -249,10 +258,11 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
     hung = any(t.role == "impl" and t.hung for r in runs for t in r.trajectories())
     if compare and runs and not interrupted() and not hung:  # the seed's initial weights, whenever it runs
         phase("judging the first step: each family's calls in every layer")
-        first = _first_step(cfg, specs, knobs, conventions, pieces, eff, rule, as_used, interrupted,
-                            isolation if isolation is not None else
-                            (isolation_factory() if isolated and isolation_factory else None),
-                            own=isolation is None, timeout=step_timeout or FIRST_STEP_S)
+        with kept_at_once():  # a second signal: no first-step check, the trajectories kept
+            first = _first_step(cfg, specs, knobs, conventions, pieces, eff, rule, as_used, interrupted,
+                                isolation if isolation is not None else
+                                (isolation_factory() if isolated and isolation_factory else None),
+                                own=isolation is None, timeout=step_timeout or FIRST_STEP_S)
     out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [t for r in runs for t in r.trajectories()], eff,
                   traced_asked=trace, runs=runs, first_step=first)
     complete = compare and runs and all(r.reference is not None for r in runs) and len(runs) == len(seed_list)
@@ -262,9 +272,11 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
         if _drift_to_trace(out) and trace and not interrupted():
             cands = candidate_knobs(specs, eff, pieces, cfg.device)
             precision = {f: p.precision for f, p in pieces.items()}
+            budget = Budget.of(trace_budget, time.monotonic() - started)
             out.attributions, alts = attribute(runs, cfg, eff, cands, rule, params, interrupted, precision,
-                                               phase=phase)
+                                               phase=phase, budget=budget)
             out.trajectories.extend(alts)
+            out.trace_stopped = budget.said
     out.interrupted = interrupted() or any(t.error == "interrupted" for t in out.trajectories) or \
         len(runs) < len(seed_list)
     return out
@@ -289,11 +301,13 @@ def _drift_to_trace(out: Outcome) -> bool:
 
 
 def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, interrupted, say,
-                    seeds: int, trace: bool = True, phase: Callable[[str], None] = lambda line: None) -> Outcome:
+                    seeds: int, trace: bool = True, phase: Callable[[str], None] = lambda line: None,
+                    trace_budget: float | None = None) -> Outcome:
     """:func:`session` with another trainer's trajectories (``engine``), judged and traced as
     mhctool's (the tracing's reruns: the engine's own path with mhctool's native piece computing
     the knob at one entry point)."""
     roles = ("impl", "native", "reference") if compare else ("impl",)
+    started = time.monotonic()
     got = engine.side_by_side([(seed, role) for seed in seeds_of(cfg, seeds) for role in roles], say, interrupted)
     runs = []
     for seed in seeds_of(cfg, seeds):
@@ -308,12 +322,15 @@ def _engine_session(cfg: TrainConfig, engine, rule: VerdictRule, compare: bool, 
                   runs=runs)
     if compare and runs and len(runs) == seeds and all(r.reference is not None for r in runs) and not interrupted():
         phase("judging the first step: each entry point's recorded calls")
-        out.first_step = engine.first_step(cfg.seed, rule)
+        with kept_at_once():  # a second signal: no first-step check, the trajectories kept
+            out.first_step = engine.first_step(cfg.seed, rule)
         _set_verdict(out, runs, cfg, rule, engine.params)
         if _drift_to_trace(out) and trace and not interrupted():
+            budget = Budget.of(trace_budget, time.monotonic() - started)
             out.attributions, alts = attribute(runs, cfg, eff, engine.candidates(), rule, engine.params, interrupted,
-                                               rerun=engine.alternative, phase=phase)
+                                               rerun=engine.alternative, phase=phase, budget=budget)
             out.trajectories.extend(alts)
+            out.trace_stopped = budget.said
     out.interrupted = interrupted() or len(runs) < seeds
     return out
 
@@ -354,12 +371,17 @@ def _isolated(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, piec
               interrupted, as_used: bool = False, step_timeout: float | None = None) -> Trajectory:
     with tempfile.TemporaryDirectory(prefix="mhctool-train-") as d:
         log = str(Path(d) / "steps.jsonl")
-        value, failure = worker.call("mhctool.analyses.train.trajectory:trajectory_job",
-                                     (to_dict(cfg), spec, knobs, conventions, log, as_used),
-                                     timeout=None, interrupted=interrupted, stalled=StepWatch(log, step_timeout))
+        value, failure = None, Failure("lost", "abandoned: the run was interrupted")
+        with kept_at_once():  # a second signal: the worker killed, the steps it logged kept
+            value, failure = worker.call("mhctool.analyses.train.trajectory:trajectory_job",
+                                         (to_dict(cfg), spec, knobs, conventions, log, as_used),
+                                         timeout=None, interrupted=interrupted, stalled=StepWatch(log, step_timeout))
         if failure is None:
             return Trajectory.from_dict(value)
-        return _from_log(cfg, pieces, log, failure.message, hung=failure.kind == "timeout")
+        traj = _from_log(cfg, pieces, log, failure.message, hung=failure.kind == "timeout")
+        if failure.kind == "lost" and interrupted():  # the signal ended it, not the implementation
+            traj.error = "interrupted"
+        return traj
 
 
 def _from_log(cfg: TrainConfig, pieces: dict[str, Piece], log: str, why: str, hung: bool) -> Trajectory:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from mhctool.analyses.train import engine as E
 from mhctool.analyses.train import module_path
-from mhctool.core.errors import UsageError
+from mhctool.core.errors import UsageError, kept_at_once
 from mhctool.libraries.megatron_core import Recipe
 from mhctool.registry.specs import resolve_impls
 
@@ -160,15 +160,18 @@ def measure_all(spec, base, points: list[dict], vs: list[Variant], device: str, 
             todo.append((p, v))
     per_run = warmup + steps + entry_steps
     out = []
-    for p, v in todo:
-        if interrupted():
-            break
-        r = replace(base, **p, steps=per_run, watch=False, time_entry_from=warmup + steps + 1)
-        started(f"{v.name}{'' if not p else ' ' + point_text(p)}: {per_run} steps")
-        specs = {f: "megatron" for f in E.ENGINE_FAMILIES} if v.name == FUSED else v.specs
-        records, error = E.EngineRunner(spec, r, specs, {}, {}, device=device, workers=1).records(r, v.role)
-        out.append(Measured(v, p, records, error, warmup, steps))
-        finished()
+    with kept_at_once():  # a second signal kills the run in hand; the finished runs are kept
+        for p, v in todo:
+            if interrupted():
+                break
+            r = replace(base, **p, steps=per_run, watch=False, time_entry_from=warmup + steps + 1)
+            started(f"{v.name}{'' if not p else ' ' + point_text(p)}: {per_run} steps")
+            specs = {f: "megatron" for f in E.ENGINE_FAMILIES} if v.name == FUSED else v.specs
+            records, error = E.EngineRunner(spec, r, specs, {}, {}, device=device, workers=1).records(r, v.role)
+            if error is not None and interrupted():  # the signal ended it (not the variant's failure): left out
+                break
+            out.append(Measured(v, p, records, error, warmup, steps))
+            finished()
     return out
 
 

@@ -2,7 +2,8 @@
 kernel differs from the contract (declared, or fitted by ``mhctool identify``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mhctool.analyses.identify import IDENTIFIABLE, Identifier, fmt_value
@@ -11,6 +12,7 @@ from mhctool.analyses.train.pieces import Piece, pick_impl, native_piece
 from mhctool.analyses.train.setup import FAMILIES, TrainConfig
 from mhctool.analyses.train.trajectory import Trajectory, run
 from mhctool.analyses.train.verdict import judge
+from mhctool.core.errors import kept_at_once
 from mhctool.core.verdict import VerdictRule
 
 
@@ -67,17 +69,49 @@ def _with_knob(eff: dict[str, dict], precision: dict[str, str], family: str, kno
     return {f: piece(f) for f in FAMILIES}
 
 
+# the tracing's default budget, as a multiple of what the trajectories (and the first step) took: a
+# train run that traces takes at most about (1 + TRACE_BUDGET) times its runs, plus one rerun
+TRACE_BUDGET = 1.0
+
+
+@dataclass
+class Budget:
+    """Seconds the tracing may take: no rerun starts once they are spent. ``said``: where it
+    stopped the tracing before every candidate was tried (None while it has not)."""
+
+    seconds: float | None  # None: no limit
+    start: float = field(default_factory=time.monotonic)
+    said: str | None = None
+
+    @classmethod
+    def of(cls, asked: float | None, runs_took: float) -> "Budget":
+        """The asked seconds (0: no limit), or :data:`TRACE_BUDGET` times what the runs took."""
+        if asked == 0:
+            return cls(None)
+        return cls(asked if asked is not None else max(1.0, TRACE_BUDGET * runs_took))
+
+    def spent(self, tried: int, candidates: int) -> bool:
+        if self.seconds is None or time.monotonic() - self.start < self.seconds:
+            return False
+        self.said = (f"the tracing stopped at its budget of {self.seconds:.0f} s after {tried} of {candidates} "
+                     "candidate conventions (--trace-budget)")
+        return True
+
+
 def attribute(runs: list[SeedRun], cfg: TrainConfig, eff: dict[str, dict], candidates: list[tuple],
               rule: VerdictRule, params: int, interrupted: Callable[[], bool] = lambda: False,
               precision: dict[str, str] | None = None,
               rerun: Callable[[int, str, str, object, str], Trajectory] | None = None,
-              phase: Callable[[str], None] = lambda line: None) -> tuple[list[Attribution], list[Trajectory]]:
+              phase: Callable[[str], None] = lambda line: None,
+              budget: Budget | None = None) -> tuple[list[Attribution], list[Trajectory]]:
     """Rerun the native implementation with each candidate knob from every seed of ``runs``; it
     reproduces the drift where the implementation's runs stay with those runs as they would with
     the reference, and those runs drift from the reference (a knob that moves nothing explains
     nothing). One seed is judged by the single-seed rule, several over the ensemble. ``rerun(seed,
     family, knob, value, role)``: another trainer's native run with the knob (an engine's), in
-    place of mhctool's model's. ``phase(line)``: each rerun as it starts (which knob, which seed)."""
+    place of mhctool's model's. ``phase(line)``: each rerun as it starts (which knob, which seed).
+    ``budget``: no rerun starts once it is spent (it says so); a candidate not rerun from every
+    seed is no evidence and is left out."""
     found, made = [], []
     prec = precision or {}
     several = len(runs) > 1
@@ -87,12 +121,17 @@ def attribute(runs: list[SeedRun], cfg: TrainConfig, eff: dict[str, dict], candi
         pieces = _with_knob(eff, prec, family, knob, value) if rerun is None else None
         role = f"native:{family}.{knob}={value}"
         alts = []
-        for j, r in enumerate(runs, 1):
-            if interrupted():
-                break
-            phase(f"tracing the drift: knob {k} of {len(candidates)} ({family}.{knob}={value}), seed {j} of {len(runs)}")
-            alts.append(rerun(r.seed, family, knob, value, role) if rerun is not None else
-                        run(replace(cfg, seed=r.seed), pieces, role, interrupted))
+        with kept_at_once():  # a second signal: the knobs traced so far are kept
+            for j, r in enumerate(runs, 1):
+                if interrupted() or (budget is not None and budget.spent(k - 1, len(candidates))):
+                    break
+                phase(f"tracing the drift: knob {k} of {len(candidates)} ({family}.{knob}={value}), "
+                      f"seed {j} of {len(runs)}")
+                alt = rerun(r.seed, family, knob, value, role) if rerun is not None else \
+                    run(replace(cfg, seed=r.seed), pieces, role, interrupted)
+                if alt.error == "interrupted":  # cut short: no evidence either way
+                    break
+                alts.append(alt)
         made.extend(alts)
         if len(alts) < len(runs):
             break

@@ -20,7 +20,7 @@ from mhctool.analyses.train.setup import (
     from_dict,
 )
 from mhctool.core.dtypes import FORMATS
-from mhctool.core.errors import system_exit_message
+from mhctool.core.errors import kept_at_once, system_exit_message
 from mhctool.core.metrics import h_res_health
 from mhctool.references import model as model_mod
 from mhctool.references.dropout import counters_used
@@ -202,58 +202,61 @@ def run(cfg: TrainConfig, pieces: dict[str, Piece], role: str, interrupted: Call
     cuda = cfg.device == "cuda"
     if cuda:
         load_digest(cfg.device)  # before the first step's check of each piece (LayerCalls._check_streams)
-    for i in range(1, cfg.steps + 1):
-        if interrupted():
-            traj.error = "interrupted"
-            break
-        tokens = source.batch(i, cfg.batch, cfg.model.seq).to(cfg.device)
-        rec.reset(cfg.model.layers)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        rec.check_streams = cuda and i == 1
-        phase = "forward"
-        try:
-            if at:
-                at(i, phase)
-            opt.zero_grad(set_to_none=True)
-            loss = model.loss(tokens, rec, act)
+    with kept_at_once():  # a second signal mid-step: the steps so far are kept
+        for i in range(1, cfg.steps + 1):
+            if interrupted():
+                traj.error = "interrupted"
+                break
+            tokens = source.batch(i, cfg.batch, cfg.model.seq).to(cfg.device)
+            rec.reset(cfg.model.layers)
             if cuda:
                 torch.cuda.synchronize()
-            phase = "backward"
-            if at:
-                at(i, phase)
-            loss.backward()
-            phase = "update"
-            if at:
-                at(i, phase)
-            zeros = {names[id(p)]: int(p.grad.numel() - torch.count_nonzero(p.grad))
-                     for p in model.parameters() if p.grad is not None}
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-            opt.step()
-            sched.step()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            rec.check_streams = cuda and i == 1
+            phase = "forward"
+            try:
+                if at:
+                    at(i, phase)
+                opt.zero_grad(set_to_none=True)
+                loss = model.loss(tokens, rec, act)
+                if cuda:
+                    torch.cuda.synchronize()
+                phase = "backward"
+                if at:
+                    at(i, phase)
+                loss.backward()
+                phase = "update"
+                if at:
+                    at(i, phase)
+                zeros = {names[id(p)]: int(p.grad.numel() - torch.count_nonzero(p.grad))
+                         for p in model.parameters() if p.grad is not None}
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+                opt.step()
+                sched.step()
+                if cuda:
+                    torch.cuda.synchronize()
+            except SystemExit as e:  # code under test never decides mhctool's exit code
+                traj.error = f"step {i}, {phase}: {system_exit_message(e)}"
+                break
+            except Exception as e:  # noqa: BLE001 - an implementation that raises ends the run, kept
+                traj.error = f"step {i}, {phase}: {short_error(e)}"
+                break
+            metrics = {"lm loss": float(loss.detach()), "grad-norm": float(gnorm), "num-zeros": float(sum(zeros.values())),
+                       "iteration-time": time.perf_counter() - t0}
             if cuda:
-                torch.cuda.synchronize()
-        except SystemExit as e:  # code under test never decides mhctool's exit code
-            traj.error = f"step {i}, {phase}: {system_exit_message(e)}"
-            break
-        except Exception as e:  # noqa: BLE001 - an implementation that raises ends the run, kept
-            traj.error = f"step {i}, {phase}: {short_error(e)}"
-            break
-        metrics = {"lm loss": float(loss.detach()), "grad-norm": float(gnorm), "num-zeros": float(sum(zeros.values())),
-                   "iteration-time": time.perf_counter() - t0}
-        if cuda:
-            metrics["mem-allocated-bytes"] = float(torch.cuda.memory_allocated())
-            metrics["mem-max-allocated-bytes"] = float(torch.cuda.max_memory_allocated())
-        step = Step(i, metrics, zeros, rec.health, list(rec.first_nonfinite) if rec.first_nonfinite else None,
-                    list(rec.first_nonfinite_grad) if rec.first_nonfinite_grad else None)
-        traj.steps.append(step)
-        if progress:
-            progress(step)
-        if stop_on_nonfinite and nonfinite(step):  # the update would carry it into every later step
-            traj.error = f"step {i}: not finite ({where_nonfinite(step)})"
-            break
+                metrics["mem-allocated-bytes"] = float(torch.cuda.memory_allocated())
+                metrics["mem-max-allocated-bytes"] = float(torch.cuda.max_memory_allocated())
+            step = Step(i, metrics, zeros, rec.health, list(rec.first_nonfinite) if rec.first_nonfinite else None,
+                        list(rec.first_nonfinite_grad) if rec.first_nonfinite_grad else None)
+            traj.steps.append(step)
+            if progress:
+                progress(step)
+            if stop_on_nonfinite and nonfinite(step):  # the update would carry it into every later step
+                traj.error = f"step {i}: not finite ({where_nonfinite(step)})"
+                break
+    if traj.error is None and len(traj.steps) < cfg.steps:  # abandoned by a second signal
+        traj.error = "interrupted"
     return traj
 
 
