@@ -248,8 +248,9 @@ def _overflow_lines(ax, points: dict[str, float]) -> None:
     """One dotted line per overflow point, dtypes that overflow at the same amplitude named on one
     label (bf16 and fp32 share fp32's exponent), labels at staggered heights."""
     at: dict[float, list[str]] = {}
-    for dt, x in points.items():
-        at.setdefault(round(x, 6), []).append(dt)
+    for dt, x in sorted(points.items(), key=lambda p: p[1]):
+        near = next((y for y in at if abs(x - y) <= 0.005 * max(abs(x), abs(y))), None)  # one line to the eye
+        at.setdefault(x if near is None else near, []).append(dt)  # bf16 88.719 and fp32 88.723: one label
     for k, (x, dts) in enumerate(sorted(at.items())):
         ax.axvline(x, ls=":", color="gray")
         ax.annotate(f"{'/'.join(sorted(dts))} exp overflow", (x, 0.5 - 0.22 * (k % 3)), xycoords=("data", "axes fraction"),

@@ -241,3 +241,19 @@ def test_bad_input_exits_2(tmp_path, args, message):
     assert res.exit_code == 2, res.output
     assert message in res.output
     assert not (tmp_path / "r.parquet").exists()
+
+
+def test_dtypes_whose_exp_overflows_alike_share_one_labelled_line():
+    """bf16 (ln of its largest finite: 88.719) and fp32 (88.723) overflow at one amplitude to the
+    eye: one dotted line, one label naming both, never two labels drawn over each other."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from mhctool.analyses.stability import OVERFLOW_LOGIT
+    from mhctool.views.plots import _overflow_lines
+    fig, ax = plt.subplots()
+    _overflow_lines(ax, {d: OVERFLOW_LOGIT[d] for d in ("fp32", "bf16", "fp16")})
+    labels = sorted(t.get_text() for t in ax.texts)
+    plt.close(fig)
+    assert labels == ["bf16/fp32 exp overflow", "fp16 exp overflow"] and len(ax.lines) == 2
