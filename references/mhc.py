@@ -76,6 +76,8 @@ def sinkhorn(
     clamp_at: float = 20.0,
     math: str = "ieee",
     floor: float = 0.0,
+    tol: float = 0.0,
+    exp_floor: float = 0.0,
     trace: Trace = None,
 ) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits[..., n, n])`` towards a doubly stochastic matrix.
@@ -106,6 +108,15 @@ def sinkhorn(
     level first, ``max(L, max(L) - floor)``, as a log-domain kernel that floors its log values
     after subtracting the matrix's max does (exp of what lies below is never taken).
 
+    ``exp_floor`` (0: none): the starting matrix raised to at least this value, ``max(exp(.),
+    exp_floor)``, as a kernel that guards its exponentials with an absolute floor does (a logit
+    below ``log(exp_floor)`` after the stabilisation counts as that level).
+
+    ``tol`` (0: none): a matrix stops iterating once every row and column sum is within ``tol``
+    of one, checked after each (row, column) iteration, at most ``iters`` iterations: the early stop
+    common Sinkhorn libraries offer (its count then depends on the data; the gradient is that of
+    the iterations it ran).
+
     Each iteration normalises rows then columns (``row_first``) or columns then rows
     (``col_first``); a normalisation divides by ``sum + eps`` (``add``) or ``max(sum, eps)``
     (``clamp``), or by the sum where it is above eps, leaving a row or column at or below eps as
@@ -131,6 +142,8 @@ def sinkhorn(
         p = torch.exp(logits.clamp(max=clamp_at))
     else:
         p = torch.softmax(logits, dim=-1) + eps
+    if exp_floor:
+        p = p.clamp(min=exp_floor)
     if trace:
         trace("exp", p)
     # several iteration counts at once (mhctool identify's grid): one run to the largest, the matrix
@@ -143,11 +156,23 @@ def sinkhorn(
     skip = 1 if stabilize == "softmax" and order == "row_first" else 0
     steps = steps[skip:]  # the softmax was the first row step
     snaps = []
+    done = None  # with tol: the matrices that have stopped (their rows and columns within tol of one)
     for i, dim in enumerate(steps):
-        p = _normalize(p, dim, eps, eps_mode, trace)
+        q = _normalize(p, dim, eps, eps_mode, trace)
+        p = q if done is None else torch.where(done, p, q)
+        if tol and (i + 1 + skip) % 2 == 0:
+            now = converged(p, tol)
+            done = now if done is None else done | now
         if counts and (i + 1 + skip) % 2 == 0 and (i + 1 + skip) // 2 in counts:
             snaps.append(p)
     return torch.stack(snaps) if counts else p
+
+
+def converged(p: torch.Tensor, tol: float) -> torch.Tensor:
+    """Per matrix of ``p[..., n, n]`` (kept as ``[..., 1, 1]``): every row and column sum within
+    ``tol`` of one."""
+    off = torch.maximum((p.sum(-1) - 1).abs().amax(-1), (p.sum(-2) - 1).abs().amax(-1))
+    return (off <= tol)[..., None, None]
 
 
 def h_aggregate(x: torch.Tensor, h_pre: torch.Tensor, *, trace: Trace = None) -> torch.Tensor:

@@ -8,6 +8,7 @@ dtype (DESIGN.md). These are the baseline of the verdict rule: a fused kernel ma
 from __future__ import annotations
 
 import math
+import math as _math  # the Sinkhorn's knob named math shadows the module in it
 
 import torch
 
@@ -27,11 +28,13 @@ def _fast_exp(x):
 
 def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowmax",
              eps_mode: str = "add", order: str = "row_first", domain: str = "linear", clamp_at: float = 20.0,
-             math: str = "ieee", floor: float = 0.0):
+             math: str = "ieee", floor: float = 0.0, tol: float = 0.0, exp_floor: float = 0.0):
     if floor:  # a floor on the logits, below the matrix's max
         logits = torch.maximum(logits, logits.amax(dim=(-1, -2), keepdim=True) - floor)
     if domain == "log":
-        return _sinkhorn_log(logits, iters, order)
+        if exp_floor:  # exp(L) >= exp_floor: L >= log(exp_floor)
+            logits = logits.clamp(min=_math.log(exp_floor))
+        return _sinkhorn_log(logits, iters, order, tol)
     # ``math`` is the knob's name (math=fast): in this function it shadows the module, which it does not use
     fast = math == "fast"  # a kernel built with fast math: __expf and a reciprocal-multiply per division
     exp = _fast_exp if fast else torch.exp
@@ -47,6 +50,8 @@ def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowma
         p = exp(logits.clamp(max=clamp_at))
     else:
         raise ValueError(f"unknown stabilize {stabilize!r}")
+    if exp_floor:  # an absolute floor on the exponentials: max(exp(x), exp_floor)
+        p = p.clamp(min=exp_floor)
 
     def div(p, d):
         return p * torch.reciprocal(d) if fast else p / d
@@ -62,14 +67,25 @@ def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowma
         return q if eps_mode == "threshold" else torch.where(above, q, torch.zeros_like(q))
 
     first, second = (-1, -2) if order == "row_first" else (-2, -1)
+    done = None  # with tol: the matrices that have stopped
     for it in range(iters):
+        q = p
         if not (it == 0 and stabilize == "softmax" and first == -1):
-            p = norm(p, first)
-        p = norm(p, second)
+            q = norm(q, first)
+        q = norm(q, second)
+        p = q if done is None else torch.where(done, p, q)
+        if tol:
+            done = _within(p, tol) if done is None else done | _within(p, tol)
     return p
 
 
-def _sinkhorn_log(logits, iters: int, order: str):
+def _within(p, tol: float):
+    """Per matrix (as ``[..., 1, 1]``): every row and column sum within ``tol`` of one."""
+    off = torch.maximum((p.sum(-1) - 1).abs().amax(-1), (p.sum(-2) - 1).abs().amax(-1))
+    return (off <= tol)[..., None, None]
+
+
+def _sinkhorn_log(logits, iters: int, order: str, tol: float = 0.0):
     """Log-domain Sinkhorn (no eps; ``stabilize`` and ``eps_mode`` have no meaning there): row and
     column potentials ``f``, ``g`` updated by logsumexp, ``exp(L + f + g)`` at the end, at the
     input dtype, the way TransformerEngine's kernel computes it."""
@@ -83,9 +99,18 @@ def _sinkhorn_log(logits, iters: int, order: str):
         return f, -torch.logsumexp(logits + f.unsqueeze(-1), dim=-2)
 
     steps = (rows, cols) if order == "row_first" else (cols, rows)
+    done = None  # with tol: the matrices that have stopped (their potentials held)
     for _ in range(iters):
+        f1, g1 = f, g
         for step in steps:
-            f, g = step(f, g)
+            f1, g1 = step(f1, g1)
+        if done is None:
+            f, g = f1, g1
+        else:
+            f, g = torch.where(done[..., 0], f, f1), torch.where(done[..., 0], g, g1)
+        if tol:
+            now = _within(torch.exp(logits + f.unsqueeze(-1) + g.unsqueeze(-2)), tol)
+            done = now if done is None else done | now
     return torch.exp(logits + f.unsqueeze(-1) + g.unsqueeze(-2))
 
 

@@ -124,12 +124,17 @@ FAMILY = Family(
         "math": Knob("ieee", ref.MATHS),
         # logits raised to at least this far below their matrix's max first (0: no floor)
         "floor": Knob(0.0, kind=float, zero_ok=True),
+        # an early stop: a matrix stops once its row and column sums are within tol of one (0: none)
+        "tol": Knob(0.0, kind=float, zero_ok=True),
+        # an absolute floor on the exponentials, max(exp(x), exp_floor) (0: none)
+        "exp_floor": Knob(0.0, kind=float, zero_ok=True),
     },
     ("iters", "eps"),
     _reference,
     # iters too: a kernel may fix its own count (declared, it is judged at it, called without it
     # where it takes no such parameter)
-    conventions=("stabilize", "clamp_at", "eps_mode", "eps", "order", "domain", "math", "floor", "iters"),
+    conventions=("stabilize", "clamp_at", "eps_mode", "eps", "order", "domain", "math", "floor", "iters", "tol",
+                 "exp_floor"),
     input_families={f.name: f for f in [
         InputFamily("random", "normal logits, per-matrix scale log-uniform in [0.1, 10]", _sk_random),
         InputFamily("unit_random", "unit normal logits: the benign regime, eps only nudges the sums", _sk_unit),

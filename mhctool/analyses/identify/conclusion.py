@@ -137,6 +137,11 @@ class Identification:
     returned: dict = field(default_factory=dict)
     # an optional input it has a parameter for but raised when given: name -> what it raised
     without: dict = field(default_factory=dict)
+    # where a matmul precision was asked (not fitted): the precision whose products its outputs are
+    # nearest (what a precision claim is checked against)
+    nearest_precision: str | None = None
+    # the precision asked for, where its outputs are nearer another's and pass there (identified at that one)
+    asked_precision: str | None = None
 
     @property
     def asked_all(self) -> dict:

@@ -18,7 +18,7 @@ from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.limits import shape_limit
 from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, UNSAID, knob_signature
 from mhctool.analyses.identify.subject import batched_errors, float64_inputs
-from mhctool.families import input_family
+from mhctool.families import MATMUL_KERNELS, input_family
 from mhctool.registry.impl import Impl
 
 # the best grid score (in native noise) past which the space's rarer conventions are tried too: far
@@ -106,7 +106,7 @@ class Identifier(Judging):
         # a sensitive knob (eps inside a square root) can sit between two grid points
         self.progress("refining the best fits")
         refined = [self.refine(probes, c) for c in self._combos(grid, self.judge_top)]
-        first = self.pick(refined + [self.refine(probes, self.pick(grid))])
+        first = self.simpler(probes, self.pick(refined + [self.refine(probes, self.pick(grid))]))
         if self.fits_precision:
             self.precision, self.precision_bwd = self.fit_precision(probes, first)
         others = [c for c in self._combos(refined + grid, self.judge_top + 1) if c.key != first.key]
@@ -117,7 +117,7 @@ class Identifier(Judging):
             # finite outputs fit, judged so that the line can say so (it fails, as every one does)
             odd = [c for c in self.tried.values() if c.stage != "judged" and self._suspicious(c.knobs)]
             if odd:
-                judged.append(self.judge(probes, min(odd, key=lambda c: c.score)))
+                judged.append(self.judge(probes, self.simpler(probes, min(odd, key=lambda c: c.score))))
         passing = [c for c in judged if c.passed]
         if passing:
             best = passing[0]
@@ -125,6 +125,9 @@ class Identifier(Judging):
             best = next((c for c in judged if c.overflows), judged[0])
         else:
             best = next((c for c in judged if c.fwd_passed), judged[0])
+        if best.fwd_passed and not best.passed and self.space.backward and best.bwd_row \
+                and best.bwd_row[1] != "nonfinite":
+            best = self.backward_knobs(probes, best)
         ties = self._ties(best) if (best.passed or best.fwd_passed) else []
         derivative = evidence = backward = partial = None
         if best.fwd_passed and not best.passed and best.bwd_row and best.bwd_row[1] != "nonfinite" \
@@ -140,13 +143,78 @@ class Identifier(Judging):
             partial = self.partial_fit(probes)
             if partial is None and nothing_near(best.score, best.max_rel):  # the nearest is far off too: what the outputs show
                 evidence = shown(self.kernel, probes)
+        nearest = asked_precision = None
+        if not self.fits_precision and self.kernel in MATMUL_KERNELS and self.dtype == "fp32" \
+                and (best.passed or best.fwd_passed) and self.precision != self.declared_precision:
+            # a precision asked for: whether its outputs are nearest that precision's products
+            nearest = self.closest_precisions(probes, best)[0][0]
+            if nearest != self.precision:  # judged at the precision its outputs are nearest: there if it passes
+                asked_prec = self.precision
+                self.precision = self.precision_bwd = nearest
+                again = self.judge(probes, dataclasses.replace(best, stage="judged"))
+                if again.passed:
+                    best, asked_precision = again, asked_prec
+                else:
+                    self.precision = self.precision_bwd = asked_prec
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
                               fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,
                               declared_precision=self.declared_precision, ties=ties, overflow=self.overflow,
                               ignored=self.ignored, derivative=derivative, evidence=evidence, backward=backward,
                               partial=partial,
-                              saturated=self.saturated, limit=limit_text)
+                              saturated=self.saturated, limit=limit_text, nearest_precision=nearest,
+                              asked_precision=asked_precision)
+
+    def simpler(self, probes: list[Probe], cand: Candidate) -> Candidate:
+        """``cand`` without each knob said only where set (a floor) whose absence fits as well:
+        within native noise where it fits there (a knob its outputs do not tell is no finding)."""
+        for k, none in UNSAID.items():
+            if k not in cand.knobs or cand.knobs[k] == none or not cand.score <= self.space.near_miss:
+                continue
+            other = self.score(probes, {**cand.knobs, k: none}, cand.stage)
+            if other.score <= self.space.near_miss:
+                cand = other
+        return cand
+
+    def backward_knobs(self, probes: list[Probe], best: Candidate) -> Candidate:
+        """A forward that fits and a backward that fails the verdict: the knobs that change the
+        backward far more than the forward (Sinkhorn's early stop), each value judged with the
+        best's other knobs; the first that passes (its forward still fitting) is the best fit."""
+        self.progress("the backward fails: trying the knobs that change it more than the forward (an early stop)")
+        for knob, values in self.space.backward.items():
+            for v in values:
+                cand = self.score(probes, {**best.knobs, knob: v}, "judged")
+                if not cand.score <= self.space.near_miss:
+                    continue  # its forward moved away
+                judged = self.judge(probes, cand)
+                if judged.passed:
+                    if knob == "tol":
+                        judged.note = "; ".join(filter(None, [judged.note, self.stop_counts(probes, judged.knobs)]))
+                    return judged
+        return best
+
+    def stop_counts(self, probes: list[Probe], knobs: dict) -> str | None:
+        """How many iterations the float64 run with the fitted early stop took on the probes: the
+        iterations until every row and column sum is within tol of one, per matrix."""
+        import torch as _torch
+        from mhctool.references import mhc as ref
+        iters, tol = int(knobs.get("iters", 20)), float(knobs["tol"])
+        counts = []
+        for p in probes:
+            logits = p.base.get("logits")
+            if logits is None:
+                return None
+            plain = {k: v for k, v in knobs.items() if k in ("eps", "stabilize", "eps_mode", "order", "floor",
+                                                             "exp_floor", "clamp_at")}
+            snaps = ref.sinkhorn(logits.double(), tuple(range(1, iters + 1)), **plain)  # [iters, ..., n, n]
+            done = ref.converged(snaps, tol)[..., 0, 0].reshape(iters, -1)
+            first = _torch.where(done.any(0), done.float().argmax(0) + 1, _torch.full_like(done[0], iters, dtype=_torch.long))
+            counts += first.tolist()
+        early = [c for c in counts if c < iters]
+        if not early:
+            return f"on the probes every matrix ran all {iters} iterations"
+        return (f"the float64 run stopped early in {len(early)} of {len(counts)} probe matrices, after "
+                f"{min(early)} to {max(early)} iterations")
 
     def _hold(self, grid: list[Candidate]) -> None:
         """The space's ``hold_later`` knobs held at the best fit of ``grid`` (until ``held`` is reset)."""

@@ -47,7 +47,8 @@ class Judging(Fitting, Probing):
         # against everything asked, the held knobs too (a log domain asked is asked, though held apart)
         evidence = self.evidence(probes, c)
         c.level, c.note = classify(self.kernel, c.knobs, {**self.family_knobs, **self.asked}, evidence,
-                                   self.ignored, shown_only=not (c.passed or c.fwd_passed))
+                                   self.ignored, shown_only=not (c.passed or c.fwd_passed),
+                                   takes=self.impl.accepts if self.impl.backend == "external" else lambda knob: True)
         c.untold = tuple(k for k, (shown, _) in evidence.items() if shown is False and k in self.ignored)
         self.tried[c.key] = c
         return c

@@ -32,8 +32,17 @@ ITERS_MAX = 64
 # subtracted); 0 is none, the rest a rarer knob
 FLOOR_GRID = (10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 100.0)
 
+# an absolute floor on the exponentials, max(exp(x), F), as a kernel guards against an underflow to
+# zero; 0 is none, the rest a rarer knob
+EXP_FLOOR_GRID = (1e-30, 1e-20, 1e-15, 1e-12, 1e-10, 1e-8, 1e-6)
+
+# an early stop (rows and columns within tol of one), common in Sinkhorn libraries: its forward is
+# within rounding of the full count's, its backward is not, so it is tried where the forward fits
+# and the backward fails the verdict
+TOL_GRID = (1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3)
+
 # knobs said only where set (at any other value than this one): a floor of 0 is no floor
-UNSAID = {"floor": 0.0}
+UNSAID = {"floor": 0.0, "tol": 0.0, "exp_floor": 0.0}
 
 LIMIT_GRID = (1.0, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0, 1e9)
 
@@ -121,6 +130,10 @@ class Space:
     # searched (a composite's mapping knobs: the rarer ones are Sinkhorn's, and the mapping's grid
     # would multiply their search many times over); refined with the rest afterwards
     hold_later: tuple[str, ...] = ()
+    # knobs whose values change the backward far more than the forward (Sinkhorn's early stop):
+    # knob -> values, each judged with the best candidate where its forward fits and its
+    # backward fails the verdict
+    backward: dict = field(default_factory=dict)
 
 
 def _clamped_swiglu_at(fn: Callable, where: str) -> Callable:
@@ -190,11 +203,14 @@ def space(kernel: str, asked: dict) -> Space:
         it = int(asked.get("iters", 20))
         return Space(("random", "eps_sweep", "dead_rows_cols", "near_perm"), "16x4x4x1",
                      {"stabilize": ref.STABILIZE, "eps_mode": ("add", "clamp"), "order": ref.ORDERS,
-                      "floor": (0.0,), "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
+                      "floor": (0.0,), "exp_floor": (0.0,),
+                      "iters": tuple(range(1, max(ITERS_MAX, it + 3) + 1))},
                      {"eps": EPS_GRID}, batched="eps", prefix="iters",
                      judge_also=_sinkhorn_also(SINKHORN_IN[kernel].eps),
                      guards=("large_logits",), stackable="logits",
-                     later={"eps_mode": ("threshold", "threshold_zero"), "floor": FLOOR_GRID},
+                     later={"eps_mode": ("threshold", "threshold_zero"), "floor": FLOOR_GRID,
+                            "exp_floor": EXP_FLOOR_GRID},
+                     backward={"tol": TOL_GRID},
                      saturating=({"stabilize": ref.STABILIZE_RARE}, ("clamp_sweep",)),
                      depends={"clamp_at": CLAMP_GRID}, how=("domain", "math"))
     if kernel == "h_post_bda":
@@ -340,7 +356,8 @@ def fmt_knobs(knobs: dict) -> str:
 
 
 def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = None,
-             ignored: dict | None = None, shown_only: bool = False) -> tuple[str, str]:
+             ignored: dict | None = None, shown_only: bool = False,
+             takes: Callable[[str], bool] = lambda knob: True) -> tuple[str, str]:
     """(``as asked`` | ``known convention`` | ``variant`` | ``likely a defect``, the sentence).
 
     ``evidence``: knob -> (shown, what was measured), from :meth:`Identifier.evidence` on the
@@ -349,7 +366,9 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
     ``ignored``: knob -> how (``takes no`` / ``ignores``): the implementation runs its own value
     whatever it is asked, which the sentence says first. ``shown_only``: only the claims that
     evidence shows (a candidate that fails its own judging explains nothing else). In the log
-    domain nothing is exponentiated raw, so no stabilisation is claimed at all."""
+    domain nothing is exponentiated raw, so no stabilisation is claimed at all. ``takes(knob)``:
+    whether the implementation has a parameter for the knob (said where it computes the contract's
+    value of one it was asked otherwise)."""
     ignored = ignored or {}
     knobs = get_family(kernel).knobs
     # a knob that means something under one value of another only is said with it (Knob.only_with)
@@ -376,8 +395,24 @@ def classify(kernel: str, fitted: dict, asked: dict, evidence: dict | None = Non
                    f"{_param_note(k, ignored[k])})")
         if shown_only and not (odd and shown):
             continue
-        if known:
+        if k in knobs and k not in DEFECT_KNOBS and same_value(v, knobs[k].default) and k in asked:
+            # the contract's own value, not what was asked: never "a variant"
+            notes.append(f"computes the contract's {k}={fmt_value(v)}, not the asked {fmt_value(asked[k])}"
+                         + (f" (it takes no {k} parameter)" if ignored.get(k) == "takes no" or not takes(k) else
+                            f" (it ignores {k})" if k in ignored else ""))
+        elif known:
             notes.append(f"{own}: a known convention, {known}" if own else f"{k}={fmt_value(v)}: a known convention, {known}")
+        elif kernel in SINKHORN_IN and k == "tol":
+            level = max(level, 1)
+            notes.append(f"tol={fmt_value(v)}: it stops early, each matrix once its row and column sums are within "
+                         f"{fmt_value(v)} of one, at most iters={fmt_value(fitted.get('iters'))} iterations (the early "
+                         "stop Sinkhorn libraries offer; its count depends on the data, and its gradient is that of "
+                         "the iterations it ran)")
+        elif kernel in SINKHORN_IN and k == "exp_floor":
+            level = max(level, 1)
+            notes.append(f"exp_floor={fmt_value(v)}: its exponentials floored at {fmt_value(v)} (max(exp(x), "
+                         f"{fmt_value(v)}): logits below {math.log(v):.3g} count as {math.log(v):.3g}), a variant no "
+                         "library mhctool knows uses: check it is intended")
         elif kernel in SINKHORN_IN and k == "floor":
             level = max(level, 1)
             notes.append(f"floor={fmt_value(v)}: every logit more than {fmt_value(v)} below its matrix's max raised "

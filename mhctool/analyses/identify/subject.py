@@ -89,7 +89,7 @@ class Subject:
     def _names(self) -> list[str]:
         """The knobs fitted: the space's discrete and continuous ones, and those that mean something
         under one value of another (a clamped exponential's bound)."""
-        return [*self.space.discrete, *self.space.continuous, *self.space.depends]
+        return [*self.space.discrete, *self.space.continuous, *self.space.depends, *self.space.backward]
 
     def _default(self, name: str):
         if name in self.space.variants:

@@ -37,11 +37,13 @@ class Request:
 
 @dataclass
 class Found:
-    """One implementation's identification and the sentences it supports."""
+    """One implementation's identification and the sentences it supports: ``claims``, each with
+    the check that earned it; ``lines``, those whose check held (what is printed)."""
 
     ident: object  # identify.conclusion.Identification
     lines: list[str]
     failed: bool
+    claims: list = field(default_factory=list)  # identify.claims.Claim
 
 
 @dataclass
@@ -58,29 +60,38 @@ class Outcome:
 
 
 def conclusions(ident, impl, req: Request, asked: dict) -> Found:
-    """The lines under an identification's table: what fits, what it is, how to judge it."""
-    lines = [ident.line()]
+    """The lines under an identification's table: what fits, what it is, how to judge it; each a
+    claim with the check that earned it (:mod:`mhctool.analyses.identify.claims`), printed where
+    its check held."""
+    from mhctool.analyses.identify import claims as C
+    out = [C.identification(ident)]
+    fitted = ident.best is not None and (ident.passed or ident.best.fwd_passed)
     if ident.best is not None and ident.best.note and ident.best.level != "as asked" and not ident.overflow:
-        lines.append(ident.best.note)
+        out.append(C.Claim("note", ident.best.note, "the best candidate's fitted knobs against the asked ones"
+                           + ("" if fitted else " (no convention fits: said of its evidence only)"), True))
     elif ident.best is not None and ident.passed and impl.conventions and not asked:
         declared = " ".join(f"{k}={ident_mod.fmt_value(v)}" for k, v in impl.conventions.items())
-        lines.append(f"as its adapter declares: {declared}")
-    if ident.best is not None and (note := ident.precision_note()):
-        lines.append(note)
+        out.append(C.Claim("note", f"as its adapter declares: {declared}", "it passes at its declared conventions", True))
+    out += [c for c in (C.precision(ident, ident.nearest_precision), C.nearest_precision(ident)) if c is not None]
     if ident.ties:
-        lines.append("fits as well (within native noise): " + "; ".join(ident_mod.fmt_knobs(c.knobs) for c in ident.ties))
+        out.append(C.Claim("ties", "fits as well (within native noise): " + "; ".join(
+            ident_mod.fmt_knobs(c.knobs) for c in ident.ties), "each within native noise of the best", True))
+    out += C.dropped_asks(ident, asked)
     for name, raised in ident.without.items():
-        lines.append(f"given {name}, it raised {raised}: identified without one")
+        out.append(C.Claim("input", f"given {name}, it raised {raised}: identified without one", "it raised", True))
     if ident.returned:  # judged at the contract's dtype all the same: a lower precision is not excused
         came = ", ".join(f"{name} in {fmt}" for name, fmt in sorted(ident.returned.items()))
-        lines.append(f"it returned {came} for {req.dtype} inputs: judged converted to the contract's dtype")
+        out.append(C.Claim("dtype", f"it returned {came} for {req.dtype} inputs: judged converted to the contract's "
+                                    "dtype", "the dtypes it returned", True))
     flags = ident.flags() if ident.best is not None else ""
     defect = ident.defect()
     if ident.passed and flags and not defect:  # judged as it computes, the rest may still fail
-        lines.append(f"judge it with: mhctool parity --kernel {req.kernel} --impl {req.impl} {flags}")
+        out.append(C.Claim("judge", f"judge it with: mhctool parity --kernel {req.kernel} --impl {req.impl} {flags}",
+                           "it passes the verdict rule at these conventions", True))
     elif defect:  # a defect is no convention to declare: the kernel is what to change
-        lines.append("not a convention to declare: the kernel computes it whatever it is asked")
-    return Found(ident, lines, bool(not ident.passed or defect))
+        out.append(C.Claim("defect", "not a convention to declare: the kernel computes it whatever it is asked",
+                           "the fitted value is likely a defect of a knob it takes", True))
+    return Found(ident, C.printed(out), bool(not ident.passed or defect), out)
 
 
 def run(req: Request, watch: Watch = Watch()) -> Outcome:
@@ -128,8 +139,10 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
             rows.extend(ident_mod.rows(ident, dt, dev))
             found.append(conclusions(ident, i, req, asked))
         meta = environment.metadata()  # with the threads it computed with
+    claims = [c.row(f.ident.impl.name) for f in found for c in f.claims]
     table = report.to_table(rows, report.new_run_id(), "identify", meta,
                             {"kernel": req.kernel, "impl": req.impl, "dtype": dt, "device": dev, "asked": asked,
-                             "library_log": s.library_log, "interrupted": s.interrupts.requested},
+                             "library_log": s.library_log, "interrupted": s.interrupts.requested,
+                             "claims": claims},
                             schema=report.IDENTIFY_SCHEMA)
     return Outcome(req, found, report.write_atomic(table, req.out), s.library_log, s.interrupts.requested)
