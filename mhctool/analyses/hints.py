@@ -91,14 +91,17 @@ def parity_hint(kernel: str, impl: Impl, short: str, device: str, isolated: bool
         if iso is not None:
             iso.close()
     how = f"(mhctool identify --kernel {kernel} --impl {spec})"
+    from mhctool.analyses.identify import claims  # the sentences as identify prints them, each checked
     if not ident.passed:
-        line = ident.line()
+        line = claims.identification(ident).text
         if line.startswith("no convention fits: "):
             rest = line[len('no convention fits: '):]
             return f"hint: no convention fits {short} on {kernel}: {rest}{'' if 'a defect' in rest else '; a defect'} {how}"
         return f"hint: {short} on {kernel}: {line} {how}"
     best, flags = ident.best, ident.flags()
-    notes = "; ".join(n for n in (best.note if best.level != "as asked" else None, ident.precision_note()) if n)
+    prec = claims.precision(ident, ident.nearest_precision)
+    notes = "; ".join(n for n in (best.note if best.level != "as asked" else None,
+                                  prec.text if prec is not None and prec.held else None) if n)
     if best.level == "as asked" and not flags:
         return (f"hint: {short} computes {kernel}'s asked convention at fp32 {how}; the failure is not a "
                 "convention: see the rows above")

@@ -109,7 +109,12 @@ class Identifier(Judging):
         first = self.simpler(probes, self.pick(refined + [self.refine(probes, self.pick(grid))]))
         if self.fits_precision:
             self.precision, self.precision_bwd = self.fit_precision(probes, first)
-        others = [c for c in self._combos(refined + grid, self.judge_top + 1) if c.key != first.key]
+        # each combination judged at its refined (snapped) values where it was refined: a raw grid
+        # point of it can score a little better and carry an unround value no probe tells apart
+        done = {knob_signature(c.knobs, self.space.discrete): c for c in refined}
+        others = [done.get(knob_signature(c.knobs, self.space.discrete), c)
+                  for c in self._combos(refined + grid, self.judge_top + 1)]
+        others = [c for c in {c.key: c for c in others}.values() if c.key != first.key]
         self.progress("judging the best fits forward and backward")
         judged = [self.judge(probes, c) for c in [first, *others][: self.judge_top]]
         if self.overflow and not any(c.overflows for c in judged):
@@ -118,7 +123,10 @@ class Identifier(Judging):
             odd = [c for c in self.tried.values() if c.stage != "judged" and self._suspicious(c.knobs)]
             if odd:
                 judged.append(self.judge(probes, self.simpler(probes, min(odd, key=lambda c: c.score))))
-        passing = [c for c in judged if c.passed]
+        # a candidate that passes as it is before one that passes only against a baseline that rounds
+        # another way (fast math: a looser noise lets rarer conventions through; found by the claims'
+        # property test, tests/analyses/test_claims_property.py, where another probe seed picked one)
+        passing = sorted((c for c in judged if c.passed), key=self._rounds_otherwise)
         if passing:
             best = passing[0]
         elif self.overflow:
@@ -164,6 +172,9 @@ class Identifier(Judging):
                               partial=partial,
                               saturated=self.saturated, limit=limit_text, nearest_precision=nearest,
                               asked_precision=asked_precision)
+
+    def _rounds_otherwise(self, cand: Candidate) -> bool:
+        return any(k in cand.knobs and cand.knobs[k] != self.fam.knobs[k].default for k in self.space.rounding_only)
 
     def simpler(self, probes: list[Probe], cand: Candidate) -> Candidate:
         """``cand`` without each knob said only where set (a floor) whose absence fits as well:
