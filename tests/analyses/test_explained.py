@@ -81,3 +81,25 @@ def test_the_contracts_own_value_is_never_a_variant_and_a_dropped_ask_is_said(tm
         in text and "variant" not in text, text
     res, text, _ = identify(tmp_path, "h_post_bda", "h_post_bda_no_bias", "--knob", "bias=true")
     assert "asked bias=true: dropped; it takes no bias input, so it was identified without one" in text, text
+
+
+@pytest.mark.parametrize("stage", ["nothing near: fitting the rarer conventions too", "judging the best fits"])
+def test_two_signals_during_the_search_still_write_the_report_marked_interrupted(tmp_path, stage):
+    """timeout's SIGTERM and a Ctrl-C after it while identify searches the rarer knobs (or judges):
+    the identification in hand is abandoned, the report is written, marked interrupted, exit 130."""
+    import os
+    import signal
+
+    from mhctool.analyses.runs import Watch
+    from mhctool.analyses.runs import identify as run
+
+    def started(line, detail):
+        if stage in line:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+    out = tmp_path / "id.parquet"
+    o = run.run(run.Request("sinkhorn", f"{EXPLAINED}:sinkhorn_exp_floor", device="cpu", out=out),
+                Watch(started=started))
+    assert o.exit_code == 130 and o.found == []
+    _, meta = report.read(out)
+    assert meta["run"]["interrupted"] is True and meta["run"]["claims"] == []

@@ -18,6 +18,7 @@ from mhctool.analyses.train.trajectory import Step, Trajectory
 from mhctool.analyses.train.verdict import judge
 from mhctool.core.dtypes import FORMATS
 from mhctool.core.metrics import ulp_size
+from mhctool.core import report
 from mhctool.core.verdict import VerdictRule
 
 DEFECTS = Path(__file__).parents[1] / "impls" / "defects.py"
@@ -147,3 +148,32 @@ def test_a_train_stopped_by_a_signal_writes_what_it_has_marked_interrupted(tmp_p
     assert p.returncode == 130, rest + err
     assert "Traceback" not in err and "INTERRUPTED" in rest, rest + err
     assert json.loads(pq.read_schema(out).metadata[b"mhctool.run"])["interrupted"] is True
+
+
+@pytest.mark.slow  # two small trainings with tracing: about 20 s on 2 cores
+@pytest.mark.parametrize("phase", ["judging the first step", "tracing the drift"])
+def test_two_signals_while_judging_or_tracing_keep_the_trajectories(tmp_path, phase):
+    """Two signals (timeout's SIGTERM, then a Ctrl-C seconds later) as the first step is judged or
+    the drift traced: the work in hand is abandoned, and the report still holds the trajectories
+    trained before, marked interrupted, with exit code 130."""
+    import os
+
+    from mhctool.analyses.runs import Watch
+    from mhctool.analyses.runs import train as run
+
+    def started(line, detail):
+        if line.startswith(phase):
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+    out = tmp_path / "t.parquet"
+    req = run.Request([f"{Path(__file__).resolve().parents[1] / 'impls' / 'defects.py'}:h_post_bda_transposed"],
+                      device="cpu", seeds=1, workers=1, isolate=False,
+                      out=out)
+    watch = Watch(started=started)
+    o = run.run(run.prepare(req, watch), watch)
+    assert o.exit_code == 130 and o.session.interrupted
+    table, meta = report.read(out)
+    rows = table.to_pylist()
+    assert meta["run"]["interrupted"] is True
+    assert {r["run"] for r in rows if r["metric"] == "lm loss"} >= {"impl", "native", "reference"}
+    assert not any(r["run"].startswith("native:") for r in rows)  # no rerun the signal cut short is kept
