@@ -22,6 +22,14 @@ ENGINE = f"{Path(__file__).resolve().parents[1] / 'impls' / 'engine_standin.py'}
 MAIN = [sys.executable, "-c", "from mhctool.cli import main; main()"]
 
 
+def _main_with(tmp_path, code: str):
+    """mhctool's ``main`` with ``run`` (defined by ``code``) as the command, in a process of its own."""
+    script = tmp_path / "run.py"
+    script.write_text("import os, signal, sys\nimport mhctool.cli.app as app\n" + code
+                      + "app.main = run\nfrom mhctool.cli import main\nmain()\n")
+    return subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+
+
 def _started(proc, marker, limit=120):
     """Wait until the implementation under test has started (it touched ``marker``)."""
     t0 = time.monotonic()
@@ -54,23 +62,16 @@ def test_a_signal_while_python_makes_a_class_is_still_exit_130(tmp_path):
     """Python wraps an exception raised in a ``__set_name__`` hook in RuntimeError; a signal that
     lands there (CI met it in markdown_it's dataclasses, imported by typer for a usage error) is
     still the one sentence and exit 130."""
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import os, signal\n"
-        "import mhctool.cli.app as app\n"
-        "class Hook:\n"
-        "    def __set_name__(self, owner, name):\n"
-        "        os.kill(os.getpid(), signal.SIGTERM)\n"
-        "        for _ in range(10000):\n"
-        "            pass\n"
-        "def run():\n"
-        "    class Made:\n"
-        "        field = Hook()\n"
-        "    print('ran on')\n"
-        "app.main = run\n"
-        "from mhctool.cli import main\n"
-        "main()\n")
-    res = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    res = _main_with(tmp_path,
+                     "class Hook:\n"
+                     "    def __set_name__(self, owner, name):\n"
+                     "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                     "        for _ in range(10000):\n"
+                     "            pass\n"
+                     "def run():\n"
+                     "    class Made:\n"
+                     "        field = Hook()\n"
+                     "    print('ran on')\n")
     assert res.returncode == 130, res.stdout + res.stderr
     assert "Traceback" not in res.stderr and "stopped at once; no report written" in res.stderr, res.stderr
     assert "ran on" not in res.stdout
@@ -162,22 +163,15 @@ def test_a_signal_after_the_run_measured_leaves_its_report_finished_and_its_exit
     """A signal after a run's measuring (its report being written, its conclusion printed) is said
     and changes nothing: the report is the finished run's, the exit code the run's own; before, it
     gave exit 130 beside a report not marked interrupted."""
-    script = tmp_path / "run.py"
-    script.write_text(
-        "import os, signal, sys\n"
-        "import mhctool.cli.app as app\n"
-        "from mhctool.spread.setup import Interrupts\n"
-        "def run():\n"
-        "    with Interrupts():\n"
-        "        pass\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    print('wrote the report')\n"
-        "    sys.exit(1)\n"
-        "app.main = run\n"
-        "from mhctool.cli import main\n"
-        "main()\n")
-    res = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    res = _main_with(tmp_path,
+                     "from mhctool.spread.setup import Interrupts\n"
+                     "def run():\n"
+                     "    with Interrupts():\n"
+                     "        pass\n"
+                     "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                     "    os.kill(os.getpid(), signal.SIGINT)\n"
+                     "    print('wrote the report')\n"
+                     "    sys.exit(1)\n")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "wrote the report" in res.stdout
     assert res.stderr.count("came after the run had measured: its report is written as finished") == 1, res.stderr
