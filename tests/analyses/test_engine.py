@@ -64,6 +64,17 @@ def test_the_engines_own_fused_switch_is_what_impl_megatron_runs(tmp_path):
     assert step["fused"] is True and step["calls"]["sinkhorn"] == 2 and step["step"] == 1
 
 
+def test_megatrons_fused_switch_has_no_first_step_of_mhctools_to_judge():
+    """--impl megatron (train --engine's default): nothing of mhctool's or of a file's is swapped
+    in, so the first step has nothing to judge (it used to resolve "megatron" as an implementation
+    and end the run, after its trajectories, in "unknown implementation 'megatron'")."""
+    r = E.EngineRunner(E.EngineSpec(STANDIN, None, STANDIN), mc.Recipe(), {f: "megatron" for f in E.ENGINE_FAMILIES},
+                       {}, {}, device="cpu", workers=1)
+    mine, names = E._pieces("impl", r.specs, r.effective("impl"), "cpu", "fp32")
+    assert mine == {} and set(names.values()) == {"Megatron's fused"}
+    assert r.first_step(0, None) is None
+
+
 @pytest.mark.parametrize("args,said", [
     (["--engine", "nonsense"], "unknown --engine 'nonsense'; accepted: megatron:DIR, or FILE.py:function[@DIR]"),
     (["--engine", "megatron:/no/such/tree"], "--engine megatron:/no/such/tree: /no/such/tree holds no megatron/core"),

@@ -276,6 +276,8 @@ def _pieces(role: str, specs: dict[str, str], eff: dict[str, dict], device: str,
     for family in ENGINE_FAMILIES:
         if role == "reference":
             out[family], names[family] = reference_piece(family, eff.get(family, {})).call, "float64"
+        elif specs.get(family) == "megatron":  # Megatron's own fused kernels (its switch): nothing swapped in
+            names[family] = "Megatron's fused"
         elif family in specs:
             impl, why = pick_impl(family, specs[family], device, dtype)
             if impl is None:
