@@ -176,3 +176,24 @@ def test_a_signal_after_the_run_measured_leaves_its_report_finished_and_its_exit
     assert "wrote the report" in res.stdout
     assert res.stderr.count("came after the run had measured: its report is written as finished") == 1, res.stderr
     assert "no report written" not in res.stderr
+
+
+@pytest.mark.slow  # three runs stopped by timeout: about 70 s on 2 cores
+@pytest.mark.parametrize("after", [6, 25, 45])
+def test_timeout_at_any_moment_of_an_engines_seed_ensemble_leaves_its_report(tmp_path, after):
+    """``timeout -s TERM N`` (no --foreground: the command and then its whole process group get it)
+    against train --engine with 8 seeds over 8 workers on the stand-in engine: whatever it was doing
+    (starting, training the seeds, judging), the report is written and agrees with the exit code."""
+    import shutil
+    if shutil.which("timeout") is None:
+        pytest.skip("coreutils' timeout is not installed")
+    out = tmp_path / "t.parquet"
+    res = subprocess.run(["timeout", "-s", "TERM", str(after), *MAIN, "train", "--engine",
+                          str(Path(__file__).resolve().parents[1] / "impls" / "engine_standin.py") + ":train",
+                          "--device", "cpu", "--seeds", "8", "--workers", "8", "-q", "-o", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    text = res.stdout + res.stderr
+    assert "Traceback" not in text and "no report written" not in text, text
+    _, meta = report.read(out)
+    assert res.returncode in (0, 124, 130), text  # 124: timeout's own code once the command ended on the signal
+    assert meta["run"]["interrupted"] is (res.returncode != 0), text
