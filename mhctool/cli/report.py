@@ -67,7 +67,7 @@ def report_show(
             if t is not None:
                 out.print(t)
     else:
-        _show_rows(meta["kind"], table.to_pylist(), top)
+        _show_rows(meta["kind"], table.to_pylist(), top, meta["run"])
 
 
 # a run setting longer than this is shortened to its name in ``report show`` (--settings: in full)
@@ -89,7 +89,7 @@ def settings_line(run: dict, full: bool = False) -> str:
     return "run: " + ", ".join(parts) + (" (--settings: every one in full)" if cut else "")
 
 
-def _show_rows(kind: str, rows: list[dict], top: int) -> None:
+def _show_rows(kind: str, rows: list[dict], top: int, run: dict | None = None) -> None:
     """``report show`` of the kinds whose rows are their verdicts: the failed ones first."""
     from mhctool.core.findings import rows_worst_first
     if kind == "gate":
@@ -111,6 +111,14 @@ def _show_rows(kind: str, rows: list[dict], top: int) -> None:
                           markup=False)
         judged = [r for r in rows if r["stage"] == "judged"]
         out.print(f"{len(rows)} candidates tried, {len(judged)} judged, {sum(bool(r['passed']) for r in judged)} passed")
+        claims = (run or {}).get("claims", [])
+        for c in claims:  # what identify said, each sentence with the check that earned it
+            if c["held"]:
+                out.print(f"said: {c['text']}  [check: {c['check']}]", markup=False, highlight=False)
+        unsaid = [c for c in claims if not c["held"]]
+        if unsaid:
+            out.print(f"{len(unsaid)} claim(s) not said, their check failed: "
+                      + "; ".join(f"{c['kind']} ({c['check']})" for c in unsaid), markup=False, highlight=False)
     elif kind == "train":
         first = [r for r in rows if r["run"] == "first-step" and r["passed"] is not None]
         failed = [r for r in first if r["passed"] is False]

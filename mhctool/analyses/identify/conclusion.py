@@ -178,6 +178,8 @@ class Identification:
         return self.precision if LOOSENESS[self.precision] > LOOSENESS[self.precision_bwd] else self.precision_bwd
 
     def _knobs(self) -> str:
+        if not (self.best.passed or self.best.fwd_passed):  # nothing fits: no precision is identified
+            return fmt_knobs(self.best.knobs) or "the contract"
         if self.split_precision:
             prec = f" matmul_precision={self.precision} (forward) / {self.precision_bwd} (backward)"
         else:
