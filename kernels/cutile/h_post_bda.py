@@ -103,20 +103,24 @@ def _kept(mask, i, r, cb, N, BT, BC):
     return ct.reshape(w, (BT, BC)) >= thr
 
 
-def _mask(seed_lo, seed_hi, offset, g_row, thr):
-    """The kernels' dropout scalars as :func:`_kept` takes them (the words compared in uint64)."""
-    return ((ct.astype(seed_lo, ct.uint64), ct.astype(seed_hi, ct.uint64)), ct.astype(offset, ct.int64),
-            ct.astype(g_row, ct.int64), ct.astype(thr, ct.uint64))
+def _mask(seed_lo, seed_hi, off_lo, off_hi, g_row, thr):
+    """The kernels' dropout scalars as :func:`_kept` takes them (the words compared in uint64).
+    cuTile takes a Python int as int32: each 32-bit word comes as the int32 of the same bits
+    (:func:`_i32`), its low 32 bits taken back here, and the 64-bit offset as two such words."""
+    lo = 0xFFFFFFFF
+    key = (ct.astype(seed_lo, ct.uint64) & lo, ct.astype(seed_hi, ct.uint64) & lo)
+    offset = ct.astype(off_hi, ct.int64) * 4294967296 + (ct.astype(off_lo, ct.int64) & lo)
+    return key, offset, ct.astype(g_row, ct.int64), ct.astype(thr, ct.uint64) & lo
 
 
 @ct.kernel(occupancy=4)
-def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, seed_lo, seed_hi, offset, g_row, thr, scale,
+def _h_post_bda_fwd(h_res, x, h_post, y, bias, out, seed_lo, seed_hi, off_lo, off_hi, g_row, thr, scale,
                     N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt,
                     BC: ConstInt, STEPS: ConstInt, HAS_BIAS: ConstBool, TRANSPOSE: ConstBool, DROPOUT: ConstBool):
     """Program (cb, tg): C block cb over ``STEPS`` token blocks of ``BT``, the bias loaded once;
     with ``DROPOUT`` the branch kept where the contract's mask keeps it, scaled by ``scale``."""
     cb, tg = ct.bid(0), ct.bid(1)
-    mask = _mask(seed_lo, seed_hi, offset, g_row, thr)
+    mask = _mask(seed_lo, seed_hi, off_lo, off_hi, g_row, thr)
     scale = ct.astype(scale, ct.float32)  # however the launch typed it
     if HAS_BIAS:
         bz = ct.reshape(ct.load(bias, index=(cb,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
@@ -162,8 +166,8 @@ def _assemble(vals, width, BT):
 
 
 @ct.kernel(occupancy=3)
-def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, seed_lo, seed_hi, offset, g_row, thr,
-                    scale, N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt, BC: ConstInt, STEPS: ConstInt,
+def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, seed_lo, seed_hi, off_lo, off_hi, g_row,
+                    thr, scale, N: ConstInt, NN: ConstInt, NP: ConstInt, BT: ConstInt, BC: ConstInt, STEPS: ConstInt,
                     HAS_BIAS: ConstBool, TRANSPOSE: ConstBool, DROPOUT: ConstBool):
     """Program (cb, tg): C block cb over ``STEPS`` token blocks of ``BT`` (Triton's n = 4 FMA form).
     Per token block: dx and dy written; the n^2 + n sums over the block's channels reduced at once
@@ -171,7 +175,7 @@ def _h_post_bda_bwd(h_res, x, h_post, y, bias, g, dx, dy, ws_h, ws_p, ws_b, seed
     ``ws_p[cb, t]`` (dh_post); the bias's partial over the program's tokens stays in registers and
     goes to ``ws_b[tg]``. No accumulator lives across C, so the tile is not bound by n^2 + n of them."""
     cb, tg = ct.bid(0), ct.bid(1)
-    mask = _mask(seed_lo, seed_hi, offset, g_row, thr)
+    mask = _mask(seed_lo, seed_hi, off_lo, off_hi, g_row, thr)
     scale = ct.astype(scale, ct.float32)  # however the launch typed it
     if HAS_BIAS:
         bz = ct.reshape(ct.load(bias, index=(cb,), shape=(BC,), padding_mode=ZERO).astype(ct.float32), (1, BC))
@@ -219,15 +223,24 @@ def _check(h_res, x, h_post, y, bias):
         raise ValueError(f"bias must be [C] = ({c},), got {tuple(bias.shape)}")
 
 
+def _i32(v: int) -> int:
+    """A 32-bit word (0 <= v < 2**32) as the int32 of the same bits: cuTile types a Python int
+    argument int32, and a word past 2**31 - 1 (a seed's, Megatron's offset, the threshold at p >=
+    0.5) raised OverflowError at the launch (the H100, 2026-12-07)."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
 def mask_args(c: int, dropout: float = 0.0, seed: int = 0, offset: int = 0) -> tuple[tuple, bool]:
-    """The kernels' dropout scalars ``(seed's low word, high word, offset, counters a row,
-    threshold, scale)`` for the contract's mask (:mod:`mhctool.references.dropout`), and whether
-    dropout is on."""
+    """The kernels' dropout scalars ``(seed's low word, high word, offset's low word, high word,
+    counters a row, threshold, scale)``, each word as an int32 of its bits (:func:`_i32`), for the
+    contract's mask (:mod:`mhctool.references.dropout`), and whether dropout is on."""
     k = _dropout.key(c, dropout, seed, offset)
-    return (k.seed & 0xFFFFFFFF, k.seed >> 32, k.offset, k.counters_per_row, k.threshold, k.scale), bool(k.threshold)
+    return ((_i32(k.seed), _i32(k.seed >> 32), _i32(k.offset), _i32(k.offset >> 32), k.counters_per_row,
+             _i32(k.threshold), k.scale), bool(k.threshold))
 
 
-def forward(h_res, x, h_post, y, bias, transpose_res, tile=None, kernel=None, mask=((0, 0, 0, 0, 0, 1.0), False)):
+def forward(h_res, x, h_post, y, bias, transpose_res, tile=None, kernel=None, mask=((0, 0, 0, 0, 0, 0, 1.0), False)):
     """``out`` of contiguous inputs (checked by the caller). ``tile``: (BT, BC, STEPS) and
     ``kernel``: the forward kernel with other hints (``replace_hints``), for sweeps. ``mask``:
     :func:`mask_args`'s."""
@@ -243,7 +256,7 @@ def forward(h_res, x, h_post, y, bias, transpose_res, tile=None, kernel=None, ma
     return out
 
 
-def backward(h_res, x, h_post, y, bias, g, transpose_res, tile=None, kernel=None, mask=((0, 0, 0, 0, 0, 1.0), False)):
+def backward(h_res, x, h_post, y, bias, g, transpose_res, tile=None, kernel=None, mask=((0, 0, 0, 0, 0, 0, 1.0), False)):
     """``(dh_res, dx, dh_post, dy, dbias)`` of contiguous inputs and upstream gradient ``g``
     (``dbias`` None without a bias). ``tile``: (BT, BC, STEPS), ``kernel`` and ``mask``, as for
     ``forward`` (the forward's key: the same mask)."""
@@ -307,8 +320,8 @@ def compile_checks() -> dict[str, bytes]:
                                       (3, False, True, True)):
             nn, np_ = next_pow2(n * n), next_pow2(n)
             key = f"{dtype}-{n}-{has_bias}-{tr}" + ("-dropout" if drop else "")
-            mask = [scalar(ct.int64), scalar(ct.int64), scalar(ct.int64), scalar(ct.int64), scalar(ct.int64),
-                    scalar(ct.float32)]
+            # as the launch types them: a Python int is int32 (mask_args), a float float32
+            mask = [scalar(ct.int32)] * 6 + [scalar(ct.float32)]
             out[f"fwd-{key}"] = tile_ir(_h_post_bda_fwd, [array(f32, 2), array(dtype, 3), array(f32, 2), array(dtype, 2),
                                                             array(dtype, 1), array(dtype, 3), *mask, n, nn, np_, BT, BC,
                                                             STEPS, has_bias, tr, drop])

@@ -232,3 +232,20 @@ def test_a_cache_folder_this_process_cannot_write_compiles_as_cutile_would(monke
     for _ in range(2):
         assert _cache.cached_compile(compile_, k, ("f32",), None)[0].startswith(b"cubin:")
     assert len(calls) == 2 and not list((tmp_path / "cache").rglob("*.bin"))
+
+
+def test_the_dropout_scalars_reach_the_launch_as_int32_words():
+    """cuTile types a Python int argument int32: a seed's words, Megatron's 64-bit offset and the
+    threshold at p >= 0.5 pass 2**31 - 1, which raised OverflowError at the launch on an H100
+    (2026-12-07). Each goes as the int32 of its 32 bits, and the kernel takes the bits back."""
+    from mhctool.references import dropout as contract
+    from mhctool.kernels.cutile.h_post_bda import mask_args
+
+    def bits(v):
+        return v & 0xFFFFFFFF
+    for c, p, seed, offset in ((7168, 0.1, 1234, 4294967000), (67, 0.6, 2**63 - 1, 2**40 + 5), (4, 0.0, 0, 0)):
+        (s_lo, s_hi, o_lo, o_hi, g_row, thr, scale), on = mask_args(c, p, seed, offset)
+        k = contract.key(c, p, seed, offset)
+        assert all(-2**31 <= w < 2**31 for w in (s_lo, s_hi, o_lo, o_hi, g_row, thr))
+        assert bits(s_lo) | bits(s_hi) << 32 == k.seed and bits(o_lo) + (o_hi << 32) == k.offset
+        assert bits(thr) == k.threshold and g_row == k.counters_per_row and scale == k.scale and on == (p > 0)
