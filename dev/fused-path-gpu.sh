@@ -43,13 +43,14 @@ case "$phase" in
   second)  # after the first: the cuTile dropout again (its launch's int32 scalars), the paper shape's parity,
            # then train's first step and trajectories of triton[module] in Megatron's GPT, and the planted post-paths
     T=60 log tests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k dropout
-    T=40 log bench1 python3 -m mhctool.cli bench --kernel h_post_bda --impl cutile --graph --repeats 20 \
-      --knob dropout=0.1 --knob dropout_seed=1234 --knob dropout_offset=4294967000 -o "$O/bench-drop-cutile.parquet"
-    T=100 TAIL=16 log paper python3 -m mhctool.cli parity --scenario paper --kernel h_post_bda --impl triton \
+    [ -n "${CUTILE_BENCH:-}" ] && T=40 log bench1 python3 -m mhctool.cli bench --kernel h_post_bda --impl cutile \
+      --graph --repeats 20 --knob dropout=0.1 --knob dropout_seed=1234 --knob dropout_offset=4294967000 \
+      -o "$O/bench-drop-cutile.parquet"
+    T=90 TAIL=16 log paper python3 -m mhctool.cli parity --scenario paper --kernel h_post_bda --impl triton \
       --impl cutile --device cuda --no-isolate --top 6 -o "$O/paper-hpb.parquet"
-    T=170 TAIL=14 log "train-triton[module]" python3 -m mhctool.cli train --engine "megatron:$MCORE" \
-      --impl "triton[module]" $FAST --seeds "${SEEDS:-2}" -o "$O/train-triton-module.parquet"
-    for d in ${PLANTED:-h_post_bda_dropout_fresh_mask_again h_post_bda_transposed}; do
+    T=150 TAIL=14 log "train-triton[module]" python3 -m mhctool.cli train --engine "megatron:$MCORE" \
+      --impl "triton[module]" $FAST --seeds "${SEEDS:-1}" -o "$O/train-triton-module.parquet"
+    for d in ${PLANTED:-h_post_bda_dropout_fresh_mask_again}; do
       T=60 TAIL=6 log "planted-$d" python3 -m mhctool.cli train --engine "megatron:$MCORE" --impl "$D:$d[module]" \
         $FAST --steps 2 --seeds 1 --no-trace -o "$R/planted-$d.parquet"
     done ;;

@@ -197,3 +197,32 @@ def test_timeout_at_any_moment_of_an_engines_seed_ensemble_leaves_its_report(tmp
     _, meta = report.read(out)
     assert res.returncode in (0, 124, 130), text  # 124: timeout's own code once the command ended on the signal
     assert meta["run"]["interrupted"] is (res.returncode != 0), text
+
+
+@pytest.mark.slow  # five commands stopped at three moments each: about 90 s on 2 cores
+@pytest.mark.parametrize("after", [3, 5, 8])
+@pytest.mark.parametrize("args", [
+    ["parity", "--kernel", "sinkhorn"],
+    ["train", "--steps", "30"],
+    ["identify", "--kernel", "sinkhorn", "--impl", "torch"],
+    ["bench", "--kernel", "sinkhorn"],
+    ["stability", "sinkhorn", "--quick"],
+], ids=lambda a: a[0] if isinstance(a, list) else str(a))
+def test_timeout_as_ci_sends_it_leaves_a_report_that_agrees_with_the_exit_code(tmp_path, args, after):
+    """``timeout --preserve-status -s INT N mhctool ...``, as a CI time limit stops a command, at
+    moments from the first cases to the end: the report is written, marked interrupted exactly
+    when the exit code is 130 (or finished, and said so), never a traceback, never "no report
+    written"."""
+    import shutil
+    if shutil.which("timeout") is None:
+        pytest.skip("coreutils' timeout is not installed")
+    out = tmp_path / "r.parquet"
+    res = subprocess.run(["timeout", "--preserve-status", "-s", "INT", str(after), *MAIN, *args, "--device", "cpu",
+                          "-o", str(out)], capture_output=True, text=True, timeout=300)
+    text = res.stdout + res.stderr
+    assert "Traceback" not in text and "no report written" not in text, text
+    _, meta = report.read(out)
+    assert res.returncode in (0, 1, 130), text
+    assert meta["run"]["interrupted"] is (res.returncode == 130), text
+    if res.returncode == 130:
+        assert "INTERRUPTED" in text or "interrupted" in text, text
