@@ -48,7 +48,7 @@ case "$phase" in
       -o "$O/bench-drop-cutile.parquet"
     T=90 TAIL=16 log paper python3 -m mhctool.cli parity --scenario paper --kernel h_post_bda --impl triton \
       --impl cutile --device cuda --no-isolate --top 6 -o "$O/paper-hpb.parquet"
-    T=150 TAIL=14 log "train-triton[module]" python3 -m mhctool.cli train --engine "megatron:$MCORE" \
+    T=${TRAIN_T:-150} TAIL=14 log "train-triton[module]" python3 -m mhctool.cli train --engine "megatron:$MCORE" \
       --impl "triton[module]" $FAST --seeds "${SEEDS:-1}" -o "$O/train-triton-module.parquet"
     for d in ${PLANTED:-h_post_bda_dropout_fresh_mask_again}; do
       T=60 TAIL=6 log "planted-$d" python3 -m mhctool.cli train --engine "megatron:$MCORE" --impl "$D:$d[module]" \
