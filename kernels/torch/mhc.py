@@ -13,6 +13,7 @@ import math as _math  # the Sinkhorn's knob named math shadows the module in it
 import torch
 
 from mhctool.references import dropout as _dropout
+from mhctool.references.mhc import converged as _converged  # the early stop's test, the contract's
 
 
 _LOG2E = 1.4426950408889634
@@ -75,14 +76,8 @@ def sinkhorn(logits, iters: int = 20, eps: float = 1e-6, stabilize: str = "rowma
         q = norm(q, second)
         p = q if done is None else torch.where(done, p, q)
         if tol:
-            done = _within(p, tol) if done is None else done | _within(p, tol)
+            done = _converged(p, tol) if done is None else done | _converged(p, tol)
     return p
-
-
-def _within(p, tol: float):
-    """Per matrix (as ``[..., 1, 1]``): every row and column sum within ``tol`` of one."""
-    off = torch.maximum((p.sum(-1) - 1).abs().amax(-1), (p.sum(-2) - 1).abs().amax(-1))
-    return (off <= tol)[..., None, None]
 
 
 def _sinkhorn_log(logits, iters: int, order: str, tol: float = 0.0):
@@ -109,7 +104,7 @@ def _sinkhorn_log(logits, iters: int, order: str, tol: float = 0.0):
         else:
             f, g = torch.where(done[..., 0], f, f1), torch.where(done[..., 0], g, g1)
         if tol:
-            now = _within(torch.exp(logits + f.unsqueeze(-1) + g.unsqueeze(-2)), tol)
+            now = _converged(torch.exp(logits + f.unsqueeze(-1) + g.unsqueeze(-2)), tol)
             done = now if done is None else done | now
     return torch.exp(logits + f.unsqueeze(-1) + g.unsqueeze(-2))
 

@@ -99,7 +99,7 @@ def parity_hint(kernel: str, impl: Impl, short: str, device: str, isolated: bool
             return f"hint: no convention fits {short} on {kernel}: {rest}{'' if 'a defect' in rest else '; a defect'} {how}"
         return f"hint: {short} on {kernel}: {line} {how}"
     best, flags = ident.best, ident.flags()
-    prec = claims.precision(ident, ident.nearest_precision)
+    prec = claims.precision(ident)
     notes = "; ".join(n for n in (best.note if best.level != "as asked" else None,
                                   prec.text if prec is not None and prec.held else None) if n)
     if best.level == "as asked" and not flags:

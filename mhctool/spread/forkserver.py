@@ -8,12 +8,14 @@ import threading
 from multiprocessing import forkserver
 
 # what the fork server imports once for all the processes forked from it (workers, isolation
-# workers, ranks): first what keeps signals to mhctool's process group off them (mhctool.spread.shield); torch, with mhctool.spread.isolation; and the module PyTorch's autograd imports at its
+# workers, ranks): first what keeps signals to mhctool's process group off them
+# (mhctool.spread.shield); torch, with mhctool.spread.isolation; and the module PyTorch's autograd imports at its
 # first grad with given gradients, which imports sympy: 0.25 s a process on a CPU machine, 3 s on
 # the GPU machine, whose packages have no compiled bytecode (there it was most of every worker's
 # "native first call"); on a GPU machine, Triton's hash of itself (mhctool.spread.prewarm). A module that
 # fails to import is left out (the server goes on).
-FORKSERVER_PRELOAD = ["mhctool.spread.shield", "mhctool.spread.isolation", "torch.fx.experimental.symbolic_shapes", "mhctool.spread.preload"]
+FORKSERVER_PRELOAD = ["mhctool.spread.shield", "mhctool.spread.isolation", "torch.fx.experimental.symbolic_shapes",
+                      "mhctool.spread.preload"]
 
 _forkserver_env: dict | None = None  # the variables the fork server started with
 # the warnings filter Python's resource tracker starts with (start_resource_tracker_quietly)

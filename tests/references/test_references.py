@@ -237,3 +237,28 @@ def test_fast_math_changes_the_native_baseline_by_a_few_units_of_fp32_and_not_th
     ulp = torch.ldexp(torch.ones_like(x, dtype=torch.float64), torch.frexp(x.double().exp())[1] - 24)
     err = {m: ((native._fast_exp(x) if m == "fast" else x.exp()).double() - x.double().exp()).abs() / ulp for m in out}
     assert float(err["ieee"].max()) <= 1.0 < 8.0 < float(err["fast"].max()) < 40.0
+
+
+def test_sinkhorns_early_stop_and_exp_floor_as_the_contract_says():
+    """tol: a matrix stops at the first iteration after which its rows and columns are within tol
+    of one (until then it is the full run's); exp_floor: the starting matrix floored. The native
+    implementation (linear and log domain) computes both as the float64 reference does."""
+    from mhctool.kernels.torch import mhc as native
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 3, 4, 4, generator=g, dtype=torch.float64) * 3
+    stopped = ref.sinkhorn(logits, 20, 0.0, tol=1e-6)
+    every = ref.sinkhorn(logits, tuple(range(1, 21)), 0.0)  # the full run after each count
+    done = ref.converged(every, 1e-6)[..., 0, 0]
+    # the count after which each matrix converged (0-based), the last where it never does
+    first = torch.where(done.any(0), done.float().argmax(0), torch.full_like(done[0], 19, dtype=torch.long))
+    assert (first < 19).any()  # some stop early
+    kept = every.gather(0, first.reshape(1, 8, 3, 1, 1).expand(1, 8, 3, 4, 4))[0]
+    assert torch.equal(stopped, kept)
+    assert torch.equal(ref.sinkhorn(logits, 20, 0.0, tol=0.0), every[-1])
+    for domain in ("linear", "log"):
+        assert torch.allclose(native.sinkhorn(logits, 20, 0.0, domain=domain, tol=1e-6), stopped, atol=1e-12)
+    big = logits * 20
+    floored = ref.sinkhorn(big, 20, 0.0, stabilize="none", exp_floor=1e-10)
+    by_hand = ref.sinkhorn(torch.log(torch.exp(big).clamp(min=1e-10)), 20, 0.0, stabilize="none")
+    assert torch.allclose(floored, by_hand, atol=1e-12) and torch.isfinite(floored).all()
+    assert torch.allclose(native.sinkhorn(big, 20, 0.0, stabilize="none", exp_floor=1e-10), floored, atol=1e-12)

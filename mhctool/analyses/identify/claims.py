@@ -68,10 +68,11 @@ def identification(ident) -> Claim:
     return Claim("identification", ident.line(), f"{words}; {verdict}", True, {"score": b.score})
 
 
-def precision(ident, nearest: str | None) -> Claim | None:
+def precision(ident) -> Claim | None:
     """The matmul precision it multiplies at, where that is not what it declares: only under a
     convention that fits, and where its outputs are nearest that precision's products
-    (``nearest``: the closest precision's name, where it was measured)."""
+    (``ident.nearest_precision``, where it was measured)."""
+    nearest = ident.nearest_precision
     note = ident.precision_note() if ident.best is not None else None
     if note is None:
         return None

@@ -19,6 +19,7 @@ from mhctool.analyses.identify.limits import shape_limit
 from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, UNSAID, knob_signature
 from mhctool.analyses.identify.subject import batched_errors, float64_inputs
 from mhctool.families import MATMUL_KERNELS, input_family
+from mhctool.references import mhc as ref
 from mhctool.registry.impl import Impl
 
 # the best grid score (in native noise) past which the space's rarer conventions are tried too: far
@@ -207,19 +208,17 @@ class Identifier(Judging):
     def stop_counts(self, probes: list[Probe], knobs: dict) -> str | None:
         """How many iterations the float64 run with the fitted early stop took on the probes: the
         iterations until every row and column sum is within tol of one, per matrix."""
-        import torch as _torch
-        from mhctool.references import mhc as ref
         iters, tol = int(knobs.get("iters", 20)), float(knobs["tol"])
+        # without the stop: until it stops, an early-stopped run is the full one
+        plain = {k: v for k, v in knobs.items() if k not in ("iters", "tol")}
         counts = []
         for p in probes:
             logits = p.base.get("logits")
             if logits is None:
                 return None
-            plain = {k: v for k, v in knobs.items() if k in ("eps", "stabilize", "eps_mode", "order", "floor",
-                                                             "exp_floor", "clamp_at")}
             snaps = ref.sinkhorn(logits.double(), tuple(range(1, iters + 1)), **plain)  # [iters, ..., n, n]
             done = ref.converged(snaps, tol)[..., 0, 0].reshape(iters, -1)
-            first = _torch.where(done.any(0), done.float().argmax(0) + 1, _torch.full_like(done[0], iters, dtype=_torch.long))
+            first = torch.where(done.any(0), done.float().argmax(0) + 1, torch.full_like(done[0], iters, dtype=torch.long))
             counts += first.tolist()
         early = [c for c in counts if c < iters]
         if not early:

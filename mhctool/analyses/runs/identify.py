@@ -72,7 +72,7 @@ def conclusions(ident, impl, req: Request, asked: dict) -> Found:
     elif ident.best is not None and ident.passed and impl.conventions and not asked:
         declared = " ".join(f"{k}={ident_mod.fmt_value(v)}" for k, v in impl.conventions.items())
         out.append(C.Claim("note", f"as its adapter declares: {declared}", "it passes at its declared conventions", True))
-    out += [c for c in (C.precision(ident, ident.nearest_precision), C.nearest_precision(ident)) if c is not None]
+    out += [c for c in (C.precision(ident), C.nearest_precision(ident)) if c is not None]
     if ident.ties:
         out.append(C.Claim("ties", "fits as well (within native noise): " + "; ".join(
             ident_mod.fmt_knobs(c.knobs) for c in ident.ties), "each within native noise of the best", True))

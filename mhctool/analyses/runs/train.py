@@ -50,7 +50,7 @@ class Request:
     ranks: int | None = None
     recipe: list[tuple[str, str]] = field(default_factory=list)
     step_timeout: float | None = None  # seconds an isolated step may take (None: StepWatch's defaults)
-    trace_budget: float | None = None  # seconds the tracing may take (None: T.TRACE_BUDGET x the trajectories')
+    trace_budget: float | None = None  # seconds the tracing may take (None: trace.TRACE_BUDGET x the trajectories')
 
 
 @dataclass
