@@ -358,6 +358,23 @@ def test_the_whole_module_path_is_judged_at_the_first_step_with_the_recipes_drop
                      + said, text), text
 
 
+@pytest.mark.slow  # about 15 s on 2 cores
+def test_a_module_variants_drift_is_traced_by_rerunning_the_native_module_path(tmp_path):
+    """Tracing a module variant's drift (found on the GPU machine, 2026-12-07: it ended in a
+    KeyError after the trajectories): the candidates are what identify fits to its two calls, and
+    each rerun is the native module path computing that convention (its own masks), not the
+    engine's own path beside it."""
+    spec = str(IMPLS / "defects.py:h_post_bda_transposed") + "[module]"
+    tiny = [a for a in TINY if a != "-q"]
+    res, text = run("train", "--engine", STANDIN, "--impl", spec, *tiny, "--trace-budget", "120",
+                    "-o", tmp_path / "s.parquet")
+    assert res.exit_code == 1 and "Traceback" not in text, text
+    assert re.search(r"traced: .*h_post_bda\.transpose_res=True", text), text
+    import pyarrow.parquet as pq
+    runs = {r["run"] for r in pq.read_table(tmp_path / "s.parquet").to_pylist()}
+    assert "native:h_post_bda.transpose_res=True" in runs, runs
+
+
 def test_a_whole_module_spec_names_what_computes_it_and_stands_alone():
     from mhctool.analyses.train import module_path
     from mhctool.core.errors import UsageError

@@ -334,8 +334,11 @@ def worker_main(argv: list[str] | None = None) -> int:
     fused = a.role == "impl" and set(specs.values()) == {"megatron"}
     module = specs.get(module_path.KEY)
     recorded: list = []  # the first step's calls, where --record asks for them
-    if module and a.role in ("impl", "native", "reference"):  # the whole module: its two paths
-        calls, named = module_path.pieces(a.role, module, eff, a.device)
+    if module and (a.role in ("impl", "native", "reference") or a.alt):  # the whole module: its two paths
+        if a.alt:  # the tracing's rerun: the native module path computing one other convention
+            alt = json.loads(a.alt)
+            eff = {**eff, alt["family"]: alt["knobs"]}
+        calls, named = module_path.pieces("native" if a.alt else a.role, module, eff, a.device)
         if a.record:
             calls = _recording(calls, recorded, recipe.layers)
         ops = module_path.ops(calls)
@@ -505,7 +508,13 @@ class EngineRunner:
     def candidates(self) -> list[tuple]:
         """The conventions identify fits to each swapped-in implementation beside the native path's."""
         eff = self.effective("native")
-        return [c for f, s in self.specs.items() if s != "megatron" for c in fitted(f, s, eff[f], self.device)]
+        out = []
+        for f, s in self.specs.items():
+            if s == "megatron":
+                continue
+            out += module_path.candidates(s, eff, self.device, fitted) if f == module_path.KEY else \
+                fitted(f, s, eff[f], self.device)
+        return out
 
     def _run(self, recipe, role: str, d: str, extra: list[str] = (),
              record: Callable[[dict], None] | None = None) -> tuple[list[dict], str | None]:

@@ -54,6 +54,30 @@ def pre_knobs(eff: dict[str, dict]) -> dict:
     return out
 
 
+# the pre-path's knobs as the entry points' that set them (pre_knobs, the other way)
+AT_ENTRY = {"eps": ("proj_rms", "eps"), "rms_eps": ("proj_rms", "rms_eps"), "iters": ("sinkhorn", "iters"), "sinkhorn_eps": ("sinkhorn", "eps"), "stabilize": ("sinkhorn", "stabilize"),
+            "eps_mode": ("sinkhorn", "eps_mode"), "order": ("sinkhorn", "order")}
+
+
+def candidates(spec: str, eff: dict[str, dict], device: str, fitted: Callable) -> list[tuple]:
+    """The tracing's candidates for a module variant: what identify fits to each of its two calls,
+    as (entry point family, knob, value, why), the knobs the native module path is rerun with
+    (:func:`knobs` reads them from the entry points': the pre-path's at the projection's and
+    Sinkhorn's, the post-path's at h_post_bda's). Not a matmul precision: the native module path
+    has none to change. ``fitted(family, spec, asked, device)``: trace.fitted."""
+    out = []
+    for family, s in assigned(spec).items():
+        if family == "h_post_bda":
+            out += [c for c in fitted(family, s, eff.get(family, {}), device) if c[1] != "matmul_precision"] \
+                if family in eff else []
+            continue
+        for _, knob, value, why in fitted(family, s, pre_knobs(eff), device):
+            at = AT_ENTRY.get(knob)
+            if at is not None and at[0] in eff:
+                out.append((at[0], at[1], value, why))
+    return out
+
+
 def knobs(eff: dict[str, dict]) -> dict[str, dict]:
     """Per family of the module path, the knobs it computes."""
     return {"mix_aggregate": pre_knobs(eff),
