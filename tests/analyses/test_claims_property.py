@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from mhctool.analyses.identify.space import space
 from mhctool.cli.app import app
 from mhctool.core import report
 from mhctool.core.names import IDENTIFIABLE
@@ -69,7 +70,8 @@ def _identify(tmp_path, stem, name, kernel, *extra):
         assert (" ".join(c["text"].split()) in text) == c["held"], (c, res.output)
     table = report.read(out)[0].to_pylist()
     best = [r["candidate"] for r in table if r["best"]]
-    return best, [c["text"] for c in claims if c["kind"] == "identification"]
+    ranges = {k: tuple(v) for c in claims if c["kind"] == "range" and c["held"] for k, v in c["evidence"].items()}
+    return best, [c["text"] for c in claims if c["kind"] == "identification"], ranges
 
 
 def test_the_stand_ins_are_found():
@@ -92,9 +94,44 @@ def test_every_printed_sentence_is_a_held_claim_and_the_best_match_does_not_depe
     if _verdict(plain[1]) != _verdict(seeded[1]) and (stem, name) in CONCLUSION_MOVES:
         pytest.xfail(CONCLUSION_MOVES[(stem, name)])
     assert _verdict(plain[1]) == _verdict(seeded[1]), ("another probe seed changed the conclusion", plain, seeded)
-    if (stem, name) in SEED_TIES:  # knobs the probes do not pin: which one the fit lands on moves with the seed
+    if (stem, name) in SEED_TIES:
         return
-    assert plain[0] == seeded[0], ("another probe seed changed the best match", plain, seeded)
+    if _verdict(plain[1]) == "no convention fits":  # nothing identified: the nearest is no claim, but an
+        # overflow's finite outputs that fit a convention fit one on other probes too
+        assert _finite_fit(plain[1]) == _finite_fit(seeded[1]), ("another probe seed changed what its finite outputs fit",
+                                                                 plain, seeded)
+        return
+    assert _alike(kernel, plain, seeded), ("another probe seed changed the best match", plain, seeded)
+
+
+def _finite_fit(lines: list[str]) -> bool:
+    return "its finite outputs fit" in lines[0] and "its finite outputs fit no convention" not in lines[0]
+
+
+def _alike(kernel: str, one, other) -> bool:
+    """Two identifications' best matches say the same: the same discrete knobs, leaving aside how
+    it rounds (the log domain, fast math: only the native baseline, which one seed's probes may not
+    tell apart), and each continuous knob's values compatible (each value within the other's
+    printed range, the range the probes do not pin)."""
+    if one[0] == other[0]:
+        return True
+    if len(one[0]) != 1 or len(other[0]) != 1:
+        return False
+    sp = space(kernel, {})
+    a, b = (json.loads(x[0][0]) for x in (one, other))
+    for k in sp.how:
+        a.pop(k, None), b.pop(k, None)
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        if k in sp.continuous:
+            lo_a, hi_a = one[2].get(k, (a[k], a[k]))
+            lo_b, hi_b = other[2].get(k, (b[k], b[k]))
+            if not (lo_a <= hi_b * (1 + 1e-3) and lo_b <= hi_a * (1 + 1e-3)):
+                return False
+        elif a[k] != b[k]:
+            return False
+    return True
 
 
 # stand-ins whose conclusion moves with the probe seed: a defect of identify's search, found by this
@@ -112,21 +149,10 @@ def _verdict(lines: list[str]) -> str:
     return next((v for v in ("best match", "forward matches", "no convention fits") if head.startswith(v)), head)
 
 
-# stand-ins whose best match moves with the probe seed among candidates the probes do not tell apart
-# (found by this test on 2026-12-07, each reproduced by hand with --seed 1; identify should claim the
-# interval or the tie it cannot resolve rather than one value: left for a follow-up, listed here so
-# that any other stand-in that starts to move fails)
+# stand-ins whose identification moves with the probe seed beyond what identify prints (its ranges,
+# how it rounds): each a defect of identify's search, found by this test on 2026-12-07 and open
 SEED_TIES = {
-    # eps between 1e-9 and 1e-8 fits its probes alike at seed 1 (an eps a kernel fixes near 1e-8)
-    ("defects", "sinkhorn_eps_1e8"), ("strangers", "sinkhorn_fixed_eps"),
-    # a log-domain kernel: its stabilisation (never taken in the log domain) and floors above 40 untold
-    ("variants", "sinkhorn_log_col_first"), ("conventions", "sinkhorn_log_domain"),
-    ("identify_asks", "sinkhorn_floored_log"), ("identify_asks", "sinkhorn_log_autograd"),
-    ("identify_asks", "sinkhorn_log_autograd_cols_first"), ("identify_asks", "mapping_sinkhorn_floored_log"),
-    ("identify_asks", "sinkhorn_row_floored_log"), ("identify_asks", "mapping_sinkhorn_row_floored_log"),
-    ("identify_asks", "mix_aggregate_clamped_sums"),
-    # fast math against a clamped exponential at 20 and eps added: alike on seed 1's probes
-    ("strangers", "sinkhorn_fast_math"), ("strangers", "sinkhorn_global_max"),
-    # an overflow: what its finite outputs nearest fit, far off at seed 1 (no fit is claimed there)
+    # an overflow: what its finite outputs fit (stabilize=none, exp_floor=1e-10) is found at seed 0;
+    # at seed 1 the search stops at a nearest 1.6e6x native noise off and says no convention fits them
     ("explained", "sinkhorn_exp_floor"),
 }

@@ -100,6 +100,18 @@ def nearest_precision(ident) -> Claim | None:
                  {"nearest": ident.nearest_precision, "asked": ident.asked_precision})
 
 
+def told(ident) -> Claim | None:
+    """Where the probes tell a continuous knob of the best fit only within a range: the range, so
+    that the one value printed is not taken for a finding (another seed's probes may land elsewhere
+    in it)."""
+    if not ident.told:
+        return None
+    parts = [f"{k}: any value from {fmt_value(a)} to {fmt_value(b)} fits as well" for k, (a, b) in ident.told.items()]
+    return Claim("range", "the probes do not pin " + "; ".join(parts) + " (within native noise)",
+                 "every value scored in that run, the other knobs held, within native noise of the best of them",
+                 True, {k: [a, b] for k, (a, b) in ident.told.items()})
+
+
 def dropped_asks(ident, user: dict) -> list[Claim]:
     """Each knob the user asked for that the identification could not hold: said, with why."""
     out = []

@@ -142,6 +142,8 @@ class Identification:
     nearest_precision: str | None = None
     # the precision asked for, where its outputs are nearer another's and pass there (identified at that one)
     asked_precision: str | None = None
+    # continuous knobs of the best fit that the probes tell only within a range: knob -> (low, high)
+    told: dict = field(default_factory=dict)
 
     @property
     def asked_all(self) -> dict:

@@ -74,9 +74,10 @@ class Fitting(Subject):
                  [[self.held[k]] if k in self.held else sorted({*self.space.continuous[k], preferred[k], *self._known(k)})
                   for k in self.space.continuous]
         cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
-        # max(sum, 0) is add with eps 0
+        # max(sum, 0) is add with eps 0, and so is dividing only sums above 0 (a sum of exponentials
+        # is never 0 in float64): the same function, which the noise alone would tell apart
         eps = SINKHORN_IN[self.kernel].eps if self.kernel in SINKHORN_IN else "eps"
-        cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and c.get(eps) == 0.0)]
+        cands = [c for c in cands if not (c.get("eps_mode", "add") != "add" and c.get(eps) == 0.0)]
         for name, values in {**self.space.depends, **(depends or {})}.items():  # a clamped exponential at each bound
             knob, expanded = self.fam.knobs[name], []
             for c in cands:
@@ -237,7 +238,21 @@ class Fitting(Subject):
         """The best fit; among fits within rounding noise of it, the one closest to what was asked."""
         best = min(c.score for c in cands)
         tied = [c for c in cands if c.score <= self._tol(best)]
-        return min(tied, key=lambda c: (self._cost(c.knobs), c.score))
+        return min(tied, key=lambda c: (self._cost(c.knobs), self._canonical(c.knobs), c.score))
+
+    def _canonical(self, knobs: dict) -> tuple:
+        """A fixed order among fits alike (within native noise) and as far from the asked: which of
+        them the noise favours moves with the probes' seed, so it never decides. Each discrete knob
+        by its value's place in the space (the family's order), each continuous one by roundness."""
+        preferred = self.preferred()
+        out = []
+        for k, v in knobs.items():
+            values = self.space.discrete.get(k)
+            if values is not None:
+                out.append(next((i for i, w in enumerate(values) if same_value(w, v)), len(values)))
+            elif k in self.space.continuous and isinstance(v, float):
+                out.append(roundness(v, [preferred[k], *self._known(k)]) if v else 0)
+        return tuple(out)
 
     def refine(self, probes: list[Probe], cand: Candidate) -> Candidate:
         """Each continuous knob on finer log grids around its value, then snapped to a round value
@@ -262,6 +277,36 @@ class Fitting(Subject):
             if fits:
                 cur = min(fits, key=lambda c: (self._cost(c.knobs), roundness(c.knobs[name], preferred), c.score))
         return cur
+
+    def told(self, cand: Candidate, wide: float = 2.0) -> dict:
+        """Each continuous knob of ``cand`` whose value the probes tell only within a wide range:
+        knob -> (lowest, highest) of the values scored with its other knobs that fit alike (within
+        native noise of the best of them), the run of such values around its own. Only ranges
+        wider than ``wide`` times (or reaching zero) are kept: a value the probes pin is no range."""
+        out = {}
+        for name in self.space.continuous:
+            v = cand.knobs.get(name)
+            if not isinstance(v, float) or v >= 1e9:
+                continue
+            others = knob_key({k: w for k, w in cand.knobs.items() if k != name})
+            scored = sorted({c.knobs[name]: c.score for c in self.tried.values()
+                             if isinstance(c.knobs.get(name), float)
+                             and knob_key({k: w for k, w in c.knobs.items() if k != name}) == others}.items())
+            if not scored:
+                continue
+            tol = self._tol(min(s for _, s in scored))
+            at = min(range(len(scored)), key=lambda i: abs(scored[i][0] - v))
+            if not scored[at][1] <= tol:
+                continue
+            lo = hi = at
+            while lo > 0 and scored[lo - 1][1] <= tol:
+                lo -= 1
+            while hi + 1 < len(scored) and scored[hi + 1][1] <= tol:
+                hi += 1
+            a, b = scored[lo][0], scored[hi][0]
+            if b > 0 and (a == 0 or b / a > wide):
+                out[name] = (a, b)
+        return out
 
     def _combos(self, cands: list[Candidate], n: int, key=lambda c: c.score) -> list[Candidate]:
         """The best candidate of each of the ``n`` best-fitting discrete combinations."""

@@ -138,6 +138,7 @@ class Identifier(Judging):
                 and best.bwd_row[1] != "nonfinite":
             best = self.backward_knobs(probes, best)
         ties = self._ties(best) if (best.passed or best.fwd_passed) else []
+        told = self.told(best) if (best.passed or best.fwd_passed) and not self.overflow else {}
         derivative = evidence = backward = partial = None
         if best.fwd_passed and not best.passed and best.bwd_row and best.bwd_row[1] != "nonfinite" \
                 and not best.bwd_far:
@@ -172,7 +173,7 @@ class Identifier(Judging):
                               ignored=self.ignored, derivative=derivative, evidence=evidence, backward=backward,
                               partial=partial,
                               saturated=self.saturated, limit=limit_text, nearest_precision=nearest,
-                              asked_precision=asked_precision)
+                              asked_precision=asked_precision, told=told)
 
     def _rounds_otherwise(self, cand: Candidate) -> bool:
         return any(k in cand.knobs and cand.knobs[k] != self.fam.knobs[k].default for k in self.space.rounding_only)

@@ -76,6 +76,8 @@ def conclusions(ident, impl, req: Request, asked: dict) -> Found:
     if ident.ties:
         out.append(C.Claim("ties", "fits as well (within native noise): " + "; ".join(
             ident_mod.fmt_knobs(c.knobs) for c in ident.ties), "each within native noise of the best", True))
+    if (rng := C.told(ident)) is not None:
+        out.append(rng)
     out += C.dropped_asks(ident, asked)
     for name, raised in ident.without.items():
         out.append(C.Claim("input", f"given {name}, it raised {raised}: identified without one", "it raised", True))
