@@ -292,3 +292,40 @@ def test_a_bf16_aggregate_is_the_contract_where_its_baseline_only_rounds():
     impl = resolve_impls("h_aggregate", [f"tilekernels:{IMPLS / 'tilekernels_standin' / 'pip'}"])[0]
     ident = identify("h_aggregate", impl, dtype="bf16", shape="16x2x4x256")
     assert ident.passed and ident.line().startswith("best match: the contract"), ident.line()
+
+
+def test_a_precision_found_where_only_the_forward_fits_is_said_of_the_forward():
+    """TransformerEngine's TF32 expand_combine on an H100 (2026-12-07): its forward fits at IEEE
+    fp32 (no tl.dot there), its backward fails; the line said "multiplies at IEEE fp32" of the
+    whole kernel, whose backward does multiply at TF32. Only the forward's precision is identified."""
+    from mhctool.analyses.identify import claims as C
+    from mhctool.analyses.identify.conclusion import Candidate, Identification
+    impl = resolve_impls("h_post_bda", ["torch"])[0]
+    cand = Candidate({"transpose_res": True}, 0.5, 1e-6, "judged", passed=False, fwd_passed=True,
+                     per_probe=(0.5, 0.4))
+    ident = Identification("h_post_bda", impl, {}, [cand], cand, precision="ieee", declared_precision="tf32")
+    claim = C.precision(ident)
+    assert claim.held and claim.text == "the forward multiplies at IEEE fp32 (its backward's precision is not identified)"
+    both = Identification("h_post_bda", impl, {}, [cand], Candidate(dict(cand.knobs), 0.5, 1e-6, "judged", passed=True,
+                                                                    fwd_passed=True), precision="ieee",
+                          declared_precision="tf32")
+    assert C.precision(both).text == "matmul_precision=ieee: multiplies at IEEE fp32"
+
+
+@pytest.mark.slow  # two identifications, about 20 s
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_value_the_probes_do_not_pin_is_claimed_as_the_range_that_holds_the_truth(tmp_path, seed):
+    """A Sinkhorn that runs eps=1e-8 whatever it is asked: on some probe seeds the probes tell eps
+    only within a range (1e-9 fits as well as 1e-8). The value printed is then one of the range,
+    and the range is claimed beside it; whichever the seed, what is claimed holds the truth."""
+    out = tmp_path / "id.parquet"
+    res = runner.invoke(app, ["identify", "--kernel", "sinkhorn", "--impl", f"{IMPLS / 'defects.py'}:sinkhorn_eps_1e8",
+                              "--device", "cpu", "--seed", str(seed), "-q", "-o", str(out)])
+    assert res.exit_code == 1, res.output
+    table, meta = report.read(out)
+    best = json.loads(next(r["candidate"] for r in table.to_pylist() if r["best"]))
+    ranges = [c for c in meta["run"]["claims"] if c["kind"] == "range"]
+    lo, hi = ranges[0]["evidence"]["eps"] if ranges else (best["eps"], best["eps"])
+    assert lo * 0.999 <= 1e-8 <= hi * 1.001, (best, ranges, res.output)
+    if ranges:
+        assert "the probes do not pin eps: any value from" in " ".join(res.output.split())

@@ -263,6 +263,9 @@ class Identification:
                     f"precision for both: judge it at {self.judged_precision()}, the looser")
         if self.precision == self.declared_precision:
             return None
+        if self.best is not None and self.best.fwd_passed and not self.best.passed:
+            # only the forward fits: what its backward multiplies at is not identified
+            return f"the forward {PRECISION_NOTES[self.precision]} (its backward's precision is not identified)"
         return f"matmul_precision={self.precision}: {PRECISION_NOTES[self.precision]}"
 
     def defect(self) -> bool:

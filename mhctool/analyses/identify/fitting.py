@@ -74,10 +74,9 @@ class Fitting(Subject):
                  [[self.held[k]] if k in self.held else sorted({*self.space.continuous[k], preferred[k], *self._known(k)})
                   for k in self.space.continuous]
         cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
-        # max(sum, 0) is add with eps 0, and so is dividing only sums above 0 (a sum of exponentials
-        # is never 0 in float64): the same function, which the noise alone would tell apart
+        # max(sum, 0) is add with eps 0
         eps = SINKHORN_IN[self.kernel].eps if self.kernel in SINKHORN_IN else "eps"
-        cands = [c for c in cands if not (c.get("eps_mode", "add") != "add" and c.get(eps) == 0.0)]
+        cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and c.get(eps) == 0.0)]
         for name, values in {**self.space.depends, **(depends or {})}.items():  # a clamped exponential at each bound
             knob, expanded = self.fam.knobs[name], []
             for c in cands:

@@ -16,7 +16,7 @@ from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown, where_differs
 from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.limits import shape_limit
-from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, UNSAID, knob_signature
+from mhctool.analyses.identify.space import SINKHORN_IN, SUSPICIOUS_VALUES, UNSAID, knob_signature
 from mhctool.analyses.identify.subject import batched_errors, float64_inputs
 from mhctool.families import MATMUL_KERNELS, input_family
 from mhctool.references import mhc as ref
@@ -186,6 +186,13 @@ class Identifier(Judging):
                 continue
             other = self.score(probes, {**cand.knobs, k: none}, cand.stage)
             if other.score <= self.space.near_miss:
+                cand = other
+        # eps as a threshold at 0 divides every sum above 0, which a sum of exponentials always is in
+        # float64: the same function as adding 0, said as that (the noise alone would pick between them)
+        eps = SINKHORN_IN[self.kernel].eps if self.kernel in SINKHORN_IN else None
+        if eps and cand.knobs.get(eps) == 0.0 and cand.knobs.get("eps_mode", "add") != "add":
+            other = self.score(probes, {**cand.knobs, "eps_mode": "add"}, cand.stage)
+            if other.score <= self._tol(cand.score):
                 cand = other
         return cand
 
