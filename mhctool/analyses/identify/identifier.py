@@ -189,12 +189,18 @@ class Identifier(Judging):
                 cand = other
         # eps as a threshold at 0 divides every sum above 0, which a sum of exponentials always is in
         # float64: the same function as adding 0, said as that (the noise alone would pick between them)
-        eps = SINKHORN_IN[self.kernel].eps if self.kernel in SINKHORN_IN else None
-        if eps and cand.knobs.get(eps) == 0.0 and cand.knobs.get("eps_mode", "add") != "add":
-            other = self.score(probes, {**cand.knobs, "eps_mode": "add"}, cand.stage)
+        if self._add_at_zero(cand.knobs) != cand.knobs:
+            other = self.score(probes, self._add_at_zero(cand.knobs), cand.stage)
             if other.score <= self._tol(cand.score):
                 cand = other
         return cand
+
+    def _add_at_zero(self, knobs: dict) -> dict:
+        """``knobs`` with eps as a threshold (or clamp) at 0 written as adding 0: the same function."""
+        eps = SINKHORN_IN[self.kernel].eps if self.kernel in SINKHORN_IN else None
+        if eps and knobs.get(eps) == 0.0 and knobs.get("eps_mode", "add") != "add":
+            return {**knobs, "eps_mode": "add"}
+        return dict(knobs)
 
     def backward_knobs(self, probes: list[Probe], best: Candidate) -> Candidate:
         """A forward that fits and a backward that fails the verdict: the knobs that change the
@@ -279,11 +285,12 @@ class Identifier(Judging):
         was asked. Where the guards showed the implementation finite, no candidate that would
         overflow there (the guard tells the two apart)."""
         tol = self._tol(min(c.score for c in self.tried.values()))
-        seen = {knob_signature(best.knobs, self.space.discrete)}
+        # each function once: eps as a threshold at 0 is adding 0 (_add_at_zero)
+        seen = {knob_signature(self._add_at_zero(best.knobs), self.space.discrete)}
         judged: list[Candidate] = []
         close: dict[tuple, list[Candidate]] = {}
         for c in sorted(self.tried.values(), key=lambda c: c.score):
-            sig = knob_signature(c.knobs, self.space.discrete)
+            sig = knob_signature(self._add_at_zero(c.knobs), self.space.discrete)
             if sig in seen or c is best or (self.guards and self._suspicious(c.knobs)):
                 continue  # (judged in the log domain, no stabilisation is one: the same tie again)
             if any(v != UNSAID[k] and best.knobs.get(k, UNSAID[k]) == UNSAID[k] for k, v in c.knobs.items() if k in UNSAID):
@@ -294,7 +301,8 @@ class Identifier(Judging):
             elif c.stage != "judged" and c.score <= tol:
                 close.setdefault(sig, []).append(c)
         nearest = [min(cs, key=lambda c: (self._cost(c.knobs), c.score)) for sig, cs in close.items() if sig not in seen]
-        return (judged + sorted(nearest, key=lambda c: c.score))[:4]
+        return [dataclasses.replace(c, knobs=self._add_at_zero(c.knobs))
+                for c in (judged + sorted(nearest, key=lambda c: c.score))[:4]]
 
 
 def identify(kernel: str, impl: Impl, **kw) -> Identification:
