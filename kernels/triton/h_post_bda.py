@@ -8,7 +8,8 @@ as per-block partials to a small workspace, and summed by a deterministic second
 (mHC's case) the backward is ``_h_post_bda_bwd4``: every stream its own 2D tile, token groups
 walked with pipelined loads. With x, y, the bias and grad_out of one 16-bit dtype (the mHC case) it
 is ``_h_post_bda_bwd4_tc``, whose 20 sums over C per token are one small tensor-core product
-(98.6% of copy bandwidth in bf16 on an H200), which also finishes those sums itself: the last
+(98.6% of copy bandwidth in bf16 on an H200; with dropout the kept gradient rows join it, an
+8 x 8 product), which also finishes those sums itself: the last
 program of a token group (a counter elects it; the order of the sum is fixed) sums the group's
 partials; fp32 and mixed dtypes take ``_h_post_bda_bwd4``
 (FMAs and cross-lane sums; 92%), other n the generic ``_h_post_bda_bwd`` (57% / 73%).
@@ -283,11 +284,11 @@ def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
 
 @triton.jit
 def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, ws_ptr, ws_b_ptr, T, C,
-                        cnt_ptr, dh_ptr, dhp_ptr, db_ptr, ws_b2_ptr, SUPER,
+                        cnt_ptr, dh_ptr, dhp_ptr, db_ptr, ws_b2_ptr, SUPER, seed, offset, G, scale,
                         GROUP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
                         TRANSPOSE: tl.constexpr, STAGES: tl.constexpr, F32DOT: tl.constexpr,
                         GH: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, DISCARD: tl.constexpr,
-                        NL_H: tl.constexpr, NL_P: tl.constexpr, NL_B: tl.constexpr):
+                        NL_H: tl.constexpr, NL_P: tl.constexpr, NL_B: tl.constexpr, THRESHOLD: tl.constexpr):
     """n = 4 with 16-bit x, y, bias and grad_out: the 20 sums over C as one tensor-core product.
     A step is one token over the program's C block: its gradient as a ``[4, BLOCK_C]`` tile times
     the ``[8, BLOCK_C]`` tile of x's four streams, y, the bias and two zero rows (transposed), so
@@ -300,7 +301,13 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
     goes to ``ws_b``'s row of the token group. All are stored with an L2 evict-last hint and summed
     at the end of the kernel by ``_finish_tc``: no second launch, no partial read back from DRAM.
     ``F32DOT``: the product's operands upcast to fp32 (the interpreter, whose bf16 ``tl.dot`` is
-    unreliable). ``DISCARD``: drop the partials from L2 once summed (not under the interpreter)."""
+    unreliable). ``DISCARD``: drop the partials from L2 once summed (not under the interpreter).
+
+    With dropout (``THRESHOLD``), the branch's gradient is the mask's: the product's first operand
+    is ``[8, BLOCK_C]``, the gradient's four rows and then the same rows where the contract's mask
+    keeps them (zeroed elsewhere, which rounds nothing in 16 bits), so rows 0-3 give dH (the
+    residual mix is never dropped) and rows 4-7 the kept sums of dh_post, scaled after the sum;
+    dy takes the kept gradient scaled, element by element in fp32, as the FMA kernel does."""
     cb = tl.program_id(0)
     tg = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -313,6 +320,7 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
     else:
         rows = r8 < 5
     hoff = r8[None, :] * 4 + r4[:, None] if TRANSPOSE else r4[:, None] * 4 + r8[None, :]
+    hoff8 = r8[None, :] * 4 + r8[:, None] if TRANSPOSE else r8[:, None] * 4 + r8[None, :]
     t_start = tg.to(tl.int64) * GROUP
     t_end = tl.minimum(t_start + GROUP, T)
     for t in tl.range(t_start, t_end, num_stages=STAGES):
@@ -323,17 +331,34 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
         if HAS_BIAS:
             src = tl.where(r8[:, None] == 5, b_ptr + c[None, :], src)
         xyb = tl.load(src, mask=rows[:, None] & cmask[None, :], other=0.0)
-        if F32DOT:
-            d = tl.dot(g.to(tl.float32), tl.trans(xyb.to(tl.float32)), input_precision="ieee")
-        else:
-            d = tl.dot(g, tl.trans(xyb))
         ws_row = ws_ptr + cb.to(tl.int64) * T * 20  # this C block's partials: dH of every token, then dh_post
-        tl.store(ws_row + t * 16 + hoff, d, mask=r8[None, :] < 4, eviction_policy="evict_last")
-        tl.store(ws_row + T * 16 + t * 4 + r4, tl.sum(tl.where((r8[None, :] == 4) | (r8[None, :] == 5), d, 0.0), axis=1),
-                 eviction_policy="evict_last")
+        branch = (r8[None, :] == 4) | (r8[None, :] == 5)  # the columns of y and the bias
+        if THRESHOLD > 0:
+            kept = _kept2(seed, offset + (t * 4 + r4) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD)
+            gm = tl.where(kept, g, tl.zeros_like(g))
+            g8 = tl.reshape(tl.permute(tl.join(g, gm), (2, 0, 1)), (8, BLOCK_C))  # g's rows, then the kept ones
+            if F32DOT:
+                d = tl.dot(g8.to(tl.float32), tl.trans(xyb.to(tl.float32)), input_precision="ieee")
+            else:
+                d = tl.dot(g8, tl.trans(xyb))
+            tl.store(ws_row + t * 16 + hoff8, d, mask=(r8[:, None] < 4) & (r8[None, :] < 4),
+                     eviction_policy="evict_last")
+            tl.store(ws_row + T * 16 + t * 4 + (r8 - 4), tl.sum(tl.where(branch, d, 0.0), axis=1) * scale,
+                     mask=r8 >= 4, eviction_policy="evict_last")
+            m0, m1, m2, m3 = _rows4(gm.to(tl.float32))
+            m0, m1, m2, m3 = m0 * scale, m1 * scale, m2 * scale, m3 * scale
+        else:
+            if F32DOT:
+                d = tl.dot(g.to(tl.float32), tl.trans(xyb.to(tl.float32)), input_precision="ieee")
+            else:
+                d = tl.dot(g, tl.trans(xyb))
+            tl.store(ws_row + t * 16 + hoff, d, mask=r8[None, :] < 4, eviction_policy="evict_last")
+            tl.store(ws_row + T * 16 + t * 4 + r4, tl.sum(tl.where(branch, d, 0.0), axis=1), eviction_policy="evict_last")
         g0, g1, g2, g3 = _rows4(g.to(tl.float32))
-        dy = (tl.load(hp_ptr + t * 4).to(tl.float32) * g0 + tl.load(hp_ptr + t * 4 + 1).to(tl.float32) * g1
-              + tl.load(hp_ptr + t * 4 + 2).to(tl.float32) * g2 + tl.load(hp_ptr + t * 4 + 3).to(tl.float32) * g3)
+        if THRESHOLD == 0:
+            m0, m1, m2, m3 = g0, g1, g2, g3  # the gradients the branch receives
+        dy = (tl.load(hp_ptr + t * 4).to(tl.float32) * m0 + tl.load(hp_ptr + t * 4 + 1).to(tl.float32) * m1
+              + tl.load(hp_ptr + t * 4 + 2).to(tl.float32) * m2 + tl.load(hp_ptr + t * 4 + 3).to(tl.float32) * m3)
         tl.store(dy_ptr + t * C + c, cast(dy, dy_ptr.dtype.element_ty), mask=cmask)
         if HAS_BIAS:
             db += dy
@@ -629,26 +654,26 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
                         dropout_seed=0, dropout_offset=0):
     """``tile_``: a tile for the generic kernel (3 entries), the n = 4 tensor-core one (4) or the
     n = 4 FMA one (5); by default the n = 4 tensor-core kernel where n = 4 and x, y, the bias and
-    grad_out share a 16-bit dtype (and no dropout: its mask scales the gradient of h_post's sums,
-    which the tensor-core product takes unmasked), the n = 4 FMA kernel for other n = 4 cases.
-    With ``dropout``, the forward's mask is drawn again from the same key."""
+    grad_out share a 16-bit dtype (with dropout too: the kept gradient rows join the product), the
+    n = 4 FMA kernel for other n = 4 cases. With ``dropout``, the forward's mask is drawn again
+    from the same key."""
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     grad_out = grad_out.contiguous()
     s, b, n, C = x.shape
     T = s * b
     mask, thr = _mask_args(C, dropout, dropout_seed, dropout_offset)
-    tc = n == 4 and _tc_operands(x, y, bias, grad_out) and not thr
+    tc = n == 4 and _tc_operands(x, y, bias, grad_out)
     tile = tile_ or (backward_tile4(x.dtype, tc) if _n4_kernels(n) else backward_tile(C, n))
     if len(tile) in (4, 5) and n != 4:
         raise ValueError(f"h_post_bda_backward: a {len(tile)}-entry tile is for n = 4, not n = {n}")
     if len(tile) == 4 and not tc:
         raise ValueError("h_post_bda_backward: the tensor-core tile (4 entries) needs x, y, bias and grad_out "
-                         f"of one 16-bit dtype and no dropout; got {x.dtype}, {y.dtype}, "
-                         f"{None if bias is None else bias.dtype}, {grad_out.dtype}, dropout={dropout}")
+                         f"of one 16-bit dtype; got {x.dtype}, {y.dtype}, "
+                         f"{None if bias is None else bias.dtype}, {grad_out.dtype}")
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
     if len(tile) == 4:
-        return _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile)
+        return _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr)
     four = len(tile) == 5
     bt, bc = tile[0], tile[1]
     n_cb = triton.cdiv(C, bc)
@@ -674,7 +699,7 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
     return d_h, dx, d_hp, dy, d_b
 
 
-def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile):
+def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr):
     s, b, n, C = x.shape
     T = s * b
     bc, group, warps, stages = tile
@@ -693,10 +718,10 @@ def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
     if T and C:
         _h_post_bda_bwd4_tc[(n_cb, n_tg)](
             h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws, ws_b, T, C,
-            cnt, d_h, d_hp, d_b if d_b is not None else d_h, ws_b2, sup, GROUP=group, BLOCK_C=bc,
+            cnt, d_h, d_hp, d_b if d_b is not None else d_h, ws_b2, sup, *mask, GROUP=group, BLOCK_C=bc,
             HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, F32DOT=interpreted(),
             GH=next_pow2(group * 16), GP=next_pow2(group * 4), ROWS=FINISH_ROWS, DISCARD=not interpreted(),
-            NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4), num_warps=warps)
+            NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4), THRESHOLD=thr, num_warps=warps)
     else:  # sums over no channels or no tokens
         for t in (d_h, d_hp, d_b):
             if t is not None:

@@ -142,10 +142,24 @@ def test_triton_dropout_through_autograd_and_its_mask_is_exact():
     assert torch.equal(out.detach()[dropped], mixed[dropped])
 
 
-def test_the_tensor_core_tile_is_refused_with_dropout():
-    h, x, hp, y, bias = _inputs(3, 1, 4, 8, torch.bfloat16)
-    with pytest.raises(ValueError, match="no dropout"):
-        thp.h_post_bda_backward(h, x, hp, y, bias, x, False, (64, 8, 1, 1), 0.1, 1, 0)
+@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("dtype, with_bias", [(torch.bfloat16, True), (torch.float16, False)])
+def test_the_tensor_core_backward_takes_the_mask_into_its_product(key, dtype, with_bias):
+    """The n = 4 tensor-core backward (the GPU's default for 16-bit operands) with dropout: the
+    kept gradient rows join the product beside the gradient's own, so dH stays unmasked and
+    dh_post, dy and the bias take the mask; at C off its blocks (and not a multiple of 4), tokens
+    off its groups, NaN-poisoned, both layouts of h_res, against float64."""
+    h, x, hp, y, bias = _inputs(11, 1, 4, 203, dtype, bias=with_bias)
+    go = torch.randn(x.shape).to(dtype)
+    for transpose_res in (False, True):
+        with poisoning():
+            grads = thp.h_post_bda_backward(h, x, hp, y, bias, go, transpose_res, (64, 8, 1, 1), *key)
+        _, want = _want(h, x, hp, y, bias, go, transpose_res, key)
+        for name, g, w in zip(("h_res", "x", "h_post", "y", "bias"), [g for g in grads if g is not None], want):
+            _close(g, w, dtype, f"grad_{name}")
+    fma = thp.h_post_bda_backward(h, x, hp, y, bias, go, False, (4, 64, 8, 4, 1), *key)
+    tc = thp.h_post_bda_backward(h, x, hp, y, bias, go, False, (64, 8, 1, 1), *key)
+    assert torch.equal(tc[1], fma[1])  # dx: the residual mix, never dropped, the same products
 
 
 def test_native_draws_the_contracts_mask():

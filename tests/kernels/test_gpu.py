@@ -359,7 +359,7 @@ def test_cutile_h_post_bda_backward_sums_c_blocks_in_order(n, transpose, with_bi
 @pytest.mark.parametrize("n, dtype", [(4, torch.bfloat16), (4, torch.float32), (3, torch.bfloat16)])
 def test_dropout_draws_the_contracts_mask_in_the_kernel(backend, n, dtype):
     """The post-path's dropout drawn in each backend's kernels at their GPU tiles (n = 4: Triton's
-    one-token forward and FMA backward; cuTile's (C block, token group) programs), tokens and C off
+    one-token forward, its tensor-core backward in bf16 and FMA one in fp32; cuTile's (C block, token group) programs), tokens and C off
     every tile (C not a multiple of 4 either), a key and counters past 32 bits, into NaN-poisoned
     outputs: the forward and every gradient match float64 under the contract's mask, the dropped
     elements are exactly the mixed streams, the same key gives the same bits, another offset
