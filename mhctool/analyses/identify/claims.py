@@ -42,9 +42,10 @@ class Claim:
 
 def fits(cand) -> tuple[bool, str]:
     """Whether ``cand`` fits every probe it covers within :data:`FIT_WITHIN` native noise, and the check's words."""
-    scores = list(cand.per_probe) or [cand.score]
+    scores = list(cand.fit_at or cand.per_probe) or [cand.score]
     worst = max(scores)
-    return worst <= FIT_WITHIN, (f"{fmt_knobs(cand.knobs) or 'the contract'}: worst probe {worst:.3g}x native noise "
+    unit = "native noise at the precision it is judged at" if cand.fit_at else "native noise"
+    return worst <= FIT_WITHIN, (f"{fmt_knobs(cand.knobs) or 'the contract'}: worst probe {worst:.3g}x {unit} "
                                  f"(a fit: every probe within {FIT_WITHIN:g}x)")
 
 

@@ -38,6 +38,7 @@ class Probe:
     res: ImplResult
     noise: list  # per output: the native implementation's error at the asked knobs (normalised max abs)
     refs: list = field(default_factory=list)  # the float64 reference's outputs at the asked knobs
+    noise_at: str = "ieee"  # the matmul precision ``noise`` was measured at (the declared or asked one)
 
 
 @dataclass
@@ -62,6 +63,9 @@ class Candidate:
     # judged candidates: the knobs it takes no parameter for (or ignores) whose fitted value its
     # outputs do not tell from the asked one: no convention to declare
     untold: tuple = ()
+    # where judged at another matmul precision than the fit's noise was measured at: its score on
+    # each probe in the native noise at that precision (what a claim of a fit is checked against)
+    fit_at: tuple = ()
 
     @property
     def key(self) -> tuple:

@@ -182,10 +182,18 @@ class Fitting(Subject):
             self.tried[c.key] = c
         return out
 
-    def _fit(self, probes: list[Probe], cands: list[dict], knobs: dict, ref_fn: Callable, stacked: Callable, stage: str) -> list[Candidate]:
+    def rescored(self, probes: list[Probe], cand: Candidate, precision: str) -> tuple:
+        """``cand``'s score on each probe in the native noise at ``precision`` (the fit is made in
+        the noise at the declared precision; a kernel judged at another is a fit in that one's)."""
+        knobs, ref_fn, _ = self._split(cand.knobs)
+        return self._fit(probes, [cand.knobs], knobs, ref_fn, lambda outs: [o.unsqueeze(0) for o in outs], "judged",
+                         noise_of=lambda p: self.noise_in(p, precision))[0].per_probe
+
+    def _fit(self, probes: list[Probe], cands: list[dict], knobs: dict, ref_fn: Callable, stacked: Callable, stage: str,
+             noise_of: Callable | None = None) -> list[Candidate]:
         """Candidates from one reference call per probe (per stack of probes, where the space
         stacks them); ``stacked(outs)`` gives each output with the candidates along a leading axis.
-        Ranked by error in units of the native noise."""
+        Ranked by error in units of the native noise (``noise_of(probe)``, default the probe's own)."""
         ratio, rel = [0.0] * len(cands), [0.0] * len(cands)
         per = {id(p): [0.0] * len(cands) for p in probes}  # each probe's worst, in its native noise
         with torch.no_grad():
@@ -197,7 +205,7 @@ class Fitting(Subject):
                 at = 0
                 for p in group:
                     rows = next(t for t in p.base.values() if t is not None).shape[0]
-                    for o, r, noise in zip(p.res.outputs, outs, p.noise):
+                    for o, r, noise in zip(p.res.outputs, outs, p.noise if noise_of is None else noise_of(p)):
                         if r.dim() == o.dim():  # an output the batched knob does not change: one fit for all
                             r = r.unsqueeze(0)
                         q, m = batched_errors(o, r.narrow(1, at, rows) if len(group) > 1 else r)

@@ -166,6 +166,9 @@ class Identifier(Judging):
                     best, asked_precision = again, asked_prec
                 else:
                     self.precision = self.precision_bwd = asked_prec
+        if probes and (best.passed or best.fwd_passed) and self.precision != probes[0].noise_at:
+            # a fit at another precision than the noise's: its scores in that precision's noise too
+            best = self.tried[best.key] = dataclasses.replace(best, fit_at=self.rescored(probes, best, self.precision))
         ranked = sorted(self.tried.values(), key=lambda c: (c is not best, c.stage != "judged", c.score))
         return Identification(self.kernel, self.impl, self.asked, ranked, best, discrete=tuple(self.space.discrete),
                               fixed=self.family_knobs, precision=self.precision, precision_bwd=self.precision_bwd,

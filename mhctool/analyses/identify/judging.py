@@ -80,10 +80,12 @@ class Judging(Fitting, Probing):
             else:
                 off = max((max_rel(o, r) for o, r in zip(judged.native.outputs, judged.ref_outs)), default=0.0)
                 native_worst = max(native_worst, off)
-                # in units of the native noise on that probe too: a bf16 baseline's rounding is
-                # an order-one share of an output's small entries (max_rel 2.7 on TileKernels'
-                # pre-path at bf16 on an H200), never a sign that it computes something else
-                ratio = in_noise(judged.native.outputs, judged.ref_outs, p.noise)
+                # in units of the native noise on that probe too, at the precision judged: a bf16
+                # baseline's rounding is an order-one share of an output's small entries (max_rel
+                # 2.7 on TileKernels' pre-path at bf16 on an H200), and a TF32 one's thousands of
+                # IEEE noise units (a TF32 composite at probe seed 1), never a sign that it
+                # computes something else
+                ratio = in_noise(judged.native.outputs, judged.ref_outs, self.noise_in(p, precision))
                 if nothing_near(ratio, off):
                     # a baseline that does not compute the candidate sets no threshold for it
                     fwd_failed = fwd_failed or (f"no verdict on {p.case.family}: the native baseline there is itself "

@@ -58,19 +58,31 @@ class Probing(Subject):
             return None, f"its backward failed: {res.bwd_error} (probe {fam_name})"
         with torch.no_grad():
             refs = self.fam.call(self.fam.reference, float64_inputs(base), self._split(self.asked)[0], lambda k: True)
-        return Probe(replace(case, shape=shape), base, upstream, res, self._noise(base, nat.outputs, refs), list(refs)), None
+        return Probe(replace(case, shape=shape), base, upstream, res, self._noise(base, nat.outputs, refs), list(refs),
+                     self.precision), None
 
-    def _noise(self, base: dict, nat_outs, refs) -> list[float]:
-        """Per output, the native implementation's error at the family's default knobs: the unit
-        every candidate's fit is measured in, the same whatever was asked (the run at the asked
-        knobs serves where they are the defaults)."""
-        if self.defaults() != self.asked or self.space.how and any(k in self.family_knobs for k in self.space.how):
-            knobs, ref_fn, nat_fn = self._split(self.defaults())
+    def _noise(self, base: dict, nat_outs=None, refs=None, precision: str | None = None) -> list[float]:
+        """Per output, the native implementation's error at the family's default knobs (at
+        ``precision``, else the one the forward is judged at): the unit every candidate's fit is
+        measured in, the same whatever was asked (``nat_outs`` and ``refs``, the run at the asked
+        knobs, serve where they are the defaults)."""
+        if nat_outs is None or self.defaults() != self.asked or \
+                self.space.how and any(k in self.family_knobs for k in self.space.how):
+            knobs, ref_fn, nat_fn = self._split(self.defaults(), precision)
             with torch.no_grad():
                 nat_outs = self.fam.call(nat_fn, base, knobs, lambda k: True)
                 refs = self.fam.call(ref_fn, float64_inputs(base), knobs, lambda k: True)
         floor = 2 * FORMATS[self.dtype].unit_roundoff
         return [max(batched_errors(o, r.unsqueeze(0))[0][0], floor) for o, r in zip(nat_outs, refs)]
+
+    def noise_in(self, p: Probe, precision: str) -> list[float]:
+        """``p``'s native noise at ``precision`` (its own where measured there; cached)."""
+        if precision == p.noise_at:
+            return p.noise
+        key = (id(p), precision)
+        if key not in self._noises:
+            self._noises[key] = self._noise(p.base, precision=precision)
+        return self._noises[key]
 
     def probes(self) -> tuple[list[Probe], str | None]:
         """The probes the fit is made on; also runs the guards (``self.guards``, ``self.overflow``)

@@ -66,6 +66,7 @@ class Subject:
         self.family_knobs.update({k: False for k in missing})
         self.guards: list[Probe] = []  # the space's guard probes, run by probes()
         self._stacks: dict = {}  # probes -> their float64 inputs, stacked where the kernel allows
+        self._noises: dict = {}  # (probe, matmul precision) -> its native noise there (Probing.noise_in)
         self.overflow: list = []  # Identification.overflow
         self.saturated: list = []  # Identification.saturated
         self.failed: tuple | None = None  # the probe that failed: (direction, error, input family)
