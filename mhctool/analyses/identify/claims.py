@@ -12,7 +12,8 @@ The checks (issue 100's five faces, each a sentence its own numbers contradicted
   asked for and only passed, because its thresholds are looser, is not claimed: the nearest one is);
 - "a variant" is never said of the contract's own value (the classification says "computes the
   contract's ..." there);
-- an ask that was dropped (an optional input the implementation takes no parameter for) is said.
+- an ask that was dropped (an optional input the implementation takes no parameter for) is said;
+- a continuous value the probes do not pin is said with the range that fits as well (``told``).
 """
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def pre_knobs(eff: dict[str, dict]) -> dict:
 
 
 # the pre-path's knobs as the entry points' that set them (pre_knobs, the other way)
-AT_ENTRY = {"eps": ("proj_rms", "eps"), "rms_eps": ("proj_rms", "rms_eps"), "iters": ("sinkhorn", "iters"), "sinkhorn_eps": ("sinkhorn", "eps"), "stabilize": ("sinkhorn", "stabilize"),
+AT_ENTRY = {"eps": ("proj_rms", "eps"), "rms_eps": ("proj_rms", "rms_eps"), "iters": ("sinkhorn", "iters"),
+            "sinkhorn_eps": ("sinkhorn", "eps"), "stabilize": ("sinkhorn", "stabilize"),
             "eps_mode": ("sinkhorn", "eps_mode"), "order": ("sinkhorn", "order")}
 
 
