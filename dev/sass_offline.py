@@ -7,8 +7,8 @@ registers and 18.7 KB of shared memory as ncu on the H200 for the FMA h_post_bda
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
     /tmp/t36/bin/python dev/sass_offline.py [--sass | --proj-agg]
 
-Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias), the
-registers, shared memory and the instruction histogram of the main loop; with ``--proj-agg``, the
+Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias; the
+tensor-core one without and with dropout, the FMA one with dropout), the registers, shared memory and the instruction histogram of the main loop; with ``--proj-agg``, the
 projection backward with mix_aggregate's aggregation term at its shipped tile and others
 (registers, shared memory, spills). Pointers and C
 are declared 16-byte divisible, as Triton specialises them at launch: without that the loads are
@@ -91,15 +91,24 @@ def main() -> None:
     from kernels.triton import h_post_bda as hpb
     common = {"h_ptr": "*fp32", "x_ptr": "*bf16", "hp_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
               "g_ptr": "*bf16", "dx_ptr": "*bf16", "dy_ptr": "*bf16"}
+    key = {"seed": "i64", "offset": "i64", "G": "i32", "scale": "fp32"}  # the dropout's (mask_args)
     bc, group, warps, stages = hpb.BWD4_TILE_TC
-    tc_sig = dict(common, ws_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32")
+    tc_sig = dict(common, ws_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32", cnt_ptr="*i32", dh_ptr="*fp32",
+                  dhp_ptr="*fp32", db_ptr="*bf16", ws_b2_ptr="*fp32", SUPER="i32", **key)
+    tc_ce = dict(GROUP=group, BLOCK_C=bc, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages, F32DOT=False,
+                 GH=triton.next_power_of_2(group * 16), GP=triton.next_power_of_2(group * 4), ROWS=hpb.FINISH_ROWS,
+                 DISCARD=True, NL_H=hpb._lines(group * 64), NL_P=hpb._lines(group * 16), NL_B=hpb._lines(bc * 4))
     bt, bc4, group4, warps4, stages4 = hpb.BWD4_TILE
-    fma_sig = dict(common, ws_h_ptr="*fp32", ws_hp_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32")
+    fma_sig = dict(common, ws_h_ptr="*fp32", ws_hp_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32", **key)
+    threshold = 429496729  # dropout 0.1 (mhctool.references.dropout.key)
     runs = [
-        (f"_h_post_bda_bwd4_tc {hpb.BWD4_TILE_TC}", hpb._h_post_bda_bwd4_tc, tc_sig,
-         dict(GROUP=group, BLOCK_C=bc, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages, F32DOT=False), warps, stages),
-        (f"_h_post_bda_bwd4 {hpb.BWD4_TILE}", hpb._h_post_bda_bwd4, fma_sig,
-         dict(GROUP=group4, BLOCK_T=bt, BLOCK_C=bc4, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages4), warps4, stages4),
+        (f"_h_post_bda_bwd4_tc {hpb.BWD4_TILE_TC}", hpb._h_post_bda_bwd4_tc, tc_sig, dict(tc_ce, THRESHOLD=0),
+         warps, stages),
+        (f"_h_post_bda_bwd4_tc {hpb.BWD4_TILE_TC_DROPOUT}, dropout 0.1", hpb._h_post_bda_bwd4_tc, tc_sig,
+         dict(tc_ce, THRESHOLD=threshold), hpb.BWD4_TILE_TC_DROPOUT[2], hpb.BWD4_TILE_TC_DROPOUT[3]),
+        (f"_h_post_bda_bwd4 {hpb.BWD4_TILE}, dropout 0.1", hpb._h_post_bda_bwd4, fma_sig,
+         dict(GROUP=group4, BLOCK_T=bt, BLOCK_C=bc4, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages4,
+              THRESHOLD=threshold), warps4, stages4),
     ]
     for name, fn, sig, ce, w, st in runs:
         res, sass = compile_sm90(fn, sig, ce, w, st, divisible=[k for k in sig if k.endswith("_ptr")] + ["C"])

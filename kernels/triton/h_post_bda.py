@@ -609,16 +609,17 @@ def backward_tile(C: int, n: int) -> tuple:
     return _blocks(C, n, 4096, 128, 4)
 
 
-def backward_tile4(dtype: torch.dtype, tc: bool = False) -> tuple:
+def backward_tile4(dtype: torch.dtype, tc: bool = False, dropout: bool = False) -> tuple:
     """The n = 4 backward's tile, fixed per kernel and element size like ``backward_tile`` (never
     a function of the number of tokens, so a token's dH sums in the same order at every batch
     size). ``tc``: the tensor-core kernel's (BLOCK_C, GROUP, warps, stages); otherwise the FMA
-    kernel's (BLOCK_T, BLOCK_C, GROUP, warps, stages). Under the interpreter, small blocks so that
-    the tests' odd shapes cross C blocks, token groups and partial tiles."""
+    kernel's (BLOCK_T, BLOCK_C, GROUP, warps, stages); ``dropout``: the tensor-core kernel's with
+    the mask (its own tile). Under the interpreter, small blocks so that the tests' odd shapes
+    cross C blocks, token groups and partial tiles."""
     if interpreted():
         return (64, 8, 1, 1) if tc else (4, 64, 8, 4, 1)
     if tc:
-        return BWD4_TILE_TC
+        return BWD4_TILE_TC_DROPOUT if dropout else BWD4_TILE_TC
     return BWD4_TILE_FP32 if dtype == torch.float32 else BWD4_TILE
 
 
@@ -642,6 +643,12 @@ BWD4_TILE_FP32 = (1, 512, 64, 1, 3)
 # 1.737 / 2.121): more, shorter programs, and their extra bias partials now stay in L2. A token's
 # dH, dh_post, dx and dy have the same bits at every group size.
 BWD4_TILE_TC = (512, 16, 1, 4)
+# With dropout, the mask's counters (the Philox rounds of four rows a token) take registers: compiled
+# for sm_90 offline with the device's Triton 3.6 (dev/sass_offline.py), one warp over 512 channels
+# spilled (255 registers, 108 local loads and 124 stores in the main loop, at 4 stages and at 2),
+# two warps did not (249 registers, 45 KB of shared memory), nor did one warp over 256 channels.
+# Not timed on a GPU yet.
+BWD4_TILE_TC_DROPOUT = (512, 16, 2, 4)
 
 
 def _tc_operands(x, y, bias, grad_out) -> bool:
@@ -663,7 +670,7 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
     T = s * b
     mask, thr = _mask_args(C, dropout, dropout_seed, dropout_offset)
     tc = n == 4 and _tc_operands(x, y, bias, grad_out)
-    tile = tile_ or (backward_tile4(x.dtype, tc) if _n4_kernels(n) else backward_tile(C, n))
+    tile = tile_ or (backward_tile4(x.dtype, tc, thr > 0) if _n4_kernels(n) else backward_tile(C, n))
     if len(tile) in (4, 5) and n != 4:
         raise ValueError(f"h_post_bda_backward: a {len(tile)}-entry tile is for n = 4, not n = {n}")
     if len(tile) == 4 and not tc:

@@ -168,3 +168,16 @@ def test_native_draws_the_contracts_mask():
     got = native.h_post_bda(h, x, hp, y, bias, **key)
     want = ref.h_post_bda(*(t.double() for t in (h, x, hp, y, bias)), **key)
     assert float((got.double() - want).abs().max()) < 1e-5
+
+
+def test_the_tensor_core_backward_with_the_mask_at_the_gpus_tile():
+    """The tile the GPU takes with dropout (two warps over 512 channels: one warp spilled with the
+    mask's counters) over 700 channels (a block and a part) and 37 tokens in 16-token groups."""
+    assert thp.BWD4_TILE_TC_DROPOUT[0] == thp.BWD4_TILE_TC[0] and len(thp.BWD4_TILE_TC_DROPOUT) == 4
+    h, x, hp, y, bias = _inputs(37, 1, 4, 700, torch.bfloat16)
+    go = torch.randn(x.shape).to(torch.bfloat16)
+    with poisoning():
+        grads = thp.h_post_bda_backward(h, x, hp, y, bias, go, True, thp.BWD4_TILE_TC_DROPOUT, *KEYS[0])
+    _, want = _want(h, x, hp, y, bias, go, True, KEYS[0])
+    for name, g, w in zip(("h_res", "x", "h_post", "y", "bias"), grads, want):
+        _close(g, w, torch.bfloat16, f"grad_{name}")
