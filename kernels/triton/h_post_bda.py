@@ -283,6 +283,15 @@ def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
 
 
 @triton.jit
+def _sums_over_c(a, b, F32DOT: tl.constexpr):
+    """``a @ b^T``: every row of ``a`` against every row of ``b`` summed over the block's channels,
+    on tensor cores (with ``F32DOT``, the operands upcast to fp32 at IEEE: the interpreter)."""
+    if F32DOT:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
 def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, ws_ptr, ws_b_ptr, T, C,
                         cnt_ptr, dh_ptr, dhp_ptr, db_ptr, ws_b2_ptr, SUPER, seed, offset, G, scale,
                         GROUP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -320,7 +329,6 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
     else:
         rows = r8 < 5
     hoff = r8[None, :] * 4 + r4[:, None] if TRANSPOSE else r4[:, None] * 4 + r8[None, :]
-    hoff8 = r8[None, :] * 4 + r8[:, None] if TRANSPOSE else r8[:, None] * 4 + r8[None, :]
     t_start = tg.to(tl.int64) * GROUP
     t_end = tl.minimum(t_start + GROUP, T)
     for t in tl.range(t_start, t_end, num_stages=STAGES):
@@ -337,10 +345,8 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
             kept = _kept2(seed, offset + (t * 4 + r4) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD)
             gm = tl.where(kept, g, tl.zeros_like(g))
             g8 = tl.reshape(tl.permute(tl.join(g, gm), (2, 0, 1)), (8, BLOCK_C))  # g's rows, then the kept ones
-            if F32DOT:
-                d = tl.dot(g8.to(tl.float32), tl.trans(xyb.to(tl.float32)), input_precision="ieee")
-            else:
-                d = tl.dot(g8, tl.trans(xyb))
+            d = _sums_over_c(g8, xyb, F32DOT)
+            hoff8 = r8[None, :] * 4 + r8[:, None] if TRANSPOSE else r8[:, None] * 4 + r8[None, :]
             tl.store(ws_row + t * 16 + hoff8, d, mask=(r8[:, None] < 4) & (r8[None, :] < 4),
                      eviction_policy="evict_last")
             tl.store(ws_row + T * 16 + t * 4 + (r8 - 4), tl.sum(tl.where(branch, d, 0.0), axis=1) * scale,
@@ -348,10 +354,7 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
             m0, m1, m2, m3 = _rows4(gm.to(tl.float32))
             m0, m1, m2, m3 = m0 * scale, m1 * scale, m2 * scale, m3 * scale
         else:
-            if F32DOT:
-                d = tl.dot(g.to(tl.float32), tl.trans(xyb.to(tl.float32)), input_precision="ieee")
-            else:
-                d = tl.dot(g, tl.trans(xyb))
+            d = _sums_over_c(g, xyb, F32DOT)
             tl.store(ws_row + t * 16 + hoff, d, mask=r8[None, :] < 4, eviction_policy="evict_last")
             tl.store(ws_row + T * 16 + t * 4 + r4, tl.sum(tl.where(branch, d, 0.0), axis=1), eviction_policy="evict_last")
         g0, g1, g2, g3 = _rows4(g.to(tl.float32))

@@ -15,7 +15,7 @@ import torch
 from mhctool.analyses.identify.conclusion import Candidate, Probe
 from mhctool.analyses.identify.space import (
     KNOWN,
-    SINKHORN_IN,
+    eps_zero_as_add,
     knob_key,
     roundness,
     same_value,
@@ -74,9 +74,8 @@ class Fitting(Subject):
                  [[self.held[k]] if k in self.held else sorted({*self.space.continuous[k], preferred[k], *self._known(k)})
                   for k in self.space.continuous]
         cands = [dict(zip(names, combo)) for combo in itertools.product(*values)]
-        # max(sum, 0) is add with eps 0
-        eps = SINKHORN_IN[self.kernel].eps if self.kernel in SINKHORN_IN else "eps"
-        cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and c.get(eps) == 0.0)]
+        # max(sum, 0) is add with eps 0 (eps as a threshold at 0 stays: a floor is searched from it)
+        cands = [c for c in cands if not (c.get("eps_mode") == "clamp" and eps_zero_as_add(self.kernel, c) != c)]
         for name, values in {**self.space.depends, **(depends or {})}.items():  # a clamped exponential at each bound
             knob, expanded = self.fam.knobs[name], []
             for c in cands:

@@ -16,7 +16,7 @@ from mhctool.analyses.identify.derivative import own_derivative
 from mhctool.analyses.identify.evidence import nothing_near, shown, where_differs
 from mhctool.analyses.identify.judging import Judging
 from mhctool.analyses.identify.limits import shape_limit
-from mhctool.analyses.identify.space import SINKHORN_IN, SUSPICIOUS_VALUES, UNSAID, knob_signature
+from mhctool.analyses.identify.space import SUSPICIOUS_VALUES, UNSAID, eps_zero_as_add, knob_signature
 from mhctool.analyses.identify.subject import batched_errors, float64_inputs
 from mhctool.families import MATMUL_KERNELS, input_family
 from mhctool.references import mhc as ref
@@ -190,20 +190,12 @@ class Identifier(Judging):
             other = self.score(probes, {**cand.knobs, k: none}, cand.stage)
             if other.score <= self.space.near_miss:
                 cand = other
-        # eps as a threshold at 0 divides every sum above 0, which a sum of exponentials always is in
-        # float64: the same function as adding 0, said as that (the noise alone would pick between them)
-        if self._add_at_zero(cand.knobs) != cand.knobs:
-            other = self.score(probes, self._add_at_zero(cand.knobs), cand.stage)
+        # eps as a threshold at 0 is adding 0 (space.eps_zero_as_add), said as that
+        if (plain := eps_zero_as_add(self.kernel, cand.knobs)) != cand.knobs:
+            other = self.score(probes, plain, cand.stage)
             if other.score <= self._tol(cand.score):
                 cand = other
         return cand
-
-    def _add_at_zero(self, knobs: dict) -> dict:
-        """``knobs`` with eps as a threshold (or clamp) at 0 written as adding 0: the same function."""
-        eps = SINKHORN_IN[self.kernel].eps if self.kernel in SINKHORN_IN else None
-        if eps and knobs.get(eps) == 0.0 and knobs.get("eps_mode", "add") != "add":
-            return {**knobs, "eps_mode": "add"}
-        return dict(knobs)
 
     def backward_knobs(self, probes: list[Probe], best: Candidate) -> Candidate:
         """A forward that fits and a backward that fails the verdict: the knobs that change the
@@ -288,12 +280,12 @@ class Identifier(Judging):
         was asked. Where the guards showed the implementation finite, no candidate that would
         overflow there (the guard tells the two apart)."""
         tol = self._tol(min(c.score for c in self.tried.values()))
-        # each function once: eps as a threshold at 0 is adding 0 (_add_at_zero)
-        seen = {knob_signature(self._add_at_zero(best.knobs), self.space.discrete)}
+        # each function once: eps as a threshold at 0 is adding 0 (space.eps_zero_as_add)
+        seen = {knob_signature(eps_zero_as_add(self.kernel, best.knobs), self.space.discrete)}
         judged: list[Candidate] = []
         close: dict[tuple, list[Candidate]] = {}
         for c in sorted(self.tried.values(), key=lambda c: c.score):
-            sig = knob_signature(self._add_at_zero(c.knobs), self.space.discrete)
+            sig = knob_signature(eps_zero_as_add(self.kernel, c.knobs), self.space.discrete)
             if sig in seen or c is best or (self.guards and self._suspicious(c.knobs)):
                 continue  # (judged in the log domain, no stabilisation is one: the same tie again)
             if any(v != UNSAID[k] and best.knobs.get(k, UNSAID[k]) == UNSAID[k] for k, v in c.knobs.items() if k in UNSAID):
@@ -304,7 +296,7 @@ class Identifier(Judging):
             elif c.stage != "judged" and c.score <= tol:
                 close.setdefault(sig, []).append(c)
         nearest = [min(cs, key=lambda c: (self._cost(c.knobs), c.score)) for sig, cs in close.items() if sig not in seen]
-        return [dataclasses.replace(c, knobs=self._add_at_zero(c.knobs))
+        return [dataclasses.replace(c, knobs=eps_zero_as_add(self.kernel, c.knobs))
                 for c in (judged + sorted(nearest, key=lambda c: c.score))[:4]]
 
 

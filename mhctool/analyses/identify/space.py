@@ -186,6 +186,16 @@ SINKHORN_IN = {"sinkhorn": SinkhornPart("eps", 0, "large_logits"),
                "mix_aggregate": SinkhornPart("sinkhorn_eps", 2, "res_large")}
 
 
+def eps_zero_as_add(kernel: str, knobs: dict) -> dict:
+    """``knobs`` with a Sinkhorn's eps at 0 under another mode written as adding 0: the same
+    function (max(sum, 0) is the sum; dividing only sums above 0 divides every sum of exponentials,
+    never 0 in float64), which the noise alone would tell apart."""
+    part = SINKHORN_IN.get(kernel)
+    if part and knobs.get(part.eps) == 0.0 and knobs.get("eps_mode", "add") != "add":
+        return {**knobs, "eps_mode": "add"}
+    return dict(knobs)
+
+
 def _sinkhorn_also(eps: str) -> Callable[[dict], list[dict]]:
     """How a Sinkhorn kernel may compute what a candidate names: without eps (its eps knob named
     ``eps``), in the log domain (its rounding is the log-domain baseline's), unless the candidate
