@@ -136,6 +136,12 @@ MODULE_OPS = {"_compute_h": "compute_h", "apply_h_res": "h_res_product",
               "forward": "pre_path", "fused_h_res_h_post_bda": "post_path"}
 
 
+# a module computed by two calls (swap_module_paths): the attributes that hold them, and the
+# methods of the module they replace (what MODULE_OPS times otherwise)
+MODULE_PATH_ATTRS = ("_mhctool_pre_path", "_mhctool_post_path")
+MODULE_PATHS = {"pre_path": "forward", "post_path": "fused_h_res_h_post_bda"}
+
+
 def time_entry_points(model, timer) -> None:
     """Every HyperConnectionModule's entry points (those set) wrapped by ``timer``
     (:class:`mhctool.core.entry_timing.EntryTimer`), each under the family it computes, and the
@@ -144,8 +150,11 @@ def time_entry_points(model, timer) -> None:
     points = {**{a: f for f, a in ENTRY_POINTS.items()}, **TIMED_ALSO, **MODULE_OPS}
     for m in model.modules():
         if hasattr(m, "_sinkhorn_op"):
-            for attr, family in points.items():
-                if getattr(m, attr, None) is not None:
+            # a module computed by two calls is timed at those calls, which its recompute calls
+            # again (its forward and post-path methods are the checkpoints' wrappers around them)
+            skip = set(MODULE_PATHS.values()) if hasattr(m, MODULE_PATH_ATTRS[0]) else set()
+            for attr, family in {**points, **dict(zip(MODULE_PATH_ATTRS, MODULE_PATHS))}.items():
+                if attr not in skip and getattr(m, attr, None) is not None:
                     setattr(m, attr, timer.wrap(family, getattr(m, attr)))
     try:
         from megatron.core.fusions import fused_bias_dropout as fbd
@@ -206,11 +215,14 @@ def swap_module_paths(model, ops: dict[str, Callable]) -> None:
     residual mix and the dropped-out branch, whatever the dropout: Megatron's falls back to
     separate ops where it is on). Each runs under the module's recompute as Megatron's own ops do
     (``CheckpointWithoutOutput`` with the block's manager, where one is given), the dropout's key
-    drawn inside what is recomputed."""
+    drawn inside what is recomputed. The two calls are looked up on the module as they run (``MODULE_PATH_ATTRS``), so that what
+    wraps them there (bench's timer) sees the recompute's calls too."""
     for m in model.modules():
         if hasattr(m, "_sinkhorn_op"):
-            m.forward = functools.partial(_pre_path, m, ops["pre_path"])
-            m.fused_h_res_h_post_bda = functools.partial(_post_path, m, ops["post_path"])
+            setattr(m, MODULE_PATH_ATTRS[0], ops["pre_path"])
+            setattr(m, MODULE_PATH_ATTRS[1], ops["post_path"])
+            m.forward = functools.partial(_pre_path, m)
+            m.fused_h_res_h_post_bda = functools.partial(_post_path, m)
 
 
 def _checkpointed(manager, fn, *args):
@@ -220,17 +232,17 @@ def _checkpointed(manager, fn, *args):
     return CheckpointWithoutOutput(ckpt_manager=manager).checkpoint(fn, *args)
 
 
-def _pre_path(m, op, hidden_states, mhc_recompute_manager=None):
+def _pre_path(m, hidden_states, mhc_recompute_manager=None):
     s, b, _ = hidden_states.shape
 
     def run(x, weight, alpha_pre, alpha_post, alpha_res, bias):
         alpha = torch.cat([alpha_pre.reshape(1), alpha_post.reshape(1), alpha_res.reshape(1)])
-        return op(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
+        return getattr(m, MODULE_PATH_ATTRS[0])(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
     return _checkpointed(mhc_recompute_manager, run, hidden_states, m.mapping_proj.weight, m.alpha_pre, m.alpha_post,
                          m.alpha_res, m.bias)
 
 
-def _post_path(m, op, h_res, original_residual, h_post, layer_output_with_bias, dropout_prob, training, fused,
+def _post_path(m, h_res, original_residual, h_post, layer_output_with_bias, dropout_prob, training, fused,
                manager=None):
     from mhctool.references.dropout import counters_used
     x, bias = layer_output_with_bias
@@ -239,7 +251,7 @@ def _post_path(m, op, h_res, original_residual, h_post, layer_output_with_bias, 
 
     def run(h_res, residual, h_post, x, *maybe_bias):
         seed, offset = dropout_key(counters_used(s * b, m.n, m.hidden_size)) if p else (0, 0)
-        out = op(h_res, residual.reshape(s, b, m.n, m.hidden_size), h_post, x, maybe_bias[0] if maybe_bias else None,
+        out = getattr(m, MODULE_PATH_ATTRS[1])(h_res, residual.reshape(s, b, m.n, m.hidden_size), h_post, x, maybe_bias[0] if maybe_bias else None,
                  p, seed, offset)
         return out.reshape(s, b, m.n * m.hidden_size)
     return _checkpointed(manager, run, h_res, original_residual, h_post, x, *(() if bias is None else (bias,)))

@@ -66,6 +66,61 @@ def test_a_forward_run_again_inside_the_backward_is_a_recompute():
     assert got["fwd_calls"] == 1 and got["recompute_calls"] == 1 and got["bwd_calls"] == 1, got
 
 
+class _Module(torch.nn.Module):
+    """What Megatron-core's adapter reads off a HyperConnectionModule to swap its two paths."""
+
+    def __init__(self, n=2, C=8):
+        super().__init__()
+        self.n, self.hidden_size, self._sinkhorn_op = n, C, None
+        self.mapping_proj = torch.nn.Linear(n * C, n * n + 2 * n, bias=False)
+        self.alpha_pre, self.alpha_post, self.alpha_res = (torch.nn.Parameter(torch.tensor(v)) for v in (1.0, 2.0, 3.0))
+        self.bias = torch.nn.Parameter(torch.zeros(n * n + 2 * n))
+
+
+def _pre(x, weight, alpha, bias):  # x [s, b, n, C] -> aggregated, h_res, h_post (not mHC's math: its calls)
+    s, b, n, C = x.shape
+    logits = x.reshape(s, b, n * C) @ weight.t() * alpha[2] + bias
+    h_res = torch.softmax(logits[..., :n * n].reshape(s, b, n, n), -1)
+    h_post = torch.sigmoid(logits[..., n * n:n * n + n]) * alpha[1]
+    return (x * torch.sigmoid(logits[..., -n:])[..., None]).sum(2) * alpha[0], h_res, h_post
+
+
+def _post(h_res, x, h_post, y, bias, p, seed, offset):
+    return h_res @ x + h_post[..., None] * y[:, :, None, :]
+
+
+def test_a_module_variants_recompute_is_timed_as_its_recompute(monkeypatch):
+    """Under Megatron's mHC recompute the module's two calls run again inside the backward from the
+    checkpoint's own closure (not through the module's methods): the timer wraps the calls
+    themselves, so the recompute is its own row, each forward counted once, and each backward is
+    the call's (here torch's reentrant checkpoint stands in for Megatron's CheckpointWithoutOutput,
+    which likewise runs its function without grad and again inside the backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mhctool.libraries import megatron_core as mc
+    monkeypatch.setattr(mc, "_checkpointed", lambda manager, fn, *args: checkpoint(fn, *args, use_reentrant=True)
+                        if manager is not None else fn(*args))
+    torch.manual_seed(0)
+    m = _Module()
+    mc.swap_module_paths(m, {"pre_path": _pre, "post_path": _post})
+    timer = EntryTimer(cuda=False)
+    mc.time_entry_points(m, timer)
+    plain, x0 = {}, torch.randn(3, 2, m.n * m.hidden_size)
+    for timed in (False, True):
+        x = x0.clone().requires_grad_()
+        with (timer.profiling() if timed else torch.enable_grad()):
+            for manager in (object(), None):  # under the block's recompute, and a block-end layer without it
+                agg, h_res, h_post = m(x, mhc_recompute_manager=manager)
+                out = m.fused_h_res_h_post_bda(h_res, x, h_post, (agg * 2, None), 0.0, True, False, manager)
+                out.square().sum().backward()
+        plain.setdefault("grad", x.grad.clone())
+        assert torch.equal(x.grad, plain["grad"])  # the timer leaves the numbers alone
+    got = timer.step_end()
+    assert set(got) == {"pre_path", "post_path", "*"}, got  # the module's forward is no call of its own
+    for path in ("pre_path", "post_path"):
+        assert got[path]["fwd_calls"] == 2 and got[path]["recompute_calls"] == 1 and got[path]["bwd_calls"] == 2, got
+
+
 def _rows(path):
     return pq.read_table(path).to_pylist()
 
