@@ -13,7 +13,8 @@
 #   train    train --engine with the whole-module variants at the hidden dropout: the first step
 #            and the trajectories (SEEDS, default 4), and the planted post-paths at the first step
 #   sweep    the overhead over n = 2, 4, 8 and recompute on and off at the step's shape
-#   first    the tests and the dropout's timing of 'kernels', then 'step' for native and the two [module] variants
+#   first    the tests, the dropout's timing and the paper shape's parity of 'kernels', then 'step' for native
+#            and the two [module] variants
 # Logs under $OUT (a run brings back at most 8 files: the logs are concatenated into one).
 set -uo pipefail
 phase="${1:?usage: bash dev/fused-path-gpu.sh kernels|step|train|sweep}"
@@ -33,10 +34,13 @@ case "$phase" in
       --knob dropout=0.1 --knob dropout_seed=1234 --knob dropout_offset=4294967000 -o "$O/bench-drop.parquet"
     TAIL=16 log paper python3 -m mhctool.cli parity --scenario paper --kernel h_post_bda --impl triton --impl cutile \
       --device cuda --no-isolate --top 6 -o "$O/paper-hpb.parquet" ;;
-  first)  # the first call of a session: the kernels' GPU tests and dropout timing, then the step of four variants
+  first)  # the first call of a session: the kernels' GPU tests, dropout timing and parity at the paper
+          # shape, then the step of four variants
     log tests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py -k dropout
     log bench1 python3 -m mhctool.cli bench --kernel h_post_bda --impl triton,cutile --graph --repeats 20 \
       --knob dropout=0.1 --knob dropout_seed=1234 --knob dropout_offset=4294967000 -o "$O/bench-drop.parquet"
+    T=100 TAIL=16 log paper python3 -m mhctool.cli parity --scenario paper --kernel h_post_bda --impl triton \
+      --impl cutile --device cuda --no-isolate --top 6 -o "$O/paper-hpb.parquet"
     T=420 TAIL=60 log step python3 -m mhctool.cli bench --engine "megatron:$MCORE" $SHAPE --steps 5 --warmup 2 \
       --entry-steps 1 --variant native --variant "triton[module]" --variant "cutile[module]" --no-kernels \
       -o "$O/step.parquet" --plot "$O/step.png" ;;

@@ -650,7 +650,9 @@ BWD4_TILE_TC = (512, 16, 1, 4)
 # for sm_90 offline with the device's Triton 3.6 (dev/sass_offline.py), one warp over 512 channels
 # spilled (255 registers, 108 local loads and 124 stores in the main loop, at 4 stages and at 2),
 # two warps did not (249 registers, 45 KB of shared memory), nor did one warp over 256 channels.
-# Not timed on a GPU yet.
+# On an H100 (docs/perf-notes.md, 2026-12-07, session 59): 3.45 ms at the paper shape, where the FMA
+# kernel took 2.41; in issue 99's step (4,096 tokens a call, C = 2048, where the FMA tile makes 256
+# one-warp programs) the post-path's backward fell from 55 to 35 ms a step. Kept for the step.
 BWD4_TILE_TC_DROPOUT = (512, 16, 2, 4)
 
 
