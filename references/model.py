@@ -59,6 +59,9 @@ class LayerOps(Protocol):
     def sinkhorn(self, logits): ...
     def h_aggregate(self, x, h_pre): ...
     def h_post_bda(self, h_res, x, h_post, y, bias): ...
+    # a whole-module variant's: the pre-path in one call, where ``whole`` is true
+    whole: bool
+    def pre_path(self, x, weight, alpha, h_bias): ...
 
 
 class Ops(Protocol):
@@ -115,6 +118,9 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         s, b, n, c = x.shape
+        if getattr(ops, "whole", False):  # the pre-path in one call: the layer's input, H_post, H_res
+            agg, h_post, h_res = ops.pre_path(x, self.phi.to(x.dtype), self.alpha, self.h_bias)[:3]
+            return ops.h_post_bda(h_res, x, h_post, self.sublayer(agg), self.bias.to(x.dtype))
         h_pre, h_post, logits = ops.mapping(x.reshape(s * b, n * c), self.phi.to(x.dtype), self.alpha,
                                             self.h_bias)[:3]
         h_res = ops.sinkhorn(logits.reshape(s, b, n, n))

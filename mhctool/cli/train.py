@@ -18,7 +18,7 @@ from mhctool.core.library_log import said
 from mhctool.core.text import fmt, split
 from mhctool.spread import setup
 
-Impl = Annotated[Optional[list[str]], typer.Option("--impl", "-i", help="The implementation under test, as parity takes it (repeat or comma-separate): triton (the default: mhctool's Triton kernels, through the interpreter on a CPU), cutile, FILE.py:function, module:function, megatron:DIR, te:DIR, liger:MODULE or an adapter's. Each mHC family the model calls (mapping, sinkhorn, h_aggregate, h_post_bda) runs it where it has one, natively otherwise; a function is the family its parameters are named after (or --kernel).")]
+Impl = Annotated[Optional[list[str]], typer.Option("--impl", "-i", help="The implementation under test, as parity takes it (repeat or comma-separate): triton (the default: mhctool's Triton kernels, through the interpreter on a CPU), cutile, FILE.py:function, module:function, megatron:DIR, te:DIR, liger:MODULE or an adapter's. Each mHC family the model calls (mapping, sinkhorn, h_aggregate, h_post_bda) runs it where it has one, natively otherwise; a function is the family its parameters are named after (or --kernel). X[module] (alone) computes the whole module in two calls a direction, X's: the pre-path (mix_aggregate) and the post-path (h_post_bda, its dropout drawn in the kernel).")]
 Kernel = Annotated[Optional[str], typer.Option("--kernel", "-k", help="The family a function given to --impl implements, where its parameter names do not say: mapping, sinkhorn, h_aggregate or h_post_bda.")]
 Steps = Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps (default 20 on a CPU, 100 on a GPU).")]
 Layers = Annotated[Optional[int], typer.Option("--layers", help="mHC layers (default 4).")]

@@ -401,3 +401,45 @@ def test_mhctools_own_model_draws_the_post_paths_dropout_with_keys_from_call_to_
         assert res.exit_code == 0 and "ok first step" in text, text
     else:
         assert res.exit_code == 1 and re.search(r"FAIL first step: .*h_post_bda\.(out|grad_)", text), text
+
+
+@pytest.mark.parametrize("spec, said", [
+    ("torch[module]", None),
+    ("defects.py:h_post_bda_transposed[module]", r"h_post_bda\.grad_h_(res|post)"),
+    pytest.param("triton[module]", None, marks=pytest.mark.slow),  # about 15 s on 2 cores (the interpreter)
+    pytest.param("defects.py:h_post_bda_dropout_fresh_mask_again[module]", r"h_post_bda\.(out|grad_)",
+                 marks=pytest.mark.slow),
+    pytest.param("defects.py:h_post_bda_dropout_bias_outside[module]", r"h_post_bda\.grad_bias: max_abs",
+                 marks=pytest.mark.slow),
+])
+def test_mhctools_own_model_runs_a_whole_module_variant_in_two_calls(tmp_path, spec, said):
+    """``--impl X[module]`` in mhctool's own model: each layer's pre-path is one call (the
+    mix_aggregate family: mapping, Sinkhorn and aggregation, one autograd function) and its
+    post-path another, with the recipe's dropout drawn in the kernel; the native and float64 runs
+    take the same two calls, so mhctool's kernels stay with the float64 run and each planted
+    post-path fails at the first step, named."""
+    spec = spec if spec.split("[")[0] in ("torch", "triton") else str(IMPLS / spec)
+    res, text = run("train", "--impl", spec, "--knob", "h_post_bda.dropout=0.1", "--device", "cpu", "--steps", "2",
+                    "--seeds", "1", "--no-trace", "-o", tmp_path / "t.parquet")
+    assert "mix_aggregate: " in text and "h_post_bda: " in text and "sinkhorn:" not in text, text
+    if said is None:
+        assert res.exit_code == 0 and "ok first step" in text, text
+    else:
+        assert res.exit_code == 1 and re.search(r"FAIL first step: .*" + said, text), text
+
+
+def test_a_whole_module_variant_takes_the_models_knobs_as_its_pre_path_does_and_stands_alone():
+    from mhctool.analyses import train as T
+    from mhctool.analyses.train.pieces import impl_pieces, module_knobs
+    from mhctool.core.errors import UsageError
+    assert T.assign(["triton[module]"]) == {"mix_aggregate": "triton", "h_post_bda": "triton"}
+    for specs, kernel in ((["triton[module]", "torch"], None), (["triton[module]"], "sinkhorn")):
+        with pytest.raises(UsageError, match="computes the whole module"):
+            T.assign(specs, kernel)
+    given = {"mapping": {"eps": 1e-5}, "sinkhorn": {"eps": 1e-8, "iters": 7}, "h_post_bda": {"dropout": 0.1}}
+    assert module_knobs(given) == {"mix_aggregate": {"eps": 1e-5, "sinkhorn_eps": 1e-8, "iters": 7},
+                                   "h_post_bda": {"dropout": 0.1}}
+    pieces, eff = impl_pieces({"mix_aggregate": "torch", "h_post_bda": "torch"}, given, {}, "cpu", "fp32")
+    assert set(pieces) == {"mix_aggregate", "h_post_bda"} and eff["mix_aggregate"]["sinkhorn_eps"] == 1e-8
+    with pytest.raises(UsageError, match="has no such knob"):
+        module_knobs({"sinkhorn": {"tol": 1e-3}})

@@ -40,7 +40,6 @@ from pathlib import Path
 from mhctool.analyses.goldens import check
 from mhctool.analyses.train.pieces import impl_pieces, native_piece, reference_piece
 from mhctool.analyses.train.setup import (
-    FAMILIES,
     JUDGED,
     TrainConfig,
     from_dict,
@@ -92,9 +91,9 @@ def seed_job(cfg_dict: dict, specs: dict, knobs: dict, conventions: dict, compar
     impl = logged_run(cfg, specs, knobs, conventions, log, as_used) if log else run(cfg, pieces, "impl")
     out = {"impl": impl.to_dict()}
     if compare:
-        out["native"] = run(cfg, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES},
+        out["native"] = run(cfg, {f: native_piece(f, eff[f], pieces[f].precision) for f in pieces},
                             "native").to_dict()
-        out["reference"] = run(cfg, {f: reference_piece(f, eff[f]) for f in FAMILIES}, "reference").to_dict()
+        out["reference"] = run(cfg, {f: reference_piece(f, eff[f]) for f in pieces}, "reference").to_dict()
     return out
 
 

@@ -25,23 +25,11 @@ from typing import Callable
 
 import torch
 
+# the specs' side (a module variant's name, what computes each family) is module_spec's, which the
+# model's pieces read too; its names stay reachable here, where the engine looks for them
+from mhctool.analyses.train.module_spec import FAMILIES, KEY, POST, PRE, SUFFIX, assigned, backend_of  # noqa: F401
 from mhctool.core.errors import UsageError
 from mhctool.families import get_family
-
-SUFFIX = "[module]"
-KEY = "module"  # the specs' entry for a module variant: its spec
-PRE, POST = "pre_path", "post_path"
-FAMILIES = {PRE: "mix_aggregate", POST: "h_post_bda"}
-
-
-def backend_of(spec: str) -> str | None:
-    """``triton[module]`` -> ``triton``; None for a spec that is no module variant."""
-    if not spec.endswith(SUFFIX):
-        return None
-    inner = spec[:-len(SUFFIX)]
-    if not inner:
-        raise UsageError(f"--impl {spec}: name what computes the module, e.g. triton{SUFFIX} or cutile{SUFFIX}")
-    return inner
 
 
 def pre_knobs(eff: dict[str, dict]) -> dict:
@@ -83,32 +71,6 @@ def knobs(eff: dict[str, dict]) -> dict[str, dict]:
     """Per family of the module path, the knobs it computes."""
     return {"mix_aggregate": pre_knobs(eff),
             "h_post_bda": {"transpose_res": eff.get("h_post_bda", {}).get("transpose_res", False)}}
-
-
-def assigned(spec: str) -> dict[str, str]:
-    """Which spec computes each of the module's families: a function its family (by its
-    parameters' names), the native pieces the other; a built-in or a library both it has."""
-    from mhctool.registry.specs import is_function_spec
-    if is_function_spec(spec):
-        found = _family_of(spec)
-        if found is None:
-            raise UsageError(f"--impl {spec}{SUFFIX}: its parameters name neither of the module's families "
-                             f"(mix_aggregate: x, weight, alpha, h_bias; h_post_bda: h_res, x, h_post, y, bias)")
-        return {f: (spec if f == found else "torch") for f in FAMILIES.values()}
-    return {f: spec for f in FAMILIES.values()}
-
-
-def _family_of(spec: str) -> str | None:
-    import inspect
-
-    from mhctool.registry.specs import load_external
-    fn = load_external(spec, "h_post_bda", check=False).fn
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-    return next((f for f in FAMILIES.values() if params[:len(get_family(f).inputs)] == list(get_family(f).inputs)),
-                None)
 
 
 def pieces(role: str, spec: str, eff: dict[str, dict], device: str) -> tuple[dict[str, Callable], dict[str, str]]:

@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from mhctool.analyses.train.setup import FAMILIES
+from mhctool.analyses.train import module_spec
+from mhctool.analyses.train.setup import FAMILIES, families_of
 from mhctool.core.dtypes import dtype_named, fmt_of
 from mhctool.core.environment import ensure_triton_mode
 from mhctool.core.errors import UsageError
@@ -57,6 +58,10 @@ def _expected(family: str, args: dict) -> list[tuple]:
         t = args["x2d"].shape[0]
         return [((t, args["weight"].shape[0]), torch.float32), ((t,), torch.float32)]
     x = args["x"]
+    if family == "mix_aggregate":  # the layer's input, then H_post and H_res in fp32
+        n = x.shape[-2]
+        return [((*x.shape[:-2], x.shape[-1]), x.dtype), ((*x.shape[:-2], n), torch.float32),
+                ((*x.shape[:-2], n, n), torch.float32)]
     return [((*x.shape[:-2], x.shape[-1]) if family == "h_aggregate" else tuple(x.shape), x.dtype)]
 
 
@@ -111,7 +116,15 @@ def assign(specs: list[str], kernel: str | None = None) -> dict[str, str]:
     """Which ``--impl`` spec each family of the model runs: a function spec (``FILE.py:fn``,
     ``module:fn``) implements one family (``kernel``, else the family whose inputs its first
     parameters are named after); a built-in name or a library stands for every family it has.
-    A function spec wins over a library for its family; a family no spec has runs natively."""
+    A function spec wins over a library for its family; a family no spec has runs natively. A
+    whole-module variant (``X[module]``, alone) computes the model's pre-path in one call and its
+    post-path in another (:data:`~.setup.MODULE_FAMILIES`)."""
+    whole = [s for s in specs if module_spec.backend_of(s) is not None]
+    if whole:
+        if len(specs) > 1 or kernel is not None:
+            raise UsageError(f"--impl {whole[0]} computes the whole module: it does not combine with another "
+                             f"--impl{' or --kernel' if kernel is not None else ''}")
+        return module_spec.assigned(module_spec.backend_of(whole[0]))
     out: dict[str, str] = {}
     functions = [s for s in specs if is_function_spec(s)]
     if kernel is not None and kernel not in FAMILIES:
@@ -156,8 +169,10 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
     a projection it has runs its projection with the native compute_h."""
     ensure_triton_mode()
     specs = spec if isinstance(spec, dict) else {f: spec for f in FAMILIES}
+    if "mix_aggregate" in specs:
+        knobs, conventions = module_knobs(knobs), module_knobs(conventions)
     pieces, eff = {}, {}
-    for family in FAMILIES:
+    for family in families_of(specs):
         if family not in specs:
             eff[family] = {**knobs.get(family, {}), **conventions.get(family, {})}
             pieces[family] = replace(native_piece(family, eff[family]), note="natively: no --impl for it",
@@ -185,6 +200,19 @@ def impl_pieces(spec: str | dict[str, str], knobs: dict[str, dict], conventions:
             continue
         pieces[family] = replace(native_piece(family, eff[family]), note=f"natively: {why}", fallback=True)
     return pieces, eff
+
+
+def module_knobs(given: dict[str, dict]) -> dict[str, dict]:
+    """Knobs given the model's families (``--knob sinkhorn.eps=...``) as a whole-module variant
+    takes them: the mapping's and Sinkhorn's are the pre-path's (Sinkhorn's eps its
+    ``sinkhorn_eps``), h_post_bda's its own; one the pre-path does not have is a UsageError."""
+    pre = {**given.get("mapping", {}), **{("sinkhorn_eps" if k == "eps" else k): v
+                                         for k, v in given.get("sinkhorn", {}).items()}}
+    lacking = [k for k in pre if k not in get_family("mix_aggregate").knobs]
+    if lacking:
+        raise UsageError(f"{lacking[0]}: the whole module's pre-path (mix_aggregate) has no such knob; "
+                         f"it takes {', '.join(get_family('mix_aggregate').knobs)}")
+    return {"mix_aggregate": pre, "h_post_bda": dict(given.get("h_post_bda", {}))}
 
 
 def pick_impl(family: str, spec: str, device: str, dtype: str):

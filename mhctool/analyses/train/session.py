@@ -220,9 +220,9 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
             key = repr((to_dict(c), eff, {f: p.precision for f, p in pieces.items()}))
             r.native, r.reference = shared.get(key, (None, None)) if shared is not None else (None, None)
             if r.native is None:
-                r.native = run(c, {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES}, "native",
+                r.native = run(c, {f: native_piece(f, eff[f], pieces[f].precision) for f in pieces}, "native",
                                interrupted, say("native"))
-                r.reference = run(c, {f: reference_piece(f, eff[f]) for f in FAMILIES}, "reference", interrupted,
+                r.reference = run(c, {f: reference_piece(f, eff[f]) for f in pieces}, "reference", interrupted,
                                   say("reference"))
                 if shared is not None and not interrupted():
                     shared[key] = (r.native, r.reference)
@@ -263,7 +263,8 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
                                 isolation if isolation is not None else
                                 (isolation_factory() if isolated and isolation_factory else None),
                                 own=isolation is None, timeout=step_timeout or FIRST_STEP_S)
-    out = Outcome(cfg, " ".join(dict.fromkeys(specs.values())), [t for r in runs for t in r.trajectories()], eff,
+    name = " ".join(dict.fromkeys(specs.values())) + ("[module]" if "mix_aggregate" in specs else "")
+    out = Outcome(cfg, name, [t for r in runs for t in r.trajectories()], eff,
                   traced_asked=trace, runs=runs, first_step=first)
     complete = compare and runs and all(r.reference is not None for r in runs) and len(runs) == len(seed_list)
     if complete and not interrupted():
@@ -350,9 +351,9 @@ def _first_step(cfg: TrainConfig, spec: dict, knobs: dict, conventions: dict, pi
                 timeout: float | None = None) -> first_step_mod.Check:
     """The first step judged per tensor; the implementation's side in ``worker`` where given (a
     crash there is the check's failure; ``own``: the worker was started for it, and is stopped)."""
-    native = {f: native_piece(f, eff[f], pieces[f].precision) for f in FAMILIES}
-    ref = {f: reference_piece(f, eff[f]) for f in FAMILIES}
-    wide = {f: family_call(f, get_family(f).reference, eff[f]) for f in FAMILIES}
+    native = {f: native_piece(f, eff[f], pieces[f].precision) for f in pieces}
+    ref = {f: reference_piece(f, eff[f]) for f in pieces}
+    wide = {f: family_call(f, get_family(f).reference, eff[f]) for f in pieces}
     isolated = None
     if worker is not None:
         def isolated(calls: list) -> tuple | str:

@@ -12,6 +12,14 @@ from mhctool.references.model import ModelConfig
 
 # the mHC families the model calls, in the order a layer calls them
 FAMILIES = ("mapping", "sinkhorn", "h_aggregate", "h_post_bda")
+# what it calls under a whole-module variant (``--impl X[module]``): the pre-path in one call (the
+# mapping, Sinkhorn and the aggregation: mhctool's fused pre-path), then the post-path
+MODULE_FAMILIES = ("mix_aggregate", "h_post_bda")
+
+
+def families_of(keys) -> tuple[str, ...]:
+    """The families a run's model calls, from what its specs (or pieces) are keyed by."""
+    return MODULE_FAMILIES if "mix_aggregate" in keys else FAMILIES
 
 
 # what a trajectory's verdict is judged on (iteration time and memory are recorded, not judged)

@@ -9,7 +9,7 @@ from typing import Callable
 from mhctool.analyses.identify import IDENTIFIABLE, Identifier, fmt_value
 from mhctool.analyses.train.ensemble import SeedRun, judge_ensemble
 from mhctool.analyses.train.pieces import Piece, pick_impl, native_piece
-from mhctool.analyses.train.setup import FAMILIES, TrainConfig
+from mhctool.analyses.train.setup import TrainConfig
 from mhctool.analyses.train.trajectory import Trajectory, run
 from mhctool.analyses.train.verdict import judge
 from mhctool.core.errors import kept_at_once
@@ -66,7 +66,7 @@ def _with_knob(eff: dict[str, dict], precision: dict[str, str], family: str, kno
         if knob == "matmul_precision":
             return native_piece(f, eff[f], value)
         return native_piece(f, {**eff[f], knob: value}, precision.get(f, "ieee"))
-    return {f: piece(f) for f in FAMILIES}
+    return {f: piece(f) for f in eff}
 
 
 # the tracing's default budget, as a multiple of what the trajectories (and the first step) took: a

@@ -30,7 +30,9 @@ from mhctool.runner.call import load_digest, settled, short_error
 # that backward's)
 CONSUMER = {("mapping", "h_pre"): "h_aggregate", ("mapping", "h_post"): "h_post_bda",
             ("mapping", "h_res_logits"): "sinkhorn", ("sinkhorn", "h_res"): "h_post_bda",
-            ("h_aggregate", "out"): "the sublayer (attention, MLP)", ("h_post_bda", "out"): "the layer above"}
+            ("h_aggregate", "out"): "the sublayer (attention, MLP)", ("h_post_bda", "out"): "the layer above",
+            ("mix_aggregate", "out"): "the sublayer (attention, MLP)", ("mix_aggregate", "h_post"): "h_post_bda",
+            ("mix_aggregate", "h_res"): "h_post_bda"}
 
 
 class Recorder:
@@ -67,8 +69,8 @@ class Recorder:
                 self.first_nonfinite = (index, family, name)
         if family == "mapping":
             h["largest logit"] = float(outs[2].detach().float().nan_to_num(0.0).abs().max())
-        if family == "sinkhorn":
-            h.update({k: float(v) for k, v in h_res_health(outs[0]).items()})
+        if family in ("sinkhorn", "mix_aggregate"):  # H_res: Sinkhorn's output, the pre-path's third
+            h.update({k: float(v) for k, v in h_res_health(outs[-1]).items()})
 
 
     def _grad(self, where: tuple, g: torch.Tensor) -> None:
@@ -88,6 +90,7 @@ class LayerCalls:
 
     def __init__(self, rec: Recorder, index: int):
         self.rec, self.index = rec, index
+        self.whole = "mix_aggregate" in rec.pieces  # a whole-module variant: the pre-path in one call
 
     def _call(self, family: str, names: tuple[str, ...], **args) -> tuple:
         outs = self.rec.pieces[family].call(args)
@@ -113,6 +116,9 @@ class LayerCalls:
 
     def sinkhorn(self, logits):
         return self._call("sinkhorn", ("h_res",), logits=logits)[0]
+
+    def pre_path(self, x, weight, alpha, h_bias):
+        return self._call("mix_aggregate", ("out", "h_post", "h_res"), x=x, weight=weight, alpha=alpha, h_bias=h_bias)
 
     def h_aggregate(self, x, h_pre):
         return self._call("h_aggregate", ("out",), x=x, h_pre=h_pre)[0]
