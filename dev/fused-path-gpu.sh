@@ -12,12 +12,14 @@
 #            overhead attributed op by op (VARIANTS picks them; STEP_ARGS adds options)
 #   train    train --engine with the whole-module variants at the hidden dropout: the first step
 #            and the trajectories (SEEDS, default 4), and the planted post-paths at the first step
+#   own      the module variants in mhctool's own model (first step and 8 seeds, dropout on), and the
+#            planted post-paths at the first step there
 #   sweep    the overhead over n = 2, 4, 8 and recompute on and off at the step's shape
 #   first    the tests, the dropout's timing and the paper shape's parity of 'kernels', then 'step' for native
 #            and the two [module] variants
 # Logs under $OUT (a run brings back at most 8 files: the logs are concatenated into one).
 set -uo pipefail
-phase="${1:?usage: bash dev/fused-path-gpu.sh kernels|step|train|sweep}"
+phase="${1:?usage: bash dev/fused-path-gpu.sh first|second|kernels|step|train|own|sweep}"
 O="${OUT:-/tmp/out}"; R=/tmp/results; mkdir -p "$O" "$R"
 SHAPE="--layers 12 --hidden 2048 --heads 16 --seq 4096 --batch 1 --recipe global_batch=8"
 FAST="--layers 4 --hidden 256 --heads 4 --seq 128 --batch 4 --recipe global_batch=8 --recipe warmup_fraction=0 --lr 0.01 --steps 12"
@@ -70,6 +72,15 @@ case "$phase" in
     for d in h_post_bda_dropout_fresh_mask_again h_post_bda_transposed h_post_bda_dropout_bias_outside; do
       TAIL=6 log "planted-$d" python3 -m mhctool.cli train --engine "megatron:$MCORE" --impl "$D:$d[module]" $FAST \
         --steps 2 --seeds 1 --no-trace -o "$R/planted-$d.parquet"
+    done ;;
+  own)  # the module variants in mhctool's own model (its GPU default, 30 steps), the post-path's dropout on
+    for impl in ${IMPLS:-triton[module] cutile[module]}; do
+      T=${OWN_T:-240} TAIL=10 log "own-$impl" python3 -m mhctool.cli train --impl "$impl" --device cuda --steps 30 \
+        --seeds "${SEEDS:-8}" --knob h_post_bda.dropout=0.1 -o "$O/own-${impl%%[*}-module.parquet"
+    done
+    for d in h_post_bda_dropout_fresh_mask_again h_post_bda_transposed h_post_bda_dropout_bias_outside; do
+      T=90 TAIL=4 log "own-planted-$d" python3 -m mhctool.cli train --impl "$D:$d[module]" --device cuda --steps 2 \
+        --seeds 1 --knob h_post_bda.dropout=0.1 --no-trace -o "$R/own-planted-$d.parquet"
     done ;;
   sweep)
     T=570 log sweep python3 -m mhctool.cli bench --engine "megatron:$MCORE" $SHAPE --steps 4 --warmup 2 --entry-steps 1 \
