@@ -12,6 +12,8 @@
 #            overhead attributed op by op (VARIANTS picks them; STEP_ARGS adds options)
 #   train    train --engine with the whole-module variants at the hidden dropout: the first step
 #            and the trajectories (SEEDS, default 4), and the planted post-paths at the first step
+#   profile  the module path's kernels, one call at the step's shape (dev/step_profile.py), and the
+#            mapping forward's tiles
 #   own      the module variants in mhctool's own model (first step and 8 seeds, dropout on), and the
 #            planted post-paths at the first step there
 #   sweep    the overhead over n = 2, 4, 8 and recompute on and off at the step's shape
@@ -19,7 +21,7 @@
 #            and the two [module] variants
 # Logs under $OUT (a run brings back at most 8 files: the logs are concatenated into one).
 set -uo pipefail
-phase="${1:?usage: bash dev/fused-path-gpu.sh first|second|kernels|step|train|own|sweep}"
+phase="${1:?usage: bash dev/fused-path-gpu.sh first|second|kernels|step|train|profile|own|sweep}"
 O="${OUT:-/tmp/out}"; R=/tmp/results; mkdir -p "$O" "$R"
 SHAPE="--layers 12 --hidden 2048 --heads 16 --seq 4096 --batch 1 --recipe global_batch=8"
 FAST="--layers 4 --hidden 256 --heads 4 --seq 128 --batch 4 --recipe global_batch=8 --recipe warmup_fraction=0 --lr 0.01 --steps 12"
@@ -73,6 +75,10 @@ case "$phase" in
       TAIL=6 log "planted-$d" python3 -m mhctool.cli train --engine "megatron:$MCORE" --impl "$D:$d[module]" $FAST \
         --steps 2 --seeds 1 --no-trace -o "$R/planted-$d.parquet"
     done ;;
+  profile)  # the module path's kernels one call at the step's shape, and the mapping forward's tiles
+    for b in triton cutile; do T=120 TAIL=30 log "profile-$b" python3 dev/step_profile.py profile --backend $b; done
+    T=120 TAIL=12 log mapfwd-step python3 dev/step_profile.py mapfwd
+    T=120 TAIL=12 log mapfwd-paper python3 dev/step_profile.py mapfwd --shape 8192,4,4,7168 ;;
   own)  # the module variants in mhctool's own model (its GPU default, 30 steps), the post-path's dropout on
     for impl in ${IMPLS:-triton[module] cutile[module]}; do
       T=${OWN_T:-240} TAIL=10 log "own-$impl" python3 -m mhctool.cli train --impl "$impl" --device cuda --steps 30 \

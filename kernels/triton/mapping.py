@@ -129,7 +129,12 @@ def _check(x2d, weight, alpha, h_bias):
     return n, weight.contiguous(), alpha.contiguous(), h_bias.contiguous()
 
 
-def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False):
+# the forward's tile (BLOCK_M, BLOCK_K, warps): a program a block of rows, its loop over K. At issue
+# 99's step (4,096 rows a call) that is 64 programs for 132 SMs; dev/step_profile.py times others
+FWD_TILE = (64, 128, 4)
+
+
+def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False, tile_=None):
     n, weight, alpha, h_bias = _check(x2d, weight, alpha, h_bias)
     M, K = x2d.shape
     N = weight.shape[0]
@@ -141,11 +146,11 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False):
     rms = torch.empty((M,), dtype=torch.float32, device=dev)
     lowp = low_precision_operands(x2d, weight)
     if M:
-        bm, bk = 64, 128
+        bm, bk, warps = tile_ or FWD_TILE
         _mapping_fwd[(triton.cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
                                             M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
                                             BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(tf32),
-                                            ROUND=tf32, num_warps=4)
+                                            ROUND=tf32, num_warps=warps)
     return (pre, post, logits), (proj, r, rms)
 
 

@@ -370,6 +370,22 @@ def test_mapping_path_matches_float64(mkn):
         assert ((a.double() - b_).abs().max() / b_.abs().max()) < tol, name
 
 
+@pytest.mark.parametrize("tile", [(16, 128, 2), (32, 64, 4)])
+def test_the_mapping_forward_at_another_tile_matches_float64_and_writes_every_row(tile):
+    """The forward's tile is a parameter (dev/step_profile.py times them): at a block of 16 or 32
+    rows, rows not a multiple of it and K not one of BLOCK_K, every output is written (poisoned
+    otherwise) and within the default's error of float64."""
+    torch.manual_seed(1)
+    m, k, n = 37, 200, 4
+    nh = n * n + 2 * n
+    x, w, a, hb = torch.randn(m, k), torch.randn(nh, k) / k ** 0.5, 0.5 + torch.rand(3), 0.1 * torch.randn(nh)
+    refs = ref.mapping(x.double(), w.double(), a.double(), hb.double())
+    with poisoning():
+        outs, _ = tmap.mapping_forward(x, w, a, hb, tile_=tile)
+    for o, r in zip(outs, refs):
+        assert torch.isfinite(o).all() and ((o.double() - r).abs().max() / r.abs().max()) < 2e-6
+
+
 @pytest.mark.parametrize("mkn, agg", [((39, 268, 4), False), ((130, 260, 2), False), ((70, 148, 4), True), ((1, 40, 2), True)])
 def test_mapping_backward_with_the_split_in_compute_h_matches_float64(mkn, agg):
     """On the tensor-core path the mapping backward's compute_h kernel writes the projection

@@ -1,0 +1,143 @@
+"""Where the fused mHC path's time goes at issue 99's step shape, kernel by kernel (GPU only).
+
+    python3 dev/step_profile.py [profile] [--shape S,B,N,C] [--backend triton|cutile]
+    python3 dev/step_profile.py mapfwd [--shape S,B,N,C]
+
+``profile``: the module path as ``bench --engine`` swaps it in (mhctool.analyses.train.module_path:
+the pre-path, then the post-path with dropout 0.1 on a stand-in layer output), forward and backward,
+five calls under torch.profiler: each kernel's device time a call, and the bytes each direction
+must move at the least against the copy rate measured here. Default shape: one call of issue 99's
+step (4,096 tokens, n = 4, C = 2048, bf16).
+
+``mapfwd``: the pre-path's first kernel, Triton's mapping forward (the projection, RMS and the
+mapping's activations), at its shipped tile (kernels/triton/mapping.py FWD_TILE: 64 rows a
+program, 64 programs at the step's 4,096 tokens for 132 SMs) and at smaller ones, each a CUDA
+graph replayed: median microseconds, % of the copy rate for reading x once, and whether its
+outputs have the shipped tile's bits (a row's sums over K should not depend on the rows beside it).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mhctool.analyses.timing import copy_bandwidth  # noqa: E402
+from mhctool.analyses.train import module_path  # noqa: E402
+
+
+def _arg(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+def _inputs(s, b, n, c):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(s, b, n, c, device="cuda", generator=g).bfloat16().requires_grad_()
+    nh = n * n + 2 * n
+    w = (torch.randn(nh, n * c, device="cuda", generator=g) / (n * c) ** 0.5).bfloat16().requires_grad_()
+    a = torch.tensor([0.8, 1.1, 0.9], device="cuda", requires_grad=True)
+    hb = (0.1 * torch.randn(nh, device="cuda", generator=g)).requires_grad_()
+    bias = (0.1 * torch.randn(c, device="cuda", generator=g)).bfloat16().requires_grad_()
+    return x, w, a, hb, bias
+
+
+def profile(shape, backend: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof_
+    s, b, n, c = shape
+    calls, names = module_path.pieces("impl", backend, {}, "cuda")
+    ops = module_path.ops(calls)
+    x, w, a, hb, bias = _inputs(s, b, n, c)
+
+    def one(k: int):
+        agg, h_res, h_post = ops["pre_path"](x, w, a, hb)
+        y = agg * 1.0  # the layer's output, a tensor of its own
+        out = ops["post_path"](h_res, x, h_post, y, bias, 0.1, 1234, 4294967000 + k * (1 << 20))
+        return out
+
+    for k in range(3):  # compiles, warms
+        torch.autograd.backward(one(k), torch.ones(s, b, n, c, device="cuda", dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    reps = 5
+    with prof_(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for k in range(reps):
+            with torch.profiler.record_function("forward"):
+                out = one(k)
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("backward"):
+                torch.autograd.backward(out, torch.ones_like(out))
+            torch.cuda.synchronize()
+    per = defaultdict(float)
+    counts = defaultdict(int)
+    for e in prof.key_averages():
+        if e.device_time_total > 0 and not e.key.startswith(("forward", "backward")):
+            per[e.key] += e.device_time_total / reps
+            counts[e.key] += e.count // reps
+    bw = copy_bandwidth("cuda")
+    r, cb = s * b * n * c * 2, s * b * c * 2
+    # bench's floor without the recompute: the pre-path reads the streams and writes C, the
+    # post-path reads the streams and y and writes the streams; the backward about twice that
+    floor = {"forward": 3 * r + 2 * cb, "backward": 2 * (3 * r + 2 * cb)}
+    print(f"{backend}[module] at {s}x{b}x{n}x{c} bf16, dropout 0.1; copy {bw / 1e9:.0f} GB/s; {names}")
+    total = sum(per.values())
+    for key, us in sorted(per.items(), key=lambda kv: -kv[1]):
+        print(f"  {us:9.1f} us  x{counts[key]:<3d} {key[:100]}")
+    least = sum(floor.values()) / bw * 1e6
+    print(f"  total {total:.1f} us a call (forward and backward); the bytes' floor {least:.1f} us "
+          f"({100 * least / total:.0f}% of it)")
+
+
+def mapfwd(shape) -> None:
+    from kernels.triton import mapping as tm
+    s, b, n, c = shape
+    x, w, a, hb, _ = _inputs(s, b, n, c)
+    x2d = x.detach().reshape(s * b, n * c)
+    w, a, hb = w.detach(), a.detach(), hb.detach()
+    bw = copy_bandwidth("cuda")
+    shipped = tm.FWD_TILE
+    ref = None
+    print(f"mapping forward at {s * b} rows, K = {n * c}, bf16; copy {bw / 1e9:.0f} GB/s")
+    for tile in (shipped, (32, 128, 4), (16, 128, 4), (16, 128, 2), (32, 64, 4), (16, 64, 2), (8, 128, 1)):
+        try:
+            outs, saved = tm.mapping_forward(x2d, w, a, hb, tile_=tile)
+        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
+            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        same = "-" if ref is None else all(torch.equal(p, q) for p, q in zip((*outs, *saved), ref))
+        ref = ref or (*outs, *saved)
+        g = torch.cuda.CUDAGraph()
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            tm.mapping_forward(x2d, w, a, hb, tile_=tile)
+            with torch.cuda.graph(g, stream=st):
+                for _ in range(10):
+                    tm.mapping_forward(x2d, w, a, hb, tile_=tile)
+        torch.cuda.current_stream().wait_stream(st)
+        times = []
+        for _ in range(20):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            g.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) * 1000 / 10)
+        us = statistics.median(times)
+        pct = 100 * x2d.numel() * 2 / bw / (us * 1e-6)
+        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {pct:.0f}% of copy; "
+              f"the shipped tile's bits: {same}")
+
+
+def main() -> None:
+    shape = tuple(int(v) for v in _arg("--shape", "4096,1,4,2048").split(","))
+    if sys.argv[1:2] == ["mapfwd"]:
+        return mapfwd(shape)
+    return profile(shape, _arg("--backend", "triton"))
+
+
+if __name__ == "__main__":
+    main()
