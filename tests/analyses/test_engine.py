@@ -422,6 +422,8 @@ def test_mhctools_own_model_runs_a_whole_module_variant_in_two_calls(tmp_path, s
     res, text = run("train", "--impl", spec, "--knob", "h_post_bda.dropout=0.1", "--device", "cpu", "--steps", "2",
                     "--seeds", "1", "--no-trace", "-o", tmp_path / "t.parquet")
     assert "mix_aggregate: " in text and "h_post_bda: " in text and "sinkhorn:" not in text, text
+    from mhctool.core import report
+    assert report.read(tmp_path / "t.parquet")[1]["run"]["impl"] == spec  # as it was asked
     if said is None:
         assert res.exit_code == 0 and "ok first step" in text, text
     else:

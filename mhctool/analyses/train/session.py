@@ -263,7 +263,9 @@ def session(cfg: TrainConfig, spec: str | dict[str, str], knobs: dict[str, dict]
                                 isolation if isolation is not None else
                                 (isolation_factory() if isolated and isolation_factory else None),
                                 own=isolation is None, timeout=step_timeout or FIRST_STEP_S)
-    name = " ".join(dict.fromkeys(specs.values())) + ("[module]" if "mix_aggregate" in specs else "")
+    name = " ".join(dict.fromkeys(specs.values()))
+    if "mix_aggregate" in specs:  # a whole-module variant: what it was asked as (a planted path: its function)
+        name = next((s for s in specs.values() if s != "torch"), "torch") + "[module]"
     out = Outcome(cfg, name, [t for r in runs for t in r.trajectories()], eff,
                   traced_asked=trace, runs=runs, first_step=first)
     complete = compare and runs and all(r.reference is not None for r in runs) and len(runs) == len(seed_list)
