@@ -220,7 +220,13 @@ def test_timeout_as_ci_sends_it_leaves_a_report_that_agrees_with_the_exit_code(t
     res = subprocess.run(["timeout", "--preserve-status", "-s", "INT", str(after), *MAIN, *args, "--device", "cpu",
                           "-o", str(out)], capture_output=True, text=True, timeout=300)
     text = res.stdout + res.stderr
-    assert "Traceback" not in text and "no report written" not in text, text
+    assert "Traceback" not in text, text
+    if "stopped at once; no report written" in text and not out.exists():
+        # a loaded machine still importing at this moment (CI met it at 3 s with other jobs beside
+        # it): the loading case, tested on its own above; the one sentence, exit 130, nothing written
+        assert res.returncode == 130 and text.count("stopped at once") == 1, text
+        return
+    assert "no report written" not in text, text
     _, meta = report.read(out)
     assert res.returncode in (0, 1, 130), text
     assert meta["run"]["interrupted"] is (res.returncode == 130), text
