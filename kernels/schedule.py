@@ -15,6 +15,12 @@ ROW, COL = 2, 1
 STABILIZE = {"rowmax": 0, "none": 1, "softmax": 2}
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for a launch's grid, in plain Python: ``triton.cdiv`` is a constexpr function
+    in Triton 3.9, whose host call unwraps its arguments (microseconds a launch, on the host's path)."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): tile extents are powers of two."""
     return 1 << (max(int(n), 1) - 1).bit_length()

@@ -11,16 +11,22 @@ import triton
 import triton.language as tl
 
 from .. import _disk
-from ..schedule import next_pow2  # noqa: F401  (the kernels import it from here)
+from ..schedule import cdiv, next_pow2  # noqa: F401  (the kernels import them from here)
+
+
+# fixed at import, as Triton fixes it when it decorates a kernel (a JIT or an interpreted function):
+# read on the host's path of every launch, where an environment lookup a call adds up
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def interpreted() -> bool:
-    """True when Triton runs through its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs through its CPU interpreter (TRITON_INTERPRET=1 when the kernels
+    were imported)."""
+    return _INTERPRETED
 
 
-# fixed at import: the kernels branch on it at compile time
-INTERPRETED = tl.constexpr(interpreted())
+# the kernels branch on it at compile time
+INTERPRETED = tl.constexpr(_INTERPRETED)
 
 
 @triton.jit
@@ -71,10 +77,8 @@ def exp(x):
 
 def check_device(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        if t is None:
-            continue
-        if t.is_cuda == interpreted():
-            where = "CPU tensors (the interpreter is on)" if interpreted() else "CUDA tensors"
+        if t is not None and t.is_cuda == _INTERPRETED:
+            where = "CPU tensors (the interpreter is on)" if _INTERPRETED else "CUDA tensors"
             raise ValueError(f"the Triton kernels take {where}; got a tensor on {t.device}")
 
 

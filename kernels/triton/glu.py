@@ -15,7 +15,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import cast, check_device, next_pow2, require_contiguous
+from ._common import cast, cdiv, check_device, next_pow2, require_contiguous
 
 SWIGLU, CLAMPED, SRELU = 0, 1, 2
 _ACT = {"swiglu": SWIGLU, "clamped_swiglu": CLAMPED, "srelu": SRELU}
@@ -149,7 +149,7 @@ class _ScaledActivation(torch.autograd.Function):
         m = x.shape[0]
         out = empty((m, f), x.dtype, x.device)
         bm, bf = _blocks(f)
-        _glu_fwd[(triton.cdiv(m, bm), triton.cdiv(f, bf))](
+        _glu_fwd[(cdiv(m, bm), cdiv(f, bf))](
             x, scale if scale is not None else x, out, m, f, limit, alpha, offset, ACT=act, GLU=act != SRELU,
             INTERLEAVE=interleave, HAS_SCALE=scale is not None, BLOCK_M=bm, BLOCK_F=bf)
         ctx.save_for_backward(x, scale)
@@ -165,7 +165,7 @@ class _ScaledActivation(torch.autograd.Function):
         dx = empty(x.shape, x.dtype, x.device)
         ds = empty((m,), torch.float32, x.device) if scale is not None else None
         bm, bf = _blocks(f)
-        _glu_bwd[(triton.cdiv(m, bm),)](
+        _glu_bwd[(cdiv(m, bm),)](
             x, scale if scale is not None else x, g, dx, ds if ds is not None else dx, m, f, limit, alpha, offset,
             ACT=act, GLU=act != SRELU, INTERLEAVE=interleave, HAS_SCALE=scale is not None,
             BLOCK_M=bm, BLOCK_F=bf)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import cast, check_device, interpreted, pick_config, require_contiguous
+from ._common import cast, cdiv, check_device, interpreted, pick_config, require_contiguous
 
 
 @triton.jit
@@ -168,7 +168,7 @@ def gemm(a: torch.Tensor, w: torch.Tensor, m_splits: torch.Tensor, bias=None, tr
 
     def run(cfg):
         bm, bn, bk, warps, stages = cfg
-        grid = (triton.cdiv(m, bm) + g, triton.cdiv(n, bn))
+        grid = (cdiv(m, bm) + g, cdiv(n, bn))
         _gemm[grid](a, w, bias if bias is not None else w, out, m_splits, g, n, k, sg, stride_k, stride_n, 0.0,
                     HAS_BIAS=bias is not None, LOWP=lowp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                     num_warps=warps, num_stages=stages)
@@ -186,7 +186,7 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, m_splits: torch.Tensor, offs: torch
 
     def run(cfg):
         bm, bn, bk, warps, stages = cfg
-        _wgrad[(g, triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        _wgrad[(g, cdiv(n, bn), cdiv(k, bk))](
             x, dy, m_splits, offs, out, flags if flags is not None else m_splits, n, k, 0.0,
             ACCUMULATE=flags is not None, LOWP=lowp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             num_warps=warps, num_stages=stages)
@@ -204,7 +204,7 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, m_splits: torch.Tensor, offs: torch
 def segment_sum(dy: torch.Tensor, m_splits: torch.Tensor, offs: torch.Tensor, dtype) -> torch.Tensor:
     g, n = m_splits.shape[0], dy.shape[1]
     out = empty((g, n), dtype, dy.device)
-    _segment_sum[(g, triton.cdiv(n, 128))](dy, m_splits, offs, out, n, BLOCK_M=32, BLOCK_N=128)
+    _segment_sum[(g, cdiv(n, 128))](dy, m_splits, offs, out, n, BLOCK_M=32, BLOCK_N=128)
     return out
 
 

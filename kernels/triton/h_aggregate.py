@@ -12,7 +12,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import cast, check_device, next_pow2, require_contiguous
+from ._common import cast, cdiv, check_device, next_pow2, require_contiguous
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def h_aggregate_forward(x, h_pre):
     out = empty((s, b, C), x.dtype, x.device)
     if T and C:
         cfg = _tile(C, backward=False)
-        _h_aggregate_fwd[(T * triton.cdiv(C, cfg["BLOCK_C"]),)](x, h_pre, out, C, N=n, NP=next_pow2(n), **cfg)
+        _h_aggregate_fwd[(T * cdiv(C, cfg["BLOCK_C"]),)](x, h_pre, out, C, N=n, NP=next_pow2(n), **cfg)
     return out
 
 

@@ -29,7 +29,7 @@ import triton.language as tl
 from mhctool.core.poison import empty
 from mhctool.references import dropout as _dropout
 
-from ._common import cast, check_device, interpreted, next_pow2, pick_config, require_contiguous
+from ._common import cast, cdiv, check_device, interpreted, next_pow2, pick_config, require_contiguous
 from .reduce import sum_rows
 
 
@@ -551,13 +551,13 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile
     def run(cfg):
         if len(cfg) == 4:  # the n = 4 kernel: (BLOCK_C, GROUP, warps, stages)
             bc, group, warps, stages = cfg
-            _h_post_bda_fwd4[(triton.cdiv(C, bc) * triton.cdiv(T, group),)](
+            _h_post_bda_fwd4[(cdiv(C, bc) * cdiv(T, group),)](
                 h_res, x, h_post, y, bias if bias is not None else y, out, T, C, *mask, GROUP=group, BLOCK_C=bc,
                 HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, THRESHOLD=thr,
                 num_warps=warps)
             return
         bt, bc, warps = cfg
-        _h_post_bda_fwd[(triton.cdiv(T, bt), triton.cdiv(C, bc))](
+        _h_post_bda_fwd[(cdiv(T, bt), cdiv(C, bc))](
             h_res, x, h_post, y, bias if bias is not None else y, out, T, C, *mask, N=n, NP=next_pow2(n),
             BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res),
             THRESHOLD=thr, num_warps=warps)
@@ -688,8 +688,8 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
         return _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr)
     four = len(tile) == 5
     bt, bc = tile[0], tile[1]
-    n_cb = triton.cdiv(C, bc)
-    n_tb = triton.cdiv(T, tile[2] if four else bt)  # rows of bias partials
+    n_cb = cdiv(C, bc)
+    n_tb = cdiv(T, tile[2] if four else bt)  # rows of bias partials
     # poisoned like the outputs under parity: a partial no program writes shows as NaN
     ws_h = empty((n_cb, T * n * n), torch.float32, x.device)
     ws_hp = empty((n_cb, T * n), torch.float32, x.device)
@@ -715,10 +715,10 @@ def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
     s, b, n, C = x.shape
     T = s * b
     bc, group, warps, stages = tile
-    n_cb = triton.cdiv(C, bc)
-    n_tg = triton.cdiv(T, group)
+    n_cb = cdiv(C, bc)
+    n_tg = cdiv(T, group)
     sup = math.isqrt(max(n_tg - 1, 0)) + 1  # the bias partials' two levels: about sqrt(n_tg) rows a sum at each
-    n_sup = triton.cdiv(n_tg, sup)
+    n_sup = cdiv(n_tg, sup)
     # poisoned like the outputs under parity: a partial no program writes shows as NaN
     ws = empty((n_cb, T * 20), torch.float32, x.device)
     ws_b = empty((n_tg, C) if bias is not None else (1, 1), torch.float32, x.device)

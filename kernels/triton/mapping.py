@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import check_device, next_pow2, require_contiguous
+from ._common import cdiv, check_device, next_pow2, require_contiguous
 from .proj_rms import (_precision, _proj_tile, coef_of, low_precision_operands, piece_cols, proj_rms_backward,
                        rms_and_r, store_split)
 
@@ -147,7 +147,7 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False, ti
     lowp = low_precision_operands(x2d, weight)
     if M:
         bm, bk, warps = tile_ or FWD_TILE
-        _mapping_fwd[(triton.cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
+        _mapping_fwd[(cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
                                             M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
                                             BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(tf32),
                                             ROUND=tf32, num_warps=warps)
@@ -168,7 +168,7 @@ def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = Fals
     if lowp is None:
         lowp = low_precision_operands(x2d, weight)
     bm = 64
-    nb = triton.cdiv(M, bm)
+    nb = cdiv(M, bm)
     NP = max(16, next_pow2(N))
     alloc = empty if M else torch.zeros  # a row a program, each written (zeros where nothing runs)
     ws = alloc((max(nb, 1), 3 + N), dtype=torch.float32, device=dev)

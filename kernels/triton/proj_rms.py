@@ -21,7 +21,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import (cast, check_device, interpreted, next_pow2, pick_config, require_contiguous,
+from ._common import (cast, cdiv, check_device, interpreted, next_pow2, pick_config, require_contiguous,
                       round_low_bits)
 from .reduce import sum_rows, sum_rows_pair
 
@@ -309,7 +309,7 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
     rms = torch.empty((M,), dtype=torch.float32, device=x2d.device)
     bm, bk = (64, 128)
     if M:
-        _proj_rms_fwd[(triton.cdiv(M, bm),)](x2d, weight, proj, r, rms, M, K, N, float(eps),
+        _proj_rms_fwd[(cdiv(M, bm),)](x2d, weight, proj, r, rms, M, K, N, float(eps),
                                              NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
                                              LOWP=low_precision_operands(x2d, weight),
                                              PREC=_precision(tf32), ROUND=tf32, num_warps=4)
@@ -382,7 +382,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     def workspace(bm, split):
         """The dW partials: one per token split, at most one split per row block; every element is
         written by the kernels (zeros only where there are no tokens and nothing runs)."""
-        split = max(1, min(split, triton.cdiv(M, bm)))
+        split = max(1, min(split, cdiv(M, bm)))
         return split, (empty if M else torch.zeros)((split, N * K), dtype=torch.float32, device=x2d.device)
 
     def _finish(ws):
@@ -399,7 +399,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
             if pieces is None:
                 hi, lo = empty((M, ng), x2d.dtype, x2d.device), empty((M, ng), x2d.dtype, x2d.device)
                 cf = empty((M,), torch.float32, x2d.device)
-                _split_grad[(triton.cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, hi, lo, cf, M, K, N, NG=ng,
+                _split_grad[(cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, hi, lo, cf, M, K, N, NG=ng,
                                                        BLOCK_M=PACK_M, ROUND=tf32)
             else:
                 hi, lo, cf = pieces
@@ -408,7 +408,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                                      f"{tuple(hi.shape)}, {tuple(lo.shape)} and {tuple(cf.shape)}")
             if agg is not None and tile_ is None:  # grad_out's tiles take shared memory too
                 stages = min(stages, AGG_STAGES)
-            _proj_rms_bwd_packed[(triton.cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, c_agg,
+            _proj_rms_bwd_packed[(cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, c_agg,
                                                              M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                              STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
                                                              GROUP=GROUP_STREAMS and ns > 0 and c_agg % bk == 0,
@@ -418,7 +418,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     def run(cfg):
         bm, bk, split, warps, stages = (*cfg, 3)[:5]  # 3: Triton's default pipelining depth
         split, ws = workspace(bm, split)
-        _proj_rms_bwd[(triton.cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, hp_arg, go_arg,
+        _proj_rms_bwd[(cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, hp_arg, go_arg,
                                                    c_agg, M, K, N, NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                    PREC=_precision(tf32), ROUND=tf32, NS=ns,
                                                    AGG_ONE=ns > 0 and c_agg % bk == 0, num_warps=warps,

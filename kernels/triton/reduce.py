@@ -15,7 +15,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import cast, next_pow2
+from ._common import cast, cdiv, next_pow2
 
 
 @triton.jit
@@ -61,18 +61,18 @@ def _plan(ws: torch.Tensor, ordered: bool) -> tuple[int, int, bool, int]:
     R, L = ws.shape
     ordered = ordered or R == 1
     if ordered:
-        return 1024, 1, True, triton.cdiv(L, 1024)
+        return 1024, 1, True, cdiv(L, 1024)
     if R < 64:
         # a few partials of many columns (dW's token splits: 8 rows of 688128 at the paper shape):
         # all rows in one step and wide column blocks. 64 rows a step (56 of them masked) over
         # 5376 programs, mix_aggregate's backward spent 23.3 us in its two sums on an H200; 14.5 so
         block_r = next_pow2(R)
-        block = max(32, min(8192 // block_r, next_pow2(triton.cdiv(L, 256))))
-        return block, block_r, False, triton.cdiv(L, block)
+        block = max(32, min(8192 // block_r, next_pow2(cdiv(L, 256))))
+        return block, block_r, False, cdiv(L, block)
     # the tree sum: narrow column blocks where L is short, so that a few thousand columns still
     # spread over a few hundred programs (a bias gradient: R partials of C columns)
-    block = max(32, min(128, next_pow2(triton.cdiv(L, 256))))
-    return block, 64, False, triton.cdiv(L, block)
+    block = max(32, min(128, next_pow2(cdiv(L, 256))))
+    return block, 64, False, cdiv(L, block)
 
 
 def sum_rows(ws: torch.Tensor, dtype: torch.dtype, shape, ordered: bool = False) -> torch.Tensor:

@@ -19,7 +19,7 @@ from mhctool.core.poison import empty_like
 
 from ..schedule import STABILIZE as _STABILIZE
 from ..schedule import check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps
-from ._common import cast, check_device, exp, next_pow2
+from ._common import cast, cdiv, check_device, exp, next_pow2
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order, tile_=None
         cfg["SEG"] = recompute_segment(cfg["PAIRS"])
     if T:
         bt, warps = tile_ or tile(n)
-        kernel[(triton.cdiv(T, bt),)](*args, T, float(eps), N=n, STAB=_STABILIZE[stabilize],
+        kernel[(cdiv(T, bt),)](*args, T, float(eps), N=n, STAB=_STABILIZE[stabilize],
                                      CLAMP=eps_mode == "clamp", num_warps=warps, BT=bt, **cfg)
     return out
 
