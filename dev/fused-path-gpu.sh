@@ -84,7 +84,7 @@ case "$phase" in
       T=${OWN_T:-240} TAIL=10 log "own-$impl" python3 -m mhctool.cli train --impl "$impl" --device cuda --steps 30 \
         --seeds "${SEEDS:-8}" --knob h_post_bda.dropout=0.1 -o "$O/own-${impl%%[*}-module.parquet"
     done
-    for d in h_post_bda_dropout_fresh_mask_again h_post_bda_transposed h_post_bda_dropout_bias_outside; do
+    for d in ${OWN_PLANTED-h_post_bda_dropout_fresh_mask_again h_post_bda_transposed h_post_bda_dropout_bias_outside}; do
       T=90 TAIL=4 log "own-planted-$d" python3 -m mhctool.cli train --impl "$D:$d[module]" --device cuda --steps 2 \
         --seeds 1 --knob h_post_bda.dropout=0.1 --no-trace -o "$R/own-planted-$d.parquet"
     done ;;
