@@ -7,6 +7,8 @@ sums over j (axis 2), a column one over i (axis 1).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable
 
 import torch
@@ -106,3 +108,44 @@ def beside(side: Callable, main: Callable, device: torch.device):
     if isinstance(a, torch.Tensor):
         a.record_stream(current)
     return a, b
+
+
+# The pre-path's mapping kept from a forward for its recompute (``recompute_memo``), per thread: a
+# recompute runs inside a backward hook, on the autograd engine's device thread
+_MEMO = threading.local()
+
+
+@contextlib.contextmanager
+def recompute_memo(slot: dict, key: tuple):
+    """Inside it, the fused pre-path (each backend's ``mix_aggregate``) keeps its mapping's results
+    in ``slot`` under ``key`` (a forward), or takes them from there where an earlier call left them
+    under the same key (the recompute of that forward): the recompute then reads x once, for the
+    aggregation, instead of twice. ``key`` is the caller's promise that the inputs are the same
+    (a checkpoint's closure: the tensors it saved, their versions unchanged); a slot is taken once.
+    Only what is no output is kept: an engine may free the outputs' memory between the two calls
+    (Megatron's ``CheckpointWithoutOutput`` does), so h_post is returned as a copy of the kept one
+    and h_res is recomputed from the kept logits (Sinkhorn: tens of microseconds, no pass over x)."""
+    before = getattr(_MEMO, "at", None)
+    _MEMO.at = (slot, key)
+    try:
+        yield
+    finally:
+        _MEMO.at = before
+
+
+def mapped(compute: Callable[[], tuple]) -> tuple:
+    """``((pre, post, logits), saved)`` of the mapping, as each backend's mapping forward returns
+    them: ``compute()``'s, or the kept ones of the forward that this call recomputes
+    (:func:`recompute_memo`). ``post`` is never a tensor that another call returned or will return."""
+    at = getattr(_MEMO, "at", None)
+    if at is None:
+        return compute()
+    slot, key = at
+    if slot.get("key") == key:
+        value = slot.pop("value")
+        slot.clear()
+        return value
+    (pre, post, logits), saved = compute()
+    slot.clear()
+    slot.update(key=key, value=((pre, post, logits), saved))
+    return (pre, post.clone(), logits), saved

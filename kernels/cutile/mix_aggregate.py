@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..schedule import beside
+from ..schedule import beside, mapped
 from . import h_aggregate as agg_
 from . import mapping as map_
 from .sinkhorn import sinkhorn_backward, sinkhorn_forward
@@ -27,7 +27,8 @@ class _MixAggregate(torch.autograd.Function):
         if x.dim() != 4:
             raise ValueError(f"mix_aggregate takes x[s, b, n, C], got {tuple(x.shape)}")
         s, b, n, c = x.shape
-        (pre, post, logits), saved = map_.forward(x.reshape(s * b, n * c), weight, alpha, h_bias, eps)
+        # the mapping's results, or those its forward kept where this is its recompute
+        (pre, post, logits), saved = mapped(lambda: map_.forward(x.reshape(s * b, n * c), weight, alpha, h_bias, eps))
         logits = logits.reshape(s, b, n, n)
         knobs = (iters, sinkhorn_eps, stabilize, eps_mode, order)
         h_res = sinkhorn_forward(logits, *knobs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..schedule import beside
+from ..schedule import beside, mapped
 from .h_aggregate import h_aggregate_backward, h_aggregate_forward
 from .mapping import mapping, mapping_backward, mapping_forward
 from .sinkhorn import sinkhorn, sinkhorn_backward, sinkhorn_forward
@@ -35,7 +35,8 @@ class MixAggregateFunction(torch.autograd.Function):
                 order="row_first"):
         s, b, n, c = x.shape
         x2d = x.reshape(s * b, n * c)
-        (pre, post, logits), saved = mapping_forward(x2d, weight, alpha, h_bias, eps)
+        # the mapping's results, or those its forward kept where this is its recompute
+        (pre, post, logits), saved = mapped(lambda: mapping_forward(x2d, weight, alpha, h_bias, eps))
         logits = logits.reshape(s, b, n, n)
         knobs = (iters, sinkhorn_eps, stabilize, eps_mode, order)
         h_res = sinkhorn_forward(logits, *knobs)

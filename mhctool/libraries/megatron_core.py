@@ -34,6 +34,7 @@ import torch.distributed as dist
 from mhctool.core.entry_timing import EntryTimer
 from mhctool.core.metrics import h_res_health
 from mhctool.families.mapping import blocks
+from mhctool.kernels.schedule import recompute_memo
 
 
 @dataclass(frozen=True)
@@ -234,10 +235,19 @@ def _checkpointed(manager, fn, *args):
 
 def _pre_path(m, hidden_states, mhc_recompute_manager=None):
     s, b, _ = hidden_states.shape
+    # under the recompute, the closure runs twice on the same saved inputs: the forward's mapping
+    # is kept for the second run (kernels.schedule.recompute_memo), which then reads x once
+    memo = {} if mhc_recompute_manager is not None else None
 
     def run(x, weight, alpha_pre, alpha_post, alpha_res, bias):
         alpha = torch.cat([alpha_pre.reshape(1), alpha_post.reshape(1), alpha_res.reshape(1)])
-        return getattr(m, MODULE_PATH_ATTRS[0])(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
+        call = getattr(m, MODULE_PATH_ATTRS[0])
+        if memo is None:
+            return call(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
+        key = (x.data_ptr(), tuple(x.shape),
+               *(getattr(t, "_version", None) for t in (x, weight, alpha_pre, alpha_post, alpha_res, bias)))
+        with recompute_memo(memo, key):
+            return call(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
     return _checkpointed(mhc_recompute_manager, run, hidden_states, m.mapping_proj.weight, m.alpha_pre, m.alpha_post,
                          m.alpha_res, m.bias)
 

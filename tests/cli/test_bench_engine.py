@@ -121,6 +121,37 @@ def test_a_module_variants_recompute_is_timed_as_its_recompute(monkeypatch):
         assert got[path]["fwd_calls"] == 2 and got[path]["recompute_calls"] == 1 and got[path]["bwd_calls"] == 2, got
 
 
+def test_under_the_recompute_the_fused_pre_paths_mapping_runs_once_a_call(monkeypatch):
+    """Under Megatron's mHC recompute the pre-path's closure runs twice on the same inputs: with
+    mhctool's kernels swapped in, the recompute takes the forward's mapping (kernels.schedule.
+    recompute_memo) and runs only the aggregation and Sinkhorn again; the gradients have the bits
+    of the call without the recompute (torch's reentrant checkpoint stands in for Megatron's)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mhctool.analyses.train import module_path
+    from mhctool.kernels.triton import mix_aggregate as tmix
+    from mhctool.libraries import megatron_core as mc
+    monkeypatch.setattr(mc, "_checkpointed", lambda manager, fn, *args: checkpoint(fn, *args, use_reentrant=True)
+                        if manager is not None else fn(*args))
+    calls, real = [], tmix.mapping_forward
+    monkeypatch.setattr(tmix, "mapping_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    m = _Module(n=4, C=12)
+    mc.swap_module_paths(m, module_path.ops(module_path.pieces("impl", "triton", {}, "cpu")[0]))
+    x0, got = torch.randn(5, 3, m.n * m.hidden_size), {}
+    for manager in (None, object()):
+        calls.clear()
+        x = x0.clone().requires_grad_()
+        agg, h_res, h_post = m(x, mhc_recompute_manager=manager)
+        out = m.fused_h_res_h_post_bda(h_res, x, h_post, (agg * 2, None), 0.0, True, False, manager)
+        out.square().sum().backward()
+        assert len(calls) == 1, (manager, calls)  # the recompute's pre-path ran without its mapping
+        got[manager is None] = [x.grad, *(p.grad.clone() for p in m.parameters())]
+        m.zero_grad()
+    for plain, recomputed in zip(got[True], got[False]):
+        assert torch.isfinite(plain).all() and torch.equal(plain, recomputed)
+
+
 def _rows(path):
     return pq.read_table(path).to_pylist()
 
