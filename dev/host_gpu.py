@@ -84,9 +84,11 @@ def timed_launches():
                 acc["n"] += 1
                 acc["s"] += time.perf_counter() - t0
         return timed
-    if backend == "triton":
+    if backend == "triton":  # the kernels' remembered dispatch, and Triton's for any other kernel
         import triton.runtime.jit as jit
+        from mhctool.kernels.triton import _common
         jit.JITFunction.run = wrap(jit.JITFunction.run)
+        _common._Dispatch.__call__ = wrap(_common._Dispatch.__call__)
     else:
         import kernels.cutile._common as cc
         cc.launch = wrap(cc.launch)
@@ -95,6 +97,18 @@ def timed_launches():
                 mod.launch = cc.launch
     return acc
 
+
+if backend == "triton":  # the kernels' remembered dispatch against Triton's own, host per call
+    from mhctool.kernels.triton import _common
+    for on in (False, True, False, True):
+        _common.FAST_LAUNCH = on
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k in range(10):
+            one(k)
+        per = (time.perf_counter() - t0) / 10
+        torch.cuda.synchronize()
+        print(f"remembered dispatch {'on ' if on else 'off'}: host per module call {per * 1e6:.0f} us")
 
 acc = timed_launches()
 torch.cuda.synchronize()

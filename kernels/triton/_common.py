@@ -51,6 +51,94 @@ def round_low_bits(v, DROP: tl.constexpr):
     return bits.to(tl.float32, bitcast=True)
 
 
+# The host's path of a launch. Triton's own dispatch (JITFunction.run) binds every argument,
+# specializes it and hashes the lot on every launch: about 44 us a launch of these kernels on an
+# H100's host (dev/host_gpu.py, 2026-12-07), where the fused module path launches about fourteen
+# kernels a call with its recompute, and the recompute of a block of layers runs host-bound.
+# ``fast`` remembers, per kernel, the compiled kernel Triton's dispatch chose for a key at least as
+# fine as Triton's own specialization (each tensor's dtype and 16-byte alignment, each integer's
+# 1-ness, divisibility by 16 and width, every constexpr's value, the launch options), and launches
+# it directly the next time that key comes; a key it has not seen goes through Triton's dispatch.
+FAST_LAUNCH = True  # False: every launch through Triton's own dispatch (tests, dev/host_gpu.py)
+_NO_DEFAULT = object()
+_STREAM = []  # Triton's driver's current-stream function, looked up once
+
+
+def _hooked() -> bool:
+    """Whether something watches launches through Triton's hooks (a profiler): its dispatch then.
+    A hook is None or, from Triton 3.5 or so, a chain of calls that may be empty."""
+    rt = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if rt is None:
+        return True
+    return any(h is not None and getattr(h, "calls", None) != [] for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+def _int_key(v: int) -> tuple:
+    return (v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63)
+
+
+class _Dispatch:
+    """A Triton kernel's ``run`` with its dispatch remembered (:func:`fast`)."""
+
+    def __init__(self, kernel):
+        self.slow = kernel.run
+        self.params = [(p.name, p.default if p.has_default else _NO_DEFAULT, p.is_constexpr) for p in kernel.params]
+        self.seen: dict = {}
+        self.hits = 0
+        self.off = False  # a launcher this code does not know: Triton's dispatch from then on
+
+    def key(self, args: tuple, kw: dict) -> tuple:
+        k = [torch.cuda.current_device(), tuple(kw.items())]
+        for a, (_, _, constexpr) in zip(args, self.params):
+            t = type(a)
+            if constexpr:
+                k.append((t, a))
+            elif t is int:
+                k.append(_int_key(a))
+            elif t is float:
+                k.append(t)
+            elif isinstance(a, torch.Tensor):
+                k.append((a.dtype, a.data_ptr() % 16 == 0))
+            else:
+                k.append((t, a))
+        return tuple(k)
+
+    def __call__(self, *args, grid, warmup, **kw):
+        if warmup or self.off or not FAST_LAUNCH or type(grid) is not tuple or _hooked():
+            return self.slow(*args, grid=grid, warmup=warmup, **kw)
+        try:
+            key = self.key(args, kw)
+            ck = self.seen.get(key)
+        except TypeError:  # an argument of no hashable value: Triton's dispatch
+            return self.slow(*args, grid=grid, warmup=False, **kw)
+        if ck is None:
+            ck = self.slow(*args, grid=grid, warmup=False, **kw)
+            if len(self.seen) < 256:  # a value that keeps changing is no key to keep
+                self.seen[key] = ck
+            return ck
+        full = args + tuple(kw[name] if name in kw else default for name, default, _ in self.params[len(args):])
+        g = grid + (1, 1)
+        if not _STREAM:
+            from triton.runtime import driver
+            _STREAM.append(driver.active.get_current_stream)
+        try:
+            ck.run(g[0], g[1], g[2], _STREAM[0](key[0]), ck.function, ck.packed_metadata, None, None, None, *full)
+        except (TypeError, AttributeError):  # raised before the launch, by a launcher of another form
+            self.off = True
+            return self.slow(*args, grid=grid, warmup=False, **kw)
+        self.hits += 1
+        return ck
+
+
+def fast(kernel):
+    """``kernel`` (a ``triton.jit`` kernel, launched as ``kernel[grid](...)``) with its dispatch
+    remembered: the same object, its ``run`` replaced on the instance. Under the interpreter it is
+    left as it is."""
+    if not _INTERPRETED and hasattr(kernel, "params") and hasattr(kernel, "run"):
+        kernel.run = _Dispatch(kernel)
+    return kernel
+
+
 # ln 2 split in two: the high part has 16 significant bits, so k * _LN2_HI is exact for |k| < 256
 _LN2_HI = tl.constexpr(0.693145751953125)
 _LN2_LO = tl.constexpr(1.428606820309417e-06)

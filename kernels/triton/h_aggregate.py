@@ -12,9 +12,10 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import cast, cdiv, check_device, next_pow2, require_contiguous
+from ._common import cast, cdiv, check_device, fast, next_pow2, require_contiguous
 
 
+@fast
 @triton.jit
 def _h_aggregate_fwd(x_ptr, h_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr,
                      BLOCK_C: tl.constexpr):
@@ -33,6 +34,7 @@ def _h_aggregate_fwd(x_ptr, h_ptr, out_ptr, C, N: tl.constexpr, NP: tl.constexpr
     tl.store(out_ptr + t * C + c, cast(out, out_ptr.dtype.element_ty), mask=c < C)
 
 
+@fast
 @triton.jit
 def _h_aggregate_bwd(x_ptr, h_ptr, g_ptr, dx_ptr, dh_ptr, C, N: tl.constexpr, NP: tl.constexpr,
                      BLOCK_C: tl.constexpr, WRITE_DX: tl.constexpr = True):

@@ -29,7 +29,7 @@ import triton.language as tl
 from mhctool.core.poison import empty
 from mhctool.references import dropout as _dropout
 
-from ._common import cast, cdiv, check_device, interpreted, next_pow2, pick_config, require_contiguous
+from ._common import cast, cdiv, check_device, fast, interpreted, next_pow2, pick_config, require_contiguous
 from .reduce import sum_rows
 
 
@@ -95,6 +95,7 @@ def _kept3(seed, rows, c0, BLOCK_C: tl.constexpr, THRESHOLD: tl.constexpr):
     return tl.reshape(_words(seed, q), (q.shape[0], q.shape[1], BLOCK_C)) >= THRESHOLD
 
 
+@fast
 @triton.jit
 def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, offset, G, scale, N: tl.constexpr,
                     NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -116,6 +117,7 @@ def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, off
     tl.store(out_ptr + offs3, cast(out, out_ptr.dtype.element_ty), mask=mask3)
 
 
+@fast
 @triton.jit
 def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, offset, G, scale,
                      GROUP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr,
@@ -153,6 +155,7 @@ def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, of
             tl.store(out_ptr + t * 4 * C + i * C + c, cast(o, out_ptr.dtype.element_ty), mask=cmask)
 
 
+@fast
 @triton.jit
 def _h_post_bda_bwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
                     ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, seed, offset, G, scale, N: tl.constexpr, NP: tl.constexpr,
@@ -219,6 +222,7 @@ def _dh4(ws_ptr, row, tmask, gi, xj, i: tl.constexpr, j: tl.constexpr, TRANSPOSE
     tl.store(ws_ptr + row * 16 + _hoff4(i, j, TRANSPOSE), tl.sum(gi * xj, axis=1), mask=tmask)
 
 
+@fast
 @triton.jit
 def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
                      ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, seed, offset, G, scale, GROUP: tl.constexpr,
@@ -291,6 +295,7 @@ def _sums_over_c(a, b, F32DOT: tl.constexpr):
     return tl.dot(a, tl.trans(b))
 
 
+@fast
 @triton.jit
 def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, ws_ptr, ws_b_ptr, T, C,
                         cnt_ptr, dh_ptr, dhp_ptr, db_ptr, ws_b2_ptr, SUPER, seed, offset, G, scale,

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import cdiv, check_device, next_pow2, require_contiguous
+from ._common import cdiv, check_device, fast, next_pow2, require_contiguous
 from .proj_rms import (_precision, _proj_tile, coef_of, low_precision_operands, piece_cols, proj_rms_backward,
                        rms_and_r, store_split)
 
@@ -45,6 +45,7 @@ def _scale(alpha_ptr, cols, n: tl.constexpr):
     return tl.where(cols < n, a_pre, tl.where(cols < 2 * n, a_post, a_res))
 
 
+@fast
 @triton.jit
 def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, proj_ptr, r_ptr,
                  rms_ptr, M, K, N, eps, n: tl.constexpr, NP: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -69,6 +70,7 @@ def _mapping_fwd(x_ptr, w_ptr, alpha_ptr, hb_ptr, pre_ptr, post_ptr, logit_ptr, 
     tl.store(logit_ptr + row2 * (n * n) + (col2 - 2 * n), h, mask=m2 & (col2 >= 2 * n) & (col2 < N))
 
 
+@fast
 @triton.jit
 def _compute_h_bwd(proj_ptr, r_ptr, rms_ptr, alpha_ptr, hb_ptr, gpre_ptr, gpost_ptr, glogit_ptr, dproj_ptr,
                    dr_ptr, hi_ptr, lo_ptr, cf_ptr, ws_ptr, M, K, N, n: tl.constexpr, NP: tl.constexpr,

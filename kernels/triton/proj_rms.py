@@ -21,7 +21,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import (cast, cdiv, check_device, interpreted, next_pow2, pick_config, require_contiguous,
+from ._common import (cast, cdiv, check_device, fast, interpreted, next_pow2, pick_config, require_contiguous,
                       round_low_bits)
 from .reduce import sum_rows, sum_rows_pair
 
@@ -88,6 +88,7 @@ def rms_and_r(ss, K, eps):
     return rms, tl.div_rn(tl.zeros_like(rms) + 1.0, rms + eps)
 
 
+@fast
 @triton.jit
 def _proj_rms_fwd(x_ptr, w_ptr, proj_ptr, r_ptr, rms_ptr, M, K, N, eps, NP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LOWP: tl.constexpr,
@@ -113,6 +114,7 @@ def _bwd_block(w_ptr, K, N, NP: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.program_id(1), k, kmask, cols, w
 
 
+@fast
 @triton.jit
 def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -164,6 +166,7 @@ def coef_of(gr, r, rms, rmask, K):
     return tl.where(rmask, -gr * r * r / (K * rms), 0.0)
 
 
+@fast
 @triton.jit
 def _split_grad(gp_ptr, gr_ptr, r_ptr, rms_ptr, hi_ptr, lo_ptr, cf_ptr, M, K, N, NG: tl.constexpr,
                 BLOCK_M: tl.constexpr, ROUND: tl.constexpr):
@@ -221,6 +224,7 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS: tl.constexpr, BLO
     return term
 
 
+@fast
 @triton.jit
 def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
                          NG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from mhctool.core.poison import empty
 
-from ._common import cast, cdiv, next_pow2
+from ._common import cast, cdiv, fast, next_pow2
 
 
 @triton.jit
@@ -41,6 +41,7 @@ def _sum_cols(ws_ptr, out_ptr, R, L, pid, BLOCK: tl.constexpr, BLOCK_R: tl.const
     tl.store(out_ptr + cols, cast(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
+@fast
 @triton.jit
 def _sum_rows(ws_ptr, out_ptr, R, L, P, ws2_ptr, out2_ptr, R2, L2,
               BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, ORDERED: tl.constexpr,

@@ -19,7 +19,7 @@ from mhctool.core.poison import empty_like
 
 from ..schedule import STABILIZE as _STABILIZE
 from ..schedule import check_knobs, recompute_segment, sinkhorn_autograd, sinkhorn_steps
-from ._common import cast, cdiv, check_device, exp, next_pow2
+from ._common import cast, cdiv, check_device, exp, fast, next_pow2
 
 
 @triton.jit
@@ -97,6 +97,7 @@ def _pairs(p, eps, count, A: tl.constexpr, B: tl.constexpr, CLAMP: tl.constexpr)
 # lone first step (ODD: along FIRST) followed by STEPS // 2 pairs (A, B), so that every axis is a
 # compile-time constant.
 
+@fast
 @triton.jit
 def _sinkhorn_fwd(x_ptr, out_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr,
                   PAIRS: tl.constexpr, ODD: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
@@ -111,6 +112,7 @@ def _sinkhorn_fwd(x_ptr, out_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr, BT:
     tl.store(out_ptr + offs, cast(p, out_ptr.dtype.element_ty), mask=mask)
 
 
+@fast
 @triton.jit
 def _sinkhorn_bwd(x_ptr, g_ptr, dx_ptr, T, eps, N: tl.constexpr, NP: tl.constexpr,
                   BT: tl.constexpr, PAIRS: tl.constexpr, ODD: tl.constexpr, A: tl.constexpr,

@@ -902,3 +902,40 @@ def test_bench_engine_times_megatrons_step_for_each_variant(tmp_path):
     for v in ("native", "fused", "triton"):
         assert {(v, "sinkhorn", "fwd"), (v, "sinkhorn", "bwd")} <= timed, (v, timed)
     assert any(r["metric"] == "peak_bytes" and r["value"] > 0 for r in rows)
+
+
+def test_the_remembered_dispatch_gives_the_module_paths_bits(monkeypatch):
+    """The fused module path with Triton's kernels (the pre-path, then the post-path with dropout;
+    forward and backward) launched through the remembered dispatch (kernels/triton/_common.fast)
+    and through Triton's own: the same bits, with x on a 16-byte boundary and 2 bytes off one
+    (another specialization, which must not take the aligned kernel), and the remembered path taken."""
+    from mhctool.analyses.train import module_path
+    from mhctool.kernels.triton import _common, h_post_bda, mapping
+
+    ops = module_path.ops(module_path.pieces("impl", "triton", {}, "cuda")[0])
+    g = torch.Generator(device="cuda").manual_seed(5)
+    s, b, n, c = 37, 2, 4, 200
+    x0 = torch.randn(s, b, n, c, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(n * n + 2 * n, n * c, generator=g, device="cuda") / (n * c) ** 0.5).bfloat16()
+    a, hb = torch.tensor([0.8, 1.1, 0.9], device="cuda"), 0.1 * torch.randn(n * n + 2 * n, generator=g, device="cuda")
+    bias = (0.1 * torch.randn(c, generator=g, device="cuda")).bfloat16()
+    up = torch.randn(s, b, n, c, generator=g, device="cuda").bfloat16()
+    buf = torch.empty(x0.numel() + 1, dtype=x0.dtype, device="cuda")
+    x_off = buf[1:].view(x0.shape)  # 2 bytes past the allocation's start
+    x_off.copy_(x0)
+
+    def run(x):
+        leaves = [t.detach().requires_grad_() for t in (x, w, a, hb, bias)]
+        agg, h_res, h_post = ops["pre_path"](*leaves[:4])
+        out = ops["post_path"](h_res, leaves[0], h_post, agg * 1.0, leaves[4], 0.1, 1234, 99)
+        return [out, *torch.autograd.grad(out, leaves, up)]
+
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(_common, "FAST_LAUNCH", on)
+        got[on] = [run(x) for x in (x0, x0, x_off, x_off, x0)]
+    torch.cuda.synchronize()
+    for i, (want, have) in enumerate(zip(got[False], got[True])):
+        for name, wt, ht in zip(("out", "dx", "dweight", "dalpha", "dh_bias", "dbias"), want, have):
+            assert torch.isfinite(wt).all() and torch.equal(wt, ht), (i, name)
+    assert mapping._mapping_fwd.run.hits > 0 and h_post_bda._h_post_bda_fwd4.run.hits > 0
