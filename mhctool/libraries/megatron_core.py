@@ -236,7 +236,10 @@ def _checkpointed(manager, fn, *args):
 def _pre_path(m, hidden_states, mhc_recompute_manager=None):
     s, b, _ = hidden_states.shape
     # under the recompute, the closure runs twice on the same saved inputs: the forward's mapping
-    # is kept for the second run (kernels.schedule.recompute_memo), which then reads x once
+    # is kept for the second run (kernels.schedule.recompute_memo), which then reads x once. The
+    # key is the inputs' versions (the saved tensors share them), not x's address: where x is the
+    # previous layer's checkpointed output, Megatron frees its memory after the forward and the
+    # recompute puts the same values at another address
     memo = {} if mhc_recompute_manager is not None else None
 
     def run(x, weight, alpha_pre, alpha_post, alpha_res, bias):
@@ -244,8 +247,7 @@ def _pre_path(m, hidden_states, mhc_recompute_manager=None):
         call = getattr(m, MODULE_PATH_ATTRS[0])
         if memo is None:
             return call(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
-        key = (x.data_ptr(), tuple(x.shape),
-               *(getattr(t, "_version", None) for t in (x, weight, alpha_pre, alpha_post, alpha_res, bias)))
+        key = (tuple(x.shape), *(getattr(t, "_version", None) for t in (x, weight, alpha_pre, alpha_post, alpha_res, bias)))
         with recompute_memo(memo, key):
             return call(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
     return _checkpointed(mhc_recompute_manager, run, hidden_states, m.mapping_proj.weight, m.alpha_pre, m.alpha_post,

@@ -125,13 +125,16 @@ def test_under_the_recompute_the_fused_pre_paths_mapping_runs_once_a_call(monkey
     """Under Megatron's mHC recompute the pre-path's closure runs twice on the same inputs: with
     mhctool's kernels swapped in, the recompute takes the forward's mapping (kernels.schedule.
     recompute_memo) and runs only the aggregation and Sinkhorn again; the gradients have the bits
-    of the call without the recompute (torch's reentrant checkpoint stands in for Megatron's)."""
+    of the call without the recompute (torch's reentrant checkpoint stands in for Megatron's, x moved
+    to another address for the recompute as Megatron's restored storage moves it)."""
     from torch.utils.checkpoint import checkpoint
 
     from mhctool.analyses.train import module_path
     from mhctool.kernels.triton import mix_aggregate as tmix
     from mhctool.libraries import megatron_core as mc
-    monkeypatch.setattr(mc, "_checkpointed", lambda manager, fn, *args: checkpoint(fn, *args, use_reentrant=True)
+    def moved(fn):  # the recompute finds x at another address, as Megatron's restored storage puts it
+        return lambda x, *rest: fn(x if not torch.is_grad_enabled() else x.clone(), *rest)
+    monkeypatch.setattr(mc, "_checkpointed", lambda manager, fn, *args: checkpoint(moved(fn), *args, use_reentrant=True)
                         if manager is not None else fn(*args))
     calls, real = [], tmix.mapping_forward
     monkeypatch.setattr(tmix, "mapping_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
