@@ -73,8 +73,8 @@ def _hooked() -> bool:
     return any(h is not None and getattr(h, "calls", None) != [] for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
-def _int_key(v: int) -> tuple:
-    return (v == 1, v % 16 == 0, -2**31 <= v < 2**31, v < 2**63)
+_I32 = (-2**31, 2**31)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Dispatch:
@@ -83,24 +83,34 @@ class _Dispatch:
     def __init__(self, kernel):
         self.slow = kernel.run
         self.params = [(p.name, p.default if p.has_default else _NO_DEFAULT, p.is_constexpr) for p in kernel.params]
+        self.constexpr_at = tuple(i for i, (_, _, c) in enumerate(self.params) if c)
         self.seen: dict = {}
         self.hits = 0
         self.off = False  # a launcher this code does not know: Triton's dispatch from then on
 
     def key(self, args: tuple, kw: dict) -> tuple:
+        """At least as fine as Triton's specialization: a tensor's dtype and 16-byte alignment, an
+        integer's 1-ness, divisibility by 16 and width (32 or 64 bits, signed or not), a float's
+        type, anything else (a constexpr, None, a bool) by type and value."""
         k = [torch.cuda.current_device(), tuple(kw.items())]
-        for a, (_, _, constexpr) in zip(args, self.params):
+        add = k.append
+        lo, hi = _I32
+        for a in args:
             t = type(a)
-            if constexpr:
-                k.append((t, a))
+            if t in _TENSORS:
+                add(a.dtype)
+                add(a.data_ptr() & 15)
             elif t is int:
-                k.append(_int_key(a))
+                add((a == 1, a & 15 == 0, lo <= a < hi, a < 2**63))
             elif t is float:
-                k.append(t)
+                add(t)
             elif isinstance(a, torch.Tensor):
-                k.append((a.dtype, a.data_ptr() % 16 == 0))
+                add((a.dtype, a.data_ptr() & 15))
             else:
-                k.append((t, a))
+                add((t, a))
+        for i in self.constexpr_at:  # a constexpr given by position: its value
+            if i < len(args):
+                add((type(args[i]), args[i]))
         return tuple(k)
 
     def __call__(self, *args, grid, warmup, **kw):
