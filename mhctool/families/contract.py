@@ -120,37 +120,66 @@ class Family:
         accept are left out). ``bind`` names the parameter a knob goes to (an alias), or its
         position for positional-only ones; ``takes`` says whether the function has a parameter for
         an optional input (left out of the call when it has none and the input is None)."""
-        pos = []
-        for k in self.inputs:
-            if takes(k):
-                pos.append(args[k])
-            elif args[k] is not None:
-                raise ValueError(f"the function takes no {k} input, and this call has one")
-        kw, at = {}, {}
-        knobs = {**knobs, **{k: args[k] for k in self.keyed if k in args}}
+        return self._plan(knobs, accepted, bind, takes)(args)
+
+    def _plan(self, knobs: dict, accepted, bind, takes) -> Callable[[dict], tuple[list, dict]]:
+        """:meth:`arguments` for calls that differ in their inputs and keyed knobs only: what the
+        knobs and the function's signature decide is worked out once."""
+        taken = [k for k in self.inputs if takes(k)]
+        refused = [k for k in self.inputs if not takes(k)]
+        fixed_kw, fixed_at, keyed = {}, {}, []
         for k, knob in self.knobs.items():
-            v = knobs.get(k, knob.default)
             if not (knob.passed and accepted(k)):
                 continue
             target = bind(k)
-            if isinstance(target, int):
-                at[target] = v
-            elif target is not None:
-                kw[target] = v
-        for i in sorted(at):  # positional-only knobs, contiguous after the inputs (Impl.bind checks)
-            pos.append(at[i])
-        return pos, kw
+            if target is None:
+                continue
+            v = knobs.get(k, knob.default)
+            if k in self.keyed:
+                keyed.append((k, target, v))
+            elif isinstance(target, int):
+                fixed_at[target] = v
+            else:
+                fixed_kw[target] = v
+
+        def plan(args: dict) -> tuple[list, dict]:
+            for k in refused:
+                if args[k] is not None:
+                    raise ValueError(f"the function takes no {k} input, and this call has one")
+            pos, kw, at = [args[k] for k in taken], dict(fixed_kw), fixed_at
+            if keyed:
+                at = dict(fixed_at)
+                for k, target, v in keyed:
+                    (at if isinstance(target, int) else kw)[target] = args[k] if k in args else v
+            for i in sorted(at):  # positional-only knobs, contiguous after the inputs (Impl.bind checks)
+                pos.append(at[i])
+            return pos, kw
+        return plan
 
     def call(self, fn: Callable, args: dict[str, torch.Tensor], knobs: dict, accepted,
              bind: Callable[[str], str | int | None] = lambda k: k,
              takes: Callable[[str], bool] = lambda name: True) -> tuple:
         """Call ``fn`` with the family's signature (:meth:`arguments`); its outputs as a tuple."""
-        pos, kw = self.arguments(args, knobs, accepted, bind, takes)
-        out = fn(*pos, **kw)
-        if isinstance(out, list):  # a wrong return is the implementation's failed row, never a guess
-            raise TypeError(f"it returned a list of {len(out)}, where the contract's outputs are a tensor "
-                            f"or a tuple of tensors ({', '.join(self.outputs)})")
-        return tuple(out) if isinstance(out, tuple) else (out,)
+        return self.caller(fn, knobs, accepted, bind, takes)(args)
+
+    def caller(self, fn: Callable, knobs: dict, accepted,
+               bind: Callable[[str], str | int | None] = lambda k: k,
+               takes: Callable[[str], bool] = lambda name: True) -> Callable[[dict], tuple]:
+        """:meth:`call` for many calls of one function with one knobs dict (a model's layer, call
+        after call): the arguments planned once, and again whenever ``knobs`` changes."""
+        state: dict = {}
+
+        def call(args: dict) -> tuple:
+            snap = tuple(knobs.items())
+            if state.get("snap") != snap:
+                state["snap"], state["plan"] = snap, self._plan(knobs, accepted, bind, takes)
+            pos, kw = state["plan"](args)
+            out = fn(*pos, **kw)
+            if isinstance(out, list):  # a wrong return is the implementation's failed row, never a guess
+                raise TypeError(f"it returned a list of {len(out)}, where the contract's outputs are a tensor "
+                                f"or a tuple of tensors ({', '.join(self.outputs)})")
+            return tuple(out) if isinstance(out, tuple) else (out,)
+        return call
 
 
 def signature(fam: "Family") -> str:

@@ -114,3 +114,33 @@ def test_the_composites_probes_reach_sinkhorns_regimes_through_the_mapping(kerne
     assert level.min() > 2 and level.max() > 40 and logits("res_levels").max() < 88, level
     large = logits("res_large")
     assert large.min() > 80 and large.max() > 200
+
+
+def test_a_family_caller_plans_its_arguments_once_and_again_when_the_knobs_change():
+    """``Family.caller`` (a model's layer calling one function call after call): the keyed knobs
+    (h_post_bda's dropout key) come from each call's arguments, the others from the knobs dict,
+    planned again whenever that dict changes; an input the function has no parameter for must be
+    None. The arguments are those ``Family.arguments`` gives."""
+    from mhctool.families import get_family
+    fam = get_family("h_post_bda")
+    seen = []
+
+    def fn(h_res, x, h_post, y, bias=None, transpose_res=False, dropout=0.0, dropout_seed=0, dropout_offset=0):
+        seen.append((h_res, x, h_post, y, bias, transpose_res, dropout, dropout_seed, dropout_offset))
+        return "out"
+
+    knobs = {"transpose_res": False, "dropout": 0.1}
+    call = fam.caller(fn, knobs, lambda k: True)
+    args = {"h_res": 1, "x": 2, "h_post": 3, "y": 4, "bias": None}
+    assert call({**args, "dropout_seed": 7, "dropout_offset": 9}) == ("out",)
+    call(args)
+    knobs["transpose_res"] = True  # the caller's dict changed: planned again
+    call({**args, "dropout": 0.2})
+    assert seen == [(1, 2, 3, 4, None, False, 0.1, 7, 9), (1, 2, 3, 4, None, False, 0.1, 0, 0),
+                    (1, 2, 3, 4, None, True, 0.2, 0, 0)]
+    pos, kw = fam.arguments({**args, "dropout_seed": 7}, knobs, lambda k: True)
+    assert pos == [1, 2, 3, 4, None] and kw["dropout_seed"] == 7 and kw["transpose_res"] is True
+    no_bias = fam.caller(lambda h_res, x, h_post, y: "out", {}, lambda k: False, takes=lambda name: name != "bias")
+    assert no_bias(args) == ("out",)
+    with pytest.raises(ValueError, match="takes no bias input"):
+        no_bias({**args, "bias": 5})

@@ -42,8 +42,7 @@ class Piece:
 
 def family_call(family: str, fn, knobs: dict, accepts=lambda k: True, bind=lambda k: k,
                  takes=lambda name: True) -> Callable[[dict], tuple]:
-    fam = get_family(family)
-    return lambda args: fam.call(fn, args, knobs, accepts, bind, takes)
+    return get_family(family).caller(fn, knobs, accepts, bind, takes)
 
 
 def _expected(family: str, args: dict) -> list[tuple]:
