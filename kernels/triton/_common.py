@@ -101,7 +101,7 @@ class _Dispatch:
                 add(a.dtype)
                 add(a.data_ptr() & 15)
             elif t is int:
-                add((a == 1, a & 15 == 0, lo <= a < hi, a < 2**63))
+                add((a == 1, (a & 15) == 0, lo <= a < hi, a < 2**63))
             elif t is float:
                 add(t)
             elif isinstance(a, torch.Tensor):
