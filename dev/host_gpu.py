@@ -98,17 +98,22 @@ def timed_launches():
     return acc
 
 
-if backend == "triton":  # the kernels' remembered dispatch against Triton's own, host per call
-    from mhctool.kernels.triton import _common
-    for on in (False, True, False, True):
-        _common.FAST_LAUNCH = on
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for k in range(10):
-            one(k)
-        per = (time.perf_counter() - t0) / 10
-        torch.cuda.synchronize()
-        print(f"remembered dispatch {'on ' if on else 'off'}: host per module call {per * 1e6:.0f} us")
+if backend == "triton":  # the kernels' remembered dispatch against Triton's own, host per call:
+    from mhctool.kernels.triton import _common  # rounds of 10 calls, off and on interleaved
+    rounds = {False: [], True: []}
+    for _ in range(6):
+        for on in (False, True):
+            _common.FAST_LAUNCH = on
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for k in range(10):
+                one(k)
+            rounds[on].append((time.perf_counter() - t0) / 10)
+            torch.cuda.synchronize()
+    _common.FAST_LAUNCH = True
+    for on, v in rounds.items():
+        print(f"remembered dispatch {'on ' if on else 'off'}: host per module call, median of 6 rounds of 10: "
+              f"{statistics.median(v) * 1e6:.0f} us (rounds {', '.join(f'{t * 1e6:.0f}' for t in v)})")
 
 acc = timed_launches()
 torch.cuda.synchronize()
