@@ -150,9 +150,9 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False, ti
     if M:
         bm, bk, warps = tile_ or FWD_TILE
         _mapping_fwd[(cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
-                                            M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
-                                            BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(tf32),
-                                            ROUND=tf32, num_warps=warps)
+                                     M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
+                                     BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(tf32),
+                                     ROUND=tf32, num_warps=warps)
     return (pre, post, logits), (proj, r, rms)
 
 

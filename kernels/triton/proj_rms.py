@@ -314,9 +314,9 @@ def proj_rms_forward(x2d, weight, eps=1e-6, tf32: bool = False):
     bm, bk = (64, 128)
     if M:
         _proj_rms_fwd[(cdiv(M, bm),)](x2d, weight, proj, r, rms, M, K, N, float(eps),
-                                             NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
-                                             LOWP=low_precision_operands(x2d, weight),
-                                             PREC=_precision(tf32), ROUND=tf32, num_warps=4)
+                                      NP=max(16, next_pow2(N)), BLOCK_M=bm, BLOCK_K=bk,
+                                      LOWP=low_precision_operands(x2d, weight),
+                                      PREC=_precision(tf32), ROUND=tf32, num_warps=4)
     return proj, r, rms
 
 
@@ -404,7 +404,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                 hi, lo = empty((M, ng), x2d.dtype, x2d.device), empty((M, ng), x2d.dtype, x2d.device)
                 cf = empty((M,), torch.float32, x2d.device)
                 _split_grad[(cdiv(M, PACK_M),)](grad_proj, grad_r, r, rms, hi, lo, cf, M, K, N, NG=ng,
-                                                       BLOCK_M=PACK_M, ROUND=tf32)
+                                                BLOCK_M=PACK_M, ROUND=tf32)
             else:
                 hi, lo, cf = pieces
                 if hi.shape != (M, ng) or lo.shape != (M, ng) or cf.shape != (M,):
@@ -413,20 +413,20 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
             if agg is not None and tile_ is None:  # grad_out's tiles take shared memory too
                 stages = min(stages, AGG_STAGES)
             _proj_rms_bwd_packed[(cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, c_agg,
-                                                             M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                             STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
-                                                             GROUP=GROUP_STREAMS and ns > 0 and c_agg % bk == 0,
-                                                             num_warps=warps)
+                                                       M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+                                                       STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
+                                                       GROUP=GROUP_STREAMS and ns > 0 and c_agg % bk == 0,
+                                                       num_warps=warps)
         return (dx, *_finish(ws))
 
     def run(cfg):
         bm, bk, split, warps, stages = (*cfg, 3)[:5]  # 3: Triton's default pipelining depth
         split, ws = workspace(bm, split)
         _proj_rms_bwd[(cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, hp_arg, go_arg,
-                                                   c_agg, M, K, N, NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
-                                                   PREC=_precision(tf32), ROUND=tf32, NS=ns,
-                                                   AGG_ONE=ns > 0 and c_agg % bk == 0, num_warps=warps,
-                                                   num_stages=stages)
+                                            c_agg, M, K, N, NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+                                            PREC=_precision(tf32), ROUND=tf32, NS=ns,
+                                            AGG_ONE=ns > 0 and c_agg % bk == 0, num_warps=warps,
+                                            num_stages=stages)
         return ws
 
     # (64, 128, 8, 4, 2): two stages; the TF32 products at the paper shape took 3.0 ms with them and

@@ -191,7 +191,7 @@ def _launch(kernel, x, extra, iters, eps, stabilize, eps_mode, order, tile_=None
     if T:
         bt, warps = tile_ or tile(n)
         kernel[(cdiv(T, bt),)](*args, T, float(eps), N=n, STAB=_STABILIZE[stabilize],
-                                     CLAMP=eps_mode == "clamp", num_warps=warps, BT=bt, **cfg)
+                               CLAMP=eps_mode == "clamp", num_warps=warps, BT=bt, **cfg)
     return out
 
 

@@ -244,12 +244,11 @@ def _pre_path(m, hidden_states, mhc_recompute_manager=None):
 
     def run(x, weight, alpha_pre, alpha_post, alpha_res, bias):
         alpha = torch.cat([alpha_pre.reshape(1), alpha_post.reshape(1), alpha_res.reshape(1)])
-        call = getattr(m, MODULE_PATH_ATTRS[0])
-        if memo is None:
-            return call(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
-        key = (tuple(x.shape), *(getattr(t, "_version", None) for t in (x, weight, alpha_pre, alpha_post, alpha_res, bias)))
-        with recompute_memo(memo, key):
-            return call(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
+        inputs = (x, weight, alpha_pre, alpha_post, alpha_res, bias)
+        kept = contextlib.nullcontext() if memo is None else \
+            recompute_memo(memo, (tuple(x.shape), *(getattr(t, "_version", None) for t in inputs)))
+        with kept:
+            return getattr(m, MODULE_PATH_ATTRS[0])(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
     return _checkpointed(mhc_recompute_manager, run, hidden_states, m.mapping_proj.weight, m.alpha_pre, m.alpha_post,
                          m.alpha_res, m.bias)
 

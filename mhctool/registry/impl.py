@@ -86,23 +86,10 @@ class Impl:
             return None
         return list(sig.parameters.values())
 
-    @functools.cached_property
-    def _bound(self) -> dict:
-        """:meth:`bind`'s answers so far: a module variant's calls bind every knob on every call,
-        hundreds of calls a training step, on the host's path between kernel launches."""
-        return {}
-
     def bind(self, knob: str) -> str | int | None:
         """Where ``knob`` goes in a call, the way Python binds it: its own name or a known alias
         (``iters`` <-> ``num_iterations``), or, for a positional-only parameter, its position
         (only right after the family's inputs, in the family's positional-knob order)."""
-        try:
-            return self._bound[knob]
-        except KeyError:
-            self._bound[knob] = where = self._bind(knob)
-            return where
-
-    def _bind(self, knob: str) -> str | int | None:
         params = self._params
         if params is None:
             return knob

@@ -910,14 +910,15 @@ def test_the_remembered_dispatch_gives_the_module_paths_bits(monkeypatch):
     and through Triton's own: the same bits, with x on a 16-byte boundary and 2 bytes off one
     (another specialization, which must not take the aligned kernel), and the remembered path taken."""
     from mhctool.analyses.train import module_path
+    from mhctool.core.shapes import parse_shape_for
+    from mhctool.families import generate
     from mhctool.kernels.triton import _common, h_post_bda, mapping
 
     ops = module_path.ops(module_path.pieces("impl", "triton", {}, "cuda")[0])
-    g = torch.Generator(device="cuda").manual_seed(5)
-    s, b, n, c = 37, 2, 4, 200
-    x0 = torch.randn(s, b, n, c, generator=g, device="cuda").bfloat16()
-    w = (torch.randn(n * n + 2 * n, n * c, generator=g, device="cuda") / (n * c) ** 0.5).bfloat16()
-    a, hb = torch.tensor([0.8, 1.1, 0.9], device="cuda"), 0.1 * torch.randn(n * n + 2 * n, generator=g, device="cuda")
+    _, case = generate("mix_aggregate", "random", parse_shape_for("mhc", "37x2x4x200"), 5, {}, device="cuda")
+    x0, w, a, hb = case["x"].bfloat16(), case["weight"].bfloat16(), case["alpha"], case["h_bias"]
+    s, b, n, c = x0.shape
+    g = torch.Generator(device="cuda").manual_seed(6)
     bias = (0.1 * torch.randn(c, generator=g, device="cuda")).bfloat16()
     up = torch.randn(s, b, n, c, generator=g, device="cuda").bfloat16()
     buf = torch.empty(x0.numel() + 1, dtype=x0.dtype, device="cuda")

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from mhctool.core.poison import poisoning
+from mhctool.core.shapes import parse_shape_for
+from mhctool.families import generate
 from mhctool.kernels.schedule import recompute_memo
 
 CASES = [pytest.param("triton", "cpu", id="triton-cpu"),
@@ -15,15 +17,16 @@ CASES = [pytest.param("triton", "cpu", id="triton-cpu"),
          pytest.param("cutile", "cuda", id="cutile-gpu", marks=pytest.mark.gpu)]
 
 
-def _inputs(device, s=5, b=3, n=4, c=37):  # 15 tokens, K = 148: no tile's multiple
-    g = torch.Generator(device=device).manual_seed(7)
-    x = torch.randn(s, b, n, c, generator=g, device=device).bfloat16()
-    w = (torch.randn(n * n + 2 * n, n * c, generator=g, device=device) / (n * c) ** 0.5).bfloat16()
-    a = torch.tensor([0.8, 1.1, 0.9], device=device)
-    hb = 0.1 * torch.randn(n * n + 2 * n, generator=g, device=device)
+def _inputs(device, shape="5x3x4x37"):  # 15 tokens, K = 148: no tile's multiple
+    """The family's own random case (x and the weight in bf16, as the model gives them), and
+    upstream gradients of the three outputs."""
+    _, t = generate("mix_aggregate", "random", parse_shape_for("mhc", shape), 7, {}, device=device)
+    x, w = t["x"].bfloat16(), t["weight"].bfloat16()
+    g = torch.Generator(device=device).manual_seed(8)
+    s, b, n, c = x.shape
     ups = [torch.randn(s, b, c, generator=g, device=device).bfloat16(), torch.randn(s, b, n, generator=g, device=device),
            torch.randn(s, b, n, n, generator=g, device=device)]
-    return (x, w, a, hb), ups
+    return (x, w, t["alpha"], t["h_bias"]), ups
 
 
 def _counted(monkeypatch, mod, backend):
