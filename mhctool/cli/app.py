@@ -22,7 +22,7 @@ from mhctool.cli.goldens import goldens_app
 from mhctool.cli.console import err, guard, out, state
 from mhctool.cli.report import report_app
 from mhctool.cli.stability import stability_app
-from mhctool.core.errors import Interrupted, UsageError
+from mhctool.core.errors import SIGNALLED, Interrupted, UsageError
 
 class _OneSentence(TyperGroup):
     """The command line's group: a value its option refuses (a number out of its range, a choice it
@@ -88,7 +88,8 @@ def main() -> None:
         err.print(f"error: {e}")
         sys.exit(2)
     except Interrupted:
-        err.print("interrupted: stopped at once; no report written")
+        if not SIGNALLED:  # else the signal came while loading, and the loader said so already
+            err.print("interrupted: stopped at once; no report written")
         sys.exit(130)
 
 

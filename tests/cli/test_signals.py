@@ -178,6 +178,17 @@ def test_a_signal_after_the_run_measured_leaves_its_report_finished_and_its_exit
     assert "no report written" not in res.stderr
 
 
+def _still_loading(text: str, out: Path, code: int, codes: tuple) -> bool:
+    """Whether a timed signal came while the command was still loading, on a loaded machine (CI met
+    it at 3 to 6 s with other jobs beside it): nothing written, exit ``codes``, and either the one
+    sentence the loading case says (tested on its own above) or, earlier still, nothing at all
+    (the interpreter starting, before any of mhctool runs: Python's own default for the signal)."""
+    if out.exists() or not (text.strip() == "" or "stopped at once; no report written" in text):
+        return False
+    assert code in codes and text.count("stopped at once") <= 1 and "Traceback" not in text, (code, text)
+    return True
+
+
 @pytest.mark.slow  # three runs stopped by timeout: about 70 s on 2 cores
 @pytest.mark.parametrize("after", [6, 25, 45])
 def test_timeout_at_any_moment_of_an_engines_seed_ensemble_leaves_its_report(tmp_path, after):
@@ -193,6 +204,8 @@ def test_timeout_at_any_moment_of_an_engines_seed_ensemble_leaves_its_report(tmp
                           "--device", "cpu", "--seeds", "8", "--workers", "8", "-q", "-o", str(out)],
                          capture_output=True, text=True, timeout=300)
     text = res.stdout + res.stderr
+    if _still_loading(text, out, res.returncode, (124,)):  # 124: timeout's code for a command it stopped
+        return
     assert "Traceback" not in text and "no report written" not in text, text
     _, meta = report.read(out)
     assert res.returncode in (0, 124, 130), text  # 124: timeout's own code once the command ended on the signal
@@ -221,10 +234,7 @@ def test_timeout_as_ci_sends_it_leaves_a_report_that_agrees_with_the_exit_code(t
                           "-o", str(out)], capture_output=True, text=True, timeout=300)
     text = res.stdout + res.stderr
     assert "Traceback" not in text, text
-    if "stopped at once; no report written" in text and not out.exists():
-        # a loaded machine still importing at this moment (CI met it at 3 s with other jobs beside
-        # it): the loading case, tested on its own above; the one sentence, exit 130, nothing written
-        assert res.returncode == 130 and text.count("stopped at once") == 1, text
+    if _still_loading(text, out, res.returncode, (130,)):
         return
     assert "no report written" not in text, text
     _, meta = report.read(out)
