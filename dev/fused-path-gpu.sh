@@ -64,7 +64,7 @@ case "$phase" in
     done ;;
   step)
     args=(); for v in ${VARIANTS:-}; do args+=(--variant "$v"); done
-    T=570 TAIL=60 log step python3 -m mhctool.cli bench --engine "megatron:$MCORE" $SHAPE --steps 5 --warmup 2 \
+    T=${T:-570} TAIL=60 log step python3 -m mhctool.cli bench --engine "megatron:$MCORE" $SHAPE --steps 5 --warmup 2 \
       --entry-steps 1 "${args[@]}" ${STEP_ARGS:---no-kernels} -o "$O/step.parquet" --plot "$O/step.png" ;;
   train)
     for impl in ${IMPLS:-triton[module] cutile[module]}; do

@@ -65,19 +65,22 @@ def loop_histogram(sass: str) -> tuple[int, collections.Counter]:
     return best[0], ops
 
 
-def proj_agg() -> None:
+def proj_agg(extra: bool = False) -> None:
     """The bf16 projection backward (``proj_rms._proj_rms_bwd_packed``) with mix_aggregate's
     aggregation term (n = 4, C a whole number of K blocks), at the shipped tile and at others:
-    registers, shared memory, spill loads / stores."""
+    registers, shared memory, spill loads / stores. ``extra``: with the residual's gradient added
+    in the dx pass too (``EXTRA``; its shipped tile ``EXTRA_TILE``)."""
     from kernels.triton import proj_rms as pr
-    bm, bk, split, warps, stages = pr.LOWP_TILE
+    bm, bk, split, warps, stages = pr.EXTRA_TILE if extra else pr.LOWP_TILE
     shipped = (bm, bk, warps, min(stages, pr.AGG_STAGES))
-    for tile in (shipped, (bm, bk, 8, 3), (bm, bk, warps, 2), (32, bk, warps, 3), (bm, 64, warps, 3)):
+    for tile in (shipped, (bm, bk, 4, 3), (bm, bk, 8, 3), (bm, bk, 8, 2), (bm, bk, 4, 2), (32, bk, 4, 3),
+                 (bm, 64, 4, 3)):
         b_m, b_k, w, st = tile
         sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "hi_ptr": "*bf16", "lo_ptr": "*bf16", "cf_ptr": "*fp32",
-               "dx_ptr": "*bf16", "ws_ptr": "*fp32", "hp_ptr": "*fp32", "go_ptr": "*bf16",
+               "dx_ptr": "*bf16", "ws_ptr": "*fp32", "hp_ptr": "*fp32", "go_ptr": "*bf16", "ex_ptr": "*bf16",
                "C": "i32", "M": "i32", "K": "i32", "N": "i32"}
-        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True, GROUP=pr.GROUP_STREAMS)
+        ce = dict(NG=32, BLOCK_M=b_m, BLOCK_K=b_k, SPLIT=split, STAGES=st, NS=4, AGG_ONE=True, GROUP=pr.GROUP_STREAMS,
+                  EXTRA=extra)
         res, sass = compile_sm90(pr._proj_rms_bwd_packed, sig, ce, w, st,
                                  divisible=[k for k in sig if k.endswith("_ptr")] + ["C", "K"])
         spills = f"LDL {len(re.findall(r'[^A-Z]LDL', sass))}, STL {len(re.findall(r'[^A-Z]STL', sass))}"
@@ -87,7 +90,7 @@ def proj_agg() -> None:
 
 def main() -> None:
     if "--proj-agg" in sys.argv:
-        return proj_agg()
+        return proj_agg("--extra" in sys.argv)
     from kernels.triton import h_post_bda as hpb
     common = {"h_ptr": "*fp32", "x_ptr": "*bf16", "hp_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
               "g_ptr": "*bf16", "dx_ptr": "*bf16", "dy_ptr": "*bf16"}

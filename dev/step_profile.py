@@ -2,6 +2,7 @@
 
     python3 dev/step_profile.py [profile] [--shape S,B,N,C] [--backend triton|cutile]
     python3 dev/step_profile.py mapfwd [--shape S,B,N,C]
+    python3 dev/step_profile.py fold [--shape S,B,N,C]
 
 ``profile``: the module path as ``bench --engine`` swaps it in (mhctool.analyses.train.module_path:
 the pre-path, then the post-path with dropout 0.1 on a stand-in layer output), forward and backward,
@@ -14,6 +15,10 @@ mapping's activations), at its shipped tile (kernels/triton/mapping.py FWD_TILE:
 program, 64 programs at the step's 4,096 tokens for 132 SMs) and at smaller ones, each a CUDA
 graph replayed: median microseconds, % of the copy rate for reading x once, and whether its
 outputs have the shipped tile's bits (a row's sums over K should not depend on the rows beside it).
+
+``fold``: the pre-path's backward with the residual's other gradient added in its dx pass
+(kernels.schedule.ResidualLink) at its tile and others, against the backward without it followed
+by autograd's add of the two, each a CUDA graph replayed.
 """
 from __future__ import annotations
 
@@ -153,10 +158,74 @@ def mapfwd(shape) -> None:
               f"the shipped tile's bits: {same}")
 
 
+def _graph_us(fn, reps: int = 10) -> float:
+    """Median microseconds of ``fn`` a call, ``reps`` calls captured in a CUDA graph, replayed 20 times."""
+    g = torch.cuda.CUDAGraph()
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        fn()
+        with torch.cuda.graph(g, stream=st):
+            for _ in range(reps):
+                fn()
+    torch.cuda.current_stream().wait_stream(st)
+    times = []
+    for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1000 / reps)
+    return statistics.median(times)
+
+
+def fold(shape) -> None:
+    """The pre-path's backward (Triton's mapping backward with the aggregation's term) with the
+    residual's other gradient added in its dx pass (``extra``, kernels.schedule.ResidualLink) at
+    EXTRA_TILE and others, against it without and autograd's add of the two after it."""
+    from kernels.triton import mapping as tm
+    from kernels.triton import proj_rms as tpr
+    s, b, n, c = shape
+    x, w, a, hb, _ = _inputs(s, b, n, c)
+    M = s * b
+    x2d = x.detach().reshape(M, n * c)
+    w, a, hb = w.detach(), a.detach(), hb.detach()
+    _, saved = tm.mapping_forward(x2d, w, a, hb)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grads = (torch.randn(M, n, device="cuda", generator=g), torch.randn(M, n, device="cuda", generator=g),
+             torch.randn(M, n, n, device="cuda", generator=g))
+    agg = (torch.rand(M, n, device="cuda", generator=g), torch.randn(M, c, device="cuda", generator=g).bfloat16())
+    extra = torch.randn(M, n * c, device="cuda", generator=g).bfloat16()
+    bw = copy_bandwidth("cuda")
+    print(f"pre-path backward at {M} rows, n = {n}, C = {c}, bf16; copy {bw / 1e9:.0f} GB/s")
+    plain = _graph_us(lambda: tm.mapping_backward(x2d, w, a, hb, saved, grads, agg=agg)[0])
+    added = _graph_us(lambda: tm.mapping_backward(x2d, w, a, hb, saved, grads, agg=agg)[0] + extra)
+    want = tm.mapping_backward(x2d, w, a, hb, saved, grads, agg=agg)[0].float() + extra.float()
+    print(f"  without the residual's gradient: {plain:.1f} us; with autograd's add after it: {added:.1f} us")
+    shipped = tpr.EXTRA_TILE
+    for tile in (shipped, (64, 128, 8, 4, 3), (64, 128, 8, 8, 2), (64, 128, 8, 4, 2), (64, 64, 8, 4, 3),
+                 (128, 128, 4, 8, 2)):
+        tpr.EXTRA_TILE = tile
+        try:
+            got = tm.mapping_backward(x2d, w, a, hb, saved, grads, agg=agg, extra=extra)[0]
+            us = _graph_us(lambda: tm.mapping_backward(x2d, w, a, hb, saved, grads, agg=agg, extra=extra))
+        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
+            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        finally:
+            tpr.EXTRA_TILE = shipped
+        err = float(((got.float() - want).abs() / want.abs().clamp(min=1e-2)).max())
+        print(f"  folded {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us ({added - us:+.1f} us "
+              f"against the add after); largest relative difference from the add in fp32 {err:.2e}")
+
+
 def main() -> None:
     shape = tuple(int(v) for v in _arg("--shape", "4096,1,4,2048").split(","))
     if sys.argv[1:2] == ["mapfwd"]:
         return mapfwd(shape)
+    if sys.argv[1:2] == ["fold"]:
+        return fold(shape)
     return profile(shape, _arg("--backend", "triton"))
 
 

@@ -149,3 +149,81 @@ def mapped(compute: Callable[[], tuple]) -> tuple:
     slot.clear()
     slot.update(key=key, value=((pre, post, logits), saved))
     return (pre, post.clone(), logits), saved
+
+
+# The residual's gradient handed from a module call's post-path to its pre-path
+# (``ResidualLink``), per thread as the memo is
+_LINK = threading.local()
+
+
+class ResidualLink:
+    """One module call's residual gradient, from the post-path's backward to the pre-path's.
+
+    The hyper-connection's n-stream residual feeds two calls of the module: the pre-path (its
+    mapping and aggregation) and the post-path (``H_res x``). Autograd sums their two gradients of
+    it in a pass of its own (a read of each and a write: 3 n C elements a token). Linked, the
+    post-path hands its gradient over (:func:`hand_over`) and the pre-path's backward adds it in
+    the pass that writes its own (a read: n C), where its backend takes one (``taker``; Triton's
+    ``mix_aggregate``). The pre-path's backward always runs after the post-path's (its h_res and
+    h_post gradients come from there); whichever order they run in, a gradient is never lost: the
+    pre-path closes the link as it runs (:meth:`take`), and a post-path that finds it closed, or
+    no taker, gives its gradient to autograd as before."""
+
+    __slots__ = ("taker", "grad", "open")
+
+    def __init__(self):
+        self.taker = False
+        self.grad = None
+        self.open = True
+
+    def give(self, grad) -> bool:
+        """The post-path's gradient kept for the pre-path's backward; False where nothing takes it
+        (no taker, or the pre-path's backward has run)."""
+        if not (self.taker and self.open):
+            return False
+        self.grad = grad if self.grad is None else self.grad + grad
+        return True
+
+    def take(self):
+        """The gradient handed over (None where none was), the link closed: a post-path after this
+        gives its gradient to autograd."""
+        self.open = False
+        grad, self.grad = self.grad, None
+        return grad
+
+
+@contextlib.contextmanager
+def residual_link(link: ResidualLink | None):
+    """Inside it, a fused pre-path that can add the residual's other gradient in its backward
+    (:func:`linked`) takes ``link``'s."""
+    before = getattr(_LINK, "at", None)
+    _LINK.at = link
+    try:
+        yield
+    finally:
+        _LINK.at = before
+
+
+def linked() -> ResidualLink | None:
+    """The link a fused pre-path's forward takes (:func:`residual_link`), marked as taken."""
+    link = getattr(_LINK, "at", None)
+    if link is not None:
+        link.taker = True
+    return link
+
+
+class _HandOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        ctx.link = link
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None if ctx.link.give(grad) else grad), None
+
+
+def hand_over(residual: torch.Tensor, link: ResidualLink | None) -> torch.Tensor:
+    """``residual`` as the post-path takes it, its gradient handed to ``link``'s pre-path where one
+    takes it (:class:`ResidualLink`); ``residual`` itself without a link."""
+    return residual if link is None else _HandOver.apply(residual, link)

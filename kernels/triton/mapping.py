@@ -156,9 +156,10 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False, ti
     return (pre, post, logits), (proj, r, rms)
 
 
-def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = False, agg=None, lowp=None):
-    """dx, dW, d_alpha, d_bias; ``agg``: the aggregation's gradient of x that dx includes too
-    (proj_rms_backward). ``lowp``: the tensor-core projection backward (default: for bf16/fp16
+def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = False, agg=None, lowp=None,
+                     extra=None):
+    """dx, dW, d_alpha, d_bias; ``agg``: the aggregation's gradient of x that dx includes too, and
+    ``extra`` another (proj_rms_backward). ``lowp``: the tensor-core projection backward (default: for bf16/fp16
     operands off the interpreter; forced on under the interpreter for the CPU tests, as there)."""
     n, weight, alpha, h_bias = _check(x2d, weight, alpha, h_bias)
     proj, r, rms = saved
@@ -189,7 +190,7 @@ def mapping_backward(x2d, weight, alpha, h_bias, saved, grads, tf32: bool = Fals
                               dr if dr is not None else r, *out, ws, M, K, N, n=n, NP=NP, BLOCK_M=bm,
                               PIECES=pieces is not None, ROUND=tf32, num_warps=4)
     dx, dw, sums = proj_rms_backward(x2d, weight, r, rms, dproj, dr, lowp=lowp, tf32=tf32, agg=agg, pieces=pieces,
-                                     also=ws)
+                                     also=ws, extra=extra)
     d_alpha, d_bias = sums[:3], sums[3:]
     return dx, dw, d_alpha.to(alpha.dtype), d_bias.to(h_bias.dtype)
 

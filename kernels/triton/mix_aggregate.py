@@ -7,13 +7,14 @@ the aggregation's backward reads x and the upstream gradient for ``grad_h_pre`` 
 else, and the projection's backward computes the aggregation's part of x's gradient (``h_pre[t, i]
 * grad_out[t, c]``) in the pass that writes dx (``agg``). Composed by autograd, the aggregation's
 backward wrote its part of dx and a third pass added the two (about 13 GB against 7.5 at the
-paper shape).
+paper shape). Linked to the module's post-path (``schedule.residual_link``), that pass adds the
+residual's other gradient too, which autograd would add in a pass of its own.
 """
 from __future__ import annotations
 
 import torch
 
-from ..schedule import beside, mapped
+from ..schedule import beside, linked, mapped
 from .h_aggregate import h_aggregate_backward, h_aggregate_forward
 from .mapping import mapping, mapping_backward, mapping_forward
 from .sinkhorn import sinkhorn, sinkhorn_backward, sinkhorn_forward
@@ -44,6 +45,7 @@ class MixAggregateFunction(torch.autograd.Function):
         out = h_aggregate_forward(x, pre)
         ctx.save_for_backward(x, weight, alpha, h_bias, pre, logits, *saved)
         ctx.knobs = knobs
+        ctx.link = linked()  # the residual's gradient from the module's post-path, added to dx
         return out, post.reshape(s, b, n), h_res
 
     @staticmethod
@@ -54,11 +56,13 @@ class MixAggregateFunction(torch.autograd.Function):
         g_log, g_pre = beside(
             lambda: None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), *ctx.knobs),
             lambda: None if g_out is None else h_aggregate_backward(x, pre, g_out, write_dx=False)[1], x.device)
+        extra = None if ctx.link is None else ctx.link.take()
         dx, dw, d_alpha, d_bias = mapping_backward(
             x.reshape(s * b, n * c), weight, alpha, h_bias, saved,
             (None if g_pre is None else g_pre.reshape(s * b, n), None if g_post is None else g_post.reshape(s * b, n),
              None if g_log is None else g_log.reshape(s * b, n, n)),
-            agg=None if g_out is None else (pre.reshape(s * b, n), g_out.reshape(s * b, c)))
+            agg=None if g_out is None else (pre.reshape(s * b, n), g_out.reshape(s * b, c)),
+            extra=None if extra is None else extra.reshape(s * b, n * c))
         return dx.reshape(x.shape), dw, d_alpha, d_bias, None, None, None, None, None, None
 
 

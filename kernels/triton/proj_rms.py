@@ -116,13 +116,14 @@ def _bwd_block(w_ptr, K, N, NP: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @fast
 @triton.jit
-def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
+def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, ex_ptr, C, M, K, N,
                   NP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT: tl.constexpr, PREC: tl.constexpr, ROUND: tl.constexpr, NS: tl.constexpr = 0,
-                  AGG_ONE: tl.constexpr = False):
+                  AGG_ONE: tl.constexpr = False, EXTRA: tl.constexpr = False):
     """fp32 operands (and everything under the interpreter): products at ``PREC``; ``ROUND`` (the
     TF32 variant): their operands rounded to TF32 first (the gradient, W and x; the RMS term takes
-    x as it is). ``NS`` > 0: the aggregation's gradient of x added to dx (``_agg_term``)."""
+    x as it is). ``NS`` > 0: the aggregation's gradient of x added to dx (``_agg_term``).
+    ``EXTRA``: another gradient of x (``ex``, x2d's shape) added to dx before its rounding."""
     sp, k, kmask, cols, w = _bwd_block(w_ptr, K, N, NP, BLOCK_K)
     w = w.to(tl.float32)
     if ROUND:
@@ -146,6 +147,8 @@ def _proj_rms_bwd(x_ptr, w_ptr, gp_ptr, gr_ptr, r_ptr, rms_ptr, dx_ptr, ws_ptr, 
         if NS > 0:
             dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, tl.program_id(0) * BLOCK_K, mask, C, NS, BLOCK_M, BLOCK_K,
                             AGG_ONE)
+        if EXTRA:
+            dx += tl.load(ex_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += part
     tl.store(ws_ptr + sp * N * K + cols[:, None] * K + k[None, :], dw, mask=(cols[:, None] < N) & kmask[None, :])
@@ -226,10 +229,10 @@ def _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS: tl.constexpr, BLO
 
 @fast
 @triton.jit
-def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, C, M, K, N,
+def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, hp_ptr, go_ptr, ex_ptr, C, M, K, N,
                          NG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                          STAGES: tl.constexpr, NS: tl.constexpr = 0, AGG_ONE: tl.constexpr = False,
-                         GROUP: tl.constexpr = False):
+                         GROUP: tl.constexpr = False, EXTRA: tl.constexpr = False):
     """bf16 (fp16) x and W on tensor cores, from the split gradient (``_split_grad``): for its K
     block and token split, ``dx = g W + coef x`` for each row block and the split's dW partial.
     The fp32 gradient comes as two pieces of x's dtype (16 significant bits for bf16, past what a
@@ -242,7 +245,9 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
     that no pass writes that gradient and no other adds the two. (Loads and dx's store through TMA
     tensor descriptors gave the same bits and were no faster: dev/perf-notes.md.) ``GROUP``
     (with the term, C a multiple of BLOCK_K): program i takes K block ``(i % NS) * C / BLOCK_K + i //
-    NS``, the NS streams' blocks over the same channels side by side (``GROUP_STREAMS``)."""
+    NS``, the NS streams' blocks over the same channels side by side (``GROUP_STREAMS``).
+    ``EXTRA``: another gradient of x (``ex``, x2d's shape: the residual's from the module's
+    post-path) added to dx in fp32 before its rounding, so that no pass adds the two after."""
     kb = tl.program_id(0)
     if GROUP:
         kb = (kb % NS) * (C // BLOCK_K) + kb // NS
@@ -270,6 +275,8 @@ def _proj_rms_bwd_packed(x_ptr, w_ptr, hi_ptr, lo_ptr, cf_ptr, dx_ptr, ws_ptr, h
         dx = prod + coef[:, None] * xl.to(tl.float32)
         if NS > 0:
             dx += _agg_term(hp_ptr, go_ptr, rows, rmask, k, k0, mask, C, NS, BLOCK_M, BLOCK_K, AGG_ONE)
+        if EXTRA:
+            dx += tl.load(ex_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offs, cast(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(ws_ptr + sp * N * K + cols[None, :] * K + k[:, None], dwt, mask=(cols[None, :] < N) & kmask[:, None])
 
@@ -339,6 +346,11 @@ AGG_STAGES = 3
 # grad_out once: 2.35). mix_aggregate's whole backward in graph replay on an H100 (thirty-first
 # session, docs/perf-notes.md): 2.52 -> 2.37 ms with the pointer loads, 2.42 with the TMA loads.
 GROUP_STREAMS = True
+# With another gradient of x added in the dx pass (``extra``: the residual's from the module's
+# post-path, kernels.schedule.ResidualLink), its tile's load beside x's: compiled for sm_90 offline
+# at LOWP_TILE (4 warps) the spills went from 31 / 37 local loads / stores to 56 / 83; with 8 warps
+# none (175 registers). Timed on the GPU: dev/perf-notes.md
+EXTRA_TILE = (64, 128, 8, 8, 3)
 # Loads by the TMA engine through host tensor descriptors (x, the gradient's pieces, grad_out) and
 # dx stored through one gave the same bits and were no faster with the streams side by side (2.42
 # against 2.37 ms for mix_aggregate's backward on an H100; 1.04-1.12x without the term): pointer
@@ -346,7 +358,7 @@ GROUP_STREAMS = True
 
 
 def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=None, tf32: bool = False,
-                      agg=None, pieces=None, also=None):
+                      agg=None, pieces=None, also=None, extra=None):
     """``lowp``: the tensor-core kernel (default: for bf16/fp16 operands off the interpreter).
     Forced on for fp32 operands it runs with exact fp32 pieces: how the CPU tests reach its
     indexing through the interpreter. ``tile_``: (BLOCK_M, BLOCK_K, SPLIT, warps, stages) for
@@ -358,8 +370,15 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
     (mix_aggregate's backward). ``pieces``: the tensor-core kernel's operands already made
     (``(hi, lo, cf)`` as ``_split_grad`` writes them; the mapping backward's compute_h kernel does):
     ``grad_proj`` and ``grad_r`` are then unused. ``also``: another fp32 workspace ``[R, L]`` summed
-    over R in dW's sum's launch; its sum (fp32, ``[L]``) is returned third."""
+    over R in dW's sum's launch; its sum (fp32, ``[L]``) is returned third. ``extra``: another
+    gradient of x (x2d's shape, any float dtype) that dx includes, added in fp32 in the same pass
+    (the residual's from the module's post-path: ``kernels.schedule.ResidualLink``)."""
     weight = _check(x2d, weight)
+    if extra is not None:
+        if tuple(extra.shape) != tuple(x2d.shape):
+            raise ValueError(f"proj_rms_backward's extra is a gradient of x2d {tuple(x2d.shape)}; got {tuple(extra.shape)}")
+        extra = extra.contiguous()
+    ex_arg = x2d if extra is None else extra
     ns, c_agg, hp_arg, go_arg = 0, 1, x2d, x2d
     if agg is not None:
         hp_arg, go_arg = agg[0].float().contiguous(), agg[1].contiguous()
@@ -396,7 +415,7 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
         return sum_rows_pair((ws, weight.dtype, weight.shape, False), (also, torch.float32, also.shape[1:], False))
 
     if lowp:
-        bm, bk, split, warps, stages = tile_ or LOWP_TILE
+        bm, bk, split, warps, stages = tile_ or (LOWP_TILE if extra is None else EXTRA_TILE)
         split, ws = workspace(bm, split)
         if M:
             ng = piece_cols(N)
@@ -412,21 +431,21 @@ def proj_rms_backward(x2d, weight, r, rms, grad_proj, grad_r, lowp=None, tile_=N
                                      f"{tuple(hi.shape)}, {tuple(lo.shape)} and {tuple(cf.shape)}")
             if agg is not None and tile_ is None:  # grad_out's tiles take shared memory too
                 stages = min(stages, AGG_STAGES)
-            _proj_rms_bwd_packed[(cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, c_agg,
-                                                       M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+            _proj_rms_bwd_packed[(cdiv(K, bk), split)](x2d, weight, hi, lo, cf, dx, ws, hp_arg, go_arg, ex_arg,
+                                                       c_agg, M, K, N, NG=ng, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                                        STAGES=stages, NS=ns, AGG_ONE=ns > 0 and c_agg % bk == 0,
                                                        GROUP=GROUP_STREAMS and ns > 0 and c_agg % bk == 0,
-                                                       num_warps=warps)
+                                                       EXTRA=extra is not None, num_warps=warps)
         return (dx, *_finish(ws))
 
     def run(cfg):
         bm, bk, split, warps, stages = (*cfg, 3)[:5]  # 3: Triton's default pipelining depth
         split, ws = workspace(bm, split)
         _proj_rms_bwd[(cdiv(K, bk), split)](x2d, weight, grad_proj, grad_r, r, rms, dx, ws, hp_arg, go_arg,
-                                            c_agg, M, K, N, NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
+                                            ex_arg, c_agg, M, K, N, NP=NP, BLOCK_M=bm, BLOCK_K=bk, SPLIT=split,
                                             PREC=_precision(tf32), ROUND=tf32, NS=ns,
-                                            AGG_ONE=ns > 0 and c_agg % bk == 0, num_warps=warps,
-                                            num_stages=stages)
+                                            AGG_ONE=ns > 0 and c_agg % bk == 0, EXTRA=extra is not None,
+                                            num_warps=warps, num_stages=stages)
         return ws
 
     # (64, 128, 8, 4, 2): two stages; the TF32 products at the paper shape took 3.0 ms with them and

@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import weakref
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from mhctool.core.entry_timing import EntryTimer
 from mhctool.core.metrics import h_res_health
 from mhctool.families.mapping import blocks
-from mhctool.kernels.schedule import recompute_memo
+from mhctool.kernels.schedule import ResidualLink, hand_over, recompute_memo, residual_link
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,15 @@ def swap_module_paths(model, ops: dict[str, Callable]) -> None:
             m.fused_h_res_h_post_bda = functools.partial(_post_path, m)
 
 
+# A module call's two paths linked through its residual (kernels.schedule.ResidualLink): Megatron's
+# layer gives the post-path the pre-path's own input as its residual (transformer_layer.py:
+# ``residual = hidden_states``), whose gradient the pre-path's backward then adds where it writes
+# its own, where its backend can (Triton's), instead of autograd's pass over the two. False: as
+# autograd sums them (sweeps)
+LINK_RESIDUAL = True
+_LINK_ATTR = "_mhctool_residual_link"
+
+
 def _checkpointed(manager, fn, *args):
     if manager is None:
         return fn(*args)
@@ -241,13 +251,16 @@ def _pre_path(m, hidden_states, mhc_recompute_manager=None):
     # previous layer's checkpointed output, Megatron frees its memory after the forward and the
     # recompute puts the same values at another address
     memo = {} if mhc_recompute_manager is not None else None
+    # the post-path of this call claims the link where its residual is this very tensor
+    link = ResidualLink() if LINK_RESIDUAL else None
+    setattr(m, _LINK_ATTR, None if link is None else (weakref.ref(hidden_states), link))
 
     def run(x, weight, alpha_pre, alpha_post, alpha_res, bias):
         alpha = torch.cat([alpha_pre.reshape(1), alpha_post.reshape(1), alpha_res.reshape(1)])
         inputs = (x, weight, alpha_pre, alpha_post, alpha_res, bias)
         kept = contextlib.nullcontext() if memo is None else \
             recompute_memo(memo, (tuple(x.shape), *(getattr(t, "_version", None) for t in inputs)))
-        with kept:
+        with kept, residual_link(link):
             return getattr(m, MODULE_PATH_ATTRS[0])(x.reshape(s, b, m.n, m.hidden_size), weight, alpha, bias)
     return _checkpointed(mhc_recompute_manager, run, hidden_states, m.mapping_proj.weight, m.alpha_pre, m.alpha_post,
                          m.alpha_res, m.bias)
@@ -259,11 +272,15 @@ def _post_path(m, h_res, original_residual, h_post, layer_output_with_bias, drop
     x, bias = layer_output_with_bias
     s, b, _ = original_residual.shape
     p = float(dropout_prob) if training else 0.0
+    claim = getattr(m, _LINK_ATTR, None)
+    setattr(m, _LINK_ATTR, None)
+    link = claim[1] if claim is not None and claim[0]() is original_residual else None
 
     def run(h_res, residual, h_post, x, *maybe_bias):
         seed, offset = dropout_key(counters_used(s * b, m.n, m.hidden_size)) if p else (0, 0)
-        out = getattr(m, MODULE_PATH_ATTRS[1])(h_res, residual.reshape(s, b, m.n, m.hidden_size), h_post, x, maybe_bias[0] if maybe_bias else None,
-                 p, seed, offset)
+        residual = hand_over(residual, link).reshape(s, b, m.n, m.hidden_size)
+        out = getattr(m, MODULE_PATH_ATTRS[1])(h_res, residual, h_post, x, maybe_bias[0] if maybe_bias else None,
+                                               p, seed, offset)
         return out.reshape(s, b, m.n * m.hidden_size)
     return _checkpointed(manager, run, h_res, original_residual, h_post, x, *(() if bias is None else (bias,)))
 

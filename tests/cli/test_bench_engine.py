@@ -155,6 +155,49 @@ def test_under_the_recompute_the_fused_pre_paths_mapping_runs_once_a_call(monkey
         assert torch.isfinite(plain).all() and torch.equal(plain, recomputed)
 
 
+def test_the_post_paths_residual_gradient_is_added_in_the_pre_paths_backward(monkeypatch):
+    """Megatron's layer gives the post-path the pre-path's own input as its residual: the adapter
+    links the two calls (kernels.schedule.ResidualLink), and the Triton pre-path's backward adds the
+    post-path's gradient of it where it writes its own (one call's mapping backward with it, each
+    module call, under the recompute too). The gradients have the bits of the unlinked step (fp32,
+    where the fold adds in autograd's order); a post-path given another residual than the pre-path's
+    input is not linked, nor is a pre-path that does not take the link (mhctool's torch pieces)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mhctool.analyses.train import module_path
+    from mhctool.kernels.triton import mix_aggregate as tmix
+    from mhctool.libraries import megatron_core as mc
+    monkeypatch.setattr(mc, "_checkpointed", lambda manager, fn, *args: checkpoint(fn, *args, use_reentrant=True)
+                        if manager is not None else fn(*args))
+    extras, real = [], tmix.mapping_backward
+    monkeypatch.setattr(tmix, "mapping_backward", lambda *a, **k: extras.append(k.get("extra") is not None)
+                        or real(*a, **k))
+    torch.manual_seed(0)
+    x0 = torch.randn(5, 3, 4 * 12)
+    for spec in ("triton", "torch"):
+        m = _Module(n=4, C=12)
+        mc.swap_module_paths(m, module_path.ops(module_path.pieces("impl", spec, {}, "cpu")[0]))
+        got = {}
+        for link in (False, True):
+            monkeypatch.setattr(mc, "LINK_RESIDUAL", link)
+            for manager in (None, object()):
+                for same in (True, False):
+                    extras.clear()
+                    x = x0.clone().requires_grad_()
+                    agg, h_res, h_post = m(x, mhc_recompute_manager=manager)
+                    residual = x if same else x * 1.0  # another tensor of the same values
+                    out = m.fused_h_res_h_post_bda(h_res, residual, h_post, (agg * 2, None), 0.0, True, False, manager)
+                    out.square().sum().backward()
+                    if spec == "triton":
+                        assert extras == [link and same], (link, manager, same, extras)
+                    got.setdefault((manager is None, same), []).append(
+                        [x.grad, *(p.grad.clone() for p in m.parameters())])
+                    m.zero_grad()
+        for (plain, same), (unlinked, linked) in got.items():
+            for a, b in zip(unlinked, linked):
+                assert torch.isfinite(a).all() and torch.equal(a, b), (spec, plain, same)
+
+
 def _rows(path):
     return pq.read_table(path).to_pylist()
 
