@@ -127,7 +127,10 @@ def mapfwd(shape) -> None:
     shipped = tm.FWD_TILE
     ref = None
     print(f"mapping forward at {s * b} rows, K = {n * c}, bf16; copy {bw / 1e9:.0f} GB/s")
-    for tile in (shipped, (32, 128, 4), (16, 128, 4), (16, 128, 2), (32, 64, 4), (16, 64, 2), (8, 128, 1)):
+    # more of x in flight a program (stages, BLOCK_K): at 64 programs a call the bytes in flight, not
+    # the programs, may be what holds the copy rate (smaller row blocks were no faster, session 60)
+    for tile in (shipped, (64, 128, 4, 5), (64, 128, 8, 6), (64, 256, 4, 3), (64, 256, 8, 4), (32, 256, 4, 4),
+                 (32, 128, 4, 6), (32, 128, 4)):
         try:
             outs, saved = tm.mapping_forward(x2d, w, a, hb, tile_=tile)
         except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end

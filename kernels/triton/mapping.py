@@ -131,8 +131,9 @@ def _check(x2d, weight, alpha, h_bias):
     return n, weight.contiguous(), alpha.contiguous(), h_bias.contiguous()
 
 
-# the forward's tile (BLOCK_M, BLOCK_K, warps): a program a block of rows, its loop over K. At issue
-# 99's step (4,096 rows a call) that is 64 programs for 132 SMs; dev/step_profile.py times others
+# the forward's tile (BLOCK_M, BLOCK_K, warps[, pipeline stages, default 3]): a program a block of
+# rows, its loop over K. At issue 99's step (4,096 rows a call) that is 64 programs for 132 SMs, each
+# with 3 x 16 KB of x in flight; dev/step_profile.py mapfwd times others
 FWD_TILE = (64, 128, 4)
 
 
@@ -148,11 +149,11 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False, ti
     rms = torch.empty((M,), dtype=torch.float32, device=dev)
     lowp = low_precision_operands(x2d, weight)
     if M:
-        bm, bk, warps = tile_ or FWD_TILE
+        bm, bk, warps, stages = (*(tile_ or FWD_TILE), 3)[:4]  # 3: Triton's default pipelining depth
         _mapping_fwd[(cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
                                      M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
                                      BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(tf32),
-                                     ROUND=tf32, num_warps=warps)
+                                     ROUND=tf32, num_warps=warps, num_stages=stages)
     return (pre, post, logits), (proj, r, rms)
 
 
