@@ -3,6 +3,7 @@
     python3 dev/step_profile.py [profile] [--shape S,B,N,C] [--backend triton|cutile]
     python3 dev/step_profile.py mapfwd [--shape S,B,N,C]
     python3 dev/step_profile.py fold [--shape S,B,N,C]
+    python3 dev/step_profile.py postfwd [--shape S,B,N,C]
 
 ``profile``: the module path as ``bench --engine`` swaps it in (mhctool.analyses.train.module_path:
 the pre-path, then the post-path with dropout 0.1 on a stand-in layer output), forward and backward,
@@ -19,6 +20,8 @@ outputs have the shipped tile's bits (a row's sums over K should not depend on t
 ``fold``: the pre-path's backward with the residual's other gradient added in its dx pass
 (kernels.schedule.ResidualLink) at its tile and others, against the backward without it followed
 by autograd's add of the two, each a CUDA graph replayed.
+
+``postfwd``: the post-path's forward with dropout 0.1 at its tile and others.
 """
 from __future__ import annotations
 
@@ -223,12 +226,50 @@ def fold(shape) -> None:
               f"against the add after); largest relative difference from the add in fp32 {err:.2e}")
 
 
+def postfwd(shape) -> None:
+    """The post-path's forward (Triton's n = 4 h_post_bda with dropout 0.1) at its shipped tile and
+    others (BLOCK_C, tokens a program, warps, stages), each a CUDA graph replayed: microseconds, %
+    of the copy rate for its bytes (read the streams and y, write the streams), whether it has the
+    shipped tile's bits (the tile may change the fp32 sums' contraction)."""
+    from kernels.triton import h_post_bda as hpb
+    s, b, n, c = shape
+    x, _, _, _, bias = _inputs(s, b, n, c)
+    x = x.detach()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h_res = torch.rand(s, b, n, n, device="cuda", generator=g)
+    h_post = 2 * torch.rand(s, b, n, device="cuda", generator=g)
+    y = torch.randn(s, b, c, device="cuda", generator=g).bfloat16()
+    bias = bias.detach()
+    bw = copy_bandwidth("cuda")
+    nbytes = (2 * n + 1) * s * b * c * 2
+    print(f"post-path forward at {s * b} tokens, n = {n}, C = {c}, bf16, dropout 0.1; copy {bw / 1e9:.0f} GB/s")
+    shipped = hpb.FWD4_TILE
+    ref = None
+    for tile in (shipped, (512, 1, 1, 1), (2048, 1, 2, 1), (2048, 1, 1, 1), (1024, 2, 1, 2), (1024, 4, 2, 2),
+                 (512, 4, 1, 3), (256, 8, 1, 3)):
+        def call():
+            return hpb.h_post_bda_forward(h_res, x, h_post, y, bias, tile_=tile, dropout=0.1, dropout_seed=1234,
+                                          dropout_offset=4294967000)
+        try:
+            out = call()
+            us = _graph_us(call)
+        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
+            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        same = "-" if ref is None else torch.equal(out, ref)
+        ref = out if ref is None else ref
+        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {100 * nbytes / bw / (us * 1e-6):.0f}% "
+              f"of copy; the shipped tile's bits: {same}")
+
+
 def main() -> None:
     shape = tuple(int(v) for v in _arg("--shape", "4096,1,4,2048").split(","))
     if sys.argv[1:2] == ["mapfwd"]:
         return mapfwd(shape)
     if sys.argv[1:2] == ["fold"]:
         return fold(shape)
+    if sys.argv[1:2] == ["postfwd"]:
+        return postfwd(shape)
     return profile(shape, _arg("--backend", "triton"))
 
 

@@ -3,7 +3,7 @@
 # remembered dispatch, the residual's gradient handed from the post-path to the pre-path): their GPU
 # tests; Triton's parity over every family (PARITY=1); the host's time (HOST=1: dev/host_gpu.py
 # triton, dispatch on and off); the pre-path backward with the residual's gradient folded in against
-# autograd's add (dev/step_profile.py fold); the mapping forward's tiles (mapfwd); then the step of VARIANTS (default the two [module]
+# autograd's add (dev/step_profile.py fold); the mapping forward's and the post-path forward's tiles (mapfwd, postfwd); then the step of VARIANTS (default the two [module]
 # variants) for the rest of BUDGET s (default 480).
 set -uo pipefail
 O="${OUT:-/tmp/out}"; mkdir -p "$O"; B=${BUDGET:-480}; SECONDS=0
@@ -26,4 +26,6 @@ timeout 90 python3 dev/step_profile.py fold > "$O/fold.txt" 2>&1; note fold $?
 cat "$O/fold.txt" >> "$O/summary.txt"
 timeout 60 python3 dev/step_profile.py mapfwd > "$O/mapfwd.txt" 2>&1; note mapfwd $?
 cat "$O/mapfwd.txt" >> "$O/summary.txt"
+timeout 60 python3 dev/step_profile.py postfwd > "$O/postfwd.txt" 2>&1; note postfwd $?
+cat "$O/postfwd.txt" >> "$O/summary.txt"
 VARIANTS="${VARIANTS:-triton[module] cutile[module]}" T=$((B - SECONDS)) bash dev/fused-path-gpu.sh step
