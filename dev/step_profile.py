@@ -221,9 +221,12 @@ def fold(shape) -> None:
             continue
         finally:
             tpr.EXTRA_TILE = shipped
-        err = float(((got.float() - want).abs() / want.abs().clamp(min=1e-2)).max())
+        # against the largest magnitude: where the two gradients nearly cancel, one bf16 rounding of a
+        # large dx is a large share of a small sum (session 62 divided element by element: 0.775)
+        err = float((got.float() - want).abs().max() / want.abs().max())
         print(f"  folded {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us ({added - us:+.1f} us "
-              f"against the add after); largest relative difference from the add in fp32 {err:.2e}")
+              f"against the add after); largest difference from the add in fp32, against its largest "
+              f"magnitude: {err:.2e}")
 
 
 def postfwd(shape) -> None:

@@ -132,9 +132,11 @@ def _check(x2d, weight, alpha, h_bias):
 
 
 # the forward's tile (BLOCK_M, BLOCK_K, warps[, pipeline stages, default 3]): a program a block of
-# rows, its loop over K. At issue 99's step (4,096 rows a call) that is 64 programs for 132 SMs, each
-# with 3 x 16 KB of x in flight; dev/step_profile.py mapfwd times others
-FWD_TILE = (64, 128, 4)
+# rows, its loop over K. At issue 99's step (4,096 rows a call) that is 64 programs for 132 SMs. On
+# an H100 there, graph replay (dev/step_profile.py mapfwd, session 62): (64, 128, 4) 45.4 us (49% of
+# copy), with 5 stages 45.3, 8 warps and 6 stages 40.7 (54%), all with the same bits; K blocks of
+# 256 (other bits) 46.3-51.6, row blocks of 32 63-67 (session 60: 16 and 8 rows no faster)
+FWD_TILE = (64, 128, 8, 6)
 
 
 def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False, tile_=None):

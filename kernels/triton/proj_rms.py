@@ -348,9 +348,13 @@ AGG_STAGES = 3
 GROUP_STREAMS = True
 # With another gradient of x added in the dx pass (``extra``: the residual's from the module's
 # post-path, kernels.schedule.ResidualLink), its tile's load beside x's: compiled for sm_90 offline
-# at LOWP_TILE (4 warps) the spills went from 31 / 37 local loads / stores to 56 / 83; with 8 warps
-# none (175 registers). Timed on the GPU: dev/perf-notes.md
-EXTRA_TILE = (64, 128, 8, 8, 3)
+# (Triton 3.6) at LOWP_TILE the spills went from 25 / 32 local loads / stores to 46 / 79; with 8
+# warps, or with K blocks of 64, none. mapping_backward with the term at issue 99's step call (4,096
+# rows, n = 4, C = 2048, bf16) on an H100, graph replay (dev/step_profile.py fold, session 62):
+# 69.0 us without extra, 136.6 with autograd's add after it; with extra (64, 64, 8, 4, 3) 91.1,
+# (64, 128, 8, 4, 2) 92.8, (64, 128, 8, 4, 3) 94.4, (128, 128, 4, 8, 2) 95.0, (64, 128, 8, 8, 3)
+# 100.0, (64, 128, 8, 8, 2) 128.1
+EXTRA_TILE = (64, 64, 8, 4, 3)
 # Loads by the TMA engine through host tensor descriptors (x, the gradient's pieces, grad_out) and
 # dx stored through one gave the same bits and were no faster with the streams side by side (2.42
 # against 2.37 ms for mix_aggregate's backward on an H100; 1.04-1.12x without the term): pointer

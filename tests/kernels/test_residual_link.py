@@ -58,20 +58,25 @@ def test_the_projection_backward_adds_the_extra_gradient_before_its_one_rounding
         tpr.proj_rms_backward(x2d, w, r, rms, gp, gr, lowp=lowp, extra=extra[:-1])
 
 
-CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"), pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
-         pytest.param("cuda", torch.bfloat16, id="gpu-bf16", marks=pytest.mark.gpu)]
+# C = 37: no K block's multiple; C = 256: every K block in one stream (the aggregation term's
+# one-load form, and on the GPU the streams' programs side by side, as at the step's C = 2048)
+CASES = [pytest.param("cpu", torch.float32, "5x3x4x37", id="cpu-fp32"),
+         pytest.param("cpu", torch.bfloat16, "5x3x4x37", id="cpu-bf16"),
+         pytest.param("cpu", torch.float32, "3x2x4x256", id="cpu-fp32-aligned"),
+         pytest.param("cuda", torch.bfloat16, "5x3x4x37", id="gpu-bf16", marks=pytest.mark.gpu),
+         pytest.param("cuda", torch.bfloat16, "67x3x4x256", id="gpu-bf16-aligned", marks=pytest.mark.gpu)]
 
 
-@pytest.mark.parametrize("device,dtype", CASES)
-def test_linked_mix_aggregate_adds_the_post_paths_gradient_to_dx(device, dtype):
+@pytest.mark.parametrize("device,dtype,shape", CASES)
+def test_linked_mix_aggregate_adds_the_post_paths_gradient_to_dx(device, dtype, shape):
     """x feeds mix_aggregate and, handed over, a stand-in post-path (``x * G``, gradient G): linked,
     the pre-path's backward takes G and dx holds both gradients, autograd adding none. Against the
     float64 reference plus G: within a rounding of dx's dtype (one rounding of the sum, where
     autograd rounds each gradient and then their sum); in fp32 the bits of the unlinked call.
-    Fresh random inputs of the family (15 tokens, C = 37), NaN-poisoned outputs."""
+    Fresh random inputs of the family, NaN-poisoned outputs."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
-    _, t = generate("mix_aggregate", "random", parse_shape_for("mhc", "5x3x4x37"), 11, {}, device=device)
+    _, t = generate("mix_aggregate", "random", parse_shape_for("mhc", shape), 11, {}, device=device)
     x, w = t["x"].to(dtype), t["weight"].to(dtype)
     inputs = (x, w, t["alpha"], t["h_bias"])
     gen = torch.Generator(device=device).manual_seed(12)
