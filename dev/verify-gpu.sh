@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # One GPU call after a change to the module path (sessions 61-62: the recompute memo, Triton's
-# remembered dispatch, the residual's gradient handed from the post-path to the pre-path): their GPU
-# tests; Triton's parity over every family (PARITY=1); the host's time (HOST=1: dev/host_gpu.py
-# triton, dispatch on and off); the pre-path backward with the residual's gradient folded in against
-# autograd's add (dev/step_profile.py fold); the mapping forward's and the post-path forward's tiles (mapfwd, postfwd); then the step of VARIANTS (default the two [module]
-# variants) for the rest of BUDGET s (default 480).
+# remembered dispatch, the residual's gradient handed from the post-path to the pre-path): their
+# GPU tests (GPU_TESTS=all: the whole GPU tier); Triton's parity over every family (PARITY=1); the
+# host's time (HOST=1: dev/host_gpu.py triton, dispatch on and off); the pre-path backward with the
+# residual's gradient folded in against autograd's add (dev/step_profile.py fold); the mapping
+# forward's and the post-path forward's tiles (mapfwd, postfwd); then the step of VARIANTS (default
+# the two [module] variants) for the rest of BUDGET s (default 480).
 set -uo pipefail
 O="${OUT:-/tmp/out}"; mkdir -p "$O"; B=${BUDGET:-480}; SECONDS=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$O/summary.txt"
 note() { echo "== $1: exit $2, $SECONDS s" >> "$O/summary.txt"; }
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_recompute_memo.py \
-  tests/kernels/test_residual_link.py tests/kernels/test_gpu.py -k "memo or remembered or beside or link or linked" \
-  > "$O/tests.log" 2>&1; note tests $?
+if [ "${GPU_TESTS:-}" = all ]; then  # the whole GPU tier (the fault matrix in it): under 4 minutes
+  timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu > "$O/tests.log" 2>&1; note tests $?
+else
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_recompute_memo.py \
+    tests/kernels/test_residual_link.py tests/kernels/test_gpu.py -k "memo or remembered or beside or link or linked" \
+    > "$O/tests.log" 2>&1; note tests $?
+fi
 tail -6 "$O/tests.log" >> "$O/summary.txt"
 if [ "${PARITY:-0}" = 1 ]; then
   timeout 150 python3 -m mhctool.cli parity --kernel all --impl triton --device cuda --workers 4 -q \
