@@ -120,50 +120,6 @@ def profile(shape, backend: str) -> None:
               f"{statistics.median(dev[name]):.1f} us")
 
 
-def mapfwd(shape) -> None:
-    from kernels.triton import mapping as tm
-    s, b, n, c = shape
-    x, w, a, hb, _ = _inputs(s, b, n, c)
-    x2d = x.detach().reshape(s * b, n * c)
-    w, a, hb = w.detach(), a.detach(), hb.detach()
-    bw = copy_bandwidth("cuda")
-    shipped = tm.FWD_TILE
-    ref = None
-    print(f"mapping forward at {s * b} rows, K = {n * c}, bf16; copy {bw / 1e9:.0f} GB/s")
-    # more of x in flight a program (stages, BLOCK_K): at 64 programs a call the bytes in flight, not
-    # the programs, may be what holds the copy rate (smaller row blocks were no faster, session 60)
-    for tile in (shipped, (64, 128, 4, 5), (64, 128, 8, 6), (64, 256, 4, 3), (64, 256, 8, 4), (32, 256, 4, 4),
-                 (32, 128, 4, 6), (32, 128, 4)):
-        try:
-            outs, saved = tm.mapping_forward(x2d, w, a, hb, tile_=tile)
-        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
-            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        same = "-" if ref is None else all(torch.equal(p, q) for p, q in zip((*outs, *saved), ref))
-        ref = ref or (*outs, *saved)
-        g = torch.cuda.CUDAGraph()
-        st = torch.cuda.Stream()
-        st.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(st):
-            tm.mapping_forward(x2d, w, a, hb, tile_=tile)
-            with torch.cuda.graph(g, stream=st):
-                for _ in range(10):
-                    tm.mapping_forward(x2d, w, a, hb, tile_=tile)
-        torch.cuda.current_stream().wait_stream(st)
-        times = []
-        for _ in range(20):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1000 / 10)
-        us = statistics.median(times)
-        pct = 100 * x2d.numel() * 2 / bw / (us * 1e-6)
-        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {pct:.0f}% of copy; "
-              f"the shipped tile's bits: {same}")
-
-
 def _graph_us(fn, reps: int = 10) -> float:
     """Median microseconds of ``fn`` a call, ``reps`` calls captured in a CUDA graph, replayed 20 times."""
     g = torch.cuda.CUDAGraph()
@@ -184,6 +140,33 @@ def _graph_us(fn, reps: int = 10) -> float:
         torch.cuda.synchronize()
         times.append(e0.elapsed_time(e1) * 1000 / reps)
     return statistics.median(times)
+
+
+def mapfwd(shape) -> None:
+    from kernels.triton import mapping as tm
+    s, b, n, c = shape
+    x, w, a, hb, _ = _inputs(s, b, n, c)
+    x2d = x.detach().reshape(s * b, n * c)
+    w, a, hb = w.detach(), a.detach(), hb.detach()
+    bw = copy_bandwidth("cuda")
+    shipped = tm.FWD_TILE
+    ref = None
+    print(f"mapping forward at {s * b} rows, K = {n * c}, bf16; copy {bw / 1e9:.0f} GB/s")
+    # more of x in flight a program (stages, BLOCK_K): at 64 programs a call the bytes in flight, not
+    # the programs, may be what holds the copy rate (smaller row blocks were no faster, session 60)
+    for tile in dict.fromkeys((shipped, (64, 128, 4), (64, 128, 4, 5), (64, 128, 8, 6), (64, 256, 4, 3),
+                               (64, 256, 8, 4), (32, 256, 4, 4), (32, 128, 4, 6), (32, 128, 4))):
+        try:
+            outs, saved = tm.mapping_forward(x2d, w, a, hb, tile_=tile)
+        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
+            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        same = "-" if ref is None else all(torch.equal(p, q) for p, q in zip((*outs, *saved), ref))
+        ref = ref or (*outs, *saved)
+        us = _graph_us(lambda: tm.mapping_forward(x2d, w, a, hb, tile_=tile))
+        pct = 100 * x2d.numel() * 2 / bw / (us * 1e-6)
+        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {pct:.0f}% of copy; "
+              f"the shipped tile's bits: {same}")
 
 
 def fold(shape) -> None:
@@ -210,8 +193,8 @@ def fold(shape) -> None:
     want = tm.mapping_backward(x2d, w, a, hb, saved, grads, agg=agg)[0].float() + extra.float()
     print(f"  without the residual's gradient: {plain:.1f} us; with autograd's add after it: {added:.1f} us")
     shipped = tpr.EXTRA_TILE
-    for tile in (shipped, (64, 128, 8, 4, 3), (64, 128, 8, 8, 2), (64, 128, 8, 4, 2), (64, 64, 8, 4, 3),
-                 (128, 128, 4, 8, 2)):
+    for tile in dict.fromkeys((shipped, (64, 128, 8, 8, 3), (64, 128, 8, 4, 3), (64, 128, 8, 8, 2),
+                               (64, 128, 8, 4, 2), (64, 64, 8, 4, 3), (128, 128, 4, 8, 2))):
         tpr.EXTRA_TILE = tile
         try:
             got = tm.mapping_backward(x2d, w, a, hb, saved, grads, agg=agg, extra=extra)[0]
@@ -248,8 +231,8 @@ def postfwd(shape) -> None:
     print(f"post-path forward at {s * b} tokens, n = {n}, C = {c}, bf16, dropout 0.1; copy {bw / 1e9:.0f} GB/s")
     shipped = hpb.FWD4_TILE
     ref = None
-    for tile in (shipped, (512, 1, 1, 1), (2048, 1, 2, 1), (2048, 1, 1, 1), (1024, 2, 1, 2), (1024, 4, 2, 2),
-                 (512, 4, 1, 3), (256, 8, 1, 3)):
+    for tile in dict.fromkeys((shipped, (1024, 1, 1, 1), (512, 1, 1, 1), (2048, 1, 2, 1), (2048, 1, 1, 1),
+                               (1024, 2, 1, 2), (1024, 4, 2, 2), (512, 4, 1, 3), (256, 8, 1, 3))):
         def call():
             return hpb.h_post_bda_forward(h_res, x, h_post, y, bias, tile_=tile, dropout=0.1, dropout_seed=1234,
                                           dropout_offset=4294967000)

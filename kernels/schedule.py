@@ -116,6 +116,16 @@ _MEMO = threading.local()
 
 
 @contextlib.contextmanager
+def _holding(local: threading.local, value):
+    """``local.at`` is ``value`` inside it, what it was before after."""
+    before = getattr(local, "at", None)
+    local.at = value
+    try:
+        yield
+    finally:
+        local.at = before
+
+
 def recompute_memo(slot: dict, key: tuple):
     """Inside it, the fused pre-path (each backend's ``mix_aggregate``) keeps its mapping's results
     in ``slot`` under ``key`` (a forward), or takes them from there where an earlier call left them
@@ -125,12 +135,7 @@ def recompute_memo(slot: dict, key: tuple):
     Only what is no output is kept: an engine may free the outputs' memory between the two calls
     (Megatron's ``CheckpointWithoutOutput`` does), so h_post is returned as a copy of the kept one
     and h_res is recomputed from the kept logits (Sinkhorn: tens of microseconds, no pass over x)."""
-    before = getattr(_MEMO, "at", None)
-    _MEMO.at = (slot, key)
-    try:
-        yield
-    finally:
-        _MEMO.at = before
+    return _holding(_MEMO, (slot, key))
 
 
 def mapped(compute: Callable[[], tuple]) -> tuple:
@@ -192,16 +197,10 @@ class ResidualLink:
         return grad
 
 
-@contextlib.contextmanager
 def residual_link(link: ResidualLink | None):
     """Inside it, a fused pre-path that can add the residual's other gradient in its backward
     (:func:`linked`) takes ``link``'s."""
-    before = getattr(_LINK, "at", None)
-    _LINK.at = link
-    try:
-        yield
-    finally:
-        _LINK.at = before
+    return _holding(_LINK, link)
 
 
 def linked() -> ResidualLink | None:
