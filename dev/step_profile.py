@@ -4,6 +4,7 @@
     python3 dev/step_profile.py mapfwd [--shape S,B,N,C]
     python3 dev/step_profile.py fold [--shape S,B,N,C]
     python3 dev/step_profile.py postfwd [--shape S,B,N,C]
+    python3 dev/step_profile.py postbwd [--shape S,B,N,C]
 
 ``profile``: the module path as ``bench --engine`` swaps it in (mhctool.analyses.train.module_path:
 the pre-path, then the post-path with dropout 0.1 on a stand-in layer output), forward and backward,
@@ -22,6 +23,9 @@ outputs have the shipped tile's bits (a row's sums over K should not depend on t
 by autograd's add of the two, each a CUDA graph replayed.
 
 ``postfwd``: the post-path's forward with dropout 0.1 at its tile and others.
+
+``postbwd``: the post-path's backward with dropout 0.1 (the tensor-core kernel with the mask) at its
+tile and others, and the n = 4 FMA kernel's.
 """
 from __future__ import annotations
 
@@ -248,6 +252,50 @@ def postfwd(shape) -> None:
               f"of copy; the shipped tile's bits: {same}")
 
 
+def postbwd(shape) -> None:
+    """The post-path's backward (Triton's n = 4 h_post_bda with dropout 0.1) at its shipped tile and
+    others: the tensor-core kernel's (BLOCK_C, tokens a program, warps, stages) and the FMA kernel's
+    (5 entries), each a CUDA graph replayed: microseconds, % of the copy rate for its bytes (read the
+    gradient, the streams and y, write dx and dy), and whether dx and dy have the shipped tile's bits
+    (a token's are per element and should not depend on the tile) and dH, dh_post and the bias's
+    gradient too (their sums over C follow the C block)."""
+    from kernels.triton import h_post_bda as hpb
+    s, b, n, c = shape
+    x, _, _, _, bias = _inputs(s, b, n, c)
+    x = x.detach()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h_res = torch.rand(s, b, n, n, device="cuda", generator=g)
+    h_post = 2 * torch.rand(s, b, n, device="cuda", generator=g)
+    y = torch.randn(s, b, c, device="cuda", generator=g).bfloat16()
+    grad = torch.randn(s, b, n, c, device="cuda", generator=g).bfloat16()
+    bias = bias.detach()
+    bw = copy_bandwidth("cuda")
+    nbytes = (3 * n + 2) * s * b * c * 2
+    print(f"post-path backward at {s * b} tokens, n = {n}, C = {c}, bf16, dropout 0.1; copy {bw / 1e9:.0f} GB/s")
+    shipped = hpb.BWD4_TILE_TC_DROPOUT
+    ref = None
+    for tile in dict.fromkeys((shipped, (512, 16, 2, 3), (512, 8, 2, 4), (512, 32, 2, 4), (256, 16, 1, 4),
+                               (256, 16, 2, 4), (256, 32, 1, 3), (256, 8, 1, 4), (1024, 16, 4, 4),
+                               (1024, 16, 4, 2), hpb.BWD4_TILE, (1, 256, 64, 1, 3), (2, 256, 32, 2, 3))):
+        def call():
+            return hpb.h_post_bda_backward(h_res, x, h_post, y, bias, grad, tile_=tile, dropout=0.1,
+                                           dropout_seed=1234, dropout_offset=4294967000)
+        try:
+            out = call()
+            us = _graph_us(call)
+        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
+            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        d_h, dx, d_hp, dy, d_b = out
+        if ref is None:
+            ref, same = out, "-"
+        else:
+            same = (f"dx, dy {torch.equal(dx, ref[1]) and torch.equal(dy, ref[3])}; dH, dh_post, d_bias "
+                    f"{all(torch.equal(p, q) for p, q in ((d_h, ref[0]), (d_hp, ref[2]), (d_b, ref[4])))}")
+        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {100 * nbytes / bw / (us * 1e-6):.0f}% "
+              f"of copy; the shipped tile's bits: {same}")
+
+
 def main() -> None:
     shape = tuple(int(v) for v in _arg("--shape", "4096,1,4,2048").split(","))
     if sys.argv[1:2] == ["mapfwd"]:
@@ -256,6 +304,8 @@ def main() -> None:
         return fold(shape)
     if sys.argv[1:2] == ["postfwd"]:
         return postfwd(shape)
+    if sys.argv[1:2] == ["postbwd"]:
+        return postbwd(shape)
     return profile(shape, _arg("--backend", "triton"))
 
 

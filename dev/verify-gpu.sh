@@ -2,9 +2,9 @@
 # One GPU call after a change to the module path (sessions 61-62: the recompute memo, Triton's
 # remembered dispatch, the residual's gradient handed from the post-path to the pre-path): their
 # GPU tests (GPU_TESTS=all: the whole GPU tier); Triton's parity over every family (PARITY=1); the
-# host's time (HOST=1: dev/host_gpu.py triton, dispatch on and off); the pre-path backward with the
-# residual's gradient folded in against autograd's add (dev/step_profile.py fold); the mapping
-# forward's and the post-path forward's tiles (mapfwd, postfwd); then the step of VARIANTS (default
+# host's time (HOST=1: dev/host_gpu.py triton, dispatch on and off); the
+# tile sweeps of dev/step_profile.py named in PROFILES (default postbwd: the post-path backward's;
+# also fold, mapfwd, postfwd); then the step of VARIANTS (default
 # the two [module] variants) for the rest of BUDGET s (default 480).
 set -uo pipefail
 O="${OUT:-/tmp/out}"; mkdir -p "$O"; B=${BUDGET:-480}; SECONDS=0
@@ -27,10 +27,8 @@ if [ "${HOST:-0}" = 1 ]; then
   timeout 60 python3 dev/host_gpu.py triton > "$O/host.txt" 2>&1; note host $?
   grep "remembered\|host per\|host us" "$O/host.txt" >> "$O/summary.txt"
 fi
-timeout 90 python3 dev/step_profile.py fold > "$O/fold.txt" 2>&1; note fold $?
-cat "$O/fold.txt" >> "$O/summary.txt"
-timeout 60 python3 dev/step_profile.py mapfwd > "$O/mapfwd.txt" 2>&1; note mapfwd $?
-cat "$O/mapfwd.txt" >> "$O/summary.txt"
-timeout 60 python3 dev/step_profile.py postfwd > "$O/postfwd.txt" 2>&1; note postfwd $?
-cat "$O/postfwd.txt" >> "$O/summary.txt"
+for mode in ${PROFILES:-postbwd}; do  # dev/step_profile.py's tile sweeps (fold, mapfwd, postfwd, postbwd)
+  timeout 90 python3 dev/step_profile.py "$mode" > "$O/$mode.txt" 2>&1; note "$mode" $?
+  cat "$O/$mode.txt" >> "$O/summary.txt"
+done
 VARIANTS="${VARIANTS:-triton[module] cutile[module]}" T=$((B - SECONDS)) bash dev/fused-path-gpu.sh step
