@@ -128,32 +128,36 @@ def _holding(local: threading.local, value):
 
 def recompute_memo(slot: dict, key: tuple):
     """Inside it, the fused pre-path (each backend's ``mix_aggregate``) keeps its mapping's results
-    in ``slot`` under ``key`` (a forward), or takes them from there where an earlier call left them
-    under the same key (the recompute of that forward): the recompute then reads x once, for the
-    aggregation, instead of twice. ``key`` is the caller's promise that the inputs are the same
-    (a checkpoint's closure: the tensors it saved, their versions unchanged); a slot is taken once.
-    Only what is no output is kept: an engine may free the outputs' memory between the two calls
-    (Megatron's ``CheckpointWithoutOutput`` does), so h_post is returned as a copy of the kept one
-    and h_res is recomputed from the kept logits (Sinkhorn: tens of microseconds, no pass over x)."""
+    and Sinkhorn's h_res in ``slot`` under ``key`` (a forward), or takes them from there where an
+    earlier call left them under the same key (the recompute of that forward): the recompute then
+    reads x once, for the aggregation, and launches neither the mapping nor Sinkhorn. ``key`` is
+    the caller's promise that the inputs are the same (a checkpoint's closure: the tensors it
+    saved, their versions unchanged); a slot is taken once. Only what is no output is kept: an
+    engine may free the outputs' memory between the two calls (Megatron's
+    ``CheckpointWithoutOutput`` does), so the forward returns copies of h_post and h_res and keeps
+    the tensors it computed."""
     return _holding(_MEMO, (slot, key))
 
 
-def mapped(compute: Callable[[], tuple]) -> tuple:
-    """``((pre, post, logits), saved)`` of the mapping, as each backend's mapping forward returns
-    them: ``compute()``'s, or the kept ones of the forward that this call recomputes
-    (:func:`recompute_memo`). ``post`` is never a tensor that another call returned or will return."""
+def mapped(compute: Callable[[], tuple], mix: Callable) -> tuple:
+    """``((pre, post, logits), saved, h_res)``: the mapping's results as each backend's mapping
+    forward returns them (``compute()``) and Sinkhorn's ``mix(logits)``, or the kept ones of the
+    forward that this call recomputes (:func:`recompute_memo`). ``post`` and ``h_res`` are never
+    tensors that another call returned or will return."""
     at = getattr(_MEMO, "at", None)
     if at is None:
-        return compute()
+        (pre, post, logits), saved = compute()
+        return (pre, post, logits), saved, mix(logits)
     slot, key = at
     if slot.get("key") == key:
         value = slot["value"]
         slot.clear()  # taken once
         return value
     (pre, post, logits), saved = compute()
+    h_res = mix(logits)
     slot.clear()
-    slot.update(key=key, value=((pre, post, logits), saved))
-    return (pre, post.clone(), logits), saved
+    slot.update(key=key, value=((pre, post, logits), saved, h_res))
+    return (pre, post.clone(), logits), saved, h_res.clone()
 
 
 # The residual's gradient handed from a module call's post-path to its pre-path

@@ -27,11 +27,12 @@ class _MixAggregate(torch.autograd.Function):
         if x.dim() != 4:
             raise ValueError(f"mix_aggregate takes x[s, b, n, C], got {tuple(x.shape)}")
         s, b, n, c = x.shape
-        # the mapping's results, or those its forward kept where this is its recompute
-        (pre, post, logits), saved = mapped(lambda: map_.forward(x.reshape(s * b, n * c), weight, alpha, h_bias, eps))
-        logits = logits.reshape(s, b, n, n)
         knobs = (iters, sinkhorn_eps, stabilize, eps_mode, order)
-        h_res = sinkhorn_forward(logits, *knobs)
+        # the mapping's results and h_res, or those its forward kept where this is its recompute
+        (pre, post, logits), saved, h_res = mapped(
+            lambda: map_.forward(x.reshape(s * b, n * c), weight, alpha, h_bias, eps),
+            lambda lg: sinkhorn_forward(lg.reshape(s, b, n, n), *knobs))
+        logits = logits.reshape(s, b, n, n)
         pre = pre.reshape(s, b, n)
         out = agg_.h_aggregate_forward(x, pre)
         ctx.save_for_backward(x, pre, logits, *saved)

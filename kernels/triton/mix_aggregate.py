@@ -36,11 +36,11 @@ class MixAggregateFunction(torch.autograd.Function):
                 order="row_first"):
         s, b, n, c = x.shape
         x2d = x.reshape(s * b, n * c)
-        # the mapping's results, or those its forward kept where this is its recompute
-        (pre, post, logits), saved = mapped(lambda: mapping_forward(x2d, weight, alpha, h_bias, eps))
-        logits = logits.reshape(s, b, n, n)
         knobs = (iters, sinkhorn_eps, stabilize, eps_mode, order)
-        h_res = sinkhorn_forward(logits, *knobs)
+        # the mapping's results and h_res, or those its forward kept where this is its recompute
+        (pre, post, logits), saved, h_res = mapped(lambda: mapping_forward(x2d, weight, alpha, h_bias, eps),
+                                                   lambda lg: sinkhorn_forward(lg.reshape(s, b, n, n), *knobs))
+        logits = logits.reshape(s, b, n, n)
         pre = pre.reshape(s, b, n)
         out = h_aggregate_forward(x, pre)
         ctx.save_for_backward(x, weight, alpha, h_bias, pre, logits, *saved)

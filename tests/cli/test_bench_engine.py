@@ -124,7 +124,7 @@ def test_a_module_variants_recompute_is_timed_as_its_recompute(monkeypatch):
 def test_under_the_recompute_the_fused_pre_paths_mapping_runs_once_a_call(monkeypatch):
     """Under Megatron's mHC recompute the pre-path's closure runs twice on the same inputs: with
     mhctool's kernels swapped in, the recompute takes the forward's mapping (kernels.schedule.
-    recompute_memo) and runs only the aggregation and Sinkhorn again; the gradients have the bits
+    recompute_memo) and h_res, and runs only the aggregation again; the gradients have the bits
     of the call without the recompute (torch's reentrant checkpoint stands in for Megatron's, x moved
     to another address for the recompute as Megatron's restored storage moves it)."""
     from torch.utils.checkpoint import checkpoint
@@ -136,8 +136,9 @@ def test_under_the_recompute_the_fused_pre_paths_mapping_runs_once_a_call(monkey
         return lambda x, *rest: fn(x if not torch.is_grad_enabled() else x.clone(), *rest)
     monkeypatch.setattr(mc, "_checkpointed", lambda manager, fn, *args: checkpoint(moved(fn), *args, use_reentrant=True)
                         if manager is not None else fn(*args))
-    calls, real = [], tmix.mapping_forward
-    monkeypatch.setattr(tmix, "mapping_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real, real_mix = [], tmix.mapping_forward, tmix.sinkhorn_forward
+    monkeypatch.setattr(tmix, "mapping_forward", lambda *a, **k: calls.append("map") or real(*a, **k))
+    monkeypatch.setattr(tmix, "sinkhorn_forward", lambda *a, **k: calls.append("mix") or real_mix(*a, **k))
     torch.manual_seed(0)
     m = _Module(n=4, C=12)
     mc.swap_module_paths(m, module_path.ops(module_path.pieces("impl", "triton", {}, "cpu")[0]))
@@ -148,7 +149,7 @@ def test_under_the_recompute_the_fused_pre_paths_mapping_runs_once_a_call(monkey
         agg, h_res, h_post = m(x, mhc_recompute_manager=manager)
         out = m.fused_h_res_h_post_bda(h_res, x, h_post, (agg * 2, None), 0.0, True, False, manager)
         out.square().sum().backward()
-        assert len(calls) == 1, (manager, calls)  # the recompute's pre-path ran without its mapping
+        assert calls == ["map", "mix"], (manager, calls)  # the recompute's pre-path: the aggregation alone
         got[manager is None] = [x.grad, *(p.grad.clone() for p in m.parameters())]
         m.zero_grad()
     for plain, recomputed in zip(got[True], got[False]):

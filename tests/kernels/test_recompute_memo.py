@@ -1,6 +1,7 @@
-"""The fused pre-path's recompute from its forward's kept mapping (``schedule.recompute_memo``): the
-recompute of Megatron's mHC checkpoint runs the pre-path again on the same saved inputs, and with
-the memo it runs the mapping (a pass over x) once, in the forward. Triton through the interpreter
+"""The fused pre-path's recompute from its forward's kept mapping and h_res
+(``schedule.recompute_memo``): the recompute of Megatron's mHC checkpoint runs the pre-path again on
+the same saved inputs, and with the memo it runs the mapping (a pass over x) and Sinkhorn once, in
+the forward. Triton through the interpreter
 on the CPU; both backends on the GPU."""
 import importlib
 
@@ -30,22 +31,25 @@ def _inputs(device, shape="5x3x4x37"):  # 15 tokens, K = 148: no tile's multiple
 
 
 def _counted(monkeypatch, mod, backend):
-    """Counts the mapping's forward launches of ``mod`` (its one pass over x before the aggregation)."""
-    calls = []
+    """Counts the mapping's forward launches of ``mod`` (its one pass over x before the aggregation)
+    and Sinkhorn's forward launches."""
+    calls, mixes = [], []
     if backend == "triton":
         real = mod.mapping_forward
         monkeypatch.setattr(mod, "mapping_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     else:
         real = mod.map_.forward
         monkeypatch.setattr(mod.map_, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
+    real_mix = mod.sinkhorn_forward
+    monkeypatch.setattr(mod, "sinkhorn_forward", lambda *a, **k: mixes.append(1) or real_mix(*a, **k))
+    return calls, mixes
 
 
 @pytest.mark.parametrize("backend,device", CASES)
 def test_the_recompute_takes_the_forwards_mapping_and_gives_the_same_bits(monkeypatch, backend, device):
     """A forward without grad under a memo, its outputs' memory then freed (as Megatron's checkpoint
-    frees it), and the recompute under the same key with grad: the mapping ran once, the slot is
-    empty after, and the recompute's outputs and all four gradients have the bits of a plain call
+    frees it), and the recompute under the same key with grad: the mapping and Sinkhorn ran once,
+    the slot is empty after, and the recompute's outputs and all four gradients have the bits of a plain call
     with grad. Under another key (inputs the caller does not vouch for) the mapping runs again."""
     mod = importlib.import_module(f"mhctool.kernels.{backend}.mix_aggregate")
     inputs, ups = _inputs(device)
@@ -57,16 +61,16 @@ def test_the_recompute_takes_the_forwards_mapping_and_gives_the_same_bits(monkey
 
     with poisoning():
         want_outs, want_grads = with_grad()
-        calls = _counted(monkeypatch, mod, backend)
+        calls, mixes = _counted(monkeypatch, mod, backend)
         slot = {}
         with recompute_memo(slot, ("call", 1)), torch.no_grad():
             first = mod.mix_aggregate(*inputs)
         for t in first:  # what CheckpointWithoutOutput does to the forward's outputs
             t.untyped_storage().resize_(0)
-        assert len(calls) == 1 and slot
+        assert len(calls) == len(mixes) == 1 and slot
         with recompute_memo(slot, ("call", 1)):
             got_outs, got_grads = with_grad()
-        assert len(calls) == 1 and not slot  # the recompute took the kept mapping, once
+        assert len(calls) == len(mixes) == 1 and not slot  # the recompute took the kept mapping and h_res, once
         for name, w, g in zip(("out", "h_post", "h_res", "dx", "dweight", "dalpha", "dh_bias"),
                               (*want_outs, *want_grads), (*got_outs, *got_grads)):
             assert torch.isfinite(w).all(), name
@@ -75,5 +79,5 @@ def test_the_recompute_takes_the_forwards_mapping_and_gives_the_same_bits(monkey
             mod.mix_aggregate(*inputs)
         with recompute_memo(slot, ("call", 3)):
             other_outs, _ = with_grad()
-        assert len(calls) == 3  # a key that differs is no recompute of that forward
+        assert len(calls) == len(mixes) == 3  # a key that differs is no recompute of that forward
         assert all(torch.equal(w, g) for w, g in zip(want_outs, other_outs))
