@@ -176,7 +176,9 @@ def step_attribution_table(rows: list[dict], title: str) -> Table | None:
 def step_split_table(rows: list[dict], title: str) -> Table | None:
     """Where the time inside the entry points goes: per entry point and direction, each variant's
     milliseconds a step and share of its step, with the kernel's own bench figure beside where
-    there is one; None where no entry point was timed."""
+    there is one, and on a GPU the device's gaps ended by its launches (where the host was late;
+    the profiled step's, which the profiler widens), the gaps before other kernels in a last row;
+    None where no entry point was timed."""
     by = _by_run(rows)
     runs = [(v, p) for (v, p), parts in by.items() if any(e != "*" for e, _ in parts)]
     if not runs:
@@ -198,6 +200,14 @@ def step_split_table(rows: list[dict], title: str) -> Table | None:
             cell = "-" if ms is None else f"{_fmt(ms)} ({100 * share:.1f}%)"
             if alone is not None:
                 cell += f"; {_fmt(alone)} x {_fmt(m.get('calls', {}).get('value'))}"
+            if (gap := m.get("gap_before_ms", {}).get("value")) is not None:
+                cell += f"; waited {_fmt(gap)}"
             cells.append(cell)
         t.add_row(key[0], key[1], *cells)
+    gaps = [by[run].get(("*", "*"), {}).get("gap_ms", {}).get("value") for run in runs]
+    if any(g is not None for g in gaps):
+        inside = [sum(m["gap_before_ms"]["value"] for k, m in by[run].items() if k[0] != "*" and "gap_before_ms" in m)
+                  for run in runs]
+        t.add_row("device waited before other kernels", "",
+                  *("-" if g is None else f"{_fmt(g - i)} of {_fmt(g)} (profiled)" for g, i in zip(gaps, inside)))
     return t

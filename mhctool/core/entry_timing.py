@@ -14,7 +14,10 @@ read from what it recorded.
 
 Kernel time is the GPU's busy time: time the GPU waits between an entry point's launches (a
 launch-bound path) is not in it; it is in the step's time, and so in what the overhead over the
-baseline leaves outside the entry points.
+baseline leaves outside the entry points. Where the device waits is recorded apart
+(``gap_before``): each gap in the profiled step's device timeline counts for the call whose
+launch ended it (the host was late with that kernel). The profiler's own cost on the host widens
+every gap, so these say where the device waits, not how long it would without the profiler.
 
 What is wrapped may nest (a module's whole pre-path around the entry points it calls): a kernel
 counts for the innermost wrapped call it was launched in, so an outer call's time is what its
@@ -71,6 +74,23 @@ def innermost(containers: list, launches: list) -> dict[tuple[str, str], float]:
         if stack:
             out[(stack[-1][2], stack[-1][3])] += k
     return out
+
+
+def device_gaps(kernels: list, launch_of: dict) -> tuple[float, dict[int, list]]:
+    """The device's gaps: ``kernels`` [(start, end, correlation id)] on every stream (overlaps are
+    busy once); a gap, from the end of all that ran before a kernel to its start, counts for the
+    launch of that kernel (``launch_of``: correlation id -> (thread, launch start)). Returns the
+    gaps' total ns and, per thread, [(launch start, gap ns)] as :func:`innermost` takes launches;
+    a gap whose launch is unknown is in the total only."""
+    total, out, end = 0.0, defaultdict(list), None
+    for start, stop, corr in sorted(kernels):
+        if end is not None and start > end:
+            total += start - end
+            if corr in launch_of:
+                thread, at = launch_of[corr]
+                out[thread].append((at, start - end))
+        end = stop if end is None else max(end, stop)
+    return total, dict(out)
 
 
 def own_times(containers: list) -> dict[tuple[str, str], float]:
@@ -202,15 +222,24 @@ class EntryTimer:
         for cs in containers.values():
             for start, end, family, kind, call in cs:
                 calls[(family, kind)].add(call)
+        gap_ns, gap_at = 0.0, defaultdict(float)
         if gpu is not None:
             launches: dict[int, list] = defaultdict(list)  # thread -> [(start, kernel ns)]
+            launch_of = {}
             for e in ops:
                 k = kernel_ns.get(e.correlation_id())
                 if k:
                     launches[e.start_thread_id()].append((e.start_ns(), k))
+                    launch_of[e.correlation_id()] = (e.start_thread_id(), e.start_ns())
             for t, cs in containers.items():
                 for (family, kind), k in innermost(cs, launches.get(t, [])).items():
                     ns[(family, kind)] += k
+            gap_ns, gaps = device_gaps([(e.start_ns(), e.start_ns() + e.duration_ns(), e.linked_correlation_id())
+                                        for e in events if e.device_type() == gpu and e.linked_correlation_id() > 0],
+                                       launch_of)
+            for t, cs in containers.items():
+                for (family, kind), g in innermost(cs, gaps.get(t, [])).items():
+                    gap_at[f"{family}|{kind}"] += g / 1e6
         if gpu is None:  # on a CPU, each container's own time (what its inner ones leave)
             for cs in containers.values():
                 for (family, kind), v in own_times(cs).items():
@@ -234,11 +263,15 @@ class EntryTimer:
         # the step's whole: the device time of every kernel and copy (the GPU's busy time), or on a
         # CPU every thread's time in ops, the profiler's own cost in it as in the entry points'
         out[WHOLE] = {"busy_ms": busy_ns / 1e6}
+        if gpu is not None:  # the device's gaps, and those before a kernel a call launched ("family|kind")
+            out[WHOLE].update(gap_ms=gap_ns / 1e6, gap_before=dict(gap_at))
         self._calls = []
         return dict(out)
 
     def step_end(self) -> dict[str, dict[str, float]]:
         """Per family, the last profiled step's ``{KIND}_ms`` and ``{KIND}_calls``; under
-        :data:`WHOLE`, ``busy_ms``: the whole step's kernel time (CPU time on a CPU)."""
+        :data:`WHOLE`, ``busy_ms``: the whole step's kernel time (CPU time on a CPU), and on a GPU
+        ``gap_ms`` (the device's gaps in it) and ``gap_before`` (``"family|kind"`` -> the gaps'
+        milliseconds before kernels that such calls launched)."""
         last, self._last = self._last, {}
         return last

@@ -185,10 +185,12 @@ TRAIN_SCHEMA = pa.schema([
 # peak_bytes (GPU), entry_step_ms (median step under the profiler, which times the entry points),
 # busy_ms (that step's whole kernel time: the GPU's busy time; CPU time of every op on a CPU),
 # mhc_ms (the device time of the kernels inside the entry points a step; CPU time on a CPU),
-# mhc_share (of step_ms; of busy_ms on a CPU), elsewhere_ms (overhead_ms - mhc_ms); per entry point (``entry``: the
+# mhc_share (of step_ms; of busy_ms on a CPU), elsewhere_ms (overhead_ms - mhc_ms), gap_ms (GPU: the
+# device's gaps in the profiled step, widened by the profiler's host cost); per entry point (``entry``: the
 # family; ``mapping``: a fused projection with the mapping's activations) and ``direction`` (fwd,
 # bwd, recompute): entry_ms, entry_share (of step_ms), calls (a step), kernel_ms (the kernel
-# alone, bench's measurement at the step's shape). A variant that could not run: metric ``error`` or ``skipped``, why in ``message``.
+# alone, bench's measurement at the step's shape), gap_before_ms (GPU: of gap_ms, the gaps ended by
+# a kernel such a call launched: where the host was late). A variant that could not run: metric ``error`` or ``skipped``, why in ``message``.
 STEP_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("variant", pa.string()), ("point", pa.string()), ("streams", pa.int64()),
     ("layers", pa.int64()), ("hidden", pa.int64()), ("seq", pa.int64()), ("micro_batch", pa.int64()),

@@ -289,6 +289,51 @@ def test_a_kernel_counts_for_the_innermost_call_it_was_launched_in():
     assert own_times([outer, *inner]) == {("pre_path", "fwd"): 80, ("proj_rms", "fwd"): 10, ("sinkhorn", "fwd"): 10}
 
 
+def test_a_device_gap_counts_for_the_call_whose_launch_ended_it():
+    """Kernels on two streams overlap (busy once); a gap runs from the end of all before a kernel to
+    its start and counts for that kernel's launch, then for the innermost call holding the launch;
+    a gap whose launch is unknown is in the total only."""
+    from mhctool.core.entry_timing import device_gaps, innermost
+    kernels = [(0, 10, 1), (5, 30, 2), (40, 50, 3), (45, 47, 4), (60, 70, 5), (100, 110, 6)]
+    launch_of = {1: (7, 0), 2: (7, 1), 3: (7, 15), 4: (8, 16), 5: (7, 55)}  # 6: launched where nothing saw it
+    total, gaps = device_gaps(kernels, launch_of)
+    assert total == 10 + 10 + 30
+    assert gaps == {7: [(15, 10), (55, 10)]}
+    calls = [(0, 20, "pre_path", "fwd", 0), (50, 58, "post_path", "bwd", 1)]
+    assert innermost(calls, gaps[7]) == {("pre_path", "fwd"): 10, ("post_path", "bwd"): 10}
+
+
+def test_the_gaps_become_rows_and_the_split_table_says_where_the_device_waited():
+    """A GPU step's recorded gaps (``gap_ms``, ``gap_before``): rows gap_ms for the step and
+    gap_before_ms per call and direction (medians over the timed steps, a step without a gap
+    there counting 0), and the split table's cells and last line."""
+    from rich.console import Console
+
+    from mhctool.analyses.train import step_bench as sb
+    from mhctool.cli.tables import step_split_table
+    from mhctool.libraries.megatron_core import Recipe
+
+    def rec(step, t, entry=None):
+        return {"step": step, "iteration-time": t, **({"entry_ms": entry} if entry else {})}
+
+    def entry(gap, before):
+        return {"pre_path": {"fwd_ms": 2.0, "fwd_calls": 4}, "post_path": {"bwd_ms": 3.0, "bwd_calls": 4},
+                "*": {"busy_ms": 90.0, "gap_ms": gap, "gap_before": before}}
+    plain = sb.Measured(sb.Variant(sb.BASELINE, "plain"), {}, [rec(1, 0.1), rec(2, 0.1),
+                                                           rec(3, 0.1, {"*": {"busy_ms": 95.0}})], None, 0, 2)
+    fused = sb.Measured(sb.Variant("triton[module]", "impl"), {}, [
+        rec(1, 0.11), rec(2, 0.11), rec(3, 0.12, entry(6.0, {"pre_path|fwd": 1.5, "post_path|bwd": 2.0})),
+        rec(4, 0.12, entry(8.0, {"pre_path|fwd": 2.5})), rec(5, 0.12, entry(7.0, {"pre_path|fwd": 0.5}))], None, 0, 2)
+    rows = sb.rows([plain, fused], Recipe(layers=1, hidden=8, streams=4, seq=4, global_batch=1, micro_batch=1))
+    got = {(r["entry"], r["direction"]): r["value"] for r in rows if r["metric"] in ("gap_ms", "gap_before_ms")}
+    assert got == {("*", "*"): 7.0, ("pre_path", "fwd"): 1.5, ("post_path", "bwd"): 0.0}
+    console = Console(width=200, record=True)
+    console.print(step_split_table(rows, "split"))
+    text = console.export_text()
+    assert "waited 1.5" in text and "waited 0" in text
+    assert "device waited before other kernels" in text and "5.5 of 7 (profiled)" in text
+
+
 def test_a_sweep_runs_the_baseline_once_and_a_failing_variant_is_its_row(tmp_path):
     """--sweep streams=2,3: the baseline (no streams) once, the variant at each point; an engine
     that fails for one variant is that variant's error row, the others timed, exit 1."""

@@ -241,6 +241,16 @@ class Measured:
         v = [r["entry_ms"]["*"]["busy_ms"] for r in self.records if "*" in (r.get("entry_ms") or {})]
         return statistics.median(v) if v else None
 
+    def gaps(self) -> tuple[float | None, dict[tuple[str, str], float]]:
+        """Over the entry-timed steps on a GPU, medians of the device's gaps a step (ms) and of those
+        before kernels each (family, kind)'s calls launched (a step without such a gap counts 0)."""
+        whole = [r["entry_ms"]["*"] for r in self.records if "gap_ms" in (r.get("entry_ms") or {}).get("*", {})]
+        if not whole:
+            return None, {}
+        keys = {tuple(k.split("|", 1)) for w in whole for k in w.get("gap_before", {})}
+        return (statistics.median(w["gap_ms"] for w in whole),
+                {k: statistics.median(w.get("gap_before", {}).get("|".join(k), 0.0) for w in whole) for k in sorted(keys)})
+
 
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
@@ -333,6 +343,11 @@ def rows(measured: list[Measured], recipe, kernel_ms: dict | None = None, device
                 if t0 is not None and busy is not None and b0 is not None:
                     row("outside_ms", busy - mhc - b0)
                     row("idle_ms", (t - busy) - (t0 - b0))
+            gap, before = m.gaps()
+            if gap is not None:
+                row("gap_ms", gap)
+            for (family, kind), ms in before.items():
+                row("gap_before_ms", ms, entry=family, direction=kind)
             for (family, kind), (ms, calls, nbytes) in m.entry().items():
                 row("entry_ms", ms, entry=family, direction=kind)
                 row("entry_share", ms / whole, entry=family, direction=kind)
