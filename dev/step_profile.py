@@ -276,7 +276,8 @@ def postbwd(shape) -> None:
     ref = None
     for tile in dict.fromkeys((shipped, (512, 16, 2, 3), (512, 8, 2, 4), (512, 32, 2, 4), (256, 16, 1, 4),
                                (256, 16, 2, 4), (256, 32, 1, 3), (256, 8, 1, 4), (1024, 16, 4, 4),
-                               (1024, 16, 4, 2), hpb.BWD4_TILE, (1, 256, 64, 1, 3), (2, 256, 32, 2, 3))):
+                               (1024, 16, 4, 2), hpb.BWD4_TILE, (1, 512, 16, 1, 3), (1, 256, 32, 1, 3), (1, 256, 16, 1, 3),
+                               (2, 256, 32, 2, 3))):
         def call():
             return hpb.h_post_bda_backward(h_res, x, h_post, y, bias, grad, tile_=tile, dropout=0.1,
                                            dropout_seed=1234, dropout_offset=4294967000)
