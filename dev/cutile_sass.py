@@ -65,15 +65,16 @@ def main() -> None:
     bm, bk, _ = proj_rms.BWD_TILE
     cases = {
         "proj_rms backward, bf16 (64, 256), 64 token blocks a split": (
-            proj_rms._proj_rms_bwd, [a2, a2, f2, a2, array(f32, 3), a2, a2, 24, 32, bm, bk, 64, True, 0, 1, 1, 1, 0]),
+            proj_rms._proj_rms_bwd, [a2, a2, f2, a2, array(f32, 3), a2, a2, a2, 24, 32, bm, bk, 64, True, 0, 1, 1, 1,
+                                     0, False]),
         **{f"proj_rms backward with mix_aggregate's term, bf16 (64, 256), C 7168, on an {dev[7:11]}": (
-            proj_rms._bwd_kernel(True, True, dev), [A2, A2, F2, A2, array(f32, 3, True), F2, A2, 24, 32, bm, bk, 64,
-                                                    True, 1, 7168 // (bk // 2), 7168, 4, 0])
+            proj_rms._bwd_kernel(True, True, dev), [A2, A2, F2, A2, array(f32, 3, True), F2, A2, A2, 24, 32, bm, bk,
+                                                    64, True, 1, 7168 // (bk // 2), 7168, 4, 0, False])
            for dev in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")},
         "the same, a program per channel block of the 4 streams (the streams form, both devices)": (
             proj_rms._bwd_kernel(True, True, "NVIDIA H200", True),
-            [X3, W3, F2, X3, array(f32, 4, True, (1, 8, 4, 64)), array(f32, 2, True, (64, 4)), A2, 24, 32, bm,
-             bk // 4, 2, 64, True]),
+            [X3, W3, F2, X3, array(f32, 4, True, (1, 8, 4, 64)), array(f32, 2, True, (64, 4)), A2, X3, 24, 32, bm,
+             bk // 4, 2, 64, True, False]),
         f"mapping compute_h backward, {mapping.BWD_H_BM} tokens": (
             mapping._mapping_bwd_h, [f2, f1, f1, f1, f1, f2, f2, f2, f2, f2, 4, 24, 32, mapping.BWD_H_BM, 28672]),
     }

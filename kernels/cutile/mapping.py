@@ -148,9 +148,10 @@ def forward(x2d, weight, alpha, h_bias, eps):
     return (pre, post, logits), (x2d, weight, a3, bias, proj, r, rms)
 
 
-def backward(saved, g_pre, g_post, g_logits, agg=None):
+def backward(saved, g_pre, g_post, g_logits, agg=None, extra=None):
     """``(dx, dW, d alpha, d h_bias)`` from ``forward``'s ``saved`` and the outputs' gradients (None:
-    zero). ``agg``: mix_aggregate's aggregation term, added to dx in the projection's pass (see
+    zero). ``agg``: mix_aggregate's aggregation term, and ``extra`` (with it, x2d's shape): the
+    residual's other gradient, both added to dx in the projection's pass (see
     ``proj_rms.backward_packed``)."""
     x2d, weight, a3, bias, proj, r, rms = saved
     m = x2d.shape[0]
@@ -182,7 +183,8 @@ def backward(saved, g_pre, g_post, g_logits, agg=None):
                                       n, nr, np_, bm, k))
     sums = empty((np_ + 4,), torch.float32, dev)
     # the bias and alpha partials' sum (one program, 128 token blocks a step) in dW's sum's launch
-    backward_packed(x2d, weight, gc, dx, dw, side=(ws, sums, next_pow2(np_ + 4), 128), agg=agg)  # dW = 0 without tokens
+    backward_packed(x2d, weight, gc, dx, dw, side=(ws, sums, next_pow2(np_ + 4), 128), agg=agg,
+                    extra=extra)  # dW = 0 without tokens
     if not m:
         return dx, dw, torch.zeros_like(a3), torch.zeros_like(bias)
     return dx, dw, sums[np_:np_ + 3].to(a3.dtype), sums[:nr].to(bias.dtype)

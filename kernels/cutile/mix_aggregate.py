@@ -8,13 +8,14 @@ mix_aggregate.py``) so that x's gradient is written once: the aggregation's back
 the upstream gradient for ``grad_h_pre`` and writes nothing else, and the projection's backward
 adds the aggregation's part of x's gradient (``h_pre[t, i] * grad_out[t, c]``) in the pass that
 writes dx (``proj_rms._agg_half``). Composed through autograd, the aggregation's backward would
-write its own dx and a third pass would add the two.
+write its own dx and a third pass would add the two. Linked to the module's post-path
+(``schedule.residual_link``), that pass adds the residual's other gradient too.
 """
 from __future__ import annotations
 
 import torch
 
-from ..schedule import beside, mapped
+from ..schedule import beside, linked, mapped
 from . import h_aggregate as agg_
 from . import mapping as map_
 from .sinkhorn import sinkhorn_backward, sinkhorn_forward
@@ -37,6 +38,7 @@ class _MixAggregate(torch.autograd.Function):
         out = agg_.h_aggregate_forward(x, pre)
         ctx.save_for_backward(x, pre, logits, *saved)
         ctx.knobs = knobs
+        ctx.link = linked()  # the residual's gradient from the module's post-path, added to dx
         return out, post.reshape(s, b, n), h_res
 
     @staticmethod
@@ -48,10 +50,17 @@ class _MixAggregate(torch.autograd.Function):
         g_log, g_pre = beside(
             lambda: None if g_res is None else sinkhorn_backward(logits, g_res.contiguous(), *ctx.knobs),
             lambda: None if g_out is None else agg_.backward(x, pre, g_out, write_dx=False)[1], x.device)
+        extra = None if ctx.link is None else ctx.link.take()
+        agg = None if g_out is None else (pre.reshape(t, n), g_out.contiguous().reshape(t, c))
+        if extra is not None and agg is None:  # the term carries it: without one, autograd's add
+            dx, dw, d_alpha, d_bias = map_.backward(
+                saved, None if g_pre is None else g_pre.reshape(t, n),
+                None if g_post is None else g_post.reshape(t, n), None if g_log is None else g_log.reshape(t, n, n))
+            return (dx.reshape(x.shape) + extra, dw, d_alpha, d_bias, None, None, None, None, None, None)
         dx, dw, d_alpha, d_bias = map_.backward(
             saved, None if g_pre is None else g_pre.reshape(t, n), None if g_post is None else g_post.reshape(t, n),
-            None if g_log is None else g_log.reshape(t, n, n),
-            agg=None if g_out is None else (pre.reshape(t, n), g_out.contiguous().reshape(t, c)))
+            None if g_log is None else g_log.reshape(t, n, n), agg=agg,
+            extra=None if extra is None else extra.contiguous().reshape(t, n * c))
         return dx.reshape(x.shape), dw, d_alpha, d_bias, None, None, None, None, None, None
 
 

@@ -166,16 +166,19 @@ def _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN):
     return hs.astype(ct.float32) * gt.astype(ct.float32)
 
 
-def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN):
+def _bwd_half(x, dx, wt, g, coef, i, kh, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN, ex, EXTRA):
     """One half (``H`` columns, half block ``kh``) of a token block: stores ``dx = gP W + coef x``
     (with ``AGG``, the aggregation term is the products' starting accumulator, so it is added in
-    fp32 before dx's one rounding) and returns the half's ``gP^T x``. (The term added after the
+    fp32 before dx's one rounding; with ``EXTRA``, ``ex``'s tile, the residual's other gradient,
+    joins the term) and returns the half's ``gP^T x``. (The term added after the
     products instead, with h_pre gathered a half: 2.70 against 2.05 ms eager for mix_aggregate's
     backward on an H200, 255 registers and a stack frame in the offline SASS. ``coef x`` in the
     accumulator as well spilled with the term, and without it took 2.12 against 1.04 ms:
     docs/perf-notes.md.)"""
     xt = ct.load(x, index=(i, kh), shape=(BM, H), padding_mode=ZERO)
     term = _agg_half(hp, go, hpt, i, kh, BM, H, AGG, HC, C, NPN) if AGG > 0 else None
+    if EXTRA:  # only with the term (mix_aggregate's backward takes the link)
+        term = term + ct.load(ex, index=(i, kh), shape=(BM, H), padding_mode=ZERO).astype(ct.float32)
     out, part = _dx_and_part(g, wt, xt, coef, term, dx.dtype, LOWP, BM, H, NG)
     ct.store(dx, index=(i, kh), tile=out)
     return part
@@ -196,14 +199,17 @@ def _packed_block(gc, i, N, NG, BM):
 
 
 @ct.kernel
-def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: ConstInt, BK: ConstInt, BLOCKS: ConstInt,
-                  LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt, NPN: ConstInt, GROUP: ConstInt = 0):
+def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, ex, N: ConstInt, NG: ConstInt, BM: ConstInt, BK: ConstInt,
+                  BLOCKS: ConstInt, LOWP: ConstBool, AGG: ConstInt, HC: ConstInt, C: ConstInt, NPN: ConstInt,
+                  GROUP: ConstInt = 0, EXTRA: ConstBool = False):
     """For K block k and token blocks ``s * BLOCKS ...``: ``dx = gP W + coef x`` and the split's
     ``dW[:, k block] = sum gP^T x`` into ``ws[s]``, from the packed gradient ``gc`` (``_pack_grad``;
     W's rows past N load as zeros, so its factor column adds nothing to ``gP W``, and dW's rows
     past N are not stored). ``AGG`` > 0 (mix_aggregate's backward): dx also holds the aggregation's
     gradient of x from ``hp`` (h_pre, fp32 ``[M, n]``) and ``go`` (grad_out ``[M, C]``), see
-    ``_agg_half``; so no pass writes that gradient and no other adds the two.
+    ``_agg_half``; so no pass writes that gradient and no other adds the two. ``EXTRA`` (with the
+    term): dx also holds ``ex`` (x's shape: the residual's gradient from the module's post-path,
+    kernels.schedule.ResidualLink), added to the term in fp32.
 
     The K block goes as two halves of ``BK / 2`` columns, each with its own W tile and dW
     accumulator: the same products element by element (the same bits), but at (64, 256) the
@@ -230,15 +236,15 @@ def _proj_rms_bwd(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: Const
         hpt = None
         if AGG == 1:
             hpt = ct.load(hp, index=(i, 0), shape=(BM, NPN), padding_mode=ZERO)
-        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN)
-        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN)
+        acc0 = acc0 + _bwd_half(x, dx, w0, g, coef, i, k0, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN, ex, EXTRA)
+        acc1 = acc1 + _bwd_half(x, dx, w1, g, coef, i, k1, NG, BM, H, LOWP, hp, go, hpt, AGG, HC, C, NPN, ex, EXTRA)
     ct.store(ws, index=(s, 0, k0), tile=ct.reshape(acc0, (1, NG, H)))
     ct.store(ws, index=(s, 0, k1), tile=ct.reshape(acc1, (1, NG, H)))
 
 
 @ct.kernel
-def _proj_rms_bwd_streams(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, BM: ConstInt, Q: ConstInt,
-                          NH: ConstInt, BLOCKS: ConstInt, LOWP: ConstBool):
+def _proj_rms_bwd_streams(x, w, gc, dx, ws, hp, go, ex, N: ConstInt, NG: ConstInt, BM: ConstInt, Q: ConstInt,
+                          NH: ConstInt, BLOCKS: ConstInt, LOWP: ConstBool, EXTRA: ConstBool = False):
     """``_proj_rms_bwd`` with mix_aggregate's term, a program per channel block of all n streams:
     x, dx and W as ``[rows, n, C]`` views, ws as ``[splits, N, n, C]``; program (c, s) takes
     channels ``[c Q, (c + 1) Q)`` of every stream (``2 NH`` = n of them) for the token blocks of
@@ -247,7 +253,7 @@ def _proj_rms_bwd_streams(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, B
     the same; what changes is that grad_out's tile of a token block is loaded once for the n
     streams (the K-block form loads it once a stream, n times over from L2), and h_pre's stream
     factor is a slice of the token block's h_pre instead of a masked row sum. Needs n a power of
-    two and C a multiple of Q."""
+    two and C a multiple of Q. ``EXTRA``: ``ex`` (as dx) joins the term, as in ``_proj_rms_bwd``."""
     c, s = ct.bid(0), ct.bid(1)
     H = NH * Q
     w0 = ct.reshape(ct.load(w, index=(0, 0, c), shape=(NG, NH, Q), padding_mode=ZERO), (NG, H))
@@ -259,19 +265,22 @@ def _proj_rms_bwd_streams(x, w, gc, dx, ws, hp, go, N: ConstInt, NG: ConstInt, B
         g, coef = _packed_block(gc, i, N, NG, BM)
         hpt = ct.load(hp, index=(i, 0), shape=(BM, 2 * NH), padding_mode=ZERO)
         gt = ct.reshape(ct.load(go, index=(i, c), shape=(BM, Q), padding_mode=ZERO).astype(ct.float32), (BM, 1, Q))
-        acc0 = acc0 + _streams_half(x, dx, w0, g, coef, hpt, gt, i, c, 0, NG, BM, Q, NH, LOWP)
-        acc1 = acc1 + _streams_half(x, dx, w1, g, coef, hpt, gt, i, c, 1, NG, BM, Q, NH, LOWP)
+        acc0 = acc0 + _streams_half(x, dx, w0, g, coef, hpt, gt, i, c, 0, NG, BM, Q, NH, LOWP, ex, EXTRA)
+        acc1 = acc1 + _streams_half(x, dx, w1, g, coef, hpt, gt, i, c, 1, NG, BM, Q, NH, LOWP, ex, EXTRA)
     ct.store(ws, index=(s, 0, 0, c), tile=ct.reshape(acc0, (1, NG, NH, Q)))
     ct.store(ws, index=(s, 0, 1, c), tile=ct.reshape(acc1, (1, NG, NH, Q)))
 
 
-def _streams_half(x, dx, wt, g, coef, hpt, gt, i, c, h, NG, BM, Q, NH, LOWP):
+def _streams_half(x, dx, wt, g, coef, hpt, gt, i, c, h, NG, BM, Q, NH, LOWP, ex, EXTRA):
     """Half h (streams ``[h NH, (h + 1) NH)``) of ``_proj_rms_bwd_streams``'s token block i: stores
     its dx and returns its ``gP^T x``, as ``_bwd_half`` with the term ``h_pre[t, s] grad_out[t, c]``
     as the products' starting accumulator."""
     H = NH * Q
     hs = ct.reshape(ct.extract(hpt, index=(0, h), shape=(BM, NH)), (BM, NH, 1))
     term = ct.reshape(hs * gt, (BM, H))
+    if EXTRA:
+        term = term + ct.reshape(ct.load(ex, index=(i, h, c), shape=(BM, NH, Q), padding_mode=ZERO), (BM, H)
+                                 ).astype(ct.float32)
     xt = ct.reshape(ct.load(x, index=(i, h, c), shape=(BM, NH, Q), padding_mode=ZERO), (BM, H))
     out, part = _dx_and_part(g, wt, xt, coef, term, dx.dtype, LOWP, BM, H, NG)
     ct.store(dx, index=(i, h, c), tile=ct.reshape(out, (BM, NH, Q)))
@@ -381,14 +390,20 @@ def _agg_mode(c: int, half: int) -> int:
     return 1 if c % half == 0 else 2
 
 
-def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) -> None:
+def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None, extra=None) -> None:
     """dx and dW from the packed gradient ``gc`` (fp32 ``[M, _ng(N)]`` in ``_pack_grad``'s layout;
     the mapping path's backward writes it directly), into ``dx`` and ``dw``. ``side``: another
     ``(ws, out, bc, br)`` partial sum (the mapping's bias and alpha), done in the dW sum's launch.
     ``agg``: ``(h_pre fp32 [M, n], grad_out [M, C])`` with n * C = K, both contiguous: dx also
     holds the aggregation's gradient of x, ``h_pre[t, i] * grad_out[t, c]`` at column ``i * C + c``
-    (mix_aggregate's backward)."""
+    (mix_aggregate's backward). ``extra`` (with ``agg``; x2d's shape and dx's dtype, contiguous):
+    added to dx in the same pass (the residual's other gradient, kernels.schedule.ResidualLink)."""
     m, k = x2d.shape
+    if extra is not None and (agg is None or extra.shape != x2d.shape or extra.dtype != dx.dtype
+                              or not extra.is_contiguous()):
+        raise ValueError(f"extra is a gradient of x2d {tuple(x2d.shape)} in dx's dtype {dx.dtype}, contiguous, "
+                         f"beside the aggregation term; got {None if extra is None else tuple(extra.shape)}"
+                         f"{'' if extra is None else f' {extra.dtype}'}{' without agg' if agg is None else ''}")
     if not m:
         dw.zero_()
         return
@@ -415,12 +430,13 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None) ->
         q = bk // streams
         launch(_bwd_kernel(True, lowp, name, True), (c // q, splits),
                (x2d.view(m, streams, c), weight.view(n, streams, c), gc, dx.view(m, streams, c),
-                ws.view(splits, n, streams, c), hp, go, n, ng, bm, q, streams // 2, blocks, lowp))
+                ws.view(splits, n, streams, c), hp, go, (dx if extra is None else extra).view(m, streams, c), n, ng,
+                bm, q, streams // 2, blocks, lowp, extra is not None))
     else:
         group = streams if GROUP_STREAMS and mode and c % bk == 0 else 0
         launch(_bwd_kernel(agg is not None, lowp, name), (cdiv(k, bk), splits),
-               (x2d, weight, gc, dx, ws, hp, go, n, ng, bm, bk, blocks, lowp, mode, max(1, c // (bk // 2)), c,
-                next_pow2(streams) if mode else 1, group))
+               (x2d, weight, gc, dx, ws, hp, go, dx if extra is None else extra, n, ng, bm, bk, blocks, lowp, mode,
+                max(1, c // (bk // 2)), c, next_pow2(streams) if mode else 1, group, extra is not None))
     # one step over the splits' rows (an H200 took 22 us for this sum with 32-row steps over 8 rows, 10 us now)
     if side is None:
         sum_partials(ws.view(splits, n * k), dw.view(n * k), BC_SUM, splits, sum_rows_occ2)
@@ -492,21 +508,25 @@ def compile_checks() -> dict[str, bytes]:
         out[f"fwd-{dtype}"] = tile_ir(_proj_rms_fwd, [a2, a2, array(f32, 2), array(f32, 1), array(f32, 1),
                                                       1e-6, 32, bm, bk, lowp])
         bbm, bbk = BWD_TILE[:2] if lowp else (bm, bk)  # the backward at the tile it runs at
-        out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3), a2, a2, 24, 32, bbm,
-                                                     bbk, 8, lowp, 0, 1, 1, 1, 0])
+        out[f"bwd-{dtype}"] = tile_ir(_proj_rms_bwd, [a2, a2, array(f32, 2), a2, array(f32, 3), a2, a2, a2, 24, 32,
+                                                     bbm, bbk, 8, lowp, 0, 1, 1, 1, 0, False])
         # mix_aggregate's aggregation term: grad_out as tiles (C = 7168, the streams' programs side
         # by side) and gathered (C = 75), each with the hints it launches with on an H100 and on
-        # other devices
+        # other devices, with and without the residual's other gradient (EXTRA)
         for mode, c, group in ((1, 7168, 4), (2, 75, 0)):
             for tag, dev in ((("", "NVIDIA H200"), ("-h100", "NVIDIA H100 80GB HBM3")) if lowp else (("", ""),)):
-                out[f"bwd-agg{mode}-{dtype}{tag}"] = tile_ir(
-                    _bwd_kernel(True, lowp, dev), [a2, a2, array(f32, 2), a2, array(f32, 3), array(f32, 2), a2, 24,
-                                                   32, bbm, bbk, 8, lowp, mode, max(1, c // (bbk // 2)), c, 4, group])
+                for extra in (False, True):
+                    out[f"bwd-agg{mode}-{dtype}{tag}{'-extra' if extra else ''}"] = tile_ir(
+                        _bwd_kernel(True, lowp, dev), [a2, a2, array(f32, 2), a2, array(f32, 3), array(f32, 2), a2, a2,
+                                                       24, 32, bbm, bbk, 8, lowp, mode, max(1, c // (bbk // 2)), c, 4,
+                                                       group, extra])
         if lowp:  # the term's kernel a program per channel block of the n = 4 streams (C = 7168)
             a3 = array(dtype, 3)
-            out[f"bwd-agg-streams-{dtype}"] = tile_ir(
-                _bwd_kernel(True, True, "NVIDIA H200", True), [a3, a3, array(f32, 2), a3, array(f32, 4), array(f32, 2),
-                                                               a2, 24, 32, bbm, bbk // 4, 2, 8, True])
+            for extra in (False, True):
+                out[f"bwd-agg-streams-{dtype}{'-extra' if extra else ''}"] = tile_ir(
+                    _bwd_kernel(True, True, "NVIDIA H200", True), [a3, a3, array(f32, 2), a3, array(f32, 4),
+                                                                   array(f32, 2), a2, a3, 24, 32, bbm, bbk // 4, 2, 8,
+                                                                   True, extra])
     out["pack"] = tile_ir(_pack_grad, [array(torch.bfloat16, 2), array(f32, 2), array(f32, 1), array(f32, 1),
                                        array(f32, 1), array(f32, 2), 24, 32, BM_PACK])
     out["sum"] = tile_ir(sum_rows, [array(f32, 2), array(torch.bfloat16, 1), BR, BC_SUM])

@@ -230,7 +230,7 @@ def swap_module_paths(model, ops: dict[str, Callable]) -> None:
 # A module call's two paths linked through its residual (kernels.schedule.ResidualLink): Megatron's
 # layer gives the post-path the pre-path's own input as its residual (transformer_layer.py:
 # ``residual = hidden_states``), whose gradient the pre-path's backward then adds where it writes
-# its own, where its backend can (Triton's), instead of autograd's pass over the two. False: as
+# its own, where its backend can (Triton's and cuTile's), instead of autograd's pass over the two. False: as
 # autograd sums them (sweeps; MHCTOOL_LINK_RESIDUAL=0 in the environment, which the engine's processes inherit)
 LINK_RESIDUAL = os.environ.get("MHCTOOL_LINK_RESIDUAL", "1") != "0"
 _LINK_ATTR = "_mhctool_residual_link"

@@ -3,6 +3,8 @@
 instead of autograd's pass over the two; a gradient is never lost, whatever order the two
 backwards run in. Triton through the interpreter on the CPU, and on the GPU (bf16, the tensor-core
 projection backward at its own tile)."""
+import importlib
+
 import pytest
 import torch
 
@@ -10,7 +12,6 @@ from mhctool.core.poison import poisoning
 from mhctool.core.shapes import parse_shape_for
 from mhctool.families import generate
 from mhctool.kernels.schedule import ResidualLink, hand_over, residual_link
-from mhctool.kernels.triton import mix_aggregate as tmix
 from mhctool.kernels.triton import proj_rms as tpr
 from mhctool.references import mhc as ref
 
@@ -60,22 +61,29 @@ def test_the_projection_backward_adds_the_extra_gradient_before_its_one_rounding
 
 # C = 37: no K block's multiple; C = 256: every K block in one stream (the aggregation term's
 # one-load form, and on the GPU the streams' programs side by side, as at the step's C = 2048)
-CASES = [pytest.param("cpu", torch.float32, "5x3x4x37", id="cpu-fp32"),
-         pytest.param("cpu", torch.bfloat16, "5x3x4x37", id="cpu-bf16"),
-         pytest.param("cpu", torch.float32, "3x2x4x256", id="cpu-fp32-aligned"),
-         pytest.param("cuda", torch.bfloat16, "5x3x4x37", id="gpu-bf16", marks=pytest.mark.gpu),
-         pytest.param("cuda", torch.bfloat16, "67x3x4x256", id="gpu-bf16-aligned", marks=pytest.mark.gpu)]
+# cuTile (GPU only): C = 37 takes the per-K-block kernel with grad_out gathered, C = 256 the streams'
+# form (a program per channel block of the four streams)
+CASES = [pytest.param("triton", "cpu", torch.float32, "5x3x4x37", id="cpu-fp32"),
+         pytest.param("triton", "cpu", torch.bfloat16, "5x3x4x37", id="cpu-bf16"),
+         pytest.param("triton", "cpu", torch.float32, "3x2x4x256", id="cpu-fp32-aligned"),
+         pytest.param("triton", "cuda", torch.bfloat16, "5x3x4x37", id="gpu-bf16", marks=pytest.mark.gpu),
+         pytest.param("triton", "cuda", torch.bfloat16, "67x3x4x256", id="gpu-bf16-aligned", marks=pytest.mark.gpu),
+         pytest.param("cutile", "cuda", torch.bfloat16, "5x3x4x37", id="cutile-bf16", marks=pytest.mark.gpu),
+         pytest.param("cutile", "cuda", torch.bfloat16, "67x3x4x256", id="cutile-bf16-aligned", marks=pytest.mark.gpu),
+         pytest.param("cutile", "cuda", torch.float32, "5x3x4x37", id="cutile-fp32", marks=pytest.mark.gpu)]
 
 
-@pytest.mark.parametrize("device,dtype,shape", CASES)
-def test_linked_mix_aggregate_adds_the_post_paths_gradient_to_dx(device, dtype, shape):
+@pytest.mark.parametrize("backend,device,dtype,shape", CASES)
+def test_linked_mix_aggregate_adds_the_post_paths_gradient_to_dx(backend, device, dtype, shape):
     """x feeds mix_aggregate and, handed over, a stand-in post-path (``x * G``, gradient G): linked,
     the pre-path's backward takes G and dx holds both gradients, autograd adding none. Against the
     float64 reference plus G: within a rounding of dx's dtype (one rounding of the sum, where
-    autograd rounds each gradient and then their sum); in fp32 the bits of the unlinked call.
+    autograd rounds each gradient and then their sum); in fp32 Triton's has the bits of the
+    unlinked call (it adds G last, as autograd does; cuTile adds it in the accumulator's start).
     Fresh random inputs of the family, NaN-poisoned outputs."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")
+    mod = importlib.import_module(f"mhctool.kernels.{backend}.mix_aggregate")
     _, t = generate("mix_aggregate", "random", parse_shape_for("mhc", shape), 11, {}, device=device)
     x, w = t["x"].to(dtype), t["weight"].to(dtype)
     inputs = (x, w, t["alpha"], t["h_bias"])
@@ -96,15 +104,15 @@ def test_linked_mix_aggregate_adds_the_post_paths_gradient_to_dx(device, dtype, 
 
     with poisoning():
         link = ResidualLink()
-        linked = run(tmix.mix_aggregate, link)
-        plain = run(tmix.mix_aggregate, None)
+        linked = run(mod.mix_aggregate, link)
+        plain = run(mod.mix_aggregate, None)
     assert link.taker and not link.open and link.grad is None  # taken, once
     want = run(ref.mix_aggregate, None, wide=True)
     for name, got, same in zip(("dx", "dweight", "dalpha", "dh_bias"), linked, plain):
         assert torch.isfinite(got).all(), name
         if name != "dx":
             assert torch.equal(got, same), name  # only dx changes
-    if dtype == torch.float32:
+    if dtype == torch.float32 and backend == "triton":
         assert torch.equal(linked[0], plain[0])
     scale = want[0].abs().max()
     for got in (linked[0], plain[0]):
