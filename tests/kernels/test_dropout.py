@@ -181,3 +181,71 @@ def test_the_tensor_core_backward_with_the_mask_at_the_gpus_tile():
     _, want = _want(h, x, hp, y, bias, go, True, KEYS[0])
     for name, g, w in zip(("h_res", "x", "h_post", "y", "bias"), grads, want):
         _close(g, w, torch.bfloat16, f"grad_{name}")
+
+
+def _unpacked(bits, c):
+    """The forward's kept bits as a bool mask ``[T, n, c]`` (channel c: bit c % 8 of byte c // 8)."""
+    shifts = torch.arange(8, dtype=torch.int32)
+    return ((bits.to(torch.int32)[..., None] >> shifts) & 1).flatten(-2)[..., :c].bool()
+
+
+def test_the_forward_keeps_the_mask_in_bits_and_the_backward_reads_it_for_the_same_bits():
+    """The n = 4 forward keeps the mask it drew (``keep_mask``) as bits: the contract's mask,
+    exactly, at C off its blocks and not a multiple of 8; the tensor-core backward that reads them
+    gives the bits of the one that draws the mask again (every output written, NaN-poisoned);
+    bits of another shape are one clear error. (p = 0.7: a byte left unwritten, every bit set
+    while poisoning, would read as all kept.)"""
+    key = KEYS[1]
+    h, x, hp, y, bias = _inputs(11, 1, 4, 203, torch.bfloat16)
+    go = torch.randn(x.shape).to(torch.bfloat16)
+    with poisoning():
+        out0 = thp.h_post_bda_forward(h, x, hp, y, bias, False, (64, 8, 1, 1), *key)
+        out, bits = thp.h_post_bda_forward(h, x, hp, y, bias, False, (64, 8, 1, 1), *key, keep_mask=True)
+        drawn = thp.h_post_bda_backward(h, x, hp, y, bias, go, False, (64, 8, 1, 1), *key)
+        read = thp.h_post_bda_backward(h, x, hp, y, bias, go, False, (64, 8, 1, 1), *key, mask_bits=bits)
+    assert torch.equal(out, out0)
+    assert bits.dtype == torch.uint8 and bits.shape == (11, 4, 26)
+    assert torch.equal(_unpacked(bits, 203), D.keep((11, 4, 203), *key))
+    for name, a, b in zip(("h_res", "x", "h_post", "y", "bias"), read, drawn):
+        assert torch.isfinite(a).all() and torch.equal(a, b), name
+    assert thp.h_post_bda_forward(h, x, hp, y, bias, False, None, 0.0, 1, 2, keep_mask=True)[1] is None
+    with pytest.raises(ValueError, match="mask_bits are uint8"):
+        thp.h_post_bda_backward(h, x, hp, y, bias, go, False, (64, 8, 1, 1), *key, mask_bits=bits[:, :, :-1])
+
+
+def test_the_autograd_function_hands_its_forwards_bits_to_its_backward(monkeypatch):
+    """Where the n = 4 kernels run (the GPU; turned on here under the interpreter), the autograd
+    function's forward keeps the mask's bits and its backward reads them instead of drawing the
+    mask: the backward's kernel gets them, and the gradients are those of the function without the
+    bits, against float64 too. Without grad the forward keeps none."""
+    monkeypatch.setattr(thp, "_n4_kernels", lambda n: n == 4)
+    h, x, hp, y, bias = _inputs(9, 2, 4, 40, torch.bfloat16)
+    key = (0.25, 123, 456)
+    go = torch.randn(x.shape).to(torch.bfloat16)
+    seen, real = [], thp.h_post_bda_backward
+    monkeypatch.setattr(thp, "h_post_bda_backward", lambda *a, **k: seen.append(k.get("mask_bits")) or real(*a, **k))
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (h, x, hp, y, bias)]
+        out = thp.h_post_bda(*leaves, dropout=key[0], dropout_seed=key[1], dropout_offset=key[2])
+        return out.detach(), torch.autograd.grad(out, leaves, go)
+
+    out, got = grads()
+    assert seen[-1] is not None and torch.equal(_unpacked(seen[-1], 40), D.keep((18, 4, 40), *key))
+    monkeypatch.setattr(thp, "keeps_bits", lambda *a: False)
+    out0, want = grads()
+    assert seen[-1] is None
+    assert torch.equal(out, out0)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    want_out, want64 = _want(h, x, hp, y, bias, go, False, key)
+    _close(out, want_out, torch.bfloat16, "out")
+    for name, g, w in zip(("h_res", "x", "h_post", "y", "bias"), got, want64):
+        _close(g, w, torch.bfloat16, f"grad_{name}")
+    monkeypatch.setattr(thp, "keeps_bits", lambda *a: True)
+    kept = []
+    fwd = thp.h_post_bda_forward
+    monkeypatch.setattr(thp, "h_post_bda_forward", lambda *a, **k: kept.append(k.get("keep_mask")) or fwd(*a, **k))
+    with torch.no_grad():
+        thp.h_post_bda(h, x, hp, y, bias, dropout=key[0], dropout_seed=key[1], dropout_offset=key[2])
+    assert kept == [None]
