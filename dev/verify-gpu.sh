@@ -14,7 +14,7 @@ if [ "${GPU_TESTS:-}" = all ]; then  # the whole GPU tier (the fault matrix in i
   timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu > "$O/tests.log" 2>&1; note tests $?
 else
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_recompute_memo.py \
-    tests/kernels/test_residual_link.py tests/kernels/test_gpu.py -k "memo or remembered or beside or link or linked" \
+    tests/kernels/test_residual_link.py tests/kernels/test_gpu.py -k "memo or remembered or beside or link or linked or bits or dropout" \
     > "$O/tests.log" 2>&1; note tests $?
 fi
 tail -6 "$O/tests.log" >> "$O/summary.txt"
@@ -28,7 +28,7 @@ if [ "${HOST:-0}" = 1 ]; then
   grep "remembered\|host per\|host us" "$O/host.txt" >> "$O/summary.txt"
 fi
 for mode in ${PROFILES:-postbwd}; do  # dev/step_profile.py's tile sweeps (fold, mapfwd, postfwd, postbwd)
-  timeout 90 python3 dev/step_profile.py "$mode" > "$O/$mode.txt" 2>&1; note "$mode" $?
+  timeout 150 python3 dev/step_profile.py "$mode" > "$O/$mode.txt" 2>&1; note "$mode" $?
   cat "$O/$mode.txt" >> "$O/summary.txt"
 done
 VARIANTS="${VARIANTS:-triton[module] cutile[module]}" T=$((B - SECONDS)) bash dev/fused-path-gpu.sh step
