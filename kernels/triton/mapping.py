@@ -137,6 +137,9 @@ def _check(x2d, weight, alpha, h_bias):
 # copy), with 5 stages 45.3, 8 warps and 6 stages 40.7 (54%), all with the same bits; K blocks of
 # 256 (other bits) 46.3-51.6, row blocks of 32 63-67 (session 60: 16 and 8 rows no faster)
 FWD_TILE = (64, 128, 8, 6)
+# fp32 operands (twice the bytes a stage: six stages of 64 x 128 fp32 tiles pass the H100's 227 KB
+# of shared memory) keep the tile before session 62's
+FWD_TILE_FP32 = (64, 128, 4)
 
 
 def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False, tile_=None):
@@ -151,7 +154,8 @@ def mapping_forward(x2d, weight, alpha, h_bias, eps=1e-6, tf32: bool = False, ti
     rms = torch.empty((M,), dtype=torch.float32, device=dev)
     lowp = low_precision_operands(x2d, weight)
     if M:
-        bm, bk, warps, stages = (*(tile_ or FWD_TILE), 3)[:4]  # 3: Triton's default pipelining depth
+        tile = tile_ or (FWD_TILE if lowp else FWD_TILE_FP32)
+        bm, bk, warps, stages = (*tile, 3)[:4]  # 3: Triton's default pipelining depth
         _mapping_fwd[(cdiv(M, bm),)](x2d, weight, alpha, h_bias, pre, post, logits, proj, r, rms,
                                      M, K, N, float(eps), n=n, NP=max(16, next_pow2(N)),
                                      BLOCK_M=bm, BLOCK_K=bk, LOWP=lowp, PREC=_precision(tf32),
