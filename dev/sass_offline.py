@@ -5,13 +5,12 @@ machine can see what the device would run (with the device's Triton: 3.6 gave th
 registers and 18.7 KB of shared memory as ncu on the H200 for the FMA h_post_bda backward):
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
-    /tmp/t36/bin/python dev/sass_offline.py [--sass | --proj-agg [--extra] | --post-bwd]
+    /tmp/t36/bin/python dev/sass_offline.py [--sass | --proj-agg]
 
 Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias; the
 tensor-core one without and with dropout, the FMA one with dropout), the registers, shared memory and the instruction histogram of the main loop; with ``--proj-agg``, the
 projection backward with mix_aggregate's aggregation term at its shipped tile and others
-(registers, shared memory, spills); with ``--post-bwd``, the tensor-core backward with dropout at the
-tiles ``dev/step_profile.py postbwd`` times. Pointers and C
+(registers, shared memory, spills). Pointers and C
 are declared 16-byte divisible, as Triton specialises them at launch: without that the loads are
 neither vectorised nor pipelined and the figures mean nothing.
 """
@@ -89,47 +88,9 @@ def proj_agg(extra: bool = False) -> None:
               f"{' (shipped)' if tile == shipped else ''}: {res}; {spills}")
 
 
-def _tc_args(hpb, bc: int, group: int, stages: int) -> tuple[dict, dict]:
-    """The n = 4 tensor-core h_post_bda backward's signature and constexprs (bf16, with bias) at a
-    tile, as ``_backward_tc`` launches it."""
-    common = {"h_ptr": "*fp32", "x_ptr": "*bf16", "hp_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
-              "g_ptr": "*bf16", "dx_ptr": "*bf16", "dy_ptr": "*bf16"}
-    key = {"seed": "i64", "offset": "i64", "G": "i32", "scale": "fp32"}  # the dropout's (mask_args)
-    sig = dict(common, ws_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32", cnt_ptr="*i32", dh_ptr="*fp32",
-               dhp_ptr="*fp32", db_ptr="*bf16", ws_b2_ptr="*fp32", SUPER="i32", **key)
-    ce = dict(GROUP=group, BLOCK_C=bc, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages, F32DOT=False,
-              GH=triton.next_power_of_2(group * 16), GP=triton.next_power_of_2(group * 4), ROWS=hpb.FINISH_ROWS,
-              DISCARD=True, NL_H=hpb._lines(group * 64), NL_P=hpb._lines(group * 16), NL_B=hpb._lines(bc * 4))
-    return sig, ce
-
-
-def post_bwd() -> None:
-    """The tensor-core h_post_bda backward with dropout 0.1 at the tiles ``dev/step_profile.py
-    postbwd`` times (BLOCK_C, GROUP, warps, stages): registers, shared memory, spill loads / stores,
-    the main loop's instructions."""
-    from kernels.triton import h_post_bda as hpb
-    drawn = (hpb.BWD4_TILE_TC_DROPOUT, (512, 16, 2, 3), (256, 16, 1, 4), (256, 16, 2, 4), (256, 32, 1, 3),
-             (1024, 16, 4, 4), (1024, 16, 4, 2), (512, 16, 4, 4))
-    read = (hpb.BWD4_TILE_TC_BITS, (512, 16, 2, 4), (512, 16, 1, 3), (256, 16, 1, 4), (1024, 16, 2, 4),
-            (1024, 16, 1, 4))
-    for bits, tiles, shipped in ((False, drawn, hpb.BWD4_TILE_TC_DROPOUT), (True, read, hpb.BWD4_TILE_TC_BITS)):
-        print("the mask read from the forward's bits" if bits else "the mask drawn again (Philox)")
-        for tile in dict.fromkeys(tiles):
-            bc, group, w, st = tile
-            sig, ce = _tc_args(hpb, bc, group, st)
-            sig.update(mk_ptr="*u8", CB="i32")
-            res, sass = compile_sm90(hpb._h_post_bda_bwd4_tc, sig, dict(ce, THRESHOLD=429496729, BITS=bits), w, st,
-                                     divisible=[k for k in sig if k.endswith("_ptr")] + ["C"])
-            size, _ = loop_histogram(sass)
-            spills = f"LDL {len(re.findall(r'[^A-Z]LDL', sass))}, STL {len(re.findall(r'[^A-Z]STL', sass))}"
-            print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {res}; {spills}; main loop {size} instructions")
-
-
 def main() -> None:
     if "--proj-agg" in sys.argv:
         return proj_agg("--extra" in sys.argv)
-    if "--post-bwd" in sys.argv:
-        return post_bwd()
     from kernels.triton import h_post_bda as hpb
     common = {"h_ptr": "*fp32", "x_ptr": "*bf16", "hp_ptr": "*fp32", "y_ptr": "*bf16", "b_ptr": "*bf16",
               "g_ptr": "*bf16", "dx_ptr": "*bf16", "dy_ptr": "*bf16"}

@@ -250,14 +250,6 @@ def postfwd(shape) -> None:
         ref = out if ref is None else ref
         print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {100 * nbytes / bw / (us * 1e-6):.0f}% "
               f"of copy; the shipped tile's bits: {same}")
-    # the mask kept as bits for the backward (what the autograd function does on a GPU): T x n x C / 8 bytes more
-    def kept():
-        return hpb.h_post_bda_forward(h_res, x, h_post, y, bias, dropout=0.1, dropout_seed=1234,
-                                      dropout_offset=4294967000, keep_mask=True)
-    out, _ = kept()
-    us = _graph_us(kept)
-    print(f"  {shipped} keeping the mask's bits: {us:.1f} us, {100 * (nbytes + s * b * n * c / 8) / bw / (us * 1e-6):.0f}% "
-          f"of copy; the shipped tile's bits: {torch.equal(out, ref)}")
 
 
 def postbwd(shape) -> None:
@@ -266,8 +258,7 @@ def postbwd(shape) -> None:
     (5 entries), each a CUDA graph replayed: microseconds, % of the copy rate for its bytes (read the
     gradient, the streams and y, write dx and dy), and whether dx and dy have the shipped tile's bits
     (a token's are per element and should not depend on the tile) and dH, dh_post and the bias's
-    gradient too (their sums over C follow the C block). Then the tensor-core kernel reading the
-    forward's mask bits (``mask_bits``) at its tile and others."""
+    gradient too (their sums over C follow the C block)."""
     from kernels.triton import h_post_bda as hpb
     s, b, n, c = shape
     x, _, _, _, bias = _inputs(s, b, n, c)
@@ -304,24 +295,6 @@ def postbwd(shape) -> None:
                     f"{all(torch.equal(p, q) for p, q in ((d_h, ref[0]), (d_hp, ref[2]), (d_b, ref[4])))}")
         print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {100 * nbytes / bw / (us * 1e-6):.0f}% "
               f"of copy; the shipped tile's bits: {same}")
-    _, bits = hpb.h_post_bda_forward(h_res, x, h_post, y, bias, dropout=0.1, dropout_seed=1234,
-                                     dropout_offset=4294967000, keep_mask=True)
-    print(f"  the mask read from the forward's bits ({bits.numel() / 2**20:.0f} MiB more to read):")
-    for tile in dict.fromkeys((hpb.BWD4_TILE_TC_BITS, (512, 16, 2, 4), (512, 16, 1, 4), (512, 16, 1, 3),
-                               (256, 16, 1, 4), (256, 16, 2, 4), (256, 32, 1, 4), (512, 32, 2, 4), (512, 8, 2, 4))):
-        def call():
-            return hpb.h_post_bda_backward(h_res, x, h_post, y, bias, grad, tile_=tile, dropout=0.1,
-                                           dropout_seed=1234, dropout_offset=4294967000, mask_bits=bits)
-        try:
-            out = call()
-            us = _graph_us(call)
-        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
-            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        same = (f"dx, dy {torch.equal(out[1], ref[1]) and torch.equal(out[3], ref[3])}; dH, dh_post, d_bias "
-                f"{all(torch.equal(out[i], ref[i]) for i in (0, 2, 4))}")
-        print(f"  {tile}{' (shipped)' if tile == hpb.BWD4_TILE_TC_BITS else ''}: {us:.1f} us, "
-              f"{100 * (nbytes + bits.numel()) / bw / (us * 1e-6):.0f}% of copy; the drawn shipped tile's bits: {same}")
 
 
 def main() -> None:

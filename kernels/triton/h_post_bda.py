@@ -95,25 +95,6 @@ def _kept3(seed, rows, c0, BLOCK_C: tl.constexpr, THRESHOLD: tl.constexpr):
     return tl.reshape(_words(seed, q), (q.shape[0], q.shape[1], BLOCK_C)) >= THRESHOLD
 
 
-@triton.jit
-def _store_bits(row_ptr, b0, kept, CB, BLOCK_C: tl.constexpr):
-    """A row's keep mask ``[BLOCK_C]`` (channels ``8 b0 ..``) as bits at bytes ``b0 ..`` of the row
-    at ``row_ptr`` (``CB`` bytes: channel c is bit ``c % 8`` of byte ``c // 8``)."""
-    w = tl.reshape(kept.to(tl.int32), (BLOCK_C // 8, 8)) << tl.arange(0, 8)[None, :]
-    j = b0 + tl.arange(0, BLOCK_C // 8)
-    tl.store(row_ptr + j, tl.sum(w, axis=1).to(tl.uint8), mask=j < CB)
-
-
-@triton.jit
-def _load_bits(mk_ptr, rows, b0, CB, BLOCK_C: tl.constexpr):
-    """The keep mask ``[R, BLOCK_C]`` that :func:`_store_bits` stored for rows ``rows`` ([R] int64,
-    ``CB`` bytes a row), channels ``8 b0 ..``."""
-    j = b0 + tl.arange(0, BLOCK_C // 8)
-    byte = tl.load(mk_ptr + rows[:, None] * CB + j[None, :], mask=(j < CB)[None, :], other=0).to(tl.int32)
-    bits = (byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-    return tl.reshape(bits, (rows.shape[0], BLOCK_C)) != 0
-
-
 @fast
 @triton.jit
 def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, offset, G, scale, N: tl.constexpr,
@@ -138,16 +119,14 @@ def _h_post_bda_fwd(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, off
 
 @fast
 @triton.jit
-def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, offset, G, scale, mk_ptr, CB,
+def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, offset, G, scale,
                      GROUP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr,
-                     STAGES: tl.constexpr, THRESHOLD: tl.constexpr, KEEP: tl.constexpr = False):
+                     STAGES: tl.constexpr, THRESHOLD: tl.constexpr):
     """n = 4, shaped like the n = 4 backward: a program walks ``GROUP`` tokens over one C block, a
     token a step, its loads pipelined over ``STAGES`` steps; ``out_i = h_post_i (y + bias) +
     sum_j Hm[i, j] x_j`` per (token, channel) in fp32, added in the generic kernel's order. The
     grid is one-dimensional, C blocks fastest (the order a ``(C blocks, token groups)`` grid runs
-    in): a token group a program would put more than 65535 of them on CUDA's second grid axis.
-    ``KEEP`` (with dropout): the mask also goes to ``mk_ptr`` as bits (``[T, 4, CB]`` bytes), for
-    the backward to read instead of drawing it again."""
+    in): a token group a program would put more than 65535 of them on CUDA's second grid axis."""
     n_cb = tl.cdiv(C, BLOCK_C)
     cb = tl.program_id(0) % n_cb
     tg = tl.program_id(0) // n_cb
@@ -168,10 +147,7 @@ def _h_post_bda_fwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, out_ptr, T, C, seed, of
         for i in tl.static_range(4):
             o = tl.load(hp_ptr + t * 4 + i).to(tl.float32) * z
             if THRESHOLD > 0:
-                kept = _kept1(seed, offset + (t * 4 + i) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD)
-                o = tl.where(kept, o * scale, 0.0)
-                if KEEP:
-                    _store_bits(mk_ptr + (t * 4 + i) * CB, cb * (BLOCK_C // 8), kept, CB, BLOCK_C)
+                o = tl.where(_kept1(seed, offset + (t * 4 + i) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD), o * scale, 0.0)
             o += _hm1(h_ptr, t, i, 0, TRANSPOSE) * x0
             o += _hm1(h_ptr, t, i, 1, TRANSPOSE) * x1
             o += _hm1(h_ptr, t, i, 2, TRANSPOSE) * x2
@@ -322,12 +298,11 @@ def _sums_over_c(a, b, F32DOT: tl.constexpr):
 @fast
 @triton.jit
 def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, ws_ptr, ws_b_ptr, T, C,
-                        cnt_ptr, dh_ptr, dhp_ptr, db_ptr, ws_b2_ptr, SUPER, seed, offset, G, scale, mk_ptr, CB,
+                        cnt_ptr, dh_ptr, dhp_ptr, db_ptr, ws_b2_ptr, SUPER, seed, offset, G, scale,
                         GROUP: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
                         TRANSPOSE: tl.constexpr, STAGES: tl.constexpr, F32DOT: tl.constexpr,
                         GH: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, DISCARD: tl.constexpr,
-                        NL_H: tl.constexpr, NL_P: tl.constexpr, NL_B: tl.constexpr, THRESHOLD: tl.constexpr,
-                        BITS: tl.constexpr = False):
+                        NL_H: tl.constexpr, NL_P: tl.constexpr, NL_B: tl.constexpr, THRESHOLD: tl.constexpr):
     """n = 4 with 16-bit x, y, bias and grad_out: the 20 sums over C as one tensor-core product.
     A step is one token over the program's C block: its gradient as a ``[4, BLOCK_C]`` tile times
     the ``[8, BLOCK_C]`` tile of x's four streams, y, the bias and two zero rows (transposed), so
@@ -346,9 +321,7 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
     is ``[8, BLOCK_C]``, the gradient's four rows and then the same rows where the contract's mask
     keeps them (zeroed elsewhere, which rounds nothing in 16 bits), so rows 0-3 give dH (the
     residual mix is never dropped) and rows 4-7 the kept sums of dh_post, scaled after the sum;
-    dy takes the kept gradient scaled, element by element in fp32, as the FMA kernel does. ``BITS``:
-    the mask is read from the forward's bits (``mk_ptr``, ``[T, 4, CB]`` bytes) instead of drawn
-    again (the Philox rounds were most of this kernel's instructions at the step's shape)."""
+    dy takes the kept gradient scaled, element by element in fp32, as the FMA kernel does."""
     cb = tl.program_id(0)
     tg = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -374,10 +347,7 @@ def _h_post_bda_bwd4_tc(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_pt
         ws_row = ws_ptr + cb.to(tl.int64) * T * 20  # this C block's partials: dH of every token, then dh_post
         branch = (r8[None, :] == 4) | (r8[None, :] == 5)  # the columns of y and the bias
         if THRESHOLD > 0:
-            if BITS:
-                kept = _load_bits(mk_ptr, t * 4 + r4, cb * (BLOCK_C // 8), CB, BLOCK_C)
-            else:
-                kept = _kept2(seed, offset + (t * 4 + r4) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD)
+            kept = _kept2(seed, offset + (t * 4 + r4) * G, cb * BLOCK_C, BLOCK_C, THRESHOLD)
             gm = tl.where(kept, g, tl.zeros_like(g))
             g8 = tl.reshape(tl.permute(tl.join(g, gm), (2, 0, 1)), (8, BLOCK_C))  # g's rows, then the kept ones
             d = _sums_over_c(g8, xyb, F32DOT)
@@ -571,13 +541,10 @@ def _mask_args(C: int, dropout: float, seed: int, offset: int) -> tuple[tuple, i
 
 
 def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile_=None, dropout=0.0,
-                       dropout_seed=0, dropout_offset=0, keep_mask=False):
+                       dropout_seed=0, dropout_offset=0):
     """``tile_``: a tile for the generic kernel (3 entries) or the n = 4 one (4; sweeps). With
     ``dropout``, the branch is dropped by the contract's mask keyed by ``dropout_seed`` and
-    ``dropout_offset``, drawn in the kernel. ``keep_mask``: returns ``(out, bits)``, the mask as
-    the n = 4 kernel drew it in bits (uint8 ``[T, 4, ceil(C / 8)]``, channel c bit ``c % 8`` of
-    byte ``c // 8``) for the backward (``mask_bits``); None where no mask was drawn or another
-    kernel ran."""
+    ``dropout_offset``, drawn in the kernel."""
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     s, b, n, C = x.shape
     T = s * b
@@ -585,19 +552,14 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile
         raise ValueError(f"h_post_bda_forward: a 4-entry tile is for n = 4, not n = {n}")
     out = empty(x.shape, x.dtype, x.device)
     mask, thr = _mask_args(C, dropout, dropout_seed, dropout_offset)
-    kept = {}
 
     def run(cfg):
         if len(cfg) == 4:  # the n = 4 kernel: (BLOCK_C, GROUP, warps, stages)
             bc, group, warps, stages = cfg
-            keep = keep_mask and thr > 0 and bc % 8 == 0
-            if keep:
-                kept["bits"] = empty((T, 4, cdiv(C, 8)), torch.uint8, x.device)
             _h_post_bda_fwd4[(cdiv(C, bc) * cdiv(T, group),)](
-                h_res, x, h_post, y, bias if bias is not None else y, out, T, C, *mask,
-                kept["bits"] if keep else out, cdiv(C, 8), GROUP=group, BLOCK_C=bc,
+                h_res, x, h_post, y, bias if bias is not None else y, out, T, C, *mask, GROUP=group, BLOCK_C=bc,
                 HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, THRESHOLD=thr,
-                KEEP=keep, num_warps=warps)
+                num_warps=warps)
             return
         bt, bc, warps = cfg
         _h_post_bda_fwd[(cdiv(T, bt), cdiv(C, bc))](
@@ -609,7 +571,7 @@ def h_post_bda_forward(h_res, x, h_post, y, bias=None, transpose_res=False, tile
         run(tile_ or (forward_tile4() if _n4_kernels(n) else
                       pick_config(("h_post_bda_fwd", T, C, n, x.dtype, bias is not None, thr > 0),
                                   _candidates(C, n), run, work=T * n * C)))
-    return (out, kept.get("bits")) if keep_mask else out
+    return out
 
 
 def _n4_kernels(n: int) -> bool:
@@ -659,18 +621,17 @@ def backward_tile(C: int, n: int) -> tuple:
     return _blocks(C, n, 4096, 128, 4)
 
 
-def backward_tile4(dtype: torch.dtype, tc: bool = False, dropout: bool = False, bits: bool = False) -> tuple:
+def backward_tile4(dtype: torch.dtype, tc: bool = False, dropout: bool = False) -> tuple:
     """The n = 4 backward's tile, fixed per kernel and element size like ``backward_tile`` (never
     a function of the number of tokens, so a token's dH sums in the same order at every batch
     size). ``tc``: the tensor-core kernel's (BLOCK_C, GROUP, warps, stages); otherwise the FMA
     kernel's (BLOCK_T, BLOCK_C, GROUP, warps, stages); ``dropout``: the tensor-core kernel's with
-    the mask (its own tile), ``bits``: with the mask read from the forward's bits. Under the
-    interpreter, small blocks so that the tests' odd shapes cross C blocks, token groups and
-    partial tiles."""
+    the mask (its own tile). Under the interpreter, small blocks so that the tests' odd shapes
+    cross C blocks, token groups and partial tiles."""
     if interpreted():
         return (64, 8, 1, 1) if tc else (4, 64, 8, 4, 1)
     if tc:
-        return (BWD4_TILE_TC_BITS if bits else BWD4_TILE_TC_DROPOUT) if dropout else BWD4_TILE_TC
+        return BWD4_TILE_TC_DROPOUT if dropout else BWD4_TILE_TC
     return BWD4_TILE_FP32 if dtype == torch.float32 else BWD4_TILE
 
 
@@ -702,12 +663,6 @@ BWD4_TILE_TC = (512, 16, 1, 4)
 # kernel took 2.41; in issue 99's step (4,096 tokens a call, C = 2048, where the FMA tile makes 256
 # one-warp programs) the post-path's backward fell from 55 to 35 ms a step. Kept for the step.
 BWD4_TILE_TC_DROPOUT = (512, 16, 2, 4)
-# With the mask read from the forward's bits (no Philox rounds in the loop). Compiled offline for
-# sm_90 with Triton 3.6 (dev/sass_offline.py --post-bwd): at the drawn mask's tile 208 registers
-# and 953 instructions in the main loop, against 249 and 1,484 drawing it; one warp over 512
-# channels 252 and 1,366; (256, 16, 1, 4) 212 and 776; none spills. The drawn mask's tile for now,
-# so the two give the same bits; to be timed at the step's call (dev/step_profile.py postbwd).
-BWD4_TILE_TC_BITS = BWD4_TILE_TC_DROPOUT
 
 
 def _tc_operands(x, y, bias, grad_out) -> bool:
@@ -717,21 +672,19 @@ def _tc_operands(x, y, bias, grad_out) -> bool:
 
 
 def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False, tile_=None, dropout=0.0,
-                        dropout_seed=0, dropout_offset=0, mask_bits=None):
+                        dropout_seed=0, dropout_offset=0):
     """``tile_``: a tile for the generic kernel (3 entries), the n = 4 tensor-core one (4) or the
     n = 4 FMA one (5); by default the n = 4 tensor-core kernel where n = 4 and x, y, the bias and
     grad_out share a 16-bit dtype (with dropout too: the kept gradient rows join the product), the
     n = 4 FMA kernel for other n = 4 cases. With ``dropout``, the forward's mask is drawn again
-    from the same key, or, by the tensor-core kernel, read from ``mask_bits`` where the forward
-    kept it (``h_post_bda_forward(keep_mask=True)``: the same mask; the other kernels draw it)."""
+    from the same key."""
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     grad_out = grad_out.contiguous()
     s, b, n, C = x.shape
     T = s * b
     mask, thr = _mask_args(C, dropout, dropout_seed, dropout_offset)
     tc = n == 4 and _tc_operands(x, y, bias, grad_out)
-    tile = tile_ or (backward_tile4(x.dtype, tc, thr > 0, mask_bits is not None) if _n4_kernels(n)
-                     else backward_tile(C, n))
+    tile = tile_ or (backward_tile4(x.dtype, tc, thr > 0) if _n4_kernels(n) else backward_tile(C, n))
     if len(tile) in (4, 5) and n != 4:
         raise ValueError(f"h_post_bda_backward: a {len(tile)}-entry tile is for n = 4, not n = {n}")
     if len(tile) == 4 and not tc:
@@ -740,13 +693,8 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
                          f"{None if bias is None else bias.dtype}, {grad_out.dtype}")
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
-    if mask_bits is not None and (mask_bits.dtype != torch.uint8 or tuple(mask_bits.shape) != (T, n, cdiv(C, 8))
-                                  or not mask_bits.is_contiguous()):
-        raise ValueError(f"h_post_bda_backward: mask_bits are uint8 [{T}, {n}, {cdiv(C, 8)}] as the forward keeps "
-                         f"them; got {mask_bits.dtype} {tuple(mask_bits.shape)}")
     if len(tile) == 4:
-        bits = mask_bits if thr > 0 and tile[0] % 8 == 0 else None
-        return _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr, bits)
+        return _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr)
     four = len(tile) == 5
     bt, bc = tile[0], tile[1]
     n_cb = cdiv(C, bc)
@@ -772,7 +720,7 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
     return d_h, dx, d_hp, dy, d_b
 
 
-def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr, bits=None):
+def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr):
     s, b, n, C = x.shape
     T = s * b
     bc, group, warps, stages = tile
@@ -791,12 +739,10 @@ def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
     if T and C:
         _h_post_bda_bwd4_tc[(n_cb, n_tg)](
             h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws, ws_b, T, C,
-            cnt, d_h, d_hp, d_b if d_b is not None else d_h, ws_b2, sup, *mask, dx if bits is None else bits,
-            cdiv(C, 8), GROUP=group, BLOCK_C=bc,
+            cnt, d_h, d_hp, d_b if d_b is not None else d_h, ws_b2, sup, *mask, GROUP=group, BLOCK_C=bc,
             HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, F32DOT=interpreted(),
             GH=next_pow2(group * 16), GP=next_pow2(group * 4), ROWS=FINISH_ROWS, DISCARD=not interpreted(),
-            NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4), THRESHOLD=thr, BITS=bits is not None,
-            num_warps=warps)
+            NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4), THRESHOLD=thr, num_warps=warps)
     else:  # sums over no channels or no tokens
         for t in (d_h, d_hp, d_b):
             if t is not None:
@@ -814,31 +760,18 @@ def _lines(nbytes: int) -> int:
     return next_pow2(nbytes // 128 + 2)
 
 
-def keeps_bits(x, y, bias, dropout: float) -> bool:
-    """Whether the autograd function's forward keeps the mask in bits for its backward: dropout, and
-    the n = 4 kernels with the tensor-core backward's operands (a GPU, 16-bit x, y and bias of one
-    dtype), whose mask drawing the bits replace. A module attribute, so tests can turn it on under
-    the interpreter."""
-    return dropout > 0 and _n4_kernels(x.shape[2]) and _tc_operands(x, y, bias, x)
-
-
 class HPostBdaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_res, x, h_post, y, bias, transpose_res, dropout=0.0, dropout_seed=0, dropout_offset=0):
+        ctx.save_for_backward(h_res, x, h_post, y, bias)
         ctx.transpose_res = transpose_res
-        ctx.mask = (dropout, dropout_seed, dropout_offset)  # the key: a backward without the bits draws it again
-        if any(ctx.needs_input_grad) and keeps_bits(x, y, bias, dropout):
-            out, bits = h_post_bda_forward(h_res, x, h_post, y, bias, transpose_res, None, *ctx.mask, keep_mask=True)
-        else:
-            out, bits = h_post_bda_forward(h_res, x, h_post, y, bias, transpose_res, None, *ctx.mask), None
-        ctx.save_for_backward(h_res, x, h_post, y, bias, bits)
-        return out
+        ctx.mask = (dropout, dropout_seed, dropout_offset)  # the key: the backward draws the mask again
+        return h_post_bda_forward(h_res, x, h_post, y, bias, transpose_res, None, *ctx.mask)
 
     @staticmethod
     def backward(ctx, grad_out):
-        h_res, x, h_post, y, bias, bits = ctx.saved_tensors
-        grads = h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, ctx.transpose_res, None, *ctx.mask,
-                                    mask_bits=bits)
+        h_res, x, h_post, y, bias = ctx.saved_tensors
+        grads = h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, ctx.transpose_res, None, *ctx.mask)
         return (*grads, None, None, None, None)
 
 

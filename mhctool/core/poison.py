@@ -30,14 +30,9 @@ def enabled() -> bool:
 
 
 def empty(shape, dtype, device) -> torch.Tensor:
-    """``torch.empty``; while poisoning, a float tensor holds its format's poison NaN and any other
-    every bit set (an unwritten byte of a kernel's bit mask then reads as all kept)."""
     t = torch.empty(shape, dtype=dtype, device=device)
     if _state["on"]:
-        if t.is_floating_point():
-            poison(t)
-        elif t.numel():
-            t.view(torch.uint8).fill_(0xFF)
+        poison(t)
     return t
 
 

@@ -355,43 +355,6 @@ def test_cutile_h_post_bda_backward_sums_c_blocks_in_order(n, transpose, with_bi
         assert ((a.double() - w).abs().max() / w.abs().max()) < tol, name
 
 
-def test_triton_forward_keeps_the_mask_in_bits_the_backward_reads_at_the_gpu_tiles():
-    """Triton's n = 4 forward at its GPU tile keeps the mask as bits, exactly the contract's (C off
-    every block and not a multiple of 8, a key and counters past 32 bits); the tensor-core backward
-    reading them (its own tile) gives the element-wise gradients (dx, dy) of the one that draws
-    the mask again, bit for bit (at one tile every gradient), and every gradient within float64's
-    tolerance; NaN-poisoned."""
-    from mhctool.core.poison import poisoning
-    from mhctool.kernels.triton import h_post_bda as thp
-    from mhctool.references import dropout as D
-    from mhctool.references import mhc as ref
-    g = torch.Generator(device="cuda").manual_seed(2)
-    s, b, n, c = 1031, 3, 4, 1030
-    h = torch.softmax(torch.randn(s, b, n, n, generator=g, device="cuda"), -1)
-    hp = 2 * torch.rand(s, b, n, generator=g, device="cuda")
-    x, go = (torch.randn(s, b, n, c, generator=g, device="cuda").bfloat16() for _ in range(2))
-    y = torch.randn(s, b, c, generator=g, device="cuda").bfloat16()
-    bias = torch.randn(c, generator=g, device="cuda").bfloat16()
-    key = (0.1, 2**33 + 5, 2**32 - 7)
-    with poisoning():
-        out, bits = thp.h_post_bda_forward(h, x, hp, y, bias, False, None, *key, keep_mask=True)
-        read = thp.h_post_bda_backward(h, x, hp, y, bias, go, False, None, *key, mask_bits=bits)
-        drawn = thp.h_post_bda_backward(h, x, hp, y, bias, go, False, None, *key)
-    shifts = torch.arange(8, dtype=torch.int32, device="cuda")
-    unpacked = ((bits.to(torch.int32)[..., None] >> shifts) & 1).flatten(-2)[..., :c].bool()
-    assert torch.equal(unpacked, D.keep((s * b, n, c), *key, "cuda"))
-    assert torch.equal(read[1], drawn[1]) and torch.equal(read[3], drawn[3])
-    if thp.BWD4_TILE_TC_BITS == thp.BWD4_TILE_TC_DROPOUT:  # one tile: the sums over C as well
-        assert all(torch.equal(a, d) for a, d in zip(read, drawn))
-    dd = [t.double().requires_grad_() for t in (h, x, hp, y, bias)]
-    want_out = ref.h_post_bda(*dd, dropout=key[0], dropout_seed=key[1], dropout_offset=key[2])
-    want = torch.autograd.grad(want_out, dd, go.double())
-    assert ((out.double() - want_out).abs().max() / want_out.abs().max()) < 2**-7
-    for name, a, w in zip(("h_res", "x", "h_post", "y", "bias"), read, want):
-        assert torch.isfinite(a).all(), name
-        assert ((a.double() - w).abs().max() / w.abs().max()) < 2**-7, name
-
-
 @pytest.mark.parametrize("backend", ["triton", "cutile"])
 @pytest.mark.parametrize("n, dtype", [(4, torch.bfloat16), (4, torch.float32), (3, torch.bfloat16)])
 def test_dropout_draws_the_contracts_mask_in_the_kernel(backend, n, dtype):
