@@ -24,8 +24,8 @@ by autograd's add of the two, each a CUDA graph replayed.
 
 ``postfwd``: the post-path's forward with dropout 0.1 at its tile and others.
 
-``postbwd``: the post-path's backward with dropout 0.1 (the tensor-core kernel with the mask) at its
-tile and others, and the n = 4 FMA kernel's.
+``postbwd``: the post-path's backward with dropout 0.1 (the n = 4 FMA kernel) at its tile and
+others, and the tensor-core kernel with the mask at its tiles.
 """
 from __future__ import annotations
 
@@ -272,9 +272,9 @@ def postbwd(shape) -> None:
     bw = copy_bandwidth("cuda")
     nbytes = (3 * n + 2) * s * b * c * 2
     print(f"post-path backward at {s * b} tokens, n = {n}, C = {c}, bf16, dropout 0.1; copy {bw / 1e9:.0f} GB/s")
-    shipped = hpb.BWD4_TILE_TC_DROPOUT
+    shipped = hpb.BWD4_TILE_DROPOUT
     ref = None
-    for tile in dict.fromkeys((shipped, (512, 16, 2, 3), (512, 8, 2, 4), (512, 32, 2, 4), (256, 16, 1, 4),
+    for tile in dict.fromkeys((shipped, hpb.BWD4_TILE_TC_DROPOUT, (512, 16, 2, 3), (512, 8, 2, 4), (512, 32, 2, 4), (256, 16, 1, 4),
                                (256, 16, 2, 4), (256, 32, 1, 3), (256, 8, 1, 4), (1024, 16, 4, 4),
                                (1024, 16, 4, 2), hpb.BWD4_TILE, (1, 512, 16, 1, 3), (1, 256, 32, 1, 3), (1, 256, 16, 1, 3),
                                (2, 256, 32, 2, 3))):

@@ -625,13 +625,16 @@ def backward_tile4(dtype: torch.dtype, tc: bool = False, dropout: bool = False) 
     """The n = 4 backward's tile, fixed per kernel and element size like ``backward_tile`` (never
     a function of the number of tokens, so a token's dH sums in the same order at every batch
     size). ``tc``: the tensor-core kernel's (BLOCK_C, GROUP, warps, stages); otherwise the FMA
-    kernel's (BLOCK_T, BLOCK_C, GROUP, warps, stages); ``dropout``: the tensor-core kernel's with
-    the mask (its own tile). Under the interpreter, small blocks so that the tests' odd shapes
+    kernel's (BLOCK_T, BLOCK_C, GROUP, warps, stages); ``dropout`` with 16-bit operands: the FMA
+    kernel's at its own tile, whatever ``tc`` says (the mask's Philox rounds made the tensor-core
+    kernel the slower one). Under the interpreter, small blocks so that the tests' odd shapes
     cross C blocks, token groups and partial tiles."""
     if interpreted():
         return (64, 8, 1, 1) if tc else (4, 64, 8, 4, 1)
+    if dropout and dtype in (torch.bfloat16, torch.float16):
+        return BWD4_TILE_DROPOUT
     if tc:
-        return BWD4_TILE_TC_DROPOUT if dropout else BWD4_TILE_TC
+        return BWD4_TILE_TC
     return BWD4_TILE_FP32 if dtype == torch.float32 else BWD4_TILE
 
 
@@ -661,8 +664,17 @@ BWD4_TILE_TC = (512, 16, 1, 4)
 # two warps did not (249 registers, 45 KB of shared memory), nor did one warp over 256 channels.
 # On an H100 (docs/perf-notes.md, 2026-12-07, session 59): 3.45 ms at the paper shape, where the FMA
 # kernel took 2.41; in issue 99's step (4,096 tokens a call, C = 2048, where the FMA tile makes 256
-# one-warp programs) the post-path's backward fell from 55 to 35 ms a step. Kept for the step.
+# one-warp programs) the post-path's backward fell from 55 to 35 ms a step. The tensor-core kernel's
+# tile where dropout asks for it (tile_, sweeps); by default dropout takes the FMA kernel below.
 BWD4_TILE_TC_DROPOUT = (512, 16, 2, 4)
+# With dropout, 16-bit operands: the FMA kernel over 256 channels and 32 tokens a program. At issue
+# 99's step call (4,096 tokens, C = 2048, bf16, dropout 0.1) on an H100, graph replay
+# (dev/step_profile.py postbwd, session 63): 100.0 us (78% of copy), where the tensor-core kernel
+# with the mask took 147.2 at its tile and 131.2-154.4 at six others (its loop is mostly the
+# mask's Philox rounds: 1,484 instructions against 920 without dropout, offline for sm_90), and the
+# FMA kernel 254.6 at its paper-shape tile (256 programs a call), 111.8-117.9 at three others. In
+# the step the post-path's backward fell from 32.8 to 25.8 ms. Not timed at the paper shape.
+BWD4_TILE_DROPOUT = (1, 256, 32, 1, 3)
 
 
 def _tc_operands(x, y, bias, grad_out) -> bool:
@@ -675,8 +687,9 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
                         dropout_seed=0, dropout_offset=0):
     """``tile_``: a tile for the generic kernel (3 entries), the n = 4 tensor-core one (4) or the
     n = 4 FMA one (5); by default the n = 4 tensor-core kernel where n = 4 and x, y, the bias and
-    grad_out share a 16-bit dtype (with dropout too: the kept gradient rows join the product), the
-    n = 4 FMA kernel for other n = 4 cases. With ``dropout``, the forward's mask is drawn again
+    grad_out share a 16-bit dtype and there is no dropout, the n = 4 FMA kernel for other n = 4
+    cases (``backward_tile4``; the tensor-core kernel takes dropout where its tile is asked for:
+    the kept gradient rows join the product). With ``dropout``, the forward's mask is drawn again
     from the same key."""
     h_res, h_post = _check(h_res, x, h_post, y, bias)
     grad_out = grad_out.contiguous()

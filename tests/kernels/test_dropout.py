@@ -170,14 +170,22 @@ def test_native_draws_the_contracts_mask():
     assert float((got.double() - want).abs().max()) < 1e-5
 
 
-def test_the_tensor_core_backward_with_the_mask_at_the_gpus_tile():
-    """The tile the GPU takes with dropout (two warps over 512 channels: one warp spilled with the
-    mask's counters) over 700 channels (a block and a part) and 37 tokens in 16-token groups."""
-    assert thp.BWD4_TILE_TC_DROPOUT[0] == thp.BWD4_TILE_TC[0] and len(thp.BWD4_TILE_TC_DROPOUT) == 4
-    h, x, hp, y, bias = _inputs(37, 1, 4, 700, torch.bfloat16)
+@pytest.mark.parametrize("tile", ["dropout", "tensor-core"])
+def test_the_backward_with_the_mask_at_the_gpus_tiles(tile, monkeypatch):
+    """The tile a GPU takes with dropout and 16-bit operands (the FMA kernel over 256 channels and
+    32-token groups) and the tensor-core kernel's own (two warps over 512 channels: one warp
+    spilled with the mask's counters), over a C block and a part and a token group and a part
+    (35 tokens, 300 channels; 37 and 700 for the tensor-core tile), against float64, NaN-poisoned."""
+    monkeypatch.setattr(thp, "interpreted", lambda: False)  # the tile a GPU picks
+    gpu = thp.backward_tile4(torch.bfloat16, tc=True, dropout=True)
+    monkeypatch.undo()
+    assert gpu == thp.BWD4_TILE_DROPOUT and len(gpu) == 5
+    assert len(thp.BWD4_TILE_TC_DROPOUT) == 4
+    t = gpu if tile == "dropout" else thp.BWD4_TILE_TC_DROPOUT
+    h, x, hp, y, bias = _inputs(*((35, 1, 4, 300) if tile == "dropout" else (37, 1, 4, 700)), torch.bfloat16)
     go = torch.randn(x.shape).to(torch.bfloat16)
     with poisoning():
-        grads = thp.h_post_bda_backward(h, x, hp, y, bias, go, True, thp.BWD4_TILE_TC_DROPOUT, *KEYS[0])
+        grads = thp.h_post_bda_backward(h, x, hp, y, bias, go, True, t, *KEYS[0])
     _, want = _want(h, x, hp, y, bias, go, True, KEYS[0])
     for name, g, w in zip(("h_res", "x", "h_post", "y", "bias"), grads, want):
         _close(g, w, torch.bfloat16, f"grad_{name}")
