@@ -161,7 +161,7 @@ def step_attribution_table(rows: list[dict], title: str) -> Table | None:
         return sum(vals) if vals else None
     ops = {e for run in runs for (e, _), m in by[run].items() if e != "*" and "entry_ms" in m}
     order = sorted(ops, key=lambda e: -max(part(run, e) or 0.0 for run in runs))
-    lines = [(OPS.get(e, e), [part(run, e) for run in runs]) for e in order]
+    lines = [(escape(OPS.get(e, e)), [part(run, e) for run in runs]) for e in order]  # "[module]" is no markup
     lines += [("kernels outside the module (against the baseline's)", [whole(run, "outside_ms") for run in runs]),
               ("device idle (against the baseline's)", [whole(run, "idle_ms") for run in runs]),
               ("= the overhead", [whole(run, "overhead_ms") for run in runs])]

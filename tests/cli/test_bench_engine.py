@@ -266,6 +266,7 @@ def test_the_overhead_is_attributed_op_by_op_and_the_parts_sum_to_it(tmp_path):
         assert all(m["bytes"] > 0 for (e, d), m in v.items() if e != "*" and d == "fwd")
     shown = runner.invoke(app, ["report", "show", str(out)], env={"COLUMNS": "200"})
     assert shown.exit_code == 0 and "where the overhead goes" in shown.output and "torch[module]" in shown.output
+    assert "a [module] variant's" in shown.output  # the label's brackets are text, not markup
 
 
 def test_the_byte_floor_is_the_issues_arithmetic():
