@@ -146,6 +146,36 @@ def _graph_us(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def _sweep(tiles, shipped, call, nbytes: int, bw: float, bits) -> None:
+    """Each tile once (``call(tile)``: its outputs), then timed (``_graph_us``): microseconds, % of the
+    copy rate for ``nbytes``, and ``bits(out, first)``: how its outputs compare with the first
+    tile's. A tile the compiler refuses is a line of its own."""
+    ref = None
+    for tile in dict.fromkeys(tiles):
+        try:
+            out = call(tile)
+            us = _graph_us(lambda: call(tile))
+        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
+            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        same = "-" if ref is None else bits(out, ref)
+        ref = out if ref is None else ref
+        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {100 * nbytes / bw / (us * 1e-6):.0f}% "
+              f"of copy; the shipped tile's bits: {same}")
+
+
+def _post_inputs(shape, seed: int):
+    """The post-path's inputs at ``shape`` (bf16 streams, y and bias; fp32 h_res and h_post) and the
+    generator that drew them, for more."""
+    s, b, n, c = shape
+    x, _, _, _, bias = _inputs(s, b, n, c)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h_res = torch.rand(s, b, n, n, device="cuda", generator=g)
+    h_post = 2 * torch.rand(s, b, n, device="cuda", generator=g)
+    y = torch.randn(s, b, c, device="cuda", generator=g).bfloat16()
+    return (h_res, x.detach(), h_post, y, bias.detach()), g
+
+
 def mapfwd(shape) -> None:
     from kernels.triton import mapping as tm
     s, b, n, c = shape
@@ -153,24 +183,13 @@ def mapfwd(shape) -> None:
     x2d = x.detach().reshape(s * b, n * c)
     w, a, hb = w.detach(), a.detach(), hb.detach()
     bw = copy_bandwidth("cuda")
-    shipped = tm.FWD_TILE
-    ref = None
     print(f"mapping forward at {s * b} rows, K = {n * c}, bf16; copy {bw / 1e9:.0f} GB/s")
     # more of x in flight a program (stages, BLOCK_K): at 64 programs a call the bytes in flight, not
     # the programs, may be what holds the copy rate (smaller row blocks were no faster, session 60)
-    for tile in dict.fromkeys((shipped, (64, 128, 4), (64, 128, 4, 5), (64, 128, 8, 6), (64, 256, 4, 3),
-                               (64, 256, 8, 4), (32, 256, 4, 4), (32, 128, 4, 6), (32, 128, 4))):
-        try:
-            outs, saved = tm.mapping_forward(x2d, w, a, hb, tile_=tile)
-        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
-            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        same = "-" if ref is None else all(torch.equal(p, q) for p, q in zip((*outs, *saved), ref))
-        ref = ref or (*outs, *saved)
-        us = _graph_us(lambda: tm.mapping_forward(x2d, w, a, hb, tile_=tile))
-        pct = 100 * x2d.numel() * 2 / bw / (us * 1e-6)
-        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {pct:.0f}% of copy; "
-              f"the shipped tile's bits: {same}")
+    _sweep((tm.FWD_TILE, (64, 128, 4), (64, 128, 4, 5), (64, 128, 8, 6), (64, 256, 4, 3), (64, 256, 8, 4),
+            (32, 256, 4, 4), (32, 128, 4, 6), (32, 128, 4)), tm.FWD_TILE,
+           lambda tile: tm.mapping_forward(x2d, w, a, hb, tile_=tile), x2d.numel() * 2, bw,
+           lambda out, ref: all(torch.equal(p, q) for p, q in zip((*out[0], *out[1]), (*ref[0], *ref[1]))))
 
 
 def fold(shape) -> None:
@@ -223,33 +242,14 @@ def postfwd(shape) -> None:
     shipped tile's bits (the tile may change the fp32 sums' contraction)."""
     from kernels.triton import h_post_bda as hpb
     s, b, n, c = shape
-    x, _, _, _, bias = _inputs(s, b, n, c)
-    x = x.detach()
-    g = torch.Generator(device="cuda").manual_seed(2)
-    h_res = torch.rand(s, b, n, n, device="cuda", generator=g)
-    h_post = 2 * torch.rand(s, b, n, device="cuda", generator=g)
-    y = torch.randn(s, b, c, device="cuda", generator=g).bfloat16()
-    bias = bias.detach()
+    inputs, _ = _post_inputs(shape, 2)
     bw = copy_bandwidth("cuda")
-    nbytes = (2 * n + 1) * s * b * c * 2
     print(f"post-path forward at {s * b} tokens, n = {n}, C = {c}, bf16, dropout 0.1; copy {bw / 1e9:.0f} GB/s")
-    shipped = hpb.FWD4_TILE
-    ref = None
-    for tile in dict.fromkeys((shipped, (1024, 1, 1, 1), (512, 1, 1, 1), (2048, 1, 2, 1), (2048, 1, 1, 1),
-                               (1024, 2, 1, 2), (1024, 4, 2, 2), (512, 4, 1, 3), (256, 8, 1, 3))):
-        def call():
-            return hpb.h_post_bda_forward(h_res, x, h_post, y, bias, tile_=tile, dropout=0.1, dropout_seed=1234,
-                                          dropout_offset=4294967000)
-        try:
-            out = call()
-            us = _graph_us(call)
-        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
-            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        same = "-" if ref is None else torch.equal(out, ref)
-        ref = out if ref is None else ref
-        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {100 * nbytes / bw / (us * 1e-6):.0f}% "
-              f"of copy; the shipped tile's bits: {same}")
+    _sweep((hpb.FWD4_TILE, (1024, 1, 1, 1), (512, 1, 1, 1), (2048, 1, 2, 1), (2048, 1, 1, 1), (1024, 2, 1, 2),
+            (1024, 4, 2, 2), (512, 4, 1, 3), (256, 8, 1, 3)), hpb.FWD4_TILE,
+           lambda tile: hpb.h_post_bda_forward(*inputs, tile_=tile, dropout=0.1, dropout_seed=1234,
+                                               dropout_offset=4294967000),
+           (2 * n + 1) * s * b * c * 2, bw, torch.equal)
 
 
 def postbwd(shape) -> None:
@@ -261,40 +261,20 @@ def postbwd(shape) -> None:
     gradient too (their sums over C follow the C block)."""
     from kernels.triton import h_post_bda as hpb
     s, b, n, c = shape
-    x, _, _, _, bias = _inputs(s, b, n, c)
-    x = x.detach()
-    g = torch.Generator(device="cuda").manual_seed(3)
-    h_res = torch.rand(s, b, n, n, device="cuda", generator=g)
-    h_post = 2 * torch.rand(s, b, n, device="cuda", generator=g)
-    y = torch.randn(s, b, c, device="cuda", generator=g).bfloat16()
+    inputs, g = _post_inputs(shape, 3)
     grad = torch.randn(s, b, n, c, device="cuda", generator=g).bfloat16()
-    bias = bias.detach()
     bw = copy_bandwidth("cuda")
-    nbytes = (3 * n + 2) * s * b * c * 2
     print(f"post-path backward at {s * b} tokens, n = {n}, C = {c}, bf16, dropout 0.1; copy {bw / 1e9:.0f} GB/s")
-    shipped = hpb.BWD4_TILE_DROPOUT
-    ref = None
-    for tile in dict.fromkeys((shipped, hpb.BWD4_TILE_TC_DROPOUT, (512, 16, 2, 3), (512, 8, 2, 4), (512, 32, 2, 4), (256, 16, 1, 4),
-                               (256, 16, 2, 4), (256, 32, 1, 3), (256, 8, 1, 4), (1024, 16, 4, 4),
-                               (1024, 16, 4, 2), hpb.BWD4_TILE, (1, 512, 16, 1, 3), (1, 256, 32, 1, 3), (1, 256, 16, 1, 3),
-                               (2, 256, 32, 2, 3))):
-        def call():
-            return hpb.h_post_bda_backward(h_res, x, h_post, y, bias, grad, tile_=tile, dropout=0.1,
-                                           dropout_seed=1234, dropout_offset=4294967000)
-        try:
-            out = call()
-            us = _graph_us(call)
-        except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a line, not the end
-            print(f"  {tile}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        d_h, dx, d_hp, dy, d_b = out
-        if ref is None:
-            ref, same = out, "-"
-        else:
-            same = (f"dx, dy {torch.equal(dx, ref[1]) and torch.equal(dy, ref[3])}; dH, dh_post, d_bias "
-                    f"{all(torch.equal(p, q) for p, q in ((d_h, ref[0]), (d_hp, ref[2]), (d_b, ref[4])))}")
-        print(f"  {tile}{' (shipped)' if tile == shipped else ''}: {us:.1f} us, {100 * nbytes / bw / (us * 1e-6):.0f}% "
-              f"of copy; the shipped tile's bits: {same}")
+
+    def bits(out, ref):  # (dH, dx, dh_post, dy, d_bias)
+        return (f"dx, dy {torch.equal(out[1], ref[1]) and torch.equal(out[3], ref[3])}; dH, dh_post, d_bias "
+                f"{all(torch.equal(out[i], ref[i]) for i in (0, 2, 4))}")
+    _sweep((hpb.BWD4_TILE_DROPOUT, hpb.BWD4_TILE_TC_DROPOUT, (512, 16, 2, 3), (512, 8, 2, 4), (512, 32, 2, 4),
+            (256, 16, 1, 4), (256, 16, 2, 4), (256, 32, 1, 3), (256, 8, 1, 4), (1024, 16, 4, 4), (1024, 16, 4, 2),
+            hpb.BWD4_TILE, (1, 512, 16, 1, 3), (1, 256, 16, 1, 3), (2, 256, 32, 2, 3)), hpb.BWD4_TILE_DROPOUT,
+           lambda tile: hpb.h_post_bda_backward(*inputs, grad, tile_=tile, dropout=0.1, dropout_seed=1234,
+                                                dropout_offset=4294967000),
+           (3 * n + 2) * s * b * c * 2, bw, bits)
 
 
 def main() -> None:

@@ -52,16 +52,15 @@ class _MixAggregate(torch.autograd.Function):
             lambda: None if g_out is None else agg_.backward(x, pre, g_out, write_dx=False)[1], x.device)
         extra = None if ctx.link is None else ctx.link.take()
         agg = None if g_out is None else (pre.reshape(t, n), g_out.contiguous().reshape(t, c))
-        if extra is not None and agg is None:  # the term carries it: without one, autograd's add
-            dx, dw, d_alpha, d_bias = map_.backward(
-                saved, None if g_pre is None else g_pre.reshape(t, n),
-                None if g_post is None else g_post.reshape(t, n), None if g_log is None else g_log.reshape(t, n, n))
-            return (dx.reshape(x.shape) + extra, dw, d_alpha, d_bias, None, None, None, None, None, None)
+        fold = extra is not None and agg is not None  # the kernel adds it to the aggregation's term
         dx, dw, d_alpha, d_bias = map_.backward(
             saved, None if g_pre is None else g_pre.reshape(t, n), None if g_post is None else g_post.reshape(t, n),
             None if g_log is None else g_log.reshape(t, n, n), agg=agg,
-            extra=None if extra is None else extra.contiguous().reshape(t, n * c))
-        return dx.reshape(x.shape), dw, d_alpha, d_bias, None, None, None, None, None, None
+            extra=extra.contiguous().reshape(t, n * c) if fold else None)
+        dx = dx.reshape(x.shape)
+        if extra is not None and not fold:  # no term to carry it: added as autograd would
+            dx = dx + extra
+        return dx, dw, d_alpha, d_bias, None, None, None, None, None, None
 
 
 def mix_aggregate(x, weight, alpha, h_bias, eps: float = 1e-6, iters: int = 20, sinkhorn_eps: float = 1e-6,

@@ -401,9 +401,8 @@ def backward_packed(x2d, weight, gc, dx, dw, tile_=None, side=None, agg=None, ex
     m, k = x2d.shape
     if extra is not None and (agg is None or extra.shape != x2d.shape or extra.dtype != dx.dtype
                               or not extra.is_contiguous()):
-        raise ValueError(f"extra is a gradient of x2d {tuple(x2d.shape)} in dx's dtype {dx.dtype}, contiguous, "
-                         f"beside the aggregation term; got {None if extra is None else tuple(extra.shape)}"
-                         f"{'' if extra is None else f' {extra.dtype}'}{' without agg' if agg is None else ''}")
+        raise ValueError(f"extra goes with agg and is a contiguous {dx.dtype} gradient of x2d {tuple(x2d.shape)}; "
+                         f"got {extra.dtype} {tuple(extra.shape)}{' without agg' if agg is None else ''}")
     if not m:
         dw.zero_()
         return
