@@ -5,7 +5,7 @@ machine can see what the device would run (with the device's Triton: 3.6 gave th
 registers and 18.7 KB of shared memory as ncu on the H200 for the FMA h_post_bda backward):
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
-    /tmp/t36/bin/python dev/sass_offline.py [--sass | --proj-agg]
+    /tmp/t36/bin/python dev/sass_offline.py [--sass | --rows | --proj-agg]
 
 Prints, for the n = 4 h_post_bda backward kernels at their shipped tiles (bf16, with bias; the
 tensor-core one without and with dropout, the FMA one with dropout), the registers, shared memory and the instruction histogram of the main loop; with ``--proj-agg``, the
@@ -101,18 +101,29 @@ def main() -> None:
     tc_ce = dict(GROUP=group, BLOCK_C=bc, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages, F32DOT=False,
                  GH=triton.next_power_of_2(group * 16), GP=triton.next_power_of_2(group * 4), ROWS=hpb.FINISH_ROWS,
                  DISCARD=True, NL_H=hpb._lines(group * 64), NL_P=hpb._lines(group * 16), NL_B=hpb._lines(bc * 4))
-    bt, bc4, group4, warps4, stages4 = hpb.BWD4_TILE
-    fma_sig = dict(common, ws_h_ptr="*fp32", ws_hp_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32", **key)
+    fma_sig = dict(tc_sig)
+
+    def fma(tile, threshold, rows=None):
+        bt, bc4, group4, warps4, stages4 = tile
+        at_once = triton.next_power_of_2(min(group4, hpb.FINISH_TOKENS))
+        ce = dict(GROUP=group4, BLOCK_T=bt, BLOCK_C=bc4, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages4,
+                  THRESHOLD=threshold, GH=at_once * 16, GP=at_once * 4,
+                  ROWS=rows or hpb.finish_rows(group4, warps4, True), DISCARD=True, NL_H=hpb._lines(group4 * 64),
+                  NL_P=hpb._lines(group4 * 16), NL_B=hpb._lines(bc4 * 4))
+        return (f"_h_post_bda_bwd4 {tile}{', dropout 0.1' if threshold else ''}, finishing {ce['ROWS']} rows at once",
+                hpb._h_post_bda_bwd4, fma_sig, ce, warps4, stages4)
     threshold = 429496729  # dropout 0.1 (mhctool.references.dropout.key)
     runs = [
         (f"_h_post_bda_bwd4_tc {hpb.BWD4_TILE_TC}", hpb._h_post_bda_bwd4_tc, tc_sig, dict(tc_ce, THRESHOLD=0),
          warps, stages),
         (f"_h_post_bda_bwd4_tc {hpb.BWD4_TILE_TC_DROPOUT}, dropout 0.1", hpb._h_post_bda_bwd4_tc, tc_sig,
          dict(tc_ce, THRESHOLD=threshold), hpb.BWD4_TILE_TC_DROPOUT[2], hpb.BWD4_TILE_TC_DROPOUT[3]),
-        (f"_h_post_bda_bwd4 {hpb.BWD4_TILE}, dropout 0.1", hpb._h_post_bda_bwd4, fma_sig,
-         dict(GROUP=group4, BLOCK_T=bt, BLOCK_C=bc4, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages4,
-              THRESHOLD=threshold), warps4, stages4),
+        fma(hpb.BWD4_TILE_DROPOUT, threshold),
+        fma(hpb.BWD4_TILE, 0),
     ]
+    if "--rows" in sys.argv:  # the FMA kernel's finishing rows at once, 1 to 16, at its two tiles
+        runs = [fma(t, th, r) for t, th in ((hpb.BWD4_TILE_DROPOUT, threshold), (hpb.BWD4_TILE, 0))
+                for r in (1, 2, 4, 8, 16)]
     for name, fn, sig, ce, w, st in runs:
         res, sass = compile_sm90(fn, sig, ce, w, st, divisible=[k for k in sig if k.endswith("_ptr")] + ["C"])
         size, ops = loop_histogram(sass)

@@ -9,10 +9,11 @@ as per-block partials to a small workspace, and summed by a deterministic second
 walked with pipelined loads. With x, y, the bias and grad_out of one 16-bit dtype (the mHC case) it
 is ``_h_post_bda_bwd4_tc``, whose 20 sums over C per token are one small tensor-core product
 (98.6% of copy bandwidth in bf16 on an H200; with dropout the kept gradient rows join it, an
-8 x 8 product), which also finishes those sums itself: the last
-program of a token group (a counter elects it; the order of the sum is fixed) sums the group's
-partials; fp32 and mixed dtypes take ``_h_post_bda_bwd4``
-(FMAs and cross-lane sums; 92%), other n the generic ``_h_post_bda_bwd`` (57% / 73%).
+8 x 8 product); fp32, mixed dtypes and 16-bit operands with dropout take ``_h_post_bda_bwd4``
+(FMAs and cross-lane sums; 92%). Both finish those sums themselves: the last program of a token
+group (a counter elects it; the order of the sum is fixed) sums the group's partials, so the
+backward is one launch beside the counters' zeroing. Other n take the generic ``_h_post_bda_bwd``
+(57% / 73%), whose partials a second kernel sums.
 
 Why one file of 650 lines: the four kernels (the general forward and backward, the n = 4 FMA and
 tensor-core backwards) share the launch code, the workspace and the deterministic second kernel,
@@ -217,24 +218,30 @@ def _dx4(g0, g1, g2, g3, h_ptr, t, tmask, j: tl.constexpr, TRANSPOSE: tl.constex
 
 
 @triton.jit
-def _dh4(ws_ptr, row, tmask, gi, xj, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """This C block's part of ``dHm[t, i, j] = sum_c g_i x_j``, stored where h_res[t] keeps it."""
-    tl.store(ws_ptr + row * 16 + _hoff4(i, j, TRANSPOSE), tl.sum(gi * xj, axis=1), mask=tmask)
+def _dh4(ws_row, t, tmask, gi, xj, i: tl.constexpr, j: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """This C block's part of ``dHm[t, i, j] = sum_c g_i x_j``, stored in its row of the workspace
+    where h_res[t] keeps it."""
+    tl.store(ws_row + t * 16 + _hoff4(i, j, TRANSPOSE), tl.sum(gi * xj, axis=1), mask=tmask,
+             eviction_policy="evict_last")
 
 
 @fast
 @triton.jit
-def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
-                     ws_h_ptr, ws_hp_ptr, ws_b_ptr, T, C, seed, offset, G, scale, GROUP: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     TRANSPOSE: tl.constexpr, STAGES: tl.constexpr, THRESHOLD: tl.constexpr):
+def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr, ws_ptr, ws_b_ptr, T, C,
+                     cnt_ptr, dh_ptr, dhp_ptr, db_ptr, ws_b2_ptr, SUPER, seed, offset, G, scale,
+                     GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     TRANSPOSE: tl.constexpr, STAGES: tl.constexpr, GH: tl.constexpr, GP: tl.constexpr,
+                     ROWS: tl.constexpr, DISCARD: tl.constexpr, NL_H: tl.constexpr, NL_P: tl.constexpr,
+                     NL_B: tl.constexpr, THRESHOLD: tl.constexpr):
     """n = 4: each stream is its own ``[BLOCK_T, BLOCK_C]`` tile, all four in one layout, so every
     per-(token, channel) product (dy, the four dx) is thread-local and only the sums over C
     (dH, dh_post) and over tokens (the bias) cross lanes. A program owns a C block and a group of
     ``GROUP`` tokens, walking them ``BLOCK_T`` at a time: its bias partial stays in registers
     ([BLOCK_T, BLOCK_C], summed over the rows once at the end), one row per (token group, C
-    block); dH and dh_post leave as one partial per (C block, token), as in the generic kernel.
-    The tile (and so every sum's order over C) does not depend on the number of tokens."""
+    block); dH and dh_post leave as one partial per (C block, token), in the tensor-core kernel's
+    workspace layout, and ``_finish_tc`` sums them at the end of the kernel as it does there (no
+    second launch). The tile (and so every sum's order over C) does not depend on the number of
+    tokens."""
     cb = tl.program_id(0)
     tg = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -242,7 +249,9 @@ def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
     if HAS_BIAS:
         bias = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
         db = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    t_end = tl.minimum(tg * GROUP + GROUP, T)
+    t_end = tl.minimum(tg * GROUP + GROUP, T)  # the loop over int32 bounds: over int64 ones it took 241
+    # registers against 168 at (1, 512, 64, 1, 3) (sm_90, dev/sass_offline.py)
+    ws_row = ws_ptr + cb.to(tl.int64) * T * 20  # this C block's partials: dH of every token, then dh_post
     for t0 in tl.range(tg * GROUP, t_end, BLOCK_T, num_stages=STAGES):
         t = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
         tmask = t < t_end
@@ -269,21 +278,24 @@ def _h_post_bda_bwd4(h_ptr, x_ptr, hp_ptr, y_ptr, b_ptr, g_ptr, dx_ptr, dy_ptr,
         tl.store(dy_ptr + t[:, None] * C + c[None, :], cast(dy, dy_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             db += dy  # zero outside the tile's masks (g loaded as zeros there)
-        row = cb.to(tl.int64) * T + t  # this C block's partials
-        tl.store(ws_hp_ptr + row * 4, tl.sum(b0 * z, axis=1), mask=tmask)
-        tl.store(ws_hp_ptr + row * 4 + 1, tl.sum(b1 * z, axis=1), mask=tmask)
-        tl.store(ws_hp_ptr + row * 4 + 2, tl.sum(b2 * z, axis=1), mask=tmask)
-        tl.store(ws_hp_ptr + row * 4 + 3, tl.sum(b3 * z, axis=1), mask=tmask)
+        hp_row = ws_row + T * 16 + t * 4
+        tl.store(hp_row, tl.sum(b0 * z, axis=1), mask=tmask, eviction_policy="evict_last")
+        tl.store(hp_row + 1, tl.sum(b1 * z, axis=1), mask=tmask, eviction_policy="evict_last")
+        tl.store(hp_row + 2, tl.sum(b2 * z, axis=1), mask=tmask, eviction_policy="evict_last")
+        tl.store(hp_row + 3, tl.sum(b3 * z, axis=1), mask=tmask, eviction_policy="evict_last")
         for j in tl.static_range(4):
             xj = tl.load(x_ptr + offs + j * C, mask=mask, other=0.0).to(tl.float32)
             dxj = _dx4(g0, g1, g2, g3, h_ptr, t, tmask, j, TRANSPOSE)
             tl.store(dx_ptr + offs + j * C, cast(dxj, dx_ptr.dtype.element_ty), mask=mask)
-            _dh4(ws_h_ptr, row, tmask, g0, xj, 0, j, TRANSPOSE)
-            _dh4(ws_h_ptr, row, tmask, g1, xj, 1, j, TRANSPOSE)
-            _dh4(ws_h_ptr, row, tmask, g2, xj, 2, j, TRANSPOSE)
-            _dh4(ws_h_ptr, row, tmask, g3, xj, 3, j, TRANSPOSE)
+            _dh4(ws_row, t, tmask, g0, xj, 0, j, TRANSPOSE)
+            _dh4(ws_row, t, tmask, g1, xj, 1, j, TRANSPOSE)
+            _dh4(ws_row, t, tmask, g2, xj, 2, j, TRANSPOSE)
+            _dh4(ws_row, t, tmask, g3, xj, 3, j, TRANSPOSE)
     if HAS_BIAS:
-        tl.store(ws_b_ptr + tg.to(tl.int64) * C + c, tl.sum(db, axis=0), mask=cmask)
+        tl.store(ws_b_ptr + tg.to(tl.int64) * C + c, tl.sum(db, axis=0), mask=cmask, eviction_policy="evict_last")
+    _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T, C, SUPER, cb, tg,
+               tg.to(tl.int64) * GROUP, t_end.to(tl.int64), c, cmask, BLOCK_C, HAS_BIAS, GH, GP, ROWS, DISCARD,
+               NL_H, NL_P, NL_B)
 
 
 @triton.jit
@@ -417,7 +429,7 @@ def _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T,
     counter decides who; what is summed, and in which order, is fixed, so the bits do not depend on
     scheduling): the last of a token group's C-block programs sums the group's dH and dh_post
     partials over the C blocks in block order (the same sums as an ordered ``sum_rows``), reading
-    them from L2 where they were just written. The bias partials (a row per token group) are summed
+    them from L2 where they were just written, ``GH / 16`` tokens at a time (``GP = GH / 4``). The bias partials (a row per token group) are summed
     in two levels: the last of ``SUPER`` consecutive token groups of a C block sums their rows in
     order into a row of ``ws_b2``, and the last of those sums ``ws_b2``'s rows in order. Counters
     (int32, zeroed by the caller): ``[0, n_tg)`` the token groups, then a C block's supergroups,
@@ -427,24 +439,27 @@ def _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T,
     n_tg = tl.num_programs(1)
     tl.debug_barrier()
     if tl.atomic_add(cnt_ptr + tg, 1, sem="acq_rel") == n_cb - 1:
-        kh = t_start * 16 + tl.arange(0, GH)
-        kp = T * 16 + t_start * 4 + tl.arange(0, GP)
-        mh = kh < t_end * 16
-        mp = kp < T * 16 + t_end * 4
-        acc_h = tl.zeros([GH], dtype=tl.float32)
-        acc_p = tl.zeros([GP], dtype=tl.float32)
-        row = ws_ptr
-        for r0 in range(0, n_cb, ROWS):
-            for k in tl.static_range(ROWS):
-                acc_h += tl.load(row + k * T * 20 + kh, mask=mh & (tl.full([GH], r0 + k, tl.int32) < n_cb), other=-0.0,
-                                 cache_modifier=".cg")
-                acc_p += tl.load(row + k * T * 20 + kp, mask=mp & (tl.full([GP], r0 + k, tl.int32) < n_cb), other=-0.0,
-                                 cache_modifier=".cg")
-            row += ROWS * T * 20
-        tl.store(dh_ptr + kh, cast(acc_h, dh_ptr.dtype.element_ty), mask=mh)
-        tl.store(dhp_ptr + kp - T * 16, cast(acc_p, dhp_ptr.dtype.element_ty), mask=mp)
+        dep = 0.0
+        for s0 in range(t_start, t_end, GH // 16):  # GH / 16 tokens at a time
+            s1 = tl.minimum(s0 + GH // 16, t_end)
+            kh = s0 * 16 + tl.arange(0, GH)
+            kp = T * 16 + s0 * 4 + tl.arange(0, GP)
+            mh = kh < s1 * 16
+            mp = kp < T * 16 + s1 * 4
+            acc_h = tl.zeros([GH], dtype=tl.float32)
+            acc_p = tl.zeros([GP], dtype=tl.float32)
+            row = ws_ptr
+            for r0 in range(0, n_cb, ROWS):
+                for k in tl.static_range(ROWS):
+                    acc_h += tl.load(row + k * T * 20 + kh, mask=mh & (tl.full([GH], r0 + k, tl.int32) < n_cb),
+                                     other=-0.0, cache_modifier=".cg")
+                    acc_p += tl.load(row + k * T * 20 + kp, mask=mp & (tl.full([GP], r0 + k, tl.int32) < n_cb),
+                                     other=-0.0, cache_modifier=".cg")
+                row += ROWS * T * 20
+            tl.store(dh_ptr + kh, cast(acc_h, dh_ptr.dtype.element_ty), mask=mh)
+            tl.store(dhp_ptr + kp - T * 16, cast(acc_p, dhp_ptr.dtype.element_ty), mask=mp)
+            dep += tl.sum(acc_h, axis=0) + tl.sum(acc_p, axis=0)
         if DISCARD:
-            dep = tl.sum(acc_h, axis=0) + tl.sum(acc_p, axis=0)
             row = ws_ptr
             for _ in range(0, n_cb):
                 _discard_l2(row + t_start * 16, row + t_end * 16, NL_H, dep)
@@ -706,38 +721,36 @@ def h_post_bda_backward(h_res, x, h_post, y, bias, grad_out, transpose_res=False
                          f"{None if bias is None else bias.dtype}, {grad_out.dtype}")
     dx = empty(x.shape, x.dtype, x.device)
     dy = empty(y.shape, y.dtype, y.device)
-    if len(tile) == 4:
-        return _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr)
-    four = len(tile) == 5
+    if len(tile) in (4, 5):
+        return _backward_n4(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr)
     bt, bc = tile[0], tile[1]
     n_cb = cdiv(C, bc)
-    n_tb = cdiv(T, tile[2] if four else bt)  # rows of bias partials
+    n_tb = cdiv(T, bt)  # rows of bias partials
     # poisoned like the outputs under parity: a partial no program writes shows as NaN
     ws_h = empty((n_cb, T * n * n), torch.float32, x.device)
     ws_hp = empty((n_cb, T * n), torch.float32, x.device)
     ws_b = empty((n_tb, C) if bias is not None else (1, 1), torch.float32, x.device)
-    args = (h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h, ws_hp, ws_b, T, C, *mask)
     if not (T and C):
         ws_h.zero_(), ws_hp.zero_(), ws_b.zero_()
-    elif four:
-        _, _, group, warps, stages = tile
-        _h_post_bda_bwd4[(n_cb, n_tb)](*args, GROUP=group, BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
-                                      TRANSPOSE=bool(transpose_res), STAGES=stages, THRESHOLD=thr, num_warps=warps)
     else:
-        _h_post_bda_bwd[(n_tb, n_cb)](*args, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc,
+        _h_post_bda_bwd[(n_tb, n_cb)](h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws_h,
+                                      ws_hp, ws_b, T, C, *mask, N=n, NP=next_pow2(n), BLOCK_T=bt, BLOCK_C=bc,
                                       HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res),
                                       THRESHOLD=thr, num_warps=tile[2])
-    # dH's and dh_post's partials in one launch (the bits of two: each launch's host time counts in
-    # the step, where the device waits on Triton's launches)
+    # dH's and dh_post's partials in one launch (the bits of two)
     d_h, d_hp = sum_rows_pair((ws_h, h_res.dtype, h_res.shape, True), (ws_hp, h_post.dtype, h_post.shape, True))
     d_b = sum_rows(ws_b, bias.dtype, bias.shape) if bias is not None else None
     return d_h, dx, d_hp, dy, d_b
 
 
-def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr):
+def _backward_n4(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, tile, mask, thr):
+    """The n = 4 backwards, the tensor-core kernel (a 4-entry tile) or the FMA one (5 entries):
+    each finishes dH, dh_post and the bias's gradient itself (``_finish_tc``), one launch beside
+    the counters' zeroing."""
     s, b, n, C = x.shape
     T = s * b
-    bc, group, warps, stages = tile
+    fma = len(tile) == 5
+    bt, bc, group, warps, stages = tile if fma else (1, *tile)
     n_cb = cdiv(C, bc)
     n_tg = cdiv(T, group)
     sup = math.isqrt(max(n_tg - 1, 0)) + 1  # the bias partials' two levels: about sqrt(n_tg) rows a sum at each
@@ -750,13 +763,20 @@ def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
     d_h = empty(h_res.shape, h_res.dtype, x.device)
     d_hp = empty(h_post.shape, h_post.dtype, x.device)
     d_b = empty(bias.shape, bias.dtype, x.device) if bias is not None else None
-    if T and C:
-        _h_post_bda_bwd4_tc[(n_cb, n_tg)](
-            h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws, ws_b, T, C,
-            cnt, d_h, d_hp, d_b if d_b is not None else d_h, ws_b2, sup, *mask, GROUP=group, BLOCK_C=bc,
-            HAS_BIAS=bias is not None, TRANSPOSE=bool(transpose_res), STAGES=stages, F32DOT=interpreted(),
-            GH=next_pow2(group * 16), GP=next_pow2(group * 4), ROWS=FINISH_ROWS, DISCARD=not interpreted(),
-            NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4), THRESHOLD=thr, num_warps=warps)
+    args = (h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws, ws_b, T, C,
+            cnt, d_h, d_hp, d_b if d_b is not None else d_h, ws_b2, sup, *mask)
+    at_once = next_pow2(min(group, FINISH_TOKENS))  # tokens the finishing sums take at a time
+    finish = dict(GH=at_once * 16, GP=at_once * 4, ROWS=finish_rows(group, warps, fma),
+                  DISCARD=not interpreted(),
+                  NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4))
+    if T and C and fma:
+        _h_post_bda_bwd4[(n_cb, n_tg)](*args, GROUP=group, BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
+                                      TRANSPOSE=bool(transpose_res), STAGES=stages, THRESHOLD=thr, **finish,
+                                      num_warps=warps)
+    elif T and C:
+        _h_post_bda_bwd4_tc[(n_cb, n_tg)](*args, GROUP=group, BLOCK_C=bc, HAS_BIAS=bias is not None,
+                                         TRANSPOSE=bool(transpose_res), STAGES=stages, F32DOT=interpreted(),
+                                         THRESHOLD=thr, **finish, num_warps=warps)
     else:  # sums over no channels or no tokens
         for t in (d_h, d_hp, d_b):
             if t is not None:
@@ -767,6 +787,16 @@ def _backward_tc(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
 # The finishing sums inside the tensor-core backward load this many partial rows at once (one
 # warp; H200, paper shape, with bias: 2 / 4 / 8 / 16 rows 1.617 / 1.609 / 1.605 / 1.654 ms, 16 spills)
 FINISH_ROWS = 8
+FINISH_ROWS_FMA = 2
+# ... and this many tokens at a time (the tensor-core tile's group); the FMA kernel's groups of 32
+# and 64 tokens whole took 249-255 registers against its loop's 168 (sm_90, dev/sass_offline.py)
+FINISH_TOKENS = 16
+
+
+def finish_rows(group: int, warps: int, fma: bool) -> int:
+    """The partial rows ``_finish_tc`` loads at once. The rows change no bits (they are added in
+    order whatever it is), only the registers: the FMA kernel's ``FINISH_ROWS_FMA``."""
+    return FINISH_ROWS_FMA if fma else FINISH_ROWS
 
 
 def _lines(nbytes: int) -> int:

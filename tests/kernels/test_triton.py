@@ -132,20 +132,23 @@ def test_h_post_bda_n4_tensor_core_backward_matches_float64(dtype, with_bias):
     _check_n4_backward((37, 1, 4, 700), dtype, True, tile_=(512, 32, 1, 2), with_bias=with_bias)
 
 
-def test_h_post_bda_n4_tensor_core_finish_is_batch_invariant():
-    """The tensor-core backward sums its dH / dh_post partials itself (the last program of a token
-    group, elected by a counter, adds the C blocks' partials in block order): a token's gradients
-    must have the same bits in a batch of 37 tokens (five 8-token groups, the bias partials in two
-    supergroups of 3 and 2) as in a batch of its first 11 or 3, and two runs must agree bit for bit."""
+@pytest.mark.parametrize("tile", [None, (2, 64, 24, 4, 1)])
+def test_h_post_bda_n4_finish_is_batch_invariant(tile):
+    """The n = 4 backwards sum their dH / dh_post partials themselves (the last program of a token
+    group, elected by a counter, adds the C blocks' partials in block order, 16 tokens at a time):
+    a token's gradients must have the same bits in a batch of 37 tokens as in a batch of its first
+    11 or 3, and two runs must agree bit for bit. The tensor-core kernel (the interpreter's default
+    tile): five 8-token groups, the bias partials in two supergroups of 3 and 2; the FMA kernel: two
+    24-token groups of 2-token steps, finished 16 tokens and then 8 (or the part there is)."""
     g = torch.Generator().manual_seed(5)
     h, hp = torch.rand(37, 1, 4, 4, generator=g), torch.rand(37, 1, 4, generator=g)
     x, go = (torch.randn(37, 1, 4, 200, generator=g).to(torch.bfloat16) for _ in range(2))
     y, bias = torch.randn(37, 1, 200, generator=g).to(torch.bfloat16), torch.randn(200, generator=g).to(torch.bfloat16)
     with poisoning():
-        full = thp.h_post_bda_backward(h, x, hp, y, bias, go, True)
-        again = thp.h_post_bda_backward(h, x, hp, y, bias, go, True)
+        full = thp.h_post_bda_backward(h, x, hp, y, bias, go, True, tile_=tile)
+        again = thp.h_post_bda_backward(h, x, hp, y, bias, go, True, tile_=tile)
         for k in (11, 3):
-            part = thp.h_post_bda_backward(h[:k], x[:k], hp[:k], y[:k], bias, go[:k], True)
+            part = thp.h_post_bda_backward(h[:k], x[:k], hp[:k], y[:k], bias, go[:k], True, tile_=tile)
             for name, a, b in zip(("h_res", "x", "h_post", "y"), full[:4], part[:4]):
                 assert torch.equal(a[:k], b), (name, k)
     for a, b in zip(full, again):
