@@ -4,7 +4,8 @@
 # so that it travels), the same steps each side. From the project root, Megatron-core packed:
 #   run(command="source .device/setup.sh >/dev/null 2>&1; source dev/mcore_gpu.sh; bash dev/ab-gpu.sh PATCH",
 #       carry=[".device", ".anchors/mcore.tar.xz"])
-# STEPS (default "tests postbwd bench step"): tests  the GPU tests matching TESTS_K (the new side only)
+# STEPS (default "tests postbwd bench step"; OLD_STEPS for the old side, default STEPS less the tests):
+#   tests    the GPU tests matching TESTS_K (the new side only)
 #   postbwd  dev/step_profile.py postbwd (the post-path backward's tiles at the step's call)
 #   bench    bench of h_post_bda's Triton backward at the paper shape (graph replays): bf16 with the
 #            recipe's dropout, fp32 without
@@ -20,7 +21,7 @@ log() { name=$1; t=$2; shift 2; t0=$SECONDS; timeout --foreground -s INT "$t" "$
   echo "== $name: exit $?, $((SECONDS - t0)) s" >> "$S"; }
 side() {
   s=$1
-  for step in ${STEPS:-tests postbwd bench step}; do
+  for step in $2; do
     case $step in
       tests) [ "$s" = new ] && log tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gpu.py \
                -k "${TESTS_K:-h_post_bda or dropout}" && tail -3 "$O/tests.log" >> "$S" ;;
@@ -39,6 +40,6 @@ side() {
     esac
   done
 }
-echo "--- new (the working tree)" >> "$S"; side new
+echo "--- new (the working tree)" >> "$S"; side new "${STEPS:-tests postbwd bench step}"
 patch -s -R -p1 < "$P" || { echo "the patch did not reverse" >> "$S"; exit 1; }
-echo "--- old (the patch reversed)" >> "$S"; side old
+echo "--- old (the patch reversed)" >> "$S"; side old "${OLD_STEPS:-${STEPS:-postbwd bench step}}"
