@@ -172,7 +172,9 @@ def _bench_engine(engine, impl, recipe, sweep, sizes, steps, warmup, entry_steps
     r = o.recipe
     head = (f"bench --engine {o.engine} on {o.device}: {r.layers} layers, hidden {r.hidden}, {r.heads} heads, seq "
             f"{r.seq}, micro-batch {r.micro_batch} of {r.global_batch}, n = {r.streams}, recompute "
-            f"{'on' if r.recompute else 'off'}; median of {req.steps} steps after {req.warmup}")
+            f"{'on' if r.recompute else 'off'}; median of {req.steps} steps after {req.warmup}"
+            + ("" if o.host_op_us is None else f"; host {o.host_op_us:.1f} us to issue a small op"
+               + (f" ({o.cpu})" if o.cpu else "")))
     if not quiet:
         out.print(step_table(o.rows, head))
         for t in (step_split_table(o.rows, f"inside the mHC module, a step (median of {req.entry_steps} steps timed "

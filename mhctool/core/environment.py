@@ -163,12 +163,26 @@ def gpu_info() -> dict:
     return info
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str | None:
+    """The host CPU's model name (Linux's /proc/cpuinfo; else what platform says, or None): a step's
+    time depends on the host that issues its launches as well as on the GPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def metadata() -> dict:
     """Environment recorded in every report."""
     return {
         "mhctool": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         # the cores this process may use, and PyTorch's threads in each of the run's processes

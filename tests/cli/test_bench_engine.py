@@ -214,7 +214,11 @@ def test_bench_engine_times_every_variant_and_splits_the_entry_points(tmp_path):
                               "native,fused,torch", "-o", str(out), "--plot", str(tmp_path / "s.png")])
     assert res.exit_code == 0, res.output
     rows = _rows(out)
-    assert report.read(out)[1]["kind"] == "bench-step"
+    meta = report.read(out)[1]
+    assert meta["kind"] == "bench-step"
+    # the host's speed issuing ops, which a host-bound step depends on, and its CPU, kept with the run
+    assert meta["run"]["host_op_us"] > 0 and "cpu" in meta["environment"]
+    assert "us to issue a small op" in res.output
     step = {r["variant"]: r["value"] for r in rows if r["metric"] == "step_ms"}
     assert set(step) == {"plain", "native", "fused", "torch"} and min(step.values()) > 0
     over = {r["variant"]: r["value"] for r in rows if r["metric"] == "overhead"}

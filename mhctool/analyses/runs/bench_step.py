@@ -46,6 +46,8 @@ class Outcome:
     report: Path
     table: object
     library_log: str | None = None
+    host_op_us: float | None = None  # timing.host_op_us: the host's microseconds to issue a small op
+    cpu: str | None = None  # the host's CPU model
 
     @property
     def errors(self) -> list[dict]:
@@ -132,12 +134,15 @@ def run(req: Request, watch: Watch = Watch()) -> Outcome:
         figures = kernel_figures(measured, base, dev, spec) if req.kernels and not s.interrupts.requested else {}
         from mhctool.analyses import timing
         copy_bw = timing.copy_bandwidth(dev, (1 << 30) if dev == "cuda" else (1 << 24))
+        host_us = timing.host_op_us(dev)  # the host's speed issuing launches: the module path's steps depend on it
         meta = environment.metadata()
     rows = SB.rows(measured, base, figures, dev, copy_bw)
     settings = {"command": "bench", "engine": spec.name, "device": dev, "recipe": asdict(replace(base, steps=per_run)),
                 "sweep": [dict(p) for p in points], "warmup": req.warmup, "steps": req.steps,
                 "entry_steps": req.entry_steps, "variants": [v.name for v in vs], "copy_bandwidth_Bps": copy_bw,
+                "host_op_us": host_us,
                 "interrupted": s.interrupts.requested}
     table = report.to_table(rows, report.new_run_id(), "bench-step", meta, settings, schema=report.STEP_SCHEMA)
     path = report.write_atomic(table, req.out)
-    return Outcome(rows, measured, base, points, dev, spec.name, s.interrupts.requested, path, table, s.library_log)
+    return Outcome(rows, measured, base, points, dev, spec.name, s.interrupts.requested, path, table, s.library_log,
+                   host_us, meta.get("cpu"))
