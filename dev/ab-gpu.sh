@@ -36,7 +36,7 @@ side() {
         args=(); for v in ${VARIANTS:-triton[module]}; do args+=(--variant "$v"); done
         log "step-$s" "${STEP_T:-200}" python3 -m mhctool.cli bench --engine "megatron:$MCORE" $SHAPE --steps 5 \
           --warmup 2 --entry-steps 1 "${args[@]}" --no-kernels -o "$O/step-$s.parquet"
-        grep -E "^│ (plain|triton|cutile|native)" "$O/step-$s.log" | head -4 >> "$S" ;;
+        grep -E "^bench --engine|^│ (plain|triton|cutile|native)" "$O/step-$s.log" | head -5 >> "$S" ;;
     esac
   done
 }
