@@ -8,7 +8,7 @@
 #   tests    the GPU tests matching TESTS_K (the new side only)
 #   postbwd  dev/step_profile.py postbwd (the post-path backward's tiles at the step's call)
 #   bench    bench of h_post_bda's Triton backward at the paper shape (graph replays): bf16 with the
-#            recipe's dropout, fp32 without
+#            recipe's dropout, fp32 without (bench-fp32: the latter alone)
 #   step     bench --engine at issue 99's shape, plain and VARIANTS (default triton[module])
 # Logs and reports under $OUT, named by side; summary.txt gathers the lines that matter.
 set -uo pipefail
@@ -26,12 +26,12 @@ side() {
       tests) [ "$s" = new ] && log tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gpu.py \
                -k "${TESTS_K:-h_post_bda or dropout}" && tail -3 "$O/tests.log" >> "$S" ;;
       postbwd) log "postbwd-$s" 150 python3 dev/step_profile.py postbwd; grep -v "^$" "$O/postbwd-$s.log" >> "$S" ;;
-      bench)
-        log "bench-bf16-$s" 90 python3 -m mhctool.cli bench --kernel h_post_bda --impl triton --direction bwd --graph \
+      bench|bench-fp32)
+        [ "$step" = bench ] && log "bench-bf16-$s" 90 python3 -m mhctool.cli bench --kernel h_post_bda --impl triton --direction bwd --graph \
           --repeats 20 $KEY -o "$O/bench-bf16-$s.parquet"
         log "bench-fp32-$s" 90 python3 -m mhctool.cli bench --kernel h_post_bda --impl triton --direction bwd --graph \
           --repeats 20 --dtype fp32 -o "$O/bench-fp32-$s.parquet"
-        grep -h "h_post_bda .* bwd .*triton" "$O/bench-bf16-$s.log" "$O/bench-fp32-$s.log" >> "$S" ;;
+        grep -h "h_post_bda .* bwd .*triton" "$O"/bench-*-"$s".log >> "$S" ;;
       step)
         args=(); for v in ${VARIANTS:-triton[module]}; do args+=(--variant "$v"); done
         log "step-$s" "${STEP_T:-200}" python3 -m mhctool.cli bench --engine "megatron:$MCORE" $SHAPE --steps 5 \
