@@ -432,10 +432,10 @@ def _finish_tc(ws_ptr, ws_b_ptr, ws_b2_ptr, cnt_ptr, dh_ptr, dhp_ptr, db_ptr, T,
     them from L2 where they were just written, ``GH / 16`` tokens at a time (``GP = GH / 4``). The
     bias partials (a row per token group) are summed in two levels: the last of ``SUPER``
     consecutive token groups of a C block sums their rows in order into a row of ``ws_b2``, and the
-    last of those sums ``ws_b2``'s rows in order. Counters (int32, zeroed by the caller): ``[0,
-    n_tg)`` the token groups, then a C block's supergroups, then the C blocks. The stores before a
-    counter's increment are made visible by the barrier and the increment's release; the elected
-    program's loads bypass L1 (``.cg``)."""
+    last of those sums ``ws_b2``'s rows in order. Counters (int32, zeroed by the caller):
+    ``[0, n_tg)`` the token groups, then a C block's supergroups, then the C blocks. The stores
+    before a counter's increment are made visible by the barrier and the increment's release; the
+    elected program's loads bypass L1 (``.cg``)."""
     n_cb = tl.num_programs(0)
     n_tg = tl.num_programs(1)
     tl.debug_barrier()
