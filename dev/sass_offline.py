@@ -99,17 +99,13 @@ def main() -> None:
     tc_sig = dict(common, ws_ptr="*fp32", ws_b_ptr="*fp32", T="i32", C="i32", cnt_ptr="*i32", dh_ptr="*fp32",
                   dhp_ptr="*fp32", db_ptr="*bf16", ws_b2_ptr="*fp32", SUPER="i32", **key)
     tc_ce = dict(GROUP=group, BLOCK_C=bc, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages, F32DOT=False,
-                 GH=triton.next_power_of_2(group * 16), GP=triton.next_power_of_2(group * 4), ROWS=hpb.FINISH_ROWS,
-                 DISCARD=True, NL_H=hpb._lines(group * 64), NL_P=hpb._lines(group * 16), NL_B=hpb._lines(bc * 4))
+                 **hpb.finish_args(group, bc, False))
     fma_sig = dict(tc_sig)
 
     def fma(tile, threshold, rows=None):
         bt, bc4, group4, warps4, stages4 = tile
-        at_once = triton.next_power_of_2(min(group4, hpb.FINISH_TOKENS))
         ce = dict(GROUP=group4, BLOCK_T=bt, BLOCK_C=bc4, HAS_BIAS=True, TRANSPOSE=False, STAGES=stages4,
-                  THRESHOLD=threshold, GH=at_once * 16, GP=at_once * 4,
-                  ROWS=rows or hpb.finish_rows(group4, warps4, True), DISCARD=True, NL_H=hpb._lines(group4 * 64),
-                  NL_P=hpb._lines(group4 * 16), NL_B=hpb._lines(bc4 * 4))
+                  THRESHOLD=threshold, **hpb.finish_args(group4, bc4, True, rows))
         return (f"_h_post_bda_bwd4 {tile}{', dropout 0.1' if threshold else ''}, finishing {ce['ROWS']} rows at once",
                 hpb._h_post_bda_bwd4, fma_sig, ce, warps4, stages4)
     threshold = 429496729  # dropout 0.1 (mhctool.references.dropout.key)

@@ -766,10 +766,7 @@ def _backward_n4(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
     d_b = empty(bias.shape, bias.dtype, x.device) if bias is not None else None
     args = (h_res, x, h_post, y, bias if bias is not None else y, grad_out, dx, dy, ws, ws_b, T, C,
             cnt, d_h, d_hp, d_b if d_b is not None else d_h, ws_b2, sup, *mask)
-    at_once = next_pow2(min(group, FINISH_TOKENS))  # tokens the finishing sums take at a time
-    finish = dict(GH=at_once * 16, GP=at_once * 4, ROWS=finish_rows(group, warps, fma),
-                  DISCARD=not interpreted(),
-                  NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4))
+    finish = finish_args(group, bc, fma)
     if T and C and fma:
         _h_post_bda_bwd4[(n_cb, n_tg)](*args, GROUP=group, BLOCK_T=bt, BLOCK_C=bc, HAS_BIAS=bias is not None,
                                       TRANSPOSE=bool(transpose_res), STAGES=stages, THRESHOLD=thr, **finish,
@@ -788,16 +785,21 @@ def _backward_n4(h_res, x, h_post, y, bias, grad_out, dx, dy, transpose_res, til
 # The finishing sums inside the tensor-core backward load this many partial rows at once (one
 # warp; H200, paper shape, with bias: 2 / 4 / 8 / 16 rows 1.617 / 1.609 / 1.605 / 1.654 ms, 16 spills)
 FINISH_ROWS = 8
+# the FMA kernel's (one warp over 256 channels with dropout: 2 rows 167 registers, 4 219, 8 255)
 FINISH_ROWS_FMA = 2
 # ... and this many tokens at a time (the tensor-core tile's group); the FMA kernel's groups of 32
 # and 64 tokens whole took 249-255 registers against its loop's 168 (sm_90, dev/sass_offline.py)
 FINISH_TOKENS = 16
 
 
-def finish_rows(group: int, warps: int, fma: bool) -> int:
-    """The partial rows ``_finish_tc`` loads at once. The rows change no bits (they are added in
-    order whatever it is), only the registers: the FMA kernel's ``FINISH_ROWS_FMA``."""
-    return FINISH_ROWS_FMA if fma else FINISH_ROWS
+def finish_args(group: int, bc: int, fma: bool, rows: int | None = None) -> dict:
+    """``_finish_tc``'s compile-time arguments for a backward over ``group``-token groups and
+    ``bc``-channel blocks: the tokens it sums at a time, the partial rows it loads at once (``rows``,
+    else the kernel's: they change no bits, the rows are added in order whatever it is, only the
+    registers), whether it drops the partials from L2, and the lines to drop."""
+    at_once = next_pow2(min(group, FINISH_TOKENS))
+    return dict(GH=at_once * 16, GP=at_once * 4, ROWS=rows or (FINISH_ROWS_FMA if fma else FINISH_ROWS),
+                DISCARD=not interpreted(), NL_H=_lines(group * 64), NL_P=_lines(group * 16), NL_B=_lines(bc * 4))
 
 
 def _lines(nbytes: int) -> int:

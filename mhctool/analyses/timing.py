@@ -146,23 +146,12 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 20) -> flo
 
 def host_op_us(device: str, ops: int = 200, rounds: int = 5) -> float:
     """The host's microseconds to issue one small PyTorch op on ``device`` (an in-place add to one
-    element), median of ``rounds`` rounds of ``ops`` issued back to back, the device synchronized
-    only between rounds. On a GPU that is a launch's host cost, which sets how far a host-bound
-    step (many small kernels: mHC's module path) keeps ahead of the device; on a CPU, the op itself."""
+    element): :func:`host_time_us` over ``ops`` ops, median of ``rounds`` rounds after one to warm.
+    On a GPU that is a launch's host cost, which sets how far a host-bound step (many small
+    kernels: mHC's module path) keeps ahead of the device; on a CPU, the op itself."""
     t = torch.zeros(1, device=device)
-    for _ in range(ops):  # warm: the first launches load what they need
-        t.add_(1.0)
-    times = []
-    for _ in range(rounds):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(ops):
-            t.add_(1.0)
-        times.append((time.perf_counter() - t0) / ops * 1e6)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return statistics.median(times)
+    host_time_us(lambda: t.add_(1.0), ops)  # warm: the first launches load what they need
+    return statistics.median(host_time_us(lambda: t.add_(1.0), ops) for _ in range(rounds))
 
 
 def matmul_rate(device: str, dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
